@@ -1,0 +1,387 @@
+"""``memlm`` command line: a thin layer over the Python API (every command maps to one or two library calls)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from memlm.errors import MemlmError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        from memlm.fileio import atomic_write_json
+
+        atomic_write_json(Path(path), data)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def _documents(corpus: str, split: str | None, tokenizer, max_tokens: int | None):
+    from memlm.corpora import corpus_fingerprint, load_documents
+    from memlm.windows import limit_documents
+
+    docs = limit_documents(load_documents(corpus, split), tokenizer, max_tokens)
+    source = {
+        "corpus": corpus,
+        "split": split,
+        "documents": len(docs),
+        "fingerprint": corpus_fingerprint(docs),
+        "max_tokens": max_tokens,
+    }
+    return docs, source
+
+
+def _load_model(name: str, dtype: str):
+    from memlm.resources import load_causal_lm
+
+    return load_causal_lm(name, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------- commands
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from memlm.resources import MODELS
+
+    for name, spec in MODELS.items():
+        print(f"{name:16s} {spec.kind:10s} {spec.description}")
+
+
+def cmd_corpora(args: argparse.Namespace) -> None:
+    from memlm.corpora import describe_corpora
+
+    for row in describe_corpora():
+        print("  ".join(f"{k}={v}" for k, v in row.items()))
+
+
+def cmd_datastore_build(args: argparse.Namespace) -> None:
+    from memlm.datastore import build_datastore
+    from memlm.keys import KeySpec
+
+    model, tok = _load_model(args.model, args.dtype)
+    docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
+    ds = build_datastore(
+        model,
+        tok,
+        docs,
+        args.out,
+        key=KeySpec.parse(args.key),
+        window=args.window,
+        min_context=args.min_context,
+        batch_size=args.batch_size,
+        source=source,
+        append=args.append,
+    )
+    print(f"datastore {ds.path}: {len(ds)} entries, key {ds.key_spec.describe()}, dim {ds.dim}")
+    if args.index and not ds.index_path.exists():
+        _build_index(ds, args.factory, args.metric, None)
+
+
+def _build_index(ds, factory: str | None, metric: str, train_size: int | None) -> None:
+    from memlm.index import build_index, plan_index
+
+    plan = plan_index(len(ds), ds.dim, factory, metric, train_size)
+    print(plan, file=sys.stderr)
+    build_index(ds.keys, ds.index_path, factory=plan.factory, metric=metric, train_size=plan.train_size)
+    print(f"index {ds.index_path} ({plan.factory}, {metric})")
+
+
+def cmd_datastore_info(args: argparse.Namespace) -> None:
+    from memlm.datastore import Datastore
+
+    ds = Datastore.open(args.dir, verify=args.verify)
+    m = ds.manifest
+    print(
+        json.dumps(
+            {k: m[k] for k in ("model", "tokenizer", "key", "count", "window", "min_context", "sources")}, indent=2
+        )
+    )
+    if args.verify:
+        print(f"checksums OK ({ds.checksum()[:16]})")
+
+
+def cmd_index_build(args: argparse.Namespace) -> None:
+    from memlm.datastore import Datastore
+
+    _build_index(Datastore.open(args.dir), args.factory, args.metric, args.train_size)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from memlm.datastore import Datastore
+    from memlm.evaluate import perplexities, score_tokens
+    from memlm.keys import KeySpec
+
+    ds = Datastore.open(args.datastore) if args.datastore else None
+    model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
+    model, tok = _load_model(model_name, args.dtype)
+    if ds is not None:
+        ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
+    docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
+    ts = score_tokens(
+        model,
+        tok,
+        docs,
+        ds,
+        k=args.k,
+        window=args.window,
+        min_context=args.min_context,
+        batch_size=args.batch_size,
+        search=args.search,
+        scores=args.scores,
+        nprobe=args.nprobe,
+        drop_self_matches=args.drop_self_matches,
+        cache=args.cache,
+        meta={"model": model_name, "source": source},
+    )
+    if args.dump:
+        ts.save(args.dump)
+        print(f"wrote {args.dump}", file=sys.stderr)
+    res = perplexities(
+        ts,
+        lam=args.lam if ds else 0.0,
+        temperature=args.temperature,
+        cache_lambda=args.cache_lambda if args.cache else 0.0,
+        cache_temperature=args.cache_temperature,
+    )
+    res.update(
+        model=model_name,
+        corpus=args.corpus,
+        split=args.split,
+        **{
+            k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
+        },
+    )
+    _print_result(res)
+    _write_json(args.json, res)
+
+
+def _print_result(res: dict[str, Any]) -> None:
+    fmt = {float: "{:.4g}"}
+    for k, v in res.items():
+        print(f"{k:22s} {fmt.get(type(v), '{}').format(v)}")
+
+
+def cmd_tune(args: argparse.Namespace) -> None:
+    from memlm.evaluate import TokenScores, perplexities, tune
+
+    valid = TokenScores.load(args.valid)
+    result = tune(
+        valid,
+        lambdas=args.lambdas,
+        temperatures=args.temperatures,
+        k=args.k,
+        cache_lambdas=args.cache_lambdas,
+        cache_temperatures=args.cache_temperatures,
+    )
+    best = result["best"]
+    out: dict[str, Any] = {"valid": {"best": best, "grid_points": len(result["grid"])}}
+    print(
+        f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
+        f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
+    )
+    if args.test:
+        res = perplexities(
+            TokenScores.load(args.test),
+            lam=best["lambda"],
+            temperature=best["temperature"],
+            k=args.k,
+            cache_lambda=best["cache_lambda"],
+            cache_temperature=best["cache_temperature"],
+        )
+        out["test"] = res
+        _print_result(res)
+    out["grid"] = result["grid"]
+    _write_json(args.json, out)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from memlm.datastore import Datastore
+    from memlm.generate import KNNLogitsProcessor
+
+    ds = Datastore.open(args.datastore)
+    model, tok = _load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
+    ds.check_compatible(model, tok)
+    ids = tok(args.prompt, return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(args.seed)
+    with KNNLogitsProcessor(model, ds, k=args.k, lam=args.lam, temperature=args.temperature) as knn:
+        out = model.generate(
+            **ids,
+            logits_processor=[knn],
+            do_sample=True,
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+        )
+    print(tok.decode(out[0], skip_special_tokens=True))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from memlm.demo import run_demo
+
+    run_demo(out=Path(args.out) if args.out else None, quick=args.quick)
+
+
+# ---------------------------------------------------------------------------------------------------- parser
+
+
+def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument(
+        "--model",
+        default=None if not required else DEFAULT_MODEL,
+        help=f"named model (memlm models), HF id or local folder (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="model dtype for the forward pass (bfloat16 is ~2x faster on CPU)",
+    )
+
+
+def _add_corpus(p: argparse.ArgumentParser, split: str) -> None:
+    p.add_argument("--corpus", required=True, help="named corpus (memlm corpora), a .txt/.jsonl file or a folder")
+    p.add_argument("--split", default=split, help=f"split of a named corpus: train, valid, test, all (default {split})")
+    p.add_argument("--max-tokens", type=int, default=None, help="use only the leading documents up to this many tokens")
+
+
+def _add_windows(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--window", type=int, default=1024, help="tokens per forward window (default 1024)")
+    p.add_argument(
+        "--min-context",
+        type=int,
+        default=512,
+        help="every scored token has at least this many tokens of context (default 512, as the paper)",
+    )
+    p.add_argument("--batch-size", type=int, default=4)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memlm", description="Memory-augmented language models on any HF model.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("models", help="list named offline models").set_defaults(func=cmd_models)
+    sub.add_parser("corpora", help="list named offline corpora and their splits").set_defaults(func=cmd_corpora)
+
+    ds = sub.add_parser("datastore", help="build or inspect a kNN-LM datastore").add_subparsers(
+        dest="sub", required=True
+    )
+    b = ds.add_parser("build", help="one forward pass over a corpus -> (key, next token) datastore (+ index)")
+    _add_model(b, required=True)
+    _add_corpus(b, "train")
+    b.add_argument("--out", required=True, help="datastore folder (rerun the same command to resume)")
+    b.add_argument(
+        "--key",
+        default="ffn_in",
+        help="key role[@layer]: ffn_in, final, ffn_out, attn_out, attn_in, "
+        "block_out (default ffn_in = last layer's FFN input after layer norm)",
+    )
+    _add_windows(b)
+    b.add_argument("--append", action="store_true", help="add this corpus to an existing datastore")
+    b.add_argument("--no-index", dest="index", action="store_false", help="do not build the FAISS index afterwards")
+    b.add_argument("--factory", default=None, help="FAISS factory string (default: chosen from the datastore size)")
+    b.add_argument("--metric", default="l2", choices=["l2", "ip"])
+    b.set_defaults(func=cmd_datastore_build)
+    i = ds.add_parser("info", help="print a datastore's manifest")
+    i.add_argument("dir")
+    i.add_argument("--verify", action="store_true", help="also check the SHA-256 checksums")
+    i.set_defaults(func=cmd_datastore_info)
+
+    ix = sub.add_parser("index", help="FAISS index over a datastore").add_subparsers(dest="sub", required=True)
+    ib = ix.add_parser("build", help="build (or rebuild) the index of a datastore folder")
+    ib.add_argument("dir")
+    ib.add_argument("--factory", default=None, help="FAISS factory string, e.g. Flat, IVF4096,PQ64, HNSW32")
+    ib.add_argument("--metric", default="l2", choices=["l2", "ip"])
+    ib.add_argument("--train-size", type=int, default=None)
+    ib.set_defaults(func=cmd_index_build)
+
+    e = sub.add_parser("eval", help="perplexity of the LM and of the kNN-LM on a corpus split")
+    _add_model(e)
+    _add_corpus(e, "test")
+    e.add_argument("--datastore", default=None, help="datastore folder (its model and key are used)")
+    e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
+    e.add_argument("--k", type=int, default=1024, help="neighbours per token (default 1024, as the paper)")
+    e.add_argument("--lambda", dest="lam", type=float, default=0.25, help="interpolation weight λ (default 0.25)")
+    e.add_argument("--temperature", type=float, default=1.0, help="softmax temperature on scores (default 1)")
+    e.add_argument("--search", default="index", choices=["index", "exact"], help="neighbours from the index or exact")
+    e.add_argument(
+        "--scores",
+        default="index",
+        choices=["index", "exact"],
+        help="scores as the index returns them or recomputed from the stored fp16 keys",
+    )
+    e.add_argument("--nprobe", type=int, default=32)
+    e.add_argument(
+        "--drop-self-matches",
+        action="store_true",
+        help="ignore neighbours that are the evaluated token itself (text also in the datastore)",
+    )
+    e.add_argument("--cache", action="store_true", help="also compute the continuous cache (Grave et al. 2017)")
+    e.add_argument("--cache-lambda", type=float, default=0.1)
+    e.add_argument("--cache-temperature", type=float, default=1.0)
+    _add_windows(e)
+    e.add_argument("--dump", default=None, help="write per-token scores (.npz) for memlm tune")
+    e.add_argument("--json", default=None, help="write the results as JSON")
+    e.set_defaults(func=cmd_eval)
+
+    t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
+    t.add_argument("--valid", required=True, help="dump from memlm eval --split valid --dump")
+    t.add_argument("--test", default=None, help="dump from memlm eval --split test --dump")
+    t.add_argument("--lambdas", type=float, nargs="+", default=None)
+    t.add_argument("--temperatures", type=float, nargs="+", default=None)
+    t.add_argument("--cache-lambdas", type=float, nargs="+", default=[0.0])
+    t.add_argument("--cache-temperatures", type=float, nargs="+", default=[1.0])
+    t.add_argument("--k", type=int, default=None, help="use only the k best of the dumped neighbours")
+    t.add_argument("--json", default=None)
+    t.set_defaults(func=cmd_tune)
+
+    g = sub.add_parser("generate", help="sample from the kNN-LM")
+    _add_model(g)
+    g.add_argument("--datastore", required=True)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=40)
+    g.add_argument("--k", type=int, default=64)
+    g.add_argument("--lambda", dest="lam", type=float, default=0.25)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="SmolLM2-135M + wiki and news datastores on the offline defaults")
+    d.add_argument("--out", default=None, help="output folder (default $MEMLM_HOME/demo)")
+    d.add_argument("--quick", action="store_true", help="a much smaller run (tests use it)")
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    if getattr(args, "lambdas", False) is None:
+        from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+
+        args.lambdas = list(DEFAULT_LAMBDAS)
+        args.temperatures = args.temperatures or list(DEFAULT_TEMPERATURES)
+    elif getattr(args, "temperatures", False) is None:
+        from memlm.evaluate import DEFAULT_TEMPERATURES
+
+        args.temperatures = list(DEFAULT_TEMPERATURES)
+    try:
+        args.func(args)
+    except MemlmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

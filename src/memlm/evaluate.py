@@ -1,0 +1,409 @@
+"""Perplexity of an LM with and without memory, per-token score dumps, and λ / temperature tuning on them.
+
+``score_tokens`` makes one forward pass over a corpus (sliding windows, see :mod:`memlm.windows`) and one search per
+token, and keeps what every later question needs: the LM log-probability of each target and the top-k retrieved
+(score, value) pairs of each memory. ``perplexities`` then computes, for any λ, temperature and k <= the dumped k,
+
+    base:    exp(-mean log p_LM(w_t))
+    kNN-LM:  exp(-mean log((1-λ) p_LM + λ p_kNN))                 (Khandelwal et al. Eq. 3)
+    + cache: exp(-mean log((1-λ-λc) p_LM + λ p_kNN + λc p_cache))  (Table 1)
+    oracle:  exp(-mean log max(p_LM, p_kNN))                       (Xu et al. 2023: the best λ ∈ {0, 1} per token)
+
+without searching again, so ``tune`` can grid-search on the validation dump and apply the result to test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from memlm import index as index_lib
+from memlm.datastore import Datastore
+from memlm.errors import MemlmError
+from memlm.forward import forward_windows
+from memlm.keys import KeySpec, num_layers
+from memlm.knn import knn_target_logprob, mix_logprobs
+from memlm.memories import continuous_cache
+from memlm.windows import batched, count_targets, sliding_windows, tokenize_documents
+
+__all__ = [
+    "TokenScores",
+    "lm_scores",
+    "add_neighbours",
+    "add_cache",
+    "score_tokens",
+    "retrieve",
+    "perplexities",
+    "tune",
+    "DEFAULT_LAMBDAS",
+    "DEFAULT_TEMPERATURES",
+]
+
+DEFAULT_LAMBDAS = tuple(round(x, 2) for x in np.arange(0.0, 1.0001, 0.05))
+DEFAULT_TEMPERATURES = (0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+_ARRAYS = ("targets", "lm_logprob", "doc_index", "knn_scores", "knn_values", "cache_scores", "cache_values")
+
+
+@dataclass
+class TokenScores:
+    """Everything needed to score a corpus under any λ / temperature / k: the per-token dump."""
+
+    targets: np.ndarray  # [N] int64
+    lm_logprob: np.ndarray  # [N] float32
+    doc_index: np.ndarray  # [N] int32
+    knn_scores: np.ndarray | None = None  # [N, k] float32, sorted best first, -inf in empty slots
+    knn_values: np.ndarray | None = None  # [N, k] int32, -1 in empty slots
+    cache_scores: np.ndarray | None = None
+    cache_values: np.ndarray | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def save(self, path: str | Path) -> None:
+        """Write an ``.npz`` atomically (the meta dict goes in as JSON)."""
+        path = Path(path)
+        arrays = {k: getattr(self, k) for k in _ARRAYS if getattr(self, k) is not None}
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, meta=np.array(json.dumps(self.meta)), **arrays)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenScores:
+        try:
+            with np.load(path) as z:
+                arrays = {k: z[k] for k in _ARRAYS if k in z.files}
+                meta = json.loads(str(z["meta"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise MemlmError(f"cannot read score dump {path} ({e}); rerun memlm eval --dump {path}") from e
+        return cls(meta=meta, **arrays)
+
+
+def datastore_metric(datastore: Datastore, index=None) -> str:
+    """The similarity of a datastore's index (``l2`` when it has no index yet)."""
+    if index is not None:
+        return index_lib.index_metric(index)
+    meta = index_lib.read_index_meta(datastore.index_path)
+    return meta["metric"] if meta else "l2"
+
+
+def retrieve(
+    datastore: Datastore,
+    queries: np.ndarray,
+    k: int,
+    index=None,
+    search: str = "index",
+    scores: str = "index",
+    metric: str | None = None,
+    chunk: int = 4096,
+    progress: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k nearest datastore entries of each query: ``(scores [Q, k], ids [Q, k])``, larger score = closer.
+
+    ``search="index"`` asks the FAISS index (approximate for IVF/PQ/HNSW: Xu's "FAISS mask"); ``"exact"`` brute-forces
+    all keys ("real mask"). ``scores="index"`` keeps the index's (possibly quantized) scores; ``"exact"`` recomputes
+    them from the stored fp16 keys (Khandelwal: full-precision distances, "real score").
+    """
+    if search not in ("index", "exact") or scores not in ("index", "exact"):
+        raise MemlmError("search and scores must each be 'index' or 'exact'")
+    if index is None and search == "index":
+        index = index_lib.load_index(datastore.index_path)
+    metric = metric or datastore_metric(datastore, index)
+    out_s = np.empty((len(queries), k), dtype=np.float32)
+    out_i = np.empty((len(queries), k), dtype=np.int64)
+    for s in tqdm(range(0, len(queries), chunk), desc="search", unit="chunk", disable=not progress, leave=False):
+        q = np.ascontiguousarray(queries[s : s + chunk], dtype=np.float32)
+        if search == "index":
+            sc, ids = index_lib.search(index, q, k)
+        else:
+            sc, ids = index_lib.exact_search(datastore.keys, q, k, metric)
+        if scores == "exact" and search == "index":
+            sc = index_lib.exact_scores(datastore.keys, ids, q, metric)
+            order = np.argsort(-sc, axis=1, kind="stable")
+            sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
+        out_s[s : s + len(q)], out_i[s : s + len(q)] = sc, ids
+    return out_s, out_i
+
+
+def lm_scores(
+    model,
+    tokenizer,
+    documents: Sequence,
+    key_specs: Sequence[KeySpec] = (),
+    window: int = 1024,
+    min_context: int = 512,
+    batch_size: int = 4,
+    progress: bool = True,
+    meta: dict[str, Any] | None = None,
+) -> tuple[TokenScores, dict[KeySpec, np.ndarray], dict[str, np.ndarray]]:
+    """The forward pass: LM log-probabilities of every target, plus the queries for each key spec.
+
+    Returns ``(scores, queries, provenance)``; ``queries[spec]`` is ``[N, D]`` float32 and ``provenance`` holds each
+    target's ``doc_hash`` and ``offset`` (to drop self-matches). Memories are attached later by :func:`add_neighbours`
+    and :func:`add_cache`, so one forward pass serves any number of datastores.
+    """
+    n_total = count_targets(documents, tokenizer)
+    if n_total == 0:
+        raise MemlmError("the evaluation corpus has no tokens; give it some text")
+    specs = list(dict.fromkeys(key_specs))
+    parts: dict[str, list[np.ndarray]] = {"targets": [], "lm": [], "doc": [], "off": [], "hash": []}
+    queries: dict[KeySpec, list[np.ndarray]] = {s: [] for s in specs}
+    windows = sliding_windows(tokenize_documents(documents, tokenizer), window, min_context)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    t0 = time.perf_counter()
+    with tqdm(total=n_total, unit="tok", desc="forward", disable=not progress, dynamic_ncols=True) as bar:
+        for outputs in forward_windows(model, batched(windows, batch_size), specs, True, pad_id=pad_id):
+            for o in outputs:
+                rows = slice(o.window.score_from, len(o.window.input_ids))
+                parts["targets"].append(o.targets)
+                parts["lm"].append(o.lm_logprob)
+                parts["doc"].append(o.window.doc_index[rows])
+                parts["off"].append(o.window.offset[rows])
+                parts["hash"].append(o.window.doc_hash[rows])
+                for s in specs:
+                    queries[s].append(o.keys[s])
+                bar.update(len(o.targets))
+    cat = {name: np.concatenate(v) for name, v in parts.items()}
+    ts = TokenScores(
+        targets=cat["targets"].astype(np.int64),
+        lm_logprob=cat["lm"].astype(np.float32),
+        doc_index=cat["doc"].astype(np.int32),
+        meta={
+            **(meta or {}),
+            "tokens": int(len(cat["targets"])),
+            "window": window,
+            "min_context": min_context,
+            "seconds_forward": time.perf_counter() - t0,
+        },
+    )
+    return ts, {s: np.concatenate(q) for s, q in queries.items()}, {"doc_hash": cat["hash"], "offset": cat["off"]}
+
+
+def add_neighbours(
+    ts: TokenScores,
+    queries: np.ndarray,
+    datastore: Datastore,
+    k: int = 1024,
+    search: str = "index",
+    scores: str = "index",
+    nprobe: int = 32,
+    provenance: dict[str, np.ndarray] | None = None,
+    progress: bool = True,
+) -> TokenScores:
+    """Retrieve the k nearest datastore entries of every query and store their (score, value) in ``ts``.
+
+    With ``provenance`` (from :func:`lm_scores`), neighbours that are the evaluated token itself (same document hash
+    and offset) are dropped: use it when the evaluated text is also in the datastore.
+    """
+    t1 = time.perf_counter()
+    index = index_lib.load_index(datastore.index_path, nprobe=nprobe) if search == "index" else None
+    sc, ids = retrieve(datastore, queries, k, index=index, search=search, scores=scores, progress=progress)
+    valid = ids >= 0
+    flat = np.where(valid, ids, 0).ravel()
+    values = np.where(valid, datastore.values[flat].reshape(ids.shape), -1)
+    if provenance is not None:
+        own = (
+            valid
+            & (datastore.doc_hash[flat].reshape(ids.shape) == provenance["doc_hash"][:, None])
+            & (datastore.offset[flat].reshape(ids.shape) == provenance["offset"][:, None])
+        )
+        values = np.where(own, -1, values)
+    ts.knn_scores = np.where(values >= 0, sc, -np.inf).astype(np.float32)
+    ts.knn_values = values.astype(np.int32)
+    ts.meta.update(
+        datastore=str(datastore.path),
+        datastore_entries=len(datastore),
+        key=datastore.key_spec.describe(),
+        k=k,
+        search=search,
+        scores=scores,
+        metric=datastore_metric(datastore, index),
+        nprobe=nprobe,
+        drop_self_matches=provenance is not None,
+        seconds_search=time.perf_counter() - t1,
+    )
+    return ts
+
+
+def add_cache(
+    ts: TokenScores, queries: np.ndarray, k: int = 256, max_len: int = 2048, metric: str = "ip"
+) -> TokenScores:
+    """Attach the continuous cache's (score, value) pairs (Grave et al. 2017c) to ``ts``."""
+    t2 = time.perf_counter()
+    cs, cv = continuous_cache(queries, ts.targets, ts.doc_index, k, max_len, metric)
+    ts.cache_scores, ts.cache_values = cs, cv.astype(np.int32)
+    ts.meta.update(cache_k=k, cache_max_len=max_len, cache_metric=metric, seconds_cache=time.perf_counter() - t2)
+    return ts
+
+
+CACHE_KEY = KeySpec("final", -1)  # Grave et al.'s cache reads the hidden state the softmax reads
+
+
+def score_tokens(
+    model,
+    tokenizer,
+    documents: Sequence,
+    datastore: Datastore | None = None,
+    k: int = 1024,
+    window: int = 1024,
+    min_context: int = 512,
+    batch_size: int = 4,
+    search: str = "index",
+    scores: str = "index",
+    nprobe: int = 32,
+    drop_self_matches: bool = False,
+    cache: bool = False,
+    cache_k: int = 256,
+    cache_max_len: int = 2048,
+    cache_metric: str = "ip",
+    progress: bool = True,
+    meta: dict[str, Any] | None = None,
+) -> TokenScores:
+    """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
+
+    With a ``datastore``, its key role is used for the queries and the model must be the one that built it.
+    ``drop_self_matches`` removes neighbours that are the very token being scored (same document, same offset), for
+    when the evaluated text is also in the datastore.
+    """
+    specs: list[KeySpec] = []
+    if datastore is not None:
+        datastore.check_compatible(model, tokenizer)
+        specs.append(datastore.key_spec)
+    if cache:
+        specs.append(CACHE_KEY.normalized(num_layers(model)))
+    ts, queries, provenance = lm_scores(
+        model, tokenizer, documents, specs, window, min_context, batch_size, progress, meta
+    )
+    if datastore is not None:
+        add_neighbours(
+            ts,
+            queries[datastore.key_spec],
+            datastore,
+            k,
+            search,
+            scores,
+            nprobe,
+            provenance if drop_self_matches else None,
+            progress,
+        )
+    if cache:
+        add_cache(ts, queries[specs[-1]], cache_k, cache_max_len, cache_metric)
+    return ts
+
+
+def _ppl(logprob: torch.Tensor) -> float:
+    return float(math.exp(-logprob.double().mean().item()))
+
+
+def memory_logprob(
+    scores: np.ndarray, values: np.ndarray, targets: np.ndarray, temperature: float, k: int | None = None
+) -> torch.Tensor:
+    """``log p_mem(target)`` from dumped neighbours, keeping the ``k`` best (Eq. 2)."""
+    k = scores.shape[1] if k is None else k
+    if k > scores.shape[1]:
+        raise MemlmError(
+            f"k={k} is larger than the {scores.shape[1]} neighbours in the dump; rerun memlm eval with --k {k}"
+        )
+    return knn_target_logprob(
+        torch.from_numpy(scores[:, :k]),
+        torch.from_numpy(values[:, :k].astype(np.int64)),
+        torch.from_numpy(targets),
+        temperature,
+    )
+
+
+def perplexities(
+    ts: TokenScores,
+    lam: float = 0.25,
+    temperature: float = 1.0,
+    k: int | None = None,
+    cache_lambda: float = 0.0,
+    cache_temperature: float = 1.0,
+) -> dict[str, Any]:
+    """Base, memory-interpolated and oracle perplexity of a dump under the given parameters."""
+    lm = torch.from_numpy(ts.lm_logprob)
+    out: dict[str, Any] = {"tokens": len(ts), "base_ppl": _ppl(lm)}
+    comps, weights = [lm], [1.0 - lam - cache_lambda]
+    if ts.knn_scores is not None:
+        knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k)
+        comps.append(knn)
+        weights.append(lam)
+        out.update(
+            knn_ppl=_ppl(mix_logprobs([lm, knn], [1.0 - lam, lam])),
+            knn_only_ppl=_ppl(knn),
+            oracle_ppl=_ppl(torch.maximum(lm, knn)),
+            target_in_neighbours=float(torch.isfinite(knn).float().mean()),
+            **{"lambda": lam, "temperature": temperature, "k": k or ts.knn_scores.shape[1]},
+        )
+    elif lam:
+        raise MemlmError("this dump has no datastore neighbours; rerun memlm eval with --datastore")
+    if cache_lambda:
+        if ts.cache_scores is None:
+            raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")
+        cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature)
+        comps.append(cache)
+        weights.append(cache_lambda)
+        out.update(
+            cache_ppl=_ppl(mix_logprobs(comps, weights)), cache_lambda=cache_lambda, cache_temperature=cache_temperature
+        )
+    return out
+
+
+def tune(
+    ts: TokenScores,
+    lambdas: Sequence[float] = DEFAULT_LAMBDAS,
+    temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+    k: int | None = None,
+    cache_lambdas: Sequence[float] = (0.0,),
+    cache_temperatures: Sequence[float] = (1.0,),
+) -> dict[str, Any]:
+    """Grid-search λ, temperature (and the cache's λc, τc) for the lowest interpolated perplexity on a dump.
+
+    Returns the best parameters and every grid point (``grid``: list of dicts), without any new search.
+    """
+    if ts.knn_scores is None and ts.cache_scores is None:
+        raise MemlmError("nothing to tune: the dump has neither datastore neighbours nor cache entries")
+    lm = torch.from_numpy(ts.lm_logprob)
+    knn_by_t = {}
+    if ts.knn_scores is not None:
+        knn_by_t = {t: memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t, k) for t in temperatures}
+    else:
+        lambdas, temperatures = (0.0,), (1.0,)
+    cache_by_t = {}
+    if any(cache_lambdas) and ts.cache_scores is not None:
+        cache_by_t = {t: memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, t) for t in cache_temperatures}
+    else:
+        cache_lambdas, cache_temperatures = (0.0,), (1.0,)
+    grid = []
+    for lam, t, cl, ct in itertools.product(lambdas, temperatures, cache_lambdas, cache_temperatures):
+        if lam + cl > 1.0 + 1e-9:
+            continue
+        comps, weights = [lm], [max(0.0, 1.0 - lam - cl)]
+        if knn_by_t:
+            comps.append(knn_by_t[t])
+            weights.append(lam)
+        if cl:
+            comps.append(cache_by_t[ct])
+            weights.append(cl)
+        grid.append(
+            {
+                "lambda": lam,
+                "temperature": t,
+                "cache_lambda": cl,
+                "cache_temperature": ct,
+                "ppl": _ppl(mix_logprobs(comps, weights)),
+            }
+        )
+    best = min(grid, key=lambda g: g["ppl"])
+    return {"best": best, "grid": grid}

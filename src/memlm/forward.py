@@ -1,0 +1,71 @@
+"""One forward pass over sliding windows: the LM's log-probability of each target and the keys h_ds at its context.
+
+Shared by datastore building (keys only) and evaluation (keys as queries, plus the LM term of Eq. 3), so a datastore
+key and an evaluation query for the same context are computed by exactly the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from memlm.keys import KeyCapture, KeySpec
+from memlm.windows import Window
+
+__all__ = ["WindowOutput", "forward_windows"]
+
+
+@dataclass
+class WindowOutput:
+    """Per scored target of one window (n = window.n_targets)."""
+
+    window: Window
+    targets: np.ndarray  # [n] int64
+    keys: dict[KeySpec, np.ndarray]  # spec -> [n, D] float32: h_ds at the position before each target
+    lm_logprob: np.ndarray | None  # [n] float32: log p_LM(target | context), None when not asked
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def forward_windows(
+    model: torch.nn.Module,
+    batches: Iterable[list[Window]],
+    key_specs: Sequence[KeySpec] = (),
+    with_logprobs: bool = True,
+    pad_id: int = 0,
+) -> Iterator[list[WindowOutput]]:
+    """Run ``model`` on each batch of windows; yield one :class:`WindowOutput` per window.
+
+    Windows in a batch are right-padded (causal attention never looks right, and the mask excludes padding).
+    Keys are returned in float32 regardless of the model's dtype; the LM log-softmax is computed in float32.
+    """
+    device = _device(model)
+    specs = list(key_specs)
+    for batch in batches:
+        length = max(len(w.input_ids) for w in batch)
+        ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), length), dtype=torch.long)
+        for b, w in enumerate(batch):
+            ids[b, : len(w.input_ids)] = torch.from_numpy(w.input_ids)
+            mask[b, : len(w.input_ids)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        with KeyCapture(model, specs) as cap:
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+            captured = {s: cap.keys_by_spec[s] for s in specs}
+        outputs = []
+        for b, w in enumerate(batch):
+            rows = torch.arange(w.score_from - 1, len(w.input_ids) - 1, device=device)  # positions before targets
+            targets = torch.from_numpy(w.targets).to(device)
+            keys = {s: captured[s][b, rows].float().cpu().numpy() for s in specs}
+            lm_lp = None
+            if with_logprobs:
+                logits = out.logits[b, rows].float()
+                lm_lp = (logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).cpu().numpy()
+            outputs.append(WindowOutput(w, w.targets, keys, lm_lp))
+        yield outputs

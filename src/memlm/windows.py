@@ -1,0 +1,162 @@
+"""Token streams and sliding windows: each target scored once, with at least ``min_context`` tokens of context.
+
+A corpus becomes one stream of tokens: each document's tokens followed by the EOS token (so the end of a document is
+itself predicted, and context flows across documents as in the kNN-LM paper's concatenated Wikipedia). The stream is
+cut into windows of ``window`` tokens that advance by ``stride = window - min_context``; in every window but the first
+only the last ``stride`` positions are scored, so each scored target sees at least ``min_context`` prior tokens
+(Khandelwal et al. 2020, Sec. 3: 1536 for Wikitext-103, 512 elsewhere). The first window scores all its positions.
+
+Nothing here holds the whole corpus: documents are tokenized as they are read and a small buffer is kept. Every target
+carries where it came from (document index, offset in that document and a 64-bit hash of the document) so that a
+datastore entry can be matched back to its text, e.g. to drop exact self-matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from memlm.errors import MemlmError
+
+__all__ = [
+    "TokenChunk",
+    "Window",
+    "tokenize_documents",
+    "count_targets",
+    "sliding_windows",
+    "batched",
+    "doc_hash",
+    "limit_documents",
+]
+
+
+@dataclass
+class TokenChunk:
+    """The tokens of one document (EOS included) with per-token provenance."""
+
+    tokens: np.ndarray  # [n] int64
+    doc_index: int
+    doc_hash: int
+
+
+@dataclass
+class Window:
+    """``input_ids[j]`` for ``j >= score_from`` are targets, each predicted from the hidden state at ``j - 1``."""
+
+    index: int  # window number in the stream
+    input_ids: np.ndarray  # [L] int64
+    score_from: int  # >= 1
+    doc_index: np.ndarray  # [L] int32, for each input position
+    offset: np.ndarray  # [L] int32, position of the token inside its document
+    doc_hash: np.ndarray  # [L] int64
+
+    @property
+    def n_targets(self) -> int:
+        return len(self.input_ids) - self.score_from
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.input_ids[self.score_from :]
+
+
+def doc_hash(doc_id: str, text: str) -> int:
+    """A stable signed 64-bit hash of a document (its id and text)."""
+    digest = hashlib.sha256(f"{doc_id}\x00{text}".encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def tokenize_documents(
+    docs: Sequence, tokenizer, eos_id: int | None = None, batch_size: int = 256
+) -> Iterator[TokenChunk]:
+    """Tokenize documents (objects with ``.id`` and ``.text``) lazily, appending ``eos_id`` after each one.
+
+    Special tokens are not added (SmolLM2's converted tokenizer would otherwise prepend BOS to each document).
+    """
+    eos = tokenizer.eos_token_id if eos_id is None else eos_id
+    if eos is None:
+        raise MemlmError("the tokenizer has no EOS token; pass eos_id= (the id that separates documents)")
+    for start in range(0, len(docs), batch_size):
+        batch = docs[start : start + batch_size]
+        encoded = tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]
+        for i, (doc, ids) in enumerate(zip(batch, encoded, strict=True)):
+            tokens = np.asarray([*ids, eos], dtype=np.int64)
+            yield TokenChunk(tokens, start + i, doc_hash(doc.id, doc.text))
+
+
+def count_targets(docs: Sequence, tokenizer) -> int:
+    """Number of scored targets in the stream of ``docs`` (all tokens but the very first)."""
+    total = sum(len(c.tokens) for c in tokenize_documents(docs, tokenizer))
+    return max(total - 1, 0)
+
+
+def sliding_windows(chunks: Iterable[TokenChunk], window: int, min_context: int) -> Iterator[Window]:
+    """Cut the concatenated stream of ``chunks`` into windows (see the module docstring). Streaming."""
+    if window < 2:
+        raise MemlmError(f"window must be at least 2 tokens, got {window}")
+    if not 0 <= min_context < window:
+        raise MemlmError(f"min_context must be in [0, window), got {min_context} with window {window}")
+    stride = window - min_context
+    it = iter(chunks)
+    tok: list[np.ndarray] = []
+    meta: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    buffered = 0  # tokens in the buffer
+    exhausted = False
+    index = 0
+    while True:
+        while not exhausted and buffered < window:
+            chunk = next(it, None)
+            if chunk is None:
+                exhausted = True
+                break
+            n = len(chunk.tokens)
+            tok.append(chunk.tokens)
+            meta.append(
+                (
+                    np.full(n, chunk.doc_index, dtype=np.int32),
+                    np.arange(n, dtype=np.int32),
+                    np.full(n, chunk.doc_hash, dtype=np.int64),
+                )
+            )
+            buffered += n
+        if not tok:
+            return
+        ids = np.concatenate(tok)
+        docs_i, offs, hashes = (np.concatenate([m[j] for m in meta]) for j in range(3))
+        length = min(window, len(ids))
+        score_from = 1 if index == 0 else min_context
+        if length > score_from:
+            yield Window(index, ids[:length], score_from, docs_i[:length], offs[:length], hashes[:length])
+        if exhausted and len(ids) <= window:
+            return
+        # advance by `stride`
+        tok, meta = [ids[stride:]], [(docs_i[stride:], offs[stride:], hashes[stride:])]
+        buffered = len(ids) - stride
+        index += 1
+
+
+def batched(windows: Iterable[Window], batch_size: int) -> Iterator[list[Window]]:
+    """Group windows into lists of ``batch_size`` (the last one may be shorter)."""
+    batch: list[Window] = []
+    for w in windows:
+        batch.append(w)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def limit_documents(docs: Sequence, tokenizer, max_tokens: int | None) -> list:
+    """The leading documents of ``docs`` whose tokens (EOS included) add up to at most ``max_tokens`` (at least one)."""
+    if max_tokens is None:
+        return list(docs)
+    kept, total = [], 0
+    for chunk in tokenize_documents(docs, tokenizer):
+        if kept and total + len(chunk.tokens) > max_tokens:
+            break
+        kept.append(docs[chunk.doc_index])
+        total += len(chunk.tokens)
+    return kept

@@ -1,0 +1,116 @@
+"""Datastore: contents equal a direct forward pass, manifest, refusal of mismatched models, corruption, append."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import Doc, gpt2_tokenizer, tiny_gpt2
+
+from memlm.datastore import Datastore, build_datastore
+from memlm.errors import MemlmError
+from memlm.keys import KeyCapture, KeySpec
+
+
+def build(tmp_path, tiny_lm, docs, name="ds", **kw):
+    model, tok = tiny_lm
+    kw = {"window": 32, "min_context": 8, "batch_size": 3, "progress": False, **kw}
+    return build_datastore(model, tok, docs, tmp_path / name, **kw)
+
+
+def test_entries_equal_direct_forward(tmp_path, tiny_lm):
+    model, tok = tiny_lm
+    docs = [Doc("a", "one two three four five six seven eight nine ten"), Doc("b", "alpha beta gamma delta")]
+    ds = build(tmp_path, tiny_lm, docs, window=64)  # the whole stream fits in one window
+    stream = [t for d in docs for t in tok(d.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    assert len(ds) == len(stream) - 1
+    np.testing.assert_array_equal(ds.values, stream[1:])
+    with KeyCapture(model, KeySpec("ffn_in", -1)) as cap, torch.no_grad():
+        model(input_ids=torch.tensor([stream]))
+        direct = cap.keys[0, :-1].numpy()
+    np.testing.assert_allclose(ds.keys.astype(np.float32), direct, atol=2e-3, rtol=2e-3)
+    # provenance: offsets restart in each document
+    n_a = len(tok(docs[0].text)["input_ids"]) + 1
+    assert ds.offset[n_a - 2] == n_a - 1 and ds.offset[n_a - 1] == 0
+    assert len(set(ds.doc_hash.tolist())) == 2
+
+
+def test_manifest_describes_everything(tmp_path, tiny_lm, toy_docs):
+    ds = build(tmp_path, tiny_lm, toy_docs, source={"corpus": "toy"})
+    m = json.loads((ds.path / "manifest.json").read_text())
+    for key in ("model", "tokenizer", "key", "count", "dtypes", "files", "window", "min_context", "stride", "sources"):
+        assert key in m
+    assert m["key"] == {"role": "ffn_in", "layer": 1, "dim": 32, "describe": "ffn_in@1"}
+    assert m["dtypes"]["keys"] == "float16" and m["dtypes"]["values"] == "int32"
+    assert ds.keys.shape == (m["count"], 32) and ds.keys.dtype == np.float16
+    assert not (ds.path / "progress.json").exists()
+    Datastore.open(ds.path, verify=True)
+    # a rerun of a finished build is a no-op
+    again = build(tmp_path, tiny_lm, toy_docs, source={"corpus": "toy"})
+    assert again.checksum() == ds.checksum()
+
+
+def test_window_settings_do_not_change_entries_beyond_context(tmp_path, tiny_lm, toy_docs):
+    a = build(tmp_path, tiny_lm, toy_docs, name="a", batch_size=1)
+    b = build(tmp_path, tiny_lm, toy_docs, name="b", batch_size=5)
+    np.testing.assert_array_equal(a.values, b.values)
+    np.testing.assert_allclose(a.keys.astype(np.float32), b.keys.astype(np.float32), atol=2e-3)
+
+
+def test_refuses_other_model_tokenizer_and_role(tmp_path, tiny_lm, toy_docs):
+    ds = build(tmp_path, tiny_lm, toy_docs)
+    model, tok = tiny_lm
+    ds.check_compatible(model, tok, KeySpec("ffn_in", -1))
+    with pytest.raises(MemlmError, match="built with model"):
+        ds.check_compatible(tiny_gpt2(seed=1), tok)
+    other_tok = gpt2_tokenizer()
+    other_tok.add_tokens(["<extra-token>"])
+    with pytest.raises(MemlmError, match="tokenizer"):
+        ds.check_compatible(model, other_tok)
+    with pytest.raises(MemlmError, match="holds ffn_in@1 keys"):
+        ds.check_compatible(model, tok, KeySpec("final"))
+
+
+def test_truncated_or_corrupt_files_are_detected(tmp_path, tiny_lm, toy_docs):
+    ds = build(tmp_path, tiny_lm, toy_docs)
+    keys = ds.path / "keys.bin"
+    data = keys.read_bytes()
+    keys.write_bytes(data[:-10])
+    with pytest.raises(MemlmError, match="truncated"):
+        Datastore.open(ds.path)
+    keys.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    Datastore.open(ds.path)  # same size: only a checksum can tell
+    with pytest.raises(MemlmError, match="checksum"):
+        Datastore.open(ds.path, verify=True)
+    (ds.path / "manifest.json").write_text("{not json")
+    with pytest.raises(MemlmError, match="corrupt"):
+        Datastore.open(ds.path)
+    with pytest.raises(MemlmError, match="not a memlm datastore"):
+        Datastore.open(tmp_path / "nowhere")
+
+
+def test_empty_corpus_is_an_error(tmp_path, tiny_lm):
+    with pytest.raises(MemlmError, match="no tokens"):
+        build(tmp_path, tiny_lm, [])
+
+
+def test_append_adds_a_source(tmp_path, tiny_lm, toy_docs):
+    first = build(tmp_path, tiny_lm, toy_docs[:10], source={"corpus": "part1"})
+    n1 = len(first)
+    both = build(tmp_path, tiny_lm, toy_docs[10:], source={"corpus": "part2"}, append=True)
+    alone = build(tmp_path, tiny_lm, toy_docs[10:], name="alone")
+    assert len(both) == n1 + len(alone)
+    assert [s["corpus"] for s in both.manifest["sources"]] == ["part1", "part2"]
+    np.testing.assert_array_equal(both.values[n1:], alone.values)
+    Datastore.open(both.path, verify=True)
+
+
+def test_subsample(tmp_path, tiny_lm, toy_docs):
+    ds = build(tmp_path, tiny_lm, toy_docs)
+    sub = ds.subsample(tmp_path / "sub", 0.25, seed=1)
+    assert len(sub) == round(len(ds) * 0.25)
+    assert sub.manifest["subsample"]["fraction"] == 0.25
+    Datastore.open(sub.path, verify=True)
+    # every kept entry is an entry of the original
+    pairs = {(v, o, h) for v, o, h in zip(ds.values.tolist(), ds.offset.tolist(), ds.doc_hash.tolist(), strict=True)}
+    assert all(p in pairs for p in zip(sub.values.tolist(), sub.offset.tolist(), sub.doc_hash.tolist(), strict=True))

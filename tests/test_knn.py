@@ -1,0 +1,93 @@
+"""Eq. 2 / Eq. 3 (Khandelwal et al. 2020) and Eq. 5 (Xu et al. 2023) against a brute-force NumPy reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from memlm.errors import MemlmError
+from memlm.knn import interpolate, knn_distribution, knn_target_logprob, mix_logprobs
+
+
+def reference_knn(queries, keys, values, vocab, k, metric, temperature):
+    """Brute force: score every key, keep the top k, softmax(score / T), sum the mass per value."""
+    out = np.zeros((len(queries), vocab))
+    for qi, q in enumerate(queries):
+        if metric == "l2":
+            s = -((keys - q) ** 2).sum(1)
+        else:
+            s = keys @ q
+        top = np.argsort(-s, kind="stable")[: min(k, len(keys))]
+        w = np.exp((s[top] - s[top].max()) / temperature)
+        w /= w.sum()
+        for j, i in enumerate(top):
+            out[qi, values[i]] += w[j]
+    return out
+
+
+def topk_scores(queries, keys, values, k, metric):
+    s = -((queries[:, None, :] - keys[None]) ** 2).sum(-1) if metric == "l2" else queries @ keys.T
+    order = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    sc = np.take_along_axis(s, order, 1)
+    vals = values[order]
+    if k > len(keys):  # pad like an index does
+        pad = k - len(keys)
+        sc = np.concatenate([sc, np.full((len(queries), pad), -np.inf)], 1)
+        vals = np.concatenate([vals, np.full((len(queries), pad), -1)], 1)
+    return torch.tensor(sc), torch.tensor(vals)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
+@pytest.mark.parametrize("k", [1, 5, 40])  # 40 > datastore size: all entries, padded slots ignored
+def test_knn_distribution_matches_bruteforce(metric, temperature, k):
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(30, 8))
+    values = rng.integers(0, 6, size=30)  # vocabulary of 10, many repeated values to be summed
+    queries = rng.normal(size=(7, 8))
+    ref = reference_knn(queries, keys, values, 10, k, metric, temperature)
+    sc, vals = topk_scores(queries, keys, values, k, metric)
+    got = knn_distribution(sc, vals, 10, temperature).exp().numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-6)
+    np.testing.assert_allclose(got.sum(1), 1.0, atol=1e-6)
+    # the target-only path gives the same numbers, including log 0 = -inf for unretrieved targets
+    for target in range(10):
+        t = torch.full((7,), target)
+        lp = knn_target_logprob(sc, vals, t, temperature).numpy()
+        with np.errstate(divide="ignore"):
+            np.testing.assert_allclose(lp, np.log(ref[:, target]), atol=1e-6)
+
+
+def test_repeated_values_are_summed():
+    sc = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    vals = torch.tensor([[3, 3, 3, 1]])
+    p = knn_target_logprob(sc, vals, torch.tensor([3])).exp().item()
+    assert p == pytest.approx(0.75)
+
+
+def test_interpolation_matches_linear_mixture():
+    rng = np.random.default_rng(1)
+    p_lm = rng.dirichlet(np.ones(5), size=4)
+    p_knn = rng.dirichlet(np.ones(5), size=4)
+    p_knn[0, 2] = 0.0  # a target the memory never retrieved
+    for lam in (0.0, 0.25, 1.0):
+        with np.errstate(divide="ignore"):
+            got = interpolate(torch.tensor(np.log(p_lm)), torch.tensor(np.log(p_knn)), lam).exp().numpy()
+        np.testing.assert_allclose(got, (1 - lam) * p_lm + lam * p_knn, atol=1e-7)
+
+
+def test_mixture_of_three_and_bad_weights():
+    lps = [torch.log(torch.tensor(p)) for p in ([0.2, 0.8], [0.5, 0.5], [1.0, 0.0])]
+    got = mix_logprobs(lps, [0.5, 0.3, 0.2]).exp()
+    np.testing.assert_allclose(got.numpy(), [0.5 * 0.2 + 0.3 * 0.5 + 0.2, 0.5 * 0.8 + 0.3 * 0.5], atol=1e-7)
+    with pytest.raises(MemlmError):
+        mix_logprobs(lps, [0.5, 0.5, 0.5])
+
+
+def test_empty_row_has_no_mass_and_bad_inputs():
+    sc = torch.tensor([[-np.inf, -np.inf]])
+    vals = torch.tensor([[-1, -1]])
+    assert knn_target_logprob(sc, vals, torch.tensor([0])).item() == -np.inf
+    with pytest.raises(MemlmError):
+        knn_target_logprob(sc, vals, torch.tensor([0]), temperature=0)
+    with pytest.raises(MemlmError, match="tokenizer"):
+        knn_distribution(torch.zeros(1, 2), torch.tensor([[0, 99]]), vocab_size=10)
