@@ -334,6 +334,8 @@ def perplexities(
     """Base, memory-interpolated and oracle perplexity of a dump under the given parameters."""
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": _ppl(lm)}
+    if ts.knn_scores is None:
+        lam = 0.0  # no datastore in this dump: the kNN term is absent
     comps, weights = [lm], [1.0 - lam - cache_lambda]
     if ts.knn_scores is not None:
         knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k)
@@ -346,8 +348,6 @@ def perplexities(
             target_in_neighbours=float(torch.isfinite(knn).float().mean()),
             **{"lambda": lam, "temperature": temperature, "k": k or ts.knn_scores.shape[1]},
         )
-    elif lam:
-        raise MemlmError("this dump has no datastore neighbours; rerun memlm eval with --datastore")
     if cache_lambda:
         if ts.cache_scores is None:
             raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")

@@ -1,0 +1,113 @@
+"""Evaluation: perplexity equals HF loss, a rare continuation gets its probability raised, tuning, cache, generation."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import Doc
+from test_datastore import build
+
+from memlm.evaluate import TokenScores, perplexities, score_tokens, tune
+from memlm.generate import KNNLogitsProcessor
+from memlm.index import build_index
+from memlm.memories import continuous_cache
+
+
+def indexed(tmp_path, tiny_lm, docs, **kw):
+    ds = build(tmp_path, tiny_lm, docs, **kw)
+    build_index(ds.keys, ds.index_path, factory="Flat", metric="l2", progress=False)
+    return ds
+
+
+def test_base_perplexity_equals_hf_loss(tiny_lm, toy_docs):
+    model, tok = tiny_lm
+    docs = toy_docs[:4]
+    ts = score_tokens(model, tok, docs, window=512, min_context=0, progress=False)
+    stream = [t for d in docs for t in tok(d.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    with torch.no_grad():
+        loss = model(input_ids=torch.tensor([stream]), labels=torch.tensor([stream])).loss.item()
+    assert len(ts) == len(stream) - 1
+    assert perplexities(ts)["base_ppl"] == pytest.approx(np.exp(loss), rel=1e-4)
+    # sliding windows with less context give a (slightly) different but close number
+    ts2 = score_tokens(model, tok, docs, window=32, min_context=16, progress=False)
+    assert len(ts2) == len(ts)
+    np.testing.assert_array_equal(ts2.targets, ts.targets)
+
+
+def test_rare_continuation_seen_once_gets_probability_raised(tmp_path, tiny_lm, toy_docs):
+    model, tok = tiny_lm
+    fact = "the secret capital of Zorblatia is Quenthorpe"
+    # the fact is seen once, at the start of the stream; a random-weight LM's keys only match for the same context,
+    # so the probe repeats it (the slow SmolLM2 test below checks a paraphrased context)
+    ds = indexed(tmp_path, tiny_lm, [Doc("fact", fact), *toy_docs])
+    probe = [Doc("probe", fact)]
+    ts = score_tokens(model, tok, probe, ds, k=8, window=64, min_context=0, progress=False)
+    target_ids = tok(" Quenthorpe", add_special_tokens=False)["input_ids"]
+    pos = len(ts) - len(target_ids) - 1  # the first sub-token of " Quenthorpe" (EOS is last)
+    assert ts.targets[pos] == target_ids[0]
+    lam = 0.25
+    from memlm.evaluate import memory_logprob
+    from memlm.knn import interpolate
+
+    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0)
+    mixed = interpolate(torch.from_numpy(ts.lm_logprob), knn, lam)
+    assert ts.lm_logprob[pos] < np.log(1e-3)  # the random LM has no idea
+    assert mixed[pos].exp() > 0.2  # the datastore remembers it
+    assert perplexities(ts, lam=lam)["knn_ppl"] < perplexities(ts)["base_ppl"]
+
+
+def test_drop_self_matches(tmp_path, tiny_lm, toy_docs):
+    model, tok = tiny_lm
+    ds = indexed(tmp_path, tiny_lm, toy_docs[:5], window=32, min_context=8)
+    kw = {"k": 4, "window": 32, "min_context": 8, "progress": False}
+    with_self = score_tokens(model, tok, toy_docs[:5], ds, **kw)
+    # the evaluated text is the datastore's: every token finds itself at distance ~0
+    assert (with_self.knn_scores[:, 0] > -1e-2).all()
+    no_self = score_tokens(model, tok, toy_docs[:5], ds, drop_self_matches=True, **kw)
+    assert (no_self.knn_scores[:, 0] < -1e-2).mean() > 0.9
+    assert perplexities(no_self, lam=0.5)["knn_ppl"] > perplexities(with_self, lam=0.5)["knn_ppl"]
+
+
+def test_tune_and_dump_roundtrip(tmp_path, tiny_lm, toy_docs):
+    model, tok = tiny_lm
+    ds = indexed(tmp_path, tiny_lm, toy_docs[:20])
+    ts = score_tokens(model, tok, toy_docs[20:], ds, k=16, window=32, min_context=8, cache=True, progress=False)
+    path = tmp_path / "dump.npz"
+    ts.save(path)
+    back = TokenScores.load(path)
+    np.testing.assert_array_equal(back.knn_values, ts.knn_values)
+    assert back.meta["k"] == 16
+    res = tune(back, lambdas=[0.0, 0.1, 0.5, 0.9], temperatures=[1.0, 10.0], cache_lambdas=[0.0, 0.1])
+    grid = {(g["lambda"], g["temperature"], g["cache_lambda"]): g["ppl"] for g in res["grid"]}
+    assert res["best"]["ppl"] == min(grid.values())
+    assert grid[(0.0, 1.0, 0.0)] == pytest.approx(perplexities(back)["base_ppl"])
+    r = perplexities(back, lam=0.5, temperature=10.0, k=4)
+    assert r["oracle_ppl"] <= min(r["base_ppl"], r["knn_ppl"]) + 1e-9
+
+
+def test_continuous_cache_matches_bruteforce():
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(40, 6)).astype(np.float32)
+    targets = rng.integers(0, 5, size=40)
+    doc = np.repeat([0, 1, 2], [10, 25, 5])
+    for metric in ("ip", "l2"):
+        sc, vals = continuous_cache(keys, targets, doc, k=4, max_len=8, metric=metric, block=7)
+        for n in range(40):
+            visible = [m for m in range(40) if m < n and doc[m] == doc[n] and n - m <= 8]
+            s = [keys[n] @ keys[m] if metric == "ip" else -((keys[n] - keys[m]) ** 2).sum() for m in visible]
+            order = np.argsort(-np.array(s), kind="stable")[:4]
+            np.testing.assert_allclose(sc[n, : len(order)], np.array(s)[order], rtol=1e-4, atol=1e-4)
+            assert set(vals[n, : len(order)]) == {targets[visible[i]] for i in order} or len(order) == 0
+            assert (vals[n, len(order) :] == -1).all()
+
+
+def test_generation_follows_the_datastore(tmp_path, tiny_lm):
+    model, tok = tiny_lm
+    text = "alpha beta gamma delta epsilon zeta eta theta"
+    ds = indexed(tmp_path, tiny_lm, [Doc("g", text)], window=64, min_context=0)
+    ids = tok("alpha beta gamma", return_tensors="pt", add_special_tokens=False)
+    with KNNLogitsProcessor(model, ds, k=1, lam=1.0) as knn:
+        out = model.generate(
+            **ids, logits_processor=[knn], do_sample=False, max_new_tokens=5, pad_token_id=tok.eos_token_id
+        )
+    expected = tok(text, add_special_tokens=False)["input_ids"][: out.shape[1]]
+    assert out[0].tolist() == expected  # λ = 1, k = 1: generation replays the datastore's continuation
