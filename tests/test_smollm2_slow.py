@@ -1,0 +1,59 @@
+"""Slow checks on the real SmolLM2-135M (run with `pytest -m slow`; benchmarks run them, CI does not)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import Doc
+
+from memlm.corpora import load_documents
+from memlm.datastore import build_datastore
+from memlm.errors import MemlmError
+from memlm.evaluate import memory_logprob, score_tokens
+from memlm.index import build_index
+from memlm.knn import interpolate
+from memlm.resources import load_causal_lm
+from memlm.windows import limit_documents
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return load_causal_lm("smollm2-135m", dtype="bfloat16")
+    except MemlmError as e:  # package not installed
+        pytest.skip(str(e))
+
+
+def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, smollm2):
+    model, tok = smollm2
+    fact = Doc(
+        "fact",
+        "The small town of Vrelk is famous for its annual festival of glass lanterns, held each "
+        "winter by the Ostrava river.",
+    )
+    docs = [*limit_documents(load_documents("wiki", "train"), tok, 20_000), fact]
+    ds = build_datastore(model, tok, docs, tmp_path / "ds", window=256, min_context=64, progress=False)
+    build_index(ds.keys, ds.index_path, factory="Flat", progress=False)
+    probe = Doc("probe", "Every winter, the town of Vrelk holds a famous festival of glass lanterns")
+    ts = score_tokens(model, tok, [probe], ds, k=32, window=256, min_context=0, progress=False)
+    lantern = tok(" lanterns", add_special_tokens=False)["input_ids"][0]
+    pos = int(np.flatnonzero(ts.targets == lantern)[0])
+    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature=10.0)
+    mixed = interpolate(torch.from_numpy(ts.lm_logprob), knn, 0.25)
+    assert mixed[pos] > ts.lm_logprob[pos] + 0.1, (float(mixed[pos].exp()), float(np.exp(ts.lm_logprob[pos])))
+
+
+def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
+    from memlm.demo import run_demo
+
+    result = run_demo(out=tmp_path, quick=True)
+    assert {r["eval"] for r in result["rows"]} == {"wiki test", "news test"}
+    for r in result["rows"]:
+        assert np.isfinite(r["base_ppl"]) and np.isfinite(r["knn_ppl"]) and r["oracle_ppl"] <= r["base_ppl"]
+    out = next(tmp_path.glob("quick-*"))
+    assert (out / "ppl_vs_lambda.png").stat().st_size > 10_000
+    assert json.loads((out / "results.json").read_text())["rows"]
+    assert "kNN-LM" in capsys.readouterr().out
