@@ -115,7 +115,7 @@ def _plot(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> Non
     ax.set_xlabel("λ (weight of the kNN distribution)")
     ax.set_ylabel("test perplexity")
     ax.set_yscale("log")
-    ax.set_title("SmolLM2-135M + kNN-LM: perplexity vs λ (temperature tuned on valid)")
+    ax.set_title("SmolLM2-135M + kNN-LM: test perplexity vs λ\n(temperature tuned on valid; λ = 1 is infinite)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -144,7 +144,7 @@ def run_demo(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         for name in names:
             best = tune(valid[name])["best"]
             res = perplexities(test[name], lam=best["lambda"], temperature=best["temperature"])
-            rows.append({"eval": f"{corpus} test", "datastore": f"{name} train ({len(stores[name])} tok)", **res})
+            rows.append({"eval": f"{corpus} test", "datastore": f"{name} train ({len(stores[name]):,} entries)", **res})
             curves[f"{corpus} test, {name} datastore"] = (
                 lams,
                 [perplexities(test[name], lam=lam, temperature=best["temperature"])["knn_ppl"] for lam in lams],
