@@ -4,8 +4,8 @@ One resumable command; every stage is cached in --out (datastores, indexes, forw
 
     python benchmarks/knnlm_sweeps.py --out runs/knnlm
 
-1. datastores (ffn_in keys): wiki train (all of it by default) and news train (first --news-tokens tokens); a wiki
-   datastore with ``final`` keys for the key-type comparison (Table 5 / Xu Table 1);
+1. datastores (ffn_in keys): the first 500k tokens of wiki train and of news train; a wiki datastore with ``final``
+   keys on the same text for the key-type comparison (Table 5 / Xu Table 1);
 2. one forward pass per evaluation split (wiki and news, valid and test) capturing both key roles;
 3. for every (evaluation corpus, datastore) pair: retrieve k=1024 neighbours, tune λ and temperature on valid, report
    test perplexity (base, kNN-LM, oracle);
@@ -41,6 +41,7 @@ def log(msg: str) -> None:
 
 
 def datastore(args, model, tok, corpus: str, key: KeySpec, max_tokens: int | None, out: Path) -> Datastore:
+    max_tokens = max_tokens or None
     docs = limit_documents(load_documents(corpus, "train"), tok, max_tokens)
     ds = build_datastore(
         model,
@@ -125,9 +126,9 @@ def main() -> None:
     p.add_argument("--out", default="runs/knnlm")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--wiki-tokens", type=int, default=None, help="wiki train tokens in the datastore (default all)")
-    p.add_argument("--news-tokens", type=int, default=600_000)
-    p.add_argument("--final-tokens", type=int, default=None, help="wiki tokens for the `final`-key datastore")
+    p.add_argument("--wiki-tokens", type=int, default=500_000, help="wiki train tokens in the datastore (0: all)")
+    p.add_argument("--news-tokens", type=int, default=500_000, help="news train tokens in the datastore (0: all)")
+    p.add_argument("--final-tokens", type=int, default=500_000, help="wiki tokens for the `final`-key datastore")
     p.add_argument("--valid-tokens", type=int, default=15_000)
     p.add_argument("--test-tokens", type=int, default=30_000)
     p.add_argument("--window", type=int, default=512)

@@ -115,7 +115,9 @@ def _plot(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> Non
     ax.set_xlabel("λ (weight of the kNN distribution)")
     ax.set_ylabel("test perplexity")
     ax.set_yscale("log")
-    ax.set_title("SmolLM2-135M + kNN-LM: test perplexity vs λ\n(temperature tuned on valid; λ = 1 is infinite)", fontsize=10)
+    ax.set_title(
+        "SmolLM2-135M + kNN-LM: test perplexity vs λ\n(temperature tuned on valid; λ = 1 is infinite)", fontsize=10
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

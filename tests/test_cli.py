@@ -1,0 +1,95 @@
+"""The command line end to end on a tiny model: build -> index -> eval (dump, JSON) -> tune -> generate."""
+
+import json
+
+import pytest
+from conftest import make_toy_docs
+from test_reliability import memlm
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    """A folder corpus: train.jsonl for the datastore, valid/test .txt files to evaluate."""
+    root = tmp_path_factory.mktemp("cli-corpus")
+    docs = make_toy_docs(60, seed=3)
+    (root / "train").mkdir()
+    (root / "train" / "train.jsonl").write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in docs))
+    for split, part in (("valid", docs[:5]), ("test", docs[5:10])):
+        (root / split).mkdir()
+        for d in part:
+            (root / split / f"{d.id}.txt").write_text(d.text)
+    return root
+
+
+def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
+    ds = tmp_path / "ds"
+    r = memlm(
+        "datastore",
+        "build",
+        "--model",
+        str(tiny_lm_dir),
+        "--corpus",
+        str(corpus_dir / "train"),
+        "--out",
+        str(ds),
+        "--window",
+        "32",
+        "--min-context",
+        "8",
+    )
+    assert r.returncode == 0, r.stderr
+    assert (ds / "index.faiss").exists() and (ds / "index.faiss.json").exists()
+    info = memlm("datastore", "info", str(ds), "--verify")
+    assert info.returncode == 0 and "checksums OK" in info.stdout
+    r = memlm("index", "build", str(ds), "--factory", "HNSW16", "--metric", "l2")  # rebuild with another index
+    assert r.returncode == 0, r.stderr
+    assert json.loads((ds / "index.faiss.json").read_text())["factory"] == "HNSW16"
+
+    common = ["--datastore", str(ds), "--k", "16", "--window", "32", "--min-context", "8"]  # --model from the folder
+    r = memlm("eval", "--corpus", str(corpus_dir / "valid"), *common, "--dump", str(tmp_path / "valid.npz"))
+    assert r.returncode == 0, r.stderr
+    r = memlm(
+        "eval",
+        "--corpus",
+        str(corpus_dir / "test"),
+        *common,
+        "--dump",
+        str(tmp_path / "test.npz"),
+        "--json",
+        str(tmp_path / "test.json"),
+        "--cache",
+        "--search",
+        "exact",
+        "--scores",
+        "exact",
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "test.json").read_text())
+    for key in ("base_ppl", "knn_ppl", "oracle_ppl", "tokens", "lambda", "k", "temperature", "cache_ppl"):
+        assert key in res
+    assert res["k"] == 16 and res["search"] == "exact" and res["oracle_ppl"] <= res["base_ppl"]
+
+    r = memlm(
+        "tune",
+        "--valid",
+        str(tmp_path / "valid.npz"),
+        "--test",
+        str(tmp_path / "test.npz"),
+        "--json",
+        str(tmp_path / "tuned.json"),
+        "--lambdas",
+        "0",
+        "0.25",
+        "0.5",
+        "--temperatures",
+        "1",
+        "10",
+    )
+    assert r.returncode == 0, r.stderr
+    tuned = json.loads((tmp_path / "tuned.json").read_text())
+    assert tuned["valid"]["best"]["lambda"] in (0, 0.25, 0.5) and len(tuned["grid"]) == 6
+    assert tuned["test"]["lambda"] == tuned["valid"]["best"]["lambda"]
+
+    r = memlm("generate", "--datastore", str(ds), "--prompt", "the cat", "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("the cat")
