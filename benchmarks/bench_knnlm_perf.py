@@ -27,6 +27,7 @@ from memlm.corpora import load_documents
 from memlm.datastore import build_datastore
 from memlm.evaluate import add_neighbours, lm_scores
 from memlm.fileio import atomic_write_json
+from memlm.forward import collate
 from memlm.resources import load_causal_lm
 from memlm.windows import batched, limit_documents, sliding_windows, tokenize_documents
 
@@ -48,12 +49,7 @@ def forward_only(model, tok, docs, window, min_context, batch_size) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batched(sliding_windows(tokenize_documents(docs, tok), window, min_context), batch_size):
-            length = max(len(w.input_ids) for w in batch)
-            ids = torch.full((len(batch), length), tok.pad_token_id or 0, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for b, w in enumerate(batch):
-                ids[b, : len(w.input_ids)] = torch.from_numpy(w.input_ids)
-                mask[b, : len(w.input_ids)] = 1
+            ids, mask = collate(batch, tok.pad_token_id or 0)
             model(input_ids=ids, attention_mask=mask, use_cache=False)
     return time.perf_counter() - t0
 

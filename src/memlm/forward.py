@@ -15,7 +15,7 @@ import torch
 from memlm.keys import KeyCapture, KeySpec
 from memlm.windows import Window
 
-__all__ = ["WindowOutput", "forward_windows"]
+__all__ = ["WindowOutput", "collate", "forward_windows"]
 
 
 @dataclass
@@ -30,6 +30,20 @@ class WindowOutput:
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def collate(batch: Sequence[Window], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad a batch of windows into ``(input_ids, attention_mask)``, both ``[B, max length]``.
+
+    Right padding is safe for causal LMs: no real position attends to the padding on its right.
+    """
+    length = max(len(w.input_ids) for w in batch)
+    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), length), dtype=torch.long)
+    for b, w in enumerate(batch):
+        ids[b, : len(w.input_ids)] = torch.from_numpy(w.input_ids)
+        mask[b, : len(w.input_ids)] = 1
+    return ids, mask
 
 
 @torch.inference_mode()
@@ -48,13 +62,7 @@ def forward_windows(
     device = _device(model)
     specs = list(key_specs)
     for batch in batches:
-        length = max(len(w.input_ids) for w in batch)
-        ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), length), dtype=torch.long)
-        for b, w in enumerate(batch):
-            ids[b, : len(w.input_ids)] = torch.from_numpy(w.input_ids)
-            mask[b, : len(w.input_ids)] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = (t.to(device) for t in collate(batch, pad_id))
         with KeyCapture(model, specs) as cap:
             out = model(input_ids=ids, attention_mask=mask, use_cache=False)
             captured = {s: cap.keys_by_spec[s] for s in specs}
