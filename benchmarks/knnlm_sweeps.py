@@ -72,7 +72,6 @@ def ensure_index(ds: Datastore) -> None:
     """
     if not ds.index_path.exists():
         plan = plan_index(len(ds), ds.dim, "Flat" if len(ds) <= 100_000 else "IVF1024,Flat", train_size=60_000)
-        log(f"index for {ds.path.name}: {plan}")
         build_index(ds.keys, ds.index_path, factory=plan.factory, metric="l2", train_size=plan.train_size)
 
 

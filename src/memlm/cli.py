@@ -84,12 +84,10 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
 
 
 def _build_index(ds, factory: str | None, metric: str, train_size: int | None) -> None:
-    from memlm.index import build_index, plan_index
+    from memlm.index import build_index, read_index_meta
 
-    plan = plan_index(len(ds), ds.dim, factory, metric, train_size)
-    print(plan, file=sys.stderr)
-    build_index(ds.keys, ds.index_path, factory=plan.factory, metric=metric, train_size=plan.train_size)
-    print(f"index {ds.index_path} ({plan.factory}, {metric})")
+    build_index(ds.keys, ds.index_path, factory=factory, metric=metric, train_size=train_size)  # prints its plan
+    print(f"index {ds.index_path} ({read_index_meta(ds.index_path)['factory']}, {metric})")
 
 
 def cmd_datastore_info(args: argparse.Namespace) -> None:

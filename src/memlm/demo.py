@@ -27,7 +27,7 @@ from memlm.corpora import corpus_fingerprint, load_documents
 from memlm.datastore import Datastore, build_datastore
 from memlm.evaluate import TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.fileio import atomic_write_json
-from memlm.index import build_index, plan_index
+from memlm.index import build_index
 from memlm.keys import KeySpec
 from memlm.resources import load_causal_lm, memlm_home
 from memlm.windows import limit_documents
@@ -74,9 +74,7 @@ def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path) -> Datastore
         source={"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs)},
     )
     if not ds.index_path.exists():
-        plan = plan_index(len(ds), ds.dim)
-        _log(str(plan))
-        build_index(ds.keys, ds.index_path, factory=plan.factory, metric="l2")
+        build_index(ds.keys, ds.index_path, metric="l2")  # Flat (exact) at this size
     return ds
 
 
