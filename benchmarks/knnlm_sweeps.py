@@ -205,7 +205,7 @@ def main() -> None:
             sub = out / f"ds-wiki-ffn_in-{frac:g}"
             ds = Datastore.open(sub) if (sub / "manifest.json").exists() else stores["wiki"].subsample(sub, frac)
             ensure_index(ds)
-        v, t = dumps("wiki", f"wiki-{frac:g}", ds)
+        v, t = dumps("wiki", "wiki" if frac >= 1.0 else f"wiki-{frac:g}", ds)
         r = tuned(v, t)
         size_rows.append({"fraction": frac, "entries": len(ds), **r})
         log(f"size {frac:g} ({len(ds)}): {r['knn_ppl']:.3f} (λ={r['lambda']})")

@@ -21,11 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from memlm.corpora import corpus_fingerprint, load_documents
 from memlm.datastore import Datastore, build_datastore
-from memlm.evaluate import TokenScores, add_neighbours, lm_scores, perplexities, tune
+from memlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.fileio import atomic_write_json
 from memlm.index import build_index
 from memlm.keys import KeySpec
@@ -136,7 +134,7 @@ def run_demo(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     stores = {c: _datastore(cfg, model, tok, c, out / f"{c}-datastore") for c in ("wiki", "news")}
     plan = {"wiki": ["wiki"], "news": ["wiki", "news"]}  # eval corpus -> datastores to try
     rows, curves = [], {}
-    lams = [round(x, 2) for x in np.arange(0.0, 1.0001, 0.05)]
+    lams = [lam for lam in DEFAULT_LAMBDAS if lam < 1]  # λ = 1 is infinite: some targets are never retrieved
     for corpus, names in plan.items():
         sub = {n: stores[n] for n in names}
         valid = _dumps(cfg, model, tok, corpus, "valid", sub, out)

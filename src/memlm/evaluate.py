@@ -50,7 +50,35 @@ __all__ = [
     "DEFAULT_TEMPERATURES",
 ]
 
-DEFAULT_LAMBDAS = tuple(round(x, 2) for x in np.arange(0.0, 1.0001, 0.05))
+# fine near 0, where small LMs with small datastores want λ; the paper's 0.25 and the rest up to 1 too
+DEFAULT_LAMBDAS = (
+    0.0,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.35,
+    0.4,
+    0.45,
+    0.5,
+    0.55,
+    0.6,
+    0.65,
+    0.7,
+    0.75,
+    0.8,
+    0.85,
+    0.9,
+    0.95,
+    1.0,
+)
 DEFAULT_TEMPERATURES = (0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 _ARRAYS = ("targets", "lm_logprob", "doc_index", "knn_scores", "knn_values", "cache_scores", "cache_values")
 
@@ -346,6 +374,7 @@ def perplexities(
             knn_only_ppl=_ppl(knn),
             oracle_ppl=_ppl(torch.maximum(lm, knn)),
             target_in_neighbours=float(torch.isfinite(knn).float().mean()),
+            knn_beats_lm=float((knn > lm).float().mean()),  # tokens where the oracle picks the memory
             **{"lambda": lam, "temperature": temperature, "k": k or ts.knn_scores.shape[1]},
         )
     if cache_lambda:
