@@ -104,7 +104,7 @@ def forward(args, model, tok, corpus: str, split: str, specs, out: Path):
 def neighbours(base: TokenScores, queries, ds: Datastore, k: int, path: Path) -> TokenScores:
     if path.exists():
         return TokenScores.load(path)
-    ts = TokenScores(base.targets, base.lm_logprob, base.doc_index, meta=dict(base.meta))
+    ts = base.lm_only()
     add_neighbours(ts, queries[ds.key_spec], ds, k=k)
     ts.save(path)
     log(f"neighbours {path.name}: search {ts.meta['seconds_search']:.1f} s")

@@ -92,7 +92,7 @@ def _dumps(
     )
     dumps = {}
     for name, ds in stores.items():
-        ts = TokenScores(base.targets, base.lm_logprob, base.doc_index, meta=dict(base.meta))
+        ts = base.lm_only()
         add_neighbours(ts, queries[ds.key_spec], ds, k=cfg.k)
         ts.save(paths[name])
         dumps[name] = ts

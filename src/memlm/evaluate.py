@@ -99,6 +99,10 @@ class TokenScores:
     def __len__(self) -> int:
         return len(self.targets)
 
+    def lm_only(self) -> TokenScores:
+        """A copy with the LM scores and no memories: attach another datastore to the same forward pass."""
+        return TokenScores(self.targets, self.lm_logprob, self.doc_index, meta=dict(self.meta))
+
     def save(self, path: str | Path) -> None:
         """Write an ``.npz`` atomically (the meta dict goes in as JSON)."""
         path = Path(path)
