@@ -4,7 +4,8 @@ A kNN-LM (Khandelwal et al., 2020) keys its datastore with a vector ``f(c_t)`` t
 model at the position that predicts the next token. Which vector matters: Khandelwal et al. (Table 5) find
 the input to the last layer's feed-forward block, after its layer norm, works best; Xu et al. (2023, "Why
 do nearest-neighbor language models work?") compare that vector (their "att") with the vector the output
-softmax reads (their "ffn"). TRIME's training-time memories use the latter (the output representation).
+softmax reads (their "ffn"). TRIME (Zhong et al. 2022, Sec. 3) also keys its memories with the former:
+g(c) = the input of the final feed-forward block.
 
 This module names those vectors by *role* and finds them from the model's module structure, not from a
 table of per-architecture attribute names:
@@ -13,9 +14,9 @@ table of per-architecture attribute names:
 role            what is captured
 ==============  ==============================================================================================
 ``ffn_in``      input of a layer's feed-forward block, after its layer norm. Khandelwal et al.'s best key
-                (Table 5, "FFN input after layer norm"); Xu et al.'s "att". Default.
+                (Table 5, "FFN input after layer norm"); Xu et al.'s "att"; TRIME's g(c). Default.
 ``final``       the hidden state the output softmax reads (input of ``model.get_output_embeddings()``),
-                i.e. after the final norm. Xu et al.'s "ffn"; TRIME's output representation. The layer
+                i.e. after the final norm. Xu et al.'s "ffn"; TRIME's f(c). The layer
                 index is ignored.
 ``ffn_out``     output of a layer's feed-forward block, before the residual add (a further tap for
                 ablations).
