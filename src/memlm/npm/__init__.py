@@ -1,0 +1,24 @@
+"""NPM: nonparametric masked language modelling (Min et al. 2023) -- span masking and the contrastive objective."""
+
+from memlm.npm.loss import npm_contrastive_loss, npm_single_loss, npm_span_loss, npm_span_targets
+from memlm.npm.masking import (
+    MaskedBatch,
+    MaskedSpan,
+    Occurrence,
+    mask_batch,
+    mask_batch_single,
+    truncated_geometric_pmf,
+)
+
+__all__ = [
+    "MaskedBatch",
+    "MaskedSpan",
+    "Occurrence",
+    "mask_batch",
+    "mask_batch_single",
+    "truncated_geometric_pmf",
+    "npm_contrastive_loss",
+    "npm_span_targets",
+    "npm_span_loss",
+    "npm_single_loss",
+]

@@ -1,0 +1,314 @@
+"""TRIME's training objective: one softmax over the vocabulary and the in-batch memory (Zhong et al. 2022, Eq. 5).
+
+Zhong, Lei & Chen (2022), "Training Language Models with Memory Augmentation" (TRIME), Eq. 5::
+
+    P(w | c) ∝ exp(E_w · f(c))  +  Σ_{(c_j, x_j) ∈ M_train, x_j = w} exp(sim(g(c), g(c_j)))
+
+    sim(q, k) = q · k / sqrt(d)                    (scaled dot product)
+    loss      = -log P(x_target | c)
+
+``f(c)`` is the hidden state the output softmax reads (so ``E · f(c)`` are the model's logits), ``g(c)`` the input of
+the last feed-forward block (memlm's ``ffn_in`` role at layer ``-1``; capture it with
+``KeyCapture(model, KeySpec("ffn_in", -1), detach=False)`` so that gradients reach it). Unlike the kNN-LM (Eq. 3 in
+``memlm.knn``) this is *one* normalisation over ``|V|`` logits and ``|M|`` memory scores, not an interpolation: a
+memory entry whose value is ``w`` adds its mass to ``w``; every visible entry adds to the denominator.
+
+Memory entries and indices. Over a batch of ``B`` segments of length ``T`` flattened to ``N = B * T`` positions,
+position ``i`` holds the context ``c_i = x_1 .. x_i`` (the tokens up to and including input token ``i``), its query
+``g(c_i)`` and its target ``x_{i+1}`` (the label the LM predicts at ``i``). Memory entry ``j`` is the pair
+``(g(c_j), x_{j+1})``: key = the representation at position ``j``, value = the *target* at ``j`` (the next token).
+Query ``i`` may see entry ``j`` only when ``j`` is strictly before ``i`` in the same segment (Eq. 2: ``j < t``), since
+entry ``i`` itself has the answer as its value. Which other entries it sees depends on the memory (Section 4):
+
+============  ==================================================================================================
+``local``     TrimeLM (Sec. 4.1): earlier positions of the same segment.
+``long``      TrimeLM_long (Sec. 4.2): earlier positions of the same *document*; the batch packs consecutive
+              segments of a document, so this is the own segment's earlier positions plus every position of the
+              document's earlier segments in the batch.
+``external``  TrimeLM_ext (Sec. 4.3): every position of the *other* segments in the batch, plus the own segment's
+              earlier positions; during training the local part is dropped with probability ``p`` (0.9 in the
+              paper, App. H), one draw per batch as in the authors' code (``trime_ext_loss.py``,
+              ``only_cross_sent=random.random() < cross_sent_ratio``).
+============  ==================================================================================================
+
+Entries with a negative value (``-1`` empty slot, ``-100`` an ignored / padded target) are never visible. Gradients flow
+into the queries *and* the memory keys: they come from the same forward pass.
+
+At test time (App. A, Eq. 6) the memory term gets a temperature, ``exp(sim(g(c), g(c_j)) / τ)``: pass
+``temperature``. (App. A's extra interpolation with a separate memory distribution, Eq. 8-9, is ``memlm.knn``.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import nn
+
+from memlm.errors import MemlmError
+
+__all__ = [
+    "MemoryKind",
+    "MEMORY_KINDS",
+    "segment_layout",
+    "memory_visibility",
+    "sample_drop_local",
+    "trime_logprob",
+    "trime_loss",
+    "TrimeLoss",
+]
+
+MemoryKind = Literal["local", "long", "external"]
+MEMORY_KINDS: tuple[str, ...] = ("local", "long", "external")
+
+
+def segment_layout(
+    batch: int,
+    seq_len: int,
+    segment_doc: torch.Tensor | None = None,
+    segment_index_in_doc: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position ``(segment_ids, positions, doc_ids)`` of ``B`` segments of length ``T`` flattened to ``N = B * T``.
+
+    TRIME Sec. 4.2 divides a document into consecutive segments ``s_1 .. s_m`` of ``L = T`` contexts each; segment
+    ``b`` is the ``segment_index_in_doc[b]``-th segment of document ``segment_doc[b]``. Flattened position
+    ``i = b * T + t`` gets ``segment_ids[i] = b``, ``doc_ids[i] = segment_doc[b]`` and
+    ``positions[i] = segment_index_in_doc[b] * T + t``: its place in the document's token stream (so ``t`` within a
+    segment). Defaults: every segment is its own document (``segment_doc = arange(B)``, index 0).
+    """
+    if batch <= 0 or seq_len <= 0:
+        raise MemlmError(f"batch and seq_len must be > 0, got batch={batch}, seq_len={seq_len}")
+    if segment_doc is None:
+        segment_doc = torch.arange(batch, device=device)
+    if segment_index_in_doc is None:
+        segment_index_in_doc = torch.zeros(batch, dtype=torch.long, device=segment_doc.device)
+    for name, t in (("segment_doc", segment_doc), ("segment_index_in_doc", segment_index_in_doc)):
+        if t.shape != (batch,) or t.is_floating_point() or t.dtype == torch.bool:
+            raise MemlmError(f"{name} must be an integer tensor of shape ({batch},), got {t.dtype} {tuple(t.shape)}")
+    if bool((segment_index_in_doc < 0).any()):
+        raise MemlmError("segment_index_in_doc must be >= 0")
+    dev = segment_doc.device
+    t = torch.arange(seq_len, device=dev)
+    segment_ids = torch.arange(batch, device=dev).repeat_interleave(seq_len)
+    doc_ids = segment_doc.long().repeat_interleave(seq_len)
+    positions = (segment_index_in_doc.long().to(dev)[:, None] * seq_len + t[None, :]).reshape(-1)
+    return segment_ids, positions, doc_ids
+
+
+def memory_visibility(
+    kind: MemoryKind,
+    segment_ids: torch.Tensor,
+    positions: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    drop_local: bool = False,
+) -> torch.Tensor:
+    """``visible[i, j]``: may query ``i`` use memory entry ``j`` (TRIME Sec. 4, Eq. 2-4 / Fig. 2)? ``[N, N]`` bool.
+
+    Memory = the batch's own ``N`` positions (entry ``j`` = ``(g(c_j), x_{j+1})``, see the module docstring)::
+
+        local:     seg_j = seg_i  and pos_j < pos_i                                   (M_local,  Sec. 4.1)
+        long:      doc_j = doc_i  and pos_j < pos_i                                   (M_long,   Sec. 4.2)
+        external:  seg_j != seg_i  or (seg_j = seg_i and pos_j < pos_i and not drop_local)   (M_ext, Sec. 4.3)
+
+    ``positions`` orders the positions of a segment (for ``long``: the position in the document's stream, as
+    :func:`segment_layout` returns). ``doc_ids`` is required for ``long``. ``drop_local`` (only for ``external``)
+    removes the own segment's entries (the local-memory dropout of Sec. 4.3, see :func:`sample_drop_local`).
+    """
+    if kind not in MEMORY_KINDS:
+        raise MemlmError(f"unknown memory kind {kind!r}; use one of {', '.join(MEMORY_KINDS)}")
+    if segment_ids.dim() != 1 or positions.shape != segment_ids.shape:
+        raise MemlmError(
+            f"segment_ids {tuple(segment_ids.shape)} and positions {tuple(positions.shape)} must both be [N]"
+        )
+    if drop_local and kind != "external":
+        raise MemlmError(f"drop_local only applies to the external memory, not {kind!r}")
+    earlier = positions[None, :] < positions[:, None]  # [i, j]: pos_j < pos_i
+    same_seg = segment_ids[None, :] == segment_ids[:, None]
+    if kind == "local":
+        return same_seg & earlier
+    if kind == "long":
+        if doc_ids is None or doc_ids.shape != segment_ids.shape:
+            raise MemlmError("the long-term memory needs doc_ids [N] (the document of each position)")
+        return (doc_ids[None, :] == doc_ids[:, None]) & earlier
+    local = torch.zeros_like(same_seg) if drop_local else same_seg & earlier
+    return ~same_seg | local
+
+
+def sample_drop_local(p: float, generator: torch.Generator | None = None) -> bool:
+    """One Bernoulli(``p``) draw: drop the local memory for this batch (TRIME Sec. 4.3, App. H: ``p = 0.9``).
+
+    The paper excludes the local memory from ``M_train`` "with a probability of p"; the authors' code draws once per
+    batch (``random.random() < cross_sent_ratio``), which this follows. Pass a seeded ``generator`` for determinism.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise MemlmError(f"local-memory drop probability must be in [0, 1], got {p}")
+    return bool(torch.rand((), generator=generator) < p)
+
+
+def _check_inputs(
+    logits: torch.Tensor,
+    queries: torch.Tensor,
+    mem_keys: torch.Tensor,
+    mem_values: torch.Tensor,
+    visible: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+) -> None:
+    if logits.dim() != 2:
+        raise MemlmError(f"logits must be [N, V], got {tuple(logits.shape)}; flatten batch and time first")
+    n, v = logits.shape
+    if queries.dim() != 2 or queries.shape[0] != n:
+        raise MemlmError(f"queries must be [N={n}, D], got {tuple(queries.shape)}")
+    if mem_keys.dim() != 2 or mem_keys.shape[1] != queries.shape[1]:
+        raise MemlmError(f"mem_keys must be [M, D={queries.shape[1]}], got {tuple(mem_keys.shape)}")
+    m = mem_keys.shape[0]
+    if mem_values.shape != (m,) or mem_values.is_floating_point() or mem_values.dtype == torch.bool:
+        raise MemlmError(
+            f"mem_values must be an integer tensor [M={m}], got {mem_values.dtype} {tuple(mem_values.shape)}"
+        )
+    if visible.shape != (n, m) or visible.dtype != torch.bool:
+        raise MemlmError(f"visible must be a bool tensor [N={n}, M={m}], got {visible.dtype} {tuple(visible.shape)}")
+    if targets.shape != (n,) or targets.is_floating_point() or targets.dtype == torch.bool:
+        raise MemlmError(f"targets must be an integer tensor [N={n}], got {targets.dtype} {tuple(targets.shape)}")
+    for name, t in (("logits", logits), ("queries", queries), ("mem_keys", mem_keys)):
+        if not t.is_floating_point():
+            raise MemlmError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
+    if bool(bad.any()):
+        raise MemlmError(
+            f"target {int(targets[bad][0])} is out of range for a vocabulary of {v} (ignore_index={ignore_index})"
+        )
+    if m and int(mem_values.max()) >= v:
+        raise MemlmError(f"memory value {int(mem_values.max())} is out of range for a vocabulary of {v}")
+
+
+def trime_logprob(
+    logits: torch.Tensor,
+    queries: torch.Tensor,
+    mem_keys: torch.Tensor,
+    mem_values: torch.Tensor,
+    visible: torch.Tensor,
+    targets: torch.Tensor,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``log P(target | c)`` under TRIME's Eq. 5 (Eq. 6 with ``temperature``) for each of ``N`` queries -> ``[N]``.
+
+    With ``s_ij = scale * g_i · k_j / τ`` (``scale`` defaults to ``1 / sqrt(D)``) over the visible entries ``j``
+    (``visible[i, j]`` and ``mem_values[j] >= 0``)::
+
+        log P(w | c_i) = logsumexp({E_w f_i} ∪ {s_ij : v_j = w})  -  logsumexp({E_v f_i : v ∈ V} ∪ {s_ij : all j})
+
+    A row with no visible entry reduces to ``log_softmax(logits)[target]``. Shapes: ``logits [N, V]`` (``E · f(c)``),
+    ``queries [N, D]`` (``g(c)``), ``mem_keys [M, D]`` (``g(c_j)``), ``mem_values [M]`` (``x_j``, the next token at
+    ``j``), ``visible`` bool ``[N, M]``, ``targets [N]``. Rows whose target is ``ignore_index`` return 0. Computed in
+    at least float32; gradients flow into ``logits``, ``queries`` and ``mem_keys``. Memory: a few ``[N, M]`` tensors.
+    """
+    _check_inputs(logits, queries, mem_keys, mem_values, visible, targets, ignore_index)
+    if temperature <= 0:
+        raise MemlmError(f"temperature must be > 0, got {temperature}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(queries.shape[1])
+    dtype = torch.promote_types(torch.promote_types(logits.dtype, queries.dtype), torch.float32)
+    logits = logits.to(dtype)
+    scores = (queries.to(dtype) @ mem_keys.to(dtype).T) * (scale / temperature)  # [N, M]
+    usable = visible & (mem_values >= 0)[None, :]
+    scores = scores.masked_fill(~usable, float("-inf"))
+    ignored = targets == ignore_index
+    safe_targets = targets.masked_fill(ignored, 0).long()
+    # logsumexp over concat([logits, scores]) without copying the [N, V] logits
+    denominator = torch.logaddexp(torch.logsumexp(logits, dim=1), torch.logsumexp(scores, dim=1))
+    target_logit = logits.gather(1, safe_targets[:, None])  # [N, 1]
+    hit = mem_values.long()[None, :] == safe_targets[:, None]  # [N, M]
+    numerator = torch.logsumexp(torch.cat([target_logit, scores.masked_fill(~hit, float("-inf"))], dim=1), dim=1)
+    out = numerator - denominator
+    return out.masked_fill(ignored, 0.0)
+
+
+def trime_loss(
+    logits: torch.Tensor,
+    queries: torch.Tensor,
+    mem_keys: torch.Tensor,
+    mem_values: torch.Tensor,
+    visible: torch.Tensor,
+    targets: torch.Tensor,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """TRIME's training loss (Eq. 5): the mean of ``-log P(target | c)`` over targets that are not ``ignore_index``.
+
+    Arguments as :func:`trime_logprob`. A scalar; ``0`` (with a graph) when every target is ignored.
+    """
+    logp = trime_logprob(logits, queries, mem_keys, mem_values, visible, targets, scale, temperature, ignore_index)
+    keep = targets != ignore_index
+    count = keep.sum()
+    return -(logp * keep).sum() / count.clamp(min=1)
+
+
+class TrimeLoss(nn.Module):
+    """TRIME's loss over in-batch memories (Zhong et al. 2022, Eq. 5, Sec. 4)::
+
+        loss = -mean_i log [ (exp(E_{y_i} f_i) + Σ_{j visible, y_j = y_i} exp(g_i·g_j/√d))
+                             / (Σ_v exp(E_v f_i) + Σ_{j visible} exp(g_i·g_j/√d)) ]
+
+    over the ``N = B * T`` positions of a batch, where memory = the batch's own positions (entry ``j`` =
+    ``(g_j, y_j)``, ``y_j`` the target at ``j``) and "visible" follows ``kind`` (:func:`memory_visibility`). For
+    ``external`` in training mode the local memory is dropped with probability ``p_drop_local`` (0.9 in the paper),
+    one draw per forward. ``forward(logits [B, T, V], keys [B, T, D], targets [B, T], segment_doc=None,
+    segment_index_in_doc=None)``; ``keys`` is ``g`` (``ffn_in`` of the last layer, captured with ``detach=False``).
+    """
+
+    def __init__(
+        self,
+        kind: MemoryKind = "local",
+        p_drop_local: float = 0.9,
+        scale: float | None = None,
+        ignore_index: int = -100,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Store the settings; see the class docstring (TRIME Eq. 5, Sec. 4.3 for ``p_drop_local``)."""
+        super().__init__()
+        if kind not in MEMORY_KINDS:
+            raise MemlmError(f"unknown memory kind {kind!r}; use one of {', '.join(MEMORY_KINDS)}")
+        if not 0.0 <= p_drop_local <= 1.0:
+            raise MemlmError(f"p_drop_local must be in [0, 1], got {p_drop_local}")
+        self.kind: MemoryKind = kind
+        self.p_drop_local = p_drop_local
+        self.scale = scale
+        self.ignore_index = ignore_index
+        self.generator = generator
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        keys: torch.Tensor,
+        targets: torch.Tensor,
+        segment_doc: torch.Tensor | None = None,
+        segment_index_in_doc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The scalar TRIME loss (Eq. 5) of one batch of ``B`` segments of length ``T`` with in-batch memory."""
+        if logits.dim() != 3 or keys.dim() != 3 or targets.dim() != 2:
+            raise MemlmError(
+                f"expected logits [B, T, V], keys [B, T, D], targets [B, T]; got {tuple(logits.shape)}, "
+                f"{tuple(keys.shape)}, {tuple(targets.shape)}"
+            )
+        b, t = targets.shape
+        if logits.shape[:2] != (b, t) or keys.shape[:2] != (b, t):
+            raise MemlmError(
+                f"logits {tuple(logits.shape)}, keys {tuple(keys.shape)} and targets {tuple(targets.shape)} "
+                "must agree on [B, T]"
+            )
+        if self.kind == "long" and segment_doc is None:
+            raise MemlmError("the long-term memory needs segment_doc and segment_index_in_doc for each segment")
+        seg, pos, doc = segment_layout(b, t, segment_doc, segment_index_in_doc, device=targets.device)
+        drop = self.kind == "external" and self.training and sample_drop_local(self.p_drop_local, self.generator)
+        visible = memory_visibility(self.kind, seg, pos, doc, drop_local=drop)
+        q = keys.reshape(b * t, -1)
+        y = targets.reshape(-1)
+        return trime_loss(
+            logits.reshape(b * t, -1), q, q, y, visible, y, scale=self.scale, ignore_index=self.ignore_index
+        )
