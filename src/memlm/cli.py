@@ -59,8 +59,10 @@ def cmd_corpora(args: argparse.Namespace) -> None:
     print(f"{'name':8s} {'train':>6s} {'valid':>6s} {'test':>6s} {'chars':>11s}  description (documents per split)")
     for row in describe_corpora():
         d = row["docs"]
-        print(f"{row['name']:8s} {d['train']:6d} {d['valid']:6d} {d['test']:6d} {row['chars']['all']:11,d}  "
-              f"{row['description']}")
+        print(
+            f"{row['name']:8s} {d['train']:6d} {d['valid']:6d} {d['test']:6d} {row['chars']['all']:11,d}  "
+            f"{row['description']}"
+        )
 
 
 def cmd_datastore_build(args: argparse.Namespace) -> None:
