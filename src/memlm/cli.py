@@ -23,10 +23,11 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def _documents(corpus: str, split: str | None, tokenizer, max_tokens: int | None):
-    from memlm.corpora import corpus_fingerprint, load_documents
+    from memlm.corpora import corpus_fingerprint
+    from memlm.train_lm import load_corpora
     from memlm.windows import limit_documents
 
-    docs = limit_documents(load_documents(corpus, split), tokenizer, max_tokens)
+    docs = limit_documents(load_corpora(corpus, split), tokenizer, max_tokens)
     source = {
         "corpus": corpus,
         "split": split,
@@ -225,6 +226,81 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(tok.decode(out[0], skip_special_tokens=True))
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from memlm.train import TrainConfig
+    from memlm.train_lm import train_lm
+
+    config = TrainConfig(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        seed=args.seed,
+    )
+    result = train_lm(
+        args.out,
+        args.corpus,
+        config,
+        scratch=args.from_scratch,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        valid_corpus=args.valid_corpus,
+        valid_tokens=args.valid_tokens,
+        n_positions=args.n_positions,
+        dropout=args.dropout,
+        resume=not args.no_resume,
+        stop_after=args.stop_after,
+    )
+    if result.final_dir is None:
+        print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
+        return
+    ppl = result.valid_ppl
+    print(f"trained {result.step} updates -> {result.final_dir}" + (f" (valid ppl {ppl:.3f})" if ppl else ""))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise MemlmError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def cmd_analyze(args: argparse.Namespace) -> None:
+    from memlm.analysis import FIG5_TEMPERATURES, AnalysisSpec, run_analysis
+
+    datastores = {role: d for role, d in (("att", args.datastore_att), ("ffn", args.datastore_ffn)) if d}
+    spec = AnalysisSpec(
+        model=args.model,
+        datastores=datastores,
+        valid=args.valid_corpus,
+        test=args.test_corpus,
+        max_tokens=args.max_tokens,
+        window=args.window,
+        min_context=args.min_context,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        k=args.k,
+        nprobe=args.nprobe,
+        factory=args.factory,
+        fractions=_floats(args.fractions),
+        temperatures=_floats(args.temperatures) if args.temperatures else FIG5_TEMPERATURES,
+        learned_n=tuple(int(n) for n in _floats(args.learned_n)),
+        learned_steps=args.learned_steps,
+        learned_batch=args.learned_batch,
+        learned_lr=args.learned_lr,
+        seed=args.seed,
+        skip=tuple(s.strip() for s in args.skip.split(",") if s.strip()),
+    )
+    run_analysis(spec, args.out, log=lambda m: print(m, file=sys.stderr))
+    print((Path(args.out) / "tables.md").read_text())
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from memlm.demo import run_demo
 
@@ -249,7 +325,9 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def _add_corpus(p: argparse.ArgumentParser, split: str) -> None:
-    p.add_argument("--corpus", required=True, help="named corpus (memlm corpora), a .txt/.jsonl file or a folder")
+    p.add_argument(
+        "--corpus", required=True, help="named corpus (memlm corpora), .txt/.jsonl file or folder; a,b for several"
+    )
     p.add_argument("--split", default=split, help=f"split of a named corpus: train, valid, test, all (default {split})")
     p.add_argument("--max-tokens", type=int, default=None, help="use only the leading documents up to this many tokens")
 
@@ -354,6 +432,57 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train", help="train a causal LM from scratch or continue a pretrained one (resumable)")
+    t.add_argument("--out", required=True, help="run folder; rerun the same command to resume; model in OUT/final")
+    t.add_argument("--corpus", required=True, help="training corpora, comma-separated (split train), e.g. wiki,news")
+    t.add_argument("--valid-corpus", default=None, help="validation corpora (split valid; default: --corpus)")
+    t.add_argument("--valid-tokens", type=int, default=200_000, help="validation tokens scored (0: no validation)")
+    init = t.add_mutually_exclusive_group(required=True)
+    init.add_argument("--from-scratch", metavar="SIZE", help="GPT-2-style model: 5m..50m or <layers>x<dim> (6x384)")
+    init.add_argument("--model", help="continue training this pretrained model (named, HF id or folder)")
+    t.add_argument("--tokenizer", default="bpe:8192", help="from scratch: bpe:<vocab> (trained here), gpt2 or folder")
+    t.add_argument("--n-positions", type=int, default=1024, help="from scratch: maximum positions")
+    t.add_argument("--dropout", type=float, default=0.1, help="from scratch: dropout")
+    t.add_argument("--steps", type=int, default=1000, help="optimizer updates")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW)")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--warmup", type=float, default=0.05, help="warm-up updates, or a fraction of --steps")
+    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16: autocast")
+    t.add_argument("--eval-every", type=int, default=200, help="validation every N updates (0: only at the end)")
+    t.add_argument("--save-every", type=int, default=200, help="checkpoint every N updates")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many updates")
+    t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
+    t.set_defaults(func=cmd_train)
+
+    a = sub.add_parser("analyze", help="Xu et al. 2023 ablations: h_ds, similarity, learned W_ds, FAISS vs exact, τ")
+    _add_model(a, required=True)
+    a.set_defaults(dtype="bfloat16")
+    a.add_argument("--datastore-att", help="datastore with ffn_in keys (Xu's 'att')")
+    a.add_argument("--datastore-ffn", help="datastore with final keys (Xu's 'ffn')")
+    a.add_argument("--valid-corpus", default="wiki", help="held-out corpora (split valid) for tuning λ and τ")
+    a.add_argument("--test-corpus", default="wiki", help="held-out corpora (split test) for the reported numbers")
+    a.add_argument("--max-tokens", type=int, default=None, help="per split: leading documents up to this many tokens")
+    a.add_argument("--window", type=int, default=512)
+    a.add_argument("--min-context", type=int, default=128)
+    a.add_argument("--batch-size", type=int, default=4)
+    a.add_argument("--k", type=int, default=1024)
+    a.add_argument("--nprobe", type=int, default=32)
+    a.add_argument("--factory", default=None, help="approximate FAISS index (default IVF<nlist>,PQ<dim/16>)")
+    a.add_argument("--fractions", default="0.05,0.25,0.5,1", help="datastore ratios for Fig. 2/4 and Table 3")
+    a.add_argument("--temperatures", default=None, help="τ values of Fig. 5 (default 0.1,0.2,...,3.0)")
+    a.add_argument("--learned-n", default="1,2,3,6", help="embeddings per word of the learned W_ds")
+    a.add_argument("--learned-steps", type=int, default=1000, help="training updates of each learned W_ds")
+    a.add_argument("--learned-batch", type=int, default=512)
+    a.add_argument("--learned-lr", type=float, default=1e-3)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--skip", default="", help="comma-separated parts to skip: table1, approx, temperature, learned")
+    a.add_argument("--out", required=True, help="output folder (rerun to resume)")
+    a.set_defaults(func=cmd_analyze)
 
     d = sub.add_parser("demo", help="SmolLM2-135M + wiki and news datastores on the offline defaults")
     d.add_argument("--out", default=None, help="output folder (default $MEMLM_HOME/demo)")

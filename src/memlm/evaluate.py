@@ -130,6 +130,11 @@ def datastore_metric(datastore: Datastore, index=None) -> str:
     return meta["metric"] if meta else "l2"
 
 
+def _index_metric_at(path: Path) -> str | None:
+    meta = index_lib.read_index_meta(path)
+    return meta["metric"] if meta else None
+
+
 def retrieve(
     datastore: Datastore,
     queries: np.ndarray,
@@ -232,15 +237,27 @@ def add_neighbours(
     nprobe: int = 32,
     provenance: dict[str, np.ndarray] | None = None,
     progress: bool = True,
+    index_path: str | Path | None = None,
+    metric: str | None = None,
 ) -> TokenScores:
     """Retrieve the k nearest datastore entries of every query and store their (score, value) in ``ts``.
 
+    ``index_path`` picks another index of the same datastore than its default ``index.faiss`` (e.g. an IP or a PQ
+    index built for an ablation). ``metric`` (``l2``/``ip``) sets the similarity of exact search and exact scores
+    (default: the index's).
     With ``provenance`` (from :func:`lm_scores`), neighbours that are the evaluated token itself (same document hash
     and offset) are dropped: use it when the evaluated text is also in the datastore.
     """
     t1 = time.perf_counter()
-    index = index_lib.load_index(datastore.index_path, nprobe=nprobe) if search == "index" else None
-    sc, ids = retrieve(datastore, queries, k, index=index, search=search, scores=scores, progress=progress)
+    path = Path(index_path) if index_path is not None else datastore.index_path
+    index = index_lib.load_index(path, nprobe=nprobe) if search == "index" else None
+    if index is not None and metric is not None and metric != index_lib.index_metric(index):
+        raise MemlmError(f"index {path} uses {index_lib.index_metric(index)}, not {metric}: build an {metric} index")
+    metric = metric or (index_lib.index_metric(index) if index is not None else _index_metric_at(path))
+    chunk = 4096 if search == "index" else max(4096, len(queries))  # exact: one pass over the keys
+    sc, ids = retrieve(
+        datastore, queries, k, index=index, search=search, scores=scores, metric=metric, chunk=chunk, progress=progress
+    )
     valid = ids >= 0
     flat = np.where(valid, ids, 0).ravel()
     values = np.where(valid, datastore.values[flat].reshape(ids.shape), -1)
@@ -260,7 +277,8 @@ def add_neighbours(
         k=k,
         search=search,
         scores=scores,
-        metric=datastore_metric(datastore, index),
+        metric=metric or datastore_metric(datastore, index),
+        index=str(path) if search == "index" else None,
         nprobe=nprobe,
         drop_self_matches=provenance is not None,
         seconds_search=time.perf_counter() - t1,

@@ -406,11 +406,13 @@ def train(
     warmup_loss: LossFn | None = causal_lm_loss,
     stop_after: int | None = None,
     progress: bool = True,
+    tokenizer=None,
 ) -> TrainResult:
     """Train ``model`` in place for ``config.max_steps`` updates; see the module docstring.
 
     ``stop_after`` ends the run (after a checkpoint) once that many updates are done, without changing the schedule:
     a later call with ``resume=True`` continues to ``max_steps``. ``resume=False`` ignores existing checkpoints.
+    A ``tokenizer`` is saved next to every checkpoint and the final model, so each folder loads on its own.
     """
     config.validate()
     out = Path(out_dir)
@@ -467,6 +469,8 @@ def train(
         tmp = out / f".checkpoint-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         state = {
             "format": _STATE_FORMAT,
             "step": step,
@@ -572,6 +576,8 @@ def train(
         tmp = out / ".final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp, final_dir)
     write_log()

@@ -1,0 +1,121 @@
+"""`memlm analyze`: the Xu et al. 2023 grid on a tiny model writes every table and figure, resumes, and is coherent."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import make_toy_docs
+from test_train_lm import write_jsonl
+
+from memlm.analysis import AnalysisSpec, approx_factory, gain_explained, interpolation_row, run_analysis
+from memlm.cli import main
+from memlm.datastore import build_datastore
+from memlm.errors import MemlmError
+from memlm.keys import KeySpec
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_lm, tiny_lm_dir):
+    tmp = tmp_path_factory.mktemp("analysis")
+    model, tok = tiny_lm
+    docs = make_toy_docs(60, seed=1)
+    kw = dict(window=32, min_context=8, batch_size=4, progress=False)
+    att = build_datastore(model, tok, docs, tmp / "att", key=KeySpec("ffn_in"), **kw)
+    ffn = build_datastore(model, tok, docs, tmp / "ffn", key=KeySpec("final"), **kw)
+    held = write_jsonl(tmp / "held.jsonl", make_toy_docs(8, seed=2))
+    spec = AnalysisSpec(
+        model=str(tiny_lm_dir),
+        datastores={"att": str(att.path), "ffn": str(ffn.path)},
+        valid=str(held),
+        test=str(held),
+        window=32,
+        min_context=8,
+        dtype="float32",
+        k=16,
+        factory="IVF4,PQ4x4",
+        fractions=(0.5, 1.0),
+        temperatures=(0.5, 1.0, 2.0),
+        learned_n=(1, 2),
+        learned_steps=30,
+        learned_batch=64,
+    )
+    return tmp, spec
+
+
+def test_grid_tables_figures_and_resume(setup, monkeypatch):
+    tmp, spec = setup
+    out = tmp / "out"
+    res = run_analysis(spec, out, progress=False, log=lambda m: None)
+    base = res["base"]["test_ppl"]
+    assert len(res["table1"]) == 4 and len(res["approx"]) == 2 * 3 and len(res["learned"]) == 2 * 2
+    assert len(res["temperature"]) == 2 * 3 * 3
+    for row in res["table1"] + res["approx"] + res["temperature"] + res["learned"]:
+        # valid == test here, so the tuned λ can only help, and the per-token oracle is a lower bound
+        assert row["interp_ppl"] <= base + 1e-6
+        assert row["oracle_ppl"] <= row["interp_ppl"] + 1e-6
+    # exact search with exact scores finds at least as close neighbours as the IVF-PQ index
+    rows = {(r["fraction"], r["setting"]): r for r in res["approx"]}
+    assert rows[(1.0, "real mask, real score")]["target_in_neighbours"] >= 0
+    saved = json.loads((out / "analysis.json").read_text())
+    assert saved["base"]["test_tokens"] == res["base"]["test_tokens"]
+    text = (out / "tables.md").read_text()
+    for title in ("Table 1", "Table 2", "Table 3", "Fig. 5", "paper Interp."):
+        assert title in text
+    for fig in ("fig_datastore_ratio.png", "fig_learned_n.png", "fig_temperature.png"):
+        assert (out / fig).stat().st_size > 1000
+    # rerunning resumes from the dumps: no forward pass, no search, no training
+    import memlm.evaluate
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed")
+
+    monkeypatch.setattr(memlm.evaluate, "lm_scores", boom)
+    monkeypatch.setattr("memlm.analysis.add_neighbours", boom)
+    monkeypatch.setattr("memlm.generalized.train_learned_wds", boom)
+    again = run_analysis(spec, out, progress=False, log=lambda m: None)
+    assert again["table1"] == res["table1"] and again["learned"] == res["learned"]
+
+
+def test_exact_mask_dump_matches_bruteforce(setup):
+    tmp, spec = setup
+    from memlm.datastore import Datastore
+    from memlm.evaluate import TokenScores
+
+    out = tmp / "out"
+    run_analysis(spec, out, progress=False, log=lambda m: None)
+    ts = TokenScores.load(out / "nb" / "att-l2-f1-exact-exact-test.npz")
+    q = np.load(out / "queries-test-att.npy")
+    ds = Datastore.open(spec.datastores["att"])
+    keys = np.asarray(ds.keys, dtype=np.float32)
+    d2 = ((q[:5, None, :] - keys[None]) ** 2).sum(-1)
+    top = np.sort(-d2, axis=1)[:, ::-1][:, : spec.k]
+    np.testing.assert_allclose(ts.knn_scores[:5], top, rtol=1e-4, atol=1e-3)
+
+
+def test_helpers_and_errors(setup):
+    tmp, spec = setup
+    assert approx_factory(1_000_000, 1024) == "IVF4096,PQ64"
+    assert approx_factory(100_000, 576) == "IVF2048,PQ36"
+    assert gain_explained(21.75, 20.353, 19.095) == pytest.approx(0.526, abs=1e-3)
+    import torch
+
+    lm = torch.log(torch.tensor([0.5, 0.1, 0.2]))
+    mem = torch.log(torch.tensor([0.1, 0.9, 0.2]))
+    row = interpolation_row(lm, mem, lm, mem, lambdas=(0.0, 0.5, 1.0))
+    assert row["lambda"] == 0.5 and row["oracle_ppl"] <= row["interp_ppl"] <= row["base_ppl"]
+    with pytest.raises(MemlmError, match="ffn_in keys"):
+        run_analysis(
+            AnalysisSpec(model=spec.model, datastores={"att": spec.datastores["ffn"]}), tmp / "x", progress=False
+        )
+    with pytest.raises(MemlmError, match="unknown h_ds role"):
+        run_analysis(AnalysisSpec(model=spec.model, datastores={"mlp": spec.datastores["ffn"]}), tmp / "y")
+
+
+def test_cli_analyze(setup, capsys):
+    tmp, spec = setup
+    args = ["analyze", "--model", spec.model, "--datastore-att", spec.datastores["att"], "--dtype", "float32"]
+    args += ["--valid-corpus", spec.valid, "--test-corpus", spec.test, "--window", "32", "--min-context", "8"]
+    args += ["--k", "8", "--factory", "IVF4,Flat", "--fractions", "1", "--temperatures", "1,2", "--skip", "learned"]
+    assert main([*args, "--out", str(tmp / "cli")]) == 0
+    out = capsys.readouterr().out
+    assert "Table 1" in out and "Table 3" in out and "Table 2" not in out
