@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_toy_docs
@@ -83,3 +84,15 @@ def test_train_cli_and_errors(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error:")
     assert main([*base, "--out", str(tmp_path / "r4"), "--from-scratch", "6x100"]) == 2
     assert "bad model size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss", ["trime", "trime-long", "trime-ext"])
+def test_train_cli_trime_losses(tmp_path, capsys, loss):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_toy_docs(40))
+    args = ["train", "--corpus", str(corpus), "--tokenizer", "bpe:300", "--n-positions", "32", "--seq-len", "16"]
+    args += ["--batch-size", "4", "--steps", "4", "--valid-tokens", "32", "--eval-every", "0", "--save-every", "0"]
+    args += ["--loss", loss, "--ce-warmup", "1", "--out", str(tmp_path / "run"), "--from-scratch", "2x64"]
+    assert main(args) == 0
+    log = json.loads((tmp_path / "run" / "log.json").read_text())
+    assert log["config"]["warmup_loss_steps"] == 1 and len(log["log"]) == 4
+    assert all(np.isfinite(e["loss"]) for e in log["log"])

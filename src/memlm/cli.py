@@ -242,7 +242,20 @@ def cmd_train(args: argparse.Namespace) -> None:
         eval_every=args.eval_every,
         save_every=args.save_every,
         seed=args.seed,
+        warmup_loss_steps=args.ce_warmup if args.loss != "ce" else 0,
     )
+    extra = {}
+    if args.loss != "ce":
+        from memlm.train import causal_lm_loss
+        from memlm.trime.training import trime_objective
+
+        options = {"seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+        if args.loss == "trime-long":
+            options["segments_per_doc"] = args.segments_per_doc
+        if args.loss == "trime-ext":
+            options.update(drop_local_p=args.drop_local_p, packing=args.packing)
+        loss_fn, batches = trime_objective(args.loss, **options)
+        extra = {"loss_fn": loss_fn, "batches": batches, "warmup_loss": causal_lm_loss}
     result = train_lm(
         args.out,
         args.corpus,
@@ -256,6 +269,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         dropout=args.dropout,
         resume=not args.no_resume,
         stop_after=args.stop_after,
+        **extra,
     )
     if result.final_dir is None:
         print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
@@ -454,6 +468,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16: autocast")
     t.add_argument("--eval-every", type=int, default=200, help="validation every N updates (0: only at the end)")
     t.add_argument("--save-every", type=int, default=200, help="checkpoint every N updates")
+    t.add_argument(
+        "--loss",
+        default="ce",
+        choices=["ce", "trime", "trime-long", "trime-ext"],
+        help="ce (plain LM); TRIME with local memory, + long-term (consecutive segments), + external (BM25 batches)",
+    )
+    t.add_argument("--ce-warmup", type=float, default=0.05, help="TRIME: plain CE for this fraction of updates first")
+    t.add_argument("--segments-per-doc", type=int, default=None, help="trime-long: consecutive segments per batch")
+    t.add_argument("--drop-local-p", type=float, default=0.9, help="trime-ext: drop the local memory with prob. p")
+    t.add_argument("--packing", default="bm25", choices=["bm25", "random"], help="trime-ext: batch packing")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many updates")
     t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
