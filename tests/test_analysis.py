@@ -94,8 +94,10 @@ def test_exact_mask_dump_matches_bruteforce(setup):
 
 def test_helpers_and_errors(setup):
     tmp, spec = setup
-    assert approx_factory(1_000_000, 1024) == "IVF4096,PQ64"
-    assert approx_factory(100_000, 576) == "IVF2048,PQ36"
+    assert approx_factory(1_000_000, 1024) == "IVF1024,PQ64"
+    assert approx_factory(500_000, 576) == "IVF1024,PQ36"
+    assert approx_factory(25_000, 384) == "IVF256,PQ24"
+    assert approx_factory(10**9, 1024) == "IVF4096,PQ64"
     assert gain_explained(21.75, 20.353, 19.095) == pytest.approx(0.526, abs=1e-3)
     import torch
 
@@ -115,7 +117,8 @@ def test_cli_analyze(setup, capsys):
     tmp, spec = setup
     args = ["analyze", "--model", spec.model, "--datastore-att", spec.datastores["att"], "--dtype", "float32"]
     args += ["--valid-corpus", spec.valid, "--test-corpus", spec.test, "--window", "32", "--min-context", "8"]
-    args += ["--k", "8", "--factory", "IVF4,Flat", "--fractions", "1", "--temperatures", "1,2", "--skip", "learned"]
+    args += ["--k", "8", "--factory", "IVF4,Flat", "--fractions", "1", "--fig5-temperatures", "1,2"]
+    args += ["--skip", "learned"]
     assert main([*args, "--out", str(tmp / "cli")]) == 0
     out = capsys.readouterr().out
     assert "Table 1" in out and "Table 3" in out and "Table 2" not in out

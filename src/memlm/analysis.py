@@ -118,14 +118,15 @@ class AnalysisSpec:
 
 
 def approx_factory(n: int, d: int) -> str:
-    """An IVF-PQ factory like Khandelwal et al.'s ``IVF4096,PQ64`` (16 dims per sub-quantizer, 8-bit codes).
+    """An IVF-PQ factory like Khandelwal et al.'s ``IVF4096,PQ64`` (16 dims per sub-quantizer, 8-bit codes), with
+    about 2 sqrt(n) inverted lists (a power of two, at most 4096).
 
     Its scores are approximate (PQ), so "FAISS score" differs from "real score" as in Xu et al. §5.1.
     """
     m = max(1, d // 16)
     while d % m:
         m -= 1
-    nlist = min(4096, index_lib._suggest_nlist(n))
+    nlist = min(4096, 2 ** int(math.log2(max(2.0, 2 * math.sqrt(n)))))  # ~2 sqrt(n) lists, a power of two
     return f"IVF{nlist},PQ{m}"
 
 
@@ -238,7 +239,7 @@ class _Run:
                 self.spec.min_context,
                 self.spec.batch_size,
                 self.progress,
-                meta={"model": self.spec.model, "corpus": corpora, "split": split},
+                meta=self._forward_meta(split),
             )
             for role, ds in self.datastores.items():
                 tmp = qpaths[role].with_name(qpaths[role].name + ".tmp.npy")
@@ -246,7 +247,24 @@ class _Run:
                 os.replace(tmp, qpaths[role])
             ts.save(dump)
         ts = TokenScores.load(dump)
+        want = self._forward_meta(split)
+        have = {k: ts.meta.get(k) for k in want}
+        if have != json.loads(json.dumps(want)):
+            diff = ", ".join(f"{k}: {have[k]} vs {want[k]}" for k in want if have[k] != want[k])
+            raise MemlmError(f"{self.out} holds an analysis with other settings ({diff}): use another --out")
         return ts, {role: np.load(p, mmap_mode="r") for role, p in qpaths.items()}
+
+    def _forward_meta(self, split: str) -> dict[str, Any]:
+        s = self.spec
+        corpora = s.valid if split == "valid" else s.test
+        return {
+            "model": s.model,
+            "corpus": corpora,
+            "split": split,
+            "max_tokens": s.max_tokens,
+            "analysis_window": [s.window, s.min_context],
+            "datastores": {role: str(ds.path) for role, ds in self.datastores.items()},
+        }
 
     # -- datastores, indexes, neighbours ------------------------------------------------------------------------
     def datastore(self, role: str, fraction: float) -> Datastore:

@@ -303,7 +303,7 @@ def cmd_analyze(args: argparse.Namespace) -> None:
         nprobe=args.nprobe,
         factory=args.factory,
         fractions=_floats(args.fractions),
-        temperatures=_floats(args.temperatures) if args.temperatures else FIG5_TEMPERATURES,
+        temperatures=_floats(args.fig5_temperatures) if args.fig5_temperatures else FIG5_TEMPERATURES,
         learned_n=tuple(int(n) for n in _floats(args.learned_n)),
         learned_steps=args.learned_steps,
         learned_batch=args.learned_batch,
@@ -498,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--nprobe", type=int, default=32)
     a.add_argument("--factory", default=None, help="approximate FAISS index (default IVF<nlist>,PQ<dim/16>)")
     a.add_argument("--fractions", default="0.05,0.25,0.5,1", help="datastore ratios for Fig. 2/4 and Table 3")
-    a.add_argument("--temperatures", default=None, help="τ values of Fig. 5 (default 0.1,0.2,...,3.0)")
+    a.add_argument("--fig5-temperatures", default=None, help="τ values of Fig. 5 (default 0.1,0.2,...,3.0)")
     a.add_argument("--learned-n", default="1,2,3,6", help="embeddings per word of the learned W_ds")
     a.add_argument("--learned-steps", type=int, default=1000, help="training updates of each learned W_ds")
     a.add_argument("--learned-batch", type=int, default=512)
