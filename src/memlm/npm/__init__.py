@@ -1,4 +1,7 @@
-"""NPM: nonparametric masked language modelling (Min et al. 2023) -- span masking and the contrastive objective."""
+"""NPM: nonparametric masked language modelling (Min et al. 2023) -- masking, loss, objective, phrase index, inference.
+
+The encoder, phrase-index, inference and objective modules are imported on use: ``from memlm.npm.inference import ...``.
+"""
 
 from memlm.npm.loss import npm_contrastive_loss, npm_single_loss, npm_span_loss, npm_span_targets
 from memlm.npm.masking import (

@@ -1,0 +1,34 @@
+#!/bin/bash
+# Xu et al. (2023) ablations for docs/ANALYSIS.md: (a) a GPT-2-style LM trained from scratch here on wiki+news with a
+# datastore from its own training data; (b) SmolLM2-135M with a wiki datastore. Every step resumes when rerun.
+#   bash benchmarks/analysis.sh [scratch|smollm2|all]     (about 1 h of training + 1 h of analysis on 2 CPU cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+M=.venv/bin/memlm
+R=${RUNS:-runs}
+what=${1:-all}
+
+if [[ $what == scratch || $what == all ]]; then
+  # (a) 14M-parameter GPT-2 (6 layers x 384), byte-level BPE with 8,192 types trained on wiki+news train
+  $M train --out $R/scratch-lm --corpus wiki,news --from-scratch 6x384 --tokenizer bpe:8192 \
+    --n-positions 256 --seq-len 256 --batch-size 16 --steps 1800 --lr 1e-3 --eval-every 200 --save-every 100 \
+    --valid-tokens 100000 --dtype bfloat16
+  for key in ffn_in final; do
+    $M datastore build --model $R/scratch-lm/final --dtype bfloat16 --corpus wiki,news --split train \
+      --max-tokens 1000000 --key $key --window 256 --min-context 128 --batch-size 16 --no-index \
+      --out $R/analysis/ds-scratch-$key
+  done
+  $M analyze --model $R/scratch-lm/final --dtype bfloat16 \
+    --datastore-att $R/analysis/ds-scratch-ffn_in --datastore-ffn $R/analysis/ds-scratch-final \
+    --valid-corpus wiki,news --test-corpus wiki,news --max-tokens 40000 --window 256 --min-context 128 \
+    --batch-size 16 --k 1024 --fractions 0.05,0.25,1 --learned-n 1,2,6 --learned-steps 600 \
+    --out $R/analysis/scratch
+fi
+
+if [[ $what == smollm2 || $what == all ]]; then
+  # (b) SmolLM2-135M with the 500k-entry wiki datastores of docs/BENCHMARKS.md (benchmarks/knnlm_sweeps.py builds them)
+  $M analyze --model smollm2-135m --dtype bfloat16 \
+    --datastore-att $R/knnlm/ds-wiki-ffn_in --datastore-ffn $R/knnlm/ds-wiki-final \
+    --valid-corpus wiki --test-corpus wiki --window 512 --min-context 128 --batch-size 4 --k 1024 \
+    --max-tokens 40000 --fractions 0.05,0.25,1 --learned-n 1 --learned-steps 300 --out $R/analysis/smollm2
+fi

@@ -1,0 +1,353 @@
+"""NPM inference (Min et al. 2023, §3.1, App. A.1, A.3, A.4; BM25 restriction §6.3).
+
+Open-set prediction (App. A.1). With ``q_start`` / ``q_end`` the encoder outputs at ``[MASK_s]`` / ``[MASK_e]`` and
+``sim(h1, h2) = h1 . h2 / sqrt(h)`` (``h`` the token-vector size):
+
+1. ``c_{s_1} .. c_{s_k} = argTopk_c sim(q_start, E(c))`` and ``c_{e_1} .. c_{e_k} = argTopk_c sim(q_end, E(c))``
+   (FAISS, inner product);
+2. candidate phrases ``C~* = U_i U_{j=1..l_max} c*_{s_i : s_i+j-1}  u  U_i U_{j=1..l_max} c*_{e_i-j+1 : e_i}``:
+   every span of 1 .. ``l_max`` tokens *starting* at a retrieved start, and every one *ending* at a retrieved end,
+   kept inside one block (an encoder input); ``C~*`` is a set, so a span reached both ways counts once;
+3. prediction ``argmax_v sum_{c* in C~*} I[v = c*] expsim(q, E(c*))`` with ``q = [q_start; q_end]`` and
+   ``E(c*_{i:j}) = [E(c_i); E(c_j)]`` in ``R^{2h}``. Read with the paper's ``sim`` (scaled by the token size ``h``,
+   the reading under which App. A.4 calls its two formulas equivalent), ``expsim(q, E(c*_{i:j})) =
+   exp(sim(q_start, E(c_i)) + sim(q_end, E(c_j)))``. The similarities of a span's start and end are recomputed from
+   the stored vectors, also where only one side was retrieved. This is ``combine="a1"`` (the default). §3.1 writes
+   the exact (non-approximated) rule with a *sum* ``exp(sim(q_start, c_i)) + exp(sim(q_end, c_j))``; that reading is
+   ``combine="sum"``.
+
+Scores are summed per distinct phrase string (the decoded span text); :class:`PhrasePrediction` carries the summed
+score, its share of all candidates' mass (``prob``) and the spans (with document id and context) behind it.
+
+NPM SINGLE (App. A.3): the top-``k`` tokens of one ``[MASK]`` vector; ``exp(sim(q, E(c)))`` summed per token string.
+
+Closed-set tasks (App. A.4, following Shi et al. 2022's fuzzy verbalizers): each label has several verbalizer strings;
+a candidate (a span for NPM, a token for NPM SINGLE) supports label ``y`` when its normalised text (lower case,
+punctuation to spaces, whitespace collapsed) equals a normalised verbalizer of ``y``. ``score(y) = sum over supporting
+candidates of exp(sim(q_start, E(c_i)) / tau + sim(q_end, E(c_j)) / tau)`` (NPM) or ``exp(sim(q, E(c)) / tau)`` (NPM
+SINGLE), ``tau = 5``; label probabilities are the normalised scores (uniform, with ``matched=False``, when no
+candidate matches any verbalizer).
+
+BM25 restriction (§6.3): the search space is reduced to the top 3 passages (blocks of the phrase index) that ``bm25s``
+ranks for the query text (its ``[MASK]`` removed) and the start/end search is exact inside them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from memlm.errors import MemlmError
+from memlm.npm.encoder import encode_query
+from memlm.npm.phrase_index import PhraseIndex
+
+__all__ = [
+    "COMBINES",
+    "SpanHit",
+    "PhrasePrediction",
+    "LabelScores",
+    "normalize_text",
+    "retrieve",
+    "candidate_spans",
+    "span_log_scores",
+    "predict_phrases",
+    "predict_tokens",
+    "closed_set",
+    "restrict_rows",
+    "npm_predict",
+    "npm_single_predict",
+    "npm_classify",
+]
+
+COMBINES = ("a1", "sum")
+
+
+@dataclass(frozen=True)
+class SpanHit:
+    """One corpus span ``rows start .. end`` (inclusive) behind a prediction, with its score and context."""
+
+    start: int
+    end: int
+    doc_id: str
+    position: int  # position of the span's first token in its document
+    score: float  # exp-score of this span (before summing per phrase)
+    context: str | None = None
+
+
+@dataclass(frozen=True)
+class PhrasePrediction:
+    """A distinct phrase string, its summed score and its share of all candidates' score mass."""
+
+    phrase: str
+    score: float
+    prob: float
+    log_score: float
+    spans: tuple[SpanHit, ...]
+
+
+@dataclass(frozen=True)
+class LabelScores:
+    """Closed-set result: label -> probability (normalised scores) and -> log score (``-inf``: no support)."""
+
+    probs: dict[str, float]
+    log_scores: dict[str, float]
+    matched: bool
+
+    @property
+    def label(self) -> str:
+        return max(self.probs, key=lambda y: (self.probs[y], self.log_scores[y]))
+
+
+def normalize_text(text: str) -> str:
+    """Fuzzy-verbalizer matching key: lower case, punctuation to spaces, whitespace collapsed."""
+    return " ".join(re.sub(r"[^\w\s]|_", " ", text.lower()).split())
+
+
+def _vec(q: np.ndarray, dim: int, name: str) -> np.ndarray:
+    v = np.asarray(q, dtype=np.float32).reshape(-1)
+    if v.shape[0] != dim:
+        raise MemlmError(f"{name} has size {v.shape[0]}, the phrase index holds {dim}-dim vectors: same encoder?")
+    return v
+
+
+def _check_k_lmax(k: int, l_max: int | None = None) -> None:
+    if not isinstance(k, int | np.integer) or k < 1:
+        raise MemlmError(f"k must be an integer >= 1, got {k!r}")
+    if l_max is not None and (not isinstance(l_max, int | np.integer) or l_max < 1):
+        raise MemlmError(f"l_max must be an integer >= 1, got {l_max!r}")
+
+
+def retrieve(pi: PhraseIndex, q: np.ndarray, k: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` rows for one query vector: ``(sims, ids)`` with ``sim = q . c / sqrt(h)``; only valid hits.
+
+    ``rows``: restrict to these rows with exact search (BM25 passages); ``None``: the FAISS index.
+    """
+    _check_k_lmax(k)
+    q = _vec(q, pi.dim, "query")[None]
+    scores, ids = pi.search(q, k) if rows is None else pi.search_rows(q, rows, k)
+    keep = ids[0] >= 0
+    return scores[0][keep] / math.sqrt(pi.dim), ids[0][keep]
+
+
+def candidate_spans(pi: PhraseIndex, starts: Sequence[int], ends: Sequence[int], l_max: int) -> np.ndarray:
+    """App. A.1's candidate set ``C~*``: ``[S, 2]`` distinct ``(i, j)`` rows (inclusive), sorted, each inside one block:
+    spans of 1 .. ``l_max`` tokens starting at a retrieved start or ending at a retrieved end."""
+    _check_k_lmax(1, l_max)
+    n = len(pi)
+    block = np.asarray(pi.block)
+    out: set[tuple[int, int]] = set()
+    for s in {int(x) for x in starts}:
+        for j in range(s, min(s + l_max, n)):
+            if block[j] != block[s]:
+                break
+            out.add((s, j))
+    for e in {int(x) for x in ends}:
+        for i in range(e, max(e - l_max, -1), -1):
+            if block[i] != block[e]:
+                break
+            out.add((i, e))
+    return np.array(sorted(out), dtype=np.int64).reshape(-1, 2)
+
+
+def span_log_scores(
+    pi: PhraseIndex,
+    spans: np.ndarray,
+    q_start: np.ndarray,
+    q_end: np.ndarray,
+    combine: str = "a1",
+    tau: float = 1.0,
+) -> np.ndarray:
+    """``[S]`` log of each span's score from the stored vectors: ``(sim_s + sim_e) / tau`` for ``"a1"`` (A.1, A.4),
+    ``log(exp(sim_s / tau) + exp(sim_e / tau))`` for ``"sum"`` (§3.1)."""
+    if combine not in COMBINES:
+        raise MemlmError(f"combine must be one of {COMBINES}, got {combine!r}")
+    if tau <= 0:
+        raise MemlmError(f"tau must be positive, got {tau}")
+    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    if spans.size == 0:
+        return np.zeros(0, dtype=np.float64)
+    scale = 1.0 / math.sqrt(pi.dim)
+    qs, qe = _vec(q_start, pi.dim, "q_start"), _vec(q_end, pi.dim, "q_end")
+    sim_s = (np.asarray(pi.vectors[spans[:, 0]], dtype=np.float32) @ qs).astype(np.float64) * scale / tau
+    sim_e = (np.asarray(pi.vectors[spans[:, 1]], dtype=np.float32) @ qe).astype(np.float64) * scale / tau
+    return sim_s + sim_e if combine == "a1" else np.logaddexp(sim_s, sim_e)
+
+
+def _group(
+    pi: PhraseIndex,
+    tokenizer,
+    spans: np.ndarray,
+    log_scores: np.ndarray,
+    top: int | None,
+    contexts: bool,
+    context_window: int,
+) -> list[PhrasePrediction]:
+    texts: dict[tuple[int, ...], str] = {}
+    groups: dict[str, list[int]] = defaultdict(list)
+    for r, (i, j) in enumerate(spans.tolist()):
+        key = tuple(int(t) for t in pi.token_ids[i : j + 1])
+        if key not in texts:
+            texts[key] = tokenizer.decode(list(key)).strip()
+        groups[texts[key]].append(r)
+    if not groups:
+        return []
+    total = float(np.logaddexp.reduce(log_scores))
+    preds = []
+    for phrase, rows in groups.items():
+        ls = float(np.logaddexp.reduce(log_scores[rows]))
+        preds.append((ls, phrase, rows))
+    preds.sort(key=lambda x: (-x[0], x[1]))
+    out = []
+    for ls, phrase, rows in preds[:top] if top is not None else preds:
+        hits = []
+        for r in sorted(rows, key=lambda r: -log_scores[r]):
+            i, j = (int(x) for x in spans[r])
+            ctx = pi.context(tokenizer, i, j, context_window) if contexts else None
+            doc = int(pi.doc[i])
+            hits.append(SpanHit(i, j, pi.doc_ids[doc], int(pi.position[i]), math.exp(log_scores[r]), ctx))
+        out.append(PhrasePrediction(phrase, math.exp(ls), math.exp(ls - total), ls, tuple(hits)))
+    return out
+
+
+def predict_phrases(
+    pi: PhraseIndex,
+    tokenizer,
+    q_start: np.ndarray,
+    q_end: np.ndarray,
+    k: int = 4096,
+    l_max: int = 10,
+    combine: str = "a1",
+    rows: np.ndarray | None = None,
+    top: int | None = 10,
+    contexts: bool = True,
+    context_window: int = 32,
+) -> list[PhrasePrediction]:
+    """NPM open-set prediction from query vectors (App. A.1; module docstring): ranked phrases, scores summed per
+    distinct phrase string. ``rows`` restricts the search (BM25); ``top=None`` returns every phrase."""
+    _check_k_lmax(k, l_max)
+    _, starts = retrieve(pi, q_start, k, rows)
+    _, ends = retrieve(pi, q_end, k, rows)
+    spans = candidate_spans(pi, starts, ends, l_max)
+    if rows is not None and len(spans):  # stay inside the allowed passages
+        allowed = np.zeros(len(pi), dtype=bool)
+        allowed[np.asarray(rows, dtype=np.int64)] = True
+        spans = spans[allowed[spans[:, 0]] & allowed[spans[:, 1]]]
+    return _group(pi, tokenizer, spans, span_log_scores(pi, spans, q_start, q_end, combine), top, contexts,
+                  context_window)  # fmt: skip
+
+
+def predict_tokens(
+    pi: PhraseIndex,
+    tokenizer,
+    q: np.ndarray,
+    k: int = 4096,
+    rows: np.ndarray | None = None,
+    top: int | None = 10,
+    contexts: bool = True,
+    context_window: int = 32,
+) -> list[PhrasePrediction]:
+    """NPM SINGLE (App. A.3): ``sum_{i <= k} I[c^i = v] exp(sim(q, E(c^i)))`` per token string ``v``, ranked."""
+    sims, ids = retrieve(pi, q, k, rows)
+    spans = np.stack([ids, ids], axis=1) if len(ids) else np.zeros((0, 2), dtype=np.int64)
+    return _group(pi, tokenizer, spans, sims.astype(np.float64), top, contexts, context_window)
+
+
+def closed_set(
+    pi: PhraseIndex,
+    tokenizer,
+    verbalizers: Mapping[str, Sequence[str] | str],
+    q_start: np.ndarray,
+    q_end: np.ndarray | None = None,
+    k: int = 4096,
+    l_max: int = 10,
+    tau: float = 5.0,
+    rows: np.ndarray | None = None,
+) -> LabelScores:
+    """Closed-set scores (App. A.4) from query vectors: NPM with ``q_end``, NPM SINGLE with ``q_end=None``.
+
+    ``verbalizers``: label -> its verbalizer strings (a fuzzy verbalizer, e.g. ``{"positive": ["great", "good"]}``).
+    """
+    if not verbalizers:
+        raise MemlmError("give at least one label with its verbalizer strings")
+    keys: dict[str, str] = {}
+    for label, words in verbalizers.items():
+        for w in [words] if isinstance(words, str) else list(words):
+            key = normalize_text(w)
+            if not key:
+                raise MemlmError(f"verbalizer {w!r} of label {label!r} is empty after normalisation")
+            if key in keys and keys[key] != label:
+                raise MemlmError(f"verbalizer {w!r} is given for both {keys[key]!r} and {label!r}")
+            keys[key] = label
+    _check_k_lmax(k, l_max)
+    if q_end is None:
+        sims, ids = retrieve(pi, q_start, k, rows)
+        spans = np.stack([ids, ids], axis=1) if len(ids) else np.zeros((0, 2), dtype=np.int64)
+        logs = sims.astype(np.float64) / tau
+    else:
+        _, starts = retrieve(pi, q_start, k, rows)
+        _, ends = retrieve(pi, q_end, k, rows)
+        spans = candidate_spans(pi, starts, ends, l_max)
+        if rows is not None and len(spans):
+            allowed = np.zeros(len(pi), dtype=bool)
+            allowed[np.asarray(rows, dtype=np.int64)] = True
+            spans = spans[allowed[spans[:, 0]] & allowed[spans[:, 1]]]
+        logs = span_log_scores(pi, spans, q_start, q_end, "a1", tau)
+    per_label: dict[str, list[float]] = {label: [] for label in verbalizers}
+    for (i, j), ls in zip(spans.tolist(), logs.tolist(), strict=True):
+        label = keys.get(normalize_text(tokenizer.decode([int(t) for t in pi.token_ids[i : j + 1]])))
+        if label is not None:
+            per_label[label].append(ls)
+    log_scores = {y: float(np.logaddexp.reduce(v)) if v else -math.inf for y, v in per_label.items()}
+    finite = [v for v in log_scores.values() if v > -math.inf]
+    if not finite:
+        return LabelScores({y: 1.0 / len(log_scores) for y in log_scores}, log_scores, False)
+    z = float(np.logaddexp.reduce(finite))
+    return LabelScores({y: math.exp(v - z) for y, v in log_scores.items()}, log_scores, True)
+
+
+def restrict_rows(pi: PhraseIndex, tokenizer, query: str, passages: int | None) -> np.ndarray | None:
+    """Rows of the top-``passages`` BM25 blocks for ``query`` (its mask token removed); ``None`` when not asked."""
+    if passages is None:
+        return None
+    if passages < 1:
+        raise MemlmError(f"bm25 passages must be >= 1, got {passages}")
+    text = query.replace(tokenizer.mask_token, " ")
+    return pi.block_rows(pi.bm25_blocks(tokenizer, text, passages))
+
+
+def npm_predict(
+    model, tokenizer, pi: PhraseIndex, query: str, k: int = 4096, l_max: int = 10, bm25_passages: int | None = None,
+    combine: str = "a1", top: int | None = 10,
+) -> list[PhrasePrediction]:  # fmt: skip
+    """NPM: fill the query's single ``[MASK]`` with ranked corpus phrases (``bm25_passages=3``: §6.3's BM25 top 3)."""
+    pi.check_encoder(model, tokenizer)
+    q_s, q_e = encode_query(model, tokenizer, query)
+    rows = restrict_rows(pi, tokenizer, query, bm25_passages)
+    return predict_phrases(pi, tokenizer, q_s, q_e, k, l_max, combine, rows, top)
+
+
+def npm_single_predict(
+    model, tokenizer, pi: PhraseIndex, query: str, k: int = 4096, bm25_passages: int | None = None,
+    top: int | None = 10,
+) -> list[PhrasePrediction]:  # fmt: skip
+    """NPM SINGLE: fill the query's ``[MASK]`` with one token (ranked token strings of the corpus)."""
+    pi.check_encoder(model, tokenizer)
+    q, _ = encode_query(model, tokenizer, query, single=True)
+    rows = restrict_rows(pi, tokenizer, query, bm25_passages)
+    return predict_tokens(pi, tokenizer, q, k, rows, top)
+
+
+def npm_classify(
+    model, tokenizer, pi: PhraseIndex, query: str, verbalizers: Mapping[str, Sequence[str] | str],
+    single: bool = False, k: int = 4096, l_max: int = 10, tau: float = 5.0, bm25_passages: int | None = None,
+) -> LabelScores:  # fmt: skip
+    """Closed-set classification of a query with one ``[MASK]`` (App. A.4), NPM or NPM SINGLE (``single=True``)."""
+    pi.check_encoder(model, tokenizer)
+    q_s, q_e = encode_query(model, tokenizer, query, single=single)
+    rows = restrict_rows(pi, tokenizer, query, bm25_passages)
+    return closed_set(pi, tokenizer, verbalizers, q_s, None if single else q_e, k, l_max, tau, rows)

@@ -1,0 +1,449 @@
+"""NPM's phrase index: one encoder vector per token of a reference corpus (Min et al. 2023, §3.1).
+
+``c_1 .. c_N = Encoder(c_1 .. c_N)``: every document is tokenized (no special tokens) and cut into *blocks* of at
+most ``max_length - 2`` tokens; a block is encoded unmasked as ``[CLS] block [SEP]`` and the vectors of its own tokens
+(not CLS/SEP) are stored. A phrase ``c_{i:j}`` is represented by its start and end token vectors, so a span is valid
+only inside one block (:meth:`PhraseIndex.same_block`). Rows are in corpus order: block after block, document after
+document, so ``token_ids[i : j + 1]`` is the span's token stream.
+
+The folder (a sibling of :mod:`memlm.datastore`'s format: the datastore stores next-token *targets* of causal-LM
+windows with a key role, which does not fit token vectors of an encoder, so the same conventions are reused here)::
+
+    manifest.json   format, encoder + tokenizer fingerprints (memlm.datastore.model_identity), dim, count,
+                    block_tokens, corpus fingerprint, file checksums, the [MASK_s]/[MASK_e] choice
+    docs.json       the documents' ids and 64-bit hashes (index = the ``doc`` value below)
+    vectors.bin     float16 [count, dim]  token vectors (last hidden states)
+    token_ids.bin   int32   [count]       the token stream
+    doc.bin         int32   [count]       document index of each token
+    position.bin    int32   [count]       position of the token inside its document
+    block.bin       int32   [count]       block (encoder input) of each token; blocks are contiguous row ranges
+    index.faiss     FAISS index over the vectors (memlm.index.build_index, metric "ip", exact "Flat" up to
+                    memlm.index.FLAT_MAX_N vectors), with index.faiss.json beside it
+
+Building is resumable like a datastore's: after every batch of blocks the files are flushed and ``progress.json`` is
+replaced atomically; a rerun of the same call truncates bytes past the recorded count and continues. ``manifest.json``
+is written last, so a folder with a manifest and no ``progress.json`` is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memlm import __version__
+from memlm.datastore import model_identity
+from memlm.errors import MemlmError
+from memlm.fileio import atomic_write_json
+from memlm.index import FLAT_MAX_N, build_index, load_index, search
+from memlm.npm.encoder import _cls_sep_pad, encode_sequences, max_block_tokens
+from memlm.windows import doc_hash
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "CorpusBlock",
+    "PhraseIndex",
+    "build_phrase_index",
+    "corpus_blocks",
+    "corpus_fingerprint",
+]
+
+FORMAT = "memlm-npm-phrase-index"
+FORMAT_VERSION = 1
+FILES = {"vectors": "float16", "token_ids": "int32", "doc": "int32", "position": "int32", "block": "int32"}
+MASK_CHOICE = "[MASK_s] = [MASK_e] = tokenizer.mask_token_id (paper App. A.2)"
+
+
+@dataclass(frozen=True)
+class CorpusBlock:
+    """One encoder input: ``tokens`` of document ``doc`` from position ``start`` on."""
+
+    doc: int
+    start: int
+    tokens: np.ndarray
+
+
+def _doc_fields(documents: Sequence) -> list[tuple[str, str]]:
+    out = []
+    for i, d in enumerate(documents):
+        if isinstance(d, str):
+            out.append((str(i), d))
+        elif hasattr(d, "text"):
+            out.append((str(getattr(d, "id", i)), str(d.text)))
+        else:
+            raise MemlmError(f"document {i} must be a string or have .text (and .id), got {type(d).__name__}")
+    return out
+
+
+def corpus_fingerprint(documents: Sequence) -> str:
+    """16 hex digits identifying the corpus: its documents' ids and texts, in order."""
+    h = hashlib.sha256(b"memlm-npm-corpus-v1\n")
+    for doc_id, text in _doc_fields(documents):
+        h.update(f"{doc_hash(doc_id, text)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def corpus_blocks(documents: Sequence, tokenizer, block_tokens: int) -> list[CorpusBlock]:
+    """Tokenize ``documents`` (strings, or objects with ``.text``) without special tokens and cut each into blocks of at
+    most ``block_tokens`` tokens (empty documents give no block)."""
+    if block_tokens < 1:
+        raise MemlmError(f"block_tokens must be >= 1, got {block_tokens}")
+    fields = _doc_fields(documents)
+    blocks: list[CorpusBlock] = []
+    for i, (_, text) in enumerate(fields):
+        ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        for s in range(0, len(ids), block_tokens):
+            blocks.append(CorpusBlock(i, s, ids[s : s + block_tokens]))
+    return blocks
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class PhraseIndex:
+    """An opened phrase index (memory-mapped arrays, the manifest, the documents and, lazily, the FAISS index)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    vectors: np.ndarray  # [N, D] float16
+    token_ids: np.ndarray  # [N] int32
+    doc: np.ndarray  # [N] int32
+    position: np.ndarray  # [N] int32
+    block: np.ndarray  # [N] int32
+    doc_ids: list[str]
+    _faiss: Any = field(default=None, repr=False)
+    _bm25: Any = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.manifest["count"])
+
+    @classmethod
+    def from_arrays(
+        cls,
+        vectors: np.ndarray,
+        token_ids: Sequence[int],
+        block: Sequence[int] | None = None,
+        doc: Sequence[int] | None = None,
+        position: Sequence[int] | None = None,
+        doc_ids: Sequence[str] | None = None,
+    ) -> PhraseIndex:
+        """An in-memory phrase index over given vectors (exact inner-product search; no folder, no encoder check).
+
+        ``block`` defaults to ``doc`` (one block per document) and ``doc`` to ``block`` (one document per block); with
+        neither, everything is one block of one document.
+        """
+        import faiss
+
+        vec = np.ascontiguousarray(vectors, dtype=np.float32)
+        if vec.ndim != 2:
+            raise MemlmError(f"vectors must be [N, D], got shape {vec.shape}")
+        n, d = vec.shape
+        tok = np.asarray(token_ids, dtype=np.int32)
+        if doc is None:
+            doc = np.zeros(n, dtype=np.int32) if block is None else block
+        doc_a = np.asarray(doc, dtype=np.int32)
+        blk = doc_a.copy() if block is None else np.asarray(block, dtype=np.int32)
+        if position is None:
+            position = np.zeros(n, dtype=np.int32)
+            for i in range(1, n):
+                position[i] = position[i - 1] + 1 if doc_a[i] == doc_a[i - 1] else 0
+        pos = np.asarray(position, dtype=np.int32)
+        if any(len(a) != n for a in (tok, doc_a, blk, pos)):
+            raise MemlmError("token_ids, block, doc and position must have one entry per vector")
+        steps = np.diff(blk)
+        if n and (blk[0] != 0 or (steps < 0).any() or (steps > 1).any()):
+            raise MemlmError("block ids must be 0, 1, 2, ... in row order (blocks are contiguous row ranges)")
+        n_docs = int(doc_a.max()) + 1 if n else 0
+        ids = [str(i) for i in range(n_docs)] if doc_ids is None else list(doc_ids)
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "count": n, "dim": d,
+                    "n_blocks": int(blk.max()) + 1 if n else 0, "encoder": None}  # fmt: skip
+        index = faiss.IndexFlatIP(d)
+        index.add(vec)
+        return cls(Path("."), manifest, vec, tok, doc_a, pos, blk, ids, _faiss=index)
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.manifest["n_blocks"])
+
+    @property
+    def index_path(self) -> Path:
+        return self.path / "index.faiss"
+
+    @classmethod
+    def open(cls, path: str | Path, model=None, tokenizer=None) -> PhraseIndex:
+        """Open a finished phrase index; with ``model`` and ``tokenizer`` also :meth:`check_encoder`."""
+        path = Path(path)
+        if (path / "progress.json").exists():
+            raise MemlmError(
+                f"phrase index {path} has an unfinished build (progress.json): rerun build_phrase_index with the "
+                "same encoder and corpus to resume it"
+            )
+        mpath = path / "manifest.json"
+        if not mpath.exists():
+            raise MemlmError(f"{path} is not an NPM phrase index (no manifest.json): build one with build_phrase_index")
+        try:
+            manifest = json.loads(mpath.read_text())
+            docs = json.loads((path / "docs.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise MemlmError(f"phrase index {path} is corrupt ({e}); rebuild it") from e
+        if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+            raise MemlmError(
+                f"{path} is not a version-{FORMAT_VERSION} NPM phrase index "
+                f"({manifest.get('format')} v{manifest.get('format_version')}); rebuild it"
+            )
+        n, d = int(manifest["count"]), int(manifest["dim"])
+        arrays = {}
+        for name, dtype in FILES.items():
+            f = path / f"{name}.bin"
+            shape = (n, d) if name == "vectors" else (n,)
+            expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            size = f.stat().st_size if f.exists() else -1
+            if size != expected:
+                raise MemlmError(f"phrase index file {f} is truncated or missing ({size} of {expected} bytes); rebuild")
+            arrays[name] = np.memmap(f, dtype=dtype, mode="r", shape=shape) if n else np.zeros(shape, dtype=dtype)
+        out = cls(path, manifest, doc_ids=list(docs["ids"]), **arrays)
+        if model is not None or tokenizer is not None:
+            if model is None or tokenizer is None:
+                raise MemlmError("pass both model and tokenizer to check a phrase index's encoder")
+            out.check_encoder(model, tokenizer)
+        return out
+
+    def check_encoder(self, model, tokenizer) -> None:
+        """Refuse an encoder or tokenizer other than the one the index was built with (vectors would not compare)."""
+        ident = model_identity(model, tokenizer)
+        mine = self.manifest["encoder"]
+        if mine is None:
+            return  # an in-memory index (from_arrays) records no encoder
+        if ident["tokenizer"]["fingerprint"] != mine["tokenizer"]["fingerprint"]:
+            raise MemlmError(
+                f"phrase index {self.path} was built with a different tokenizer (vocab "
+                f"{mine['tokenizer']['vocab_size']} vs {ident['tokenizer']['vocab_size']}): use its encoder "
+                f"({mine['model']['name']}) or rebuild the index"
+            )
+        if ident["model"]["fingerprint"] != mine["model"]["fingerprint"]:
+            raise MemlmError(
+                f"phrase index {self.path} was built with encoder {mine['model']['name']} "
+                f"({mine['model']['fingerprint']}), not this one ({ident['model']['name']}, "
+                f"{ident['model']['fingerprint']}): vectors of different encoders are not comparable; use the index's "
+                "encoder or build a new phrase index"
+            )
+
+    # ------------------------------------------------------------------------------------------- blocks and spans
+
+    def block_bounds(self) -> np.ndarray:
+        """``[n_blocks + 1]`` row offsets: block ``b`` is rows ``bounds[b] : bounds[b + 1]``."""
+        return np.searchsorted(np.asarray(self.block), np.arange(self.n_blocks + 1), side="left").astype(np.int64)
+
+    def same_block(self, i: int, j: int) -> bool:
+        return 0 <= i <= j < len(self) and int(self.block[i]) == int(self.block[j])
+
+    def span_text(self, tokenizer, i: int, j: int) -> str:
+        """The text of rows ``i .. j`` (inclusive)."""
+        return tokenizer.decode([int(t) for t in self.token_ids[i : j + 1]]).strip()
+
+    def context(self, tokenizer, i: int, j: int, window: int = 32) -> str:
+        """The span's block text around it (``window`` tokens each side), the span in ``[[ ]]``."""
+        b = int(self.block[i])
+        lo, hi = i, j
+        while lo > 0 and i - lo < window and int(self.block[lo - 1]) == b:
+            lo -= 1
+        while hi + 1 < len(self) and hi - j < window and int(self.block[hi + 1]) == b:
+            hi += 1
+
+        def dec(a: int, z: int) -> str:
+            return tokenizer.decode([int(t) for t in self.token_ids[a:z]]).strip() if z > a else ""
+
+        return " ".join(x for x in (dec(lo, i), f"[[{dec(i, j + 1)}]]", dec(j + 1, hi + 1)) if x)
+
+    def block_text(self, tokenizer, b: int, bounds: np.ndarray | None = None) -> str:
+        bounds = self.block_bounds() if bounds is None else bounds
+        return tokenizer.decode([int(t) for t in self.token_ids[bounds[b] : bounds[b + 1]]]).strip()
+
+    # ---------------------------------------------------------------------------------------------------- search
+
+    def faiss_index(self):
+        if self._faiss is None:
+            self._faiss = load_index(self.index_path)
+        return self._faiss
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` rows by inner product ``q . c`` (``[Q, k]`` scores and ids; ``-inf`` / ``-1`` when missing)."""
+        return search(self.faiss_index(), np.atleast_2d(np.asarray(queries, dtype=np.float32)), k)
+
+    def search_rows(self, queries: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-``k`` by inner product among ``rows`` only (e.g. the BM25 passages, §6.3)."""
+        q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+        rows = np.asarray(rows, dtype=np.int64)
+        out_s = np.full((q.shape[0], k), -np.inf, dtype=np.float32)
+        out_i = np.full((q.shape[0], k), -1, dtype=np.int64)
+        if rows.size == 0:
+            return out_s, out_i
+        scores = q @ np.asarray(self.vectors[rows], dtype=np.float32).T  # [Q, R]
+        kk = min(k, rows.size)
+        top = np.argsort(-scores, axis=1, kind="stable")[:, :kk]
+        out_s[:, :kk] = np.take_along_axis(scores, top, axis=1)
+        out_i[:, :kk] = rows[top]
+        return out_s, out_i
+
+    def bm25_blocks(self, tokenizer, query: str, n: int = 3) -> list[int]:
+        """The ``n`` blocks (passages) that ``bm25s`` ranks highest for ``query`` (§6.3: top-3 passages)."""
+        import bm25s
+
+        if self._bm25 is None:
+            bounds = self.block_bounds()
+            texts = [self.block_text(tokenizer, b, bounds) for b in range(self.n_blocks)]
+            retriever = bm25s.BM25()
+            retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+            self._bm25 = (retriever, bounds)
+        retriever, _ = self._bm25
+        q = bm25s.tokenize([query], stopwords="en", show_progress=False)
+        if not any(len(x) for x in q.ids):
+            return []
+        kk = min(n, self.n_blocks)
+        docs, scores = retriever.retrieve(q, k=kk, show_progress=False)
+        return [int(d) for d, s in zip(docs[0], scores[0], strict=True) if s > 0]
+
+    def block_rows(self, blocks: Sequence[int]) -> np.ndarray:
+        bounds = self._bm25[1] if self._bm25 is not None else self.block_bounds()
+        parts = [np.arange(bounds[b], bounds[b + 1], dtype=np.int64) for b in blocks]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def build_phrase_index(
+    model,
+    tokenizer,
+    documents: Sequence,
+    out: str | Path,
+    max_length: int | None = None,
+    batch_size: int = 16,
+    factory: str | None = None,
+    source: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> PhraseIndex:
+    """Encode every token of ``documents`` with ``model`` into a phrase index folder ``out`` (module docstring).
+
+    ``max_length``: encoder input length (default: the encoder's maximum, 512 for BERT/MiniLM); blocks hold
+    ``max_length - 2`` corpus tokens. ``factory``: FAISS factory string (default ``"Flat"`` up to
+    ``memlm.index.FLAT_MAX_N`` vectors, else :func:`memlm.index.default_factory`); the metric is inner product.
+    Rerunning after an interruption resumes; a finished index for the same encoder and corpus is returned as is; a
+    folder holding an index for another encoder or corpus is refused (:class:`MemlmError`).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if batch_size < 1:
+        raise MemlmError(f"batch_size must be >= 1, got {batch_size}")
+    block_tokens = max_block_tokens(model, tokenizer, max_length)
+    cls, sep, pad = _cls_sep_pad(tokenizer)
+    ident = model_identity(model, tokenizer)
+    fields = _doc_fields(documents)
+    corpus_fp = corpus_fingerprint(documents)
+    config = {
+        "model_fingerprint": ident["model"]["fingerprint"],
+        "tokenizer_fingerprint": ident["tokenizer"]["fingerprint"],
+        "corpus_fingerprint": corpus_fp,
+        "block_tokens": block_tokens,
+        "factory": factory,
+    }
+    manifest_path, progress_path = out / "manifest.json", out / "progress.json"
+    if progress_path.exists():
+        state = json.loads(progress_path.read_text())
+        if state["config"] != config:
+            raise MemlmError(
+                f"{out} holds an interrupted phrase-index build with other settings ({state['config']}); rerun it "
+                "with the same encoder, corpus and max_length to resume, or use a new folder"
+            )
+    elif manifest_path.exists():
+        existing = PhraseIndex.open(out)
+        existing.check_encoder(model, tokenizer)
+        if existing.manifest["corpus"]["fingerprint"] != corpus_fp or existing.manifest["block_tokens"] != block_tokens:
+            raise MemlmError(
+                f"{out} holds a phrase index of another corpus or block length; use a new folder for this corpus"
+            )
+        if progress:
+            print(f"phrase index {out} already built ({len(existing)} vectors); nothing to do", file=sys.stderr)
+        return existing
+    else:
+        if any((out / f"{name}.bin").exists() for name in FILES):
+            raise MemlmError(f"{out} holds phrase-index files but no manifest or progress file; use an empty folder")
+        state = {"config": config, "blocks_done": 0, "count": 0, "seconds": 0.0}
+        atomic_write_json(progress_path, state)
+
+    atomic_write_json(out / "docs.json", {"ids": [i for i, _ in fields], "hashes": [doc_hash(i, t) for i, t in fields]})
+    blocks = corpus_blocks(documents, tokenizer, block_tokens)
+    if not blocks:
+        progress_path.unlink(missing_ok=True)
+        raise MemlmError("the corpus has no tokens to index; give it some text")
+    dim = int(model.config.hidden_size)
+    count = int(state["count"])
+    handles = {}
+    for name, dtype in FILES.items():
+        f = out / f"{name}.bin"
+        width = dim if name == "vectors" else 1
+        f.touch()
+        os.truncate(f, count * width * np.dtype(dtype).itemsize)  # drop bytes written after the last progress
+        handles[name] = open(f, "ab")
+    t0, seconds0 = time.perf_counter(), float(state["seconds"])
+    try:
+        for s in range(int(state["blocks_done"]), len(blocks), batch_size):
+            chunk = blocks[s : s + batch_size]
+            hidden = encode_sequences(model, [[cls, *b.tokens.tolist(), sep] for b in chunk], pad, batch_size)
+            for b_index, (b, h) in enumerate(zip(chunk, hidden, strict=True), start=s):
+                n = len(b.tokens)
+                handles["vectors"].write(h[1 : 1 + n].astype(np.float16).tobytes())
+                handles["token_ids"].write(b.tokens.astype(np.int32).tobytes())
+                handles["doc"].write(np.full(n, b.doc, dtype=np.int32).tobytes())
+                handles["position"].write(np.arange(b.start, b.start + n, dtype=np.int32).tobytes())
+                handles["block"].write(np.full(n, b_index, dtype=np.int32).tobytes())
+                count += n
+            for h in handles.values():
+                h.flush()
+                os.fsync(h.fileno())
+            state.update(blocks_done=s + len(chunk), count=count, seconds=seconds0 + time.perf_counter() - t0)
+            atomic_write_json(progress_path, state)
+    finally:
+        for h in handles.values():
+            h.close()
+
+    vectors = np.memmap(out / "vectors.bin", dtype=np.float16, mode="r", shape=(count, dim))
+    chosen = factory or ("Flat" if count <= FLAT_MAX_N else None)
+    build_index(vectors, out / "index.faiss", factory=chosen, metric="ip", progress=progress)
+    del vectors
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "memlm_version": __version__,
+        "encoder": ident,
+        "mask_tokens": MASK_CHOICE,
+        "dim": dim,
+        "count": count,
+        "block_tokens": block_tokens,
+        "n_blocks": len(blocks),
+        "corpus": {"fingerprint": corpus_fp, "n_docs": len(fields), **dict(source or {})},
+        "dtypes": dict(FILES),
+        "files": {name: {"dtype": dt, "sha256": _sha256(out / f"{name}.bin")} for name, dt in FILES.items()},
+        "index": {"factory": chosen or "default", "metric": "ip"},
+        "build_seconds": float(state["seconds"]),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    atomic_write_json(manifest_path, manifest)
+    progress_path.unlink()
+    return PhraseIndex.open(out)

@@ -1,0 +1,652 @@
+"""TRIME at test time: perplexity with local, long-term and external memories (Zhong et al. 2022, Sec. 4, App. A).
+
+The testing objective is the training objective (Eq. 5) with testing memories and a temperature (App. A, Eq. 6)::
+
+    P(w | c_t) ∝ exp(E_w · f(c_t))  +  Σ_{(c_j, x_j) ∈ M_test, x_j = w} exp(sim(g(c_t), g(c_j)) / τ_mem)
+    sim(q, k) = q · k / sqrt(d)
+
+where ``f(c)`` is what the output softmax reads (``E f(c)`` = the logits) and ``g(c)`` the input of the last FFN after
+its layer norm (``KeySpec("ffn_in", -1)``). The testing memory ``M_test`` (App. A, Eq. 7) combines:
+
+* ``M_local`` (Sec. 4.1): the earlier positions ``j < t`` of the same segment (``segments=0``);
+* ``M_long`` (Sec. 4.2): every position of the ``M`` previous segments of the same document (``segments=M``, tuned on
+  the development set: "we simply enumerate the number of segments used in M_long and choose the optimum");
+* ``M_ext`` (Sec. 4.3): the top-``k`` entries of a datastore (``memlm datastore build --key ffn_in``) retrieved for
+  ``g(c_t)``, in the same softmax with temperature ``τ`` (``temperature``), and, for large external memories, the
+  extra interpolation of App. A (Eq. 8-9)::
+
+      P_kNN(w | c)  = Σ_{j ∈ top-k, x_j = w} softmax_j(sim(g(c), g(c_j)) / τ_kNN)                 (Eq. 8)
+      P(w | c)      = (1 - λ) P_joint(w | c) + λ P_kNN(w | c)                                       (Eq. 9)
+
+A document is cut into consecutive segments (:func:`memlm.trime.batching.segment_documents`, ``seq_len - 1`` owned
+tokens plus the next segment's first token, as in training), each scored fully by one forward pass of at most
+``seq_len`` tokens with no context from earlier segments; earlier segments reach a token only through the long-term
+memory. Segments are processed in document order with a FIFO of the last ``max_segments`` segments' detached
+``(g, target)`` pairs.
+
+:func:`score_trime` does the forward passes and the retrieval once and keeps, per target, all a later choice of
+``(M, τ_local, τ, λ, τ_kNN)`` needs (:class:`TrimeScores`): the target's vocabulary logit and the log-sum-exp of all
+vocabulary logits, the log-sum-exp of the local / long memory terms per segment lag and per local temperature (over all
+entries, and over the entries whose value is the target), and the retrieved (score, value) pairs. The per-lag sums are
+exact: for any ``M`` the memory term is the log-sum-exp of lags ``0..M``. :func:`trime_perplexity` and
+:func:`tune_trime_inference` then work without any new forward pass or search.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memlm import index as index_lib
+from memlm.datastore import Datastore
+from memlm.errors import MemlmError
+from memlm.evaluate import retrieve
+from memlm.keys import KeyCapture, KeySpec, num_layers
+from memlm.knn import knn_distribution, knn_target_logprob
+from memlm.trime.batching import Segment, segment_documents
+from memlm.trime.training import G_SPEC, tokenize_for_trime
+from memlm.windows import doc_hash
+
+__all__ = [
+    "TrimeScores",
+    "score_trime",
+    "trime_target_logprobs",
+    "trime_perplexity",
+    "trime_log_distribution",
+    "tune_trime_inference",
+    "DEFAULT_SEGMENTS",
+    "DEFAULT_TRIME_TEMPERATURES",
+    "DEFAULT_TRIME_LAMBDAS",
+]
+
+DEFAULT_SEGMENTS = (0, 1, 2, 4, 8)
+DEFAULT_TRIME_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+DEFAULT_TRIME_LAMBDAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+_ARRAYS = (
+    "targets",
+    "doc_index",
+    "segment_index",
+    "target_logit",
+    "logit_lse",
+    "mem_all",
+    "mem_hit",
+    "ext_scores",
+    "ext_values",
+)
+
+
+@dataclass
+class TrimeScores:
+    """The per-token dump of a TRIME evaluation; any ``(M, τ_local, τ, λ, τ_kNN)`` is scored from it (module doc).
+
+    ``mem_all[i, a, m]`` = ``logsumexp_j sim(g_i, g_j) / τ_local[a]`` over the memory entries ``j`` of lag ``m``
+    (``m = 0``: earlier positions of the own segment; ``m >= 1``: every position of the ``m``-th previous segment of
+    the same document), ``-inf`` when there is none; ``mem_hit`` the same over the entries whose value is the target.
+    """
+
+    targets: np.ndarray  # [N] int64
+    doc_index: np.ndarray  # [N] int32, document of each target
+    segment_index: np.ndarray  # [N] int32, segment number inside its document
+    target_logit: np.ndarray  # [N] float32: E_w · f(c) of the target w
+    logit_lse: np.ndarray  # [N] float32: logsumexp_v E_v · f(c)
+    mem_all: np.ndarray  # [N, n_local_temperatures, max_segments + 1] float32
+    mem_hit: np.ndarray  # [N, n_local_temperatures, max_segments + 1] float32
+    ext_scores: np.ndarray | None = None  # [N, k] float32: sim(g(c), key) of the retrieved entries, -inf when empty
+    ext_values: np.ndarray | None = None  # [N, k] int32: their values, -1 when empty
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    @property
+    def max_segments(self) -> int:
+        """The largest number of previous segments ``M`` this dump can score."""
+        return int(self.mem_all.shape[2]) - 1
+
+    @property
+    def local_temperatures(self) -> list[float]:
+        """The temperatures of the local / long memory term this dump holds."""
+        return [float(t) for t in self.meta["local_temperatures"]]
+
+    def save(self, path: str | Path) -> None:
+        """Write an ``.npz`` atomically (meta as JSON)."""
+        path = Path(path)
+        arrays = {k: getattr(self, k) for k in _ARRAYS if getattr(self, k) is not None}
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, meta=np.array(json.dumps(self.meta)), **arrays)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrimeScores:
+        """Read a dump written by :meth:`save`."""
+        try:
+            with np.load(path) as z:
+                arrays = {k: z[k] for k in _ARRAYS if k in z.files}
+                meta = json.loads(str(z["meta"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise MemlmError(f"cannot read TRIME score dump {path} ({e}); rescore with score_trime") from e
+        return cls(meta=meta, **arrays)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the forward pass and the memories
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _forward_segments(
+    model: torch.nn.Module, segments: Sequence[Segment], pad_id: int, key: KeySpec
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(target_logit [n], logit_lse [n], g [n, D])`` in float32 for each segment (n = its number of targets)."""
+    device = _device(model)
+    length = max(len(s.inputs) for s in segments)
+    ids = torch.full((len(segments), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(segments), length), dtype=torch.long)
+    for b, s in enumerate(segments):
+        ids[b, : len(s.inputs)] = torch.from_numpy(s.inputs)
+        mask[b, : len(s.inputs)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    with KeyCapture(model, key) as cap:
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+        g = cap.keys
+    if g is None or g.shape[:2] != ids.shape:
+        raise MemlmError(f"could not capture g(c) ({key.describe()}) for a batch of shape {tuple(ids.shape)}")
+    results = []
+    for b, s in enumerate(segments):
+        n = len(s.inputs)
+        logits = out.logits[b, :n].float()
+        y = torch.from_numpy(s.targets).to(device)
+        results.append((logits.gather(1, y[:, None]).squeeze(1), torch.logsumexp(logits, 1), g[b, :n].float()))
+    return results
+
+
+def _lag_lse(
+    scores: torch.Tensor, hit: torch.Tensor, visible: torch.Tensor | None, temperatures: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse over visible entries, lse over visible entries with the target's value)`` per temperature: ``[n, A]``."""
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    all_, hits = [], []
+    for t in temperatures:
+        s = scores / t
+        all_.append(torch.logsumexp(s, 1))
+        hits.append(torch.logsumexp(s.masked_fill(~hit, float("-inf")), 1))
+    return torch.stack(all_, 1), torch.stack(hits, 1)
+
+
+def _memory_terms(
+    g: torch.Tensor,
+    y: torch.Tensor,
+    past: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    max_segments: int,
+    temperatures: Sequence[float],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mem_all, mem_hit`` ``[n, A, max_segments + 1]`` of one segment; ``past`` = earlier segments, latest first."""
+    n = g.shape[0]
+    out_all = torch.full((n, len(temperatures), max_segments + 1), float("-inf"), device=g.device)
+    out_hit = out_all.clone()
+    earlier = torch.ones(n, n, dtype=torch.bool, device=g.device).tril(-1)  # [t, j]: j < t
+    entries = [(g, y, earlier), *((pg, py, None) for pg, py in past)]
+    for m, (keys, values, visible) in enumerate(entries[: max_segments + 1]):
+        scores = (g @ keys.T) * scale
+        hit = values[None, :] == y[:, None]
+        out_all[:, :, m], out_hit[:, :, m] = _lag_lse(scores, hit, visible, temperatures)
+    return out_all, out_hit
+
+
+def _retrieve_external(
+    datastore: Datastore,
+    index,
+    queries: np.ndarray,
+    k: int,
+    search: str,
+    ext_scores: str,
+    scale: float,
+    provenance: tuple[np.ndarray, np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    sc, ids = retrieve(datastore, queries, k, index=index, search=search, progress=False)
+    if ext_scores == "dot":
+        sc = index_lib.exact_scores(datastore.keys, ids, queries, "ip") * np.float32(scale)
+        order = np.argsort(-sc, axis=1, kind="stable")
+        sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
+    valid = ids >= 0
+    flat = np.where(valid, ids, 0).ravel()
+    values = np.where(valid, datastore.values[flat].reshape(ids.shape), -1)
+    if provenance is not None:
+        hashes, offsets = provenance
+        own = (
+            valid
+            & (datastore.doc_hash[flat].reshape(ids.shape) == hashes[:, None])
+            & (datastore.offset[flat].reshape(ids.shape) == offsets[:, None])
+        )
+        values = np.where(own, -1, values)
+    return np.where(values >= 0, sc, -np.inf).astype(np.float32), values.astype(np.int32)
+
+
+@torch.inference_mode()
+def score_trime(
+    model: torch.nn.Module,
+    tokenizer,
+    documents: Sequence,
+    seq_len: int,
+    max_segments: int = 8,
+    local_temperatures: Sequence[float] = (1.0,),
+    datastore: Datastore | None = None,
+    k: int = 1024,
+    search: str = "index",
+    ext_scores: str = "dot",
+    nprobe: int = 32,
+    drop_self_matches: bool = False,
+    batch_size: int = 8,
+    scale: float | None = None,
+    key: KeySpec = G_SPEC,
+    meta: dict[str, Any] | None = None,
+) -> TrimeScores:
+    """One forward pass per segment and one retrieval per token: the per-token dump of TRIME's Eq. 6 (App. A).
+
+    For target ``w_t`` at context ``c_t`` of segment ``s`` of a document, with ``g = g(c)`` (``key``,
+    ``ffn_in@-1``) and ``sim(q, k) = scale · q · k`` (``scale = 1 / sqrt(d)`` by default, as in training)::
+
+        target_logit = E_{w_t} · f(c_t)            logit_lse = logsumexp_v E_v · f(c_t)
+        mem_all[t, a, 0] = logsumexp_{j < t in s} sim(g_t, g_j) / τ_a                  (M_local, Sec. 4.1)
+        mem_all[t, a, m] = logsumexp_{j in s - m} sim(g_t, g_j) / τ_a, m = 1..max_segments   (M_long, Sec. 4.2)
+        mem_hit = the same over the entries whose value (next token) is w_t
+        ext_scores, ext_values = the top-k datastore entries of g(c_t) (M_ext, Sec. 4.3)
+
+    ``documents``: objects with ``.text`` (tokenized with ``tokenizer``, EOS appended) or token-id arrays. Each is cut
+    into segments of at most ``seq_len`` input tokens (``seq_len`` <= the model's context), each scored fully with no
+    context from earlier segments; every token but a document's first is a target exactly once. ``local_temperatures``
+    are the ``τ_local`` values the dump keeps (1.0 = as trained). With ``datastore`` (an ``ffn_in@-1`` datastore of
+    this model; its FAISS index unless ``search="exact"``), ``ext_scores="dot"`` recomputes ``sim`` from the stored
+    keys (the index only ranks), ``"index"`` keeps the index's own similarity (−L2² or inner product).
+    ``drop_self_matches`` (needs documents with ``.id``/``.text``) drops retrieved entries that are the scored token.
+    Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
+    """
+    if seq_len < 2:
+        raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
+    n_pos = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if n_pos is not None and seq_len > n_pos:
+        raise MemlmError(f"seq_len {seq_len} is longer than the model's context ({n_pos}); use seq_len <= {n_pos}")
+    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 0:
+        raise MemlmError(f"max_segments must be an integer >= 0, got {max_segments!r}")
+    temps = [float(t) for t in local_temperatures]
+    if not temps or any(t <= 0 for t in temps):
+        raise MemlmError(f"local_temperatures must be a non-empty list of values > 0, got {list(local_temperatures)}")
+    if search not in ("index", "exact") or ext_scores not in ("dot", "index"):
+        raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot' or 'index'")
+    if k < 1:
+        raise MemlmError(f"k must be >= 1, got {k}")
+    key = key.normalized(num_layers(model))
+    index = None
+    if datastore is not None:
+        if tokenizer is None:
+            raise MemlmError("an external datastore needs the tokenizer to check that it was built for this model")
+        datastore.check_compatible(model, tokenizer, key)
+        if search == "index":
+            index = index_lib.load_index(datastore.index_path, nprobe=nprobe)
+    docs = list(documents)
+    if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
+        raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
+    token_docs = tokenize_for_trime(docs, tokenizer)
+    segments = segment_documents(token_docs, seq_len - 1)
+    segments = [s for s in segments if len(s.targets) > 0]
+    if not segments:
+        raise MemlmError("the evaluation corpus has no targets (every document has fewer than 2 tokens)")
+    hashes = [doc_hash(d.id, d.text) for d in docs] if drop_self_matches else None
+    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad_id = 0 if pad_id is None else int(pad_id)
+
+    parts: dict[str, list] = {k_: [] for k_ in ("y", "doc", "seg", "tl", "lse", "all", "hit", "es", "ev")}
+    fifo: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=max(max_segments, 1))
+    current_doc = -1
+    t0 = time.perf_counter()
+    seconds_search = 0.0
+    device = _device(model)
+    for start in range(0, len(segments), batch_size):
+        batch = segments[start : start + batch_size]
+        outs = _forward_segments(model, batch, pad_id, key)
+        for s, (tl, lse, g) in zip(batch, outs, strict=True):
+            if s.doc_index != current_doc:
+                fifo.clear()
+                current_doc = s.doc_index
+            y = torch.from_numpy(s.targets).to(device)
+            d = g.shape[1]
+            sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+            mem_all, mem_hit = _memory_terms(g, y, list(reversed(fifo)), max_segments, temps, sc)
+            if max_segments > 0:
+                fifo.append((g, y))
+            n = len(s.targets)
+            parts["y"].append(s.targets)
+            parts["doc"].append(np.full(n, s.doc_index, dtype=np.int32))
+            parts["seg"].append(np.full(n, s.index, dtype=np.int32))
+            parts["tl"].append(tl.cpu().numpy())
+            parts["lse"].append(lse.cpu().numpy())
+            parts["all"].append(mem_all.cpu().numpy())
+            parts["hit"].append(mem_hit.cpu().numpy())
+            if datastore is not None:
+                t1 = time.perf_counter()
+                prov = None
+                if hashes is not None:
+                    offsets = s.start + 1 + np.arange(n)  # offset of each target inside its document
+                    prov = (np.full(n, hashes[s.doc_index], dtype=np.int64), offsets)
+                es, ev = _retrieve_external(datastore, index, g.cpu().numpy(), k, search, ext_scores, sc, prov)
+                parts["es"].append(es)
+                parts["ev"].append(ev)
+                seconds_search += time.perf_counter() - t1
+    out = TrimeScores(
+        targets=np.concatenate(parts["y"]).astype(np.int64),
+        doc_index=np.concatenate(parts["doc"]),
+        segment_index=np.concatenate(parts["seg"]),
+        target_logit=np.concatenate(parts["tl"]).astype(np.float32),
+        logit_lse=np.concatenate(parts["lse"]).astype(np.float32),
+        mem_all=np.concatenate(parts["all"]).astype(np.float32),
+        mem_hit=np.concatenate(parts["hit"]).astype(np.float32),
+        ext_scores=np.concatenate(parts["es"]) if datastore is not None else None,
+        ext_values=np.concatenate(parts["ev"]) if datastore is not None else None,
+        meta={
+            **(meta or {}),
+            "method": "trime",
+            "tokens": int(sum(len(p) for p in parts["y"])),
+            "documents": len(token_docs),
+            "segments": len(segments),
+            "seq_len": seq_len,
+            "max_segments": max_segments,
+            "local_temperatures": temps,
+            "scale": scale,
+            "key": key.describe(),
+            "seconds": time.perf_counter() - t0,
+        },
+    )
+    if datastore is not None:
+        out.meta.update(
+            datastore=str(datastore.path),
+            datastore_entries=len(datastore),
+            k=k,
+            search=search,
+            ext_scores=ext_scores,
+            nprobe=nprobe,
+            drop_self_matches=drop_self_matches,
+            seconds_search=seconds_search,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scoring a dump
+
+
+def _check_params(
+    ts: TrimeScores, segments: int | None, local_temperature: float, temperature: float, lam: float
+) -> int | None:
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 0):
+        raise MemlmError(f"segments must be None (no local memory) or an integer >= 0, got {segments!r}")
+    if segments is not None and segments > ts.max_segments:
+        raise MemlmError(
+            f"segments={segments} is more than the {ts.max_segments} previous segments in the dump; "
+            f"rescore with max_segments >= {segments}"
+        )
+    if not any(math.isclose(local_temperature, t) for t in ts.local_temperatures):
+        raise MemlmError(
+            f"local_temperature {local_temperature} is not in the dump ({ts.local_temperatures}); "
+            "rescore with it in local_temperatures"
+        )
+    if temperature <= 0:
+        raise MemlmError(f"temperature must be > 0, got {temperature}")
+    if not 0.0 <= lam <= 1.0:
+        raise MemlmError(f"lambda must be in [0, 1], got {lam}")
+    if lam > 0 and ts.ext_scores is None:
+        raise MemlmError("lambda > 0 interpolates with the retrieved entries, but this dump has no external memory")
+    return segments
+
+
+def _local_part(ts: TrimeScores, segments: int | None, local_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse over all, lse over target hits)`` of lags ``0..segments``; ``-inf`` with no local memory."""
+    if segments is None:
+        ninf = torch.full((len(ts),), float("-inf"), dtype=torch.float64)
+        return ninf, ninf
+    a = next(i for i, t in enumerate(ts.local_temperatures) if math.isclose(t, local_temperature))
+    all_ = torch.from_numpy(ts.mem_all[:, a, : segments + 1]).double()
+    hit = torch.from_numpy(ts.mem_hit[:, a, : segments + 1]).double()
+    return torch.logsumexp(all_, 1), torch.logsumexp(hit, 1)
+
+
+def _ext_part(ts: TrimeScores, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if ts.ext_scores is None:
+        ninf = torch.full((len(ts),), float("-inf"), dtype=torch.float64)
+        return ninf, ninf
+    s = torch.from_numpy(ts.ext_scores).double() / temperature
+    v = torch.from_numpy(ts.ext_values.astype(np.int64))
+    s = s.masked_fill(v < 0, float("-inf"))
+    hit = v == torch.from_numpy(ts.targets)[:, None]
+    return torch.logsumexp(s, 1), torch.logsumexp(s.masked_fill(~hit, float("-inf")), 1)
+
+
+def _knn_part(ts: TrimeScores, knn_temperature: float) -> torch.Tensor:
+    return knn_target_logprob(
+        torch.from_numpy(ts.ext_scores).double(),
+        torch.from_numpy(ts.ext_values.astype(np.int64)),
+        torch.from_numpy(ts.targets),
+        knn_temperature,
+    )
+
+
+def _combine(
+    ts: TrimeScores,
+    local: tuple[torch.Tensor, torch.Tensor],
+    ext: tuple[torch.Tensor, torch.Tensor],
+    knn: torch.Tensor | None,
+    lam: float,
+) -> torch.Tensor:
+    tl = torch.from_numpy(ts.target_logit).double()
+    lse = torch.from_numpy(ts.logit_lse).double()
+    num = torch.logsumexp(torch.stack([tl, local[1], ext[1]]), 0)
+    den = torch.logsumexp(torch.stack([lse, local[0], ext[0]]), 0)
+    joint = num - den
+    if lam == 0 or knn is None:
+        return joint
+    return _mix(joint, knn, lam)
+
+
+def _mix(joint: torch.Tensor, knn: torch.Tensor, lam: float) -> torch.Tensor:
+    """``log((1 - λ) exp(joint) + λ exp(knn))`` in float64 (Eq. 9)."""
+    if lam >= 1.0:
+        return knn.double()
+    return torch.logaddexp(joint.double() + math.log1p(-lam), knn.double() + math.log(lam))
+
+
+def trime_target_logprobs(
+    ts: TrimeScores,
+    segments: int | None = 0,
+    temperature: float = 1.0,
+    lam: float = 0.0,
+    knn_temperature: float | None = None,
+    local_temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log P(w_t | c_t)`` of every target in the dump, float64 ``[N]`` (TRIME App. A, Eq. 6-9)::
+
+        log P_joint(w | c) = log[ exp(E_w f) + Σ_{j ∈ M_loc+long, x_j = w} exp(sim_j / τ_local)
+                                              + Σ_{j ∈ top-k, x_j = w} exp(sim_j / τ) ]
+                           - log[ Σ_v exp(E_v f) + Σ_{j ∈ M_loc+long} exp(sim_j / τ_local)
+                                                 + Σ_{j ∈ top-k} exp(sim_j / τ) ]
+        P(w | c) = (1 - λ) P_joint(w | c) + λ P_kNN(w | c),  P_kNN = Σ_{j ∈ top-k, x_j = w} softmax_j(sim_j / τ_kNN)
+
+    ``segments``: ``None`` = no local / long memory; ``0`` = the local memory (Sec. 4.1, TrimeLM); ``M`` = local plus
+    the ``M`` previous segments of the document (Sec. 4.2, TrimeLM_long). The retrieved entries (Sec. 4.3,
+    TrimeLM_ext) enter whenever the dump has them; ``λ = 0`` means no extra interpolation. ``knn_temperature``
+    defaults to ``temperature``. Without any memory this is the plain LM's ``log_softmax`` of the target.
+    """
+    _check_params(ts, segments, local_temperature, temperature, lam)
+    knn_t = temperature if knn_temperature is None else knn_temperature
+    if knn_t <= 0:
+        raise MemlmError(f"knn_temperature must be > 0, got {knn_t}")
+    local = _local_part(ts, segments, local_temperature)
+    ext = _ext_part(ts, temperature)
+    knn = _knn_part(ts, knn_t) if lam > 0 else None
+    return _combine(ts, local, ext, knn, lam)
+
+
+def _ppl(logprob: torch.Tensor) -> float:
+    return float(math.exp(-logprob.double().mean().item()))
+
+
+def trime_perplexity(
+    ts: TrimeScores,
+    segments: int | None = 0,
+    temperature: float = 1.0,
+    lam: float = 0.0,
+    knn_temperature: float | None = None,
+    local_temperature: float = 1.0,
+) -> dict[str, Any]:
+    """Perplexity ``exp(-mean_t log P(w_t | c_t))`` of a dump under TRIME's testing objective (App. A, Eq. 6-9).
+
+    Arguments as :func:`trime_target_logprobs`. Returns ``ppl`` with the parameters, the plain LM's ``base_ppl``
+    (``exp(-mean log softmax(E f)_w)``, same segments) and the number of ``tokens``.
+    """
+    lp = trime_target_logprobs(ts, segments, temperature, lam, knn_temperature, local_temperature)
+    base = torch.from_numpy(ts.target_logit).double() - torch.from_numpy(ts.logit_lse).double()
+    return {
+        "tokens": len(ts),
+        "base_ppl": _ppl(base),
+        "ppl": _ppl(lp),
+        "segments": segments,
+        "local_temperature": local_temperature,
+        "temperature": temperature,
+        "lambda": lam,
+        "knn_temperature": temperature if knn_temperature is None else knn_temperature,
+        "external": ts.ext_scores is not None,
+    }
+
+
+def trime_log_distribution(
+    logits: torch.Tensor,
+    mem_scores: torch.Tensor | None = None,
+    mem_values: torch.Tensor | None = None,
+    ext_scores: torch.Tensor | None = None,
+    ext_values: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    lam: float = 0.0,
+    knn_temperature: float | None = None,
+    local_temperature: float = 1.0,
+) -> torch.Tensor:
+    """The full ``log P(· | c)`` over the vocabulary, ``[..., V]`` (TRIME App. A, Eq. 6 and Eq. 9)::
+
+        P_joint(w | c) = [exp(E_w f) + Σ_{x_j = w} exp(s_j / τ_local) + Σ_{x_j = w} exp(r_j / τ)] / Z
+        P(w | c)       = (1 - λ) P_joint(w | c) + λ P_kNN(w | c)       (P_kNN: softmax of r / τ_kNN, Eq. 8)
+
+    ``logits [..., V]`` (``E f(c)``); ``mem_scores/mem_values [..., M]`` the local / long memory's similarities
+    ``sim(g(c), g(c_j))`` and values (``-1`` = empty); ``ext_scores/ext_values [..., k]`` the retrieved entries'.
+    For inspection and checks (a sum over ``V`` is 1); evaluation uses the per-target :func:`trime_target_logprobs`.
+    """
+    v = logits.shape[-1]
+    logits = logits.double()
+    parts = [logits]
+    for scores, values, t in ((mem_scores, mem_values, local_temperature), (ext_scores, ext_values, temperature)):
+        if scores is None:
+            continue
+        if values is None or values.shape != scores.shape:
+            raise MemlmError("memory scores and values must come together with the same shape")
+        if values.numel() and int(values.max()) >= v:
+            raise MemlmError(f"memory value {int(values.max())} is out of range for a vocabulary of {v}")
+        s = (scores.double() / t).masked_fill(values < 0, float("-inf"))
+        m = torch.maximum(s.amax(-1, keepdim=True), torch.zeros_like(s[..., :1]))  # stable exp, finite shift
+        mass = torch.zeros_like(logits).scatter_add_(-1, values.clamp(min=0).long(), torch.exp(s - m))
+        parts.append(mass.log() + m)
+    joint = torch.logsumexp(torch.stack(parts), 0)
+    joint = joint - torch.logsumexp(joint, -1, keepdim=True)
+    if lam == 0:
+        return joint
+    if ext_scores is None:
+        raise MemlmError("lambda > 0 needs retrieved entries (ext_scores, ext_values)")
+    knn = knn_distribution(
+        ext_scores.double(), ext_values.long(), v, temperature if knn_temperature is None else knn_temperature
+    )
+    return _mix(joint, knn, lam)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tuning
+
+
+def tune_trime_inference(
+    valid: TrimeScores,
+    segments: Sequence[int | None] = DEFAULT_SEGMENTS,
+    temperatures: Sequence[float] = DEFAULT_TRIME_TEMPERATURES,
+    lambdas: Sequence[float] = DEFAULT_TRIME_LAMBDAS,
+    knn_temperatures: Sequence[float | None] = (None,),
+    local_temperatures: Sequence[float] | None = None,
+    test: TrimeScores | None = None,
+) -> dict[str, Any]:
+    """Grid-search ``M`` (Sec. 4.2, 5.2), ``τ`` (App. A, Eq. 6), ``λ`` and ``τ_kNN`` (Eq. 8-9) on the dev dump.
+
+    Minimises ``exp(-mean log P(w_t | c_t))`` of :func:`trime_target_logprobs` over the grid, with no new forward
+    pass or search. ``segments`` values above the dump's ``max_segments`` are skipped; ``local_temperatures``
+    defaults to every one in the dump. Without external memory in the dump, ``τ``, ``λ`` and ``τ_kNN`` are fixed
+    (1, 0, None). Returns ``{"best": params + ppl, "grid": [...]}`` and, with ``test``, ``"test"``: the
+    :func:`trime_perplexity` of the test dump under the best parameters (choose on valid, report on test).
+    """
+    segs = [s for s in segments if s is None or s <= valid.max_segments]
+    if not segs:
+        raise MemlmError(f"no segments value in {list(segments)} fits the dump (max_segments={valid.max_segments})")
+    lts = valid.local_temperatures if local_temperatures is None else [float(t) for t in local_temperatures]
+    if valid.ext_scores is None:
+        temperatures, lambdas, knn_temperatures = (1.0,), (0.0,), (None,)
+    for t in (*temperatures, *lts, *(x for x in knn_temperatures if x is not None)):
+        if t <= 0:
+            raise MemlmError(f"temperatures must be > 0, got {t}")
+    for lam in lambdas:
+        if not 0.0 <= lam <= 1.0:
+            raise MemlmError(f"lambda must be in [0, 1], got {lam}")
+    local_cache = {}
+    for s, lt in itertools.product(segs, lts):
+        _check_params(valid, s, lt, 1.0, 0.0)
+        local_cache[s, lt] = _local_part(valid, s, lt)
+    ext_cache = {t: _ext_part(valid, t) for t in temperatures}
+    knn_cache: dict[float, torch.Tensor] = {}
+    grid = []
+    for s, lt, t, lam, kt in itertools.product(segs, lts, temperatures, lambdas, knn_temperatures):
+        if lam == 0 and kt != knn_temperatures[0]:
+            continue  # τ_kNN is irrelevant without interpolation: keep one grid point
+        kt_eff = t if kt is None else kt
+        knn = None
+        if lam > 0:
+            if kt_eff not in knn_cache:
+                knn_cache[kt_eff] = _knn_part(valid, kt_eff)
+            knn = knn_cache[kt_eff]
+        lp = _combine(valid, local_cache[s, lt], ext_cache[t], knn, lam)
+        grid.append(
+            {
+                "segments": s,
+                "local_temperature": lt,
+                "temperature": t,
+                "lambda": lam,
+                "knn_temperature": kt,
+                "ppl": _ppl(lp),
+            }
+        )
+    best = min(grid, key=lambda g: g["ppl"])
+    out: dict[str, Any] = {"best": best, "grid": grid}
+    if test is not None:
+        params = {k: best[k] for k in ("segments", "local_temperature", "temperature", "lambda", "knn_temperature")}
+        out["test"] = trime_perplexity(
+            test,
+            segments=params["segments"],
+            temperature=params["temperature"],
+            lam=params["lambda"],
+            knn_temperature=params["knn_temperature"],
+            local_temperature=params["local_temperature"],
+        )
+    return out
