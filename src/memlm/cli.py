@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -230,6 +231,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from memlm.train import TrainConfig
     from memlm.train_lm import train_lm
 
+    if args.objective != "lm":
+        return _train_npm(args)
     config = TrainConfig(
         lr=args.lr,
         weight_decay=args.weight_decay,
@@ -262,7 +265,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         config,
         scratch=args.from_scratch,
         model=args.model,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer or "bpe:8192",
         valid_corpus=args.valid_corpus,
         valid_tokens=args.valid_tokens,
         n_positions=args.n_positions,
@@ -276,6 +279,283 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     ppl = result.valid_ppl
     print(f"trained {result.step} updates -> {result.final_dir}" + (f" (valid ppl {ppl:.3f})" if ppl else ""))
+
+
+def _train_npm(args: argparse.Namespace) -> None:
+    from memlm.npm.train_npm import DEFAULT_ENCODER, train_npm
+    from memlm.train import TrainConfig
+
+    if args.loss != "ce":
+        raise MemlmError(f"--loss {args.loss} is for causal LMs; --objective {args.objective} has its own loss")
+    if args.from_scratch and args.model:
+        raise MemlmError("give --from-scratch SIZE or --model ENCODER, not both")
+    if args.tokenizer and args.tokenizer.startswith("bpe:"):
+        raise MemlmError(
+            "--objective npm uses an encoder's WordPiece tokenizer: give --tokenizer ENCODER (folder/name)"
+        )
+    if args.from_scratch and args.tokenizer and args.model is None:
+        encoder = args.tokenizer  # from scratch: the tokenizer of this encoder
+    else:
+        encoder = args.model or DEFAULT_ENCODER
+    config = TrainConfig(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        eval_every=0,
+        save_every=args.save_every,
+        seed=args.seed,
+    )
+    result = train_npm(
+        args.out,
+        args.corpus,
+        config,
+        encoder=encoder,
+        scratch=args.from_scratch,
+        objective=args.objective,
+        valid_corpus=args.valid_corpus,
+        valid_tokens=args.valid_tokens,
+        n_positions=args.n_positions,
+        dropout=args.dropout,
+        budget=args.mask_budget,
+        max_span=args.max_span,
+        resume=not args.no_resume,
+        stop_after=args.stop_after,
+    )
+    if result.final_dir is None:
+        print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
+        return
+    vl = result.valid_loss
+    print(
+        f"trained {result.step} updates ({args.objective}) -> {result.final_dir}"
+        + (f" (valid loss {vl:.4f} per masked span)" if vl is not None else "")
+    )
+
+
+def cmd_npm_index(args: argparse.Namespace) -> None:
+    from memlm.npm.phrase_index import build_phrase_index
+    from memlm.npm.train_npm import limit_encoder_documents
+    from memlm.resources import load_encoder
+    from memlm.train_lm import load_corpora
+
+    model, tok = load_encoder(args.encoder, dtype=args.dtype)
+    docs = limit_encoder_documents(load_corpora(args.corpus, args.split), tok, args.max_tokens)
+    # (the phrase index records its own corpus fingerprint)
+    source = {"corpus": args.corpus, "split": args.split, "documents": len(docs), "max_tokens": args.max_tokens}
+    pi = build_phrase_index(
+        model,
+        tok,
+        docs,
+        args.out,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        factory=args.factory,
+        source=source,
+        progress=True,
+    )
+    m = pi.manifest
+    print(
+        f"phrase index {pi.path}: {len(pi)} token vectors, {pi.n_blocks} blocks of <= {m['block_tokens']} tokens, "
+        f"dim {pi.dim}, index {m['index']['factory']} (encoder {m['encoder']['model']['name']})"
+    )
+
+
+def _open_phrase_index(args: argparse.Namespace):
+    from memlm.npm.phrase_index import PhraseIndex
+    from memlm.resources import load_encoder
+
+    pi = PhraseIndex.open(args.index)
+    encoder = args.encoder or (pi.manifest.get("encoder") or {}).get("model", {}).get("name")
+    if not encoder:
+        raise MemlmError(f"phrase index {args.index} records no encoder name: pass --encoder")
+    model, tok = load_encoder(encoder, dtype=args.dtype)
+    pi.check_encoder(model, tok)
+    return pi, model, tok
+
+
+def _hit_json(h) -> dict[str, Any]:
+    return {"doc_id": h.doc_id, "position": h.position, "score": h.score, "context": h.context}
+
+
+def cmd_npm_predict(args: argparse.Namespace) -> None:
+    from memlm.npm.inference import npm_predict, npm_single_predict
+
+    pi, model, tok = _open_phrase_index(args)
+    results = []
+    for query in args.query:
+        if args.single:
+            preds = npm_single_predict(model, tok, pi, query, k=args.k, bm25_passages=args.bm25, top=args.top)
+        else:
+            preds = npm_predict(model, tok, pi, query, k=args.k, l_max=args.l_max, bm25_passages=args.bm25,
+                                combine=args.combine, top=args.top)  # fmt: skip
+        results.append((query, preds))
+    if args.json:
+        data = [
+            {
+                "query": q,
+                "predictions": [
+                    {
+                        "phrase": p.phrase,
+                        "score": p.score,
+                        "prob": p.prob,
+                        "log_score": p.log_score,
+                        "occurrences": len(p.spans),
+                        "top_span": _hit_json(p.spans[0]),
+                    }  # fmt: skip
+                    for p in preds
+                ],
+            }
+            for q, preds in results
+        ]
+        print(json.dumps(data if len(data) > 1 else data[0], indent=2))
+        return
+    for n, (query, preds) in enumerate(results):
+        if n:
+            print()
+        print(f"query: {query}")
+        if not preds:
+            print("  (no candidate phrase retrieved)")
+        for rank, p in enumerate(preds, 1):
+            h = p.spans[0]
+            print(f"{rank:3d}. {p.phrase!r:30s} score {p.score:.4g}  p={p.prob:.3f}  ({len(p.spans)} occurrences)")
+            print(f"     [{h.doc_id} @ {h.position}] {h.context}")
+
+
+def _parse_labels(text: str) -> dict[str, list[str]]:
+    """``'business=business,finance;sport=sports,football'`` -> label -> verbalizers."""
+    labels: dict[str, list[str]] = {}
+    for part in text.split(";"):
+        if not part.strip():
+            continue
+        name, sep, words = part.partition("=")
+        name = name.strip()
+        verbal = [w.strip() for w in words.split(",") if w.strip()] if sep else [name]
+        if not name or not verbal:
+            raise MemlmError(f"bad --labels entry {part!r}: write label=word,word;label=word")
+        if name in labels:
+            raise MemlmError(f"label {name!r} is given twice in --labels")
+        labels[name] = verbal
+    if len(labels) < 2:
+        raise MemlmError(f"--labels needs at least two labels (label=word,word;label=word), got {text!r}")
+    return labels
+
+
+def cmd_npm_classify(args: argparse.Namespace) -> None:
+    from memlm.npm.inference import npm_classify
+
+    labels = _parse_labels(args.labels)
+    pi, model, tok = _open_phrase_index(args)
+    results = []
+    for query in args.query:
+        res = npm_classify(model, tok, pi, query, labels, single=args.single, k=args.k, l_max=args.l_max,
+                           tau=args.tau, bm25_passages=args.bm25)  # fmt: skip
+        logs = {y: v if math.isfinite(v) else None for y, v in res.log_scores.items()}
+        results.append(
+            {"query": query, "label": res.label, "probs": res.probs, "matched": res.matched, "log_scores": logs}
+        )
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+        return
+    for n, r in enumerate(results):
+        if n:
+            print()
+        print(f"query: {r['query']}")
+        for y, prob in sorted(r["probs"].items(), key=lambda kv: -kv[1]):
+            print(f"  {y:20s} {prob:.4f}")
+        note = "" if r["matched"] else " (no retrieved candidate matched a verbalizer: uniform)"
+        print(f"label: {r['label']}{note}")
+
+
+def _print_trime_rows(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]], tokens: str) -> None:
+    print(f"{'memory':10s} {'M':>3s} {'tau_local':>9s} {'tau':>6s} {'lambda':>6s} {'ppl':>10s}  ({tokens})")
+    for name, p, res in rows:
+        if res is None:
+            continue
+        if p is None:
+            print(f"{name:10s} {'-':>3s} {'-':>9s} {'-':>6s} {'-':>6s} {res['base_ppl']:10.4f}")
+            continue
+        ext = name == "external"
+        m = "-" if p["segments"] is None else str(p["segments"])
+        tau = f"{p['temperature']:.3g}" if ext else "-"
+        lam = f"{p['lambda']:.3g}" if ext else "-"
+        print(f"{name:10s} {m:>3s} {p['local_temperature']:9.3g} {tau:>6s} {lam:>6s} {res['ppl']:10.4f}")
+
+
+def cmd_trime_eval(args: argparse.Namespace) -> None:
+    from memlm.trime.inference import run_trime_eval
+
+    model = args.model
+    if model is None and args.datastore:
+        from memlm.datastore import Datastore
+
+        model = Datastore.open(args.datastore).model_name
+    model = model or DEFAULT_MODEL
+    ts, res = run_trime_eval(
+        model,
+        args.corpus,
+        args.split,
+        args.seq_len,
+        max_segments=args.max_segments,
+        local_temperatures=_floats(args.local_temperatures),
+        datastore=args.datastore,
+        k=args.k,
+        search=args.search,
+        nprobe=args.nprobe,
+        drop_self_matches=args.drop_self_matches,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+        dump=args.dump,
+    )
+    if args.dump:
+        print(f"wrote {args.dump}", file=sys.stderr)
+    rows = [
+        ("none", None, res),
+        *((name, res[name], res[name]) for name in ("local", "long", "external") if name in res),
+    ]
+    _print_trime_rows(rows, f"{res['tokens']} tokens, {args.split}")
+    out = {"model": model, "corpus": args.corpus, "split": args.split, "seq_len": args.seq_len, **res,
+           "meta": {k: v for k, v in ts.meta.items() if k != "source"}, "source": ts.meta.get("source")}  # fmt: skip
+    _write_json(args.json, out)
+
+
+def cmd_trime_tune(args: argparse.Namespace) -> None:
+    from memlm.trime.inference import (
+        DEFAULT_SEGMENTS,
+        DEFAULT_TRIME_LAMBDAS,
+        DEFAULT_TRIME_TEMPERATURES,
+        TrimeScores,
+        tune_trime_memories,
+    )
+
+    valid = TrimeScores.load(args.valid)
+    test = TrimeScores.load(args.test) if args.test else None
+    res = tune_trime_memories(
+        valid,
+        test,
+        segments=tuple(int(x) for x in _floats(args.segments)) if args.segments else DEFAULT_SEGMENTS,
+        temperatures=_floats(args.ext_temperatures) if args.ext_temperatures else DEFAULT_TRIME_TEMPERATURES,
+        lambdas=_floats(args.ext_lambdas) if args.ext_lambdas else DEFAULT_TRIME_LAMBDAS,
+        knn_temperatures=_floats(args.knn_temperatures) if args.knn_temperatures else (None,),
+        local_temperatures=_floats(args.local_temperatures) if args.local_temperatures else None,
+    )
+    kinds = [k for k in ("local", "long", "external") if k in res]
+    print("best on valid:")
+    _print_trime_rows(
+        [("none", None, res["valid"]), *((k, res[k]["best"], res[k]["best"]) for k in kinds)],
+        f"{res['valid']['tokens']} tokens, valid",
+    )
+    if test is not None:
+        print("applied to test:")
+        _print_trime_rows(
+            [("none", None, res["test"]), *((k, res[k]["best"], res[k]["test"]) for k in kinds)],
+            f"{res['test']['tokens']} tokens, test",
+        )
+    _write_json(args.json, res)
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -355,6 +635,82 @@ def _add_windows(p: argparse.ArgumentParser) -> None:
         help="every scored token has at least this many tokens of context (default 512, as the paper)",
     )
     p.add_argument("--batch-size", type=int, default=4)
+
+
+def _add_npm(sub) -> None:
+    npm = sub.add_parser("npm", help="NPM (Min et al. 2023): phrase index, masked-phrase prediction, classification")
+    nsub = npm.add_subparsers(dest="sub", required=True)
+    ni = nsub.add_parser("index", help="encode every token of a corpus into a phrase index (rerun to resume)")
+    ni.add_argument("--encoder", default="minilm-l6", help="named encoder, HF id or folder (default minilm-l6)")
+    _add_corpus(ni, "train")
+    ni.add_argument("--out", required=True, help="phrase-index folder")
+    ni.add_argument("--factory", default=None, help="FAISS factory string (default Flat for small corpora)")
+    ni.add_argument("--max-length", type=int, default=None, help="encoder input length (default: the encoder's)")
+    ni.add_argument("--batch-size", type=int, default=16)
+    ni.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ni.set_defaults(func=cmd_npm_index)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--index", required=True, help="phrase-index folder (memlm npm index)")
+        p.add_argument("--encoder", default=None, help="encoder (default: the one the index was built with)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--k", type=int, default=4096, help="start and end tokens retrieved (default 4096)")
+        p.add_argument("--l-max", type=int, default=10, help="longest candidate phrase in tokens (default 10)")
+        p.add_argument("--single", action="store_true", help="NPM SINGLE: one [MASK], single-token predictions")
+        p.add_argument(
+            "--bm25",
+            type=int,
+            nargs="?",
+            const=3,
+            default=None,
+            metavar="N",
+            help="search only the top-N BM25 passages of the query (default N 3, as §6.3)",
+        )
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        p.add_argument("query", nargs="+", help="text with exactly one [MASK]")
+
+    npr = nsub.add_parser("predict", help="fill the [MASK] of a query with ranked corpus phrases")
+    common(npr)
+    npr.add_argument("--top", type=int, default=10, help="phrases to print (default 10)")
+    npr.add_argument("--combine", default="a1", choices=["a1", "sum"], help="span score: App. A.1 (a1) or §3.1 sum")
+    npr.set_defaults(func=cmd_npm_predict)
+    nc = nsub.add_parser("classify", help="closed-set label probabilities (fuzzy verbalizers, App. A.4)")
+    common(nc)
+    nc.add_argument(
+        "--labels", required=True, help="label=verbalizer,verbalizer;label=... e.g. 'pos=great,good;neg=bad,awful'"
+    )
+    nc.add_argument("--tau", type=float, default=5.0, help="temperature of the candidate scores (default 5)")
+    nc.set_defaults(func=cmd_npm_classify)
+
+
+def _add_trime(sub) -> None:
+    te = sub.add_parser("trime-eval", help="TRIME perplexity with local, long-term and external memory (+ dump)")
+    _add_model(te)
+    _add_corpus(te, "test")
+    te.add_argument("--seq-len", type=int, required=True, help="tokens per segment (one forward pass each)")
+    te.add_argument("--max-segments", type=int, default=8, help="previous segments kept for the long-term memory")
+    te.add_argument("--local-temperatures", default="1", help="τ_local values kept in the dump, comma-separated")
+    te.add_argument("--datastore", default=None, help="external memory: a datastore with ffn_in keys of this model")
+    te.add_argument("--k", type=int, default=1024, help="entries retrieved per token from the datastore")
+    te.add_argument("--search", default="index", choices=["index", "exact"])
+    te.add_argument("--nprobe", type=int, default=32)
+    te.add_argument("--drop-self-matches", action="store_true", help="ignore retrieved entries that are the token")
+    te.add_argument("--batch-size", type=int, default=8)
+    te.add_argument("--dump", default=None, help="write per-token scores (.npz) for memlm trime-tune")
+    te.add_argument("--json", default=None, help="write the results as JSON")
+    te.set_defaults(func=cmd_trime_eval)
+    tt = sub.add_parser("trime-tune", help="choose M, τ_local, τ, λ on a valid dump; apply to a test dump")
+    tt.add_argument("--valid", required=True, help="dump from memlm trime-eval --split valid --dump")
+    tt.add_argument("--test", default=None, help="dump from memlm trime-eval --split test --dump")
+    tt.add_argument("--segments", default=None, help="M values, comma-separated (default 0,1,2,4,8)")
+    tt.add_argument(
+        "--temperatures", dest="ext_temperatures", default=None, help="τ of the external memory (default 0.25..8)"
+    )
+    tt.add_argument("--lambdas", dest="ext_lambdas", default=None, help="λ values (default 0,0.05,...,0.6)")
+    tt.add_argument("--knn-temperatures", default=None, help="τ_kNN values (default: τ)")
+    tt.add_argument("--local-temperatures", default=None, help="τ_local values (default: all in the dump)")
+    tt.add_argument("--json", default=None)
+    tt.set_defaults(func=cmd_trime_tune)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -452,10 +808,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--corpus", required=True, help="training corpora, comma-separated (split train), e.g. wiki,news")
     t.add_argument("--valid-corpus", default=None, help="validation corpora (split valid; default: --corpus)")
     t.add_argument("--valid-tokens", type=int, default=200_000, help="validation tokens scored (0: no validation)")
-    init = t.add_mutually_exclusive_group(required=True)
-    init.add_argument("--from-scratch", metavar="SIZE", help="GPT-2-style model: 5m..50m or <layers>x<dim> (6x384)")
-    init.add_argument("--model", help="continue training this pretrained model (named, HF id or folder)")
-    t.add_argument("--tokenizer", default="bpe:8192", help="from scratch: bpe:<vocab> (trained here), gpt2 or folder")
+    t.add_argument(
+        "--objective",
+        default="lm",
+        choices=["lm", "npm", "npm-single"],
+        help="lm: causal LM (--loss picks CE or TRIME); npm / npm-single: NPM on a BERT-like encoder (Min et al. 2023)",
+    )
+    init = t.add_mutually_exclusive_group()
+    init.add_argument(
+        "--from-scratch",
+        metavar="SIZE",
+        help="GPT-2-style model: 5m..50m or <layers>x<dim> (6x384); npm: a BERT of that size",
+    )
+    init.add_argument(
+        "--model",
+        help="continue training this pretrained model (named, HF id or folder); npm: the encoder (default minilm-l6)",
+    )
+    t.add_argument(
+        "--tokenizer",
+        default=None,
+        help="from scratch: bpe:<vocab> (trained here; default bpe:8192), gpt2 or folder; npm: the encoder whose "
+        "tokenizer to use (default minilm-l6)",
+    )
     t.add_argument("--n-positions", type=int, default=1024, help="from scratch: maximum positions")
     t.add_argument("--dropout", type=float, default=0.1, help="from scratch: dropout")
     t.add_argument("--steps", type=int, default=1000, help="optimizer updates")
@@ -478,10 +852,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--segments-per-doc", type=int, default=None, help="trime-long: consecutive segments per batch")
     t.add_argument("--drop-local-p", type=float, default=0.9, help="trime-ext: drop the local memory with prob. p")
     t.add_argument("--packing", default="bm25", choices=["bm25", "random"], help="trime-ext: batch packing")
+    t.add_argument("--mask-budget", type=float, default=None, help="npm: fraction of tokens masked (default 0.15)")
+    t.add_argument("--max-span", type=int, default=None, help="npm: longest masked span (default 10)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many updates")
     t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=cmd_train, train_parser=t)
 
     a = sub.add_parser("analyze", help="Xu et al. 2023 ablations: h_ds, similarity, learned W_ds, FAISS vs exact, τ")
     _add_model(a, required=True)
@@ -508,6 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="output folder (rerun to resume)")
     a.set_defaults(func=cmd_analyze)
 
+    _add_npm(sub)
+    _add_trime(sub)
+
     d = sub.add_parser("demo", help="SmolLM2-135M + wiki and news datastores on the offline defaults")
     d.add_argument("--out", default=None, help="output folder (default $MEMLM_HOME/demo)")
     d.add_argument("--quick", action="store_true", help="a much smaller run (tests use it)")
@@ -518,7 +897,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train" and args.objective == "lm" and not (args.from_scratch or args.model):
+        args.train_parser.error("one of the arguments --from-scratch --model is required")  # as before --objective
     if getattr(args, "lambdas", False) is None:
         from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 

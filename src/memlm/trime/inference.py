@@ -650,3 +650,144 @@ def tune_trime_inference(
             local_temperature=params["local_temperature"],
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command-line glue: score a corpus split, summarise and tune per memory kind (memlm trime-eval, memlm trime-tune)
+
+
+__all__ += ["trime_memory_results", "tune_trime_memories", "run_trime_eval"]
+
+
+def _without_external(ts: TrimeScores) -> TrimeScores:
+    from dataclasses import replace
+
+    return replace(ts, ext_scores=None, ext_values=None)
+
+
+def _base_ppl(ts: TrimeScores) -> float:
+    return _ppl(torch.from_numpy(ts.target_logit).double() - torch.from_numpy(ts.logit_lse).double())
+
+
+def trime_memory_results(
+    ts: TrimeScores,
+    segments: int | None = None,
+    local_temperature: float | None = None,
+    temperature: float = 1.0,
+    lam: float = 0.0,
+    knn_temperature: float | None = None,
+) -> dict[str, Any]:
+    """Perplexity of a dump with no memory (``base_ppl``), the local memory (``local``: ``M = 0``, Sec. 4.1), the
+    long-term memory (``long``: ``M = segments``, default the dump's ``max_segments``, Sec. 4.2; absent when it is 0)
+    and, when the dump has retrieved entries, the external memory on top (``external``: ``τ``, ``λ``, ``τ_kNN``,
+    Sec. 4.3). Each entry is a :func:`trime_perplexity` result."""
+    m = ts.max_segments if segments is None else segments
+    lt = ts.local_temperatures[0] if local_temperature is None else local_temperature
+    own = _without_external(ts)
+    local = trime_perplexity(own, segments=0, local_temperature=lt)
+    out: dict[str, Any] = {"tokens": len(ts), "base_ppl": _base_ppl(ts), "local": local}
+    if m > 0:
+        out["long"] = trime_perplexity(own, segments=m, local_temperature=lt)
+    if ts.ext_scores is not None:
+        out["external"] = trime_perplexity(ts, m, temperature, lam, knn_temperature, lt)
+    return out
+
+
+def tune_trime_memories(
+    valid: TrimeScores,
+    test: TrimeScores | None = None,
+    segments: Sequence[int] = DEFAULT_SEGMENTS,
+    temperatures: Sequence[float] = DEFAULT_TRIME_TEMPERATURES,
+    lambdas: Sequence[float] = DEFAULT_TRIME_LAMBDAS,
+    knn_temperatures: Sequence[float | None] = (None,),
+    local_temperatures: Sequence[float] | None = None,
+) -> dict[str, Any]:
+    """:func:`tune_trime_inference` once per memory kind, each chosen on ``valid`` and applied to ``test``:
+
+    * ``local`` (TrimeLM): ``M = 0``, only ``τ_local`` tuned, retrieved entries ignored;
+    * ``long`` (TrimeLM_long): ``M`` and ``τ_local`` tuned over ``segments``, retrieved entries ignored (absent when
+      no ``segments`` value above 0 fits the dump);
+    * ``external`` (TrimeLM_ext, only when ``valid`` has retrieved entries): ``M``, ``τ_local``, ``τ``, ``λ`` and
+      ``τ_kNN``.
+
+    Returns ``{"valid": {"tokens", "base_ppl"}, "test": {...} (with ``test``), kind: {"best", "grid_points",
+    "test"}}``.
+    """
+    if test is not None and (valid.ext_scores is None) != (test.ext_scores is None):
+        raise MemlmError("the valid and test dumps must both have external memory or both not: score them alike")
+    out: dict[str, Any] = {"valid": {"tokens": len(valid), "base_ppl": _base_ppl(valid)}}
+    if test is not None:
+        out["test"] = {"tokens": len(test), "base_ppl": _base_ppl(test)}
+    plans: list[tuple[str, TrimeScores, TrimeScores | None, list[int]]] = [
+        ("local", _without_external(valid), None if test is None else _without_external(test), [0])
+    ]
+    longer = [s for s in segments if s is not None and 0 < s <= valid.max_segments]
+    if longer:
+        plans.append(("long", plans[0][1], plans[0][2], [0, *longer]))
+    if valid.ext_scores is not None:
+        plans.append(("external", valid, test, [s for s in segments if s is not None]))
+    for name, v, t, segs in plans:
+        res = tune_trime_inference(v, segs, temperatures, lambdas, knn_temperatures, local_temperatures, test=t)
+        out[name] = {"best": res["best"], "grid_points": len(res["grid"])}
+        if t is not None:
+            out[name]["test"] = res["test"]
+    return out
+
+
+def run_trime_eval(
+    model: str,
+    corpus: str,
+    split: str | None,
+    seq_len: int,
+    max_segments: int = 8,
+    local_temperatures: Sequence[float] = (1.0,),
+    datastore: str | Path | None = None,
+    k: int = 1024,
+    search: str = "index",
+    ext_scores: str = "dot",
+    nprobe: int = 32,
+    drop_self_matches: bool = False,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+    dtype: str = "float32",
+    dump: str | Path | None = None,
+) -> tuple[TrimeScores, dict[str, Any]]:
+    """Load ``model`` (:func:`memlm.resources.load_causal_lm`), score ``corpus`` at ``split`` with :func:`score_trime`
+    (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last layer), write the dump
+    to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``)."""
+    from memlm.corpora import corpus_fingerprint
+    from memlm.resources import load_causal_lm
+    from memlm.train_lm import load_corpora
+    from memlm.windows import limit_documents
+
+    ds = Datastore.open(datastore) if datastore else None
+    lm, tok = load_causal_lm(model, dtype=dtype)
+    if ds is not None:
+        want = G_SPEC.normalized(num_layers(lm))
+        if ds.key_spec != want:
+            raise MemlmError(
+                f"datastore {ds.path} holds {ds.key_spec.describe()} keys, but TRIME's external memory compares "
+                f"g(c) = {want.describe()} (the last FFN's input): build it with --key ffn_in"
+            )
+    docs = limit_documents(load_corpora(corpus, split), tok, max_tokens)
+    source = {"corpus": corpus, "split": split, "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
+              "max_tokens": max_tokens}  # fmt: skip
+    ts = score_trime(
+        lm,
+        tok,
+        docs,
+        seq_len,
+        max_segments=max_segments,
+        local_temperatures=local_temperatures,
+        datastore=ds,
+        k=k,
+        search=search,
+        ext_scores=ext_scores,
+        nprobe=nprobe,
+        drop_self_matches=drop_self_matches,
+        batch_size=batch_size,
+        meta={"model": model, "source": source},
+    )
+    if dump:
+        ts.save(dump)
+    return ts, trime_memory_results(ts)
