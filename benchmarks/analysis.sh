@@ -15,13 +15,13 @@ if [[ $what == scratch || $what == all ]]; then
     --valid-tokens 100000 --dtype bfloat16
   for key in ffn_in final; do
     $M datastore build --model $R/scratch-lm/final --dtype bfloat16 --corpus wiki,news --split train \
-      --max-tokens 1000000 --key $key --window 256 --min-context 128 --batch-size 16 --no-index \
+      --max-tokens 500000 --key $key --window 256 --min-context 128 --batch-size 16 --no-index \
       --out $R/analysis/ds-scratch-$key
   done
   $M analyze --model $R/scratch-lm/final --dtype bfloat16 \
     --datastore-att $R/analysis/ds-scratch-ffn_in --datastore-ffn $R/analysis/ds-scratch-final \
-    --valid-corpus wiki,news --test-corpus wiki,news --max-tokens 40000 --window 256 --min-context 128 \
-    --batch-size 16 --k 1024 --fractions 0.05,0.25,1 --learned-n 1,2,6 --learned-steps 600 \
+    --valid-corpus wiki,news --test-corpus wiki,news --max-tokens 20000 --window 256 --min-context 128 \
+    --batch-size 16 --k 1024 --fractions 0.05,0.25,1 --learned-n 1,2,6 --learned-steps 400 \
     --out $R/analysis/scratch
 fi
 
