@@ -1,7 +1,7 @@
 #!/bin/bash
 # Xu et al. (2023) ablations for docs/ANALYSIS.md: (a) a GPT-2-style LM trained from scratch here on wiki+news with a
 # datastore from its own training data; (b) SmolLM2-135M with a wiki datastore. Every step resumes when rerun.
-#   bash benchmarks/analysis.sh [scratch|smollm2|all]     (about 1 h of training + 1 h of analysis on 2 CPU cores)
+#   bash benchmarks/analysis.sh [scratch|smollm2|all]     (scratch: ~7 min of training + ~20 min of analysis; smollm2: ~45 min, on 2 CPU cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=.venv/bin/memlm
@@ -9,19 +9,19 @@ R=${RUNS:-runs}
 what=${1:-all}
 
 if [[ $what == scratch || $what == all ]]; then
-  # (a) 14M-parameter GPT-2 (6 layers x 384), byte-level BPE with 8,192 types trained on wiki+news train
-  $M train --out $R/scratch-lm --corpus wiki,news --from-scratch 6x384 --tokenizer bpe:8192 \
-    --n-positions 256 --seq-len 256 --batch-size 16 --steps 1800 --lr 1e-3 --eval-every 200 --save-every 100 \
-    --valid-tokens 100000 --dtype bfloat16
+  # (a) the from-scratch GPT-2 (4 layers x 256, ~5M parameters, byte-level BPE with 8,192 types) that is also the
+  # vanilla LM of docs/TRIME.md: benchmarks/trime.sh trains it (400 updates of 16 x 256 tokens of wiki+news train)
+  [[ -d $R/trime/vanilla/final ]] || bash benchmarks/trime.sh train
   for key in ffn_in final; do
-    $M datastore build --model $R/scratch-lm/final --dtype bfloat16 --corpus wiki,news --split train \
-      --max-tokens 500000 --key $key --window 256 --min-context 128 --batch-size 16 --no-index \
+    [[ -f $R/analysis/ds-scratch-$key/manifest.json ]] && continue
+    $M datastore build --model $R/trime/vanilla/final --dtype bfloat16 --corpus wiki,news --split train \
+      --max-tokens 300000 --key $key --window 256 --min-context 128 --batch-size 32 --no-index \
       --out $R/analysis/ds-scratch-$key
   done
-  $M analyze --model $R/scratch-lm/final --dtype bfloat16 \
+  $M analyze --model $R/trime/vanilla/final --dtype bfloat16 \
     --datastore-att $R/analysis/ds-scratch-ffn_in --datastore-ffn $R/analysis/ds-scratch-final \
     --valid-corpus wiki,news --test-corpus wiki,news --max-tokens 20000 --window 256 --min-context 128 \
-    --batch-size 16 --k 1024 --fractions 0.05,0.25,1 --learned-n 1,2,6 --learned-steps 400 \
+    --batch-size 16 --k 1024 --fractions 0.05,0.25,1 --learned-n 1,2,3,6 --learned-steps 600 \
     --out $R/analysis/scratch
 fi
 

@@ -4,10 +4,14 @@ Both train the same randomly initialised GPT-2 (``--arch``, BPE vocabulary size 
 batches with AdamW under bf16 autocast. The bare loop is ``loss = model(input_ids, labels=input_ids).loss;
 loss.backward(); opt.step(); opt.zero_grad()``; memlm's is :func:`memlm.train.train` (LR schedule, gradient clipping,
 logging; checkpoints and validation off). The two alternate ``--repeats`` times and the best tokens/s of each is kept
-(warm-up updates excluded). With ``--loss`` it also times other objectives of the trainer (e.g. TRIME's) on the same
-model.
+(warm-up updates excluded). With ``--losses`` it also times TRIME's objectives (Zhong et al. 2022) in the same trainer
+on the same model and tokens, against memlm's plain cross-entropy: ``trime`` (local memory), ``trime-long`` (rows are
+``--segments-per-doc`` consecutive segments of one document) and ``trime-ext`` (every other row is memory; local
+memory dropped with p = 0.9).
 
     PYTHONPATH=src python benchmarks/bench_train.py --json docs/results/train_throughput.json
+    PYTHONPATH=src python benchmarks/bench_train.py --arch 4x256 --losses trime,trime-long,trime-ext \
+        --json docs/results/trime_train_throughput.json
 """
 
 from __future__ import annotations
@@ -65,6 +69,36 @@ def memlm_loop(model, batches: list[torch.Tensor], warmup: int, loss_fn=None, wr
     return len(log) * batches[0].numel() / seconds
 
 
+def trime_fields(name: str, batch_size: int, segments_per_doc: int):
+    """Extra batch fields of a TRIME objective for a batch of ``batch_size`` rows (see memlm.trime.training)."""
+    rows = torch.arange(batch_size)
+    if name == "trime-long":  # groups of m consecutive segments of one document
+        return {"segment_doc": rows // segments_per_doc, "segment_index": rows % segments_per_doc}
+    return {"segment_doc": rows, "segment_index": torch.zeros_like(rows)}
+
+
+def time_losses(args, batches: list[torch.Tensor]) -> dict[str, float]:
+    """Best tokens/s of memlm's trainer with each of ``args.losses`` (plus ``ce``) on the same model and tokens."""
+    from memlm.trime.training import trime_objective
+
+    best: dict[str, float] = {}
+    names = ["ce", *[n for n in args.losses.split(",") if n and n != "ce"]]
+    for _ in range(args.repeats):
+        for name in names:
+            setup = trime_objective(name, seq_len=args.seq_len, batch_size=args.batch_size)
+            fields = trime_fields(name, args.batch_size, args.segments_per_doc)
+            tps = memlm_loop(
+                make_model(args.arch, args.vocab, args.seq_len),
+                batches,
+                args.warmup,
+                loss_fn=setup.loss_fn,
+                wrap=lambda x, f=fields: {"input_ids": x, **f},
+            )
+            best[name] = max(best.get(name, 0.0), tps)
+            print(f"{name:12s} {tps:.0f} tok/s", file=sys.stderr)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="6x384")
@@ -74,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--losses", default="", help="also time these TRIME objectives, e.g. trime,trime-long,trime-ext")
+    p.add_argument("--segments-per-doc", type=int, default=4, help="trime-long: consecutive segments per document")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     g = torch.Generator().manual_seed(0)
@@ -99,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
     }
+    if args.losses:
+        per_loss = time_losses(args, batches)
+        result["loss_tokens_per_s"] = per_loss
+        result["loss_ratio_vs_ce"] = {k: v / per_loss["ce"] for k, v in per_loss.items()}
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("all_")}, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,87 @@
+#!/bin/bash
+# TRIME (Zhong et al. 2022) in our setting, for docs/TRIME.md: one architecture (GPT-2 4x256, a byte-level BPE with
+# 8,192 types trained on wiki+news train), one data set (wiki+news train) and one compute budget (STEPS updates of
+# 16 x 256 tokens) for the vanilla LM, TrimeLM, TrimeLM_long and TrimeLM_ext, plus two ablations of TrimeLM_ext
+# (random instead of BM25 batches; local-memory dropout p = 0 instead of 0.9). Then test perplexity with each memory,
+# every hyper-parameter (M, tau, lambda, cache weight) tuned on valid. Every step resumes when rerun.
+#   bash benchmarks/trime.sh [train|eval|all]          (about 45 min of training + 20 min of evaluation, 2 CPU cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+M=.venv/bin/memlm
+R=${RUNS:-runs}/trime
+STEPS=${STEPS:-400}
+TOKENS=${EVAL_TOKENS:-60000}       # per split: leading documents of wiki+news valid / test
+DS_TOKENS=${DS_TOKENS:-1000000}    # external memory / kNN-LM datastore: leading wiki+news train tokens
+what=${1:-all}
+mkdir -p "$R"
+
+train() {  # name, extra flags
+  local name=$1; shift
+  [[ -d $R/$name/final ]] && return 0
+  # the BPE of the first run is shared by all, so every model sees the same token sequence
+  local tok=bpe:8192; [[ -d $R/tokenizer ]] && tok=$R/tokenizer
+  $M train --out "$R/$name" --corpus wiki,news --from-scratch 4x256 --tokenizer "$tok" --n-positions 256 \
+    --seq-len 256 --batch-size 16 --steps "$STEPS" --lr 1e-3 --eval-every 100 --save-every 50 \
+    --valid-tokens 50000 --dtype bfloat16 "$@"
+  [[ -d $R/tokenizer ]] || cp -r "$R/$name/tokenizer" "$R/tokenizer"
+}
+
+datastore() {  # model run name
+  local name=$1
+  [[ -f $R/ds-$name/index.faiss ]] && return 0
+  $M datastore build --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split train \
+    --max-tokens "$DS_TOKENS" --key ffn_in --window 256 --min-context 128 --batch-size 32 \
+    --factory IVF1024,Flat --metric l2 --out "$R/ds-$name"
+}
+
+trime_eval() {  # run name, extra flags; dumps for valid and test, then tune on valid and apply to test
+  local name=$1; shift
+  local out=$R/eval-$name
+  mkdir -p "$out"
+  for split in valid test; do
+    [[ -f $out/$split.npz ]] && continue
+    $M trime-eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split \
+      --max-tokens "$TOKENS" --seq-len 256 --max-segments 8 --local-temperatures 0.5,1,2 --batch-size 16 \
+      --dump "$out/$split.npz" --json "$out/$split.json" "$@"
+  done
+  $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
+}
+
+knnlm_eval() {  # vanilla + continuous cache, vanilla + kNN-LM (+ cache), with the kNN-LM machinery
+  local out=$R/eval-vanilla-knnlm
+  mkdir -p "$out"
+  for split in valid test; do
+    [[ -f $out/$split.npz ]] && continue
+    $M eval --model "$R/vanilla/final" --dtype bfloat16 --corpus wiki,news --split $split --max-tokens "$TOKENS" \
+      --datastore "$R/ds-vanilla" --k 1024 --window 256 --min-context 128 --batch-size 16 --cache \
+      --dump "$out/$split.npz" --json "$out/$split.json"
+  done
+  $M tune --valid "$out/valid.npz" --test "$out/test.npz" --lambdas 0 --cache-lambdas 0 0.05 0.1 0.2 0.3 \
+    --cache-temperatures 0.5 1 2 --json "$out/cache-only.json"
+  $M tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/knnlm.json"
+  $M tune --valid "$out/valid.npz" --test "$out/test.npz" --cache-lambdas 0 0.05 0.1 0.2 \
+    --cache-temperatures 0.5 1 2 --json "$out/knnlm-cache.json"
+}
+
+if [[ $what == train || $what == all ]]; then
+  train vanilla --loss ce
+  train trimelm --loss trime
+  train trimelm-long --loss trime-long --segments-per-doc 4
+  train trimelm-ext --loss trime-ext --packing bm25 --drop-local-p 0.9
+  train trimelm-ext-random --loss trime-ext --packing random --drop-local-p 0.9
+  train trimelm-ext-p0 --loss trime-ext --packing bm25 --drop-local-p 0
+fi
+
+if [[ $what == eval || $what == all ]]; then
+  datastore vanilla
+  knnlm_eval
+  trime_eval vanilla
+  trime_eval trimelm
+  trime_eval trimelm-long
+  datastore trimelm-ext
+  trime_eval trimelm-ext --datastore "$R/ds-trimelm-ext"
+  for name in trimelm-ext-random trimelm-ext-p0; do
+    datastore $name
+    trime_eval $name --datastore "$R/ds-$name"
+  done
+fi
