@@ -47,8 +47,11 @@ def _training(run: Path) -> dict[str, Any] | None:
     entries = log["log"]
     valid = [e for e in entries if e.get("valid_ppl") is not None]
     tps = [e["tokens_per_s"] for e in entries if e.get("tokens_per_s")]
+    cfg = log["config"]
+    full = cfg["batch_size"] * cfg["grad_accum"] * cfg["seq_len"]  # plain chunks have no padding
     return {
         "updates": len(entries),
+        "tokens": sum(e.get("tokens", full) for e in entries),
         "final_valid_ppl": valid[-1]["valid_ppl"] if valid else None,
         "median_tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
         "train_seconds": sum(e.get("seconds", 0.0) for e in entries) or None,
@@ -172,14 +175,15 @@ def tables(res: dict[str, Any]) -> str:
         "",
         "### Training (same architecture, data and number of updates for every model)",
         "",
-        "| model | updates | valid ppl at the end (plain LM, no memory) | median training tokens/s |",
-        "|---|---|---|---|",
+        "| model | updates | tokens trained on (padding excluded) | valid ppl at the end (plain LM, no memory) "
+        "| median training tokens/s |",
+        "|---|---|---|---|---|",
     ]
     for name, label in MODELS.items():
         tr = m.get(name, {}).get("training") or {}
         tps = tr.get("median_tokens_per_s")
         lines.append(
-            f"| {label} | {tr.get('updates', '-')} | {_f(tr.get('final_valid_ppl'))} | "
+            f"| {label} | {tr.get('updates', '-')} | {tr.get('tokens', 0):,} | {_f(tr.get('final_valid_ppl'))} | "
             + ("-" if tps is None else f"{tps:,.0f}")
             + " |"
         )

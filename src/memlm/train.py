@@ -26,7 +26,7 @@ Files under ``out_dir``::
                          position, log, config); written into a temporary folder renamed into place; the last
                          ``keep_checkpoints`` are kept
     final/               the final model (save_pretrained)
-    log.json             {"config": ..., "log": [{step, loss, lr, tokens_per_s[, valid_ppl, valid_loss]}, ...]}
+    log.json             {"config": ..., "log": [{step, loss, lr, tokens, tokens_per_s[, valid_ppl, valid_loss]}, ...]}
 """
 
 from __future__ import annotations
@@ -552,7 +552,8 @@ def train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            entry = {"step": step, "loss": total_loss, "lr": lr, "tokens_per_s": tokens / (time.perf_counter() - t0)}
+            seconds = time.perf_counter() - t0
+            entry = {"step": step, "loss": total_loss, "lr": lr, "tokens": tokens, "tokens_per_s": tokens / seconds}
             log.append(entry)
             if valid is not None and config.eval_every and step % config.eval_every == 0 and step < config.max_steps:
                 entry["valid_loss"], entry["valid_ppl"] = _evaluate(model, valid, autocast)
