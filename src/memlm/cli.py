@@ -310,29 +310,26 @@ def _train_npm(args: argparse.Namespace) -> None:
         save_every=args.save_every,
         seed=args.seed,
     )
-    result = train_npm(
-        args.out,
-        args.corpus,
-        config,
-        encoder=encoder,
-        scratch=args.from_scratch,
-        objective=args.objective,
-        valid_corpus=args.valid_corpus,
-        valid_tokens=args.valid_tokens,
-        n_positions=args.n_positions,
-        dropout=args.dropout,
-        budget=args.mask_budget,
-        max_span=args.max_span,
-        resume=not args.no_resume,
-        stop_after=args.stop_after,
-    )
+    common = {"encoder": encoder, "scratch": args.from_scratch, "valid_corpus": args.valid_corpus,
+              "valid_tokens": args.valid_tokens, "n_positions": args.n_positions, "dropout": args.dropout,
+              "resume": not args.no_resume, "stop_after": args.stop_after}  # fmt: skip
+    if args.objective == "mlm":
+        from memlm.npm.mlm import train_mlm
+
+        if args.max_span is not None:
+            raise MemlmError("--max-span is for NPM's span masking; --objective mlm masks single tokens")
+        result = train_mlm(args.out, args.corpus, config, prob=args.mask_budget, **common)
+    else:
+        result = train_npm(args.out, args.corpus, config, objective=args.objective, budget=args.mask_budget,
+                           max_span=args.max_span, **common)  # fmt: skip
     if result.final_dir is None:
         print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
         return
     vl = result.valid_loss
+    unit = "masked token" if args.objective != "npm" else "masked span"
     print(
         f"trained {result.step} updates ({args.objective}) -> {result.final_dir}"
-        + (f" (valid loss {vl:.4f} per masked span)" if vl is not None else "")
+        + (f" (valid loss {vl:.4f} per {unit})" if vl is not None else "")
     )
 
 
@@ -468,6 +465,101 @@ def cmd_npm_classify(args: argparse.Namespace) -> None:
             print(f"  {y:20s} {prob:.4f}")
         note = "" if r["matched"] else " (no retrieved candidate matched a verbalizer: uniform)"
         print(f"label: {r['label']}{note}")
+
+
+def _eval_model(args: argparse.Namespace):
+    """``(phrase index, model, tokenizer, label)`` of ``memlm npm eval``: NPM / NPM SINGLE with the index's encoder
+    (checked), or the MLM baseline (``--mlm``; the index then only names the reference corpus)."""
+    from memlm.npm.phrase_index import PhraseIndex
+
+    if args.mlm:
+        from memlm.npm.mlm import load_mlm
+
+        if args.single or args.bm25 is not None or args.encoder:
+            raise MemlmError("--mlm predicts one token without retrieval: --single, --bm25 and --encoder do not apply")
+        model, tok = load_mlm(args.mlm, dtype=args.dtype)
+        return PhraseIndex.open(args.index), model, tok, f"mlm {args.mlm}"
+    pi, model, tok = _open_phrase_index(args)
+    kind = "npm-single" if args.single else "npm"
+    bm25 = f" +bm25 top-{args.bm25}" if args.bm25 is not None else ""
+    return pi, model, tok, f"{kind}{bm25} {model.config.memlm_name}"
+
+
+def cmd_npm_eval(args: argparse.Namespace) -> None:
+    from memlm.npm import tasks
+    from memlm.npm.phrase_index import PhraseIndex
+    from memlm.train_lm import load_corpora
+
+    if args.max_queries is not None and args.max_queries < 1:
+        raise MemlmError(f"--max-queries must be >= 1, got {args.max_queries}")
+    pi, model, tok, label = _eval_model(args)
+    npm_opts = {"single": args.single, "k": args.k, "l_max": args.l_max, "bm25_passages": args.bm25}
+    if args.task == "bbc":
+        docs = load_corpora(args.corpus or "bbc", args.split)
+        classify = (tasks.mlm_classifier(model, tok) if args.mlm
+                    else tasks.npm_classifier(model, tok, pi, tau=args.tau, **npm_opts))  # fmt: skip
+        res = tasks.bbc_classification(classify, tok, docs, max_queries=args.max_queries,
+                                       limit_tokens=tasks.encoder_limit(model, tok),
+                                       keep_predictions=args.predictions, seed=args.seed)  # fmt: skip
+    elif args.task == "cloze":
+        ref = PhraseIndex.open(args.reference_index) if args.reference_index else pi
+        ref_docs = tasks.index_documents(ref, tok)
+        docs = load_corpora(args.corpus or ref.manifest["corpus"]["corpus"], args.split)
+        probes = tasks.cloze_probes(docs, ref_docs, tok, n=args.max_queries or 500, seed=args.seed,
+                                    per_length=args.per_length)  # fmt: skip
+        if not probes:
+            raise MemlmError("no cloze probe found: no held-out entity occurs in the reference corpus")
+        predict = tasks.mlm_predictor(model, tok) if args.mlm else tasks.npm_predictor(model, tok, pi, **npm_opts)
+        res = tasks.evaluate_cloze(probes, predict, tok, keep_predictions=args.predictions)
+    else:
+        ref_docs = tasks.index_documents(pi, tok)
+        probes = tasks.update_probes(ref_docs, tok, n=args.max_queries or 50, seed=args.seed)
+        work = Path(args.work or f"{args.index}.update")
+        if args.mlm:
+            res = tasks.corpus_update_probe(
+                None,
+                tok,
+                probes,
+                ref_docs,
+                work,
+                distractors=args.distractors,
+                seed=args.seed,
+                predict=lambda _: tasks.mlm_predictor(model, tok),
+            )
+        else:
+            res = tasks.corpus_update_probe(model, tok, probes, ref_docs, work, distractors=args.distractors,
+                                            seed=args.seed,
+                                            predict=lambda p: tasks.npm_predictor(model, tok, p, **npm_opts),
+                                            max_length=pi.manifest.get("block_tokens", 510) + 2)  # fmt: skip
+        if not args.predictions:
+            for part in ("original", "edited"):
+                res[part].pop("predictions", None)
+    res = {"task": args.task, "model": label, "index": str(args.index), "index_tokens": len(pi),
+           "options": {"k": args.k, "l_max": args.l_max, "single": args.single, "bm25": args.bm25,
+                       "tau": args.tau, "seed": args.seed, "max_queries": args.max_queries}, **res}  # fmt: skip
+    _print_eval(res)
+    _write_json(args.json, res)
+
+
+def _print_eval(res: dict[str, Any]) -> None:
+    print(f"{res['task']}: {res['model']} (index {res['index']}, {res['index_tokens']} tokens)")
+    if res["task"] in ("bbc", "cloze"):
+        bbc = res["task"] == "bbc"
+        key = "accuracy" if bbc else "em"
+        print(f"  {'label' if bbc else 'tokens':15s} {'n':>5s} {'acc' if bbc else 'EM':>7s}")
+        for name, r in [*res["per_label" if bbc else "by_length"].items(), ("all", {"n": res["n"], key: res[key]})]:
+            print(f"  {name:15s} {r['n']:5d} {'-' if r[key] is None else format(r[key], '7.3f'):>7s}")
+        note = f"no verbalizer matched: {res['unmatched']:.1%}" if bbc else f"macro over lengths {res['macro_em']:.3f}"
+        print(f"  ({note})")
+        speed = res["speed"]
+    else:
+        print(f"  {res['n']} probes, {res['passages']} passages ({res['distractors']} distractors)")
+        print(f"  original corpus -> original answer  EM {res['original_em']:.3f}")
+        print(f"  edited corpus   -> edited answer    EM {res['updated_em']:.3f}   (still the old answer: "
+              f"{res['stale']:.3f})")  # fmt: skip
+        speed = res["edited"]["speed"]
+    print(f"  {speed['queries_per_second']:.2f} queries/s ({speed['ms_per_query']:.0f} ms/query), "
+          f"peak RSS {speed['peak_rss_mb']:.0f} MiB")  # fmt: skip
 
 
 def _print_trime_rows(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]], tokens: str) -> None:
@@ -681,6 +773,38 @@ def _add_npm(sub) -> None:
     )
     nc.add_argument("--tau", type=float, default=5.0, help="temperature of the candidate scores (default 5)")
     nc.set_defaults(func=cmd_npm_classify)
+    ne = nsub.add_parser("eval", help="evaluation tasks: BBC topics (closed set), wiki cloze probes, corpus update")
+    ne.add_argument("--task", required=True, choices=["bbc", "cloze", "update"])
+    ne.add_argument("--index", required=True, help="phrase index (memlm npm index); its corpus is the reference")
+    ne.add_argument("--encoder", default=None, help="encoder (default: the one the index was built with)")
+    ne.add_argument("--mlm", default=None, metavar="MODEL", help="evaluate the MLM baseline (train --objective mlm)")
+    ne.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ne.add_argument("--k", type=int, default=4096, help="start and end tokens retrieved (default 4096)")
+    ne.add_argument("--l-max", type=int, default=10, help="longest candidate phrase in tokens (default 10)")
+    ne.add_argument("--single", action="store_true", help="NPM SINGLE: one [MASK], single-token predictions")
+    ne.add_argument("--bm25", type=int, nargs="?", const=3, default=None, metavar="N",
+                    help="search only the top-N BM25 passages of each query (default N 3, as §6.3)")  # fmt: skip
+    ne.add_argument("--tau", type=float, default=5.0, help="bbc: temperature of the candidate scores (default 5)")
+    ne.add_argument(
+        "--max-queries",
+        type=int,
+        default=None,
+        help="bbc: N test articles, a seeded sample (default all); cloze: N probes (500); update: N probes (50)",
+    )
+    ne.add_argument("--corpus", default=None, help="documents to query (default: bbc; cloze: the index's corpus)")
+    ne.add_argument("--split", default="test", help="split of --corpus (default test)")
+    ne.add_argument(
+        "--reference-index",
+        default=None,
+        help="cloze: keep probes whose answer occurs in this index's corpus (default --index)",
+    )
+    ne.add_argument("--per-length", type=int, default=None, help="cloze: at most N probes per answer length")
+    ne.add_argument("--distractors", type=int, default=200, help="update: other passages in the small indexes")
+    ne.add_argument("--work", default=None, help="update: folder of the original/edited indexes (INDEX.update)")
+    ne.add_argument("--seed", type=int, default=0, help="seed of the probe / article sample")
+    ne.add_argument("--predictions", action="store_true", help="keep every query's prediction in the JSON")
+    ne.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    ne.set_defaults(func=cmd_npm_eval)
 
 
 def _add_trime(sub) -> None:
@@ -811,8 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--objective",
         default="lm",
-        choices=["lm", "npm", "npm-single"],
-        help="lm: causal LM (--loss picks CE or TRIME); npm / npm-single: NPM on a BERT-like encoder (Min et al. 2023)",
+        choices=["lm", "npm", "npm-single", "mlm"],
+        help="lm: causal LM (--loss picks CE or TRIME); npm / npm-single: NPM on a BERT-like encoder (Min et al. "
+        "2023); mlm: the same encoder with a masked-LM head (NPM's parametric baseline)",
     )
     init = t.add_mutually_exclusive_group()
     init.add_argument(
@@ -852,7 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--segments-per-doc", type=int, default=None, help="trime-long: consecutive segments per batch")
     t.add_argument("--drop-local-p", type=float, default=0.9, help="trime-ext: drop the local memory with prob. p")
     t.add_argument("--packing", default="bm25", choices=["bm25", "random"], help="trime-ext: batch packing")
-    t.add_argument("--mask-budget", type=float, default=None, help="npm: fraction of tokens masked (default 0.15)")
+    t.add_argument("--mask-budget", type=float, default=None, help="npm, mlm: fraction of tokens masked (default 0.15)")
     t.add_argument("--max-span", type=int, default=None, help="npm: longest masked span (default 10)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many updates")

@@ -1,6 +1,9 @@
-"""NPM: nonparametric masked language modelling (Min et al. 2023) -- masking, loss, objective, phrase index, inference.
+"""NPM: nonparametric masked language modelling (Min et al. 2023) -- masking, loss, objective, phrase index, inference,
+evaluation tasks (:mod:`memlm.npm.tasks`: BBC topics, cloze probes, corpus update) and the MLM baseline
+(:mod:`memlm.npm.mlm`).
 
-The encoder, phrase-index, inference and objective modules are imported on use: ``from memlm.npm.inference import ...``.
+The encoder, phrase-index, inference, objective, tasks and mlm modules are imported on use:
+``from memlm.npm.inference import ...``.
 """
 
 from memlm.npm.loss import npm_contrastive_loss, npm_single_loss, npm_span_loss, npm_span_targets

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,17 +90,15 @@ def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -
 
 
 @torch.no_grad()
-def npm_valid_loss(model, loss_fn: NpmObjective, batches: NpmBatches) -> float | None:
-    """Mean contrastive loss per masked span (NPM) or masked token (NPM SINGLE) over one pass of ``batches`` (eval
-    mode, the objective's deterministic masking); ``None`` when no batch masks anything."""
+def mean_eval_loss(model, per_item: Callable[[dict[str, Any]], torch.Tensor], batches: NpmBatches) -> float | None:
+    """Mean of ``per_item(batch)`` (a vector of per-span / per-token losses) over one pass of ``batches``, in eval mode;
+    ``None`` when no batch has anything to score. Shared by NPM and the MLM baseline."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     try:
         for batch in batches(0):
-            mb, masked, unmasked = loss_fn.forward(model, batch)
-            fn = npm_span_loss if loss_fn.kind == "npm" else npm_single_loss
-            per = fn(masked.float(), unmasked.float(), mb, reduction="none")
+            per = per_item(batch)
             if per.dim() == 0:  # nothing masked in this batch
                 continue
             total += float(per.sum())
@@ -108,6 +106,42 @@ def npm_valid_loss(model, loss_fn: NpmObjective, batches: NpmBatches) -> float |
     finally:
         model.train(was_training)
     return total / count if count else None
+
+
+def npm_valid_loss(model, loss_fn: NpmObjective, batches: NpmBatches) -> float | None:
+    """Mean contrastive loss per masked span (NPM) or masked token (NPM SINGLE) over one pass of ``batches`` (eval
+    mode, the objective's deterministic masking); ``None`` when no batch masks anything."""
+    fn = npm_span_loss if loss_fn.kind == "npm" else npm_single_loss
+
+    def per_item(batch: dict[str, Any]) -> torch.Tensor:
+        mb, masked, unmasked = loss_fn.forward(model, batch)
+        return fn(masked.float(), unmasked.float(), mb, reduction="none")
+
+    return mean_eval_loss(model, per_item, batches)
+
+
+def finish_training(
+    res: TrainResult,
+    out: Path,
+    config: TrainConfig,
+    tokenizer,
+    valid_corpus: str | Sequence[str],
+    valid_tokens: int | None,
+    valid_loss: Callable[[NpmBatches], float | None],
+) -> NpmTrainResult:
+    """The trainer's result plus, once training is complete, ``valid_loss`` over ``valid_tokens`` tokens of
+    ``valid_corpus`` (split valid), also written into the last entry of ``out/log.json``."""
+    from memlm.train_lm import load_corpora
+
+    result = NpmTrainResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(TrainResult)})
+    if res.final_dir is not None and valid_tokens != 0:
+        vdocs = limit_encoder_documents(load_corpora(valid_corpus, "valid"), tokenizer, valid_tokens)
+        vb = npm_batches(vdocs, tokenizer, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
+        result.valid_loss = valid_loss(vb)
+        if result.valid_loss is not None and result.log:
+            result.log[-1]["valid_loss"] = result.valid_loss
+            _rewrite_log(out, config, result.log)
+    return result
 
 
 def train_npm(
@@ -175,15 +209,9 @@ def train_npm(
         progress=progress,
         tokenizer=tok,
     )
-    result = NpmTrainResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(TrainResult)})
-    if res.final_dir is not None and valid_tokens != 0:
-        vdocs = limit_encoder_documents(load_corpora(valid_corpus or corpus, "valid"), tok, valid_tokens)
-        vb = npm_batches(vdocs, tok, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
-        result.valid_loss = npm_valid_loss(model, loss_fn, vb)
-        if result.valid_loss is not None and result.log:
-            result.log[-1]["valid_loss"] = result.valid_loss
-            _rewrite_log(out, config, result.log)
-    return result
+    return finish_training(
+        res, out, config, tok, valid_corpus or corpus, valid_tokens, lambda vb: npm_valid_loss(model, loss_fn, vb)
+    )
 
 
 def _rewrite_log(out: Path, config: TrainConfig, log: list[dict[str, Any]]) -> None:
