@@ -4,7 +4,7 @@ Zhong, Lei & Chen (2022), "Training Language Models with Memory Augmentation" (T
 
 * :class:`TrimeObjective` — a loss ``loss_fn(model, batch) -> scalar`` for :func:`memlm.train.train`. One forward
   pass gives the logits ``E f(c)`` and, through :class:`memlm.keys.KeyCapture` with ``detach=False``, ``g(c)`` =
-  the input of the last feed-forward block (after its layer norm); it then calls :func:`memlm.trime.loss.trime_loss`
+  the input of the last feed-forward block (after its layer norm); it then calls :func:`memlm.trime.loss.trime_logprob`
   (Eq. 5, ``sim(q, k) = q . k / sqrt(d)``) with the memory visibility of the chosen kind built from the batch fields.
   Gradients reach both the queries and every memory key (they are the same tensor).
 * :class:`TrimeBatches` — a callable ``epoch -> iterator of batch dicts`` of whole-document segments:
@@ -53,7 +53,14 @@ import torch
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec
 from memlm.trime.batching import Segment, bm25_neighbors, chain_order, pack_consecutive, segment_documents
-from memlm.trime.loss import MEMORY_KINDS, MemoryKind, memory_visibility, sample_drop_local, segment_layout, trime_loss
+from memlm.trime.loss import (
+    MEMORY_KINDS,
+    MemoryKind,
+    memory_visibility,
+    sample_drop_local,
+    segment_layout,
+    trime_logprob,
+)
 
 __all__ = [
     "OBJECTIVES",
@@ -155,17 +162,37 @@ class TrimeObjective:
         seg, pos, doc = segment_layout(b, t, seg_doc, seg_index, device=ids.device)
         return memory_visibility(self.kind, seg, pos, doc, drop_local=drop_local)
 
+    def row_groups(self, batch: dict[str, Any]) -> list[torch.Tensor] | None:
+        """Rows whose positions may see each other's memory: each row alone (``local``), the rows of one document
+        (``long``), or ``None``: the whole batch (``external``). No entry is visible across groups, so Eq. 5 can be
+        computed group by group on ``[n_g, n_g]`` score blocks instead of one ``[N, N]`` matrix (same result)."""
+        ids = batch["input_ids"]
+        if self.kind == "local":
+            return [torch.tensor([r], device=ids.device) for r in range(ids.shape[0])]
+        if self.kind == "long" and batch.get("segment_doc") is not None:
+            doc = batch["segment_doc"]
+            return [torch.nonzero(doc == d).reshape(-1) for d in torch.unique(doc)]
+        return None
+
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         logits, g = self.forward(model, batch)
         drop = self.drop_local(model, batch)
         ids = batch["input_ids"]
         b, t = ids.shape
-        targets = next_token_targets(ids, batch.get("attention_mask")).reshape(-1)
-        visible = self.visibility(batch, drop)
+        targets = next_token_targets(ids, batch.get("attention_mask"))
+        groups = self.row_groups(batch) or [torch.arange(b, device=ids.device)]
         with torch.autocast(device_type=ids.device.type, enabled=False):
             dtype = torch.promote_types(logits.dtype, torch.float32)  # float32 at least, also under bf16 autocast
-            q = g.reshape(b * t, -1).to(dtype)
-            return trime_loss(logits.reshape(b * t, -1).to(dtype), q, q, targets, visible, targets, scale=self.scale)
+            total = logits.new_zeros((), dtype=dtype)
+            for rows in groups:
+                sub = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+                n = len(rows) * t
+                y = targets[rows].reshape(n)
+                q = g[rows].reshape(n, -1).to(dtype)
+                lp = trime_logprob(logits[rows].reshape(n, -1).to(dtype), q, q, y, self.visibility(sub, drop), y,
+                                   scale=self.scale)  # fmt: skip
+                total = total - lp.sum()  # ignored targets give 0
+            return total / (targets != -100).sum().clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
