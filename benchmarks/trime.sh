@@ -4,7 +4,12 @@
 # 16 x 256 tokens) for the vanilla LM, TrimeLM, TrimeLM_long and TrimeLM_ext, plus two ablations of TrimeLM_ext
 # (random instead of BM25 batches; local-memory dropout p = 0 instead of 0.9). Then test perplexity with each memory,
 # every hyper-parameter (M, tau, lambda, cache weight) tuned on valid. Every step resumes when rerun.
-#   bash benchmarks/trime.sh [train|train-main|train-ablations|eval|all]
+#   bash benchmarks/trime.sh [train|train-main|train-ablations|eval|all|eval-2k]
+# eval-2k evaluates vanilla-2k, trimelm-2k, trimelm-long-2k and trimelm-ext-2k: the four models with the same settings but 2,000 updates,
+# trained on a GPU (benchmarks/device_train.sh; the commands are in runs/trime/*-2k/final/device-command.txt):
+#   memlm train --corpus wiki,news --from-scratch 4x256 --tokenizer runs/trime/tokenizer --n-positions 256 \
+#     --seq-len 256 --batch-size 16 --steps 2000 --lr 1e-3 --eval-every 500 --valid-tokens 50000 --dtype bfloat16 \
+#     --loss ce|trime|trime-long|trime-ext (+ the flags of train-main) --out runs/trime/NAME-2k
 # (train-main and train-ablations can run side by side, one core each: OMP_NUM_THREADS=1; each TRIME model took about
 # 20-30 min that way, the vanilla LM 8 min; the evaluation takes about 20 min)
 set -euo pipefail
@@ -49,13 +54,14 @@ trime_eval() {  # run name, extra flags; dumps for valid and test, then tune on 
   $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
 }
 
-knnlm_eval() {  # vanilla + continuous cache, vanilla + kNN-LM (+ cache), with the kNN-LM machinery
-  local out=$R/eval-vanilla-knnlm
+knnlm_eval() {  # [vanilla run]: + continuous cache, + kNN-LM (+ cache), with the kNN-LM machinery
+  local name=${1:-vanilla}
+  local out=$R/eval-$name-knnlm
   mkdir -p "$out"
   for split in valid test; do
     [[ -f $out/$split.npz ]] && continue
-    $M eval --model "$R/vanilla/final" --dtype bfloat16 --corpus wiki,news --split $split --max-tokens "$TOKENS" \
-      --datastore "$R/ds-vanilla" --k 1024 --window 256 --min-context 128 --batch-size 16 --cache \
+    $M eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split --max-tokens "$TOKENS" \
+      --datastore "$R/ds-$name" --k 1024 --window 256 --min-context 128 --batch-size 16 --cache \
       --dump "$out/$split.npz" --json "$out/$split.json"
   done
   $M tune --valid "$out/valid.npz" --test "$out/test.npz" --lambdas 0 --cache-lambdas 0 0.05 0.1 0.2 0.3 \
@@ -88,4 +94,14 @@ if [[ $what == eval || $what == all ]]; then
     datastore $name
     trime_eval $name --datastore "$R/ds-$name"
   done
+fi
+
+if [[ $what == eval-2k ]]; then
+  trime_eval vanilla-2k
+  trime_eval trimelm-2k
+  trime_eval trimelm-long-2k
+  datastore vanilla-2k
+  knnlm_eval vanilla-2k
+  datastore trimelm-ext-2k
+  trime_eval trimelm-ext-2k --datastore "$R/ds-trimelm-ext-2k"
 fi

@@ -5,6 +5,10 @@ training), ``eval-<model>/tuned.json`` (``memlm trime-tune``: every memory chose
 ``eval-vanilla-knnlm/*.json`` (``memlm tune``: the vanilla LM with the continuous cache and the kNN-LM).
 
     .venv/bin/python benchmarks/trime_report.py --out docs/results/trime
+
+writes ``summary.json`` / ``tables.md`` for the 400-update runs (``vanilla``, ``trimelm``, ...) and, when they exist,
+``summary-2k.json`` / ``tables-2k.md`` for the 2,000-update runs trained on a GPU (``vanilla-2k``, ``trimelm-2k``, ...;
+``benchmarks/trime.sh eval-2k``).
 """
 
 from __future__ import annotations
@@ -66,16 +70,17 @@ def _memories(tuned: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def collect(runs: Path) -> dict[str, Any]:
-    """Everything the tables need, from the files of ``benchmarks/trime.sh``."""
-    res: dict[str, Any] = {"models": {}, "knnlm": {}}
+def collect(runs: Path, suffix: str = "") -> dict[str, Any]:
+    """Everything the tables need, from the files of ``benchmarks/trime.sh``; ``suffix`` picks the runs
+    ``<model><suffix>`` (``-2k``: the 2,000-update models), still keyed by the plain model names."""
+    res: dict[str, Any] = {"models": {}, "knnlm": {}, "suffix": suffix}
     for name in MODELS:
-        entry: dict[str, Any] = {"training": _training(runs / name)}
-        tuned = _read(runs / f"eval-{name}" / "tuned.json")
+        entry: dict[str, Any] = {"training": _training(runs / f"{name}{suffix}")}
+        tuned = _read(runs / f"eval-{name}{suffix}" / "tuned.json")
         if tuned is not None:
             entry["test"] = _memories(tuned)
         res["models"][name] = entry
-    k = runs / "eval-vanilla-knnlm"
+    k = runs / f"eval-vanilla{suffix}-knnlm"
     for name in ("cache-only", "knnlm", "knnlm-cache"):
         tuned = _read(k / f"{name}.json")
         if tuned is not None:
@@ -168,6 +173,8 @@ def tables(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name in ("trimelm-ext", "trimelm-ext-random", "trimelm-ext-p0"):
+        if not test(name):
+            continue
         t = test(name)
         cells = [_f(t.get("base"))] + [mem(name, kind)[0] for kind in ("local", "long", "external")]
         lines.append(f"| {MODELS[name]} | " + " | ".join(cells) + " |")
@@ -180,7 +187,9 @@ def tables(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, label in MODELS.items():
-        tr = m.get(name, {}).get("training") or {}
+        tr = m.get(name, {}).get("training")
+        if not tr:
+            continue
         tps = tr.get("median_tokens_per_s")
         lines.append(
             f"| {label} | {tr.get('updates', '-')} | {tr.get('tokens', 0):,} | {_f(tr.get('final_valid_ppl'))} | "
@@ -195,13 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="runs/trime")
     p.add_argument("--out", default="docs/results/trime")
     args = p.parse_args(argv)
-    res = collect(Path(args.runs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = tables(res)
-    (out / "tables.md").write_text(md)
-    print(md)
+    for suffix in ("", "-2k"):
+        res = collect(Path(args.runs), suffix)
+        if not any(e.get("training") for e in res["models"].values()):
+            continue
+        (out / f"summary{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
+        md = tables(res)
+        (out / f"tables{suffix}.md").write_text(md)
+        print(f"## runs{suffix or ' (400 updates)'}\n\n{md}")
     return 0
 
 

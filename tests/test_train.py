@@ -207,3 +207,13 @@ def test_bfloat16_autocast_and_resume_with_other_settings(tmp_path):
         train(tiny_gpt2(0), changed, batches, out_dir=tmp_path, progress=False)
     done = train(tiny_gpt2(0), cfg, batches, batches, out_dir=tmp_path, progress=False)
     assert done.step == 4 and done.valid_ppl is not None and (tmp_path / "final" / "config.json").is_file()
+
+
+def test_device_option_is_checked():
+    assert TrainConfig(device="cpu").torch_device() == torch.device("cpu")
+    assert TrainConfig().torch_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(MemlmError, match="device must be"):
+        TrainConfig(device="gpu0").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(MemlmError, match="no CUDA GPU"):
+            TrainConfig(device="cuda").validate()

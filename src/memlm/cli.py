@@ -246,6 +246,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         save_every=args.save_every,
         seed=args.seed,
         warmup_loss_steps=args.ce_warmup if args.loss != "ce" else 0,
+        device=args.device,
     )
     extra = {}
     if args.loss != "ce":
@@ -309,6 +310,7 @@ def _train_npm(args: argparse.Namespace) -> None:
         eval_every=0,
         save_every=args.save_every,
         seed=args.seed,
+        device=args.device,
     )
     common = {"encoder": encoder, "scratch": args.from_scratch, "valid_corpus": args.valid_corpus,
               "valid_tokens": args.valid_tokens, "n_positions": args.n_positions, "dropout": args.dropout,
@@ -980,6 +982,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mask-budget", type=float, default=None, help="npm, mlm: fraction of tokens masked (default 0.15)")
     t.add_argument("--max-span", type=int, default=None, help="npm: longest masked span (default 10)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one, else CPU), cpu, cuda, cuda:N")
     t.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many updates")
     t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
     t.set_defaults(func=cmd_train, train_parser=t)

@@ -67,7 +67,7 @@ __all__ = [
 _STATE_FILE = "training_state.pt"
 _STATE_FORMAT = 1
 # Config fields that may change between an interrupted run and its resumption without changing the result.
-_RESUMABLE_CHANGES = {"eval_every", "save_every", "keep_checkpoints", "log_every"}
+_RESUMABLE_CHANGES = {"eval_every", "save_every", "keep_checkpoints", "log_every", "device"}
 
 
 @dataclass
@@ -98,6 +98,7 @@ class TrainConfig:
     eps: float = 1e-8
     keep_checkpoints: int = 2
     log_every: int = 1  # progress-bar refresh, in updates (every update is logged to log.json regardless)
+    device: str = "auto"  # where to train: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1", ...
 
     def resolved_warmup(self) -> int:
         return _steps(self.warmup_steps, self.max_steps, "warmup_steps")
@@ -119,6 +120,19 @@ class TrainConfig:
             raise MemlmError(f"dtype must be 'float32' or 'bfloat16' (autocast), got {self.dtype!r}")
         self.resolved_warmup()
         self.resolved_warmup_loss()
+        self.torch_device()
+
+    def torch_device(self) -> torch.device:
+        """The device of ``device``: ``auto`` is CUDA when ``torch.cuda.is_available()``, else CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise MemlmError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from e
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise MemlmError(f"device {self.device!r} was asked for, but torch sees no CUDA GPU: use device='cpu'")
+        return dev
 
 
 def _steps(value: int | float, max_steps: int, name: str) -> int:
@@ -424,7 +438,8 @@ def train(
         )
     epochs = _as_epochs(train_batches)
     valid = _as_epochs(valid_batches)
-    device = next(model.parameters()).device
+    device = config.torch_device()
+    model.to(device)
     warm_loss_n = config.resolved_warmup_loss()
 
     def autocast():

@@ -177,7 +177,8 @@ def npm_span_loss(
     if reduction not in _REDUCTIONS:
         raise MemlmError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     _check_hidden(masked_hidden, unmasked_hidden, batch)
-    seq_idx, q_start, q_end, start_pos, end_pos, cand = npm_span_targets(batch, unmasked_hidden.shape[1])
+    targets = npm_span_targets(batch, unmasked_hidden.shape[1])
+    seq_idx, q_start, q_end, start_pos, end_pos, cand = (t.to(masked_hidden.device) for t in targets)
     if seq_idx.numel() == 0:
         return masked_hidden.sum() * 0.0  # no masked span: zero loss that keeps the graph
     candidates = unmasked_hidden.reshape(-1, unmasked_hidden.shape[2])
@@ -199,7 +200,8 @@ def npm_single_loss(
     if reduction not in _REDUCTIONS:
         raise MemlmError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     _check_hidden(masked_hidden, unmasked_hidden, batch)
-    seq_idx, q_pos, _, pos, _, cand = npm_span_targets(batch, unmasked_hidden.shape[1])
+    targets = npm_span_targets(batch, unmasked_hidden.shape[1])
+    seq_idx, q_pos, _, pos, _, cand = (t.to(masked_hidden.device) for t in targets)
     if seq_idx.numel() == 0:
         return masked_hidden.sum() * 0.0
     candidates = unmasked_hidden.reshape(-1, unmasked_hidden.shape[2])

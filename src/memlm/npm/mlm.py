@@ -188,8 +188,10 @@ class MlmObjective:
 
     def losses(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """``[M]`` cross-entropy of each selected token (float32)."""
-        masked, labels = self.mask(batch)
-        logits = model(input_ids=masked, attention_mask=batch.get("attention_mask")).logits
+        device = next(model.parameters()).device  # validation batches arrive on the CPU
+        masked, labels = (t.to(device) for t in self.mask(batch))
+        att = batch.get("attention_mask")
+        logits = model(input_ids=masked, attention_mask=None if att is None else att.to(device)).logits
         keep = labels != -100
         with torch.autocast(device_type=logits.device.type, enabled=False):
             return F.cross_entropy(logits[keep].float(), labels[keep], reduction="none")
