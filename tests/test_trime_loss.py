@@ -220,3 +220,31 @@ def test_errors():
         TrimeLoss("local")(logits, keys[:, :2], targets)
     with pytest.raises(MemlmError, match="probability"):
         sample_drop_local(1.5)
+
+
+def test_batched_groups_equal_one_call_per_group():
+    """A leading group dim G computes G independent memories: the same values (and gradients) as G separate calls,
+    with a [G, N, M] visibility or one [N, M] shared by all groups."""
+    torch.manual_seed(3)
+    g, n, m = 3, 6, 5
+    x = torch.randn(g, n, V, requires_grad=True)
+    q = torch.randn(g, n, D, requires_grad=True)
+    k = torch.randn(g, m, D, requires_grad=True)
+    vals = torch.randint(0, V, (g, m))
+    vals[1, 2] = -1  # an empty slot
+    y = torch.randint(0, V, (g, n))
+    y[2, 0] = -100  # an ignored target
+    vis = torch.rand(g, n, m) > 0.4
+    batched = trime_logprob(x, q, k, vals, vis, y, temperature=1.5)
+    single = torch.stack([trime_logprob(x[i], q[i], k[i], vals[i], vis[i], y[i], temperature=1.5) for i in range(g)])
+    torch.testing.assert_close(batched, single)
+    gb = torch.autograd.grad(batched.sum(), (x, q, k))
+    gs = torch.autograd.grad(single.sum(), (x, q, k))
+    for a, b in zip(gb, gs, strict=True):
+        torch.testing.assert_close(a, b)
+    shared = trime_logprob(x, q, k, vals, vis[0], y)
+    torch.testing.assert_close(shared[1], trime_logprob(x[1], q[1], k[1], vals[1], vis[0], y[1]))
+    with pytest.raises(MemlmError, match="visible"):
+        trime_logprob(x, q, k, vals, vis[:2], y)
+    with pytest.raises(MemlmError, match="mem_values"):
+        trime_logprob(x, q, k, vals[0], vis, y)

@@ -156,22 +156,40 @@ def _check_inputs(
     targets: torch.Tensor,
     ignore_index: int,
 ) -> None:
-    if logits.dim() != 2:
-        raise MemlmError(f"logits must be [N, V], got {tuple(logits.shape)}; flatten batch and time first")
-    n, v = logits.shape
-    if queries.dim() != 2 or queries.shape[0] != n:
-        raise MemlmError(f"queries must be [N={n}, D], got {tuple(queries.shape)}")
-    if mem_keys.dim() != 2 or mem_keys.shape[1] != queries.shape[1]:
-        raise MemlmError(f"mem_keys must be [M, D={queries.shape[1]}], got {tuple(mem_keys.shape)}")
-    m = mem_keys.shape[0]
-    if mem_values.shape != (m,) or mem_values.is_floating_point() or mem_values.dtype == torch.bool:
+    if logits.dim() not in (2, 3):
         raise MemlmError(
-            f"mem_values must be an integer tensor [M={m}], got {mem_values.dtype} {tuple(mem_values.shape)}"
+            f"logits must be [N, V] (or [G, N, V] for G groups), got {tuple(logits.shape)}; flatten batch and time "
+            "first"
         )
-    if visible.shape != (n, m) or visible.dtype != torch.bool:
-        raise MemlmError(f"visible must be a bool tensor [N={n}, M={m}], got {visible.dtype} {tuple(visible.shape)}")
-    if targets.shape != (n,) or targets.is_floating_point() or targets.dtype == torch.bool:
-        raise MemlmError(f"targets must be an integer tensor [N={n}], got {targets.dtype} {tuple(targets.shape)}")
+    lead = tuple(logits.shape[:-2])  # () or (G,)
+    others = {"queries": queries, "mem_keys": mem_keys, "targets": targets}
+    flat = [name for name, x in others.items() if x.dim() != logits.dim() - (name == "targets")]
+    if flat:
+        raise MemlmError(
+            f"logits is {tuple(logits.shape)} but {', '.join(flat)} {'has' if len(flat) == 1 else 'have'} another "
+            "number of dimensions: flatten batch and time first ([N, V], [N, D], [M, D], [N]), or give every argument "
+            "the same leading group dimension G"
+        )
+    n, v = logits.shape[-2:]
+    if queries.dim() != logits.dim() or tuple(queries.shape[:-1]) != (*lead, n):
+        raise MemlmError(f"queries must be [{'G, ' if lead else ''}N={n}, D], got {tuple(queries.shape)}")
+    d = queries.shape[-1]
+    if mem_keys.dim() != logits.dim() or tuple(mem_keys.shape[:-2]) != lead or mem_keys.shape[-1] != d:
+        raise MemlmError(f"mem_keys must be [{'G, ' if lead else ''}M, D={d}], got {tuple(mem_keys.shape)}")
+    m = mem_keys.shape[-2]
+    if tuple(mem_values.shape) != (*lead, m) or mem_values.is_floating_point() or mem_values.dtype == torch.bool:
+        raise MemlmError(
+            f"mem_values must be an integer tensor [{'G, ' if lead else ''}M={m}], got {mem_values.dtype} "
+            f"{tuple(mem_values.shape)}"
+        )
+    if tuple(visible.shape) not in ((*lead, n, m), (n, m)) or visible.dtype != torch.bool:
+        raise MemlmError(f"visible must be a bool tensor [N={n}, M={m}] (or [G, N, M]), got {visible.dtype} "
+                         f"{tuple(visible.shape)}")  # fmt: skip
+    if tuple(targets.shape) != (*lead, n) or targets.is_floating_point() or targets.dtype == torch.bool:
+        raise MemlmError(
+            f"targets must be an integer tensor [{'G, ' if lead else ''}N={n}], got {targets.dtype} "
+            f"{tuple(targets.shape)}"
+        )
     for name, t in (("logits", logits), ("queries", queries), ("mem_keys", mem_keys)):
         if not t.is_floating_point():
             raise MemlmError(f"{name} must be a floating-point tensor, got {t.dtype}")
@@ -180,7 +198,7 @@ def _check_inputs(
         raise MemlmError(
             f"target {int(targets[bad][0])} is out of range for a vocabulary of {v} (ignore_index={ignore_index})"
         )
-    if m and int(mem_values.max()) >= v:
+    if mem_values.numel() and int(mem_values.max()) >= v:
         raise MemlmError(f"memory value {int(mem_values.max())} is out of range for a vocabulary of {v}")
 
 
@@ -206,24 +224,28 @@ def trime_logprob(
     ``queries [N, D]`` (``g(c)``), ``mem_keys [M, D]`` (``g(c_j)``), ``mem_values [M]`` (``x_j``, the next token at
     ``j``), ``visible`` bool ``[N, M]``, ``targets [N]``. Rows whose target is ``ignore_index`` return 0. Computed in
     at least float32; gradients flow into ``logits``, ``queries`` and ``mem_keys``. Memory: a few ``[N, M]`` tensors.
+
+    Batched form: every argument may carry a leading group dimension ``G`` (``logits [G, N, V]``, ``queries
+    [G, N, D]``, ``mem_keys [G, M, D]``, ``mem_values [G, M]``, ``targets [G, N]``, ``visible [G, N, M]`` or one
+    ``[N, M]`` shared by all groups) -> ``[G, N]``: ``G`` independent memories in one call, each exactly as above.
     """
     _check_inputs(logits, queries, mem_keys, mem_values, visible, targets, ignore_index)
     if temperature <= 0:
         raise MemlmError(f"temperature must be > 0, got {temperature}")
     if scale is None:
-        scale = 1.0 / math.sqrt(queries.shape[1])
+        scale = 1.0 / math.sqrt(queries.shape[-1])
     dtype = torch.promote_types(torch.promote_types(logits.dtype, queries.dtype), torch.float32)
     logits = logits.to(dtype)
-    scores = (queries.to(dtype) @ mem_keys.to(dtype).T) * (scale / temperature)  # [N, M]
-    usable = visible & (mem_values >= 0)[None, :]
+    scores = (queries.to(dtype) @ mem_keys.to(dtype).transpose(-1, -2)) * (scale / temperature)  # [(G,) N, M]
+    usable = visible & (mem_values >= 0).unsqueeze(-2)
     scores = scores.masked_fill(~usable, float("-inf"))
     ignored = targets == ignore_index
     safe_targets = targets.masked_fill(ignored, 0).long()
     # logsumexp over concat([logits, scores]) without copying the [N, V] logits
-    denominator = torch.logaddexp(torch.logsumexp(logits, dim=1), torch.logsumexp(scores, dim=1))
-    target_logit = logits.gather(1, safe_targets[:, None])  # [N, 1]
-    hit = mem_values.long()[None, :] == safe_targets[:, None]  # [N, M]
-    numerator = torch.logsumexp(torch.cat([target_logit, scores.masked_fill(~hit, float("-inf"))], dim=1), dim=1)
+    denominator = torch.logaddexp(torch.logsumexp(logits, dim=-1), torch.logsumexp(scores, dim=-1))
+    target_logit = logits.gather(-1, safe_targets.unsqueeze(-1))  # [(G,) N, 1]
+    hit = mem_values.long().unsqueeze(-2) == safe_targets.unsqueeze(-1)  # [(G,) N, M]
+    numerator = torch.logsumexp(torch.cat([target_logit, scores.masked_fill(~hit, float("-inf"))], dim=-1), dim=-1)
     out = numerator - denominator
     return out.masked_fill(ignored, 0.0)
 

@@ -174,23 +174,48 @@ class TrimeObjective:
             return [torch.nonzero(doc == d).reshape(-1) for d in torch.unique(doc)]
         return None
 
+    def group_buckets(self, batch: dict[str, Any], drop_local: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`row_groups` stacked by size: ``(rows [G, s], visible)`` per distinct group size ``s``, with
+        ``visible`` the ``[G, s*T, s*T]`` visibility of each group (one ``[T, T]`` shared by every row for ``local``),
+        so Eq. 5 runs as one batched call per bucket rather than one call per group."""
+        ids = batch["input_ids"]
+        b = ids.shape[0]
+        groups = self.row_groups(batch) or [torch.arange(b, device=ids.device)]
+        by_size: dict[int, list[torch.Tensor]] = {}
+        for rows in groups:
+            by_size.setdefault(len(rows), []).append(rows)
+
+        def vis(rows: torch.Tensor) -> torch.Tensor:
+            sub = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+            return self.visibility(sub, drop_local)
+
+        out = []
+        for bucket in by_size.values():
+            rows = torch.stack(bucket)
+            shared = self.kind == "local"  # every row has the same causal [T, T] visibility
+            out.append((rows, vis(bucket[0]) if shared else torch.stack([vis(r) for r in bucket])))
+        return out
+
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         logits, g = self.forward(model, batch)
         drop = self.drop_local(model, batch)
         ids = batch["input_ids"]
         b, t = ids.shape
         targets = next_token_targets(ids, batch.get("attention_mask"))
-        groups = self.row_groups(batch) or [torch.arange(b, device=ids.device)]
+        in_order = torch.arange(b, device=ids.device)
         with torch.autocast(device_type=ids.device.type, enabled=False):
             dtype = torch.promote_types(logits.dtype, torch.float32)  # float32 at least, also under bf16 autocast
             total = logits.new_zeros((), dtype=dtype)
-            for rows in groups:
-                sub = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
-                n = len(rows) * t
-                y = targets[rows].reshape(n)
-                q = g[rows].reshape(n, -1).to(dtype)
-                lp = trime_logprob(logits[rows].reshape(n, -1).to(dtype), q, q, y, self.visibility(sub, drop), y,
-                                   scale=self.scale)  # fmt: skip
+            for rows, visible in self.group_buckets(batch, drop):
+                n_groups, n = rows.shape[0], rows.shape[1] * t
+                flat = rows.reshape(-1)
+                if flat.shape == in_order.shape and torch.equal(flat, in_order):  # the batch in order: views
+                    lg, q, y = logits, g, targets
+                else:
+                    lg, q, y = logits[flat], g[flat], targets[flat]
+                q = q.reshape(n_groups, n, -1).to(dtype)
+                y = y.reshape(n_groups, n)
+                lp = trime_logprob(lg.reshape(n_groups, n, -1).to(dtype), q, q, y, visible, y, scale=self.scale)
                 total = total - lp.sum()  # ignored targets give 0
             return total / (targets != -100).sum().clamp(min=1)
 
