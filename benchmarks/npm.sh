@@ -59,6 +59,11 @@ if [[ $what == train || $what == all ]]; then
   train npm
   train npm-single
   train mlm
+  # the encoder before training, scored with the same validation loss as the trained ones
+  for obj in npm npm-single; do
+    [[ -f $R/valid-untrained-$obj.json ]] || .venv/bin/python benchmarks/npm_valid_loss.py --encoder minilm-l6 \
+      --objective "$obj" --corpus "$CORPUS" --batch-size "$BATCH" --json "$R/valid-untrained-$obj.json"
+  done
 fi
 
 if [[ $what == index || $what == all ]]; then

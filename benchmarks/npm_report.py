@@ -82,6 +82,12 @@ def training_rows(runs: Path) -> list[dict[str, Any]]:
                 "lr": log["config"].get("lr"),
             }
         )
+    for objective in ("npm", "npm-single"):  # the encoder before training (benchmarks/npm_valid_loss.py)
+        before = _load(runs / f"valid-untrained-{objective}.json")
+        if before is not None:
+            label = f"untrained encoder, {ENCODERS[objective]} validation loss"
+            rows.append({"encoder": f"untrained-{objective}", "label": label, "updates": 0,
+                         "valid_loss": before["valid_loss"]})  # fmt: skip
     return rows
 
 
@@ -125,6 +131,9 @@ def tables(train: list[dict[str, Any]], rows: list[dict[str, Any]], runs: Path) 
                 "| encoder | updates | batch | tokens | loss, first 10 updates | loss, last 10 updates | "
                 "valid loss | median tokens/s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for t in train:
+            if not t["updates"]:
+                out.append(f"| {t['label']} | 0 | - | - | - | - | {t['valid_loss']:.3f} | - |")
+                continue
             out.append(f"| {t['label']} | {t['updates']} | {t['batch_size']} x {t['seq_len']} | {t['tokens']:,} | "
                        f"{t['loss_first10']:.1f} | {t['loss_last10']:.1f} | "
                        f"{'-' if t['valid_loss'] is None else format(t['valid_loss'], '.3f')} | "
