@@ -264,11 +264,9 @@ def _index_sizes(runs: Path) -> str:
 
 
 def figures(rows: list[dict[str, Any]], out: Path) -> list[str]:
-    import matplotlib
+    from memlm.plots import finish_figure, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     made = []
     cloze = _by(rows, "cloze")
     shown = [s for s in ("npm", "npm-bm25", "npm-single", "untrained", "mlm") if s in cloze]
@@ -281,13 +279,9 @@ def figures(rows: list[dict[str, Any]], out: Path) -> list[str]:
             label = SETTINGS[s][0] + (" + BM25" if s.endswith("bm25") else "")
             ax.bar([x + i * w for x in range(len(buckets))], ems, w, label=label)
         ax.set_xticks([x + w * (len(shown) - 1) / 2 for x in range(len(buckets))], buckets)
-        ax.set_xlabel("answer length (subword tokens)")
-        ax.set_ylabel("exact match (%)")
-        ax.set_title("Cloze probes by answer length (cf. Min et al. 2023, Fig. 8)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "em_by_length.png", dpi=120)
-        plt.close(fig)
+        title = "Cloze probes by answer length (cf. Min et al. 2023, Fig. 8)"
+        finish_figure(fig, out / "em_by_length.png", ax, xlabel="answer length (subword tokens)",
+                      ylabel="exact match (%)", title=title, legend_fontsize=7)  # fmt: skip
         made.append("em_by_length.png")
     sizes = sorted((cloze[s]["index_tokens"], s) for s in ("npm-ref10", "npm-ref30", "npm") if s in cloze)
     if len(sizes) > 1:
@@ -302,13 +296,9 @@ def figures(rows: list[dict[str, Any]], out: Path) -> list[str]:
                 label=f"{b}-token answers",
             )
         ax.set_xscale("log")
-        ax.set_xlabel("reference corpus (tokens)")
-        ax.set_ylabel("exact match (%)")
-        ax.set_title("NPM vs reference size (cf. Fig. 7)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "reference_size.png", dpi=120)
-        plt.close(fig)
+        finish_figure(fig, out / "reference_size.png", ax, xlabel="reference corpus (tokens)",
+                      ylabel="exact match (%)", title="NPM vs reference size (cf. Fig. 7)",
+                      legend_fontsize=7)  # fmt: skip
         made.append("reference_size.png")
     return made
 

@@ -599,11 +599,9 @@ def write_report(results: dict[str, Any], out: Path) -> str:
 
 
 def _figures(results: dict[str, Any], out: Path) -> None:
-    import matplotlib
+    from memlm.plots import finish_figure, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     base = results["base"]["test_ppl"]
     if "approx" in results:
         fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -611,13 +609,9 @@ def _figures(results: dict[str, Any], out: Path) -> None:
             rows = sorted((r for r in results["approx"] if r["setting"] == setting), key=lambda r: r["fraction"])
             ax.plot([r["fraction"] for r in rows], [r["interp_ppl"] for r in rows], marker="o", label=setting)
         ax.axhline(base, color="black", lw=1, ls="--", label="base LM")
-        ax.set_xlabel("Ratio to full datastore size")
-        ax.set_ylabel("Interpolated perplexity (test)")
-        ax.set_title("Fig. 2/4: datastore size, approximate vs exact kNN")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "fig_datastore_ratio.png", dpi=120)
-        plt.close(fig)
+        finish_figure(fig, out / "fig_datastore_ratio.png", ax, xlabel="Ratio to full datastore size",
+                      ylabel="Interpolated perplexity (test)",
+                      title="Fig. 2/4: datastore size, approximate vs exact kNN")  # fmt: skip
     if "learned" in results:
         fig, ax = plt.subplots(figsize=(5.5, 4))
         for role in ("att", "ffn"):
@@ -630,13 +624,8 @@ def _figures(results: dict[str, Any], out: Path) -> None:
         for r in results.get("table1", []):
             if r["sim"] == "ip" and r["h_ds"] == "att":
                 ax.axhline(r["interp_ppl"], color="red", lw=1, label="kNN-LM (att, IP, full datastore)")
-        ax.set_xlabel("Number of trained embeddings per word (n)")
-        ax.set_ylabel("Interpolated perplexity (test)")
-        ax.set_title("Fig. 3: learned W_ds of nV x D")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "fig_learned_n.png", dpi=120)
-        plt.close(fig)
+        finish_figure(fig, out / "fig_learned_n.png", ax, xlabel="Number of trained embeddings per word (n)",
+                      ylabel="Interpolated perplexity (test)", title="Fig. 3: learned W_ds of nV x D")  # fmt: skip
     if "temperature" in results:
         fracs = sorted({r["fraction"] for r in results["temperature"]})
         fig, axes = plt.subplots(1, len(fracs), figsize=(5 * len(fracs), 4), squeeze=False)
@@ -651,9 +640,7 @@ def _figures(results: dict[str, Any], out: Path) -> None:
             ax.set_xlabel("Softmax temperature τ")
             ax.set_ylabel("Interpolated perplexity (test)")
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "fig_temperature.png", dpi=120)
-        plt.close(fig)
+        finish_figure(fig, out / "fig_temperature.png")
 
 
 __all__ += ["gain_explained", "FIG5_TEMPERATURES", "SETTINGS", "ROLES"]

@@ -100,11 +100,9 @@ def _dumps(
 
 
 def _plot(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> None:
-    import matplotlib
+    from memlm.plots import finish_figure, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, (lams, ppls) in curves.items():
         ax.plot(lams, ppls, marker="o", markersize=3, label=label)
@@ -115,12 +113,7 @@ def _plot(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> Non
         "SmolLM2-135M + kNN-LM: test perplexity vs λ\n(temperature tuned on valid; λ = 1 is infinite)", fontsize=10
     )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    finish_figure(fig, path, ax, legend_fontsize=10)
 
 
 def run_demo(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
