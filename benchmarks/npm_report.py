@@ -41,12 +41,6 @@ SETTINGS = {
     "mlm": ("MLM (parametric baseline)", "none (vocabulary softmax)"),
 }
 ORDER = list(SETTINGS)
-# the paper's numbers the trends are compared with (Min et al. 2023)
-PAPER = {
-    "agn": "AGNews (closed set, Table 1): NPM 74.5, NPM SINGLE 74.2, RoBERTa-large 71.3 (zero shot)",
-    "lama": "T-REx (open set, Fig. 6 / Table 8): NPM 34.5, RoBERTa-large (single token) 13.0",
-    "templama": "TempLAMA (Table 2): NPM follows the updated corpus; parametric models do not",
-}
 
 
 def _load(path: Path) -> dict[str, Any] | None:
