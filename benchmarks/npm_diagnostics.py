@@ -21,7 +21,8 @@ import numpy as np
 
 from memlm.corpora import load_documents
 from memlm.npm import tasks
-from memlm.npm.inference import npm_classify, restrict_rows
+from memlm.npm.encoder import encode_query
+from memlm.npm.inference import closed_set, restrict_rows
 from memlm.npm.phrase_index import PhraseIndex
 from memlm.resources import load_encoder
 
@@ -47,11 +48,14 @@ def bm25_agreement(runs: Path, k: int, passages: int) -> dict:
     for name, (enc, idx, single) in ENCODERS.items():
         model, tok = load_encoder(enc.format(runs=runs), dtype="float32")
         pi = PhraseIndex.open(idx.format(runs=runs))
+        pi.check_encoder(model, tok)
         labels, sizes, supported = [], [], []
         for d in docs:
             q = tasks.bbc_query(tok, d.text, tasks.encoder_limit(model, tok))
-            sizes.append(len(restrict_rows(pi, tok, q, passages)))
-            r = npm_classify(model, tok, pi, q, tasks.BBC_VERBALIZERS, single=single, k=k, bm25_passages=passages)
+            rows = restrict_rows(pi, tok, q, passages)  # one BM25 search: its size and the restricted scoring
+            sizes.append(len(rows))
+            q_s, q_e = encode_query(model, tok, q, single=single)
+            r = closed_set(pi, tok, tasks.BBC_VERBALIZERS, q_s, None if single else q_e, k=k, rows=rows)
             labels.append(r.label if r.matched else None)
             supported.append(sum(v > -np.inf for v in r.log_scores.values()))
         preds[name] = labels

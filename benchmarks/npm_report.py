@@ -47,10 +47,9 @@ def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _fmt(x: float | None, pct: bool = True) -> str:
-    if x is None:
-        return "-"
-    return f"{100 * x:.1f}" if pct else f"{x:.2f}"
+def _fmt(x: float | None) -> str:
+    """A share as a percentage with one decimal; ``-`` when missing."""
+    return "-" if x is None else f"{100 * x:.1f}"
 
 
 def training_rows(runs: Path) -> list[dict[str, Any]]:
@@ -106,7 +105,8 @@ def eval_rows(runs: Path) -> list[dict[str, Any]]:
                 "original_em": r.get("original_em"),
                 "stale": r.get("stale"),
                 "unmatched": r.get("unmatched"),
-                "by_length": {b: v for b, v in r.get("by_length", {}).items()},
+                "by_length": r.get("by_length", {}),
+                "per_label_n": {y: v["n"] for y, v in r.get("per_label", {}).items()},
                 "queries_per_second": speed.get("queries_per_second"),
                 "peak_rss_mb": speed.get("peak_rss_mb"),
             }
@@ -157,8 +157,10 @@ def tables(train: list[dict[str, Any]], rows: list[dict[str, Any]], runs: Path) 
             if any(c != "-" for c in cells):
                 out.append(f"| {SETTINGS[base][0]} | " + " | ".join(cells) + " |")
         n = next(iter(bbc.values()))["n"]
-        out += ["", f"{n} BBC test articles; chance is 20%; the largest class is "
-                f"{_majority(runs)}.", ""]  # fmt: skip
+        per = next(iter(bbc.values()))["per_label_n"]
+        top = max(per, key=per.get)
+        out += ["", f"{n} BBC test articles; chance is 20%; the largest class is {top} "
+                f"({100 * per[top] / n:.1f}%).", ""]  # fmt: skip
 
     cloze = _by(rows, "cloze")
     if cloze:
@@ -236,16 +238,6 @@ def tables(train: list[dict[str, Any]], rows: list[dict[str, Any]], runs: Path) 
     return "\n".join(out)
 
 
-def _majority(runs: Path) -> str:
-    r = _load(runs / "eval" / "bbc-npm.json") or {}
-    per = r.get("per_label") or {}
-    if not per:
-        return "?"
-    y, v = max(per.items(), key=lambda kv: kv[1]["n"])
-    n = sum(p["n"] for p in per.values())
-    return f"{y} ({100 * v['n'] / n:.1f}%)"
-
-
 def _index_sizes(runs: Path) -> str:
     parts = []
     for d in sorted(runs.glob("idx-*")):
@@ -253,7 +245,7 @@ def _index_sizes(runs: Path) -> str:
         if m is None:
             continue
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-        parts.append(f"`{d.name}` {m.get('count', m.get('tokens', '?')):,} tokens, {size / 2**20:,.0f} MiB")
+        parts.append(f"`{d.name}` {m['count']:,} tokens, {size / 2**20:,.0f} MiB")
     return "; ".join(parts)
 
 

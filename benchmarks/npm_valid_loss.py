@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 
 from memlm.errors import MemlmError
-from memlm.npm.objective import npm_batches, npm_objective
-from memlm.npm.train_npm import limit_encoder_documents, npm_valid_loss
+from memlm.npm.objective import npm_objective
+from memlm.npm.train_npm import npm_valid_loss, npm_validation_batches
 from memlm.resources import load_encoder
-from memlm.train_lm import load_corpora
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tok = load_encoder(args.encoder, dtype="float32")
         loss_fn, _ = npm_objective(args.objective, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed)
         loss_fn.configure(tok)
-        docs = limit_encoder_documents(load_corpora(args.corpus, "valid"), tok, args.tokens)
-        batches = npm_batches(docs, tok, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed)
+        batches = npm_validation_batches(args.corpus, tok, args.tokens, args.seq_len, args.batch_size, args.seed)
         loss = npm_valid_loss(model, loss_fn, batches)
     except MemlmError as e:
         print(f"error: {e}", file=sys.stderr)

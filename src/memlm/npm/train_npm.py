@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_ENCODER",
     "NpmTrainResult",
     "limit_encoder_documents",
+    "npm_validation_batches",
     "npm_valid_loss",
     "scratch_bert",
     "train_npm",
@@ -89,6 +90,17 @@ def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -
     return kept
 
 
+def npm_validation_batches(
+    corpus: str | Sequence[str], tokenizer, tokens: int | None, seq_len: int, batch_size: int, seed: int = 0
+) -> NpmBatches:
+    """The batches NPM / MLM validation scores: the leading ``tokens`` tokens of ``corpus`` at split ``valid``, in
+    document-grouped batches of ``batch_size`` sequences of ``seq_len`` tokens (as training builds them)."""
+    from memlm.train_lm import load_corpora
+
+    docs = limit_encoder_documents(load_corpora(corpus, "valid"), tokenizer, tokens)
+    return npm_batches(docs, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed)
+
+
 @torch.no_grad()
 def mean_eval_loss(model, per_item: Callable[[dict[str, Any]], torch.Tensor], batches: NpmBatches) -> float | None:
     """Mean of ``per_item(batch)`` (a vector of per-span / per-token losses) over one pass of ``batches``, in eval mode;
@@ -130,13 +142,12 @@ def finish_training(
     valid_loss: Callable[[NpmBatches], float | None],
 ) -> NpmTrainResult:
     """The trainer's result plus, once training is complete, ``valid_loss`` over ``valid_tokens`` tokens of
-    ``valid_corpus`` (split valid), also written into the last entry of ``out/log.json``."""
-    from memlm.train_lm import load_corpora
-
+    ``valid_corpus`` (split valid, :func:`npm_validation_batches`), also written into the last entry of
+    ``out/log.json``."""
     result = NpmTrainResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(TrainResult)})
     if res.final_dir is not None and valid_tokens != 0:
-        vdocs = limit_encoder_documents(load_corpora(valid_corpus, "valid"), tokenizer, valid_tokens)
-        vb = npm_batches(vdocs, tokenizer, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
+        vb = npm_validation_batches(valid_corpus, tokenizer, valid_tokens, config.seq_len, config.batch_size,
+                                    config.seed)  # fmt: skip
         result.valid_loss = valid_loss(vb)
         if result.valid_loss is not None and result.log:
             result.log[-1]["valid_loss"] = result.valid_loss

@@ -171,10 +171,10 @@ def _check_inputs(
             "the same leading group dimension G"
         )
     n, v = logits.shape[-2:]
-    if queries.dim() != logits.dim() or tuple(queries.shape[:-1]) != (*lead, n):
+    if tuple(queries.shape[:-1]) != (*lead, n):
         raise MemlmError(f"queries must be [{'G, ' if lead else ''}N={n}, D], got {tuple(queries.shape)}")
     d = queries.shape[-1]
-    if mem_keys.dim() != logits.dim() or tuple(mem_keys.shape[:-2]) != lead or mem_keys.shape[-1] != d:
+    if tuple(mem_keys.shape[:-2]) != lead or mem_keys.shape[-1] != d:
         raise MemlmError(f"mem_keys must be [{'G, ' if lead else ''}M, D={d}], got {tuple(mem_keys.shape)}")
     m = mem_keys.shape[-2]
     if tuple(mem_values.shape) != (*lead, m) or mem_values.is_floating_point() or mem_values.dtype == torch.bool:

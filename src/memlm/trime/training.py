@@ -189,12 +189,9 @@ class TrimeObjective:
             sub = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
             return self.visibility(sub, drop_local)
 
-        out = []
-        for bucket in by_size.values():
-            rows = torch.stack(bucket)
-            shared = self.kind == "local"  # every row has the same causal [T, T] visibility
-            out.append((rows, vis(bucket[0]) if shared else torch.stack([vis(r) for r in bucket])))
-        return out
+        shared = self.kind == "local"  # every row has the same causal [T, T] visibility
+        return [(torch.stack(bucket), vis(bucket[0]) if shared else torch.stack([vis(r) for r in bucket]))
+                for bucket in by_size.values()]  # fmt: skip
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         logits, g = self.forward(model, batch)
