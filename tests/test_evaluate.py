@@ -21,7 +21,7 @@ def indexed(tmp_path, tiny_lm, docs, **kw):
 def test_base_perplexity_equals_hf_loss(tiny_lm, toy_docs):
     model, tok = tiny_lm
     docs = toy_docs[:4]
-    ts = score_tokens(model, tok, docs, window=512, min_context=0, progress=False)
+    ts = score_tokens(model, tok, docs, window=512, min_context=1, progress=False)
     stream = [t for d in docs for t in tok(d.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
     with torch.no_grad():
         loss = model(input_ids=torch.tensor([stream]), labels=torch.tensor([stream])).loss.item()
@@ -40,7 +40,7 @@ def test_rare_continuation_seen_once_gets_probability_raised(tmp_path, tiny_lm, 
     # so the probe repeats it (the slow SmolLM2 test below checks a paraphrased context)
     ds = indexed(tmp_path, tiny_lm, [Doc("fact", fact), *toy_docs])
     probe = [Doc("probe", fact)]
-    ts = score_tokens(model, tok, probe, ds, k=8, window=64, min_context=0, progress=False)
+    ts = score_tokens(model, tok, probe, ds, k=8, window=64, min_context=1, progress=False)
     target_ids = tok(" Quenthorpe", add_special_tokens=False)["input_ids"]
     pos = len(ts) - len(target_ids) - 1  # the first sub-token of " Quenthorpe" (EOS is last)
     assert ts.targets[pos] == target_ids[0]
@@ -103,7 +103,7 @@ def test_continuous_cache_matches_bruteforce():
 def test_generation_follows_the_datastore(tmp_path, tiny_lm):
     model, tok = tiny_lm
     text = "alpha beta gamma delta epsilon zeta eta theta"
-    ds = indexed(tmp_path, tiny_lm, [Doc("g", text)], window=64, min_context=0)
+    ds = indexed(tmp_path, tiny_lm, [Doc("g", text)], window=64, min_context=1)
     ids = tok("alpha beta gamma", return_tensors="pt", add_special_tokens=False)
     with KNNLogitsProcessor(model, ds, k=1, lam=1.0) as knn:
         out = model.generate(

@@ -38,7 +38,7 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
     ds = build_datastore(model, tok, docs, tmp_path / "ds", window=256, min_context=64, progress=False)
     build_index(ds.keys, ds.index_path, factory="Flat", progress=False)
     probe = Doc("probe", "Every winter, the town of Vrelk holds a famous festival of glass lanterns")
-    ts = score_tokens(model, tok, [probe], ds, k=32, window=256, min_context=0, progress=False)
+    ts = score_tokens(model, tok, [probe], ds, k=32, window=256, min_context=1, progress=False)
     lantern = tok(" lanterns", add_special_tokens=False)["input_ids"][0]
     pos = int(np.flatnonzero(ts.targets == lantern)[0])
     knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature=10.0)

@@ -15,7 +15,7 @@ def chunks(lengths):
 
 
 @pytest.mark.parametrize("lengths", [[1], [5], [3, 4, 100, 2], [7] * 50, [64]])
-@pytest.mark.parametrize("window,min_context", [(16, 8), (16, 0), (16, 15), (8, 4)])
+@pytest.mark.parametrize("window,min_context", [(16, 8), (16, 1), (16, 15), (8, 4)])
 def test_every_target_once_with_enough_context(lengths, window, min_context):
     total = sum(lengths)
     seen = []
@@ -43,3 +43,59 @@ def test_bad_window_settings():
         list(sliding_windows(chunks([10]), 8, 8))
     with pytest.raises(MemlmError):
         list(sliding_windows(chunks([10]), 1, 0))
+
+
+def test_min_context_zero_is_refused():
+    # with 0, every later window scored its first target from a position that had already seen it
+    with pytest.raises(MemlmError, match="at least one token of context"):
+        list(sliding_windows(chunks([40]), 16, 0))
+
+
+def _brute_force(model, stream, start, t):
+    """One forward pass over stream[start:t] alone: log p(stream[t] | stream[start:t]), ffn_in and final keys."""
+    import torch
+
+    got = {}
+    mlp = model.transformer.h[-1].mlp
+    handle = mlp.register_forward_pre_hook(lambda _m, args: got.__setitem__("ffn_in", args[0][0, -1].clone()))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([stream[start:t]]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    lp = torch.log_softmax(out.logits[0, -1].double(), -1)[stream[t]].item()
+    return lp, got["ffn_in"].numpy(), out.hidden_states[-1][0, -1].numpy()
+
+
+@pytest.mark.parametrize("window,min_context", [(16, 1), (16, 5)])
+def test_later_windows_match_one_forward_pass_per_target(tmp_path, tiny_lm, toy_docs, window, min_context):
+    """LM log-probs, queries and datastore keys of every target (most in later windows) at batch sizes 1, 2, 3
+    equal one unbatched forward pass per target over exactly the context its window gives it."""
+    from memlm.datastore import build_datastore
+    from memlm.evaluate import lm_scores
+    from memlm.keys import KeySpec
+    from memlm.windows import tokenize_documents
+
+    model, tok = tiny_lm
+    docs = toy_docs[:4]
+    stream = np.concatenate([c.tokens for c in tokenize_documents(docs, tok)]).tolist()
+    stride = window - min_context
+    specs = [KeySpec("ffn_in", -1), KeySpec("final", -1).normalized(2)]
+    expected = []
+    for t in range(1, len(stream)):
+        start = 0 if t < window else (t - min_context) // stride * stride  # the window whose scored part holds t
+        expected.append(_brute_force(model, stream, start, t))
+    lp_ref = np.array([e[0] for e in expected])
+    ffn_ref, final_ref = (np.stack([e[i] for e in expected]) for i in (1, 2))
+    assert len(stream) > 4 * window  # most targets sit in later windows
+    for batch_size in (1, 2, 3):
+        ts, queries, _ = lm_scores(model, tok, docs, specs, window, min_context, batch_size, progress=False)
+        np.testing.assert_array_equal(ts.targets, stream[1:])
+        np.testing.assert_allclose(ts.lm_logprob, lp_ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(queries[specs[0]], ffn_ref, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(queries[specs[1]], final_ref, atol=1e-4, rtol=1e-4)
+        ds = build_datastore(
+            model, tok, docs, tmp_path / f"ds{batch_size}", specs[0], window, min_context, batch_size, progress=False
+        )
+        np.testing.assert_array_equal(ds.values, stream[1:])
+        np.testing.assert_allclose(ds.keys.astype(np.float32), ffn_ref, atol=2e-3, rtol=2e-3)  # stored in fp16

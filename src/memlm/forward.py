@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec
 from memlm.windows import Window
 
@@ -68,6 +69,9 @@ def forward_windows(
             captured = {s: cap.keys_by_spec[s] for s in specs}
         outputs = []
         for b, w in enumerate(batch):
+            if w.score_from < 1:
+                # position score_from - 1 would wrap to the window's last position (or padding): future text
+                raise MemlmError(f"window {w.index} scores from position {w.score_from}; it must be at least 1")
             rows = torch.arange(w.score_from - 1, len(w.input_ids) - 1, device=device)  # positions before targets
             targets = torch.from_numpy(w.targets).to(device)
             keys = {s: captured[s][b, rows].float().cpu().numpy() for s in specs}

@@ -96,8 +96,12 @@ def sliding_windows(chunks: Iterable[TokenChunk], window: int, min_context: int)
     """Cut the concatenated stream of ``chunks`` into windows (see the module docstring). Streaming."""
     if window < 2:
         raise MemlmError(f"window must be at least 2 tokens, got {window}")
-    if not 0 <= min_context < window:
-        raise MemlmError(f"min_context must be in [0, window), got {min_context} with window {window}")
+    if not 1 <= min_context < window:
+        raise MemlmError(
+            f"min_context must be in [1, window), got {min_context} with window {window}: every scored target needs "
+            "at least one token of context from its own window (with 0 the first target of each later window would be "
+            "predicted from a position that has already seen it)"
+        )
     stride = window - min_context
     it = iter(chunks)
     tok: list[np.ndarray] = []
