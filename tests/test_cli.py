@@ -93,3 +93,25 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     r = memlm("generate", "--datastore", str(ds), "--prompt", "the cat", "--max-new-tokens", "5")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("the cat")
+
+
+def test_eval_non_overlapping_blocks_and_refused_zero_context(tmp_path, tiny_lm, tiny_lm_dir, corpus_dir):
+    from memlm.corpora import load_documents
+    from memlm.evaluate import lm_scores, perplexities
+
+    model, tok = tiny_lm
+    docs = load_documents(str(corpus_dir / "test"), "all")
+    for block_start in ("skip", "bos"):
+        out = tmp_path / f"{block_start}.json"
+        args = ["--corpus", str(corpus_dir / "test"), "--split", "all", "--window", "32", "--stride", "32"]
+        r = memlm("eval", "--model", str(tiny_lm_dir), *args, "--block-start", block_start, "--json", str(out))
+        assert r.returncode == 0, r.stderr
+        res = json.loads(out.read_text())
+        ts, _, _ = lm_scores(model, tok, docs, [], 32, None, 4, False, stride=32, block_start=block_start)
+        assert res["tokens"] == len(ts) and res["base_ppl"] == pytest.approx(perplexities(ts)["base_ppl"], rel=1e-6)
+    r = memlm("eval", "--model", str(tiny_lm_dir), "--corpus", str(corpus_dir / "test"), "--min-context", "0")
+    assert r.returncode == 2 and "error:" in r.stderr and "at least one token of context" in r.stderr
+    r = memlm(
+        "eval", "--model", str(tiny_lm_dir), "--corpus", str(corpus_dir / "test"), "--stride", "8", "--min-context", "8"
+    )
+    assert r.returncode == 2 and "disagree" in r.stderr

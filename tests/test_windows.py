@@ -99,3 +99,58 @@ def test_later_windows_match_one_forward_pass_per_target(tmp_path, tiny_lm, toy_
         )
         np.testing.assert_array_equal(ds.values, stream[1:])
         np.testing.assert_allclose(ds.keys.astype(np.float32), ffn_ref, atol=2e-3, rtol=2e-3)  # stored in fp16
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 4, 100, 2], [16, 16], [7] * 9])
+def test_non_overlapping_blocks(lengths):
+    total = sum(lengths)
+    skip = list(sliding_windows(chunks(lengths), 16, stride=16))
+    assert [int(w.input_ids[0]) for w in skip] == list(range(0, total, 16))  # blocks start every 16 tokens
+    assert all(w.score_from == 1 and len(w.input_ids) <= 16 for w in skip)
+    seen = [int(t) for w in skip for t in w.targets]
+    assert seen == [t for t in range(total) if t % 16]  # every token but each block's first
+    bos = list(sliding_windows(chunks(lengths), 16, stride=16, block_start="bos", bos_id=-7))
+    assert all(w.input_ids[0] == -7 and w.score_from == 1 and len(w.input_ids) <= 16 for w in bos)
+    assert [int(w.input_ids[1]) for w in bos] == list(range(0, total, 15))  # 15 stream tokens after the BOS
+    assert [int(t) for w in bos for t in w.targets] == list(range(total))  # every token, the first included
+    assert all(w.doc_index[0] == -1 and w.offset[0] == -1 for w in bos)
+
+
+def test_stride_settings_are_checked():
+    assert len(list(sliding_windows(chunks([40]), 16, stride=12))) == len(list(sliding_windows(chunks([40]), 16, 4)))
+    for kw in ({"stride": 17}, {"stride": 0}, {"stride": 12, "min_context": 5}, {"stride": 16, "block_start": "bos"}):
+        with pytest.raises(MemlmError):
+            list(sliding_windows(chunks([40]), 16, **kw))
+
+
+@pytest.mark.parametrize("block_start", ["skip", "bos"])
+def test_blocks_match_one_forward_pass_per_block(tiny_lm, toy_docs, block_start):
+    """Non-overlapping blocks: each target's log-prob and query equal a forward pass over its block alone
+    (with the EOS before it for "bos"; GPT-2's BOS is its EOS), at batch sizes 1 and 3."""
+    from memlm.evaluate import lm_scores
+    from memlm.keys import KeySpec
+    from memlm.windows import tokenize_documents
+
+    model, tok = tiny_lm
+    docs = toy_docs[:3]
+    stream = np.concatenate([c.tokens for c in tokenize_documents(docs, tok)]).tolist()
+    window = 16
+    span = window - 1 if block_start == "bos" else window
+    prefix = [tok.eos_token_id] if block_start == "bos" else []
+    targets, expected = [], []
+    for t in range(len(stream)):
+        b = t // span * span  # the block holding t
+        if t == b and block_start == "skip":
+            continue
+        ctx = prefix + stream[b:t]
+        targets.append(stream[t])
+        expected.append(_brute_force(model, ctx + [stream[t]], 0, len(ctx)))
+    spec = KeySpec("ffn_in", -1)
+    for batch_size in (1, 3):
+        ts, queries, _ = lm_scores(
+            model, tok, docs, [spec], window, None, batch_size, False, stride=window, block_start=block_start
+        )
+        np.testing.assert_array_equal(ts.targets, targets)
+        np.testing.assert_allclose(ts.lm_logprob, [e[0] for e in expected], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(queries[spec], np.stack([e[1] for e in expected]), atol=1e-4, rtol=1e-4)
+        assert ts.meta["stride"] == window and ts.meta["block_start"] == block_start

@@ -79,8 +79,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         docs,
         args.out,
         key=KeySpec.parse(args.key),
-        window=args.window,
-        min_context=args.min_context,
+        **_window_kwargs(args),
         batch_size=args.batch_size,
         source=source,
         append=args.append,
@@ -134,8 +133,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         docs,
         ds,
         k=args.k,
-        window=args.window,
-        min_context=args.min_context,
+        **_window_kwargs(args),
         batch_size=args.batch_size,
         search=args.search,
         scores=args.scores,
@@ -725,10 +723,34 @@ def _add_windows(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--min-context",
         type=int,
-        default=512,
-        help="every scored token has at least this many tokens of context (default 512, as the paper)",
+        default=None,
+        help="every scored token has at least this many tokens of context, >= 1 (default 512, as the paper)",
+    )
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="instead of --min-context: windows advance by this many tokens (window - min_context); "
+        "--stride equal to --window gives non-overlapping blocks (Hugging Face's perplexity guide, run_clm.py)",
+    )
+    p.add_argument(
+        "--block-start",
+        default="skip",
+        choices=["skip", "bos"],
+        help="with --stride = --window: skip the first token of every block (default, as the guide) or score it "
+        "from a BOS (or EOS) token put before each block of window - 1 tokens",
     )
     p.add_argument("--batch-size", type=int, default=4)
+
+
+def _window_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """window, min_context (default 512 unless --stride is given), stride and block_start for the windowing."""
+    from memlm.windows import resolve_stride
+
+    if args.min_context is not None and args.stride is not None:
+        resolve_stride(args.window, args.min_context, args.stride)  # refuses a disagreement
+    min_context = args.min_context if args.min_context is not None or args.stride is not None else 512
+    return {"window": args.window, "min_context": min_context, "stride": args.stride, "block_start": args.block_start}
 
 
 def _add_npm(sub) -> None:

@@ -39,7 +39,7 @@ from memlm.forward import forward_windows
 from memlm.index import meta_path
 from memlm.keys import KeySpec, key_dim, num_layers
 from memlm.resources import model_fingerprint, tokenizer_fingerprint
-from memlm.windows import batched, count_targets, sliding_windows, tokenize_documents
+from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
 __all__ = ["Datastore", "build_datastore", "FORMAT_VERSION", "model_identity"]
 
@@ -212,6 +212,8 @@ def build_datastore(
     source: dict[str, Any] | None = None,
     append: bool = False,
     progress: bool = True,
+    stride: int | None = None,
+    block_start: str = "skip",
 ) -> Datastore:
     """Build (or resume, or ``append`` to) a datastore in ``out`` from ``documents`` with one forward pass.
 
@@ -221,6 +223,8 @@ def build_datastore(
     ``append=True``, which adds ``documents`` as a new source.
     """
     key = (key or KeySpec()).normalized(num_layers(model))
+    stride, min_context = resolve_stride(window, None if stride is not None else min_context, stride)
+    block_start = block_start if stride == window else None  # only blocks have a first token to skip or score
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path, progress_path = out / "manifest.json", out / "progress.json"
@@ -230,6 +234,7 @@ def build_datastore(
         "key": {"role": key.role, "layer": key.layer},
         "window": window,
         "min_context": min_context,
+        **({"block_start": block_start} if block_start else {}),
         "batch_size": batch_size,
         "source": source,
         "model_fingerprint": ident["model"]["fingerprint"],
@@ -249,8 +254,9 @@ def build_datastore(
             print(f"datastore {out} already built ({len(existing)} entries); nothing to do", file=sys.stderr)
             return existing
         existing.check_compatible(model, tokenizer, key)
-        if window != existing.manifest["window"] or min_context != existing.manifest["min_context"]:
-            raise MemlmError("append with the datastore's own window and min_context")
+        m = existing.manifest
+        if (window, min_context, block_start) != (m["window"], m["min_context"], m.get("block_start")):
+            raise MemlmError("append with the datastore's own window, min_context / stride and block start")
         base = {"count": len(existing), "manifest": existing.manifest}
         for stale in (existing.index_path, meta_path(existing.index_path)):
             stale.unlink(missing_ok=True)  # the index no longer covers every entry
@@ -264,7 +270,7 @@ def build_datastore(
         atomic_write_json(progress_path, state)
 
     dim = key_dim(model, key)
-    n_total = count_targets(documents, tokenizer)
+    n_total = count_targets(documents, tokenizer, window, stride, block_start or "skip")
     if n_total == 0:
         progress_path.unlink(missing_ok=True)
         raise MemlmError(f"corpus {source.get('corpus', '')} has no tokens to store; give it some text")
@@ -279,7 +285,14 @@ def build_datastore(
         os.truncate(f, count * width * np.dtype(dtype).itemsize)
         handles[name] = open(f, "ab")
 
-    windows = sliding_windows(tokenize_documents(documents, tokenizer), window, min_context)
+    bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    windows = sliding_windows(
+        tokenize_documents(documents, tokenizer),
+        window,
+        stride=stride,
+        block_start=block_start or "skip",
+        bos_id=bos_id,
+    )
     skip = int(state["windows_done"])
     done_targets = count - base["count"]
     bar = tqdm(
@@ -338,7 +351,8 @@ def build_datastore(
         "files": files,
         "window": window,
         "min_context": min_context,
-        "stride": window - min_context,
+        "stride": stride,
+        **({"block_start": block_start} if block_start else {}),
         "sources": sources,
         "build_seconds": (prev["build_seconds"] if prev else 0.0) + float(state["seconds"]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -35,7 +35,7 @@ from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
 from memlm.knn import knn_target_logprob, mix_logprobs
 from memlm.memories import continuous_cache
-from memlm.windows import batched, count_targets, sliding_windows, tokenize_documents
+from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
 __all__ = [
     "TokenScores",
@@ -183,20 +183,34 @@ def lm_scores(
     batch_size: int = 4,
     progress: bool = True,
     meta: dict[str, Any] | None = None,
+    stride: int | None = None,
+    block_start: str = "skip",
 ) -> tuple[TokenScores, dict[KeySpec, np.ndarray], dict[str, np.ndarray]]:
     """The forward pass: LM log-probabilities of every target, plus the queries for each key spec.
+
+    Windows as :func:`memlm.windows.sliding_windows` cuts them: ``stride`` (when given) replaces ``min_context``, and
+    ``stride == window`` gives non-overlapping blocks whose first token is skipped (``block_start="skip"``, Hugging
+    Face's perplexity guide) or scored after the tokenizer's BOS (or EOS) token (``"bos"``).
 
     Returns ``(scores, queries, provenance)``; ``queries[spec]`` is ``[N, D]`` float32 and ``provenance`` holds each
     target's ``doc_hash`` and ``offset`` (to drop self-matches). Memories are attached later by :func:`add_neighbours`
     and :func:`add_cache`, so one forward pass serves any number of datastores.
     """
-    n_total = count_targets(documents, tokenizer)
+    stride, min_context = resolve_stride(window, None if stride is not None else min_context, stride)
+    n_total = count_targets(documents, tokenizer, window, stride, block_start)
     if n_total == 0:
         raise MemlmError("the evaluation corpus has no tokens; give it some text")
     specs = list(dict.fromkeys(key_specs))
     parts: dict[str, list[np.ndarray]] = {"targets": [], "lm": [], "doc": [], "off": [], "hash": []}
     queries: dict[KeySpec, list[np.ndarray]] = {s: [] for s in specs}
-    windows = sliding_windows(tokenize_documents(documents, tokenizer), window, min_context)
+    bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    windows = sliding_windows(
+        tokenize_documents(documents, tokenizer),
+        window,
+        stride=stride,
+        block_start=block_start,
+        bos_id=bos_id,
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t0 = time.perf_counter()
     with tqdm(total=n_total, unit="tok", desc="forward", disable=not progress, dynamic_ncols=True) as bar:
@@ -221,6 +235,8 @@ def lm_scores(
             "tokens": int(len(cat["targets"])),
             "window": window,
             "min_context": min_context,
+            "stride": stride,
+            **({"block_start": block_start} if stride == window else {}),
             "seconds_forward": time.perf_counter() - t0,
         },
     )
@@ -319,8 +335,12 @@ def score_tokens(
     cache_metric: str = "ip",
     progress: bool = True,
     meta: dict[str, Any] | None = None,
+    stride: int | None = None,
+    block_start: str = "skip",
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
+
+    Windows as in :func:`lm_scores` (``stride = window`` for non-overlapping blocks, ``block_start`` skip or bos).
 
     With a ``datastore``, its key role is used for the queries and the model must be the one that built it.
     ``drop_self_matches`` removes neighbours that are the very token being scored (same document, same offset), for
@@ -333,7 +353,7 @@ def score_tokens(
     if cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
     ts, queries, provenance = lm_scores(
-        model, tokenizer, documents, specs, window, min_context, batch_size, progress, meta
+        model, tokenizer, documents, specs, window, min_context, batch_size, progress, meta, stride, block_start
     )
     if datastore is not None:
         add_neighbours(

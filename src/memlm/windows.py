@@ -5,6 +5,15 @@ itself predicted, and context flows across documents as in the kNN-LM paper's co
 cut into windows of ``window`` tokens that advance by ``stride = window - min_context``; in every window but the first
 only the last ``stride`` positions are scored, so each scored target sees at least ``min_context`` prior tokens
 (Khandelwal et al. 2020, Sec. 3: 1536 for Wikitext-103, 512 elsewhere). The first window scores all its positions.
+``min_context`` is at least 1: a target must be predicted from a position of its own window that has not seen it.
+
+Non-overlapping blocks (``stride = window``: the protocol of Hugging Face's perplexity guide and of knn-transformers'
+``run_clm.py``) have no context to carry over, so the first token of each block is handled as ``block_start`` says:
+
+* ``"skip"`` (the guide's and run_clm's labels): blocks of ``window`` stream tokens; the first token of every block
+  is not scored, so each block scores ``window - 1`` targets and ``ceil(n / window)`` tokens of the stream are skipped;
+* ``"bos"``: blocks of ``window - 1`` stream tokens after a BOS token (``bos_id``, e.g. the tokenizer's BOS or EOS);
+  every token of the stream, the first included, is scored, the first of each block from the BOS alone.
 
 Nothing here holds the whole corpus: documents are tokenized as they are read and a small buffer is kept. Every target
 carries where it came from (document index, offset in that document and a 64-bit hash of the document) so that a
@@ -30,7 +39,11 @@ __all__ = [
     "batched",
     "doc_hash",
     "limit_documents",
+    "resolve_stride",
+    "BLOCK_STARTS",
 ]
+
+BLOCK_STARTS = ("skip", "bos")
 
 
 @dataclass
@@ -86,23 +99,66 @@ def tokenize_documents(
             yield TokenChunk(tokens, start + i, doc_hash(doc.id, doc.text))
 
 
-def count_targets(docs: Sequence, tokenizer) -> int:
-    """Number of scored targets in the stream of ``docs`` (all tokens but the very first)."""
+def count_targets(
+    docs: Sequence, tokenizer, window: int | None = None, stride: int | None = None, block_start: str = "skip"
+) -> int:
+    """Number of scored targets in the stream of ``docs``: all tokens but the very first with overlapping windows,
+    all but the first of each block with ``stride == window`` and ``block_start="skip"``, all with ``"bos"``."""
     total = sum(len(c.tokens) for c in tokenize_documents(docs, tokenizer))
+    if window is not None and stride == window:
+        return total if block_start == "bos" else total - -(-total // window)
     return max(total - 1, 0)
 
 
-def sliding_windows(chunks: Iterable[TokenChunk], window: int, min_context: int) -> Iterator[Window]:
-    """Cut the concatenated stream of ``chunks`` into windows (see the module docstring). Streaming."""
+def resolve_stride(window: int, min_context: int | None, stride: int | None = None) -> tuple[int, int]:
+    """``(stride, min_context)`` from either one; ``stride == window`` (min_context 0) means non-overlapping blocks.
+
+    Give ``min_context`` in ``[1, window)`` for overlapping windows, or ``stride`` in ``[1, window]``; when both are
+    given they must agree (``stride == window - min_context``).
+    """
     if window < 2:
         raise MemlmError(f"window must be at least 2 tokens, got {window}")
-    if not 1 <= min_context < window:
+    if stride is not None:
+        if not 1 <= stride <= window:
+            raise MemlmError(f"stride must be in [1, window], got {stride} with window {window}")
+        if min_context is not None and min_context != window - stride:
+            raise MemlmError(
+                f"min_context {min_context} and stride {stride} disagree (stride = window - min_context = "
+                f"{window - min_context}); give one of them"
+            )
+        return stride, window - stride
+    if min_context is None or not 1 <= min_context < window:
         raise MemlmError(
             f"min_context must be in [1, window), got {min_context} with window {window}: every scored target needs "
             "at least one token of context from its own window (with 0 the first target of each later window would be "
-            "predicted from a position that has already seen it)"
+            "predicted from a position that has already seen it); for non-overlapping blocks set stride = window"
         )
-    stride = window - min_context
+    return window - min_context, min_context
+
+
+def sliding_windows(
+    chunks: Iterable[TokenChunk],
+    window: int,
+    min_context: int | None = None,
+    *,
+    stride: int | None = None,
+    block_start: str = "skip",
+    bos_id: int | None = None,
+) -> Iterator[Window]:
+    """Cut the concatenated stream of ``chunks`` into windows (see the module docstring). Streaming.
+
+    ``stride`` (instead of ``min_context``) equal to ``window`` gives non-overlapping blocks, whose first token is
+    skipped or scored after ``bos_id`` as ``block_start`` says.
+    """
+    stride, min_context = resolve_stride(window, min_context, stride)
+    blocks = stride == window
+    if blocks and block_start not in BLOCK_STARTS:
+        raise MemlmError(f"block_start must be one of {', '.join(BLOCK_STARTS)}, got {block_start!r}")
+    bos = blocks and block_start == "bos"
+    if bos and bos_id is None:
+        raise MemlmError("block_start='bos' needs bos_id (the token each block starts from, e.g. BOS or EOS)")
+    span = window - 1 if bos else window  # stream tokens per window
+    step = span if blocks else stride
     it = iter(chunks)
     tok: list[np.ndarray] = []
     meta: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -110,7 +166,7 @@ def sliding_windows(chunks: Iterable[TokenChunk], window: int, min_context: int)
     exhausted = False
     index = 0
     while True:
-        while not exhausted and buffered < window:
+        while not exhausted and buffered < span:
             chunk = next(it, None)
             if chunk is None:
                 exhausted = True
@@ -129,15 +185,23 @@ def sliding_windows(chunks: Iterable[TokenChunk], window: int, min_context: int)
             return
         ids = np.concatenate(tok)
         docs_i, offs, hashes = (np.concatenate([m[j] for m in meta]) for j in range(3))
-        length = min(window, len(ids))
-        score_from = 1 if index == 0 else min_context
-        if length > score_from:
-            yield Window(index, ids[:length], score_from, docs_i[:length], offs[:length], hashes[:length])
-        if exhausted and len(ids) <= window:
+        length = min(span, len(ids))
+        score_from = 1 if index == 0 or blocks else min_context
+        w_ids, w_doc, w_off, w_hash = ids[:length], docs_i[:length], offs[:length], hashes[:length]
+        if bos:  # the BOS position has no provenance: doc -1, offset -1, hash 0
+            w_ids = np.concatenate([[bos_id], w_ids]).astype(np.int64)
+            w_doc, w_off = (
+                np.concatenate([[-1], w_doc]).astype(np.int32),
+                np.concatenate([[-1], w_off]).astype(np.int32),
+            )
+            w_hash = np.concatenate([[0], w_hash]).astype(np.int64)
+        if len(w_ids) > score_from:
+            yield Window(index, w_ids, score_from, w_doc, w_off, w_hash)
+        if exhausted and len(ids) <= span:
             return
-        # advance by `stride`
-        tok, meta = [ids[stride:]], [(docs_i[stride:], offs[stride:], hashes[stride:])]
-        buffered = len(ids) - stride
+        # advance by `step`
+        tok, meta = [ids[step:]], [(docs_i[step:], offs[step:], hashes[step:])]
+        buffered = len(ids) - step
         index += 1
 
 
