@@ -111,3 +111,24 @@ def test_generation_follows_the_datastore(tmp_path, tiny_lm):
         )
     expected = tok(text, add_special_tokens=False)["input_ids"][: out.shape[1]]
     assert out[0].tolist() == expected  # λ = 1, k = 1: generation replays the datastore's continuation
+
+
+def test_bf16_body_gets_float32_head_and_log_softmax(toy_docs):
+    """With a bfloat16 body the LM log-probs equal a float32 head + log-softmax on the same bf16 final hidden
+    states (the old code read the model's bf16 logits, off by the bf16 rounding of each logit)."""
+    from conftest import gpt2_tokenizer, tiny_gpt2
+
+    from memlm.evaluate import lm_scores
+    from memlm.keys import KeySpec
+
+    model, tok = tiny_gpt2(0).to(torch.bfloat16), gpt2_tokenizer()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(16)  # logits of a few units, as in a trained LM (tied with the input embedding)
+    final = KeySpec("final", 1)
+    ts, q, _ = lm_scores(model, tok, toy_docs[:3], [final], window=32, min_context=8, batch_size=2, progress=False)
+    assert model.lm_head.weight.dtype == torch.bfloat16  # the model is left as it was
+    logits = torch.from_numpy(q[final]).double() @ model.lm_head.weight.detach().double().T  # bf16 h, float weights
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(ts.targets)[:, None]).squeeze(-1)
+    np.testing.assert_allclose(ts.lm_logprob, ref.numpy(), atol=2e-5, rtol=0)
+    bf16_ref = torch.log_softmax(logits.bfloat16().double(), -1).gather(-1, torch.from_numpy(ts.targets)[:, None])
+    assert (bf16_ref.squeeze(-1) - ref).abs().max() > 1e-3  # what rounding the logits to bf16 costs

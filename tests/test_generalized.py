@@ -368,3 +368,21 @@ def test_learned_wds_errors():
         train_learned_wds(keys, values, 4, valid=(keys[:, :8], values), **kw)
     with pytest.raises(MemlmError, match="dimension"):
         LearnedWds(4, 16).log_probs(torch.zeros(2, 8))
+
+
+def test_l2_similarity_under_bf16_autocast_is_float32():
+    """-||h - w||^2 expanded as 2 h.w - |h|^2 - |w|^2 cancels: with bf16 dot products (what autocast gave before)
+    the distances of nearby vectors of norm ~24 came out wrong by whole units; computed in float32 they match."""
+    g = torch.Generator().manual_seed(0)
+    W = 3 * torch.randn(50, 64, generator=g)
+    h = W[:20] + 0.05 * torch.randn(20, 64, generator=g)  # each query near one row: small distances, large norms
+    exact = -((h.double()[:, None] - W.double()[None]) ** 2).sum(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = similarity(h, W, "l2")
+        bf16_dots = h @ W.T  # what the matmul gives under autocast
+    assert bf16_dots.dtype == torch.bfloat16
+    bf16_l2 = (2 * bf16_dots.float() - (h * h).sum(-1, keepdim=True) - (W * W).sum(-1)).clamp(max=0)
+    assert (bf16_l2.double() - exact).abs().max() > 1.0  # the old arithmetic: errors of whole units
+    np.testing.assert_allclose(got.double().numpy(), exact.numpy(), atol=2e-2, rtol=1e-5)
+    near = exact.diagonal()  # distances ~0.16 of each query to its own row
+    np.testing.assert_allclose(got.diagonal().double().numpy(), near.numpy(), atol=2e-2)

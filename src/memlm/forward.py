@@ -6,6 +6,7 @@ key and an evaluation query for the same context are computed by exactly the sam
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec
 from memlm.windows import Window
 
-__all__ = ["WindowOutput", "collate", "forward_windows"]
+__all__ = ["WindowOutput", "collate", "forward_windows", "fp32_head"]
 
 
 @dataclass
@@ -47,6 +48,42 @@ def collate(batch: Sequence[Window], pad_id: int = 0) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
+class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): ...``
+    """Within the block the model's output projection (``get_output_embeddings()``) runs in float32 on its input.
+
+    A bfloat16 body returns bfloat16 logits: for logits of 16-32 that is about +-0.06 nats of rounding per logit,
+    which casting afterwards cannot undo. Here a forward hook replaces the head's output by
+    ``z = float32(h) W^T (+ b)`` computed from the same (bf16) final hidden state ``h`` with float32 weights, so the
+    log-softmax (Eq. 3's p_LM) sees float32 logits whatever the body's dtype. Logit post-processing the model does
+    after its head (e.g. soft-capping) then runs on float32. A float32 head, or a head that is not an
+    ``nn.Linear`` (quantized), is left as it is. The float32 weights are made once per instance: reuse one instance
+    across batches (it can be entered many times).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        self.head = head if isinstance(head, torch.nn.Linear) and head.weight.dtype != torch.float32 else None
+        self._handle = None
+        if self.head is not None:
+            self.weight = self.head.weight.detach().float()
+            self.bias = self.head.bias.detach().float() if self.head.bias is not None else None
+
+    def _hook(self, _m: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(args[0].device.type, enabled=False):
+            return torch.nn.functional.linear(args[0].float(), self.weight, self.bias)
+
+    def __enter__(self) -> fp32_head:
+        if self.head is not None:
+            self._handle = self.head.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
 @torch.inference_mode()
 def forward_windows(
     model: torch.nn.Module,
@@ -58,13 +95,15 @@ def forward_windows(
     """Run ``model`` on each batch of windows; yield one :class:`WindowOutput` per window.
 
     Windows in a batch are right-padded (causal attention never looks right, and the mask excludes padding).
-    Keys are returned in float32 regardless of the model's dtype; the LM log-softmax is computed in float32.
+    Keys are returned in float32 regardless of the model's dtype; the output projection and the LM log-softmax are
+    computed in float32 (:func:`fp32_head`) when log-probabilities are asked for.
     """
     device = _device(model)
     specs = list(key_specs)
+    head = fp32_head(model) if with_logprobs else contextlib.nullcontext()
     for batch in batches:
         ids, mask = (t.to(device) for t in collate(batch, pad_id))
-        with KeyCapture(model, specs) as cap:
+        with KeyCapture(model, specs) as cap, head:
             out = model(input_ids=ids, attention_mask=mask, use_cache=False)
             captured = {s: cap.keys_by_spec[s] for s in specs}
         outputs = []

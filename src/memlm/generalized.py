@@ -81,7 +81,9 @@ def similarity(h: torch.Tensor, W: torch.Tensor, metric: str) -> torch.Tensor:
     * ``"l2"``: ``-||h - w||^2``, computed as ``2 h . w - ||h||^2 - ||w||^2`` in float32 and clamped to ``<= 0``
       (the same convention as :func:`memlm.index.exact_search`).
 
-    Inputs are cast to float32; under ``torch.autocast`` the matmul runs in the autocast dtype.
+    Inputs are cast to float32. Under ``torch.autocast`` the inner-product matmul runs in the autocast dtype; the L2
+    one always runs in float32, because ``2 h . w - ||h||^2 - ||w||^2`` subtracts numbers of size ``||h||^2`` to get a
+    small distance: with bfloat16 dot products (8 bits of mantissa) that cancels catastrophically.
     """
     _check_metric(metric)
     if W.dim() != 2:
@@ -92,12 +94,13 @@ def similarity(h: torch.Tensor, W: torch.Tensor, metric: str) -> torch.Tensor:
             "the same layer of the same model"
         )
     h32, w32 = h.float(), W.float()
-    dots = h32 @ w32.T
     if metric == "ip":
-        return dots.float()
-    hn = (h32 * h32).sum(-1, keepdim=True)
-    wn = (w32 * w32).sum(-1)
-    return (2 * dots.float() - hn - wn).clamp(max=0.0)
+        return (h32 @ w32.T).float()
+    with torch.autocast(h32.device.type, enabled=False):
+        dots = h32 @ w32.T
+        hn = (h32 * h32).sum(-1, keepdim=True)
+        wn = (w32 * w32).sum(-1)
+        return (2 * dots - hn - wn).clamp(max=0.0)
 
 
 def mask_to_k(scores: torch.Tensor, k: int) -> torch.Tensor:
