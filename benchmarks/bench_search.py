@@ -11,7 +11,6 @@ reports queries/second for both and their ratio (target: memlm >= 0.9x raw).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import faiss
 import numpy as np
 
+from memlm.fileio import atomic_write_json
 from memlm.index import _check_queries, _to_similarities, build_index, load_index, plan_index, search
 
 DEFAULT_FACTORIES = ("IVF1024,PQ64", "Flat")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        atomic_write_json(args.json, report, sort_keys=False)
         print(f"wrote {args.json}")
     return 0
 

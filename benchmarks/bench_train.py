@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from memlm.fileio import atomic_write_json
 from memlm.train import TrainConfig, train
 from memlm.train_lm import parse_arch
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("all_")}, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.json), result, sort_keys=False)
     return 0
 
 

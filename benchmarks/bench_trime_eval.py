@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from memlm.datastore import Datastore
+from memlm.fileio import atomic_write_json
 from memlm.resources import load_causal_lm
 from memlm.train_lm import load_corpora
 from memlm.trime.batching import segment_documents
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.json), result, sort_keys=False)
     return 0
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from memlm.corpora import corpus_fingerprint, load_documents
 from memlm.datastore import Datastore, build_datastore
 from memlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
-from memlm.fileio import atomic_write_json
+from memlm.fileio import atomic_write_json, dumps_json
 from memlm.index import build_index, plan_index
 from memlm.keys import KeySpec, num_layers
 from memlm.resources import load_causal_lm
@@ -94,7 +94,7 @@ def forward(args, model, tok, corpus: str, split: str, specs, out: Path):
         targets=ts.targets,
         lm_logprob=ts.lm_logprob,
         doc_index=ts.doc_index,
-        meta=np.array(json.dumps(ts.meta)),
+        meta=np.array(dumps_json(ts.meta, indent=None)),
         **{f"q_{n}": queries[s] for s, n in zip(specs, names, strict=True)},
     )
     path.with_suffix(".tmp.npz").replace(path)

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memlm.fileio import atomic_write_json
+
 MODELS = {
     "vanilla": "Vanilla LM (CE)",
     "trimelm": "TrimeLM (local memory)",
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         res = collect(Path(args.runs), suffix)
         if not any(e.get("training") for e in res["models"].values()):
             continue
-        (out / f"summary{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
+        atomic_write_json(out / f"summary{suffix}.json", res, sort_keys=False)
         md = tables(res)
         (out / f"tables{suffix}.md").write_text(md)
         print(f"## runs{suffix or ' (400 updates)'}\n\n{md}")

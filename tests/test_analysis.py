@@ -14,6 +14,10 @@ from memlm.errors import MemlmError
 from memlm.keys import KeySpec
 
 
+def _refuse(name):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_lm, tiny_lm_dir):
     tmp = tmp_path_factory.mktemp("analysis")
@@ -56,7 +60,7 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
     # exact search with exact scores finds at least as close neighbours as the IVF-PQ index
     rows = {(r["fraction"], r["setting"]): r for r in res["approx"]}
     assert rows[(1.0, "real mask, real score")]["target_in_neighbours"] >= 0
-    saved = json.loads((out / "analysis.json").read_text())
+    saved = json.loads((out / "analysis.json").read_text(), parse_constant=_refuse)  # strict JSON: no Infinity/NaN
     assert saved["base"]["test_tokens"] == res["base"]["test_tokens"]
     text = (out / "tables.md").read_text()
     for title in ("Table 1", "Table 2", "Table 3", "Fig. 5", "paper Interp."):

@@ -1,7 +1,9 @@
 """The command line end to end on a tiny model: build -> index -> eval (dump, JSON) -> tune -> generate."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 from conftest import make_toy_docs
 from test_reliability import memlm
@@ -19,6 +21,29 @@ def corpus_dir(tmp_path_factory):
         for d in part:
             (root / split / f"{d.id}.txt").write_text(d.text)
     return root
+
+
+def strict_loads(text: str):
+    """json.loads that refuses Infinity / -Infinity / NaN (not JSON)."""
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_writer_is_strict(tmp_path):
+    from memlm.fileio import atomic_write_json
+
+    data = {"a": math.inf, "b": [1.5, -math.inf, math.nan], "c": np.float32("inf"), "d": np.float64(2.0), 3: (1, 2)}
+    atomic_write_json(tmp_path / "x.json", data)
+    assert strict_loads((tmp_path / "x.json").read_text()) == {
+        "a": None,
+        "b": [1.5, None, None],
+        "c": None,
+        "d": 2.0,
+        "3": [1, 2],
+    }
 
 
 def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
@@ -64,10 +89,17 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         "exact",
     )
     assert r.returncode == 0, r.stderr
-    res = json.loads((tmp_path / "test.json").read_text())
+    res = strict_loads((tmp_path / "test.json").read_text())
     for key in ("base_ppl", "knn_ppl", "oracle_ppl", "tokens", "lambda", "k", "temperature", "cache_ppl"):
         assert key in res
     assert res["k"] == 16 and res["search"] == "exact" and res["oracle_ppl"] <= res["base_ppl"]
+    # k = 1: most targets are never retrieved, so p_kNN = 0 for them and the memory-only perplexity is infinite
+    r = memlm(
+        "eval", "--corpus", str(corpus_dir / "test"), *common[:2], "--k", "1", "--json", str(tmp_path / "k1.json")
+    )
+    assert r.returncode == 0, r.stderr
+    k1 = strict_loads((tmp_path / "k1.json").read_text())
+    assert k1["target_in_neighbours"] < 1 and k1["knn_only_ppl"] is None and k1["knn_ppl"] > 0
 
     r = memlm(
         "tune",
@@ -86,7 +118,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         "10",
     )
     assert r.returncode == 0, r.stderr
-    tuned = json.loads((tmp_path / "tuned.json").read_text())
+    tuned = strict_loads((tmp_path / "tuned.json").read_text())
     assert tuned["valid"]["best"]["lambda"] in (0, 0.25, 0.5) and len(tuned["grid"]) == 6
     assert tuned["test"]["lambda"] == tuned["valid"]["best"]["lambda"]
 

@@ -423,19 +423,9 @@ def run_analysis(
         t0 = time.perf_counter()
         results["learned"] = [run.learned_row(role, n) for role in roles for n in spec.learned_n]
         results["timings"]["learned"] = time.perf_counter() - t0
-    atomic_write_json(out / "analysis.json", _jsonable(results))
+    atomic_write_json(out / "analysis.json", results)  # non-finite numbers become null
     write_report(results, out)
     return results
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    return obj
 
 
 # ---------------------------------------------------------------------------------------------------- report

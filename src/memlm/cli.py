@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
+from memlm.fileio import dumps_json
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -408,7 +409,7 @@ def cmd_npm_predict(args: argparse.Namespace) -> None:
             }
             for q, preds in results
         ]
-        print(json.dumps(data if len(data) > 1 else data[0], indent=2))
+        print(dumps_json(data if len(data) > 1 else data[0], sort_keys=False))
         return
     for n, (query, preds) in enumerate(results):
         if n:
@@ -455,7 +456,7 @@ def cmd_npm_classify(args: argparse.Namespace) -> None:
             {"query": query, "label": res.label, "probs": res.probs, "matched": res.matched, "log_scores": logs}
         )
     if args.json:
-        print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+        print(dumps_json(results if len(results) > 1 else results[0], sort_keys=False))
         return
     for n, r in enumerate(results):
         if n:
@@ -926,7 +927,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cache-temperature", type=float, default=1.0)
     _add_windows(e)
     e.add_argument("--dump", default=None, help="write per-token scores (.npz) for memlm tune")
-    e.add_argument("--json", default=None, help="write the results as JSON")
+    e.add_argument(
+        "--json",
+        default=None,
+        help="write the results as (strict) JSON; knn_only_ppl is null when some target is never retrieved (infinite)",
+    )
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
+from memlm.fileio import dumps_json
 from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
 from memlm.knn import knn_target_logprob, mix_logprobs
@@ -108,7 +109,7 @@ class TokenScores:
         path = Path(path)
         arrays = {k: getattr(self, k) for k in _ARRAYS if getattr(self, k) is not None}
         tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, meta=np.array(json.dumps(self.meta)), **arrays)
+        np.savez(tmp, meta=np.array(dumps_json(self.meta, indent=None)), **arrays)
         os.replace(tmp, path)
 
     @classmethod
@@ -401,7 +402,11 @@ def perplexities(
     cache_lambda: float = 0.0,
     cache_temperature: float = 1.0,
 ) -> dict[str, Any]:
-    """Base, memory-interpolated and oracle perplexity of a dump under the given parameters."""
+    """Base, memory-interpolated and oracle perplexity of a dump under the given parameters.
+
+    ``knn_only_ppl`` (the memory alone, λ = 1) is infinite when some target is never among its retrieved neighbours
+    (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``.
+    """
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": _ppl(lm)}
     if ts.knn_scores is None:

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memlm.errors import MemlmError
+from memlm.fileio import dumps_json
 
 __all__ = [
     "METRICS",
@@ -323,7 +324,7 @@ def meta_path(index_path: str | os.PathLike[str]) -> Path:
 def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        tmp.write_text(dumps_json(obj, sort_keys=False) + "\n")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

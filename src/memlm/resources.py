@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from memlm.errors import MemlmError
+from memlm.fileio import dumps_json
 
 if TYPE_CHECKING:  # torch and transformers are imported where used: `memlm corpora` should not pay for them
     import torch
@@ -361,7 +362,7 @@ def _portable_tokenizer_class(folder: Path) -> None:
         cfg = json.loads(path.read_text())
         if cfg.get("tokenizer_class") == "TokenizersBackend":
             cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-            path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+            path.write_text(dumps_json(cfg, sort_keys=False) + "\n")
 
 
 def _transformers_version() -> str:
@@ -417,7 +418,7 @@ def _converted_gguf(spec: ModelSpec) -> Path:
             "transformers": _transformers_version(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        (tmp / _CACHE_MARKER).write_text(dumps_json(marker, sort_keys=False) + "\n")
         try:
             os.rename(tmp, final)
         except OSError:
