@@ -14,6 +14,12 @@ from memlm.errors import MemlmError
 from memlm.keys import KeySpec
 
 
+def _dump(out, prefix):
+    """The one neighbour dump whose name starts with prefix (names end with a hash of their settings)."""
+    (path,) = (out / "nb").glob(f"{prefix}-*.npz")
+    return path
+
+
 def _refuse(name):
     raise ValueError(f"non-standard JSON constant {name}")
 
@@ -87,7 +93,7 @@ def test_exact_mask_dump_matches_bruteforce(setup):
 
     out = tmp / "out"
     run_analysis(spec, out, progress=False, log=lambda m: None)
-    ts = TokenScores.load(out / "nb" / "att-l2-f1-exact-exact-test.npz")
+    ts = TokenScores.load(_dump(out, "att-l2-f1-exact-exact-test"))
     q = np.load(out / "queries-test-att.npy")
     ds = Datastore.open(spec.datastores["att"])
     keys = np.asarray(ds.keys, dtype=np.float32)
@@ -126,3 +132,34 @@ def test_cli_analyze(setup, capsys):
     assert main([*args, "--out", str(tmp / "cli")]) == 0
     out = capsys.readouterr().out
     assert "Table 1" in out and "Table 3" in out and "Table 2" not in out
+
+
+def test_rerun_with_other_settings_does_not_reuse_caches(setup):
+    """A rerun in the same --out with another k, nprobe, learned steps and lr gives what a fresh run gives."""
+    import dataclasses
+
+    tmp, spec = setup
+    small = dataclasses.replace(
+        spec, fractions=(1.0,), temperatures=(1.0,), learned_n=(1,), skip=("approx", "temperature")
+    )
+    quiet = {"progress": False, "log": lambda m: None}
+    out = tmp / "rerun"
+    first = run_analysis(small, out, **quiet)
+    other = dataclasses.replace(small, k=8, nprobe=1, learned_steps=5, learned_lr=1e-2)
+    again = run_analysis(other, out, **quiet)
+    fresh = run_analysis(other, tmp / "fresh", **quiet)
+    assert again["table1"] == fresh["table1"] != first["table1"]
+    drop = {"train_seconds"}
+    strip = [{k: v for k, v in r.items() if k not in drop} for r in again["learned"]]
+    assert strip == [{k: v for k, v in r.items() if k not in drop} for r in fresh["learned"]]
+    assert (
+        again["learned"][0]["train_steps"] == 5
+        and again["learned"][0]["train_loss"] != first["learned"][0]["train_loss"]
+    )
+    # both runs' dumps are kept side by side, each with the settings that made it
+    from memlm.evaluate import TokenScores
+
+    dumps = sorted((out / "nb").glob("att-l2-f1-index-index-test-*.npz"))
+    assert len(dumps) == 2
+    made = {(TokenScores.load(d).meta["cache_settings"]["k"], TokenScores.load(d).meta["nprobe"]) for d in dumps}
+    assert made == {(16, 32), (8, 1)}

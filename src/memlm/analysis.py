@@ -26,6 +26,7 @@ n-sweep, with the paper's numbers beside ours) and ``fig_datastore_ratio.png`` (
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -43,7 +44,7 @@ from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
-from memlm.fileio import atomic_write_json
+from memlm.fileio import atomic_write_json, dumps_json
 
 __all__ = ["AnalysisSpec", "PAPER", "approx_factory", "interpolation_row", "run_analysis", "write_report"]
 
@@ -132,6 +133,22 @@ def approx_factory(n: int, d: int) -> str:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "_", text)
+
+
+def _settings_key(settings: dict[str, Any]) -> str:
+    """A short hash of the settings that produced a cached file, for its name."""
+    return hashlib.sha256(dumps_json(settings, indent=None).encode()).hexdigest()[:10]
+
+
+def _ds_identity(ds: Datastore) -> dict[str, Any]:
+    """What identifies a datastore's contents: its folder, size and the checksum of its keys and values."""
+    files = ds.manifest.get("files", {})
+    return {
+        "path": str(ds.path),
+        "count": len(ds),
+        "keys": files.get("keys", {}).get("sha256"),
+        "values": files.get("values", {}).get("sha256"),
+    }
 
 
 def _ppl(logprob: torch.Tensor) -> float:
@@ -263,6 +280,7 @@ class _Run:
             "split": split,
             "max_tokens": s.max_tokens,
             "analysis_window": [s.window, s.min_context],
+            "dtype": s.dtype,
             "datastores": {role: str(ds.path) for role, ds in self.datastores.items()},
         }
 
@@ -271,11 +289,15 @@ class _Run:
         ds = self.datastores[role]
         if fraction >= 1.0:
             return ds
-        folder = self.out / "ds" / f"{role}-{fraction:g}"
+        folder = self.out / "ds" / f"{role}-{fraction:g}-seed{self.spec.seed}"
         if (folder / "manifest.json").exists():
             sub = Datastore.open(folder)
-            if sub.manifest.get("subsample", {}).get("of") == str(ds.path):
-                return sub
+            made = sub.manifest.get("subsample", {})
+            if (made.get("of"), made.get("fraction"), made.get("seed")) != (str(ds.path), fraction, self.spec.seed):
+                raise MemlmError(f"{folder} holds another subsample ({made}): use another --out")
+            if sub.manifest.get("created") != ds.manifest.get("created") or len(sub) > len(ds):
+                raise MemlmError(f"{folder} was subsampled from another version of {ds.path}: use another --out")
+            return sub
         self.log(f"subsampling {fraction:.0%} of {ds.path}")
         return ds.subsample(folder, fraction, seed=self.spec.seed)
 
@@ -283,17 +305,44 @@ class _Run:
         factory = self.spec.factory or approx_factory(len(ds), ds.dim)
         path = ds.path / f"index-{metric}-{_slug(factory)}.faiss"
         meta = index_lib.read_index_meta(path)
-        if not (path.exists() and meta and meta.get("n") == len(ds) and meta.get("metric") == metric):
+        fresh = meta and (meta.get("n"), meta.get("metric"), meta.get("seed")) == (len(ds), metric, self.spec.seed)
+        if not (path.exists() and fresh):
             self.log(f"building {factory} ({metric}) over {len(ds):,} keys of {ds.path}")
             index_lib.build_index(ds.keys, path, factory, metric, seed=self.spec.seed, progress=self.progress)
         return path
 
-    def neighbours(self, role: str, metric: str, fraction: float, setting: str, split: str) -> TokenScores:
+    def neighbour_settings(self, role: str, metric: str, fraction: float, setting: str, split: str) -> dict[str, Any]:
+        """Everything a neighbour dump depends on (besides the forward pass, whose own cache refuses a mismatch)."""
         search, scores = SETTINGS[setting]
-        name = f"{role}-{metric}-f{fraction:g}-{search}-{scores}-{split}.npz"
+        ds = self.datastore(role, fraction)
+        return {
+            "role": role,
+            "metric": metric,
+            "fraction": fraction,
+            "search": search,
+            "scores": scores,
+            "split": split,
+            "k": self.spec.k,
+            "datastore": _ds_identity(ds),
+            "subsample_seed": self.spec.seed if fraction < 1.0 else None,
+            "factory": (self.spec.factory or approx_factory(len(ds), ds.dim)) if search == "index" else None,
+            "nprobe": self.spec.nprobe if search == "index" else None,
+            "index_seed": self.spec.seed if search == "index" else None,
+            "forward": self._forward_meta(split),
+        }
+
+    def neighbours(self, role: str, metric: str, fraction: float, setting: str, split: str) -> TokenScores:
+        """The neighbour dump of one setting; cached under a name keyed by all its settings (stored inside too)."""
+        search, scores = SETTINGS[setting]
+        settings = self.neighbour_settings(role, metric, fraction, setting, split)
+        name = f"{role}-{metric}-f{fraction:g}-{search}-{scores}-{split}-{_settings_key(settings)}.npz"
         path = self.out / "nb" / name
+        want = json.loads(dumps_json(settings))
         if path.exists():
-            return TokenScores.load(path)
+            cached = TokenScores.load(path)
+            if cached.meta.get("cache_settings") == want:
+                return cached
+            self.log(f"{path} was made with other settings; recomputing it")
         ds = self.datastore(role, fraction)
         ts, queries = self.forward(split)
         index_path = self.index_path(ds, metric) if search == "index" else None
@@ -311,6 +360,7 @@ class _Run:
             index_path=index_path,
             metric=metric,
         )
+        dumped.meta["cache_settings"] = want
         path.parent.mkdir(parents=True, exist_ok=True)
         dumped.save(path)
         return dumped
@@ -328,14 +378,29 @@ class _Run:
         from memlm.generalized import load_learned_wds, save_learned_wds, train_learned_wds
 
         ds = self.datastores[role]
-        path = self.out / "learned" / f"{role}-n{n}.pt"
+        s = self.spec
+        settings = json.loads(
+            dumps_json(
+                {
+                    "role": role,
+                    "n": n,
+                    "metric": "ip",
+                    "steps": s.learned_steps,
+                    "batch": s.learned_batch,
+                    "lr": s.learned_lr,
+                    "seed": s.seed,
+                    "datastore": _ds_identity(ds),
+                }
+            )
+        )
+        path = self.out / "learned" / f"{role}-n{n}-{_settings_key(settings)}.pt"
         vocab = int(ds.manifest["tokenizer"]["vocab_size"])
         valid_ts, valid_q = self.forward("valid")
         test_ts, test_q = self.forward("test")
         info_path = path.with_suffix(".json")
-        if path.exists() and info_path.exists():
+        info = json.loads(info_path.read_text()) if path.exists() and info_path.exists() else None
+        if info is not None and info.get("settings") == settings:
             wds = load_learned_wds(path)
-            info = json.loads(info_path.read_text())
         else:
             self.log(f"training learned W_ds ({role}, n={n}) on {len(ds):,} (key, value) pairs of {ds.path}")
             t0 = time.perf_counter()
@@ -351,7 +416,7 @@ class _Run:
                 seed=self.spec.seed,
                 progress=self.progress,
             )
-            info = {"train_seconds": time.perf_counter() - t0, "log": train_log}
+            info = {"train_seconds": time.perf_counter() - t0, "log": train_log, "settings": settings}
             path.parent.mkdir(parents=True, exist_ok=True)
             save_learned_wds(wds, path)
             atomic_write_json(info_path, info)
