@@ -282,8 +282,8 @@ class _Run:
     def index_path(self, ds: Datastore, metric: str) -> Path:
         factory = self.spec.factory or approx_factory(len(ds), ds.dim)
         path = ds.path / f"index-{metric}-{_slug(factory)}.faiss"
-        meta = index_lib.read_index_meta(path)
-        if not (path.exists() and meta and meta.get("n") == len(ds) and meta.get("metric") == metric):
+        meta = None if ds.index_problem(path) else index_lib.read_index_meta(path)  # stale or foreign: rebuild
+        if not (meta and meta.get("n") == len(ds) and meta.get("metric") == metric):
             self.log(f"building {factory} ({metric}) over {len(ds):,} keys of {ds.path}")
             index_lib.build_index(ds.keys, path, factory, metric, seed=self.spec.seed, progress=self.progress)
         return path

@@ -210,8 +210,8 @@ class PhraseIndex:
             raw = None
         if isinstance(raw, dict) and (raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION):
             raise MemlmError(
-                f"{path} is not a version-{FORMAT_VERSION} NPM phrase index "
-                f"({raw.get('format')} v{raw.get('format_version')}); rebuild it"
+                f"{mpath} is not the manifest of a version-{FORMAT_VERSION} NPM phrase index "
+                f"(format {raw.get('format')} v{raw.get('format_version')}); {fix}"
             )
         manifest = schema.read_json(mpath, schema.PHRASE_MANIFEST, "phrase-index manifest", fix)
         docs = schema.read_json(path / "docs.json", schema.PHRASE_DOCS, "phrase-index document list", fix)
