@@ -1,6 +1,8 @@
 """Datastore: contents equal a direct forward pass, manifest, refusal of mismatched models, corruption, append."""
 
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -79,9 +81,13 @@ def test_truncated_or_corrupt_files_are_detected(tmp_path, tiny_lm, toy_docs):
     with pytest.raises(MemlmError, match="truncated"):
         Datastore.open(ds.path)
     keys.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
-    Datastore.open(ds.path)  # same size: only a checksum can tell
-    with pytest.raises(MemlmError, match="checksum"):
+    # same size: the sampled checksum (whole file up to 1 MiB) sees it on every open, the full one on verify
+    with pytest.raises(MemlmError, match="sampled checksum"):
+        Datastore.open(ds.path)
+    with pytest.raises(MemlmError, match="sampled checksum"):
         Datastore.open(ds.path, verify=True)
+    keys.write_bytes(data)
+    Datastore.open(ds.path, verify=True)
     (ds.path / "manifest.json").write_text("{not json")
     with pytest.raises(MemlmError, match="corrupt"):
         Datastore.open(ds.path)
@@ -114,3 +120,69 @@ def test_subsample(tmp_path, tiny_lm, toy_docs):
     # every kept entry is an entry of the original
     pairs = {(v, o, h) for v, o, h in zip(ds.values.tolist(), ds.offset.tolist(), ds.doc_hash.tolist(), strict=True)}
     assert all(p in pairs for p in zip(sub.values.tolist(), sub.offset.tolist(), sub.doc_hash.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_disk_full_is_a_clear_error_and_the_rerun_resumes(tmp_path, tiny_lm, toy_docs, monkeypatch, code):
+    import builtins
+
+    import memlm.datastore as dsmod
+
+    lone = build(tmp_path, tiny_lm, toy_docs, name="lone")
+    calls = {"keys": 0}
+
+    class FullDisk:
+        """keys.bin's handle: the 4th write stores half its bytes, then the disk is full."""
+
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            calls["keys"] += 1
+            if calls["keys"] >= 4:
+                self.f.write(data[: len(data) // 2])
+                raise OSError(code, os.strerror(code))
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def fake_open(path, mode="r", *a, **kw):
+        f = builtins.open(path, mode, *a, **kw)
+        return FullDisk(f) if str(path).endswith("keys.bin") and "a" in mode else f
+
+    monkeypatch.setattr(dsmod, "open", fake_open, raising=False)
+    with pytest.raises(MemlmError) as e:
+        build(tmp_path, tiny_lm, toy_docs, name="full")
+    msg = str(e.value)
+    assert msg.startswith("disk full while writing") and "keys.bin" in msg
+    assert "free space and rerun the same command to resume" in msg
+    assert (tmp_path / "full" / "progress.json").exists() and not (tmp_path / "full" / "manifest.json").exists()
+    assert not list((tmp_path / "full").glob(".*"))  # no lock file, no temporary file
+    monkeypatch.undo()
+    resumed = build(tmp_path, tiny_lm, toy_docs, name="full")
+    assert resumed.manifest["files"] == lone.manifest["files"]  # byte-identical files (full SHA-256 of each)
+    for name in ("keys", "values", "doc_hash", "offset"):
+        assert (tmp_path / "full" / f"{name}.bin").read_bytes() == (tmp_path / "lone" / f"{name}.bin").read_bytes()
+
+
+def test_disk_full_while_writing_progress(tmp_path, tiny_lm, toy_docs, monkeypatch):
+    import memlm.fileio as fileio
+
+    lone = build(tmp_path, tiny_lm, toy_docs, name="lone")
+    real = fileio.os.fsync
+    n = {"calls": 0}
+
+    def fsync(fd):  # the 5th write of progress.json (through a temporary file) finds the disk full
+        if ".progress.json." in os.readlink(f"/proc/self/fd/{fd}"):
+            n["calls"] += 1
+            if n["calls"] == 5:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(fileio.os, "fsync", fsync)
+    with pytest.raises(MemlmError, match="disk full while writing .*progress.json: free space and rerun"):
+        build(tmp_path, tiny_lm, toy_docs, name="full")
+    monkeypatch.undo()
+    assert not [p for p in (tmp_path / "full").iterdir() if p.name.startswith(".")]
+    assert build(tmp_path, tiny_lm, toy_docs, name="full").manifest["files"] == lone.manifest["files"]

@@ -294,9 +294,61 @@ def test_load_missing_or_corrupt_index(tmp_path: Path) -> None:
     ]:
         p = tmp_path / f"{name}.faiss"
         p.write_bytes(blob)
+        meta_path(p).write_bytes(meta_path(good).read_bytes())
         with pytest.raises(MemlmError, match="corrupt or truncated") as e:
             load_index(p)
         assert "\n" not in str(e.value) and "memlm index build" in str(e.value)
+        # a sidecar without the file's checksums (older memlm): FAISS's own reader still refuses the file
+        old = json.loads(meta_path(good).read_text())
+        del old["file"]
+        meta_path(p).write_text(json.dumps(old))
+        with pytest.raises(MemlmError, match="corrupt or truncated"):
+            load_index(p)
+
+
+def test_missing_stale_or_malformed_sidecar_is_refused(tmp_path: Path) -> None:
+    keys = _keys(300)
+    path = tmp_path / "x.faiss"
+    build_index(keys, path, "Flat", metric="l2", progress=False)
+    l2_meta = meta_path(path).read_bytes()
+    build_index(keys, path, "Flat", metric="ip", progress=False)
+    assert index_metric(load_index(path)) == "ip"
+    # the l2 sidecar beside the ip index: its file checksum does not match
+    meta_path(path).write_bytes(l2_meta)
+    with pytest.raises(MemlmError, match="does not match"):
+        load_index(path)
+    with pytest.raises(MemlmError, match="does not match"):
+        read_index_meta(path)  # what exact search reads for the metric
+    # the same without the checksums: the FAISS header (metric ip) contradicts the sidecar (l2)
+    stale = json.loads(l2_meta)
+    del stale["file"]
+    meta_path(path).write_text(json.dumps(stale))
+    with pytest.raises(MemlmError, match="says 300 x 32 l2"):
+        load_index(path)
+    for blob in [b"", b"{}", b"[]", b"\x89PNG\r\n garbage", b'{"factory": "Flat", "metric": "cosine", "n": 1, "d": 8}']:
+        meta_path(path).write_bytes(blob)
+        with pytest.raises(MemlmError, match="x.faiss.json") as e:
+            load_index(path)
+        assert "\n" not in str(e.value)
+    meta_path(path).unlink()
+    with pytest.raises(MemlmError, match="has no x.faiss.json"):
+        load_index(path)
+    with pytest.raises(MemlmError, match="has no x.faiss.json"):
+        read_index_meta(path)
+    assert read_index_meta(tmp_path / "none.faiss") is None
+
+
+def test_full_checksum_on_verify(tmp_path: Path) -> None:
+    keys = _keys(40_000)  # a 1.3 MB file: larger than what the sampled checksum hashes whole
+    path = tmp_path / "big.faiss"
+    build_index(keys, path, "Flat", progress=False)
+    data = bytearray(path.read_bytes())
+    assert len(data) > 1 << 20
+    data[len(data) // 2 + 2048 + 7] ^= 0x01  # one bit between two sampled blocks
+    path.write_bytes(bytes(data))
+    load_index(path)  # the cheap check cannot see one flipped bit between samples
+    with pytest.raises(MemlmError, match="checksum mismatch"):
+        load_index(path, verify=True)
 
 
 # ----------------------------------------------------------------------------------- plan and chunks

@@ -124,3 +124,76 @@ def test_bad_input_gives_one_clear_error_line(case, tmp_path, tiny_lm_dir, corpu
         "other_role": "final",
     }[case]
     assert expected in errors[0]
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _wait_for_progress(path, windows, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if json.loads(path.read_text())["windows_done"] >= windows:
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.005)
+    return False
+
+
+def test_two_concurrent_builds_one_refused_result_equals_lone_build(tmp_path, tiny_lm_dir, corpus_file, built):
+    """A second writer into the same folder exits 2 naming the first (pid, command, start time); the first finishes
+    and its datastore is byte-identical to a lone build. The first is paused (SIGSTOP) while the second runs, so the
+    two always overlap however fast the machine is."""
+    out = tmp_path / "ds"
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "memlm.cli", *build_args(tiny_lm_dir, corpus_file, out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _wait_for_progress(out / "progress.json", 3, first), "the first build ended before it could be paused"
+        first.send_signal(signal.SIGSTOP)
+        holder = json.loads((out / ".memlm.lock").read_text())
+        assert holder["pid"] == first.pid
+        before = _files(out)
+        second = memlm(*build_args(tiny_lm_dir, corpus_file, out))
+        assert second.returncode == 2, second.stderr
+        assert "Traceback" not in second.stderr
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, second.stderr
+        assert f"pid {first.pid}" in errors[0] and "datastore build" in errors[0] and holder["started"] in errors[0]
+        assert _files(out) == before  # the refused writer changed nothing
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert not (out / ".memlm.lock").exists()  # removed by its holder
+    assert _files(out) == _files(built) | {"manifest.json": (out / "manifest.json").read_bytes()}
+    a, b = json.loads((built / "manifest.json").read_text()), json.loads((out / "manifest.json").read_text())
+    assert a["files"] == b["files"] and a["count"] == b["count"]
+
+
+def test_stale_lock_of_a_killed_build_is_taken_over(tmp_path, tiny_lm_dir, corpus_file, built):
+    out = tmp_path / "ds"
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memlm.cli", *build_args(tiny_lm_dir, corpus_file, out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert _wait_for_progress(out / "progress.json", 5, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert json.loads((out / ".memlm.lock").read_text())["pid"] == proc.pid  # its lock file is left behind
+    resumed = memlm(*build_args(tiny_lm_dir, corpus_file, out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert Datastore.open(out, verify=True).manifest["files"] == Datastore.open(built).manifest["files"]
+    assert not list(out.glob(".*"))  # no lock file, no temporary file left

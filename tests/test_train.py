@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -217,3 +218,99 @@ def test_device_option_is_checked():
     if not torch.cuda.is_available():
         with pytest.raises(MemlmError, match="no CUDA GPU"):
             TrainConfig(device="cuda").validate()
+
+
+# --------------------------------------------------------------------------------- run identity and crash safety
+
+
+def _jsonl(path, docs):
+    path.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in docs))
+    return str(path)
+
+
+def test_rerun_with_other_corpus_tokenizer_model_or_loss_is_refused(tmp_path, capsys):
+    from memlm.cli import main
+    from memlm.train_lm import train_lm
+
+    torch.set_num_threads(2)
+    corpus = _jsonl(tmp_path / "c.jsonl", make_toy_docs(40))
+    other = _jsonl(tmp_path / "o.jsonl", make_toy_docs(40, seed=5))
+    cfg = dict(max_steps=4, batch_size=2, seq_len=16, save_every=2, lr=1e-3)
+    args = dict(scratch="2x64", tokenizer="bpe:300", valid_tokens=0, n_positions=32, progress=False)
+    out = tmp_path / "run"
+    part = train_lm(out, corpus, TrainConfig(**cfg), stop_after=2, **args)
+    assert part.step == 2
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for change, named in [
+        ({"corpus": other}, "corpus_fingerprint"),
+        ({"tokenizer": "bpe:400"}, "tokenizer_spec bpe:300 -> bpe:400"),
+        ({"scratch": "2x128"}, "init scratch 2x64 -> scratch 2x128"),
+        ({"dropout": 0.0}, "dropout 0.1 -> 0.0"),
+    ]:
+        kw = {"corpus": corpus, **args, **change}
+        with pytest.raises(MemlmError) as e:
+            train_lm(out, kw.pop("corpus"), TrainConfig(**cfg), **kw)
+        assert named in str(e.value) and "--no-resume" in str(e.value), str(e.value)
+    from memlm.trime.training import trime_objective
+
+    loss_fn, batches = trime_objective("trime", seq_len=16, batch_size=2)
+    with pytest.raises(MemlmError, match="loss memlm.train.causal_lm_loss -> memlm.trime"):
+        train_lm(out, corpus, TrainConfig(**cfg), loss_fn=loss_fn, **args)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before  # refused before anything was written (no tokenizer retrained, no checkpoint)
+    # the CLI names the difference in one line
+    base = ["train", "--out", str(out), "--from-scratch", "2x64", "--tokenizer", "bpe:300", "--n-positions", "32",
+            "--seq-len", "16", "--batch-size", "2", "--steps", "4", "--save-every", "2", "--lr", "1e-3",
+            "--valid-tokens", "0", "--dtype", "float32", "--warmup", "0.05", "--weight-decay", "0.1"]  # fmt: skip
+    assert main([*base, "--corpus", other]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "corpus" in err and "Traceback" not in err
+    # the same settings resume to the uninterrupted result
+    done = train_lm(out, corpus, TrainConfig(**cfg), **args)
+    full = train_lm(tmp_path / "full", corpus, TrainConfig(**cfg), **args)
+    assert done.step == 4 and done.losses == pytest.approx(full.losses, rel=1e-6)
+    # --no-resume starts over: the old run's checkpoints are gone, the new settings are recorded
+    fresh = train_lm(out, other, TrainConfig(**cfg), resume=False, stop_after=2, **args)
+    assert fresh.step == 2 and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert not (out / "final").exists()
+    assert json.loads((out / "run.json").read_text())["identity"]["corpus"] == other
+
+
+@pytest.mark.parametrize("bad", ["random", "{}", "[]", "types"])
+def test_malformed_run_record_or_checkpoint_state(tmp_path, bad):
+    batches = lm_batches(make_toy_docs(8), TOK, seq_len=16, batch_size=2, seed=0)
+    cfg = TrainConfig(lr=1e-3, max_steps=4, seq_len=16, save_every=2)
+    train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, stop_after=2, progress=False)
+    blob = {"random": b"\x93\x00garbage", "{}": b"{}", "[]": b"[]", "types": b'{"format": 3, "identity": []}'}[bad]
+    (tmp_path / "run.json").write_bytes(blob)
+    with pytest.raises(MemlmError, match="run.json is not a valid training-run record") as e:
+        train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False)
+    assert "\n" not in str(e.value)
+    (tmp_path / "run.json").unlink()
+    state = tmp_path / "checkpoint-2" / "training_state.pt"
+    good = state.read_bytes()
+    for broken in (good[: len(good) // 2], b"", os.urandom(100)):
+        state.write_bytes(broken)
+        with pytest.raises(MemlmError, match="training_state.pt is unreadable"):
+            train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False)
+    torch.save({"step": "two"}, state)
+    with pytest.raises(MemlmError, match="not a valid checkpoint state"):
+        train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False)
+
+
+def test_disk_full_during_a_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+
+    batches = lm_batches(make_toy_docs(8), TOK, seq_len=16, batch_size=2, seed=0)
+    cfg = TrainConfig(lr=1e-3, max_steps=4, seq_len=16, save_every=2)
+    real = torch.save
+
+    def full(obj, f, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(MemlmError, match="disk full while writing .*: free space and rerun the same command"):
+        train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False)
+    monkeypatch.setattr(torch, "save", real)
+    assert not (tmp_path / ".memlm.lock").exists()
+    assert train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False).step == 4

@@ -304,7 +304,7 @@ class _Run:
     def index_path(self, ds: Datastore, metric: str) -> Path:
         factory = self.spec.factory or approx_factory(len(ds), ds.dim)
         path = ds.path / f"index-{metric}-{_slug(factory)}.faiss"
-        meta = index_lib.read_index_meta(path)
+        meta = None if ds.index_problem(path) else index_lib.read_index_meta(path)  # stale or foreign: rebuild
         fresh = meta and (meta.get("n"), meta.get("metric"), meta.get("seed")) == (len(ds), metric, self.spec.seed)
         if not (path.exists() and fresh):
             self.log(f"building {factory} ({metric}) over {len(ds):,} keys of {ds.path}")

@@ -71,50 +71,92 @@ def cmd_corpora(args: argparse.Namespace) -> None:
 def cmd_datastore_build(args: argparse.Namespace) -> None:
     from memlm.datastore import build_datastore
     from memlm.keys import KeySpec
+    from memlm.locking import folder_lock
 
+    key = KeySpec.parse(args.key)
     model, tok = _load_model(args.model, args.dtype)
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
-    ds = build_datastore(
-        model,
-        tok,
-        docs,
-        args.out,
-        key=KeySpec.parse(args.key),
-        **_window_kwargs(args),
-        batch_size=args.batch_size,
-        source=source,
-        append=args.append,
-    )
-    print(f"datastore {ds.path}: {len(ds)} entries, key {ds.key_spec.describe()}, dim {ds.dim}")
-    if args.index and not ds.index_path.exists():
-        _build_index(ds, args.factory, args.metric, None)
+    with folder_lock(args.out, "build a datastore"):  # held through the index build too
+        ds = build_datastore(
+            model,
+            tok,
+            docs,
+            args.out,
+            key=key,
+            **_window_kwargs(args),
+            batch_size=args.batch_size,
+            source=source,
+            append=args.append,
+            overwrite=args.overwrite,
+        )
+        print(f"datastore {ds.path}: {len(ds)} entries, key {ds.key_spec.describe()}, dim {ds.dim}")
+        if args.index:
+            _ensure_index(ds, args.factory, args.metric)
+
+
+def _ensure_index(ds, factory: str | None, metric: str) -> None:
+    """Build the datastore's index unless a valid one with the same factory and metric is there already."""
+    from memlm.index import plan_index, read_index_meta
+
+    problem = ds.index_problem()
+    if problem is not None:
+        if ds.index_path.exists():
+            print(f"rebuilding the index: {problem}", file=sys.stderr)
+        _build_index(ds, factory, metric, None)
+        return
+    meta = read_index_meta(ds.index_path)
+    want = plan_index(len(ds), ds.dim, factory, metric).factory
+    if (meta["factory"], meta["metric"]) != (want, metric):
+        raise MemlmError(
+            f"datastore {ds.path} already has an index {meta['factory']} ({meta['metric']}), not {want} ({metric}) as "
+            f"asked: rebuild it with `memlm index build {ds.path} --factory '{want}' --metric {metric}`, or rerun "
+            "with the index's --factory and --metric"
+        )
+    print(f"index {ds.index_path} already built ({meta['factory']}, {metric})", file=sys.stderr)
 
 
 def _build_index(ds, factory: str | None, metric: str, train_size: int | None) -> None:
-    from memlm.index import build_index, read_index_meta
+    from memlm.index import read_index_meta
 
-    build_index(ds.keys, ds.index_path, factory=factory, metric=metric, train_size=train_size)  # prints its plan
+    ds.build_index(factory=factory, metric=metric, train_size=train_size)  # prints its plan
     print(f"index {ds.index_path} ({read_index_meta(ds.index_path)['factory']}, {metric})")
 
 
 def cmd_datastore_info(args: argparse.Namespace) -> None:
     from memlm.datastore import Datastore
+    from memlm.index import read_index_meta
 
     ds = Datastore.open(args.dir, verify=args.verify)
     m = ds.manifest
-    print(
-        json.dumps(
-            {k: m[k] for k in ("model", "tokenizer", "key", "count", "window", "min_context", "sources")}, indent=2
-        )
-    )
+    info = {k: m[k] for k in ("model", "tokenizer", "key", "count", "window", "min_context", "sources") if k in m}
+    info["build_id"] = m.get("build_id")
+    meta = read_index_meta(ds.index_path, verify=args.verify)
+    problem = ds.index_problem()
+    if meta is None:
+        info["index"] = None
+    else:
+        info["index"] = {k: meta.get(k) for k in ("factory", "metric", "n", "d")}
+        info["index"]["usable"] = problem is None
+        if problem is not None:
+            info["index"]["problem"] = problem
+    print(json.dumps(info, indent=2))
     if args.verify:
-        print(f"checksums OK ({ds.checksum()[:16]})")
+        if meta is not None and problem is None:
+            ds.load_index(verify=True)
+        checked = "manifest, sizes, values range and full SHA-256 of every file"
+        checked += ", and the index (full SHA-256, header, datastore identity)" if meta is not None else ""
+        if problem is not None:
+            raise MemlmError(f"datastore files OK, but its index cannot be used: {problem}")
+        print(f"checksums OK ({ds.checksum()[:16]}): {checked}")
 
 
 def cmd_index_build(args: argparse.Namespace) -> None:
     from memlm.datastore import Datastore
+    from memlm.locking import folder_lock
 
-    _build_index(Datastore.open(args.dir), args.factory, args.metric, args.train_size)
+    Datastore.open(args.dir)  # a clear error before the folder is touched
+    with folder_lock(args.dir, "build an index"):
+        _build_index(Datastore.open(args.dir), args.factory, args.metric, args.train_size)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -354,6 +396,7 @@ def cmd_npm_index(args: argparse.Namespace) -> None:
         factory=args.factory,
         source=source,
         progress=True,
+        overwrite=args.overwrite,
     )
     m = pi.manifest
     print(
@@ -761,6 +804,7 @@ def _add_npm(sub) -> None:
     ni.add_argument("--encoder", default="minilm-l6", help="named encoder, HF id or folder (default minilm-l6)")
     _add_corpus(ni, "train")
     ni.add_argument("--out", required=True, help="phrase-index folder")
+    ni.add_argument("--overwrite", action="store_true", help="replace a phrase index built with other settings")
     ni.add_argument("--factory", default=None, help="FAISS factory string (default Flat for small corpora)")
     ni.add_argument("--max-length", type=int, default=None, help="encoder input length (default: the encoder's)")
     ni.add_argument("--batch-size", type=int, default=16)
@@ -884,13 +928,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_windows(b)
     b.add_argument("--append", action="store_true", help="add this corpus to an existing datastore")
+    b.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the datastore (and index) already in --out, or an unfinished build with other settings",
+    )
     b.add_argument("--no-index", dest="index", action="store_false", help="do not build the FAISS index afterwards")
     b.add_argument("--factory", default=None, help="FAISS factory string (default: chosen from the datastore size)")
     b.add_argument("--metric", default="l2", choices=["l2", "ip"])
     b.set_defaults(func=cmd_datastore_build)
     i = ds.add_parser("info", help="print a datastore's manifest")
     i.add_argument("dir")
-    i.add_argument("--verify", action="store_true", help="also check the SHA-256 checksums")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="also check the full SHA-256 of every file and of the index (opening always checks sizes, sampled "
+        "checksums, the manifest's own checksum and the values' range)",
+    )
     i.set_defaults(func=cmd_datastore_info)
 
     ix = sub.add_parser("index", help="FAISS index over a datastore").add_subparsers(dest="sub", required=True)

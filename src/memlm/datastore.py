@@ -14,7 +14,18 @@ A datastore is a folder that describes itself, like a ``save_pretrained`` folder
 Building streams: memory does not grow with the corpus (keys are appended to disk batch by batch). After every batch the
 files are flushed and ``progress.json`` is replaced atomically, so a build killed at any moment (even ``kill -9``)
 resumes where it stopped with no entry lost or duplicated: bytes past the recorded count are truncated. Appending more
-text later uses the same mechanism.
+text later uses the same mechanism. A build holds the folder's writer lock (:mod:`memlm.locking`): a second writer is
+refused with the holder's pid and command. A rerun with other settings (key, window, corpus, model, ...) is refused
+with the differences named, never silently answered with the old datastore.
+
+What is checked when (:meth:`Datastore.open`):
+
+* always: the manifest's schema and its own checksum (``manifest_sha256``: a hand edit is refused), the key role, each
+  file's size, each file's sampled SHA-256 (``fileio.sample_sha256``: whole files up to 1 MiB, 256 blocks of
+  larger ones), and ``values.bin`` in one vectorised pass: every value in ``[0, vocab_size)`` and the min/max recorded
+  at build time;
+* ``verify=True`` (``memlm datastore info --verify``): also the full SHA-256 of every file (and of the index);
+* at the end of every build, append or subsample: the checksums are computed from the files on disk.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +44,21 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from memlm import __version__
+from memlm import __version__, schema
+from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
+from memlm.fileio import (
+    atomic_write_json,
+    disk_full_error,
+    is_disk_full,
+    sample_sha256,
+    sha256_file,
+    unique_tmp,
+)
 from memlm.forward import forward_windows
 from memlm.index import meta_path
 from memlm.keys import KeySpec, key_dim, num_layers
+from memlm.locking import folder_lock, lock_holder
 from memlm.resources import model_fingerprint, tokenizer_fingerprint
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
@@ -45,19 +66,93 @@ __all__ = ["Datastore", "build_datastore", "FORMAT_VERSION", "model_identity"]
 
 FORMAT_VERSION = 1
 FILES = {"keys": "float16", "values": "int32", "doc_hash": "int64", "offset": "int32"}
+REBUILD = "rebuild it with `memlm datastore build ... --overwrite` (or delete the folder)"
 
 
 def _sha256(path: Path, nbytes: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        left = nbytes
-        while left > 0:
-            block = f.read(min(1 << 24, left))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
+    return sha256_file(path, nbytes)
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest's content (every field but ``manifest_sha256`` itself), canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _seal_manifest(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Fill in checksums (full and sampled), the values' min/max, a fresh build id and the manifest's own checksum."""
+    n = int(manifest["count"])
+    files = {}
+    for name, dtype in FILES.items():
+        f = folder / f"{name}.bin"
+        files[name] = {"dtype": dtype, "sha256": _sha256(f, f.stat().st_size), "sample_sha256": sample_sha256(f)}
+    values = np.memmap(folder / "values.bin", dtype=np.int32, mode="r", shape=(n,)) if n else np.zeros(0, np.int32)
+    manifest.update(
+        files=files,
+        values_range={"min": int(values.min()), "max": int(values.max())} if n else None,
+        build_id=uuid.uuid4().hex,
+    )
+    del values
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    return manifest
+
+
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The user-facing settings of a build config (progress.json), flattened for messages."""
+    src = config.get("source") or {}
+    key = config.get("key") or {}
+    return {
+        "key": f"{key.get('role')}@{key.get('layer')}",
+        "window": config.get("window"),
+        "min-context": config.get("min_context"),
+        "block-start": config.get("block_start"),
+        "batch-size": config.get("batch_size"),
+        "model": config.get("model_fingerprint"),
+        "tokenizer": config.get("tokenizer_fingerprint"),
+        "dtype": config.get("dtype"),
+        "corpus": src.get("corpus"),
+        "split": src.get("split"),
+        "max-tokens": src.get("max_tokens"),
+        "corpus content": src.get("fingerprint"),
+    }
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    return [f"{k} {old[k]} -> {new.get(k)}" for k in old if k not in skip and k in new and old[k] != new[k]]
+
+
+def _manifest_settings(manifest: dict[str, Any]) -> dict[str, Any]:
+    build = manifest.get("build") or {}
+    settings = {
+        "key": f"{manifest['key']['role']}@{manifest['key']['layer']}",
+        "window": manifest["window"],
+        "min-context": manifest["min_context"],
+        "block-start": manifest.get("block_start"),
+        "model": manifest["model"]["fingerprint"],
+        "tokenizer": manifest["tokenizer"]["fingerprint"],
+    }
+    if "dtype" in build:
+        settings["dtype"] = build["dtype"]
+    return settings
+
+
+def _same_source(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("corpus", "split", "max_tokens", "fingerprint"))
+
+
+def _source_diff(sources: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
+    if any(_same_source(s, source) for s in sources):
+        return []
+    if len(sources) == 1:
+        old = sources[0]
+        out = [
+            f"{name} {old.get(k)} -> {source.get(k)}"
+            for name, k in (("corpus", "corpus"), ("split", "split"), ("max-tokens", "max_tokens"))
+            if old.get(k) != source.get(k)
+        ]
+        return out or [f"corpus content {old.get('fingerprint')} -> {source.get('fingerprint')} (the text changed)"]
+    have = ", ".join(f"{s.get('corpus')}/{s.get('split')}" for s in sources)
+    return [f"corpus {source.get('corpus')}/{source.get('split')} is not one of its sources ({have})"]
 
 
 def model_identity(model, tokenizer) -> dict[str, Any]:
@@ -75,6 +170,23 @@ def model_identity(model, tokenizer) -> dict[str, Any]:
             "eos_id": tokenizer.eos_token_id,
         },
     }
+
+
+def _check_values(path: Path, manifest: dict[str, Any], values: np.ndarray) -> None:
+    """One vectorised pass over values.bin: ids in the tokenizer's range and equal to the recorded min/max."""
+    vmin, vmax = int(values.min()), int(values.max())
+    vocab = manifest["tokenizer"]["vocab_size"]
+    if vmin < 0 or vmax >= vocab:
+        raise MemlmError(
+            f"{path / 'values.bin'} holds token ids in [{vmin}, {vmax}], outside the tokenizer's vocabulary "
+            f"[0, {vocab}): the file is corrupt or not from this datastore; {REBUILD}"
+        )
+    rec = manifest.get("values_range")
+    if rec is not None and (rec["min"], rec["max"]) != (vmin, vmax):
+        raise MemlmError(
+            f"{path / 'values.bin'} changed since the build (min/max {vmin}/{vmax}, the manifest recorded "
+            f"{rec['min']}/{rec['max']}); {REBUILD}"
+        )
 
 
 @dataclass
@@ -109,27 +221,37 @@ class Datastore:
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = False) -> Datastore:
-        """Open a datastore folder. Sizes are checked always; ``verify=True`` also checks the SHA-256 checksums."""
+        """Open a datastore folder; see the module docstring for what is checked (``verify``: full checksums)."""
         path = Path(path)
         manifest_path = path / "manifest.json"
         if (path / "progress.json").exists():
+            holder = lock_holder(path)
+            busy = f" (pid {holder.get('pid')} may be building it right now)" if holder else ""
             raise MemlmError(
-                f"datastore {path} has an unfinished build (progress.json): run the same `memlm datastore build` "
+                f"datastore {path} has an unfinished build (progress.json){busy}: run the same `memlm datastore build` "
                 "command again to resume it"
             )
         if not manifest_path.exists():
             raise MemlmError(
                 f"{path} is not a memlm datastore (no manifest.json): build one with memlm datastore build"
             )
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as e:
-            raise MemlmError(f"{manifest_path} is corrupt ({e}); rebuild the datastore") from e
-        if manifest.get("format_version") != FORMAT_VERSION:
+        manifest = schema.read_json(manifest_path, schema.DATASTORE_MANIFEST, "datastore manifest", REBUILD)
+        if manifest["format_version"] != FORMAT_VERSION:
             raise MemlmError(
                 f"{path} has datastore format {manifest.get('format_version')}, this memlm reads {FORMAT_VERSION}"
             )
-        n, d = int(manifest["count"]), int(manifest["key"]["dim"])
+        if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_digest(manifest):
+            raise MemlmError(
+                f"{manifest_path} was changed after the build (its content no longer matches its manifest_sha256: "
+                f"a hand edit or corruption); restore the original manifest or {REBUILD}"
+            )
+        if manifest["dtypes"] != FILES:
+            raise MemlmError(f"{manifest_path} lists dtypes {manifest['dtypes']}, memlm writes {FILES}; {REBUILD}")
+        try:
+            KeySpec(manifest["key"]["role"], manifest["key"]["layer"])
+        except MemlmError as e:
+            raise MemlmError(f"{manifest_path} has an invalid key ({e}); {REBUILD}") from None
+        n, d = manifest["count"], manifest["key"]["dim"]
         arrays = {}
         for name, dtype in FILES.items():
             f = path / f"{name}.bin"
@@ -142,10 +264,69 @@ class Datastore:
                     f"datastore file {f} is {what} (truncated or corrupt); "
                     "rebuild the datastore with memlm datastore build"
                 )
-            if verify and manifest["files"][name]["sha256"] != _sha256(f, expected):
+            recorded = manifest["files"][name]
+            if "sample_sha256" in recorded and recorded["sample_sha256"] != sample_sha256(f):
+                raise MemlmError(
+                    f"datastore file {f} is corrupt (its sampled checksum differs from the manifest's; "
+                    f"`memlm datastore info --verify {path}` checks every byte); {REBUILD}"
+                )
+            if verify and recorded["sha256"] != _sha256(f, expected):
                 raise MemlmError(f"checksum mismatch in {f}: the file is corrupt; rebuild the datastore")
             arrays[name] = np.memmap(f, dtype=dtype, mode="r", shape=shape) if n else np.zeros(shape, dtype=dtype)
+        if n:
+            _check_values(path, manifest, arrays["values"])
         return cls(path, manifest, **arrays)
+
+    def index_source(self) -> dict[str, Any]:
+        """The identity an index over these keys records (:func:`memlm.index.build_index`'s ``source``)."""
+        src = {
+            "kind": "datastore",
+            "count": len(self),
+            "dim": self.dim,
+            "sha256": self.manifest["files"]["keys"]["sha256"],
+        }
+        if "build_id" in self.manifest:
+            src["build_id"] = self.manifest["build_id"]
+        return src
+
+    def build_index(
+        self,
+        factory: str | None = None,
+        metric: str = "l2",
+        train_size: int | None = None,
+        path: str | Path | None = None,
+        progress: bool = True,
+        **kw: Any,
+    ):
+        """:func:`memlm.index.build_index` over this datastore's keys, recording its identity (default path
+        ``index.faiss`` in the folder)."""
+        out = Path(path) if path is not None else self.index_path
+        return index_lib.build_index(
+            self.keys, out, factory=factory, metric=metric, train_size=train_size, progress=progress,
+            source=self.index_source(), **kw,
+        )  # fmt: skip
+
+    def load_index(self, path: str | Path | None = None, nprobe: int = 32, verify: bool = False, **kw: Any):
+        """:func:`memlm.index.load_index`, refusing an index not built from this datastore."""
+        out = Path(path) if path is not None else self.index_path
+        return index_lib.load_index(out, nprobe=nprobe, expect=self.index_source(), verify=verify, **kw)
+
+    def index_problem(self, path: str | Path | None = None) -> str | None:
+        """Why the index at ``path`` (default ``index.faiss``) cannot serve this datastore, or ``None`` if it can.
+
+        Cheap (sidecar + sampled checksum; the FAISS file is not read): for deciding whether to (re)build.
+        """
+        out = Path(path) if path is not None else self.index_path
+        try:
+            meta = index_lib.read_index_meta(out)
+        except MemlmError as e:
+            return str(e)
+        if meta is None:
+            return f"no index at {out}"
+        diff = index_lib._source_diff(meta.get("source"), self.index_source())
+        if diff or (meta["n"], meta["d"]) != (len(self), self.dim):
+            return f"index {out} was not built from this datastore ({'; '.join(diff) or 'size differs'})"
+        return None
 
     def check_compatible(self, model, tokenizer, key_spec: KeySpec | None = None) -> None:
         """Refuse a model, tokenizer or key role other than the ones the datastore was built with."""
@@ -179,25 +360,30 @@ class Datastore:
         if not 0 < fraction <= 1:
             raise MemlmError(f"fraction must be in (0, 1], got {fraction}")
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        n = len(self)
-        keep = np.sort(np.random.default_rng(seed).choice(n, size=max(1, round(n * fraction)), replace=False))
-        files = {}
-        for name in FILES:
-            src = getattr(self, name)
-            tmp = out / f"{name}.bin.tmp"
-            with open(tmp, "wb") as f:
-                for s in range(0, len(keep), 65536):
-                    f.write(np.ascontiguousarray(src[keep[s : s + 65536]]).tobytes())
-            os.replace(tmp, out / f"{name}.bin")
-            nbytes = (out / f"{name}.bin").stat().st_size
-            files[name] = {"dtype": FILES[name], "sha256": _sha256(out / f"{name}.bin", nbytes)}
-        manifest = json.loads(json.dumps(self.manifest))
-        manifest.update(
-            count=len(keep), files=files, subsample={"of": str(self.path), "fraction": fraction, "seed": seed}
-        )
-        atomic_write_json(out / "manifest.json", manifest)
-        return Datastore.open(out)
+        with folder_lock(out, "write a subsampled datastore"):
+            n = len(self)
+            keep = np.sort(np.random.default_rng(seed).choice(n, size=max(1, round(n * fraction)), replace=False))
+            (out / "manifest.json").unlink(missing_ok=True)  # the folder is not a datastore until it is complete
+            for name in FILES:
+                src = getattr(self, name)
+                tmp = unique_tmp(out / f"{name}.bin")
+                try:
+                    with open(tmp, "wb") as f:
+                        for s in range(0, len(keep), 65536):
+                            f.write(np.ascontiguousarray(src[keep[s : s + 65536]]).tobytes())
+                    os.replace(tmp, out / f"{name}.bin")
+                except OSError as e:
+                    if is_disk_full(e):
+                        raise disk_full_error(out / f"{name}.bin", resume=False) from None
+                    raise
+                finally:
+                    tmp.unlink(missing_ok=True)
+            manifest = json.loads(json.dumps(self.manifest))
+            for stale in ("manifest_sha256", "build_id", "values_range"):
+                manifest.pop(stale, None)
+            manifest.update(count=len(keep), subsample={"of": str(self.path), "fraction": fraction, "seed": seed})
+            atomic_write_json(out / "manifest.json", _seal_manifest(manifest, out))
+            return Datastore.open(out)
 
 
 def build_datastore(
@@ -212,6 +398,7 @@ def build_datastore(
     source: dict[str, Any] | None = None,
     append: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
     stride: int | None = None,
     block_start: str = "skip",
 ) -> Datastore:
@@ -219,17 +406,53 @@ def build_datastore(
 
     ``key`` selects h_ds (default: ``ffn_in`` of the last layer, Khandelwal's best key). ``source`` describes the
     corpus for the manifest (name, split, fingerprint).
-    Rerunning the same call after an interruption resumes; a finished datastore is returned as is unless
-    ``append=True``, which adds ``documents`` as a new source.
+    Rerunning the same call after an interruption resumes; a finished datastore built with the same settings and
+    source is returned as is. Other settings (key, window, min_context, model, tokenizer, dtype, corpus) are refused
+    with the differences named, unless ``append=True`` (adds ``documents`` as a new source; model, key and windows
+    must match) or ``overwrite=True`` (the folder's datastore, index and any unfinished build are deleted first).
+    The folder is locked for the whole build (:func:`memlm.locking.folder_lock`).
+    ``stride`` (default ``window - min_context``) equal to ``window`` gives non-overlapping blocks whose first token is
+    skipped or scored from BOS (``block_start``, see :func:`memlm.windows.sliding_windows`).
     """
+    if append and overwrite:
+        raise MemlmError("give --append (add to the datastore) or --overwrite (replace it), not both")
     key = (key or KeySpec()).normalized(num_layers(model))
     stride, min_context = resolve_stride(window, None if stride is not None else min_context, stride)
-    block_start = block_start if stride == window else None  # only blocks have a first token to skip or score
+    block = block_start if stride == window else None  # only blocks have a first token to skip or score
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out, "build a datastore"):
+        return _build_locked(model, tokenizer, documents, out, key, window, min_context, batch_size, source, append,
+                             progress, overwrite, stride, block)  # fmt: skip
+
+
+_PROGRESS_FIX = "delete progress.json (and the .bin files) or rerun with --overwrite to start over"
+
+
+def _build_locked(
+    model,
+    tokenizer,
+    documents: Sequence,
+    out: Path,
+    key: KeySpec,
+    window: int,
+    min_context: int,
+    batch_size: int,
+    source: dict[str, Any] | None,
+    append: bool,
+    progress: bool,
+    overwrite: bool,
+    stride: int,
+    block_start: str | None,
+) -> Datastore:
     manifest_path, progress_path = out / "manifest.json", out / "progress.json"
+    for stale in out.glob(".*.tmp"):
+        stale.unlink(missing_ok=True)  # temporary files of a killed writer (we hold the lock: none is in use)
+    if overwrite:
+        for name in [*(f"{n}.bin" for n in FILES), "manifest.json", "progress.json", "index.faiss", "index.faiss.json"]:
+            (out / name).unlink(missing_ok=True)
     ident = model_identity(model, tokenizer)
     source = dict(source or {})
+    dtype = str(next(iter(model.parameters())).dtype).replace("torch.", "")
     config = {
         "key": {"role": key.role, "layer": key.layer},
         "window": window,
@@ -238,33 +461,60 @@ def build_datastore(
         "batch_size": batch_size,
         "source": source,
         "model_fingerprint": ident["model"]["fingerprint"],
+        "tokenizer_fingerprint": ident["tokenizer"]["fingerprint"],
+        "dtype": dtype,
     }
+    how = "rerun with the same settings, use a new --out, or --overwrite to replace it"
 
     if progress_path.exists():
-        state = json.loads(progress_path.read_text())
+        state = schema.read_json(progress_path, schema.DATASTORE_PROGRESS, "datastore build progress file",
+                                 _PROGRESS_FIX)  # fmt: skip
         if state["config"] != config:
+            diff = _diff(_settings(state["config"]), _settings(config)) or ["the recorded settings differ"]
             raise MemlmError(
-                f"{out} holds an interrupted build with different settings ({state['config']}); "
-                "rerun it with the same settings to resume, or use a new folder"
+                f"{out} holds an interrupted build with other settings ({'; '.join(diff)}): rerun it with its "
+                "settings to resume, use a new --out, or --overwrite to discard it"
             )
         base = state["base"]
+        if base["manifest"] is not None:
+            schema.check(base["manifest"], schema.DATASTORE_MANIFEST, progress_path, "datastore build progress file",
+                         _PROGRESS_FIX)  # fmt: skip
     elif manifest_path.exists():
         existing = Datastore.open(out)
+        old = _manifest_settings(existing.manifest)
+        new = _settings(config)
+        diff = _diff(old, new)
         if not append:
+            diff += _source_diff(existing.manifest["sources"], source)
+            if diff:
+                raise MemlmError(
+                    f"{out} already holds a datastore built with other settings ({'; '.join(diff)}): {how}, "
+                    "or --append to add this corpus to it"
+                )
             print(f"datastore {out} already built ({len(existing)} entries); nothing to do", file=sys.stderr)
             return existing
+        if diff:
+            raise MemlmError(
+                f"cannot append to {out}: it was built with other settings ({'; '.join(diff)}); append with the "
+                "datastore's own model, key, window and min-context, or use a new --out"
+            )
         existing.check_compatible(model, tokenizer, key)
-        m = existing.manifest
-        if (window, min_context, block_start) != (m["window"], m["min_context"], m.get("block_start")):
-            raise MemlmError("append with the datastore's own window, min_context / stride and block start")
+        if any(_same_source(s, source) for s in existing.manifest["sources"]):
+            print(f"datastore {out} already holds this corpus ({len(existing)} entries); nothing to append",
+                  file=sys.stderr)  # fmt: skip
+            return existing
         base = {"count": len(existing), "manifest": existing.manifest}
         for stale in (existing.index_path, meta_path(existing.index_path)):
             stale.unlink(missing_ok=True)  # the index no longer covers every entry
         state = {"config": config, "base": base, "windows_done": 0, "count": base["count"], "seconds": 0.0}
         atomic_write_json(progress_path, state)
     else:
+        if append:
+            raise MemlmError(f"--append needs an existing datastore in {out}; build it first without --append")
         if any((out / f"{name}.bin").exists() for name in FILES):
-            raise MemlmError(f"{out} holds datastore files but no manifest or progress file; use an empty folder")
+            raise MemlmError(
+                f"{out} holds datastore files but no manifest or progress file; use an empty folder or --overwrite"
+            )
         base = {"count": 0, "manifest": None}
         state = {"config": config, "base": base, "windows_done": 0, "count": 0, "seconds": 0.0}
         atomic_write_json(progress_path, state)
@@ -272,73 +522,17 @@ def build_datastore(
     dim = key_dim(model, key)
     n_total = count_targets(documents, tokenizer, window, stride, block_start or "skip")
     if n_total == 0:
-        progress_path.unlink(missing_ok=True)
+        if base["count"] == 0:
+            progress_path.unlink(missing_ok=True)
         raise MemlmError(f"corpus {source.get('corpus', '')} has no tokens to store; give it some text")
 
-    # Truncate anything written after the last recorded batch (a crash between data and progress writes).
-    count = int(state["count"])
-    handles = {}
-    for name, dtype in FILES.items():
-        f = out / f"{name}.bin"
-        width = dim if name == "keys" else 1
-        f.touch()
-        os.truncate(f, count * width * np.dtype(dtype).itemsize)
-        handles[name] = open(f, "ab")
-
-    bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    windows = sliding_windows(
-        tokenize_documents(documents, tokenizer),
-        window,
-        stride=stride,
-        block_start=block_start or "skip",
-        bos_id=bos_id,
-    )
-    skip = int(state["windows_done"])
-    done_targets = count - base["count"]
-    bar = tqdm(
-        total=n_total,
-        initial=done_targets,
-        unit="tok",
-        desc=f"datastore {out.name}",
-        disable=not progress,
-        dynamic_ncols=True,
-    )
-    t0 = time.perf_counter()
-    seconds0 = float(state["seconds"])
-
-    def remaining():
-        for w in windows:
-            if w.index >= skip:
-                yield w
-
     try:
-        for outputs in forward_windows(model, batched(remaining(), batch_size), [key], with_logprobs=False):
-            for o in outputs:
-                rows = slice(o.window.score_from, len(o.window.input_ids))
-                handles["keys"].write(o.keys[key].astype(np.float16).tobytes())
-                handles["values"].write(o.targets.astype(np.int32).tobytes())
-                handles["doc_hash"].write(o.window.doc_hash[rows].astype(np.int64).tobytes())
-                handles["offset"].write(o.window.offset[rows].astype(np.int32).tobytes())
-                count += len(o.targets)
-                bar.update(len(o.targets))
-            for h in handles.values():
-                h.flush()
-                os.fsync(h.fileno())
-            state.update(
-                windows_done=outputs[-1].window.index + 1,
-                count=count,
-                seconds=seconds0 + time.perf_counter() - t0,
-            )
-            atomic_write_json(progress_path, state)
-    finally:
-        bar.close()
-        for h in handles.values():
-            h.close()
-
-    files = {}
-    for name, dtype in FILES.items():
-        f = out / f"{name}.bin"
-        files[name] = {"dtype": dtype, "sha256": _sha256(f, f.stat().st_size)}
+        count = _write_entries(model, tokenizer, documents, out, key, dim, window, stride, block_start, batch_size,
+                               state, base, n_total, progress)  # fmt: skip
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(getattr(e, "memlm_file", out / "keys.bin")) from None
+        raise
     prev = base["manifest"]
     sources = (prev["sources"] if prev else []) + [{**source, "targets": count - base["count"]}]
     manifest = {
@@ -348,15 +542,114 @@ def build_datastore(
         "key": {"role": key.role, "layer": key.layer, "dim": dim, "describe": key.describe()},
         "count": count,
         "dtypes": dict(FILES),
-        "files": files,
         "window": window,
         "min_context": min_context,
         "stride": stride,
         **({"block_start": block_start} if block_start else {}),
         "sources": sources,
-        "build_seconds": (prev["build_seconds"] if prev else 0.0) + float(state["seconds"]),
+        "build": {"dtype": config["dtype"], "batch_size": batch_size},
+        "build_seconds": (prev["build_seconds"] if prev and "build_seconds" in prev else 0.0) + float(state["seconds"]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    atomic_write_json(manifest_path, manifest)
+    atomic_write_json(manifest_path, _seal_manifest(manifest, out))
     progress_path.unlink()
     return Datastore.open(out)
+
+
+def _write_entries(
+    model,
+    tokenizer,
+    documents: Sequence,
+    out: Path,
+    key: KeySpec,
+    dim: int,
+    window: int,
+    stride: int,
+    block_start: str | None,
+    batch_size: int,
+    state: dict[str, Any],
+    base: dict[str, Any],
+    n_total: int,
+    progress: bool,
+) -> int:
+    """The streaming part of a build: append every remaining window's entries, recording progress per batch.
+
+    An ``OSError`` carries the file it happened on as ``memlm_file`` (for the disk-full message).
+    """
+    progress_path = out / "progress.json"
+    # Truncate anything written after the last recorded batch (a crash between data and progress writes).
+    count = int(state["count"])
+    handles = {}
+    current = out / "keys.bin"
+    try:
+        for name, dtype in FILES.items():
+            current = out / f"{name}.bin"
+            width = dim if name == "keys" else 1
+            current.touch()
+            os.truncate(current, count * width * np.dtype(dtype).itemsize)
+            handles[name] = open(current, "ab")
+
+        bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        windows = sliding_windows(
+            tokenize_documents(documents, tokenizer),
+            window,
+            stride=stride,
+            block_start=block_start or "skip",
+            bos_id=bos_id,
+        )
+        skip = int(state["windows_done"])
+        done_targets = count - base["count"]
+        bar = tqdm(
+            total=n_total,
+            initial=done_targets,
+            unit="tok",
+            desc=f"datastore {out.name}",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
+        t0 = time.perf_counter()
+        seconds0 = float(state["seconds"])
+
+        def remaining():
+            for w in windows:
+                if w.index >= skip:
+                    yield w
+
+        def write(name: str, data: bytes) -> None:
+            nonlocal current
+            current = out / f"{name}.bin"
+            handles[name].write(data)
+
+        try:
+            for outputs in forward_windows(model, batched(remaining(), batch_size), [key], with_logprobs=False):
+                for o in outputs:
+                    rows = slice(o.window.score_from, len(o.window.input_ids))
+                    write("keys", o.keys[key].astype(np.float16).tobytes())
+                    write("values", o.targets.astype(np.int32).tobytes())
+                    write("doc_hash", o.window.doc_hash[rows].astype(np.int64).tobytes())
+                    write("offset", o.window.offset[rows].astype(np.int32).tobytes())
+                    count += len(o.targets)
+                    bar.update(len(o.targets))
+                for name, h in handles.items():
+                    current = out / f"{name}.bin"
+                    h.flush()
+                    os.fsync(h.fileno())
+                state.update(
+                    windows_done=outputs[-1].window.index + 1,
+                    count=count,
+                    seconds=seconds0 + time.perf_counter() - t0,
+                )
+                current = progress_path
+                atomic_write_json(progress_path, state)
+        finally:
+            bar.close()
+    except OSError as e:
+        e.memlm_file = current  # type: ignore[attr-defined]
+        raise
+    finally:
+        for h in handles.values():
+            try:
+                h.close()
+            except OSError:
+                pass  # flushing a full disk again: the rerun truncates to the recorded count anyway
+    return count

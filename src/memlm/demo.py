@@ -25,8 +25,8 @@ from memlm.corpora import corpus_fingerprint, load_documents
 from memlm.datastore import Datastore, build_datastore
 from memlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.fileio import atomic_write_json
-from memlm.index import build_index
 from memlm.keys import KeySpec
+from memlm.locking import folder_lock
 from memlm.resources import load_causal_lm, memlm_home
 from memlm.windows import limit_documents
 
@@ -71,8 +71,8 @@ def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path) -> Datastore
         batch_size=cfg.batch_size,
         source={"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs)},
     )
-    if not ds.index_path.exists():
-        build_index(ds.keys, ds.index_path, metric="l2")  # Flat (exact) at this size
+    if ds.index_problem() is not None:  # missing, or not built from this datastore (e.g. an older memlm's)
+        ds.build_index(metric="l2")  # Flat (exact) at this size
     return ds
 
 
@@ -120,7 +120,11 @@ def run_demo(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     """Run the demo (see the module docstring); returns the results table as a dict and writes ``results.json``."""
     cfg = DemoConfig.quick() if quick else DemoConfig()
     out = (out or memlm_home() / "demo") / f"{'quick' if quick else 'full'}-{cfg.digest()}"
-    out.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out, "run the demo"):  # one demo writer per folder (its datastores are locked too)
+        return _run_demo(cfg, out)
+
+
+def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     _log(f"loading {cfg.model} ({cfg.dtype}); outputs in {out}")
     model, tok = load_causal_lm(cfg.model, dtype=cfg.dtype)

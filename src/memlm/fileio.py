@@ -1,5 +1,8 @@
 """Atomic file writes (a reader sees the old file or the new one, never a partial one) and strict JSON.
 
+Temporary files get unique names (``.<name>.<random>.tmp`` beside the target), so two processes writing the same
+file never share a temporary file; a failed write removes its temporary file.
+
 Every JSON file memlm writes goes through :func:`dumps_json`: standard JSON that strict parsers accept. Python's
 ``json`` module would write ``Infinity`` / ``NaN`` for non-finite floats, which is not JSON; here they become ``null``.
 What ``null`` means is the field's own business; e.g. ``knn_only_ppl: null`` in ``memlm eval --json`` is an infinite
@@ -8,6 +11,8 @@ perplexity: some target never appeared among its retrieved neighbours, so ``p_kN
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import math
 import os
@@ -16,18 +21,104 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["atomic_write_json", "atomic_write_bytes", "dumps_json", "strict_jsonable"]
+from memlm.errors import MemlmError
+
+__all__ = [
+    "dumps_json",
+    "strict_jsonable",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "disk_full_error",
+    "is_disk_full",
+    "sample_sha256",
+    "sha256_file",
+    "unique_tmp",
+]
+
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """True for "no space left on device" and "disk quota exceeded"."""
+    return isinstance(err, OSError) and err.errno in _DISK_FULL
+
+
+def disk_full_error(path: str | os.PathLike[str], resume: bool = True) -> MemlmError:
+    """The one-line error for a full disk (or quota) while writing ``path``."""
+    how = "rerun the same command to resume" if resume else "rerun the same command"
+    return MemlmError(f"disk full while writing {path}: free space and {how}")
+
+
+def unique_tmp(path: str | os.PathLike[str]) -> Path:
+    """A fresh, unique temporary name beside ``path`` (``.<name>.<pid>-<random>.tmp``), not created."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+
+
+# ------------------------------------------------------------------------------------------------ checksums
+
+SAMPLE_BLOCKS = 256
+SAMPLE_BLOCK_BYTES = 4096
+
+
+def sha256_file(path: str | os.PathLike[str], nbytes: int | None = None) -> str:
+    """SHA-256 of the first ``nbytes`` bytes of ``path`` (default: all of it), read in 16 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = nbytes if nbytes is not None else -1
+        while left != 0:
+            block = f.read(1 << 24 if left < 0 else min(1 << 24, left))
+            if not block:
+                break
+            h.update(block)
+            if left > 0:
+                left -= len(block)
+    return h.hexdigest()
+
+
+def sample_sha256(path: str | os.PathLike[str]) -> str:
+    """A cheap fingerprint of a file: SHA-256 of its size and of 256 blocks of 4 KiB spread evenly over it.
+
+    A file up to 1 MiB is hashed whole, so any change to it is seen; in a larger file a change is seen when it touches
+    a sampled block or the size (a replaced, truncated, extended or overwritten-in-bulk file; not a single flipped
+    byte between samples: that takes the full :func:`sha256_file`). Reads at most 1 MiB whatever the file size.
+    """
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"memlm-sample-v1 {size}\n".encode())
+    span = SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES
+    with open(path, "rb") as f:
+        if size <= span:
+            h.update(f.read())
+        else:
+            last = size - SAMPLE_BLOCK_BYTES
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(last * i // (SAMPLE_BLOCKS - 1))
+                h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder, fsync, then ``os.replace``."""
+    """Write ``data`` to ``path`` via a uniquely named temporary file in the same folder, fsync, then ``os.replace``.
+
+    A full disk raises :func:`disk_full_error` (the old file, if any, is untouched).
+    """
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    name = unique_tmp(path)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the mode open() gives, after the umask
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(name, path)
+    except BaseException as e:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+        if is_disk_full(e):
+            raise disk_full_error(path) from None
+        raise
 
 
 def strict_jsonable(obj: Any) -> Any:

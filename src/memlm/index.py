@@ -10,6 +10,13 @@ Scores follow memlm's convention everywhere: **larger is closer**.
 * ``metric="l2"``: score = ``-||q - k||^2`` (negative *squared* L2 distance; approximate for PQ/SQ indexes).
 * ``metric="ip"``: score = ``q . k``.
 
+An index is trusted only as far as it can be checked. Its sidecar ``<index>.json`` records the index file's size
+and a sampled SHA-256 (and the full SHA-256), the factory, metric, ``n`` and ``d``, and the identity of the datastore
+or phrase index it was built from (``source``: kind, count, dim, the SHA-256 of the keys and the build id).
+:func:`load_index` refuses an index whose file does not match its sidecar (replaced, truncated, or a stale sidecar),
+whose FAISS header disagrees with it (count, dimension, metric), or that was built from another datastore than the one
+in its folder (see :func:`expected_source`); a missing sidecar is refused rather than guessed.
+
 Where fewer than ``k`` neighbours exist (``k`` larger than the index, or an IVF probe that reaches too few
 keys) the missing slots hold ``id = -1`` and ``score = -inf``; a softmax over such a row gives them
 weight 0.
@@ -32,8 +39,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from memlm import schema
 from memlm.errors import MemlmError
-from memlm.fileio import dumps_json
+from memlm.fileio import (
+    atomic_write_json,
+    disk_full_error,
+    is_disk_full,
+    sample_sha256,
+    sha256_file,
+    unique_tmp,
+)
+from memlm.locking import folder_lock
 
 __all__ = [
     "METRICS",
@@ -42,6 +58,7 @@ __all__ = [
     "default_factory",
     "exact_scores",
     "exact_search",
+    "expected_source",
     "index_metric",
     "load_index",
     "meta_path",
@@ -321,13 +338,70 @@ def meta_path(index_path: str | os.PathLike[str]) -> Path:
     return p.with_name(p.name + ".json")
 
 
-def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+_PHRASE_FORMAT = "memlm-npm-phrase-index"
+_REBUILD = "rebuild it with `memlm index build DIR` (or `memlm npm index` for a phrase index)"
+
+
+def _source_of_manifest(manifest_path: Path) -> dict[str, Any] | None:
+    """The identity an index built over the folder's keys must record (``None``: not a memlm data folder)."""
     try:
-        tmp.write_text(dumps_json(obj, sort_keys=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        raw = json.loads(manifest_path.read_bytes())
+    except (OSError, ValueError):
+        raw = None
+    if isinstance(raw, dict) and raw.get("format") == _PHRASE_FORMAT:
+        m = schema.check(raw, schema.PHRASE_MANIFEST, manifest_path, "phrase-index manifest",
+                         "rebuild the phrase index with `memlm npm index`")  # fmt: skip
+        return {
+            "kind": "npm-phrase-index",
+            "count": m["count"],
+            "dim": m["dim"],
+            "sha256": m["files"]["vectors"]["sha256"],
+        }
+    m = schema.read_json(manifest_path, schema.DATASTORE_MANIFEST, "datastore manifest",
+                         "rebuild the datastore with `memlm datastore build --overwrite`")  # fmt: skip
+    src = {"kind": "datastore", "count": m["count"], "dim": m["key"]["dim"], "sha256": m["files"]["keys"]["sha256"]}
+    if "build_id" in m:
+        src["build_id"] = m["build_id"]
+    return src
+
+
+def expected_source(index_path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The identity of the datastore or phrase index in ``index_path``'s folder (from its ``manifest.json``).
+
+    ``None`` when the folder holds no manifest (an index over arbitrary keys). An index in a data folder must have been
+    built from that folder's keys: :func:`load_index` compares this with the sidecar's ``source``.
+    """
+    manifest = Path(index_path).parent / "manifest.json"
+    if not manifest.exists():
+        return None
+    return _source_of_manifest(manifest)
+
+
+def _auto_source(keys: np.ndarray, out_path: Path) -> dict[str, Any] | None:
+    """``source`` for keys memory-mapped from the ``keys.bin``/``vectors.bin`` of ``out_path``'s own folder."""
+    filename = getattr(keys, "filename", None)
+    folder = out_path.parent
+    if filename is None or not (folder / "manifest.json").exists():
+        return None
+    if Path(filename).resolve() not in {(folder / n).resolve() for n in ("keys.bin", "vectors.bin")}:
+        return None
+    src = expected_source(out_path)
+    if src is not None and (src["count"], src["dim"]) != tuple(keys.shape):
+        return None
+    return src
+
+
+def _source_diff(recorded: dict[str, Any] | None, expected: dict[str, Any]) -> list[str]:
+    if recorded is None:
+        return ["it records no datastore identity (built by an older memlm or over other keys)"]
+    out = []
+    for k in ("kind", "count", "dim", "sha256", "build_id"):
+        if k in recorded and k in expected and recorded[k] != expected[k]:
+            a, b = recorded[k], expected[k]
+            if k in ("sha256", "build_id"):
+                a, b = str(a)[:12], str(b)[:12]
+            out.append(f"{'keys sha256' if k == 'sha256' else k} {a} (index) vs {b} (folder)")
+    return out
 
 
 def build_index(
@@ -339,6 +413,7 @@ def build_index(
     chunk_size: int = 65536,
     seed: int = 0,
     progress: bool = True,
+    source: dict[str, Any] | None = None,
 ) -> faiss.Index:
     """Train and fill a FAISS index over ``keys`` ([N, D], float16 or float32), save it, and return it.
 
@@ -346,19 +421,40 @@ def build_index(
       memmap is read front to back); see :func:`plan_index` for defaults and size checks.
     * Keys are added in order (id ``i`` = row ``i``), ``chunk_size`` rows at a time: at most one chunk of
       keys is ever converted to float32.
-    * The index is written to ``<out_path>.tmp`` and then renamed over ``out_path``, so a crash never leaves a
-      half-written index; a sidecar ``<out_path>.json`` records factory, metric, n, d, train_size, seed, the
-      FAISS version and the build time (see :func:`read_index_meta`).
+    * The index is written to a uniquely named temporary file and then renamed over ``out_path``, so a crash never
+      leaves a half-written index; a sidecar ``<out_path>.json`` records factory, metric, n, d, train_size, seed, the
+      FAISS version, the build time, the file's size and checksums and ``source``: the identity of the datastore the
+      keys come from (see :func:`read_index_meta`). ``source=None`` takes it from the folder's manifest when ``keys``
+      is that folder's ``keys.bin`` memmap (``Datastore.keys``).
+    * The folder of ``out_path`` is locked for the build (:func:`memlm.locking.folder_lock`).
     * PQ indexes skip FAISS's polysemous training (on by default for ``PQ{m}``; it only serves polysemous
       Hamming-filtered search, which memlm never enables, and it dominates training time).
     * With ``progress=True`` the plan (:class:`IndexPlan`) is printed to stderr and a progress bar is shown.
     """
-    t0 = time.perf_counter()
     n, d = _check_keys(keys)
     if chunk_size <= 0:
         raise MemlmError(f"chunk_size must be positive, got {chunk_size}; use e.g. 65536")
     plan = plan_index(n, d, factory, metric, train_size)
     out_path = Path(out_path)
+    if source is None:
+        source = _auto_source(keys, out_path)
+    with folder_lock(out_path.parent, "build an index"):
+        return _build_index_locked(keys, out_path, plan, chunk_size, seed, progress, source)
+
+
+def _build_index_locked(
+    keys: np.ndarray,
+    out_path: Path,
+    plan: IndexPlan,
+    chunk_size: int,
+    seed: int,
+    progress: bool,
+    source: dict[str, Any] | None,
+) -> faiss.Index:
+    t0 = time.perf_counter()
+    n, d, metric = plan.n, plan.d, plan.metric
+    for stale in [out_path.with_name(out_path.name + ".tmp"), *out_path.parent.glob(f".{out_path.name}.*.tmp")]:
+        stale.unlink(missing_ok=True)  # left by a killed build (we hold the folder's lock: no one else writes here)
     if progress:
         print(plan, file=sys.stderr, flush=True)
     index = _make_index(plan.factory, d, metric)
@@ -400,36 +496,70 @@ def build_index(
             bar.update(e - s)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp = unique_tmp(out_path)
     try:
         faiss.write_index(index, str(tmp))
+        # the sidecar (with the new file's checksums) goes first: a crash between the two renames leaves a sidecar
+        # that does not match the old index file, which load_index refuses, never a stale sidecar that matches
+        meta = asdict(plan) | {
+            "seed": seed,
+            "chunk_size": chunk_size,
+            "faiss_version": faiss.__version__,
+            "build_seconds": round(time.perf_counter() - t0, 3),
+            "file": {"bytes": tmp.stat().st_size, "sample_sha256": sample_sha256(tmp), "sha256": sha256_file(tmp)},
+            "source": source,
+        }
+        atomic_write_json(meta_path(out_path), meta)
         os.replace(tmp, out_path)
     except RuntimeError as err:
+        reason = _faiss_reason(err)
+        if "No space left" in reason or "quota" in reason.lower():
+            raise disk_full_error(out_path, resume=False) from None
         raise MemlmError(
-            f"cannot write index to {out_path} ({_faiss_reason(err)}); check the folder is writable and has "
+            f"cannot write index to {out_path} ({reason}); check the folder is writable and has "
             f"~{_fmt_bytes(plan.disk_bytes)} free"
         ) from None
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full_error(out_path, resume=False) from None
+        raise MemlmError(f"cannot write index to {out_path} ({err.strerror or err}); check the folder") from None
     finally:
         tmp.unlink(missing_ok=True)
-    meta = asdict(plan) | {
-        "seed": seed,
-        "chunk_size": chunk_size,
-        "faiss_version": faiss.__version__,
-        "build_seconds": round(time.perf_counter() - t0, 3),
-    }
-    _atomic_write_json(meta_path(out_path), meta)
     return index
 
 
 # ------------------------------------------------------------------------------------------------- load
 
 
-def read_index_meta(index_path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The sidecar JSON of an index written by :func:`build_index` (``None`` if missing or unreadable)."""
-    try:
-        return json.loads(meta_path(index_path).read_text())
-    except (OSError, ValueError):
+def read_index_meta(index_path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any] | None:
+    """The sidecar JSON of an index written by :func:`build_index`, checked against the index file.
+
+    ``None`` when there is no index file at ``index_path``. Otherwise the sidecar must exist, pass the schema check
+    and match the file's size and sampled SHA-256 (``verify=True``: the full SHA-256 too); anything else is a
+    :class:`MemlmError`: an index whose metric or origin cannot be known is not used.
+    """
+    path = Path(index_path)
+    if not path.is_file():
         return None
+    side = meta_path(path)
+    if not side.exists():
+        raise MemlmError(f"index {path} has no {side.name} (its metric and datastore are unknown); {_REBUILD}")
+    meta = schema.read_json(side, schema.INDEX_META, "index sidecar", _REBUILD)
+    file = meta.get("file")
+    if file is not None:
+        size = path.stat().st_size
+        if size != file["bytes"] or sample_sha256(path) != file["sample_sha256"]:
+            what = f"{size} bytes, its sidecar says {file['bytes']}" if size != file["bytes"] else "its content differs"
+            raise MemlmError(
+                f"index file {path} does not match {side.name} ({what}: the index was replaced, is corrupt or "
+                f"truncated, or the sidecar is stale); {_REBUILD}"
+            )
+        if verify:
+            if "sha256" not in file:
+                raise MemlmError(f"{side} records no full checksum to verify; {_REBUILD}")
+            if sha256_file(path) != file["sha256"]:
+                raise MemlmError(f"checksum mismatch in index file {path}: the file is corrupt; {_REBUILD}")
+    return meta
 
 
 def index_metric(index: faiss.Index) -> str:
@@ -441,11 +571,20 @@ def index_metric(index: faiss.Index) -> str:
     raise MemlmError(f"index uses FAISS metric type {mt}, which memlm does not support; rebuild with l2 or ip")
 
 
-def load_index(path: str | os.PathLike[str], nprobe: int = 32, hnsw_ef_search: int | None = None) -> faiss.Index:
-    """Read an index saved by :func:`build_index` and set its search-time knobs.
+def load_index(
+    path: str | os.PathLike[str],
+    nprobe: int = 32,
+    hnsw_ef_search: int | None = None,
+    expect: dict[str, Any] | None = None,
+    verify: bool = False,
+) -> faiss.Index:
+    """Read an index saved by :func:`build_index`, check it, and set its search-time knobs.
 
     ``nprobe`` (capped at ``nlist``) applies to IVF indexes, ``hnsw_ef_search`` to HNSW ones; both are
-    ignored for index types that lack them. A missing or corrupt file raises :class:`MemlmError`.
+    ignored for index types that lack them. A missing or corrupt file raises :class:`MemlmError`, and so does an
+    index that does not match its sidecar (:func:`read_index_meta`; ``verify=True`` adds the full SHA-256), whose
+    count, dimension or metric disagree with the sidecar, or whose recorded ``source`` is not ``expect`` (default:
+    :func:`expected_source`, the datastore or phrase index in the index's folder, if any).
     """
     if nprobe < 1:
         raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
@@ -454,12 +593,34 @@ def load_index(path: str | os.PathLike[str], nprobe: int = 32, hnsw_ef_search: i
     path = Path(path)
     if not path.is_file():
         raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
+    meta = read_index_meta(path, verify=verify)
+    assert meta is not None
+    if expect is None:
+        expect = expected_source(path)
+    if expect is not None:
+        diff = _source_diff(meta.get("source"), expect)
+        if diff:
+            raise MemlmError(
+                f"index {path} was not built from the {expect['kind']} in {path.parent} ({'; '.join(diff)}); {_REBUILD}"
+            )
     try:
         index = faiss.read_index(str(path))
     except (RuntimeError, MemoryError) as err:
         raise MemlmError(
             f"index file {path} is corrupt or truncated ({_faiss_reason(err)}); rebuild with `memlm index build DIR`"
         ) from None
+    got = (int(index.ntotal), int(index.d), index_metric(index))
+    want = (meta["n"], meta["d"], meta["metric"])
+    if got != want:
+        raise MemlmError(
+            f"index {path} holds {got[0]} x {got[1]} {got[2]} vectors but {meta_path(path).name} says "
+            f"{want[0]} x {want[1]} {want[2]} (a stale or foreign sidecar); {_REBUILD}"
+        )
+    if expect is not None and (got[0], got[1]) != (expect["count"], expect["dim"]):
+        raise MemlmError(
+            f"index {path} holds {got[0]} x {got[1]} vectors, the {expect['kind']} in {path.parent} has "
+            f"{expect['count']} x {expect['dim']}; {_REBUILD}"
+        )
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.nprobe = min(int(nprobe), int(ivf.nlist))

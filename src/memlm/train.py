@@ -27,11 +27,18 @@ Files under ``out_dir``::
                          ``keep_checkpoints`` are kept
     final/               the final model (save_pretrained)
     log.json             {"config": ..., "log": [{step, loss, lr, tokens, tokens_per_s[, valid_ppl, valid_loss]}, ...]}
+    run.json             what the run is trained on (corpus, tokenizer, model, loss: ``identity``); a rerun with other
+                         values is refused with the differences named (:func:`check_run_identity`)
+
+One writer per run folder: :func:`train` holds the folder's lock (:mod:`memlm.locking`). ``resume=False`` starts
+over: the folder's checkpoints, ``final`` and ``run.json`` are deleted first, so a later resume never continues from
+a checkpoint of the old run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -47,8 +54,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from memlm import schema
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
+from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full
+from memlm.locking import folder_lock
 
 __all__ = [
     "GPT2_SIZES",
@@ -57,6 +66,8 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "causal_lm_loss",
+    "check_run_identity",
+    "describe_callable",
     "gpt2_config",
     "gpt2_param_count",
     "lm_batches",
@@ -66,6 +77,7 @@ __all__ = [
 
 _STATE_FILE = "training_state.pt"
 _STATE_FORMAT = 1
+RUN_FILE = "run.json"
 # Config fields that may change between an interrupted run and its resumption without changing the result.
 _RESUMABLE_CHANGES = {"eval_every", "save_every", "keep_checkpoints", "log_every", "device"}
 
@@ -329,6 +341,66 @@ def gpt2_config(size: str | int, vocab_size: int = 50257, n_positions: int = 102
 # The loop
 
 
+def describe_callable(fn: Any) -> str | None:
+    """A stable description of a loss or batch factory for ``run.json``: its qualified name and its scalar settings
+    (attributes of a callable object, scalar variables a closure captured)."""
+    if fn is None:
+        return None
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+    scalars = (int, float, str, bool, type(None))
+    params: dict[str, Any] = {}
+    if inspect.isfunction(fn) and fn.__closure__:
+        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__, strict=True):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, scalars):
+                params[var] = value
+    elif not inspect.isfunction(fn) and hasattr(fn, "__dict__"):
+        params = {k: v for k, v in vars(fn).items() if isinstance(v, scalars) and not k.startswith("_")}
+    return name + (json.dumps(params, sort_keys=True) if params else "")
+
+
+def _run_fix(out: Path) -> str:
+    return f"rerun with the run's settings to resume, use a new --out, or --no-resume to start over in {out}"
+
+
+def check_run_identity(out: str | os.PathLike, identity: dict[str, Any]) -> None:
+    """Refuse to resume the run in ``out`` when its ``run.json`` records other values for keys of ``identity``.
+
+    Only the keys present in both are compared, so callers can check what they know early (corpus, tokenizer spec,
+    model) and the rest later. A malformed ``run.json`` is a :class:`MemlmError`. No ``run.json``: nothing to compare.
+    """
+    out = Path(out)
+    path = out / RUN_FILE
+    if not path.exists():
+        return
+    rec = schema.read_json(path, schema.TRAIN_RUN, "training-run record", _run_fix(out))
+    old = rec["identity"]
+    diff = [f"{k} {old[k]} -> {identity[k]}" for k in identity if k in old and old[k] != identity[k]]
+    if diff:
+        raise MemlmError(f"{out} holds a training run with other settings ({'; '.join(diff)}): {_run_fix(out)}")
+
+
+def _start_over(out: Path) -> None:
+    """``resume=False``: delete the folder's checkpoints, final model and run record (the lock is held)."""
+    for _, ckpt in _checkpoints(out):
+        shutil.rmtree(ckpt)
+    shutil.rmtree(out / "final", ignore_errors=True)
+    (out / RUN_FILE).unlink(missing_ok=True)
+
+
+def _load_state(ckpt: Path) -> dict[str, Any]:
+    fix = f"delete {ckpt} to resume from the checkpoint before it, or use --no-resume to start over"
+    try:
+        state = torch.load(ckpt / _STATE_FILE, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file fails inside pickle/zipfile in many ways
+        raise MemlmError(f"checkpoint state {ckpt / _STATE_FILE} is unreadable ({type(e).__name__}); {fix}") from None
+    return schema.check(state, schema.TRAIN_STATE, ckpt / _STATE_FILE, "checkpoint state", fix)
+
+
 @dataclass
 class TrainResult:
     step: int
@@ -421,16 +493,54 @@ def train(
     stop_after: int | None = None,
     progress: bool = True,
     tokenizer=None,
+    identity: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place for ``config.max_steps`` updates; see the module docstring.
 
     ``stop_after`` ends the run (after a checkpoint) once that many updates are done, without changing the schedule:
-    a later call with ``resume=True`` continues to ``max_steps``. ``resume=False`` ignores existing checkpoints.
-    A ``tokenizer`` is saved next to every checkpoint and the final model, so each folder loads on its own.
+    a later call with ``resume=True`` continues to ``max_steps``. ``resume=False`` starts over (the folder's
+    checkpoints and final model are deleted). A ``tokenizer`` is saved next to every checkpoint and the final model,
+    so each folder loads on its own. ``identity`` (JSON values: corpus, tokenizer, model, loss, ...) is recorded in
+    ``run.json``; resuming a run recorded with other values is refused (:func:`check_run_identity`). The loss
+    functions are always part of it. The folder is locked for the whole call.
     """
     config.validate()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    identity = {
+        **(identity or {}),
+        "loss": describe_callable(loss_fn),
+        "warmup_loss": describe_callable(warmup_loss) if config.resolved_warmup_loss() else None,
+    }
+    with folder_lock(out, "train"):
+        if resume:
+            check_run_identity(out, identity)
+        else:
+            _start_over(out)
+        for stale in [*out.glob(".checkpoint-*.tmp*"), *out.glob(".final.tmp*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed run (the lock is ours: none is in use)
+        atomic_write_json(out / RUN_FILE, {"format": "memlm-train-run", "identity": identity})
+        try:
+            return _train_locked(model, config, train_batches, valid_batches, loss_fn, out, resume, warmup_loss,
+                                 stop_after, progress, tokenizer)  # fmt: skip
+        except OSError as e:
+            if is_disk_full(e):
+                raise disk_full_error(getattr(e, "filename", None) or out) from None
+            raise
+
+
+def _train_locked(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    train_batches,
+    valid_batches,
+    loss_fn: LossFn,
+    out: Path,
+    resume: bool,
+    warmup_loss: LossFn | None,
+    stop_after: int | None,
+    progress: bool,
+    tokenizer,
+) -> TrainResult:
     limit = _max_positions(model)
     if limit is not None and config.seq_len > limit:
         raise MemlmError(
@@ -456,7 +566,7 @@ def train(
     existing = _checkpoints(out) if resume else []
     if existing:
         step, ckpt = existing[-1]
-        state = torch.load(ckpt / _STATE_FILE, map_location="cpu", weights_only=False)
+        state = _load_state(ckpt)
         if state.get("signature") != _signature(model):
             raise MemlmError(
                 f"checkpoint {ckpt} was written for another model (parameter names or shapes differ): train with "
@@ -481,8 +591,7 @@ def train(
 
     def save_checkpoint() -> None:
         final = out / f"checkpoint-{step}"
-        tmp = out / f".checkpoint-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = out / f".checkpoint-{step}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -589,8 +698,7 @@ def train(
         if valid is not None and log and "valid_ppl" not in log[-1]:
             log[-1]["valid_loss"], log[-1]["valid_ppl"] = _evaluate(model, valid, autocast)
         final_dir = out / "final"
-        tmp = out / ".final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = out / f".final.tmp-{os.getpid()}-{os.urandom(4).hex()}"
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -22,7 +22,18 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.train import GPT2_SIZES, LossFn, TrainConfig, TrainResult, causal_lm_loss, lm_batches, train
+from memlm.locking import folder_lock
+from memlm.train import (
+    GPT2_SIZES,
+    LossFn,
+    TrainConfig,
+    TrainResult,
+    causal_lm_loss,
+    check_run_identity,
+    describe_callable,
+    lm_batches,
+    train,
+)
 
 __all__ = ["parse_arch", "scratch_gpt2", "load_corpora", "train_lm"]
 
@@ -89,8 +100,7 @@ def _tokenizer_for(out: Path, spec: str, texts: list[str]):
     if folder.is_dir():
         return AutoTokenizer.from_pretrained(folder)
     tok = make_tokenizer(spec, texts)
-    tmp = out / ".tokenizer.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out / f".tokenizer.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     tok.save_pretrained(tmp)
     os.replace(tmp, folder)
     return tok
@@ -123,8 +133,33 @@ def train_lm(
     if (scratch is None) == (model is None):
         raise MemlmError("give exactly one of scratch (a size, e.g. 6x384) or model (a pretrained model to continue)")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out, "train"):
+        return _train_lm(out, corpus, config, scratch, model, tokenizer, valid_corpus, valid_tokens, n_positions,
+                         dropout, loss_fn, warmup_loss, batches, resume, stop_after, progress)  # fmt: skip
+
+
+def _train_lm(out: Path, corpus, config, scratch, model, tokenizer, valid_corpus, valid_tokens, n_positions, dropout,
+              loss_fn, warmup_loss, batches, resume, stop_after, progress) -> TrainResult:  # fmt: skip
+    from memlm.corpora import corpus_fingerprint
+    from memlm.resources import tokenizer_fingerprint
+
     docs = load_corpora(corpus, "train")
+    names = corpus if isinstance(corpus, str) else ",".join(corpus)
+    identity = {
+        "corpus": names,
+        "corpus_fingerprint": corpus_fingerprint(docs),
+        "init": f"scratch {scratch}" if scratch is not None else f"model {model}",
+        "tokenizer_spec": tokenizer if scratch is not None else f"the tokenizer of {model}",
+        "n_positions": n_positions if scratch is not None else None,
+        "dropout": dropout if scratch is not None else None,
+        "batches": describe_callable(batches),
+    }
+    if resume:
+        check_run_identity(out, identity)  # before a tokenizer is trained or reused in out/tokenizer
+    elif scratch is not None:
+        shutil.rmtree(out / "tokenizer", ignore_errors=True)  # starting over: the old run's tokenizer goes too
+    for stale in out.glob(".tokenizer.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed run (we hold the lock)
     if model is not None:
         from memlm.resources import load_causal_lm
 
@@ -158,4 +193,5 @@ def train_lm(
         stop_after=stop_after,
         progress=progress,
         tokenizer=tok,
+        identity={**identity, "tokenizer": tokenizer_fingerprint(tok)},
     )

@@ -22,7 +22,9 @@ windows with a key role, which does not fit token vectors of an encoder, so the 
 
 Building is resumable like a datastore's: after every batch of blocks the files are flushed and ``progress.json`` is
 replaced atomically; a rerun of the same call truncates bytes past the recorded count and continues. ``manifest.json``
-is written last, so a folder with a manifest and no ``progress.json`` is complete.
+is written last, so a folder with a manifest and no ``progress.json`` is complete. A build holds the folder's writer
+lock (:mod:`memlm.locking`); every metadata file is schema-checked when read (:mod:`memlm.schema`), and the index
+records the identity (count, dim, vectors' SHA-256) of the phrase index it was built from (checked on load).
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from memlm import __version__
+from memlm import __version__, schema
 from memlm.datastore import model_identity
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
+from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full
 from memlm.index import FLAT_MAX_N, build_index, load_index, search
+from memlm.locking import folder_lock
 from memlm.npm.encoder import _cls_sep_pad, encode_sequences, max_block_tokens
 from memlm.windows import doc_hash
 
@@ -200,16 +203,21 @@ class PhraseIndex:
         mpath = path / "manifest.json"
         if not mpath.exists():
             raise MemlmError(f"{path} is not an NPM phrase index (no manifest.json): build one with build_phrase_index")
+        fix = "rebuild it with `memlm npm index --overwrite` (or delete the folder)"
         try:
-            manifest = json.loads(mpath.read_text())
-            docs = json.loads((path / "docs.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise MemlmError(f"phrase index {path} is corrupt ({e}); rebuild it") from e
-        if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+            raw = json.loads(mpath.read_bytes())
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict) and (raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION):
             raise MemlmError(
-                f"{path} is not a version-{FORMAT_VERSION} NPM phrase index "
-                f"({manifest.get('format')} v{manifest.get('format_version')}); rebuild it"
+                f"{mpath} is not the manifest of a version-{FORMAT_VERSION} NPM phrase index "
+                f"(format {raw.get('format')} v{raw.get('format_version')}); {fix}"
             )
+        manifest = schema.read_json(mpath, schema.PHRASE_MANIFEST, "phrase-index manifest", fix)
+        docs = schema.read_json(path / "docs.json", schema.PHRASE_DOCS, "phrase-index document list", fix)
+        if len(docs["ids"]) != manifest["corpus"].get("n_docs", len(docs["ids"])):
+            raise MemlmError(f"{path / 'docs.json'} lists {len(docs['ids'])} documents, the manifest says "
+                             f"{manifest['corpus'].get('n_docs')}; {fix}")  # fmt: skip
         n, d = int(manifest["count"]), int(manifest["dim"])
         arrays = {}
         for name, dtype in FILES.items():
@@ -338,19 +346,40 @@ def build_phrase_index(
     factory: str | None = None,
     source: dict[str, Any] | None = None,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> PhraseIndex:
     """Encode every token of ``documents`` with ``model`` into a phrase index folder ``out`` (module docstring).
 
     ``max_length``: encoder input length (default: the encoder's maximum, 512 for BERT/MiniLM); blocks hold
     ``max_length - 2`` corpus tokens. ``factory``: FAISS factory string (default ``"Flat"`` up to
     ``memlm.index.FLAT_MAX_N`` vectors, else :func:`memlm.index.default_factory`); the metric is inner product.
-    Rerunning after an interruption resumes; a finished index for the same encoder and corpus is returned as is; a
-    folder holding an index for another encoder or corpus is refused (:class:`MemlmError`).
+    Rerunning after an interruption resumes; a finished index for the same encoder, corpus and factory is returned as
+    is; a folder holding an index for another encoder, corpus, block length or factory is refused (:class:`MemlmError`
+    naming the differences) unless ``overwrite=True``, which deletes it first. The folder is locked while building.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if batch_size < 1:
         raise MemlmError(f"batch_size must be >= 1, got {batch_size}")
+    with folder_lock(out, "build a phrase index"):
+        if overwrite:
+            names = [*(f"{n}.bin" for n in FILES), "manifest.json", "progress.json", "docs.json", "index.faiss",
+                     "index.faiss.json"]  # fmt: skip
+            for name in names:
+                (out / name).unlink(missing_ok=True)
+        return _build_phrase_index(model, tokenizer, documents, out, max_length, batch_size, factory, source, progress)
+
+
+def _build_phrase_index(
+    model,
+    tokenizer,
+    documents: Sequence,
+    out: Path,
+    max_length: int | None,
+    batch_size: int,
+    factory: str | None,
+    source: dict[str, Any] | None,
+    progress: bool,
+) -> PhraseIndex:
     block_tokens = max_block_tokens(model, tokenizer, max_length)
     cls, sep, pad = _cls_sep_pad(tokenizer)
     ident = model_identity(model, tokenizer)
@@ -365,18 +394,28 @@ def build_phrase_index(
     }
     manifest_path, progress_path = out / "manifest.json", out / "progress.json"
     if progress_path.exists():
-        state = json.loads(progress_path.read_text())
+        state = schema.read_json(progress_path, schema.PHRASE_PROGRESS, "phrase-index progress file",
+                                 "delete the folder or rerun with --overwrite")  # fmt: skip
         if state["config"] != config:
+            diff = [f"{k} {v} -> {config.get(k)}" for k, v in state["config"].items() if config.get(k) != v]
             raise MemlmError(
-                f"{out} holds an interrupted phrase-index build with other settings ({state['config']}); rerun it "
-                "with the same encoder, corpus and max_length to resume, or use a new folder"
+                f"{out} holds an interrupted phrase-index build with other settings ({'; '.join(diff)}); rerun it "
+                "with the same encoder, corpus, max_length and factory to resume, use a new --out, or --overwrite"
             )
     elif manifest_path.exists():
         existing = PhraseIndex.open(out)
-        existing.check_encoder(model, tokenizer)
-        if existing.manifest["corpus"]["fingerprint"] != corpus_fp or existing.manifest["block_tokens"] != block_tokens:
+        m = existing.manifest
+        old = {"encoder": m["encoder"]["model"]["fingerprint"], "tokenizer": m["encoder"]["tokenizer"]["fingerprint"],
+               "corpus": m["corpus"]["fingerprint"], "block_tokens": m["block_tokens"],
+               "factory": m["index"]["factory"]}  # fmt: skip
+        new = {"encoder": config["model_fingerprint"], "tokenizer": config["tokenizer_fingerprint"],
+               "corpus": corpus_fp, "block_tokens": block_tokens,
+               "factory": factory or ("Flat" if m["count"] <= FLAT_MAX_N else "default")}  # fmt: skip
+        diff = [f"{k} {v} -> {new[k]}" for k, v in old.items() if new[k] != v]
+        if diff:
             raise MemlmError(
-                f"{out} holds a phrase index of another corpus or block length; use a new folder for this corpus"
+                f"{out} already holds a phrase index built with other settings ({'; '.join(diff)}): rerun with the "
+                "same settings to reuse it, use a new --out, or --overwrite to replace it"
             )
         if progress:
             print(f"phrase index {out} already built ({len(existing)} vectors); nothing to do", file=sys.stderr)
@@ -403,29 +442,23 @@ def build_phrase_index(
         handles[name] = open(f, "ab")
     t0, seconds0 = time.perf_counter(), float(state["seconds"])
     try:
-        for s in range(int(state["blocks_done"]), len(blocks), batch_size):
-            chunk = blocks[s : s + batch_size]
-            hidden = encode_sequences(model, [[cls, *b.tokens.tolist(), sep] for b in chunk], pad, batch_size)
-            for b_index, (b, h) in enumerate(zip(chunk, hidden, strict=True), start=s):
-                n = len(b.tokens)
-                handles["vectors"].write(h[1 : 1 + n].astype(np.float16).tobytes())
-                handles["token_ids"].write(b.tokens.astype(np.int32).tobytes())
-                handles["doc"].write(np.full(n, b.doc, dtype=np.int32).tobytes())
-                handles["position"].write(np.arange(b.start, b.start + n, dtype=np.int32).tobytes())
-                handles["block"].write(np.full(n, b_index, dtype=np.int32).tobytes())
-                count += n
-            for h in handles.values():
-                h.flush()
-                os.fsync(h.fileno())
-            state.update(blocks_done=s + len(chunk), count=count, seconds=seconds0 + time.perf_counter() - t0)
-            atomic_write_json(progress_path, state)
+        _encode_blocks(model, blocks, state, handles, progress_path, cls, sep, pad, batch_size, count, t0, seconds0)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(out) from None
+        raise
     finally:
         for h in handles.values():
-            h.close()
-
+            try:
+                h.close()
+            except OSError:
+                pass  # a full disk again: the rerun truncates to the recorded count
+    count = int(state["count"])
+    files = {name: {"dtype": dt, "sha256": _sha256(out / f"{name}.bin")} for name, dt in FILES.items()}
     vectors = np.memmap(out / "vectors.bin", dtype=np.float16, mode="r", shape=(count, dim))
     chosen = factory or ("Flat" if count <= FLAT_MAX_N else None)
-    build_index(vectors, out / "index.faiss", factory=chosen, metric="ip", progress=progress)
+    identity = {"kind": "npm-phrase-index", "count": count, "dim": dim, "sha256": files["vectors"]["sha256"]}
+    build_index(vectors, out / "index.faiss", factory=chosen, metric="ip", progress=progress, source=identity)
     del vectors
     manifest = {
         "format": FORMAT,
@@ -439,7 +472,7 @@ def build_phrase_index(
         "n_blocks": len(blocks),
         "corpus": {"fingerprint": corpus_fp, "n_docs": len(fields), **dict(source or {})},
         "dtypes": dict(FILES),
-        "files": {name: {"dtype": dt, "sha256": _sha256(out / f"{name}.bin")} for name, dt in FILES.items()},
+        "files": files,
         "index": {"factory": chosen or "default", "metric": "ip"},
         "build_seconds": float(state["seconds"]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -447,3 +480,23 @@ def build_phrase_index(
     atomic_write_json(manifest_path, manifest)
     progress_path.unlink()
     return PhraseIndex.open(out)
+
+
+def _encode_blocks(model, blocks, state, handles, progress_path, cls, sep, pad, batch_size, count, t0, seconds0):
+    """Encode the remaining blocks, appending to the open files and recording progress after every batch."""
+    for s in range(int(state["blocks_done"]), len(blocks), batch_size):
+        chunk = blocks[s : s + batch_size]
+        hidden = encode_sequences(model, [[cls, *b.tokens.tolist(), sep] for b in chunk], pad, batch_size)
+        for b_index, (b, h) in enumerate(zip(chunk, hidden, strict=True), start=s):
+            n = len(b.tokens)
+            handles["vectors"].write(h[1 : 1 + n].astype(np.float16).tobytes())
+            handles["token_ids"].write(b.tokens.astype(np.int32).tobytes())
+            handles["doc"].write(np.full(n, b.doc, dtype=np.int32).tobytes())
+            handles["position"].write(np.arange(b.start, b.start + n, dtype=np.int32).tobytes())
+            handles["block"].write(np.full(n, b_index, dtype=np.int32).tobytes())
+            count += n
+        for h in handles.values():
+            h.flush()
+            os.fsync(h.fileno())
+        state.update(blocks_done=s + len(chunk), count=count, seconds=seconds0 + time.perf_counter() - t0)
+        atomic_write_json(progress_path, state)
