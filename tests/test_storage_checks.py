@@ -245,7 +245,11 @@ def test_info_verify(capsys, ds):
     data[-5] ^= 1
     (ds / "index.faiss").write_bytes(bytes(data))
     rc, _, err = run(capsys, "datastore", "info", ds, "--verify")
-    assert "index" in one_error(rc, err)
+    assert "its index cannot be used" in one_error(rc, err)
+    rc, out, err = run(capsys, "datastore", "info", ds)  # without --verify: reported, not fatal
+    assert rc == 0, err
+    index = json.loads(out)["index"]
+    assert index["usable"] is False and "does not match" in index["problem"]
 
 
 # ------------------------------------------------------------------------------------ changed settings on rerun

@@ -130,23 +130,21 @@ def cmd_datastore_info(args: argparse.Namespace) -> None:
     m = ds.manifest
     info = {k: m[k] for k in ("model", "tokenizer", "key", "count", "window", "min_context", "sources") if k in m}
     info["build_id"] = m.get("build_id")
-    meta = read_index_meta(ds.index_path, verify=args.verify)
     problem = ds.index_problem()
-    if meta is None:
+    if not ds.index_path.exists():
         info["index"] = None
     else:
-        info["index"] = {k: meta.get(k) for k in ("factory", "metric", "n", "d")}
-        info["index"]["usable"] = problem is None
-        if problem is not None:
-            info["index"]["problem"] = problem
+        meta = read_index_meta(ds.index_path) if problem is None else None
+        info["index"] = {k: meta.get(k) for k in ("factory", "metric", "n", "d")} if meta else {}
+        info["index"].update(usable=problem is None, **({"problem": problem} if problem else {}))
     print(json.dumps(info, indent=2))
     if args.verify:
-        if meta is not None and problem is None:
-            ds.load_index(verify=True)
-        checked = "manifest, sizes, values range and full SHA-256 of every file"
-        checked += ", and the index (full SHA-256, header, datastore identity)" if meta is not None else ""
-        if problem is not None:
+        if problem is not None and ds.index_path.exists():
             raise MemlmError(f"datastore files OK, but its index cannot be used: {problem}")
+        checked = "manifest, sizes, values range and full SHA-256 of every file"
+        if ds.index_path.exists():
+            ds.load_index(verify=True)
+            checked += ", and the index (full SHA-256, header, datastore identity)"
         print(f"checksums OK ({ds.checksum()[:16]}): {checked}")
 
 
