@@ -879,8 +879,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--key",
         default="ffn_in",
-        help="key role[@layer]: ffn_in, final, ffn_out, attn_out, attn_in, "
-        "block_out (default ffn_in = last layer's FFN input after layer norm)",
+        help="key role[@layer]: ffn_in, final, ffn_out, attn_out, attn_in, block_out, ffn_in_raw (FFN input before "
+        "its layer norm) (default ffn_in = last layer's FFN input after layer norm)",
     )
     _add_windows(b)
     b.add_argument("--append", action="store_true", help="add this corpus to an existing datastore")
