@@ -49,8 +49,20 @@ def test_eval_and_tune(tiny_lm_dir, corpus, tmp_path, capsys):
     tune = json.loads((tmp_path / "tune.json").read_text())
     assert math.isfinite(tune["test"]["base_ppl"]) and math.isfinite(tune["local"]["test"]["ppl"])
     assert tune["long"]["best"]["segments"] in (0, 1, 2) and math.isfinite(tune["long"]["test"]["ppl"])
-    # the long-term grid contains M = 0, so on valid it is never worse than the local memory alone
-    assert tune["long"]["best"]["ppl"] <= tune["local"]["best"]["ppl"] + 1e-9
+    # the tuned rows are the best of a brute-force loop over the grid on valid, applied to test
+    from memlm.trime.inference import trime_perplexity
+
+    valid, test = TrimeScores.load(tmp_path / "valid.npz"), TrimeScores.load(tmp_path / "test.npz")
+    for kind, segments in (("local", (0,)), ("long", (0, 1, 2))):
+        runs = [trime_perplexity(valid, s, local_temperature=lt) for s in segments for lt in (0.5, 1.0)]
+        best = min(runs, key=lambda r: r["ppl"])
+        assert tune[kind]["best"]["ppl"] == pytest.approx(best["ppl"], rel=1e-9)
+        assert (tune[kind]["best"]["segments"], tune[kind]["best"]["local_temperature"]) == (
+            best["segments"],
+            best["local_temperature"],
+        )
+        on_test = trime_perplexity(test, best["segments"], local_temperature=best["local_temperature"])
+        assert tune[kind]["test"]["ppl"] == pytest.approx(on_test["ppl"], rel=1e-9)
     assert main(["trime-tune", "--valid", str(tmp_path / "valid.npz")]) == 0  # valid only
     assert "applied to test" not in capsys.readouterr().out
 

@@ -27,10 +27,15 @@ def test_base_perplexity_equals_hf_loss(tiny_lm, toy_docs):
         loss = model(input_ids=torch.tensor([stream]), labels=torch.tensor([stream])).loss.item()
     assert len(ts) == len(stream) - 1
     assert perplexities(ts)["base_ppl"] == pytest.approx(np.exp(loss), rel=1e-4)
-    # sliding windows with less context give a (slightly) different but close number
-    ts2 = score_tokens(model, tok, docs, window=32, min_context=16, progress=False)
-    assert len(ts2) == len(ts)
+    # sliding windows: each target's log-prob is that of one forward pass over exactly its window's context
+    from test_windows import _brute_force
+
+    ts2 = score_tokens(model, tok, docs, window=32, min_context=16, batch_size=3, progress=False)
     np.testing.assert_array_equal(ts2.targets, ts.targets)
+    ref = [_brute_force(model, stream, 0 if t < 32 else (t - 16) // 16 * 16, t)[0] for t in range(1, len(stream))]
+    assert len(stream) > 3 * 32
+    np.testing.assert_allclose(ts2.lm_logprob, ref, atol=1e-4, rtol=0)
+    assert np.abs(ts2.lm_logprob - ts.lm_logprob).max() > 1e-3  # less context than the single window: different
 
 
 def test_rare_continuation_seen_once_gets_probability_raised(tmp_path, tiny_lm, toy_docs):

@@ -122,6 +122,13 @@ EXPECTED = {
     },
 }  # fmt: skip
 EXPECTED["neox_sequential"] = EXPECTED["neox_parallel"]
+for _arch, _ffn in (
+    ("gpt2", "transformer.h.1.mlp"),
+    ("llama", "model.layers.1.mlp"),
+    ("neox_parallel", "gpt_neox.layers.1.mlp"),
+    ("opt", "model.decoder.layers.1.fc1"),
+):
+    EXPECTED[_arch]["ffn_in_raw"] = f"{_ffn} (before its norm)"  # fmt: skip
 
 
 def _capture_all(model: nn.Module, layer: int, ids: torch.Tensor):
@@ -171,7 +178,8 @@ def test_roles_resolve_to_expected_modules(arch):
     for role in KEY_ROLES:
         assert key_module_name(model, KeySpec(role, 1)) == EXPECTED[arch][role], role
         module, kind = resolve_key_module(model, KeySpec(role, 1))
-        assert kind == ("pre" if EXPECTED[arch][role].endswith("(input)") else "post")
+        name = EXPECTED[arch][role]
+        assert kind == ("pre" if name.endswith("(input)") else "raw" if name.endswith("(before its norm)") else "post")
         assert isinstance(module, nn.Module)
 
 
@@ -536,4 +544,28 @@ def test_smollm2_135m_keys():
     with torch.no_grad():
         norm_out = model.model.layers[5].input_layernorm(out.hidden_states[5])
     assert _close(k[KeySpec("attn_in", 5)], norm_out)
+    assert _no_hooks_left(model)
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "mixtral"])
+@pytest.mark.parametrize("layer", [0, -1])
+def test_ffn_in_raw_is_the_residual_stream_entering_the_ffn(arch, layer):
+    """ffn_in_raw (Khandelwal Table 5's "FFN input before layer norm") equals the input of the norm in front of the FFN
+    (a plain hook on the HF attribute) and, recomputed, block input + attention output (block input alone for a
+    parallel-attention block)."""
+    model = _model(arch)
+    block = find_decoder_layers(model)[layer]
+    pre_ffn_norm = getattr(block, NORMS.get(arch, ("input_layernorm", "post_attention_layernorm"))[1])
+    got = {}
+    handle = pre_ffn_norm.register_forward_pre_hook(lambda _m, a: got.__setitem__("x", a[0]))
+    try:
+        keys, out = _capture_all(model, layer, _ids())
+    finally:
+        handle.remove()
+    raw = keys["ffn_in_raw"]
+    assert _close(raw, got["x"].reshape(raw.shape))
+    i = layer % N_LAYERS
+    expected = out.hidden_states[i] + (0 if arch == "neox_parallel" else keys["attn_out"])
+    assert _close(raw, expected)
+    assert not _close(raw, keys["ffn_in"])  # before the norm is not after it
     assert _no_hooks_left(model)

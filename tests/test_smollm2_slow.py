@@ -48,12 +48,24 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
 
 def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
     from memlm.demo import run_demo
+    from memlm.evaluate import TokenScores
 
     result = run_demo(out=tmp_path, quick=True)
     assert {r["eval"] for r in result["rows"]} == {"wiki test", "news test"}
-    for r in result["rows"]:
-        assert np.isfinite(r["base_ppl"]) and np.isfinite(r["knn_ppl"]) and r["oracle_ppl"] <= r["base_ppl"]
     out = next(tmp_path.glob("quick-*"))
+    for r in result["rows"]:
+        # each row's numbers, recomputed with NumPy from its test dump under the row's λ and τ (Eq. 2 and 3)
+        d = TokenScores.load(out / f"{r['eval'].split()[0]}-test-{r['datastore'].split()[0]}.npz")
+        lm, sc = d.lm_logprob.astype(np.float64), d.knn_scores.astype(np.float64) / r["temperature"]
+        w = np.exp(sc - sc.max(1, keepdims=True))
+        with np.errstate(divide="ignore"):
+            knn = np.log((w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1))
+        lam = r["lambda"]
+        assert r["base_ppl"] == pytest.approx(np.exp(-lm.mean()), rel=1e-6)
+        assert r["knn_ppl"] == pytest.approx(
+            np.exp(-np.log((1 - lam) * np.exp(lm) + lam * np.exp(knn)).mean()), rel=1e-5
+        )
+        assert r["oracle_ppl"] == pytest.approx(np.exp(-np.maximum(lm, knn).mean()), rel=1e-5)
     assert (out / "ppl_vs_lambda.png").stat().st_size > 10_000
     assert json.loads((out / "results.json").read_text())["rows"]
     assert "kNN-LM" in capsys.readouterr().out

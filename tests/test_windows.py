@@ -22,11 +22,16 @@ def test_every_target_once_with_enough_context(lengths, window, min_context):
     for w in sliding_windows(chunks(lengths), window, min_context):
         assert len(w.input_ids) <= window
         # tokens are stream positions here, so the stream position of input j is input_ids[j]
+        assert np.all(np.diff(w.input_ids) == 1)
         for j in range(w.score_from, len(w.input_ids)):
             t = int(w.input_ids[j])
             seen.append(t)
-            assert j >= min(min_context, t)  # context of target t: j tokens (or all of the stream before it)
-        assert np.all(np.diff(w.input_ids) == 1)
+            # the context of target t is exactly the stream from the start of the window whose scored part holds
+            # t (computed independently: windows start every stride tokens and score their last stride positions)
+            stride = window - min_context
+            start = 0 if t < window else (t - min_context) // stride * stride
+            assert int(w.input_ids[0]) == start and j == t - start
+            assert j >= min(min_context, t)  # hence at least min_context tokens (or all of the stream before t)
     assert seen == list(range(1, total))
 
 

@@ -11,9 +11,12 @@ Every experiment is one setting of their Eq. 5::
   the frozen LM's h_ds at its training positions; n embeddings per word, summed by M.
 * Table 3 / Fig. 2 and 4: FAISS mask + FAISS score, FAISS mask + real score, real mask + real score (exact search),
   on random subsamples of the datastore.
-* Fig. 5: the temperature τ from 0.1 to 3.0, for the 5% and the full datastore.
+* Fig. 5: the temperature τ from 0.1 to 3.0 (and on to 10), for the 5% and the full datastore; the "best τ" is the
+  one with the lowest *valid* perplexity.
 
-λ (and τ, outside Fig. 5) is tuned on the validation split per setting and applied to test; every row also has the
+λ (and τ, outside Fig. 5) is tuned on the validation split per setting and applied to test. The paper's Tables 1 and 3
+are at τ = 1, so every Table 1 / Table 3 row also carries ``tau1``: the same row with τ = 1 and only λ tuned on valid
+(the like-for-like comparison with the paper's numbers). Every row also has the
 memory-only perplexity ("PPL", ∞ when some target is never retrieved) and the oracle perplexity (the best λ ∈ {0, 1}
 per token). One forward pass per split is kept (LM log-probabilities and h_ds queries) and each retrieval is kept as a
 per-token dump, so rerunning resumes and re-tuning never searches again.
@@ -49,7 +52,8 @@ from memlm.fileio import atomic_write_json, dumps_json
 __all__ = ["AnalysisSpec", "PAPER", "approx_factory", "interpolation_row", "run_analysis", "write_report"]
 
 ROLES = {"att": "ffn_in", "ffn": "final"}  # Xu et al.'s names -> memlm key roles
-FIG5_TEMPERATURES = tuple(round(0.1 * i, 1) for i in range(1, 31))
+# 0.1..3.0 as the paper's Fig. 5, then wider: the scratch LM's best τ sat at the 3.0 edge
+FIG5_TEMPERATURES = tuple(round(0.1 * i, 1) for i in range(1, 31)) + (3.5, 4.0, 5.0, 6.0, 8.0, 10.0)
 SETTINGS = {  # Table 3 rows: (mask, score) -> (search, scores) of memlm.evaluate.retrieve
     "FAISS mask, FAISS score": ("index", "index"),
     "FAISS mask, real score": ("index", "exact"),
@@ -369,6 +373,8 @@ class _Run:
         valid = self.neighbours(role, metric, fraction, setting, "valid")
         test = self.neighbours(role, metric, fraction, setting, "test")
         row = _dump_row(valid, test, temperatures or self.spec.tune_temperatures(), self.spec.k)
+        if temperatures is None:  # Table 1 / 3 rows: also at the paper's τ = 1
+            row["tau1"] = _dump_row(valid, test, (1.0,), self.spec.k)
         ds = self.datastore(role, fraction)
         row.update(h_ds=role, sim=metric, fraction=fraction, setting=setting, entries=len(ds), dim=ds.dim)
         return row
@@ -525,6 +531,55 @@ def gain_explained(base: float, learned: float, knn: float) -> float:
     return (base - learned) / (base - knn) if base != knn else float("nan")
 
 
+def tau1_row(results: dict[str, Any], row: dict[str, Any]) -> dict[str, Any] | None:
+    """The τ = 1 version of a Table 1 / Table 3 row: its own ``tau1`` entry, or else the Fig. 5 sweep's row with the
+    same h_ds, similarity, datastore fraction and setting at τ = 1 (λ tuned on valid in both); None when neither."""
+    if "tau1" in row:
+        return row["tau1"]
+    for r in results.get("temperature", []):
+        same = all(r[k] == row[k] for k in ("h_ds", "sim", "fraction", "setting"))
+        if same and abs(r["temperature"] - 1.0) < 1e-9:
+            return r
+    return None
+
+
+def tau1_tables(results: dict[str, Any]) -> str:
+    """Tables 1 and 3 at the paper's τ = 1 beside the τ-tuned rows (markdown; rows without a τ = 1 value say so)."""
+    parts = []
+    for name, title, paper_of in (
+        ("table1", "Table 1 at τ = 1 (the paper's setting) beside τ tuned on valid", None),
+        ("approx", "Table 3 at τ = 1 (the paper's setting) beside τ tuned on valid", "table3"),
+    ):
+        if name not in results:
+            continue
+        rows = []
+        for r in results[name]:
+            t1 = tau1_row(results, r)
+            if paper_of:
+                p = PAPER["table3"][r["setting"]] if r["fraction"] == 1.0 else None
+                label = [f"{r['fraction']:.0%}", r["setting"]]
+            else:
+                p = PAPER["table1"][(r["h_ds"], r["sim"])]
+                label = [r["h_ds"], r["sim"].upper()]
+            p_interp = _f(p[1] if paper_of else p[0]) if p else "-"
+            missing = "not run"
+            rows.append(
+                [
+                    *label,
+                    _f(t1["lambda"]) if t1 else missing,
+                    _f(t1["interp_ppl"]) if t1 else missing,
+                    _f(t1["oracle_ppl"]) if t1 else missing,
+                    _f(r["temperature"], 1),
+                    _f(r["interp_ppl"]),
+                    p_interp,
+                ]
+            )
+        first = ["datastore", "setting"] if paper_of else ["h_ds", "⊗"]
+        header = [*first, "λ (τ = 1)", "Interp. τ = 1", "Oracle τ = 1", "tuned τ", "Interp. tuned τ", "paper Interp."]
+        parts.append(f"### {title}\n\n" + _table(header, rows))
+    return "\n\n".join(parts)
+
+
 def write_report(results: dict[str, Any], out: Path) -> str:
     """``tables.md`` (Tables 1-3, the n sweep; the paper's numbers beside ours) and the PNG figures."""
     base = results["base"]["test_ppl"]
@@ -594,7 +649,7 @@ def write_report(results: dict[str, Any], out: Path) -> str:
                 share = gain_explained(base, lr[0]["interp_ppl"], k["interp_ppl"])
                 pk, pl = PAPER["table1"][(role, "ip")][0], PAPER["learned"][(role, 1)][1]
                 paper_share = gain_explained(PAPER["base"], pl, pk)
-                shares.append(f"{role}: {share:.0%} (paper {paper_share:.0%})")
+                shares.append(f"{role}: {share:.0%} (paper {paper_share:.0%} from its Table 2 numbers)")
         if shares:
             text += (
                 "\n\nShare of the kNN-LM gain recovered by the learned V x D matrix, (base - learned) / (base - kNN): "
@@ -638,15 +693,22 @@ def write_report(results: dict[str, Any], out: Path) -> str:
         best = {}
         for r in results["temperature"]:
             key = (r["fraction"], r["setting"])
-            if key not in best or r["interp_ppl"] < best[key]["interp_ppl"]:
+            if key not in best or r["valid_ppl"] < best[key]["valid_ppl"]:  # chosen on valid, reported on test
                 best[key] = r
         rows = []
         for (f, setting), r in sorted(best.items()):
             at1 = [x for x in results["temperature"] if (x["fraction"], x["setting"]) == (f, setting)]
             t1 = min(at1, key=lambda x: abs(x["temperature"] - 1.0))
             rows.append([f"{f:.0%}", setting, _f(r["temperature"], 1), _f(r["interp_ppl"]), _f(t1["interp_ppl"])])
-        header = ["datastore", "setting", "best τ", "Interp. at best τ", "Interp. at τ = 1"]
-        parts.append("### Temperature (Fig. 5): best τ in 0.1..3.0 vs τ = 1\n\n" + _table(header, rows))
+        header = ["datastore", "setting", "best τ (on valid)", "Interp. at best τ", "Interp. at τ = 1"]
+        temps = sorted({r["temperature"] for r in results["temperature"]})
+        parts.append(
+            f"### Temperature (Fig. 5): τ chosen on valid in {_f(temps[0], 1)}..{_f(temps[-1], 1)} vs τ = 1\n\n"
+            + _table(header, rows)
+        )
+    tau1 = tau1_tables(results)
+    if tau1:
+        parts.append(tau1)
     text = "\n\n".join(parts) + "\n"
     (out / "tables.md").write_text(text)
     _figures(results, out)

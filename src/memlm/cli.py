@@ -921,8 +921,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--key",
         default="ffn_in",
-        help="key role[@layer]: ffn_in, final, ffn_out, attn_out, attn_in, "
-        "block_out (default ffn_in = last layer's FFN input after layer norm)",
+        help="key role[@layer]: ffn_in, final, ffn_out, attn_out, attn_in, block_out, ffn_in_raw (FFN input before "
+        "its layer norm) (default ffn_in = last layer's FFN input after layer norm)",
     )
     _add_windows(b)
     b.add_argument("--append", action="store_true", help="add this corpus to an existing datastore")
@@ -1081,7 +1081,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--nprobe", type=int, default=32)
     a.add_argument("--factory", default=None, help="approximate FAISS index (default IVF<nlist>,PQ<dim/16>)")
     a.add_argument("--fractions", default="0.05,0.25,0.5,1", help="datastore ratios for Fig. 2/4 and Table 3")
-    a.add_argument("--fig5-temperatures", default=None, help="τ values of Fig. 5 (default 0.1,0.2,...,3.0)")
+    a.add_argument("--fig5-temperatures", default=None, help="τ values of Fig. 5 (default 0.1,...,3.0,3.5,4,5,6,8,10)")
     a.add_argument("--learned-n", default="1,2,3,6", help="embeddings per word of the learned W_ds")
     a.add_argument("--learned-steps", type=int, default=1000, help="training updates of each learned W_ds")
     a.add_argument("--learned-batch", type=int, default=512)

@@ -80,7 +80,8 @@ DEFAULT_LAMBDAS = (
     0.95,
     1.0,
 )
-DEFAULT_TEMPERATURES = (0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+# up to 1000: `final` keys (squared distances in the hundreds) had their tuned τ at the old edge, 100
+DEFAULT_TEMPERATURES = (0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 _ARRAYS = ("targets", "lm_logprob", "doc_index", "knn_scores", "knn_values", "cache_scores", "cache_values")
 
 

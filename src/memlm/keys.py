@@ -26,6 +26,8 @@ role            what is captured
                 after layer norm", Table 5).
 ``block_out``   output of a whole decoder layer: the residual stream after it (what HF returns as
                 ``hidden_states[layer + 1]``).
+``ffn_in_raw``  input of a layer's feed-forward block *before* its layer norm: the residual stream entering the
+                FFN sublayer (Khandelwal et al. Table 5, "FFN input before layer norm").
 ==============  ==============================================================================================
 
 Layers index the decoder blocks Python-style (``-1`` is the last).
@@ -52,7 +54,11 @@ What gets hooked:
 * ``ffn_out``: the FFN child's output; when it hangs directly off the layer, the down projection's output;
 * ``attn_in`` / ``attn_out``: the attention child's input / output (first element of a tuple);
 * ``block_out``: the decoder layer's output (first element of a tuple);
-* ``final``: the input of ``model.get_output_embeddings()``.
+* ``final``: the input of ``model.get_output_embeddings()``;
+* ``ffn_in_raw``: the input of whichever direct child of the layer (other than the attention and the FFN, and
+  holding no linear-likes: the norms) produced the very tensor the FFN receives, matched by identity during the
+  forward pass (so no module names and no definition order: Llama defines its post-attention norm after its MLP).
+  A parallel-attention block (GPT-J) feeds the FFN the first norm's output, so the key is the block's input there.
 
 Tensors a model flattens to ``[batch * seq, dim]`` inside a layer (OPT does) are viewed back to
 ``[batch, seq, dim]``.
@@ -85,7 +91,7 @@ __all__ = [
     "resolve_key_module",
 ]
 
-KEY_ROLES: tuple[str, ...] = ("ffn_in", "final", "ffn_out", "attn_out", "attn_in", "block_out")
+KEY_ROLES: tuple[str, ...] = ("ffn_in", "final", "ffn_out", "attn_out", "attn_in", "block_out", "ffn_in_raw")
 """The key roles, default (Khandelwal et al.'s best, ``ffn_in``) first."""
 
 
@@ -363,6 +369,14 @@ def _resolve(model: nn.Module, spec: KeySpec) -> tuple[nn.Module, str, str]:
     arch = type(model).__name__
     if spec.role == "block_out":
         return parts.layer, "post", layer_name
+    if spec.role == "ffn_in_raw":
+        ffn = parts.ffn if parts.ffn is not None else (parts.ffn_up.module if parts.ffn_up is not None else None)
+        if ffn is None:
+            raise MemlmError(
+                f"cannot find the feed-forward block of {arch} layer {norm.layer} ({parts.ffn_problem}); "
+                "use key role 'final' or 'block_out', which need no FFN"
+            )
+        return ffn, "raw", f"{layer_name}.{parts.ffn_name or parts.ffn_up.name} (before its norm)"
     if spec.role in ("ffn_in", "ffn_out"):
         if parts.ffn is not None:
             return parts.ffn, "pre" if spec.role == "ffn_in" else "post", f"{layer_name}.{parts.ffn_name}"
@@ -394,7 +408,7 @@ def resolve_key_module(model: nn.Module, spec: KeySpec) -> tuple[nn.Module, str]
 def key_module_name(model: nn.Module, spec: KeySpec) -> str:
     """Human-readable location of the key, e.g. ``"model.layers.29.mlp (input)"``."""
     _, kind, name = _resolve(model, spec)
-    return f"{name} ({'input' if kind == 'pre' else 'output'})"
+    return name if kind == "raw" else f"{name} ({'input' if kind == 'pre' else 'output'})"
 
 
 def key_dim(model: nn.Module, spec: KeySpec) -> int:
@@ -408,7 +422,7 @@ def key_dim(model: nn.Module, spec: KeySpec) -> int:
         if isinstance(weight, torch.Tensor) and weight.ndim == 2:
             return int(weight.shape[1])
     dims = _linear_dims(module)
-    if dims is not None:  # OPT-style FFN: up input / down output
+    if dims is not None and kind != "raw":  # OPT-style FFN: up input / down output
         return dims[0] if kind == "pre" else dims[1]
     return _hidden_size(model, find_decoder_layers(model)[0])
 
@@ -524,6 +538,40 @@ class KeyCapture:
 
         return post_hook
 
+    def _raw_hooks(self, spec: KeySpec, ffn: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hooks for ``ffn_in_raw``: remember each norm-like child's (output -> input), then, when the FFN runs,
+        store the input of the child whose output is the FFN's input tensor."""
+        norm = spec.normalized(num_layers(self.model))
+        parts, _ = _layer_parts(self.model, norm.layer)
+        skip = {id(m) for m in (parts.attn, parts.ffn) if m is not None}
+        candidates = [
+            c
+            for _, c in parts.layer.named_children()
+            if id(c) not in skip and _linear_dims(c) is None and not _outer_linears(c)
+        ]
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def remember(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            x, y = _input_tensor(args, kwargs), _first_tensor(output)
+            if x is not None and y is not None:
+                seen.append((y, x))
+
+        def at_ffn(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            h = _input_tensor(args, kwargs)
+            match = next((x for y, x in reversed(seen) if y is h), None)
+            seen.clear()
+            if match is None:
+                raise MemlmError(
+                    f"cannot find the norm in front of the feed-forward block of layer {norm.layer} of "
+                    f"{type(self.model).__name__} (its input is not the output of a norm of the layer); "
+                    "use key role 'ffn_in' (after the norm) or 'block_out'"
+                )
+            self._store(spec, match)
+
+        handles = [c.register_forward_hook(remember, with_kwargs=True) for c in candidates]
+        handles.append(ffn.register_forward_pre_hook(at_ffn, with_kwargs=True))
+        return handles
+
     def _record_lead_shape(self, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden = _input_tensor(args, kwargs)
         if hidden is not None and hidden.ndim == 3:
@@ -536,6 +584,9 @@ class KeyCapture:
             first_layer = find_decoder_layers(self.model)[0]
             self._handles.append(first_layer.register_forward_pre_hook(self._record_lead_shape, with_kwargs=True))
             for spec, (module, kind) in zip(self.specs, self._targets, strict=True):
+                if kind == "raw":
+                    self._handles.extend(self._raw_hooks(spec, module))
+                    continue
                 hook = self._make_hook(spec, kind)
                 if kind == "pre":
                     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
