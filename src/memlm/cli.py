@@ -58,11 +58,14 @@ def cmd_models(args: argparse.Namespace) -> None:
 def cmd_corpora(args: argparse.Namespace) -> None:
     from memlm.corpora import describe_corpora
 
-    print(f"{'name':8s} {'train':>6s} {'valid':>6s} {'test':>6s} {'chars':>11s}  description (documents per split)")
+    print(f"{'name':9s} {'train':>6s} {'valid':>6s} {'test':>6s} {'chars':>11s}  description (documents per split)")
     for row in describe_corpora():
+        if "error" in row:
+            print(f"{row['name']:9s} {'-':>6s} {'-':>6s} {'-':>6s} {'-':>11s}  unavailable: {row['error']}")
+            continue
         d = row["docs"]
         print(
-            f"{row['name']:8s} {d['train']:6d} {d['valid']:6d} {d['test']:6d} {row['chars']['all']:11,d}  "
+            f"{row['name']:9s} {d['train']:6d} {d['valid']:6d} {d['test']:6d} {row['chars']['all']:11,d}  "
             f"{row['description']}"
         )
 
