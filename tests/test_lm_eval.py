@@ -209,20 +209,36 @@ def test_bad_arguments(tiny_lm, ds):
         MemlmLM(model=model)
 
 
-def test_simple_evaluate_wikitext2_word_perplexity(tiny_lm):
-    import lm_eval
+def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, capsys):
+    """`memlm lm-eval` runs lm_eval.simple_evaluate on a MemlmLM; word perplexity is lm_eval's definition."""
+    import json
+
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
+    from memlm.cli import main
     from memlm.corpora import load_documents
-    from memlm.lmeval import task_manager
 
+    out = tmp_path / "r.json"
+    args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_wikitext2", "--window", "256"]
+    args += ["--min-context", "64", "--samples", '{"memlm_wikitext2": [14]}', "--out", str(out)]
+    assert main(args) == 0
+    record = json.loads(out.read_text())
+    got = record["results"]["memlm_wikitext2"]["word_perplexity,none"]
+    assert record["memlm"]["window"] == 256 and record["memlm"]["lambda"] == 0.0
+    assert "word_perplexity" in capsys.readouterr().out
     model, tok = tiny_lm
-    lm = MemlmLM(model=model, tokenizer=tok, window=256, min_context=64, batch_size=2)
-    out = lm_eval.simple_evaluate(
-        model=lm, tasks=["memlm_wikitext2"], task_manager=task_manager(), samples={"memlm_wikitext2": [14]}
-    )
-    got = out["results"]["memlm_wikitext2"]["word_perplexity,none"]
+    lm = MemlmLM(model=model, tokenizer=tok, window=256, min_context=64)
     page = load_documents("wikitext2", "test")[14].text
     ll = lm.loglikelihood_rolling([_req("loglikelihood_rolling", (wikitext_detokenizer({"page": page}),))])[0]
     words = len(re.split(r"\s+", page))  # lm_eval counts words on the raw page
-    assert got == pytest.approx(math.exp(-ll / words), rel=1e-9)
+    assert got == pytest.approx(math.exp(-ll / words), rel=1e-6)
+
+
+def test_cli_lm_eval_errors(tiny_lm_dir, capsys):
+    from memlm.cli import main
+
+    base = ["lm-eval", "--model", str(tiny_lm_dir)]
+    assert main([*base, "--tasks", "memlm_wikitext2", "--samples", "{bad"]) == 2
+    assert "--samples is not valid JSON" in capsys.readouterr().err
+    assert main([*base, "--tasks", "hellaswag_nope"]) == 2
+    assert "unknown lm-eval task" in capsys.readouterr().err

@@ -258,12 +258,12 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
                 f"--samples is not valid JSON ({error.msg}): write it like '{{\"memlm_wikitext2\": [0, 1, 2]}}'"
             ) from error
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    manager = task_manager()
+    manager = task_manager(include_defaults=args.lm_eval_tasks)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise MemlmError(
-            f"unknown lm-eval task(s) {unknown}: memlm's offline tasks are {', '.join(TASKS)}; lm_eval's own tasks "
-            "download their data, which needs the dataset hub"
+            f"unknown lm-eval task(s) {unknown}: memlm's offline tasks are {', '.join(TASKS)}; add "
+            "--lm-eval-tasks for lm_eval's own tasks (they download their data from the dataset hub)"
         )
     lm = MemlmLM(
         model=args.model or DEFAULT_MODEL,
@@ -1034,6 +1034,9 @@ def build_parser() -> argparse.ArgumentParser:
     le.add_argument("--limit", type=float, default=None, help="first N documents per task (or a fraction)")
     le.add_argument("--samples", default=None, help="document indices per task, JSON: '{\"memlm_wikitext2\": [0, 9]}'")
     le.add_argument("--out", default=None, help="write the results and settings as JSON here")
+    le.add_argument(
+        "--lm-eval-tasks", action="store_true", help="also offer lm_eval's built-in tasks (they need the dataset hub)"
+    )
     le.set_defaults(func=cmd_lm_eval)
 
     t = sub.add_parser("train", help="train a causal LM from scratch or continue a pretrained one (resumable)")

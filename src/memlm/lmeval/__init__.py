@@ -27,8 +27,9 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 TASKS = ("memlm_wikitext2", "memlm_imdb", "memlm_bbc_topic")
 
 
-def task_manager(**kwargs):
-    """An ``lm_eval.tasks.TaskManager`` that also knows memlm's offline tasks."""
+def task_manager(include_defaults: bool = True, **kwargs):
+    """An ``lm_eval.tasks.TaskManager`` that knows memlm's offline tasks (and lm_eval's own unless
+    ``include_defaults=False``, which is much faster to index: lm_eval ships thousands of task files)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), **kwargs)
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=include_defaults, **kwargs)
