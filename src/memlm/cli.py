@@ -59,11 +59,14 @@ def cmd_models(args: argparse.Namespace) -> None:
 def cmd_corpora(args: argparse.Namespace) -> None:
     from memlm.corpora import describe_corpora
 
-    print(f"{'name':8s} {'train':>6s} {'valid':>6s} {'test':>6s} {'chars':>11s}  description (documents per split)")
+    print(f"{'name':9s} {'train':>6s} {'valid':>6s} {'test':>6s} {'chars':>11s}  description (documents per split)")
     for row in describe_corpora():
+        if "error" in row:
+            print(f"{row['name']:9s} {'-':>6s} {'-':>6s} {'-':>6s} {'-':>11s}  unavailable: {row['error']}")
+            continue
         d = row["docs"]
         print(
-            f"{row['name']:8s} {d['train']:6d} {d['valid']:6d} {d['test']:6d} {row['chars']['all']:11,d}  "
+            f"{row['name']:9s} {d['train']:6d} {d['valid']:6d} {d['test']:6d} {row['chars']['all']:11,d}  "
             f"{row['description']}"
         )
 
@@ -248,22 +251,95 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from memlm.datastore import Datastore
-    from memlm.generate import KNNLogitsProcessor
+    from memlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
 
     ds = Datastore.open(args.datastore)
     model, tok = _load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
     ds.check_compatible(model, tok)
-    ids = tok(args.prompt, return_tensors="pt", add_special_tokens=False)
     torch.manual_seed(args.seed)
-    with KNNLogitsProcessor(model, ds, k=args.k, lam=args.lam, temperature=args.temperature) as knn:
-        out = model.generate(
-            **ids,
-            logits_processor=[knn],
-            do_sample=True,
-            max_new_tokens=args.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
+    knn = KNNLogitsProcessor(
+        model, ds, k=args.k, lam=args.lam, temperature=args.temperature, record=args.show_neighbours > 0
+    )
+    lookup = SourceLookup(ds, tok) if args.show_neighbours > 0 else None
+    streamer = NeighbourStreamer(tok, knn, lookup, n_neighbours=args.show_neighbours)
+    print(args.prompt, end="" if lookup is None else "\n", flush=True)
+    generate_text(
+        model,
+        tok,
+        [args.prompt],
+        max_new_tokens=args.max_new_tokens,
+        do_sample=not args.greedy,
+        streamer=streamer,
+        processor=knn,
+    )
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> None:
+    import time
+
+    try:
+        import lm_eval
+        from lm_eval.utils import make_table
+    except ImportError as error:
+        raise MemlmError(
+            "memlm lm-eval needs EleutherAI's lm-evaluation-harness: pip install 'memlm[lmeval]' (lm_eval==0.4.13)"
+        ) from error
+    from memlm.fileio import atomic_write_json
+    from memlm.lmeval import TASKS, task_manager
+    from memlm.lmeval.model import MemlmLM
+
+    samples = None
+    if args.samples:
+        try:
+            samples = json.loads(args.samples)
+        except json.JSONDecodeError as error:
+            raise MemlmError(
+                f"--samples is not valid JSON ({error.msg}): write it like '{{\"memlm_wikitext2\": [0, 1, 2]}}'"
+            ) from error
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    manager = task_manager(include_defaults=args.lm_eval_tasks)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise MemlmError(
+            f"unknown lm-eval task(s) {unknown}: memlm's offline tasks are {', '.join(TASKS)}; add "
+            "--lm-eval-tasks for lm_eval's own tasks (they download their data from the dataset hub)"
         )
-    print(tok.decode(out[0], skip_special_tokens=True))
+    lm = MemlmLM(
+        model=args.model or DEFAULT_MODEL,
+        datastore=args.datastore,
+        lam=args.lam,
+        temperature=args.temperature,
+        k=args.k,
+        nprobe=args.nprobe,
+        cache=args.cache,
+        cache_lambda=args.cache_lambda,
+        cache_temperature=args.cache_temperature,
+        window=args.window,
+        min_context=args.min_context,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        progress=True,
+    )
+    print(f"memlm lm-eval: {json.dumps(lm.memory_settings)}", file=sys.stderr)
+    t0 = time.perf_counter()
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, task_manager=manager, limit=args.limit, samples=samples, log_samples=False
+    )
+    print(make_table(out))
+    if args.out:
+        record = {
+            "command": "memlm " + " ".join(sys.argv[1:]),
+            "results": out["results"],
+            "n-samples": out.get("n-samples"),
+            "memlm": {**lm.memory_settings, "model": args.model or DEFAULT_MODEL, "dtype": args.dtype},
+            "samples": samples,
+            "limit": args.limit,
+            "lm_eval_version": out.get("lm_eval_version"),
+            "seconds": time.perf_counter() - t0,
+        }
+        atomic_write_json(Path(args.out), record)
+        print(f"wrote {args.out}")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -997,7 +1073,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", default=None)
     t.set_defaults(func=cmd_tune)
 
-    g = sub.add_parser("generate", help="sample from the kNN-LM")
+    g = sub.add_parser("generate", help="sample from the kNN-LM, streaming tokens as they come")
     _add_model(g)
     g.add_argument("--datastore", required=True)
     g.add_argument("--prompt", required=True)
@@ -1006,7 +1082,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lambda", dest="lam", type=float, default=0.25)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")
+    g.add_argument(
+        "--show-neighbours",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print under each generated token the N nearest datastore entries with their source text",
+    )
     g.set_defaults(func=cmd_generate)
+
+    le = sub.add_parser(
+        "lm-eval",
+        help="EleutherAI lm-evaluation-harness tasks on a model + memory (memlm_wikitext2, memlm_imdb, ...)",
+    )
+    _add_model(le)
+    le.add_argument("--tasks", required=True, help="comma-separated: memlm_wikitext2, memlm_imdb, memlm_bbc_topic")
+    le.add_argument("--datastore", default=None, help="kNN-LM datastore folder (none: the bare LM, or cache only)")
+    le.add_argument("--lambda", dest="lam", type=float, default=None, help="λ of the kNN term (0.25 with a datastore)")
+    le.add_argument("--temperature", type=float, default=1.0, help="τ of the kNN softmax")
+    le.add_argument("--k", type=int, default=1024, help="neighbours per token")
+    le.add_argument("--nprobe", type=int, default=32)
+    le.add_argument("--cache", action="store_true", help="add the continuous cache (Grave et al. 2017)")
+    le.add_argument("--cache-lambda", type=float, default=0.1)
+    le.add_argument("--cache-temperature", type=float, default=1.0)
+    le.add_argument("--window", type=int, default=1024, help="sliding window of rolling log-likelihoods (tokens)")
+    le.add_argument("--min-context", type=int, default=512, help="context every rolling target keeps (tokens)")
+    le.add_argument("--max-length", type=int, default=None, help="tokens of a loglikelihood request (default window)")
+    le.add_argument("--batch-size", type=int, default=4)
+    le.add_argument("--limit", type=float, default=None, help="first N documents per task (or a fraction)")
+    le.add_argument("--samples", default=None, help="document indices per task, JSON: '{\"memlm_wikitext2\": [0, 9]}'")
+    le.add_argument("--out", default=None, help="write the results and settings as JSON here")
+    le.add_argument(
+        "--lm-eval-tasks", action="store_true", help="also offer lm_eval's built-in tasks (they need the dataset hub)"
+    )
+    le.set_defaults(func=cmd_lm_eval)
 
     t = sub.add_parser("train", help="train a causal LM from scratch or continue a pretrained one (resumable)")
     t.add_argument("--out", required=True, help="run folder; rerun the same command to resume; model in OUT/final")

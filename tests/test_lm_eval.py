@@ -1,0 +1,244 @@
+"""The lm-evaluation-harness adapter: scores equal brute-force sums, λ = 0 is the bare LM, rolling equals memlm eval,
+sliding windows keep rolling linear, generation stops at `until`, the offline tasks run through simple_evaluate."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import Doc, make_toy_docs
+from test_datastore import build
+
+pytest.importorskip("lm_eval")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from memlm.errors import MemlmError  # noqa: E402
+from memlm.evaluate import memory_logprob, score_tokens  # noqa: E402
+from memlm.index import build_index  # noqa: E402
+from memlm.knn import mix_logprobs  # noqa: E402
+from memlm.lmeval.model import MemlmLM  # noqa: E402
+
+
+def _req(kind: str, args: tuple, i: int = 0) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=i)
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory, tiny_lm):
+    path = tmp_path_factory.mktemp("lmeval-ds")
+    store = build(path, tiny_lm, make_toy_docs(40, seed=3), window=48, min_context=16)
+    build_index(store.keys, store.index_path, factory="Flat", metric="l2", progress=False)
+    return store
+
+
+def _brute_force_loglik(model, ds, seq: list[int], n_cont: int, lam: float, k: int, tau: float):
+    """Sum of log((1-λ) p_LM + λ p_kNN) over the last n_cont tokens, everything recomputed by hand (NumPy)."""
+    from memlm.keys import KeyCapture
+
+    with torch.no_grad(), KeyCapture(model, [ds.key_spec]) as cap:
+        logits = model(input_ids=torch.tensor([seq])).logits[0].double()
+        keys = cap.keys_by_spec[ds.key_spec][0].double().numpy()
+    all_keys = np.asarray(ds.keys, dtype=np.float64)
+    total, greedy = 0.0, True
+    for pos in range(len(seq) - 1 - n_cont, len(seq) - 1):
+        p_lm = torch.softmax(logits[pos], -1).numpy()
+        d = -((all_keys - keys[pos]) ** 2).sum(1)
+        top = np.argsort(-d, kind="stable")[:k]
+        w = np.exp((d[top] - d[top].max()) / tau)
+        w /= w.sum()
+        p_knn = np.zeros_like(p_lm)
+        np.add.at(p_knn, np.asarray(ds.values)[top], w)
+        p = (1 - lam) * p_lm + lam * p_knn
+        total += math.log(p[seq[pos + 1]])
+        greedy &= int(p.argmax()) == seq[pos + 1]
+    return total, greedy
+
+
+def test_loglikelihood_equals_brute_force(tiny_lm, ds):
+    model, tok = tiny_lm
+    lm = MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.4, k=8, temperature=3.0, batch_size=2)
+    pairs = [("the cat sat on", " the mat"), ("a dog ran", " in the park and"), ("bird", " sang"), ("", "the old")]
+    got = lm.loglikelihood([_req("loglikelihood", p, i) for i, p in enumerate(pairs)])
+    for (ctx, cont), (logp, greedy) in zip(pairs, got, strict=True):
+        if ctx:
+            c, whole = tok.encode(ctx), tok.encode(ctx + cont)
+        else:  # empty context: lm_eval conditions on the prefix token (GPT-2 has BOS = EOS)
+            c, whole = [tok.bos_token_id], [tok.bos_token_id, *tok.encode(cont)]
+        ref, ref_greedy = _brute_force_loglik(model, ds, whole, len(whole) - len(c), 0.4, 8, 3.0)
+        assert logp == pytest.approx(ref, rel=1e-4, abs=1e-4)
+        assert greedy == ref_greedy
+    # the kNN term matters: the bare LM gives other numbers
+    bare = MemlmLM(model=model, tokenizer=tok).loglikelihood([_req("loglikelihood", p) for p in pairs])
+    assert all(abs(a[0] - b[0]) > 1e-3 for a, b in zip(got, bare, strict=True))
+
+
+REPLAY_TEXT = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+
+
+@pytest.fixture(scope="module")
+def replay_ds(tmp_path_factory, tiny_lm):
+    """One document in one window: a request that starts like it has exactly the datastore's keys."""
+    store = build(tmp_path_factory.mktemp("replay"), tiny_lm, [Doc("g", REPLAY_TEXT)], window=64, min_context=1)
+    build_index(store.keys, store.index_path, factory="Flat", metric="l2", progress=False)
+    return store
+
+
+def test_greedy_flag_follows_the_interpolated_distribution(tiny_lm, replay_ds):
+    model, tok = tiny_lm
+    ids = tok.encode(REPLAY_TEXT)
+    reqs = [((tok.decode(ids[:6]), tok.decode(ids[6:])), ids[:6], ids[6:])]
+    # λ = 1, k = 1: p is the nearest entry's value, here the text's own next token: greedy with probability 1
+    logp, greedy = MemlmLM(model=model, tokenizer=tok, datastore=replay_ds, lam=1.0, k=1)._loglikelihood_tokens(reqs)[0]
+    assert greedy and logp == pytest.approx(0.0, abs=1e-5)
+    # the bare random LM neither predicts it greedily nor with probability 1
+    logp, greedy = MemlmLM(model=model, tokenizer=tok)._loglikelihood_tokens(reqs)[0]
+    assert not greedy and logp < -10
+
+
+def test_lambda_zero_equals_bare_lm(tiny_lm, ds):
+    model, tok = tiny_lm
+    pairs = [("the cat sat on", " the mat"), ("over the old", " river")]
+    with_ds = MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.0).loglikelihood(
+        [_req("loglikelihood", p) for p in pairs]
+    )
+    bare = MemlmLM(model=model, tokenizer=tok).loglikelihood([_req("loglikelihood", p) for p in pairs])
+    for (ctx, cont), a, b in zip(pairs, with_ds, bare, strict=True):
+        whole = tok.encode(ctx + cont)
+        n = len(whole) - len(tok.encode(ctx))
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([whole])).logits[0].double(), -1)
+        ref = sum(float(lp[p, whole[p + 1]]) for p in range(len(whole) - 1 - n, len(whole) - 1))
+        assert a[0] == b[0]  # weight 0 adds exactly nothing
+        assert a[0] == pytest.approx(ref, rel=1e-5)
+    text = " ".join(d.text for d in make_toy_docs(3, seed=9))
+    rolling = [_req("loglikelihood_rolling", (text,))]
+    lm0 = MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.0, window=64, min_context=16)
+    assert lm0.loglikelihood_rolling(rolling) == MemlmLM(
+        model=model, tokenizer=tok, window=64, min_context=16
+    ).loglikelihood_rolling(rolling)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_rolling_equals_memlm_eval(tiny_lm, ds, cache):
+    model, tok = tiny_lm
+    text = " ".join(d.text for d in make_toy_docs(6, seed=5))
+    n = len(tok.encode(text))
+    window, min_context = 40, 12
+    assert n > 3 * window  # several sliding windows
+    lam, tau, k, cache_lam = 0.3, 2.0, 16, 0.2
+    lm = MemlmLM(
+        model=model,
+        tokenizer=tok,
+        datastore=ds,
+        lam=lam,
+        temperature=tau,
+        k=k,
+        cache=cache,
+        cache_lambda=cache_lam,
+        window=window,
+        min_context=min_context,
+        batch_size=3,
+        prefix_token_id=tok.eos_token_id,
+    )
+    got = lm.loglikelihood_rolling([_req("loglikelihood_rolling", (text,))])[0]
+    # memlm eval on the stream [EOS] + text + [EOS]: an empty document, then the text
+    ts = score_tokens(
+        model,
+        tok,
+        [Doc("empty", ""), Doc("text", text)],
+        ds,
+        k=k,
+        window=window,
+        min_context=min_context,
+        cache=cache,
+        progress=False,
+    )
+    comps = [torch.from_numpy(ts.lm_logprob), memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, tau)]
+    weights = [1 - lam, lam]
+    if cache:
+        comps.append(memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, 1.0))
+        weights = [1 - lam - cache_lam, lam, cache_lam]
+    per_token = mix_logprobs(comps, weights).double().numpy()
+    assert len(per_token) == n + 1  # the text's tokens, then the final EOS
+    assert got == pytest.approx(per_token[:n].sum(), rel=1e-5)
+
+
+def test_rolling_uses_sliding_windows_not_quadratic(tiny_lm):
+    model, tok = tiny_lm
+    text = " ".join(d.text for d in make_toy_docs(20, seed=1))
+    n = len(tok.encode(text))
+    lengths: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: lengths.append(kw["input_ids"].numel()), with_kwargs=True)
+    try:
+        lm = MemlmLM(model=model, tokenizer=tok, window=64, min_context=32, batch_size=1)
+        lm.loglikelihood_rolling([_req("loglikelihood_rolling", (text,))])
+    finally:
+        handle.remove()
+    assert max(lengths) <= 64
+    # every token is read at most window / stride = 2 times (plus one window)
+    assert sum(lengths) <= 2 * (n + 1) + 64
+    assert n > model.config.n_positions  # longer than the model can read at once: only windows can score it
+
+
+def test_generate_until_follows_the_datastore_and_stops(tiny_lm, replay_ds):
+    model, tok = tiny_lm
+    lm = MemlmLM(model=model, tokenizer=tok, datastore=replay_ds, lam=1.0, k=1)
+    out = lm.generate_until(
+        [
+            _req("generate_until", ("alpha beta gamma", {"until": [" zeta"], "max_gen_toks": 10})),
+            _req("generate_until", ("alpha beta", {"until": ["\n"], "max_gen_toks": 3})),
+        ]
+    )
+    ids = tok.encode(REPLAY_TEXT)
+    assert out == [" delta epsilon", tok.decode(ids[2:5])]  # stopped at " zeta"; 3 new tokens
+    assert out[1] == " gamma delta e"
+
+
+def test_bad_arguments(tiny_lm, ds):
+    model, tok = tiny_lm
+    with pytest.raises(MemlmError, match="needs a datastore"):
+        MemlmLM(model=model, tokenizer=tok, lam=0.2)
+    with pytest.raises(MemlmError, match="sum to at most 1"):
+        MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.8, cache=True, cache_lambda=0.5)
+    with pytest.raises(MemlmError, match="unknown MemlmLM argument"):
+        MemlmLM(model=model, tokenizer=tok, lamda=0.2)
+    with pytest.raises(MemlmError, match="no tokenizer"):
+        MemlmLM(model=model)
+
+
+def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, capsys):
+    """`memlm lm-eval` runs lm_eval.simple_evaluate on a MemlmLM; word perplexity is lm_eval's definition."""
+    import json
+
+    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+
+    from memlm.cli import main
+    from memlm.corpora import load_documents
+
+    out = tmp_path / "r.json"
+    args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_wikitext2", "--window", "256"]
+    args += ["--min-context", "64", "--samples", '{"memlm_wikitext2": [14]}', "--out", str(out)]
+    assert main(args) == 0
+    record = json.loads(out.read_text())
+    got = record["results"]["memlm_wikitext2"]["word_perplexity,none"]
+    assert record["memlm"]["window"] == 256 and record["memlm"]["lambda"] == 0.0
+    assert "word_perplexity" in capsys.readouterr().out
+    model, tok = tiny_lm
+    lm = MemlmLM(model=model, tokenizer=tok, window=256, min_context=64)
+    page = load_documents("wikitext2", "test")[14].text
+    ll = lm.loglikelihood_rolling([_req("loglikelihood_rolling", (wikitext_detokenizer({"page": page}),))])[0]
+    words = len(re.split(r"\s+", page))  # lm_eval counts words on the raw page
+    assert got == pytest.approx(math.exp(-ll / words), rel=1e-6)
+
+
+def test_cli_lm_eval_errors(tiny_lm_dir, capsys):
+    from memlm.cli import main
+
+    base = ["lm-eval", "--model", str(tiny_lm_dir)]
+    assert main([*base, "--tasks", "memlm_wikitext2", "--samples", "{bad"]) == 2
+    assert "--samples is not valid JSON" in capsys.readouterr().err
+    assert main([*base, "--tasks", "hellaswag_nope"]) == 2
+    assert "unknown lm-eval task" in capsys.readouterr().err
