@@ -264,7 +264,9 @@ def build_datastore(
         atomic_write_json(progress_path, state)
 
     dim = key_dim(model, key)
-    n_total = count_targets(documents, tokenizer)
+    # a shard (memlm.sharded.ShardDocuments) brings its own windows: those of the one-process build for its targets
+    custom = hasattr(documents, "memlm_windows")
+    n_total = documents.memlm_count_targets(tokenizer) if custom else count_targets(documents, tokenizer)
     if n_total == 0:
         progress_path.unlink(missing_ok=True)
         raise MemlmError(f"corpus {source.get('corpus', '')} has no tokens to store; give it some text")
@@ -279,7 +281,10 @@ def build_datastore(
         os.truncate(f, count * width * np.dtype(dtype).itemsize)
         handles[name] = open(f, "ab")
 
-    windows = sliding_windows(tokenize_documents(documents, tokenizer), window, min_context)
+    if custom:
+        windows = documents.memlm_windows(tokenizer, window, min_context)
+    else:
+        windows = sliding_windows(tokenize_documents(documents, tokenizer), window, min_context)
     skip = int(state["windows_done"])
     done_targets = count - base["count"]
     bar = tqdm(

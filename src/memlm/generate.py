@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.keys import KeyCapture
 from memlm.knn import interpolate, knn_distribution
+from memlm.sharded_index import open_index, search_index
 
 __all__ = ["KNNLogitsProcessor"]
 
@@ -40,7 +40,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         self.model = model
         self.datastore = datastore
         self.k, self.lam, self.temperature = k, lam, temperature
-        self.index = index_lib.load_index(datastore.index_path, nprobe=nprobe)
+        self.index = open_index(datastore, nprobe=nprobe)  # a FAISS index, or a sharded datastore's searcher
         self._capture = KeyCapture(model, [datastore.key_spec])
 
     def __enter__(self) -> KNNLogitsProcessor:
@@ -55,7 +55,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         if keys is None:
             raise RuntimeError("KNNLogitsProcessor must be used inside its `with` block")
         query = keys[:, -1].float().cpu().numpy()  # [B, D]: the newest position's context
-        sc, ids = index_lib.search(self.index, query, self.k)
+        sc, ids = search_index(self.index, query, self.k)
         valid = ids >= 0
         values = np.where(valid, self.datastore.values[np.where(valid, ids, 0).ravel()].reshape(ids.shape), -1)
         sc = np.where(valid, sc, -np.inf)
