@@ -197,3 +197,19 @@ def test_eval_takes_a_sharded_datastore_like_a_single_one(tiny_lm, sharded, sing
     np.testing.assert_allclose(a.knn_scores, b.knn_scores, rtol=1e-3, atol=1e-3)
     c = score_tokens(model, tok, eval_docs, opened, search="exact", scores="exact", **kw)
     np.testing.assert_array_equal(c.knn_values, b.knn_values)
+
+
+def test_mmap_index_searches_like_the_loaded_one(tiny_lm, single, tmp_path):
+    from memlm.sharded_index import load_index_mmap, open_index
+
+    build_index(single.keys, tmp_path / "ivf.faiss", factory="IVF4,Flat", progress=False)
+    mapped = load_index_mmap(tmp_path / "ivf.faiss", nprobe=2)
+    lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(mapped).invlists)
+    assert isinstance(lists, faiss.OnDiskInvertedLists)  # the lists stay in the file
+    q = np.asarray(single.keys[:16], np.float32)
+    np.testing.assert_array_equal(search(mapped, q, 5)[1], search(load_index(tmp_path / "ivf.faiss", 2), q, 5)[1])
+    ds = open_datastore(single.path, mmap_index=True)
+    if not ds.index_path.exists():
+        build_index(single.keys, single.index_path, factory="Flat", progress=False)
+    flat = open_index(ds)
+    np.testing.assert_array_equal(search(flat, q, 5)[1], search(load_index(single.index_path), q, 5)[1])

@@ -166,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.keys import KeySpec
     from memlm.sharded import open_datastore
 
-    ds = open_datastore(args.datastore, ray=args.ray) if args.datastore else None
+    ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
     model, tok = _load_model(model_name, args.dtype)
     if ds is not None:
@@ -963,6 +963,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dump", default=None, help="write per-token scores (.npz) for memlm tune")
     e.add_argument("--json", default=None, help="write the results as JSON")
     _add_ray(e, "search a sharded datastore with one Ray actor per shard (default: threads in this process)")
+    e.add_argument(
+        "--mmap-index",
+        action="store_true",
+        help="memory-map the index instead of reading it into RAM (larger-than-RAM datastores; sharded: always)",
+    )
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")

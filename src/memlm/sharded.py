@@ -494,8 +494,16 @@ class ShardedDatastore:
         return ShardedSearcher.open(self, index_path, nprobe=nprobe, ray=self.ray)
 
 
-def open_datastore(path: str | Path, verify: bool = False, ray: str | None = None) -> Datastore | ShardedDatastore:
-    """Open a datastore folder of either kind: :class:`ShardedDatastore` when it holds ``shards.json``."""
+def open_datastore(
+    path: str | Path, verify: bool = False, ray: str | None = None, mmap_index: bool = False
+) -> Datastore | ShardedDatastore:
+    """Open a datastore folder of either kind: :class:`ShardedDatastore` when it holds ``shards.json``.
+
+    ``ray``: search a sharded datastore with Ray actors. ``mmap_index``: memory-map a single datastore's index when
+    evaluating (:func:`memlm.sharded_index.open_index`; sharded indexes always are).
+    """
     if is_sharded(path):
         return ShardedDatastore.open(path, verify=verify, ray=ray)
-    return Datastore.open(path, verify=verify)
+    ds = Datastore.open(path, verify=verify)
+    ds.mmap_index = mmap_index  # type: ignore[attr-defined]  # read by memlm.sharded_index.open_index
+    return ds

@@ -331,11 +331,18 @@ class ShardedSearcher:
 
 
 def open_index(datastore, index_path: str | Path | None = None, nprobe: int = 32):
-    """The index a datastore is searched with: a FAISS index (one datastore) or a :class:`ShardedSearcher`."""
+    """The index a datastore is searched with: a FAISS index (one datastore) or a :class:`ShardedSearcher`.
+
+    A datastore opened with ``open_datastore(path, mmap_index=True)`` (``memlm eval --mmap-index``) gets its index
+    memory-mapped (:func:`load_index_mmap`) instead of read into RAM; a sharded datastore's always is.
+    """
     loader = getattr(datastore, "load_searcher", None)
     if loader is not None:
         return loader(index_path, nprobe)
-    return index_lib.load_index(index_path if index_path is not None else datastore.index_path, nprobe=nprobe)
+    path = index_path if index_path is not None else datastore.index_path
+    if getattr(datastore, "mmap_index", False):
+        return load_index_mmap(path, nprobe)
+    return index_lib.load_index(path, nprobe=nprobe)
 
 
 def search_index(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
