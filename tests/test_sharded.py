@@ -213,3 +213,14 @@ def test_mmap_index_searches_like_the_loaded_one(tiny_lm, single, tmp_path):
         build_index(single.keys, single.index_path, factory="Flat", progress=False)
     flat = open_index(ds)
     np.testing.assert_array_equal(search(flat, q, 5)[1], search(load_index(single.index_path), q, 5)[1])
+
+
+def test_faiss_gpu_detection_on_a_cpu_build():
+    from memlm.sharded_index import faiss_gpus, to_gpu_if_available
+
+    index = faiss.IndexFlatL2(4)
+    if faiss_gpus() == 0:  # the CPU wheel: auto keeps the CPU index, an explicit cuda request is refused clearly
+        assert to_gpu_if_available(index, "auto") is index
+        with pytest.raises(MemlmError, match="faiss-gpu"):
+            to_gpu_if_available(index, "cuda")
+    assert to_gpu_if_available(index, "cpu") is index

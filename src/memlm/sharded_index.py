@@ -42,6 +42,8 @@ from memlm.errors import MemlmError
 
 __all__ = [
     "ShardedSearcher",
+    "faiss_gpus",
+    "to_gpu_if_available",
     "build_sharded_index",
     "index_metric_of",
     "load_index_mmap",
@@ -190,6 +192,30 @@ def build_sharded_index(
 # ------------------------------------------------------------------------------------------------------- search
 
 
+def faiss_gpus() -> int:
+    """GPUs FAISS can use here: 0 with the CPU wheel (``faiss-cpu``), else ``faiss.get_num_gpus()``."""
+    get = getattr(faiss, "get_num_gpus", None)
+    try:
+        return int(get()) if get is not None and hasattr(faiss, "StandardGpuResources") else 0
+    except RuntimeError:
+        return 0
+
+
+def to_gpu_if_available(index: faiss.Index, device: str = "auto") -> faiss.Index:
+    """``index`` copied to all GPUs when ``device`` is ``auto``/``cuda`` and a GPU FAISS build sees one, else as is.
+
+    (Untested here: the machines this was written on have no GPU and the CPU wheel; with ``device="cuda"`` and no GPU
+    FAISS a :class:`MemlmError` says so.)
+    """
+    if device == "cpu":
+        return index
+    if faiss_gpus() == 0:
+        if device.startswith("cuda"):
+            raise MemlmError("--device cuda for search needs a GPU build of FAISS (faiss-gpu) and a GPU; use cpu")
+        return index
+    return faiss.index_cpu_to_all_gpus(index)
+
+
 def set_nprobe(index: faiss.Index, nprobe: int) -> None:
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
@@ -247,7 +273,9 @@ class ShardedSearcher:
     is the index's (``l2`` / ``ip``). Close it (or use ``with``) to stop its Ray actors.
     """
 
-    def __init__(self, description: dict[str, Any], folder: Path, nprobe: int, ray: str | None, workers: int):
+    def __init__(
+        self, description: dict[str, Any], folder: Path, nprobe: int, ray: str | None, workers: int, device: str = "cpu"
+    ):
         self.description = description
         self.metric: str = description["metric"]
         self.ntotal = int(description["n"])
@@ -261,15 +289,22 @@ class ShardedSearcher:
 
             self.pool = ShardActorPool(ray, self.paths, self.offsets, nprobe)
         else:
-            self.indexes = [load_index_mmap(p, nprobe) for p in self.paths]
+            self.indexes = [to_gpu_if_available(load_index_mmap(p, nprobe), device) for p in self.paths]
             self.executor = ThreadPoolExecutor(max_workers=max(1, workers)) if workers > 1 else None
 
     @classmethod
     def open(
-        cls, datastore, index_path: str | Path | None = None, nprobe: int = 32, ray: str | None = None, workers: int = 1
+        cls,
+        datastore,
+        index_path: str | Path | None = None,
+        nprobe: int = 32,
+        ray: str | None = None,
+        workers: int = 1,
+        device: str = "cpu",
     ) -> ShardedSearcher:
         """The searcher of ``datastore``'s sharded index ``index_path`` (default ``index.faiss``: its description
-        is ``index.faiss.json`` in the datastore folder)."""
+        is ``index.faiss.json`` in the datastore folder). ``workers`` threads search shards at once; ``device``
+        ``auto``/``cuda`` moves the shard indexes to the GPUs of a GPU FAISS build (:func:`to_gpu_if_available`)."""
         path = Path(index_path) if index_path is not None else datastore.index_path
         description = index_lib.read_index_meta(path)
         if not description or not description.get("sharded"):
@@ -279,7 +314,7 @@ class ShardedSearcher:
             )
         if description["n"] != len(datastore) or description["offsets"] != [int(o) for o in datastore.offsets]:
             raise MemlmError(f"sharded index {path} does not match {datastore.path}'s shards; rebuild it")
-        return cls(description, path.parent, nprobe, ray, workers)
+        return cls(description, path.parent, nprobe, ray, workers, device)
 
     def set_nprobe(self, nprobe: int) -> None:
         if self.pool is not None:
