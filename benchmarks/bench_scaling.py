@@ -43,6 +43,17 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _rss_parts_mib() -> dict[str, float]:
+    """Resident memory now, split (Linux /proc/self/status): anonymous (heap: grows only with what is loaded) and
+    file-backed (pages of memory-mapped files: page cache the kernel can drop under memory pressure)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[name + "_mib"] = int(rest.split()[0]) / 1024
+    return out
+
+
 def _machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": os.getloadavg()}
 
@@ -73,7 +84,7 @@ def child_build(a: argparse.Namespace) -> None:
     torch.set_num_threads(2)
     model, tok = load_causal_lm("smollm2-135m", dtype=a.dtype)
     docs, source = _documents("wiki", "train", tok, a.max_tokens)
-    out = WORK / f"build-{a.config}"
+    out = WORK / (a.out or f"build-{a.config}")
     t0 = time.perf_counter()
     if a.config == "inprocess":
         ds = build_sharded(model, docs, out, 1, tokenizer=tok, source=source, progress=False)
@@ -87,31 +98,43 @@ def child_build(a: argparse.Namespace) -> None:
 
 
 def cmd_build(a: argparse.Namespace) -> None:
+    """Each config ``repeats`` times, interleaved (a, b, a, b, ...) so that drifting load hits all configs alike."""
+    import shutil
+
     rows = []
-    for config in ("inprocess", "ray-1x2", "ray-2x1"):
-        r = _run_child(["child-build", "--config", config, "--max-tokens", str(a.max_tokens), "--dtype", a.dtype])
-        r["entries_per_s_wall"] = r["entries"] / r["wall_seconds"]
-        r["entries_per_s_per_worker"] = [s["count"] / s["build_seconds"] for s in r["shards"]]
-        rows.append(r)
-        print(json.dumps(r), file=sys.stderr)
-    base = {r["config"]: r["entries_per_s_wall"] for r in rows}
+    for rep in range(a.repeats):
+        for config in a.configs:
+            out = f"build-{config}" if config == "inprocess" else f"build-{config}-{rep}"
+            r = _run_child(["child-build", "--config", config, "--max-tokens", str(a.max_tokens), "--dtype", a.dtype,
+                            "--out", out])  # fmt: skip
+            r.update(repeat=rep, loadavg_after=os.getloadavg())
+            r["entries_per_s_wall"] = r["entries"] / r["wall_seconds"]
+            r["entries_per_s_per_worker"] = [s["count"] / s["build_seconds"] for s in r["shards"]]
+            rows.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            if config != "inprocess":
+                shutil.rmtree(WORK / out)
+    mean = {c: float(np.mean([r["entries_per_s_wall"] for r in rows if r["config"] == c])) for c in a.configs}
     _write(
-        "build.json",
+        a.json,
         {
             "what": "SmolLM2-135M datastore of wiki/train, window 1024, min_context 512, batch 4, key ffn_in@29",
             "dtype": a.dtype,
             "max_tokens": a.max_tokens,
             "machine": _machine(),
-            "note": "2-core machine shared with other jobs; wall includes Ray start and per-worker model load",
+            "note": "2-core machine shared with other jobs (see loadavg); wall includes Ray start and model loads",
             "configs": {
                 "inprocess": "build_sharded in-process, 1 shard, torch 2 threads",
                 "ray-1x2": "Ray local cluster, 2 shards, tasks of 2 CPUs (one at a time), torch 2 threads",
                 "ray-2x1": "Ray local cluster, 2 shards, tasks of 1 CPU (two at once), torch 1 thread each",
             },
             "rows": rows,
-            "ratio_2workers_vs_1worker_wall": base["ray-2x1"] / base["ray-1x2"],
+            "mean_entries_per_s_wall": mean,
+            "ratio_2workers_vs_1worker_wall": (
+                mean["ray-2x1"] / mean["ray-1x2"] if {"ray-2x1", "ray-1x2"} <= set(mean) else None
+            ),
             "command": f"PYTHONPATH=src python benchmarks/bench_scaling.py build --max-tokens {a.max_tokens} "
-            f"--dtype {a.dtype}",
+            f"--dtype {a.dtype} --configs {' '.join(a.configs)} --repeats {a.repeats} --json {a.json}",
         },
     )
 
@@ -136,6 +159,7 @@ def cmd_synth(a: argparse.Namespace) -> None:
     keys = np.asarray(real.keys[:], dtype=np.float64)
     mean, cov = keys.mean(0), np.cov(keys, rowvar=False)
     chol = np.linalg.cholesky(cov + 1e-6 * np.eye(len(mean)) * np.trace(cov) / len(mean))
+    mean32, chol32 = mean.astype(np.float32), chol.astype(np.float32)
     values = np.asarray(real.values[:])
     d = real.dim
     info = []
@@ -152,8 +176,8 @@ def cmd_synth(a: argparse.Namespace) -> None:
             folder.mkdir(parents=True, exist_ok=True)
             with open(folder / "keys.bin", "wb") as f:
                 for c in range(0, m, 200_000):
-                    z = rng.standard_normal((min(200_000, m - c), d))
-                    f.write((mean + z @ chol.T).astype(np.float16).tobytes())
+                    z = rng.standard_normal((min(200_000, m - c), d), dtype=np.float32)
+                    f.write((mean32 + z @ chol32.T).astype(np.float16).tobytes())
             rng.choice(values, m).astype(np.int32).tofile(folder / "values.bin")
             rng.integers(-(2**62), 2**62, m, dtype=np.int64).tofile(folder / "doc_hash.bin")
             (np.arange(m) % 1000).astype(np.int32).tofile(folder / "offset.bin")
@@ -232,10 +256,10 @@ def child_search(a: argparse.Namespace) -> None:
         )
     elif a.mode == "single":  # one index over all entries with the same trained quantizer, in RAM
         path = WORK / f"synth-{a.size}-single.faiss"
-        if not path.exists():
+        if not path.exists():  # the shards' inverted lists merged into one index (ids shifted by the offsets)
             one = faiss.read_index(str(ds.path / "index.faiss.trained"))
-            for c in range(0, len(ds), 100_000):
-                one.add(np.asarray(ds.keys[c : c + 100_000], dtype=np.float32))
+            for s, o in zip(ds.shards, ds.offsets, strict=True):
+                one.merge_from(faiss.read_index(str(s.path / "index.faiss")), int(o))
             faiss.write_index(one, str(path))
             del one
         index = index_lib.load_index(path, nprobe=a.nprobe)
@@ -253,6 +277,7 @@ def child_search(a: argparse.Namespace) -> None:
         nprobe=a.nprobe,
         qps=len(q) / (t2 - t1),
         peak_rss_mib=_peak_rss_mib(),
+        **_rss_parts_mib(),
     )
     print(json.dumps(res))
 
@@ -307,15 +332,38 @@ def cmd_eval(a: argparse.Namespace) -> None:
     rows = []
     for n in a.sizes:
         for target, label in ((WORK / f"synth-{n}", "sharded-mmap"),):
-            cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "memlm.cli", "eval", "--model", "smollm2-135m",
-                   "--dtype", a.dtype, "--corpus", "wiki", "--split", "valid", "--max-tokens", str(a.tokens),
-                   "--datastore", str(target), "--k", "1024", "--nprobe", "32"]  # fmt: skip
+            argv = [
+                "eval",
+                "--model",
+                "smollm2-135m",
+                "--dtype",
+                a.dtype,
+                "--corpus",
+                "wiki",
+                "--split",
+                "valid",
+                "--max-tokens",
+                str(a.tokens),
+                "--datastore",
+                str(target),
+                "--k",
+                "1024",
+                "--nprobe",
+                "32",
+            ]
+            code = (
+                f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_scaling as b; "
+                f"from memlm.cli import main; rc = main({argv!r}); "
+                "print(json.dumps({'rc': rc, 'peak_rss_mib': b._peak_rss_mib(), **b._rss_parts_mib()}))"
+            )
+            # fmt: skip
             t0 = time.perf_counter()
-            out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
             if out.returncode != 0:
                 raise RuntimeError(out.stderr[-3000:])
-            rss = next(int(x.split()[-1]) for x in out.stderr.splitlines() if "Maximum resident set size" in x)
-            rows.append({"size": n, "mode": label, "peak_rss_mib": rss / 1024, "seconds": time.perf_counter() - t0})
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            ppl = [x for x in out.stdout.splitlines() if x.startswith(("base_ppl", "knn_ppl", "tokens"))]
+            rows.append({"size": n, "mode": label, **res, "seconds": time.perf_counter() - t0, "printed": ppl})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     _write(
         "eval.json",
@@ -368,10 +416,14 @@ def main() -> None:
     b = sub.add_parser("build")
     b.add_argument("--max-tokens", type=int, default=16000)
     b.add_argument("--dtype", default="bfloat16")
+    b.add_argument("--configs", nargs="+", default=["inprocess", "ray-1x2", "ray-2x1"])
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--json", default="build.json")
     cb = sub.add_parser("child-build")
     cb.add_argument("--config", required=True)
     cb.add_argument("--max-tokens", type=int, required=True)
     cb.add_argument("--dtype", default="bfloat16")
+    cb.add_argument("--out", default=None)
     s = sub.add_parser("synth")
     s.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000])
     s.add_argument("--factory", default="IVF1024,PQ64")

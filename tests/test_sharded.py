@@ -224,3 +224,22 @@ def test_faiss_gpu_detection_on_a_cpu_build():
         with pytest.raises(MemlmError, match="faiss-gpu"):
             to_gpu_if_available(index, "cuda")
     assert to_gpu_if_available(index, "cpu") is index
+
+
+def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single):
+    import torch
+
+    from memlm.generate import KNNLogitsProcessor
+
+    model, tok = tiny_lm
+    build_sharded_index(sharded, factory="Flat", progress=False)
+    if not single.index_path.exists():
+        build_index(single.keys, single.index_path, factory="Flat", progress=False)
+    ids = tok("the cat sat on the", return_tensors="pt")["input_ids"]
+    outs = []
+    for ds in (open_datastore(sharded.path), single):
+        with KNNLogitsProcessor(model, ds, k=8, lam=0.5) as knn, torch.no_grad():
+            logits = model(ids).logits[:, -1]
+            outs.append(knn(ids, logits))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(outs[0], torch.log_softmax(logits, -1))  # the datastore changed the distribution
