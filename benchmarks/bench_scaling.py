@@ -231,7 +231,7 @@ def child_search(a: argparse.Namespace) -> None:
 
     from memlm import index as index_lib
     from memlm.sharded import ShardedDatastore
-    from memlm.sharded_index import ShardedSearcher, merge_topk, search_with_offset
+    from memlm.sharded_index import ShardedSearcher, coarse_assign, merge_topk, search_with_offset
 
     faiss.omp_set_num_threads(2)
     q = _queries(a.queries)
@@ -251,8 +251,9 @@ def child_search(a: argparse.Namespace) -> None:
     elif a.mode == "ram":
         indexes = [index_lib.load_index(s.path / "index.faiss", nprobe=a.nprobe) for s in ds.shards]
         t1 = time.perf_counter()
+        assigned = coarse_assign(indexes[0], q)  # as ShardedSearcher: one coarse search for both shards
         sc, ids = merge_topk(
-            [search_with_offset(ix, q, a.k, int(o)) for ix, o in zip(indexes, ds.offsets, strict=True)], a.k
+            [search_with_offset(ix, q, a.k, int(o), assigned) for ix, o in zip(indexes, ds.offsets, strict=True)], a.k
         )
     elif a.mode == "single":  # one index over all entries with the same trained quantizer, in RAM
         path = WORK / f"synth-{a.size}-single.faiss"
@@ -305,7 +306,7 @@ def cmd_search(a: argparse.Namespace) -> None:
                         np.mean(np.load(WORK / f"ids-{n}-{r['mode']}.npy") == np.load(ref))
                     )
     _write(
-        "search.json",
+        a.json,
         {
             "what": "4096 real SmolLM2 keys as queries against synthetic sharded datastores (2 shards), k=1024; peak "
             "RSS (ru_maxrss) of a fresh process that opens the datastore, loads the index and searches once",
@@ -320,7 +321,8 @@ def cmd_search(a: argparse.Namespace) -> None:
             "machine": _machine(),
             "rows": rows,
             "command": "PYTHONPATH=src python benchmarks/bench_scaling.py search --sizes "
-            + " ".join(map(str, a.sizes)),
+            + " ".join(map(str, a.sizes))
+            + f" --json {a.json}",
         },
     )
 
@@ -431,6 +433,7 @@ def main() -> None:
     se = sub.add_parser("search")
     se.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000])
     se.add_argument("--modes", nargs="+", default=["single", "mmap", "mmap-threads2", "ram", "ray"])
+    se.add_argument("--json", default="search.json")
     for q in (se, cs := sub.add_parser("child-search")):
         q.add_argument("--k", type=int, default=1024)
         q.add_argument("--nprobe", type=int, default=32)
