@@ -231,7 +231,7 @@ def child_search(a: argparse.Namespace) -> None:
 
     from memlm import index as index_lib
     from memlm.sharded import ShardedDatastore
-    from memlm.sharded_index import ShardedSearcher, coarse_assign, merge_topk, search_with_offset
+    from memlm.sharded_index import ShardedSearcher, merge_topk, search_with_offset
 
     faiss.omp_set_num_threads(2)
     q = _queries(a.queries)
@@ -251,9 +251,8 @@ def child_search(a: argparse.Namespace) -> None:
     elif a.mode == "ram":
         indexes = [index_lib.load_index(s.path / "index.faiss", nprobe=a.nprobe) for s in ds.shards]
         t1 = time.perf_counter()
-        assigned = coarse_assign(indexes[0], q)  # as ShardedSearcher: one coarse search for both shards
         sc, ids = merge_topk(
-            [search_with_offset(ix, q, a.k, int(o), assigned) for ix, o in zip(indexes, ds.offsets, strict=True)], a.k
+            [search_with_offset(ix, q, a.k, int(o)) for ix, o in zip(indexes, ds.offsets, strict=True)], a.k
         )
     elif a.mode == "single":  # one index over all entries with the same trained quantizer, in RAM
         path = WORK / f"synth-{a.size}-single.faiss"

@@ -314,6 +314,7 @@ def build_sharded(
                 from memlm.resources import load_causal_lm
 
                 model, tokenizer = load_causal_lm(model, dtype=dtype)
+            if device != "cpu":
                 model.to(device)
             for p in todo:
                 build_shard(model, tokenizer, documents, out, p, key, window, min_context, batch_size, source, progress)

@@ -246,39 +246,9 @@ def load_index_mmap(path: str | os.PathLike[str], nprobe: int = 32) -> faiss.Ind
     return index
 
 
-def _plain_ivf(index: faiss.Index) -> bool:
-    """An IVF index searched directly (no pre-transform or refine around it): ``search_preassigned`` applies."""
-    return isinstance(faiss.downcast_index(index), faiss.IndexIVF)
-
-
-def coarse_assign(index: faiss.Index, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(distances, lists)`` of the ``nprobe`` nearest IVF lists of each query (``index``: :func:`_plain_ivf`).
-    Shards that share one trained quantizer share these, computed once per query."""
-    ivf = faiss.extract_index_ivf(index)
-    return ivf.quantizer.search(np.ascontiguousarray(queries, dtype=np.float32), int(ivf.nprobe))
-
-
-def search_with_offset(
-    index: faiss.Index,
-    queries: np.ndarray,
-    k: int,
-    offset: int,
-    assigned: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`memlm.index.search` with valid ids shifted by ``offset`` (a shard's first global id).
-
-    ``assigned`` (from :func:`coarse_assign` on an index with the same quantizer) skips this shard's own coarse search
-    (FAISS ``search_preassigned``): same result, the quantizer's cost paid once for all shards.
-    """
-    if assigned is None:
-        scores, ids = index_lib.search(index, queries, k)
-    else:
-        q = np.ascontiguousarray(queries, dtype=np.float32)
-        kk = min(k, int(index.ntotal))
-        if kk == 0:
-            return np.full((len(q), k), -np.inf, np.float32), np.full((len(q), k), -1, np.int64)
-        dist, ids = faiss.extract_index_ivf(index).search_preassigned(q, kk, assigned[1], assigned[0])
-        scores, ids = index_lib._to_similarities(dist, ids, index.metric_type == faiss.METRIC_L2, k)
+def search_with_offset(index: faiss.Index, queries: np.ndarray, k: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`memlm.index.search` with valid ids shifted by ``offset`` (a shard's first global id)."""
+    scores, ids = index_lib.search(index, queries, k)
     if offset:
         ids = np.where(ids >= 0, ids + offset, ids)
     return scores, ids
@@ -329,10 +299,6 @@ class ShardedSearcher:
             self.pool = ShardActorPool(ray, self.paths, self.offsets, nprobe)
         else:
             self.indexes = [to_gpu_if_available(load_index_mmap(p, nprobe), device) for p in self.paths]
-            # preassigned search on CPU IVF shards trained from one file (GPU indexes search on their own)
-            self.shared_quantizer = bool(description.get("trained_sha256")) and all(
-                _plain_ivf(ix) for ix in self.indexes
-            )
             self.executor = ThreadPoolExecutor(max_workers=max(1, workers)) if workers > 1 else None
 
     @classmethod
@@ -375,19 +341,15 @@ class ShardedSearcher:
         if self.pool is not None:
             parts = self.pool.search(q, k)
             return merge_topk(parts, k)
-        # the shards share one trained quantizer (same trained_sha256): assign the queries to lists once
-        assigned = coarse_assign(self.indexes[0], q) if self.shared_quantizer else None
         if self.executor is not None:
             parts = list(
                 self.executor.map(
-                    lambda j: search_with_offset(self.indexes[j], q, k, self.offsets[j], assigned),
+                    lambda j: search_with_offset(self.indexes[j], q, k, self.offsets[j]),
                     range(len(self.indexes)),
                 )
             )
         else:
-            parts = [
-                search_with_offset(ix, q, k, o, assigned) for ix, o in zip(self.indexes, self.offsets, strict=True)
-            ]
+            parts = [search_with_offset(ix, q, k, o) for ix, o in zip(self.indexes, self.offsets, strict=True)]
         return merge_topk(parts, k)
 
     def close(self) -> None:
