@@ -367,13 +367,15 @@ def cmd_eval(a: argparse.Namespace) -> None:
             rows.append({"size": n, "mode": label, **res, "seconds": time.perf_counter() - t0, "printed": ppl})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     _write(
-        "eval.json",
+        a.json,
         {
             "what": f"peak RSS of `memlm eval` (SmolLM2-135M {a.dtype}, wiki/valid first {a.tokens} tokens, k=1024, "
             "nprobe 32) with synthetic sharded datastores: keys memory-mapped, shard indexes memory-mapped",
             "machine": _machine(),
             "rows": rows,
-            "command": "PYTHONPATH=src python benchmarks/bench_scaling.py eval --sizes " + " ".join(map(str, a.sizes)),
+            "command": "PYTHONPATH=src python benchmarks/bench_scaling.py eval --sizes "
+            + " ".join(map(str, a.sizes))
+            + f" --json {a.json}",
         },
     )
 
@@ -443,6 +445,7 @@ def main() -> None:
     e.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000])
     e.add_argument("--tokens", type=int, default=1024)
     e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--json", default="eval.json")
     pl = sub.add_parser("plan")
     pl.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000, 100_000_000, 10**9])
     pl.add_argument("--d", type=int, default=576)

@@ -60,12 +60,10 @@ def search() -> None:
 
 
 def evaluation() -> None:
-    d = _load("eval.json")
-    if not d:
-        return
+    rows = [r for name in ("eval.json", "eval_3m.json") if (d := _load(name)) for r in d["rows"]]
     print("| entries | peak RSS MiB | RSS at exit: anon MiB | file MiB | seconds |")
     print("|---:|---:|---:|---:|---:|")
-    for r in d["rows"]:
+    for r in rows:
         print(
             f"| {r['size']:,} | {r['peak_rss_mib']:.0f} | {r['RssAnon_mib']:.0f} | {r['RssFile_mib']:.0f} | "
             f"{r['seconds']:.0f} |"
