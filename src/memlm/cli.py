@@ -76,8 +76,12 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
     from memlm.keys import KeySpec
     from memlm.locking import folder_lock
 
+    if args.shards is not None or args.ray is not None:
+        return _build_sharded(args)
     key = KeySpec.parse(args.key)
     model, tok = _load_model(args.model, args.dtype)
+    if args.device != "cpu":
+        model.to(args.device)
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
     with folder_lock(args.out, "build a datastore"):  # held through the index build too
         ds = build_datastore(
@@ -118,19 +122,60 @@ def _ensure_index(ds, factory: str | None, metric: str) -> None:
     print(f"index {ds.index_path} already built ({meta['factory']}, {metric})", file=sys.stderr)
 
 
-def _build_index(ds, factory: str | None, metric: str, train_size: int | None) -> None:
+def _build_sharded(args: argparse.Namespace) -> None:
+    """``datastore build --shards N [--ray ADDRESS|local]``: memlm.sharded.build_sharded (+ the sharded index)."""
+    from memlm.keys import KeySpec
+    from memlm.sharded import build_sharded
+
+    model, tok = _load_model(args.model, "float32" if args.ray else args.dtype)  # Ray workers load their own
+    docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
+    ds = build_sharded(
+        args.model if args.ray else model,
+        docs,
+        args.out,
+        args.shards or 1,
+        tokenizer=tok,
+        key=KeySpec.parse(args.key),
+        window=args.window,
+        min_context=args.min_context,
+        batch_size=args.batch_size,
+        source=source,
+        ray=args.ray,
+        dtype=args.dtype,
+        device=args.device,
+        cpus_per_worker=args.cpus_per_worker,
+    )
+    print(f"sharded datastore {ds.path}: {len(ds)} entries in {len(ds.shards)} shards, key {ds.key_spec.describe()}")
+    if args.index and not (ds.path / "index.faiss.json").exists():
+        _build_index(ds, args.factory, args.metric, None, ray=args.ray)
+
+
+def _build_index(ds, factory: str | None, metric: str, train_size: int | None, ray: str | None = None) -> None:
     from memlm.index import read_index_meta
+
+    if hasattr(ds, "shards"):  # a sharded datastore: train once, one index per shard
+        from memlm.sharded_index import build_sharded_index
+
+        desc = build_sharded_index(ds, factory=factory, metric=metric, train_size=train_size, ray=ray)
+        print(f"sharded index {ds.index_path}.json ({desc['factory']}, {metric}, {len(desc['shards'])} shards)")
+        return
 
     ds.build_index(factory=factory, metric=metric, train_size=train_size)  # prints its plan
     print(f"index {ds.index_path} ({read_index_meta(ds.index_path)['factory']}, {metric})")
 
 
 def cmd_datastore_info(args: argparse.Namespace) -> None:
-    from memlm.datastore import Datastore
     from memlm.index import read_index_meta
+    from memlm.sharded import open_datastore
 
-    ds = Datastore.open(args.dir, verify=args.verify)
+    ds = open_datastore(args.dir, verify=args.verify)
     m = ds.manifest
+    if hasattr(ds, "shards"):  # a sharded datastore: its manifest lists the shards (each a datastore)
+        keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "sharded")
+        print(json.dumps({k: m[k] for k in keys if k in m}, indent=2))
+        if args.verify:
+            print(f"checksums OK ({ds.checksum()[:16]}): every shard's manifest, sizes and full SHA-256")
+        return
     info = {k: m[k] for k in ("model", "tokenizer", "key", "count", "window", "min_context", "sources") if k in m}
     info["build_id"] = m.get("build_id")
     problem = ds.index_problem()
@@ -152,20 +197,20 @@ def cmd_datastore_info(args: argparse.Namespace) -> None:
 
 
 def cmd_index_build(args: argparse.Namespace) -> None:
-    from memlm.datastore import Datastore
     from memlm.locking import folder_lock
+    from memlm.sharded import open_datastore
 
-    Datastore.open(args.dir)  # a clear error before the folder is touched
+    open_datastore(args.dir)  # a clear error before the folder is touched
     with folder_lock(args.dir, "build an index"):
-        _build_index(Datastore.open(args.dir), args.factory, args.metric, args.train_size)
+        _build_index(open_datastore(args.dir), args.factory, args.metric, args.train_size, ray=args.ray)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.datastore import Datastore
     from memlm.evaluate import perplexities, score_tokens
     from memlm.keys import KeySpec
+    from memlm.sharded import open_datastore
 
-    ds = Datastore.open(args.datastore) if args.datastore else None
+    ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
     model, tok = _load_model(model_name, args.dtype)
     if ds is not None:
@@ -250,10 +295,10 @@ def cmd_tune(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from memlm.datastore import Datastore
     from memlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
+    from memlm.sharded import open_datastore
 
-    ds = Datastore.open(args.datastore)
+    ds = open_datastore(args.datastore, ray=args.ray)
     model, tok = _load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
     ds.check_compatible(model, tok)
     torch.manual_seed(args.seed)
@@ -836,6 +881,12 @@ def _add_corpus(p: argparse.ArgumentParser, split: str) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="use only the leading documents up to this many tokens")
 
 
+def _add_ray(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--ray", default=None, metavar="ADDRESS", help=f"{what}: 'local' starts a local Ray cluster, else its address"
+    )
+
+
 def _add_windows(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=1024, help="tokens per forward window (default 1024)")
     p.add_argument(
@@ -1010,6 +1061,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-index", dest="index", action="store_false", help="do not build the FAISS index afterwards")
     b.add_argument("--factory", default=None, help="FAISS factory string (default: chosen from the datastore size)")
     b.add_argument("--metric", default="l2", choices=["l2", "ip"])
+    b.add_argument("--device", default="cpu", help="where the forward pass runs: cpu, cuda, cuda:N (default cpu)")
+    b.add_argument(
+        "--shards", type=int, default=None, help="split the corpus by documents into N shards (docs/SCALING.md)"
+    )
+    _add_ray(b, "build the shards as Ray tasks")
+    b.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs (torch threads) per Ray build task")
     b.set_defaults(func=cmd_datastore_build)
     i = ds.add_parser("info", help="print a datastore's manifest")
     i.add_argument("dir")
@@ -1027,6 +1084,7 @@ def build_parser() -> argparse.ArgumentParser:
     ib.add_argument("--factory", default=None, help="FAISS factory string, e.g. Flat, IVF4096,PQ64, HNSW32")
     ib.add_argument("--metric", default="l2", choices=["l2", "ip"])
     ib.add_argument("--train-size", type=int, default=None)
+    _add_ray(ib, "fill a sharded datastore's shard indexes as Ray tasks")
     ib.set_defaults(func=cmd_index_build)
 
     e = sub.add_parser("eval", help="perplexity of the LM and of the kNN-LM on a corpus split")
@@ -1060,6 +1118,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="write the results as (strict) JSON; knn_only_ppl is null when some target is never retrieved (infinite)",
     )
+    _add_ray(e, "search a sharded datastore with one Ray actor per shard (default: threads in this process)")
+    e.add_argument(
+        "--mmap-index",
+        action="store_true",
+        help="memory-map the index instead of reading it into RAM (larger-than-RAM datastores; sharded: always)",
+    )
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
@@ -1090,6 +1154,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="print under each generated token the N nearest datastore entries with their source text",
     )
+    _add_ray(g, "search a sharded datastore with one Ray actor per shard")
     g.set_defaults(func=cmd_generate)
 
     le = sub.add_parser(

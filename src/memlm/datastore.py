@@ -520,7 +520,13 @@ def _build_locked(
         atomic_write_json(progress_path, state)
 
     dim = key_dim(model, key)
-    n_total = count_targets(documents, tokenizer, window, stride, block_start or "skip")
+    # a shard (memlm.sharded.ShardDocuments) brings its own windows: those of the one-process build for its targets
+    custom = hasattr(documents, "memlm_windows")
+    n_total = (
+        documents.memlm_count_targets(tokenizer)
+        if custom
+        else count_targets(documents, tokenizer, window, stride, block_start or "skip")
+    )
     if n_total == 0:
         if base["count"] == 0:
             progress_path.unlink(missing_ok=True)
@@ -590,13 +596,16 @@ def _write_entries(
             handles[name] = open(current, "ab")
 
         bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        windows = sliding_windows(
-            tokenize_documents(documents, tokenizer),
-            window,
-            stride=stride,
-            block_start=block_start or "skip",
-            bos_id=bos_id,
-        )
+        if hasattr(documents, "memlm_windows"):  # a shard of a sharded build (memlm.sharded)
+            windows = documents.memlm_windows(tokenizer, window, window - stride)
+        else:
+            windows = sliding_windows(
+                tokenize_documents(documents, tokenizer),
+                window,
+                stride=stride,
+                block_start=block_start or "skip",
+                bos_id=bos_id,
+            )
         skip = int(state["windows_done"])
         done_targets = count - base["count"]
         bar = tqdm(

@@ -36,6 +36,7 @@ from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
 from memlm.knn import knn_target_logprob, mix_logprobs
 from memlm.memories import continuous_cache
+from memlm.sharded_index import index_metric_of, open_index, search_index
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
 __all__ = [
@@ -127,7 +128,7 @@ class TokenScores:
 def datastore_metric(datastore: Datastore, index=None) -> str:
     """The similarity of a datastore's index (``l2`` when it has no index yet)."""
     if index is not None:
-        return index_lib.index_metric(index)
+        return index_metric_of(index)
     meta = index_lib.read_index_meta(datastore.index_path)
     return meta["metric"] if meta else "l2"
 
@@ -157,14 +158,14 @@ def retrieve(
     if search not in ("index", "exact") or scores not in ("index", "exact"):
         raise MemlmError("search and scores must each be 'index' or 'exact'")
     if index is None and search == "index":
-        index = index_lib.load_index(datastore.index_path)
+        index = open_index(datastore)
     metric = metric or datastore_metric(datastore, index)
     out_s = np.empty((len(queries), k), dtype=np.float32)
     out_i = np.empty((len(queries), k), dtype=np.int64)
     for s in tqdm(range(0, len(queries), chunk), desc="search", unit="chunk", disable=not progress, leave=False):
         q = np.ascontiguousarray(queries[s : s + chunk], dtype=np.float32)
         if search == "index":
-            sc, ids = index_lib.search(index, q, k)
+            sc, ids = search_index(index, q, k)  # a FAISS index, or a sharded datastore's searcher
         else:
             sc, ids = index_lib.exact_search(datastore.keys, q, k, metric)
         if scores == "exact" and search == "index":
@@ -268,10 +269,10 @@ def add_neighbours(
     """
     t1 = time.perf_counter()
     path = Path(index_path) if index_path is not None else datastore.index_path
-    index = index_lib.load_index(path, nprobe=nprobe) if search == "index" else None
-    if index is not None and metric is not None and metric != index_lib.index_metric(index):
-        raise MemlmError(f"index {path} uses {index_lib.index_metric(index)}, not {metric}: build an {metric} index")
-    metric = metric or (index_lib.index_metric(index) if index is not None else _index_metric_at(path))
+    index = open_index(datastore, path, nprobe=nprobe) if search == "index" else None
+    if index is not None and metric is not None and metric != index_metric_of(index):
+        raise MemlmError(f"index {path} uses {index_metric_of(index)}, not {metric}: build an {metric} index")
+    metric = metric or (index_metric_of(index) if index is not None else _index_metric_at(path))
     chunk = 4096 if search == "index" else max(4096, len(queries))  # exact: one pass over the keys
     sc, ids = retrieve(
         datastore, queries, k, index=index, search=search, scores=scores, metric=metric, chunk=chunk, progress=progress

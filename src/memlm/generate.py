@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture
 from memlm.knn import interpolate, knn_distribution
+from memlm.sharded_index import open_index, search_index
 
 __all__ = [
     "KNNLogitsProcessor",
@@ -66,7 +66,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         self.model = model
         self.datastore = datastore
         self.k, self.lam, self.temperature = k, lam, temperature
-        self.index = index if index is not None else index_lib.load_index(datastore.index_path, nprobe=nprobe)
+        self.index = index if index is not None else open_index(datastore, nprobe=nprobe)  # FAISS or sharded
         self._capture = KeyCapture(model, [datastore.key_spec])
         self.record = record
         self.history: list[tuple[np.ndarray, np.ndarray]] = []
@@ -85,7 +85,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         if keys.shape[0] != scores.shape[0]:
             raise RuntimeError(f"hooked {keys.shape[0]} rows but got scores for {scores.shape[0]}")
         query = keys[:, -1].float().cpu().numpy()  # [rows, D]: each row's newest position (left padding)
-        sc, ids = index_lib.search(self.index, query, self.k)
+        sc, ids = search_index(self.index, query, self.k)
         if self.record:
             self.history.append((sc.copy(), ids.copy()))
         valid = ids >= 0

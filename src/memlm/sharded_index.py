@@ -1,0 +1,403 @@
+"""A sharded FAISS index: one quantizer trained once, one index per shard, searched in parallel and merged.
+
+**Build** (:func:`build_sharded_index`). The index is trained once, exactly as :func:`memlm.index.build_index` trains a
+one-process index: ``train_size`` keys sampled without replacement with ``seed`` from *all* entries (global ids, so
+every shard contributes in proportion to its size). The trained, empty index (IVF coarse quantizer, PQ/SQ codebooks)
+is saved as ``index.faiss.trained``; each shard's index is a copy of it filled with that shard's keys (FAISS
+``read_index`` of the trained file + ``add``), in parallel: Ray tasks with ``ray=``, else a thread pool. Every shard
+index stores *local* ids ``0 .. n_s - 1``, so a shard folder stays a normal datastore with a normal index; the
+searcher adds the shard's offset. An IVF list of the sharded index is the union of the shards' lists for the same
+centroid, so at equal ``nprobe`` every query probes the same centroids and scans the same entries as one index over
+all keys with this quantizer, and the merged top-k are the same (up to ties in score).
+
+    files: index.faiss.json (description: factory, metric, n, d, shards, trained file's SHA-256),
+           index.faiss.trained, shard-*/index.faiss (+ .json)
+
+**Search** (:class:`ShardedSearcher`). Each shard index is opened memory-mapped (``IO_FLAG_MMAP``: IVF lists are read
+from the file through the page cache; flat codes with ``IO_FLAG_MMAP_IFC``), searched for the top-k, its ids shifted
+by the shard's offset, and the S lists merged:
+
+    top-k(q) = k best of  ⋃_s { (score, offset_s + id) : (score, id) in top-k_s(q) }
+
+which equals the top-k of one index over all entries (any entry of the global top-k is in its own shard's top-k).
+Shards are searched by a thread pool (FAISS releases the GIL) or by Ray actors, one per shard (``ray=``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from memlm import index as index_lib
+from memlm.errors import MemlmError
+
+__all__ = [
+    "ShardedSearcher",
+    "faiss_gpus",
+    "to_gpu_if_available",
+    "build_sharded_index",
+    "index_metric_of",
+    "load_index_mmap",
+    "merge_topk",
+    "open_index",
+    "search_index",
+    "search_with_offset",
+]
+
+TRAINED_SUFFIX = ".trained"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_index(index: faiss.Index, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        faiss.write_index(index, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------------- build
+
+
+def add_shard_index(trained: str, keys_path: str, n: int, d: int, out: str, meta: dict, chunk_size: int = 65536) -> int:
+    """Fill a copy of the trained index at ``trained`` with the ``[n, d]`` float16 keys at ``keys_path``; save it."""
+    index = faiss.read_index(trained)
+    keys = np.memmap(keys_path, dtype=np.float16, mode="r", shape=(n, d))
+    for s in range(0, n, chunk_size):
+        index.add(np.ascontiguousarray(keys[s : s + chunk_size], dtype=np.float32))
+    out_path = Path(out)
+    _write_index(index, out_path)
+    _write_json(index_lib.meta_path(out_path), {**meta, "n": n, "shard_index": True})
+    return n
+
+
+def build_sharded_index(
+    datastore,
+    factory: str | None = None,
+    metric: str = "l2",
+    train_size: int | None = None,
+    seed: int = 0,
+    name: str = "index.faiss",
+    ray: str | None = None,
+    workers: int = 1,
+    chunk_size: int = 65536,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train once on a sample of all shards of ``datastore`` (a ShardedDatastore) and fill one index per shard.
+
+    ``factory=None``: :func:`memlm.index.default_factory` for the *total* number of entries. ``workers`` threads add
+    the shards in this process; ``ray`` (an address or ``"local"``) adds them as Ray tasks instead. A rerun keeps the
+    shard indexes already filled from the same trained file. Returns the description written to ``<name>.json``.
+    """
+    t0 = time.perf_counter()
+    n, d = len(datastore), datastore.dim
+    plan = index_lib.plan_index(n, d, factory, metric, train_size)
+    folder = Path(datastore.path)
+    trained_path = folder / (name + TRAINED_SUFFIX)
+    if progress:
+        print(f"sharded {plan} in {len(datastore.shards)} shards", file=sys.stderr, flush=True)
+    index = faiss.index_factory(d, plan.factory, faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT)
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.cp.seed = seed
+    for sub in index_lib._sub_indexes(index):
+        if getattr(sub, "do_polysemous_training", False):
+            sub.do_polysemous_training = False  # as build_index: memlm never uses polysemous search
+    if plan.train_size:
+        # the same sample as build_index over the concatenated keys: global ids, seeded, sorted
+        rng = np.random.default_rng(seed)
+        sample = np.sort(rng.choice(n, size=plan.train_size, replace=False)) if plan.train_size < n else None
+        train = np.empty((plan.train_size, d), dtype=np.float32)
+        for s in range(0, plan.train_size, chunk_size):
+            e = min(s + chunk_size, plan.train_size)
+            train[s:e] = datastore.keys[s:e] if sample is None else datastore.keys[sample[s:e]]
+        if progress:
+            print(f"training {plan.factory} once on {plan.train_size:,} keys from all shards ...", file=sys.stderr)
+        try:
+            index.train(train)
+        except RuntimeError as err:
+            raise MemlmError(
+                f"training index {plan.factory!r} failed ({index_lib._faiss_reason(err)}); "
+                "use a smaller nlist, a larger train size, or 'Flat'"
+            ) from None
+        del train
+    _write_index(index, trained_path)
+    trained_sha = _sha256(trained_path)
+    common = {
+        "factory": plan.factory,
+        "metric": metric,
+        "d": d,
+        "train_size": plan.train_size,
+        "seed": seed,
+        "chunk_size": chunk_size,
+        "faiss_version": faiss.__version__,
+        "trained_sha256": trained_sha,
+    }
+    jobs = []
+    for shard in datastore.shards:
+        out = shard.path / name
+        meta = index_lib.read_index_meta(out)
+        if out.is_file() and meta and meta.get("trained_sha256") == trained_sha and meta.get("n") == len(shard):
+            continue  # filled by an earlier run from the same trained index
+        mem, disk = index_lib._index_bytes(index, len(shard))
+        meta_s = {**common, "memory_bytes": mem, "disk_bytes": disk}
+        jobs.append((str(trained_path), str(shard.path / "keys.bin"), len(shard), d, str(out), meta_s))
+    if progress:
+        print(f"adding {len(jobs)} of {len(datastore.shards)} shard indexes", file=sys.stderr, flush=True)
+    if jobs and ray is not None:
+        from memlm.ray_backend import add_shard_indexes_on_ray
+
+        add_shard_indexes_on_ray(ray, jobs)
+    elif jobs:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            list(pool.map(lambda j: add_shard_index(*j, chunk_size=chunk_size), jobs))
+    description = {
+        **common,
+        "n": n,
+        "memory_bytes": plan.memory_bytes,
+        "disk_bytes": plan.disk_bytes,
+        "sharded": True,
+        "trained": trained_path.name,
+        "shards": [str(Path(s.path).name) + "/" + name for s in datastore.shards],
+        "offsets": [int(o) for o in datastore.offsets],
+        "build_seconds": round(time.perf_counter() - t0, 3),
+    }
+    _write_json(index_lib.meta_path(folder / name), description)
+    return description
+
+
+# ------------------------------------------------------------------------------------------------------- search
+
+
+def faiss_gpus() -> int:
+    """GPUs FAISS can use here: 0 with the CPU wheel (``faiss-cpu``), else ``faiss.get_num_gpus()``."""
+    get = getattr(faiss, "get_num_gpus", None)
+    try:
+        return int(get()) if get is not None and hasattr(faiss, "StandardGpuResources") else 0
+    except RuntimeError:
+        return 0
+
+
+def to_gpu_if_available(index: faiss.Index, device: str = "auto") -> faiss.Index:
+    """``index`` copied to all GPUs when ``device`` is ``auto``/``cuda`` and a GPU FAISS build sees one, else as is.
+
+    (Untested here: the machines this was written on have no GPU and the CPU wheel; with ``device="cuda"`` and no GPU
+    FAISS a :class:`MemlmError` says so.)
+    """
+    if device == "cpu":
+        return index
+    if faiss_gpus() == 0:
+        if device.startswith("cuda"):
+            raise MemlmError("--device cuda for search needs a GPU build of FAISS (faiss-gpu) and a GPU; use cpu")
+        return index
+    return faiss.index_cpu_to_all_gpus(index)
+
+
+def set_nprobe(index: faiss.Index, nprobe: int) -> None:
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.nprobe = min(int(nprobe), int(ivf.nlist))
+
+
+def load_index_mmap(path: str | os.PathLike[str], nprobe: int = 32) -> faiss.Index:
+    """Read an index memory-mapped: IVF inverted lists (``IO_FLAG_MMAP``) or flat codes (``IO_FLAG_MMAP_IFC``) stay
+    in the file and reach RAM through the page cache, so the resident part is the quantizer (+ tables)."""
+    if nprobe < 1:
+        raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
+    path = Path(path)
+    if not path.is_file():
+        raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
+    meta = index_lib.read_index_meta(path) or {}
+    ivf = "IVF" in str(meta.get("factory", "IVF"))
+    flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if ivf else faiss.IO_FLAG_MMAP_IFC
+    try:
+        index = faiss.read_index(str(path), flags)
+    except RuntimeError:
+        try:  # the sidecar guessed wrong: the other kind of mapping, then a plain read
+            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if ivf else faiss.IO_FLAG_MMAP)
+        except RuntimeError as err:
+            raise MemlmError(
+                f"index file {path} is corrupt or truncated ({index_lib._faiss_reason(err)}); rebuild the index"
+            ) from None
+    set_nprobe(index, nprobe)
+    return index
+
+
+def search_with_offset(index: faiss.Index, queries: np.ndarray, k: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`memlm.index.search` with valid ids shifted by ``offset`` (a shard's first global id)."""
+    scores, ids = index_lib.search(index, queries, k)
+    if offset:
+        ids = np.where(ids >= 0, ids + offset, ids)
+    return scores, ids
+
+
+def merge_topk(parts: list[tuple[np.ndarray, np.ndarray]], k: int, block: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best of several ``(scores [Q, k_s], ids [Q, k_s])`` lists (larger = closer); ties keep list order.
+
+    Merged ``block`` queries at a time, so the temporaries stay at ``block x S x k`` whatever the number of queries.
+    """
+    nq = parts[0][0].shape[0]
+    if nq > block:
+        merged = [
+            merge_topk([(s[i : i + block], d[i : i + block]) for s, d in parts], k, block) for i in range(0, nq, block)
+        ]
+        return np.concatenate([m[0] for m in merged]), np.concatenate([m[1] for m in merged])
+    scores = np.concatenate([p[0] for p in parts], axis=1)
+    ids = np.concatenate([p[1] for p in parts], axis=1)
+    if scores.shape[1] > k:
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        part.sort(axis=1)  # keep the shard/rank order among equal scores before the stable sort
+        scores, ids = np.take_along_axis(scores, part, 1), np.take_along_axis(ids, part, 1)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+
+
+class ShardedSearcher:
+    """Top-k over all shards of a sharded datastore: ``search(queries, k) -> (scores [Q, k], global ids [Q, k])``.
+
+    Same conventions as :func:`memlm.index.search` (larger = closer, ``-inf`` / ``-1`` in empty slots). ``metric``
+    is the index's (``l2`` / ``ip``). Close it (or use ``with``) to stop its Ray actors.
+    """
+
+    def __init__(
+        self, description: dict[str, Any], folder: Path, nprobe: int, ray: str | None, workers: int, device: str = "cpu"
+    ):
+        self.description = description
+        self.metric: str = description["metric"]
+        self.ntotal = int(description["n"])
+        self.d = int(description["d"])
+        self.paths = [str(folder / p) for p in description["shards"]]
+        self.offsets = [int(o) for o in description["offsets"]]
+        self.pool = None
+        self.indexes: list[faiss.Index] = []
+        if ray is not None:
+            from memlm.ray_backend import ShardActorPool
+
+            self.pool = ShardActorPool(ray, self.paths, self.offsets, nprobe)
+        else:
+            self.indexes = [to_gpu_if_available(load_index_mmap(p, nprobe), device) for p in self.paths]
+            self.executor = ThreadPoolExecutor(max_workers=max(1, workers)) if workers > 1 else None
+
+    @classmethod
+    def open(
+        cls,
+        datastore,
+        index_path: str | Path | None = None,
+        nprobe: int = 32,
+        ray: str | None = None,
+        workers: int = 1,
+        device: str = "cpu",
+    ) -> ShardedSearcher:
+        """The searcher of ``datastore``'s sharded index ``index_path`` (default ``index.faiss``: its description
+        is ``index.faiss.json`` in the datastore folder). ``workers`` threads search shards at once; ``device``
+        ``auto``/``cuda`` moves the shard indexes to the GPUs of a GPU FAISS build (:func:`to_gpu_if_available`)."""
+        path = Path(index_path) if index_path is not None else datastore.index_path
+        description = index_lib.read_index_meta(path)
+        if not description or not description.get("sharded"):
+            raise MemlmError(
+                f"sharded datastore {datastore.path} has no sharded index {path.name}; build it with "
+                f"`memlm index build {datastore.path}`"
+            )
+        if description["n"] != len(datastore) or description["offsets"] != [int(o) for o in datastore.offsets]:
+            raise MemlmError(f"sharded index {path} does not match {datastore.path}'s shards; rebuild it")
+        return cls(description, path.parent, nprobe, ray, workers, device)
+
+    def set_nprobe(self, nprobe: int) -> None:
+        if self.pool is not None:
+            self.pool.set_nprobe(nprobe)
+        for index in self.indexes:
+            set_nprobe(index, nprobe)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.ndim != 2 or q.shape[1] != self.d:
+            raise MemlmError(
+                f"queries must be [Q, {self.d}] to match the keys, got shape {tuple(q.shape)}; "
+                "use the same model and layer as the datastore"
+            )
+        if self.pool is not None:
+            parts = self.pool.search(q, k)
+            return merge_topk(parts, k)
+        if self.executor is not None:
+            parts = list(
+                self.executor.map(
+                    lambda j: search_with_offset(self.indexes[j], q, k, self.offsets[j]),
+                    range(len(self.indexes)),
+                )
+            )
+        else:
+            parts = [search_with_offset(ix, q, k, o) for ix, o in zip(self.indexes, self.offsets, strict=True)]
+        return merge_topk(parts, k)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
+            self.executor = None
+
+    def __enter__(self) -> ShardedSearcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------------------------ hooks for evaluate/generate
+
+
+def open_index(datastore, index_path: str | Path | None = None, nprobe: int = 32):
+    """The index a datastore is searched with: a FAISS index (one datastore) or a :class:`ShardedSearcher`.
+
+    A datastore opened with ``open_datastore(path, mmap_index=True)`` (``memlm eval --mmap-index``) gets its index
+    memory-mapped (:func:`load_index_mmap`) instead of read into RAM; a sharded datastore's always is.
+    """
+    loader = getattr(datastore, "load_searcher", None)
+    if loader is not None:
+        return loader(index_path, nprobe)
+    path = index_path if index_path is not None else datastore.index_path
+    if getattr(datastore, "mmap_index", False):
+        return load_index_mmap(path, nprobe)
+    return index_lib.load_index(path, nprobe=nprobe)
+
+
+def search_index(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`memlm.index.search` for a FAISS index; ``index.search(queries, k)`` for a searcher (memlm scores)."""
+    if isinstance(index, faiss.Index):
+        return index_lib.search(index, queries, k)
+    return index.search(queries, k)
+
+
+def index_metric_of(index) -> str:
+    """``l2`` / ``ip`` of a FAISS index or of a searcher (its ``metric``)."""
+    return index_lib.index_metric(index) if isinstance(index, faiss.Index) else index.metric
