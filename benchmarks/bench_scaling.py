@@ -363,6 +363,8 @@ def cmd_eval(a: argparse.Namespace) -> None:
             if out.returncode != 0:
                 raise RuntimeError(out.stderr[-3000:])
             res = json.loads(out.stdout.strip().splitlines()[-1])
+            if res["rc"] != 0:
+                raise RuntimeError(f"memlm eval failed ({res['rc']}): {out.stderr[-2000:]}")
             ppl = [x for x in out.stdout.splitlines() if x.startswith(("base_ppl", "knn_ppl", "tokens"))]
             rows.append({"size": n, "mode": label, **res, "seconds": time.perf_counter() - t0, "printed": ppl})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

@@ -31,7 +31,8 @@ def build() -> None:
         for r in b["rows"]:
             per = ", ".join(f"{x:.1f}" for x in r["entries_per_s_per_worker"])
             print(
-                f"| {r['config']} (run {r['repeat'] + 1}, 4k tokens) | {r['entries']:,} | {r['wall_seconds']:.0f} | "
+                f"| {r['config']} (run {r['repeat'] + 1}, {b['max_tokens'] // 1000}k tokens) | {r['entries']:,} | "
+                f"{r['wall_seconds']:.0f} | "
                 f"{r['entries_per_s_wall']:.1f} | {per} |"
             )
         print()

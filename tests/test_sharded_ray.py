@@ -30,7 +30,8 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 def ray_cluster():
     """A local 2-CPU Ray cluster for this module; workers import this checkout's memlm."""
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=env, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=env, logging_level="ERROR",
+             log_to_driver=False)  # fmt: skip
     yield "local"  # memlm.ray_backend.connect reuses the initialised cluster
     ray.shutdown()
 

@@ -45,7 +45,13 @@ def connect(address: str):
     env = {"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", "MEMLM_HOME", "HF_HUB_OFFLINE") if k in os.environ}}
     try:
         if address == "local":
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env, logging_level="WARNING")
+            ray.init(  # address="local": always a new cluster, never one that `ray start` left running
+                address="local",
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                runtime_env=env,
+                logging_level="WARNING",
+            )
         else:
             ray.init(address=address, runtime_env=env, logging_level="WARNING")
     except (ConnectionError, RuntimeError, ValueError) as e:
