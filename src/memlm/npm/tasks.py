@@ -14,8 +14,9 @@
 * :func:`reference_subset` -- nested subsets of a reference corpus (Fig. 7: performance vs. corpus size);
   :class:`QueryStats` -- queries per second and peak memory (Table 4).
 
-Matching (EM and verbalizers) uses :func:`answer_key`: the text as the encoder's tokenizer sees it (an uncased
-WordPiece lower-cases and strips accents), then :func:`memlm.npm.inference.normalize_text`.
+EM uses :func:`answer_key`: the text as the encoder's tokenizer sees it (an uncased WordPiece lower-cases and strips
+accents), then :func:`memlm.npm.inference.normalize_text`. Verbalizers match on exact token ids
+(:func:`memlm.npm.inference.verbalizer_sequences`, App. A.4).
 """
 
 from __future__ import annotations
