@@ -158,9 +158,11 @@ def tables(train: list[dict[str, Any]], rows: list[dict[str, Any]], runs: Path) 
                 out.append(f"| {SETTINGS[base][0]} | " + " | ".join(cells) + " |")
         n = next(iter(bbc.values()))["n"]
         per = next(iter(bbc.values()))["per_label_n"]
-        top = max(per, key=per.get)
-        out += ["", f"{n} BBC test articles; chance is 20%; the largest class is {top} "
-                f"({100 * per[top] / n:.1f}%).", ""]  # fmt: skip
+        most = max(per.values())
+        tops = sorted(y for y, v in per.items() if v == most)  # every class of the largest size (ties named)
+        out += ["", f"{n} BBC test articles; chance is 20%; the largest class{'es are' if len(tops) > 1 else ' is'} "
+                f"{' and '.join(tops)} ({most} articles, {100 * most / n:.1f}%{' each' if len(tops) > 1 else ''}).",
+                ""]  # fmt: skip
 
     cloze = _by(rows, "cloze")
     if cloze:

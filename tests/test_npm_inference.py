@@ -119,6 +119,40 @@ def test_closed_set(tok):
     assert not none.matched and none.probs == {"x": 0.5, "y": 0.5}
 
 
+def test_closed_set_matches_exact_token_ids(tok):
+    """App. A.4 scores c with I[c in f(y)] on tokens: "music ." / ", film" / "( politics )" and the word piece
+    "##film" of "microfilm" are not verbalizer hits (the old rule compared normalised decoded text and counted them)."""
+    texts = ["she likes music . a lot", "a new , film by him", "talk ( politics ) here", "old microfilm archive"]
+    pi, ids = toy_index(tok, texts)
+    verb = {"ent": ["music", "film"], "pol": ["Politics"]}  # upper case: the uncased WordPiece has one id
+    want = {(tok.convert_tokens_to_ids("music"),): "ent", (tok.convert_tokens_to_ids("film"),): "ent",
+            (tok.convert_tokens_to_ids("politics"),): "pol"}  # fmt: skip
+    assert inf.verbalizer_sequences(tok, verb) == want
+    rng = np.random.default_rng(3)
+    qs, qe = rng.normal(scale=30.0, size=D).astype(np.float32), rng.normal(scale=30.0, size=D).astype(np.float32)
+    block = np.asarray(pi.block)
+    every = [(i, j) for i in range(len(pi)) for j in range(i, min(i + 3, len(pi))) if block[i] == block[j]]
+    old_hits = [(i, j) for i, j in every if inf.normalize_text(tok.decode(ids[i : j + 1].tolist())) in
+                {"music", "film", "politics"}]  # fmt: skip
+    for single in (False, True):
+        res = inf.closed_set(pi, tok, verb, qs, None if single else qe, k=len(pi), l_max=3)
+        spans = [(i, i) for i in range(len(pi))] if single else every  # k = every row: C~* is every short span
+        hits = {"ent": [], "pol": []}
+        for i, j in spans:
+            y = want.get(tuple(int(t) for t in ids[i : j + 1]))
+            if y is not None:
+                s = float(pi.vectors[i].astype(np.float32) @ qs) / math.sqrt(D)
+                if not single:
+                    s += float(pi.vectors[j].astype(np.float32) @ qe) / math.sqrt(D)
+                hits[y].append(s / 5.0)
+        assert len(hits["ent"]) == 2 and len(hits["pol"]) == 1  # "music", "film"; not "##film"
+        assert len([h for h in old_hits if not single or h[0] == h[1]]) > 3  # the fixture holds the old false hits
+        for y in ("ent", "pol"):
+            assert res.log_scores[y] == pytest.approx(float(np.logaddexp.reduce(hits[y])), rel=1e-5)
+    with pytest.raises(MemlmError, match="both"):
+        inf.verbalizer_sequences(tok, {"a": ["Film"], "b": ["film"]})
+
+
 def test_bm25_restriction(tok):
     pi, _ = toy_index(tok, TEXTS)
     blocks = pi.bm25_blocks(tok, "the old road is long", n=1)

@@ -119,7 +119,20 @@ def test_corpus_update_edits_only_the_source_passage(tok, tmp_path):
     assert (tmp_path / "upd" / "original" / "manifest.json").exists()
     assert (tmp_path / "upd" / "edited" / "manifest.json").exists()
     assert [r["answer"] for r in res["edited"]["predictions"]] == [u.replacement for u in ups]
-    assert 0 <= res["original_em"] <= 1 and 0 <= res["updated_em"] <= 1 and 0 <= res["stale"] <= 1
+    # brute force: every probe answered again from the two indexes with the library's NPM prediction (k = 4096)
+    from memlm.npm.inference import npm_predict
+    from memlm.npm.phrase_index import PhraseIndex
+
+    by_q = {u.probe.query: u for u in ups}
+    orig_pi, edit_pi = (PhraseIndex.open(tmp_path / "upd" / v) for v in ("original", "edited"))
+    orig = {q: npm_predict(model, tok, orig_pi, q, top=1)[0].phrase for q in by_q}
+    edit = {q: npm_predict(model, tok, edit_pi, q, top=1)[0].phrase for q in by_q}
+    assert [r["prediction"] for r in res["original"]["predictions"]] == [orig[u.probe.query] for u in ups]
+    assert [r["prediction"] for r in res["edited"]["predictions"]] == [edit[u.probe.query] for u in ups]
+    n = len(ups)
+    assert res["original_em"] == sum(tasks.exact_match(tok, orig[q], u.probe.answer) for q, u in by_q.items()) / n
+    assert res["updated_em"] == sum(tasks.exact_match(tok, edit[q], u.replacement) for q, u in by_q.items()) / n
+    assert res["stale"] == sum(tasks.exact_match(tok, edit[q], u.probe.answer) for q, u in by_q.items()) / n
 
     # an oracle that reads its answer from the index's corpus (the word after the query's left context) follows the edit
     def oracle(pi):
@@ -163,6 +176,8 @@ def test_bbc_classification_metrics_and_query(tok):
     assert per["business"]["accuracy"] == 0.0 and per["tech"]["n"] == 1 and per["politics"]["accuracy"] is None
     assert sum(r["n"] for r in per.values()) == 4
     assert [r["pred"] for r in res["predictions"]] == ["sport", None, "sport", None]
+    # confusion[gold][pred], counted by hand from the four documents above
+    assert res["confusion"] == {"business": {"sport": 1}, "sport": {"none": 1, "sport": 1}, "tech": {"none": 1}}
     assert tasks.bbc_label(BBC[0]) == "sport"
     long_text = " ".join(["economy"] * 500)
     q = tasks.bbc_query(tok, long_text, limit_tokens=40)
@@ -196,12 +211,35 @@ def test_cli_npm_eval_end_to_end(tok, tmp_path, capsys):
     assert "cloze: npm" in text and "4+" in text and "queries/s" in text
     res = json.loads(out.read_text())
     assert res["task"] == "cloze" and res["n"] >= 4 and len(res["predictions"]) == res["n"]
-    assert sum(v["n"] for v in res["by_length"].values()) == res["n"] and 0 <= res["em"] <= 1
+    assert sum(v["n"] for v in res["by_length"].values()) == res["n"]
+    # brute force: the CLI's answers are the library's NPM top-1 phrase with k = 8, and EM counts them
+    from memlm.npm.inference import npm_classify, npm_predict
+    from memlm.npm.phrase_index import PhraseIndex
+
+    model, mtok = load_encoder(str(bert))
+    pi = PhraseIndex.open(idx)
+    rows = res["predictions"]
+    assert [r["prediction"] for r in rows] == [npm_predict(model, mtok, pi, r["query"], k=8, top=1)[0].phrase
+                                               for r in rows]  # fmt: skip
+    assert all(r["correct"] == tasks.exact_match(mtok, r["prediction"], r["answer"]) for r in rows)
+    assert res["em"] == sum(r["correct"] for r in rows) / len(rows)
     out = tmp_path / "bbc.json"
     assert main([*base, "--task", "bbc", "--corpus", str(bbc), "--bm25", "--single", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["n"] == 4 and set(res["per_label"]) == set(tasks.BBC_VERBALIZERS) and "predictions" not in res
-    assert "npm-single +bm25 top-3" in res["model"] and 0 <= res["unmatched"] <= 1
+    assert "npm-single +bm25 top-3" in res["model"]
+    out = tmp_path / "bbc-pred.json"
+    assert main([*base, "--task", "bbc", "--corpus", str(bbc), "--bm25", "--single", "--json", str(out),
+                 "--predictions"]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    want = []  # the library's NPM SINGLE closed-set answer (k = 8, BM25 top 3, tau 5) for each article
+    for d in BBC:
+        r = npm_classify(model, mtok, pi, tasks.bbc_query(mtok, d.text, tasks.encoder_limit(model, mtok)),
+                         tasks.BBC_VERBALIZERS, single=True, k=8, bm25_passages=3)  # fmt: skip
+        want.append(r.label if r.matched else None)
+    assert [r["pred"] for r in res["predictions"]] == want
+    assert res["unmatched"] == sum(w is None for w in want) / 4
+    assert res["accuracy"] == sum(w == tasks.bbc_label(d) for w, d in zip(want, BBC, strict=True)) / 4
     out = tmp_path / "upd.json"
     assert main([*base, "--task", "update", "--max-queries", "2", "--distractors", "1", "--work",
                  str(tmp_path / "w"), "--json", str(out)]) == 0  # fmt: skip

@@ -22,11 +22,16 @@ score, its share of all candidates' mass (``prob``) and the spans (with document
 NPM SINGLE (App. A.3): the top-``k`` tokens of one ``[MASK]`` vector; ``exp(sim(q, E(c)))`` summed per token string.
 
 Closed-set tasks (App. A.4, following Shi et al. 2022's fuzzy verbalizers): each label has several verbalizer strings;
-a candidate (a span for NPM, a token for NPM SINGLE) supports label ``y`` when its normalised text (lower case,
-punctuation to spaces, whitespace collapsed) equals a normalised verbalizer of ``y``. ``score(y) = sum over supporting
-candidates of exp(sim(q_start, E(c_i)) / tau + sim(q_end, E(c_j)) / tau)`` (NPM) or ``exp(sim(q, E(c)) / tau)`` (NPM
-SINGLE), ``tau = 5``; label probabilities are the normalised scores (uniform, with ``matched=False``, when no
-candidate matches any verbalizer).
+a candidate (a span for NPM, a token for NPM SINGLE) supports label ``y`` when its *token ids* are exactly the token
+ids of a verbalizer of ``y`` (``I[c in f(y)]``; :func:`verbalizer_sequences`). A verbalizer ``w`` stands for the
+token-id sequences of ``w``, ``w.lower()`` and ``w`` capitalised, each tokenized alone and after a space (no special
+tokens): for a cased BPE tokenizer that is ``music`` / ``Ġmusic`` / ``Music`` / ``ĠMusic``, for the uncased WordPiece
+of MiniLM/BERT all of them are the one id of ``music``. A span with extra tokens (``music .``, ``, film``) or a
+word piece (``##film`` of "microfilm") does not match; a word-initial piece followed by ``##`` pieces in the corpus
+does (the rule looks at the span's tokens only, like the paper's token-level ``c in f(y)``).
+``score(y) = sum over supporting candidates of exp(sim(q_start, E(c_i)) / tau + sim(q_end, E(c_j)) / tau)`` (NPM) or
+``exp(sim(q, E(c)) / tau)`` (NPM SINGLE), ``tau = 5``; label probabilities are the normalised scores (uniform, with
+``matched=False``, when no candidate matches any verbalizer).
 
 BM25 restriction (§6.3): the search space is reduced to the top 3 passages (blocks of the phrase index) that ``bm25s``
 ranks for the query text (its ``[MASK]`` removed) and the start/end search is exact inside them.
@@ -52,6 +57,7 @@ __all__ = [
     "PhrasePrediction",
     "LabelScores",
     "normalize_text",
+    "verbalizer_sequences",
     "retrieve",
     "candidate_spans",
     "span_log_scores",
@@ -106,6 +112,33 @@ class LabelScores:
 def normalize_text(text: str) -> str:
     """Fuzzy-verbalizer matching key: lower case, punctuation to spaces, whitespace collapsed."""
     return " ".join(re.sub(r"[^\w\s]|_", " ", text.lower()).split())
+
+
+def verbalizer_sequences(tokenizer, verbalizers: Mapping[str, Sequence[str] | str]) -> dict[tuple[int, ...], str]:
+    """App. A.4's fuzzy verbalizer ``f`` as token ids: ``{token-id sequence: label}``.
+
+    Each verbalizer ``w`` of a label contributes the tokenizations (no special tokens) of ``w``, ``w.lower()`` and
+    ``w`` with its first letter upper-cased, each alone and after a space (module docstring). Raises when a
+    verbalizer has no tokens or one sequence is given for two labels.
+    """
+    if not verbalizers:
+        raise MemlmError("give at least one label with its verbalizer strings")
+    out: dict[tuple[int, ...], str] = {}
+    for label, words in verbalizers.items():
+        for w in [words] if isinstance(words, str) else list(words):
+            w = " ".join(str(w).split())
+            if not w:
+                raise MemlmError(f"label {label!r} has an empty verbalizer: give words")
+            forms = {w, w.lower(), w[:1].upper() + w[1:]}
+            texts = sorted(forms | {" " + f for f in forms})
+            for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+                key = tuple(int(t) for t in ids)
+                if not key:
+                    raise MemlmError(f"verbalizer {w!r} of label {label!r} has no tokens")
+                if out.get(key, label) != label:
+                    raise MemlmError(f"verbalizer {w!r} is given for both {out[key]!r} and {label!r}")
+                out[key] = label
+    return out
 
 
 def _vec(q: np.ndarray, dim: int, name: str) -> np.ndarray:
@@ -270,19 +303,10 @@ def closed_set(
 ) -> LabelScores:
     """Closed-set scores (App. A.4) from query vectors: NPM with ``q_end``, NPM SINGLE with ``q_end=None``.
 
-    ``verbalizers``: label -> its verbalizer strings (a fuzzy verbalizer, e.g. ``{"positive": ["great", "good"]}``).
+    ``verbalizers``: label -> its verbalizer strings (a fuzzy verbalizer, e.g. ``{"positive": ["great", "good"]}``); a
+    candidate supports a label when its token ids equal one of :func:`verbalizer_sequences`.
     """
-    if not verbalizers:
-        raise MemlmError("give at least one label with its verbalizer strings")
-    keys: dict[str, str] = {}
-    for label, words in verbalizers.items():
-        for w in [words] if isinstance(words, str) else list(words):
-            key = normalize_text(w)
-            if not key:
-                raise MemlmError(f"verbalizer {w!r} of label {label!r} is empty after normalisation")
-            if key in keys and keys[key] != label:
-                raise MemlmError(f"verbalizer {w!r} is given for both {keys[key]!r} and {label!r}")
-            keys[key] = label
+    keys = verbalizer_sequences(tokenizer, verbalizers)
     _check_k_lmax(k, l_max)
     if q_end is None:
         sims, ids = retrieve(pi, q_start, k, rows)
@@ -299,7 +323,7 @@ def closed_set(
         logs = span_log_scores(pi, spans, q_start, q_end, "a1", tau)
     per_label: dict[str, list[float]] = {label: [] for label in verbalizers}
     for (i, j), ls in zip(spans.tolist(), logs.tolist(), strict=True):
-        label = keys.get(normalize_text(tokenizer.decode([int(t) for t in pi.token_ids[i : j + 1]])))
+        label = keys.get(tuple(int(t) for t in pi.token_ids[i : j + 1]))  # I[c in f(y)]: exact token ids
         if label is not None:
             per_label[label].append(ls)
     log_scores = {y: float(np.logaddexp.reduce(v)) if v else -math.inf for y, v in per_label.items()}

@@ -14,8 +14,9 @@
 * :func:`reference_subset` -- nested subsets of a reference corpus (Fig. 7: performance vs. corpus size);
   :class:`QueryStats` -- queries per second and peak memory (Table 4).
 
-Matching (EM and verbalizers) uses :func:`answer_key`: the text as the encoder's tokenizer sees it (an uncased
-WordPiece lower-cases and strips accents), then :func:`memlm.npm.inference.normalize_text`.
+EM uses :func:`answer_key`: the text as the encoder's tokenizer sees it (an uncased WordPiece lower-cases and strips
+accents), then :func:`memlm.npm.inference.normalize_text`. Verbalizers match on exact token ids
+(:func:`memlm.npm.inference.verbalizer_sequences`, App. A.4).
 """
 
 from __future__ import annotations
@@ -288,20 +289,23 @@ def bbc_query(tokenizer, text: str, limit_tokens: int, max_tokens: int = 256, te
 
 
 def classification_metrics(golds: Sequence[str], preds: Sequence[str | None], labels: Iterable[str]) -> dict[str, Any]:
-    """Accuracy, per-label accuracy (recall of each gold label; ``None`` for a label without documents) and ``n``; a
-    ``None`` prediction is wrong."""
+    """Accuracy, per-label accuracy (recall of each gold label; ``None`` for a label without documents), ``n`` and
+    ``confusion[gold][pred]`` (counts; ``pred`` ``"none"`` for a ``None`` prediction, which is wrong)."""
     if len(golds) != len(preds):
         raise MemlmError("golds and preds must have the same length")
     per = {y: {"n": 0, "correct": 0} for y in labels}
+    confusion: dict[str, Counter] = {}
     for g, p in zip(golds, preds, strict=True):
         row = per.setdefault(g, {"n": 0, "correct": 0})
         row["n"] += 1
         row["correct"] += int(g == p)
+        confusion.setdefault(g, Counter())["none" if p is None else p] += 1
     n = len(golds)
     return {
         "n": n,
         "accuracy": sum(r["correct"] for r in per.values()) / n if n else None,
         "per_label": {y: {**r, "accuracy": r["correct"] / r["n"] if r["n"] else None} for y, r in per.items()},
+        "confusion": {g: dict(sorted(c.items())) for g, c in sorted(confusion.items())},
     }
 
 
@@ -522,7 +526,8 @@ def evaluate_cloze(
     token, so only answers of bucket ``"1"`` are reachable for them, §6.2); ``gold``: the expected answer of a
     probe (default ``probe.answer``; :func:`corpus_update_probe` passes the edited one). ``by_length[b]`` has ``n``
     and ``em`` (``None`` for an empty bucket); the ``n`` add up to the total. ``macro_em`` is the mean over non-empty
-    buckets (the paper's LAMA micro-average over 1, 2, 3, 4+ grams)."""
+    buckets: a macro average over 1, 2, 3, 4+ grams, as the paper's Table 8 caption says (its §6.3 text calls the same
+    LAMA average "micro-averaged"; the mean of per-bucket EMs is a macro average)."""
     if not probes:
         raise MemlmError("no cloze probes to evaluate")
     stats = QueryStats()
