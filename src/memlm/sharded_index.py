@@ -39,6 +39,7 @@ import numpy as np
 
 from memlm import index as index_lib
 from memlm.errors import MemlmError
+from memlm.fileio import atomic_write_json
 
 __all__ = [
     "ShardedSearcher",
@@ -74,9 +75,25 @@ def _write_index(index: faiss.Index, path: Path) -> None:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, sort_keys=False)
+
+
+def _read_sidecar(index_path: str | Path) -> dict[str, Any] | None:
+    """The JSON beside a shard index or a sharded index description (``<name>.json``); ``None`` if absent.
+
+    Not :func:`memlm.index.read_index_meta`: a sharded datastore's ``index.faiss.json`` describes shard indexes and
+    has no ``index.faiss`` file of its own, and a shard index records the trained index it was filled from.
+    """
+    side = index_lib.meta_path(index_path)
+    if not side.is_file():
+        return None
+    try:
+        meta = json.loads(side.read_text())
+    except (OSError, ValueError) as e:
+        raise MemlmError(f"{side} is unreadable ({e}); rebuild it with `memlm index build DIR`") from None
+    if not isinstance(meta, dict):
+        raise MemlmError(f"{side} is not an index description (a JSON object); rebuild it with `memlm index build DIR`")
+    return meta
 
 
 # ------------------------------------------------------------------------------------------------------- build
@@ -159,7 +176,7 @@ def build_sharded_index(
     jobs = []
     for shard in datastore.shards:
         out = shard.path / name
-        meta = index_lib.read_index_meta(out)
+        meta = _read_sidecar(out)
         if out.is_file() and meta and meta.get("trained_sha256") == trained_sha and meta.get("n") == len(shard):
             continue  # filled by an earlier run from the same trained index
         mem, disk = index_lib._index_bytes(index, len(shard))
@@ -230,7 +247,7 @@ def load_index_mmap(path: str | os.PathLike[str], nprobe: int = 32) -> faiss.Ind
     path = Path(path)
     if not path.is_file():
         raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
-    meta = index_lib.read_index_meta(path) or {}
+    meta = _read_sidecar(path) or {}
     ivf = "IVF" in str(meta.get("factory", "IVF"))
     flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if ivf else faiss.IO_FLAG_MMAP_IFC
     try:
@@ -315,7 +332,7 @@ class ShardedSearcher:
         is ``index.faiss.json`` in the datastore folder). ``workers`` threads search shards at once; ``device``
         ``auto``/``cuda`` moves the shard indexes to the GPUs of a GPU FAISS build (:func:`to_gpu_if_available`)."""
         path = Path(index_path) if index_path is not None else datastore.index_path
-        description = index_lib.read_index_meta(path)
+        description = _read_sidecar(path)
         if not description or not description.get("sharded"):
             raise MemlmError(
                 f"sharded datastore {datastore.path} has no sharded index {path.name}; build it with "
