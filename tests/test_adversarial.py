@@ -113,6 +113,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("build-max-tokens-0", [*BUILD, "--out", "{root}/o", "--max-tokens", "0"]),
     ("build-max-tokens-neg", [*BUILD, "--out", "{root}/o", "--max-tokens", "-5"]),
     ("build-factory-garbage", [*BUILD, "--out", "{root}/o", "--factory", "IVFfoo"]),
+    ("build-factory-pq-dim", [*BUILD, "--out", "{root}/o", "--factory", "PQ7"]),
     ("build-factory-empty", [*BUILD, "--out", "{root}/o", "--factory", ""]),
     ("build-key-bogus", [*BUILD, "--out", "{root}/o", "--key", "bogus"]),
     ("build-key-layer-text", [*BUILD, "--out", "{root}/o", "--key", "ffn_in@x"]),

@@ -80,6 +80,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
     from memlm.keys import KeySpec
 
     model, tok = _load_model(args.model, args.dtype)
+    V.check_build_factory(args, model)  # the factory against the key dimension, before the forward pass
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
     ds = build_datastore(
         model,

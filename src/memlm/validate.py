@@ -39,6 +39,8 @@ __all__ = [
     "output_dir",
     "check_output_file",
     "check_output_dir",
+    "check_factory",
+    "check_build_factory",
     "float_list",
     "preflight",
     "MAX_K",
@@ -273,6 +275,16 @@ def check_factory(factory: str | None, metric: str = "l2", dim: int | None = Non
         validate_factory(factory, _FACTORY_PROBE_DIM, metric)
     except MemlmError as e:  # the probe dimension is not the user's: leave it out of the message
         raise MemlmError(str(e).replace(f" for {_FACTORY_PROBE_DIM}-dim keys", "")) from None
+
+
+def check_build_factory(args: argparse.Namespace, model: Any) -> None:
+    """``datastore build --factory`` checked against the key dimension of the loaded model (no forward pass yet)."""
+    if not getattr(args, "index", False) or args.factory is None:
+        return
+    from memlm.keys import KeySpec, key_dim, num_layers
+
+    key = KeySpec.parse(args.key).normalized(num_layers(model))
+    check_factory(args.factory, args.metric, key_dim(model, key))
 
 
 def _windows(args: argparse.Namespace) -> None:
