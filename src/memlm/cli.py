@@ -80,7 +80,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
     from memlm.keys import KeySpec
 
     model, tok = _load_model(args.model, args.dtype)
-    V.check_build_factory(args, model)  # the factory against the key dimension, before the forward pass
+    V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
     ds = build_datastore(
         model,
@@ -134,6 +134,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ds = Datastore.open(args.datastore) if args.datastore else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
     model, tok = _load_model(model_name, args.dtype)
+    V.check_against_model(args, model)
     if ds is not None:
         ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
@@ -725,7 +726,12 @@ def _add_corpus(p: argparse.ArgumentParser, split: str) -> None:
     p.add_argument(
         "--corpus", required=True, help="named corpus (memlm corpora), .txt/.jsonl file or folder; a,b for several"
     )
-    p.add_argument("--split", default=split, help=f"split of a named corpus: train, valid, test, all (default {split})")
+    p.add_argument(
+        "--split",
+        default=split,
+        choices=["train", "valid", "test", "all"],
+        help=f"split of a named corpus: train, valid, test, all (default {split})",
+    )
     p.add_argument(
         "--max-tokens", type=V.positive_int, default=None, help="use only the leading documents up to this many tokens"
     )

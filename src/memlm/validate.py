@@ -40,7 +40,7 @@ __all__ = [
     "check_output_file",
     "check_output_dir",
     "check_factory",
-    "check_build_factory",
+    "check_against_model",
     "float_list",
     "preflight",
     "MAX_K",
@@ -277,9 +277,18 @@ def check_factory(factory: str | None, metric: str = "l2", dim: int | None = Non
         raise MemlmError(str(e).replace(f" for {_FACTORY_PROBE_DIM}-dim keys", "")) from None
 
 
-def check_build_factory(args: argparse.Namespace, model: Any) -> None:
-    """``datastore build --factory`` checked against the key dimension of the loaded model (no forward pass yet)."""
-    if not getattr(args, "index", False) or args.factory is None:
+def check_against_model(args: argparse.Namespace, model: Any) -> None:
+    """Checks that need the loaded model but no forward pass: ``--window`` within the model's context (beyond it GPT-2
+    fails with an IndexError and RoPE models extrapolate silently), and ``datastore build --factory`` against the key
+    dimension (e.g. ``PQ7`` on 32-dim keys)."""
+    config = getattr(model, "config", None)
+    n_pos = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    window = getattr(args, "window", None)
+    if isinstance(n_pos, int) and window is not None and window > n_pos:
+        raise MemlmError(
+            f"--window {window} is longer than the model's context ({n_pos} positions): use --window <= {n_pos}"
+        )
+    if not getattr(args, "index", False) or getattr(args, "factory", None) is None:
         return
     from memlm.keys import KeySpec, key_dim, num_layers
 
