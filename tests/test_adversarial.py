@@ -415,6 +415,12 @@ def test_max_tokens_is_honoured_inside_one_long_document(tiny_lm):
         assert long_doc.text.startswith(docs[0].text)
         if budget > 2:
             assert n >= budget - 2  # the longest prefix, not an arbitrary short one
+    from memlm.npm.train_npm import limit_encoder_documents
+
+    for budget in (1, 50, 333):  # the encoder variant (no EOS) and plain-string documents
+        docs = limit_encoder_documents([long_doc.text, "more"], tok, budget)
+        n = len(tok(docs[0], add_special_tokens=False)["input_ids"])
+        assert len(docs) == 1 and long_doc.text.startswith(docs[0]) and max(budget - 2, 1) <= n <= budget
     short = [Doc("a", "the cat sat"), Doc("b", "on the mat")]
     assert limit_documents(short, tok, 1000) == short  # under the budget nothing changes
     with pytest.raises(MemlmError):

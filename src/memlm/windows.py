@@ -30,6 +30,7 @@ __all__ = [
     "batched",
     "doc_hash",
     "limit_documents",
+    "truncate_document",
 ]
 
 
@@ -159,23 +160,24 @@ def limit_documents(docs: Sequence, tokenizer, max_tokens: int | None) -> list:
     for chunk in tokenize_documents(docs, tokenizer):
         if total + len(chunk.tokens) > max_tokens:
             if not kept:  # one document longer than the budget: its leading part, not all of it
-                kept.append(_truncate_document(docs[chunk.doc_index], tokenizer, max_tokens))
+                kept.append(truncate_document(docs[chunk.doc_index], tokenizer, max_tokens))
             break
         kept.append(docs[chunk.doc_index])
         total += len(chunk.tokens)
     return kept
 
 
-def _truncate_document(doc, tokenizer, max_tokens: int):
-    """``doc`` cut to its longest leading text whose tokens plus EOS number at most ``max_tokens`` (at least one
-    character, so that a window has a target). The id is kept; ``meta['truncated_to_tokens']`` records the cut."""
+def truncate_document(doc, tokenizer, max_tokens: int, extra_tokens: int = 1):
+    """``doc`` (an object with ``.text``, or a string) cut to its longest leading text whose tokens plus
+    ``extra_tokens`` (the EOS) number at most ``max_tokens`` (at least one character, so that a window has a target).
+    The id is kept; ``meta['truncated_to_tokens']`` records the cut."""
     import copy
     import dataclasses
 
     def n_tokens(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1  # + EOS
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + extra_tokens
 
-    text = doc.text
+    text = doc if isinstance(doc, str) else doc.text
     # invariant: the answer is in [lo, hi]; n_tokens grows (nearly) with the prefix length
     lo, hi = 1, min(len(text), 64 * max_tokens)
     while lo < hi:
@@ -184,6 +186,8 @@ def _truncate_document(doc, tokenizer, max_tokens: int):
             lo = mid
         else:
             hi = mid - 1
+    if isinstance(doc, str):
+        return text[:lo]
     meta = {**(getattr(doc, "meta", None) or {}), "truncated_to_tokens": max_tokens}
     if dataclasses.is_dataclass(doc):
         fields = {f.name for f in dataclasses.fields(doc)}
