@@ -277,7 +277,7 @@ def _progress_property(tiny_lm, tmp: Path, data) -> None:
 
 
 @needs_store
-@settings(max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=CI_EXAMPLES // 2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz_progress(tiny_lm, tmp_path_factory, data):
     """A damaged progress.json (mutated, random JSON, random bytes, truncated): MemlmError or a finished build."""
