@@ -134,9 +134,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ds = Datastore.open(args.datastore) if args.datastore else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
     model, tok = _load_model(model_name, args.dtype)
-    V.check_against_model(args, model)
     if ds is not None:
         ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
+    V.check_against_model(args, model)
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
     ts = score_tokens(
         model,
