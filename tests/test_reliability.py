@@ -121,7 +121,7 @@ def test_bad_input_gives_one_clear_error_line(case, tmp_path, tiny_lm_dir, corpu
         "empty_corpus": "no text",
         "unknown_model": "no-such-model-xyz",
         "bad_factory": "IVF4096,PQ63",
-        "missing_datastore": "not a memlm datastore",
+        "missing_datastore": "does not exist",
         "truncated_keys": "truncated",
         "other_role": "final",
     }[case]

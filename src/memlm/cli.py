@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memlm import validate as V
 from memlm.errors import MemlmError
 from memlm.fileio import dumps_json
 
@@ -60,15 +61,19 @@ def cmd_corpora(args: argparse.Namespace) -> None:
     from memlm.corpora import describe_corpora
 
     print(f"{'name':9s} {'train':>6s} {'valid':>6s} {'test':>6s} {'chars':>11s}  description (documents per split)")
+    missing = []
     for row in describe_corpora():
-        if "error" in row:
-            print(f"{row['name']:9s} {'-':>6s} {'-':>6s} {'-':>6s} {'-':>11s}  unavailable: {row['error']}")
+        if "docs" not in row:  # its data package is missing or unreadable: listed, then one error at the end
+            missing.append(row)
+            print(f"{row['name']:9s} {'-':>6s} {'-':>6s} {'-':>6s} {'-':>11s}  {row['description']} (unavailable)")
             continue
         d = row["docs"]
         print(
             f"{row['name']:9s} {d['train']:6d} {d['valid']:6d} {d['test']:6d} {row['chars']['all']:11,d}  "
             f"{row['description']}"
         )
+    if missing:
+        raise MemlmError("; ".join(f"corpus {row['name']} is unavailable: {row.get('error', '?')}" for row in missing))
 
 
 def cmd_datastore_build(args: argparse.Namespace) -> None:
@@ -82,6 +87,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
     model, tok = _load_model(args.model, args.dtype)
     if args.device != "cpu":
         model.to(args.device)
+    V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
     with folder_lock(args.out, "build a datastore"):  # held through the index build too
         ds = build_datastore(
@@ -215,6 +221,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model, tok = _load_model(model_name, args.dtype)
     if ds is not None:
         ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
+    V.check_against_model(args, model)
     docs, source = _documents(args.corpus, args.split, tok, args.max_tokens)
     ts = score_tokens(
         model,
@@ -877,8 +884,15 @@ def _add_corpus(p: argparse.ArgumentParser, split: str) -> None:
     p.add_argument(
         "--corpus", required=True, help="named corpus (memlm corpora), .txt/.jsonl file or folder; a,b for several"
     )
-    p.add_argument("--split", default=split, help=f"split of a named corpus: train, valid, test, all (default {split})")
-    p.add_argument("--max-tokens", type=int, default=None, help="use only the leading documents up to this many tokens")
+    p.add_argument(
+        "--split",
+        default=split,
+        choices=["train", "valid", "test", "all"],
+        help=f"split of a named corpus: train, valid, test, all (default {split})",
+    )
+    p.add_argument(
+        "--max-tokens", type=V.positive_int, default=None, help="use only the leading documents up to this many tokens"
+    )
 
 
 def _add_ray(p: argparse.ArgumentParser, what: str) -> None:
@@ -888,16 +902,16 @@ def _add_ray(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_windows(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--window", type=int, default=1024, help="tokens per forward window (default 1024)")
+    p.add_argument("--window", type=V.positive_int, default=1024, help="tokens per forward window (default 1024)")
     p.add_argument(
         "--min-context",
-        type=int,
+        type=V.positive_int,
         default=None,
         help="every scored token has at least this many tokens of context, >= 1 (default 512, as the paper)",
     )
     p.add_argument(
         "--stride",
-        type=int,
+        type=V.positive_int,
         default=None,
         help="instead of --min-context: windows advance by this many tokens (window - min_context); "
         "--stride equal to --window gives non-overlapping blocks (Hugging Face's perplexity guide, run_clm.py)",
@@ -909,7 +923,7 @@ def _add_windows(p: argparse.ArgumentParser) -> None:
         help="with --stride = --window: skip the first token of every block (default, as the guide) or score it "
         "from a BOS (or EOS) token put before each block of window - 1 tokens",
     )
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=V.positive_int, default=4)
 
 
 def _window_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -928,24 +942,28 @@ def _add_npm(sub) -> None:
     ni = nsub.add_parser("index", help="encode every token of a corpus into a phrase index (rerun to resume)")
     ni.add_argument("--encoder", default="minilm-l6", help="named encoder, HF id or folder (default minilm-l6)")
     _add_corpus(ni, "train")
-    ni.add_argument("--out", required=True, help="phrase-index folder")
+    ni.add_argument("--out", type=V.output_dir, required=True, help="phrase-index folder")
     ni.add_argument("--overwrite", action="store_true", help="replace a phrase index built with other settings")
     ni.add_argument("--factory", default=None, help="FAISS factory string (default Flat for small corpora)")
-    ni.add_argument("--max-length", type=int, default=None, help="encoder input length (default: the encoder's)")
-    ni.add_argument("--batch-size", type=int, default=16)
+    ni.add_argument(
+        "--max-length", type=V.positive_int, default=None, help="encoder input length (default: the encoder's)"
+    )
+    ni.add_argument("--batch-size", type=V.positive_int, default=16)
     ni.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ni.set_defaults(func=cmd_npm_index)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--index", required=True, help="phrase-index folder (memlm npm index)")
+        p.add_argument("--index", type=V.existing_dir, required=True, help="phrase-index folder (memlm npm index)")
         p.add_argument("--encoder", default=None, help="encoder (default: the one the index was built with)")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        p.add_argument("--k", type=int, default=4096, help="start and end tokens retrieved (default 4096)")
-        p.add_argument("--l-max", type=int, default=10, help="longest candidate phrase in tokens (default 10)")
+        p.add_argument("--k", type=V.neighbours, default=4096, help="start and end tokens retrieved (default 4096)")
+        p.add_argument(
+            "--l-max", type=V.positive_int, default=10, help="longest candidate phrase in tokens (default 10)"
+        )
         p.add_argument("--single", action="store_true", help="NPM SINGLE: one [MASK], single-token predictions")
         p.add_argument(
             "--bm25",
-            type=int,
+            type=V.positive_int,
             nargs="?",
             const=3,
             default=None,
@@ -957,7 +975,7 @@ def _add_npm(sub) -> None:
 
     npr = nsub.add_parser("predict", help="fill the [MASK] of a query with ranked corpus phrases")
     common(npr)
-    npr.add_argument("--top", type=int, default=10, help="phrases to print (default 10)")
+    npr.add_argument("--top", type=V.positive_int, default=10, help="phrases to print (default 10)")
     npr.add_argument("--combine", default="a1", choices=["a1", "sum"], help="span score: App. A.1 (a1) or §3.1 sum")
     npr.set_defaults(func=cmd_npm_predict)
     nc = nsub.add_parser("classify", help="closed-set label probabilities (fuzzy verbalizers, App. A.4)")
@@ -965,23 +983,30 @@ def _add_npm(sub) -> None:
     nc.add_argument(
         "--labels", required=True, help="label=verbalizer,verbalizer;label=... e.g. 'pos=great,good;neg=bad,awful'"
     )
-    nc.add_argument("--tau", type=float, default=5.0, help="temperature of the candidate scores (default 5)")
+    nc.add_argument("--tau", type=V.positive_float, default=5.0, help="temperature of the candidate scores (default 5)")
     nc.set_defaults(func=cmd_npm_classify)
     ne = nsub.add_parser("eval", help="evaluation tasks: BBC topics (closed set), wiki cloze probes, corpus update")
     ne.add_argument("--task", required=True, choices=["bbc", "cloze", "update"])
-    ne.add_argument("--index", required=True, help="phrase index (memlm npm index); its corpus is the reference")
+    ne.add_argument(
+        "--index",
+        type=V.existing_dir,
+        required=True,
+        help="phrase index (memlm npm index); its corpus is the reference",
+    )
     ne.add_argument("--encoder", default=None, help="encoder (default: the one the index was built with)")
     ne.add_argument("--mlm", default=None, metavar="MODEL", help="evaluate the MLM baseline (train --objective mlm)")
     ne.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ne.add_argument("--k", type=int, default=4096, help="start and end tokens retrieved (default 4096)")
-    ne.add_argument("--l-max", type=int, default=10, help="longest candidate phrase in tokens (default 10)")
+    ne.add_argument("--k", type=V.neighbours, default=4096, help="start and end tokens retrieved (default 4096)")
+    ne.add_argument("--l-max", type=V.positive_int, default=10, help="longest candidate phrase in tokens (default 10)")
     ne.add_argument("--single", action="store_true", help="NPM SINGLE: one [MASK], single-token predictions")
-    ne.add_argument("--bm25", type=int, nargs="?", const=3, default=None, metavar="N",
+    ne.add_argument("--bm25", type=V.positive_int, nargs="?", const=3, default=None, metavar="N",
                     help="search only the top-N BM25 passages of each query (default N 3, as §6.3)")  # fmt: skip
-    ne.add_argument("--tau", type=float, default=5.0, help="bbc: temperature of the candidate scores (default 5)")
+    ne.add_argument(
+        "--tau", type=V.positive_float, default=5.0, help="bbc: temperature of the candidate scores (default 5)"
+    )
     ne.add_argument(
         "--max-queries",
-        type=int,
+        type=V.positive_int,
         default=None,
         help="bbc: N test articles, a seeded sample (default all); cloze: N probes (500); update: N probes (50)",
     )
@@ -989,15 +1014,18 @@ def _add_npm(sub) -> None:
     ne.add_argument("--split", default="test", help="split of --corpus (default test)")
     ne.add_argument(
         "--reference-index",
+        type=V.existing_dir,
         default=None,
         help="cloze: keep probes whose answer occurs in this index's corpus (default --index)",
     )
-    ne.add_argument("--per-length", type=int, default=None, help="cloze: at most N probes per answer length")
-    ne.add_argument("--distractors", type=int, default=200, help="update: other passages in the small indexes")
-    ne.add_argument("--work", default=None, help="update: folder of the original/edited indexes (INDEX.update)")
+    ne.add_argument("--per-length", type=V.positive_int, default=None, help="cloze: at most N probes per answer length")
+    ne.add_argument("--distractors", type=V.nonneg_int, default=200, help="update: other passages in the small indexes")
+    ne.add_argument(
+        "--work", type=V.output_dir, default=None, help="update: folder of the original/edited indexes (INDEX.update)"
+    )
     ne.add_argument("--seed", type=int, default=0, help="seed of the probe / article sample")
     ne.add_argument("--predictions", action="store_true", help="keep every query's prediction in the JSON")
-    ne.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    ne.add_argument("--json", type=V.output_file, default=None, metavar="OUT", help="write the results as JSON")
     ne.set_defaults(func=cmd_npm_eval)
 
 
@@ -1005,21 +1033,32 @@ def _add_trime(sub) -> None:
     te = sub.add_parser("trime-eval", help="TRIME perplexity with local, long-term and external memory (+ dump)")
     _add_model(te)
     _add_corpus(te, "test")
-    te.add_argument("--seq-len", type=int, required=True, help="tokens per segment (one forward pass each)")
-    te.add_argument("--max-segments", type=int, default=8, help="previous segments kept for the long-term memory")
+    te.add_argument("--seq-len", type=V.positive_int, required=True, help="tokens per segment (one forward pass each)")
+    te.add_argument(
+        "--max-segments", type=V.nonneg_int, default=8, help="previous segments kept for the long-term memory"
+    )
     te.add_argument("--local-temperatures", default="1", help="τ_local values kept in the dump, comma-separated")
-    te.add_argument("--datastore", default=None, help="external memory: a datastore with ffn_in keys of this model")
-    te.add_argument("--k", type=int, default=1024, help="entries retrieved per token from the datastore")
+    te.add_argument(
+        "--datastore",
+        type=V.existing_dir,
+        default=None,
+        help="external memory: a datastore with ffn_in keys of this model",
+    )
+    te.add_argument("--k", type=V.neighbours, default=1024, help="entries retrieved per token from the datastore")
     te.add_argument("--search", default="index", choices=["index", "exact"])
-    te.add_argument("--nprobe", type=int, default=32)
+    te.add_argument("--nprobe", type=V.positive_int, default=32)
     te.add_argument("--drop-self-matches", action="store_true", help="ignore retrieved entries that are the token")
-    te.add_argument("--batch-size", type=int, default=8)
-    te.add_argument("--dump", default=None, help="write per-token scores (.npz) for memlm trime-tune")
-    te.add_argument("--json", default=None, help="write the results as JSON")
+    te.add_argument("--batch-size", type=V.positive_int, default=8)
+    te.add_argument(
+        "--dump", type=V.output_file, default=None, help="write per-token scores (.npz) for memlm trime-tune"
+    )
+    te.add_argument("--json", type=V.output_file, default=None, help="write the results as JSON")
     te.set_defaults(func=cmd_trime_eval)
     tt = sub.add_parser("trime-tune", help="choose M, τ_local, τ, λ on a valid dump; apply to a test dump")
-    tt.add_argument("--valid", required=True, help="dump from memlm trime-eval --split valid --dump")
-    tt.add_argument("--test", default=None, help="dump from memlm trime-eval --split test --dump")
+    tt.add_argument(
+        "--valid", type=V.existing_file, required=True, help="dump from memlm trime-eval --split valid --dump"
+    )
+    tt.add_argument("--test", type=V.existing_file, default=None, help="dump from memlm trime-eval --split test --dump")
     tt.add_argument("--segments", default=None, help="M values, comma-separated (default 0,1,2,4,8)")
     tt.add_argument(
         "--temperatures", dest="ext_temperatures", default=None, help="τ of the external memory (default 0.25..8)"
@@ -1027,12 +1066,12 @@ def _add_trime(sub) -> None:
     tt.add_argument("--lambdas", dest="ext_lambdas", default=None, help="λ values (default 0,0.05,...,0.6)")
     tt.add_argument("--knn-temperatures", default=None, help="τ_kNN values (default: τ)")
     tt.add_argument("--local-temperatures", default=None, help="τ_local values (default: all in the dump)")
-    tt.add_argument("--json", default=None)
+    tt.add_argument("--json", type=V.output_file, default=None)
     tt.set_defaults(func=cmd_trime_tune)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memlm", description="Memory-augmented language models on any HF model.")
+    parser = V.ArgumentParser(prog="memlm", description="Memory-augmented language models on any HF model.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("models", help="list named offline models").set_defaults(func=cmd_models)
@@ -1044,7 +1083,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = ds.add_parser("build", help="one forward pass over a corpus -> (key, next token) datastore (+ index)")
     _add_model(b, required=True)
     _add_corpus(b, "train")
-    b.add_argument("--out", required=True, help="datastore folder (rerun the same command to resume)")
+    b.add_argument(
+        "--out", type=V.output_dir, required=True, help="datastore folder (rerun the same command to resume)"
+    )
     b.add_argument(
         "--key",
         default="ffn_in",
@@ -1063,13 +1104,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--metric", default="l2", choices=["l2", "ip"])
     b.add_argument("--device", default="cpu", help="where the forward pass runs: cpu, cuda, cuda:N (default cpu)")
     b.add_argument(
-        "--shards", type=int, default=None, help="split the corpus by documents into N shards (docs/SCALING.md)"
+        "--shards",
+        type=V.positive_int,
+        default=None,
+        help="split the corpus by documents into N shards (docs/SCALING.md)",
     )
     _add_ray(b, "build the shards as Ray tasks")
-    b.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs (torch threads) per Ray build task")
+    b.add_argument("--cpus-per-worker", type=V.positive_int, default=1, help="CPUs (torch threads) per Ray build task")
     b.set_defaults(func=cmd_datastore_build)
     i = ds.add_parser("info", help="print a datastore's manifest")
-    i.add_argument("dir")
+    i.add_argument("dir", type=V.existing_dir)
     i.add_argument(
         "--verify",
         action="store_true",
@@ -1080,21 +1124,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     ix = sub.add_parser("index", help="FAISS index over a datastore").add_subparsers(dest="sub", required=True)
     ib = ix.add_parser("build", help="build (or rebuild) the index of a datastore folder")
-    ib.add_argument("dir")
+    ib.add_argument("dir", type=V.existing_dir)
     ib.add_argument("--factory", default=None, help="FAISS factory string, e.g. Flat, IVF4096,PQ64, HNSW32")
     ib.add_argument("--metric", default="l2", choices=["l2", "ip"])
-    ib.add_argument("--train-size", type=int, default=None)
+    ib.add_argument("--train-size", type=V.positive_int, default=None)
     _add_ray(ib, "fill a sharded datastore's shard indexes as Ray tasks")
     ib.set_defaults(func=cmd_index_build)
 
     e = sub.add_parser("eval", help="perplexity of the LM and of the kNN-LM on a corpus split")
     _add_model(e)
     _add_corpus(e, "test")
-    e.add_argument("--datastore", default=None, help="datastore folder (its model and key are used)")
+    e.add_argument(
+        "--datastore", type=V.existing_dir, default=None, help="datastore folder (its model and key are used)"
+    )
     e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
-    e.add_argument("--k", type=int, default=1024, help="neighbours per token (default 1024, as the paper)")
-    e.add_argument("--lambda", dest="lam", type=float, default=0.25, help="interpolation weight λ (default 0.25)")
-    e.add_argument("--temperature", type=float, default=1.0, help="softmax temperature on scores (default 1)")
+    e.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token (default 1024, as the paper)")
+    e.add_argument(
+        "--lambda", dest="lam", type=V.probability, default=0.25, help="interpolation weight λ (default 0.25)"
+    )
+    e.add_argument(
+        "--temperature", type=V.positive_float, default=1.0, help="softmax temperature on scores (default 1)"
+    )
     e.add_argument("--search", default="index", choices=["index", "exact"], help="neighbours from the index or exact")
     e.add_argument(
         "--scores",
@@ -1102,19 +1152,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["index", "exact"],
         help="scores as the index returns them or recomputed from the stored fp16 keys",
     )
-    e.add_argument("--nprobe", type=int, default=32)
+    e.add_argument("--nprobe", type=V.positive_int, default=32)
     e.add_argument(
         "--drop-self-matches",
         action="store_true",
         help="ignore neighbours that are the evaluated token itself (text also in the datastore)",
     )
     e.add_argument("--cache", action="store_true", help="also compute the continuous cache (Grave et al. 2017)")
-    e.add_argument("--cache-lambda", type=float, default=0.1)
-    e.add_argument("--cache-temperature", type=float, default=1.0)
+    e.add_argument("--cache-lambda", type=V.probability, default=0.1)
+    e.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
     _add_windows(e)
-    e.add_argument("--dump", default=None, help="write per-token scores (.npz) for memlm tune")
+    e.add_argument("--dump", type=V.output_file, default=None, help="write per-token scores (.npz) for memlm tune")
     e.add_argument(
         "--json",
+        type=V.output_file,
         default=None,
         help="write the results as (strict) JSON; knn_only_ppl is null when some target is never retrieved (infinite)",
     )
@@ -1127,29 +1178,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
-    t.add_argument("--valid", required=True, help="dump from memlm eval --split valid --dump")
-    t.add_argument("--test", default=None, help="dump from memlm eval --split test --dump")
-    t.add_argument("--lambdas", type=float, nargs="+", default=None)
-    t.add_argument("--temperatures", type=float, nargs="+", default=None)
-    t.add_argument("--cache-lambdas", type=float, nargs="+", default=[0.0])
-    t.add_argument("--cache-temperatures", type=float, nargs="+", default=[1.0])
-    t.add_argument("--k", type=int, default=None, help="use only the k best of the dumped neighbours")
-    t.add_argument("--json", default=None)
+    t.add_argument("--valid", type=V.existing_file, required=True, help="dump from memlm eval --split valid --dump")
+    t.add_argument("--test", type=V.existing_file, default=None, help="dump from memlm eval --split test --dump")
+    t.add_argument("--lambdas", type=V.probability, nargs="+", default=None)
+    t.add_argument("--temperatures", type=V.positive_float, nargs="+", default=None)
+    t.add_argument("--cache-lambdas", type=V.probability, nargs="+", default=[0.0])
+    t.add_argument("--cache-temperatures", type=V.positive_float, nargs="+", default=[1.0])
+    t.add_argument("--k", type=V.neighbours, default=None, help="use only the k best of the dumped neighbours")
+    t.add_argument("--json", type=V.output_file, default=None)
     t.set_defaults(func=cmd_tune)
 
     g = sub.add_parser("generate", help="sample from the kNN-LM, streaming tokens as they come")
     _add_model(g)
-    g.add_argument("--datastore", required=True)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=40)
-    g.add_argument("--k", type=int, default=64)
-    g.add_argument("--lambda", dest="lam", type=float, default=0.25)
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--datastore", type=V.existing_dir, required=True)
+    g.add_argument("--prompt", type=V.nonempty_text, required=True)
+    g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
+    g.add_argument("--k", type=V.neighbours, default=64)
+    g.add_argument("--lambda", dest="lam", type=V.probability, default=0.25)
+    g.add_argument("--temperature", type=V.positive_float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")
     g.add_argument(
         "--show-neighbours",
-        type=int,
+        type=V.nonneg_int,
         default=0,
         metavar="N",
         help="print under each generated token the N nearest datastore entries with their source text",
@@ -1164,17 +1215,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(le)
     le.add_argument("--tasks", required=True, help="comma-separated: memlm_wikitext2, memlm_imdb, memlm_bbc_topic")
     le.add_argument("--datastore", default=None, help="kNN-LM datastore folder (none: the bare LM, or cache only)")
-    le.add_argument("--lambda", dest="lam", type=float, default=None, help="λ of the kNN term (0.25 with a datastore)")
-    le.add_argument("--temperature", type=float, default=1.0, help="τ of the kNN softmax")
-    le.add_argument("--k", type=int, default=1024, help="neighbours per token")
-    le.add_argument("--nprobe", type=int, default=32)
+    le.add_argument(
+        "--lambda", dest="lam", type=V.probability, default=None, help="λ of the kNN term (0.25 with a datastore)"
+    )
+    le.add_argument("--temperature", type=V.positive_float, default=1.0, help="τ of the kNN softmax")
+    le.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token")
+    le.add_argument("--nprobe", type=V.positive_int, default=32)
     le.add_argument("--cache", action="store_true", help="add the continuous cache (Grave et al. 2017)")
-    le.add_argument("--cache-lambda", type=float, default=0.1)
-    le.add_argument("--cache-temperature", type=float, default=1.0)
-    le.add_argument("--window", type=int, default=1024, help="sliding window of rolling log-likelihoods (tokens)")
-    le.add_argument("--min-context", type=int, default=512, help="context every rolling target keeps (tokens)")
-    le.add_argument("--max-length", type=int, default=None, help="tokens of a loglikelihood request (default window)")
-    le.add_argument("--batch-size", type=int, default=4)
+    le.add_argument("--cache-lambda", type=V.probability, default=0.1)
+    le.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
+    le.add_argument(
+        "--window", type=V.positive_int, default=1024, help="sliding window of rolling log-likelihoods (tokens)"
+    )
+    le.add_argument(
+        "--min-context", type=V.positive_int, default=512, help="context every rolling target keeps (tokens)"
+    )
+    le.add_argument(
+        "--max-length", type=V.positive_int, default=None, help="tokens of a loglikelihood request (default window)"
+    )
+    le.add_argument("--batch-size", type=V.positive_int, default=4)
     le.add_argument("--limit", type=float, default=None, help="first N documents per task (or a fraction)")
     le.add_argument("--samples", default=None, help="document indices per task, JSON: '{\"memlm_wikitext2\": [0, 9]}'")
     le.add_argument("--out", default=None, help="write the results and settings as JSON here")
@@ -1184,10 +1243,17 @@ def build_parser() -> argparse.ArgumentParser:
     le.set_defaults(func=cmd_lm_eval)
 
     t = sub.add_parser("train", help="train a causal LM from scratch or continue a pretrained one (resumable)")
-    t.add_argument("--out", required=True, help="run folder; rerun the same command to resume; model in OUT/final")
+    t.add_argument(
+        "--out",
+        type=V.output_dir,
+        required=True,
+        help="run folder; rerun the same command to resume; model in OUT/final",
+    )
     t.add_argument("--corpus", required=True, help="training corpora, comma-separated (split train), e.g. wiki,news")
     t.add_argument("--valid-corpus", default=None, help="validation corpora (split valid; default: --corpus)")
-    t.add_argument("--valid-tokens", type=int, default=200_000, help="validation tokens scored (0: no validation)")
+    t.add_argument(
+        "--valid-tokens", type=V.nonneg_int, default=200_000, help="validation tokens scored (0: no validation)"
+    )
     t.add_argument(
         "--objective",
         default="lm",
@@ -1211,33 +1277,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="from scratch: bpe:<vocab> (trained here; default bpe:8192), gpt2 or folder; npm: the encoder whose "
         "tokenizer to use (default minilm-l6)",
     )
-    t.add_argument("--n-positions", type=int, default=1024, help="from scratch: maximum positions")
-    t.add_argument("--dropout", type=float, default=0.1, help="from scratch: dropout")
-    t.add_argument("--steps", type=int, default=1000, help="optimizer updates")
-    t.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
-    t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW)")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--warmup", type=float, default=0.05, help="warm-up updates, or a fraction of --steps")
+    t.add_argument("--n-positions", type=V.positive_int, default=1024, help="from scratch: maximum positions")
+    t.add_argument("--dropout", type=V.probability, default=0.1, help="from scratch: dropout")
+    t.add_argument("--steps", type=V.positive_int, default=1000, help="optimizer updates")
+    t.add_argument("--batch-size", type=V.positive_int, default=8, help="sequences per micro-batch")
+    t.add_argument("--grad-accum", type=V.positive_int, default=1, help="micro-batches per update")
+    t.add_argument("--seq-len", type=V.positive_int, default=512)
+    t.add_argument("--lr", type=V.positive_float, default=6e-4, help="peak learning rate (AdamW)")
+    t.add_argument("--weight-decay", type=V.nonneg_float, default=0.1)
+    t.add_argument("--warmup", type=V.nonneg_float, default=0.05, help="warm-up updates, or a fraction of --steps")
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16: autocast")
-    t.add_argument("--eval-every", type=int, default=200, help="validation every N updates (0: only at the end)")
-    t.add_argument("--save-every", type=int, default=200, help="checkpoint every N updates")
+    t.add_argument(
+        "--eval-every", type=V.nonneg_int, default=200, help="validation every N updates (0: only at the end)"
+    )
+    t.add_argument(
+        "--save-every", type=V.nonneg_int, default=200, help="checkpoint every N updates (0: only at the end)"
+    )
     t.add_argument(
         "--loss",
         default="ce",
         choices=["ce", "trime", "trime-long", "trime-ext"],
         help="ce (plain LM); TRIME with local memory, + long-term (consecutive segments), + external (BM25 batches)",
     )
-    t.add_argument("--ce-warmup", type=float, default=0.05, help="TRIME: plain CE for this fraction of updates first")
-    t.add_argument("--segments-per-doc", type=int, default=None, help="trime-long: consecutive segments per batch")
-    t.add_argument("--drop-local-p", type=float, default=0.9, help="trime-ext: drop the local memory with prob. p")
+    t.add_argument(
+        "--ce-warmup", type=V.probability, default=0.05, help="TRIME: plain CE for this fraction of updates first"
+    )
+    t.add_argument(
+        "--segments-per-doc", type=V.positive_int, default=None, help="trime-long: consecutive segments per batch"
+    )
+    t.add_argument(
+        "--drop-local-p", type=V.probability, default=0.9, help="trime-ext: drop the local memory with prob. p"
+    )
     t.add_argument("--packing", default="bm25", choices=["bm25", "random"], help="trime-ext: batch packing")
-    t.add_argument("--mask-budget", type=float, default=None, help="npm, mlm: fraction of tokens masked (default 0.15)")
-    t.add_argument("--max-span", type=int, default=None, help="npm: longest masked span (default 10)")
+    t.add_argument(
+        "--mask-budget", type=V.probability, default=None, help="npm, mlm: fraction of tokens masked (default 0.15)"
+    )
+    t.add_argument("--max-span", type=V.positive_int, default=None, help="npm: longest masked span (default 10)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one, else CPU), cpu, cuda, cuda:N")
-    t.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many updates")
+    t.add_argument("--stop-after", type=V.positive_int, default=None, help="stop (resumably) after this many updates")
     t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
     t.set_defaults(func=cmd_train, train_parser=t)
 
@@ -1248,29 +1326,31 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--datastore-ffn", help="datastore with final keys (Xu's 'ffn')")
     a.add_argument("--valid-corpus", default="wiki", help="held-out corpora (split valid) for tuning λ and τ")
     a.add_argument("--test-corpus", default="wiki", help="held-out corpora (split test) for the reported numbers")
-    a.add_argument("--max-tokens", type=int, default=None, help="per split: leading documents up to this many tokens")
-    a.add_argument("--window", type=int, default=512)
-    a.add_argument("--min-context", type=int, default=128)
-    a.add_argument("--batch-size", type=int, default=4)
-    a.add_argument("--k", type=int, default=1024)
-    a.add_argument("--nprobe", type=int, default=32)
+    a.add_argument(
+        "--max-tokens", type=V.positive_int, default=None, help="per split: leading documents up to this many tokens"
+    )
+    a.add_argument("--window", type=V.positive_int, default=512)
+    a.add_argument("--min-context", type=V.nonneg_int, default=128)
+    a.add_argument("--batch-size", type=V.positive_int, default=4)
+    a.add_argument("--k", type=V.neighbours, default=1024)
+    a.add_argument("--nprobe", type=V.positive_int, default=32)
     a.add_argument("--factory", default=None, help="approximate FAISS index (default IVF<nlist>,PQ<dim/16>)")
     a.add_argument("--fractions", default="0.05,0.25,0.5,1", help="datastore ratios for Fig. 2/4 and Table 3")
     a.add_argument("--fig5-temperatures", default=None, help="τ values of Fig. 5 (default 0.1,...,3.0,3.5,4,5,6,8,10)")
     a.add_argument("--learned-n", default="1,2,3,6", help="embeddings per word of the learned W_ds")
-    a.add_argument("--learned-steps", type=int, default=1000, help="training updates of each learned W_ds")
-    a.add_argument("--learned-batch", type=int, default=512)
-    a.add_argument("--learned-lr", type=float, default=1e-3)
+    a.add_argument("--learned-steps", type=V.positive_int, default=1000, help="training updates of each learned W_ds")
+    a.add_argument("--learned-batch", type=V.positive_int, default=512)
+    a.add_argument("--learned-lr", type=V.positive_float, default=1e-3)
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--skip", default="", help="comma-separated parts to skip: table1, approx, temperature, learned")
-    a.add_argument("--out", required=True, help="output folder (rerun to resume)")
+    a.add_argument("--out", type=V.output_dir, required=True, help="output folder (rerun to resume)")
     a.set_defaults(func=cmd_analyze)
 
     _add_npm(sub)
     _add_trime(sub)
 
     d = sub.add_parser("demo", help="SmolLM2-135M + wiki and news datastores on the offline defaults")
-    d.add_argument("--out", default=None, help="output folder (default $MEMLM_HOME/demo)")
+    d.add_argument("--out", type=V.output_dir, default=None, help="output folder (default $MEMLM_HOME/demo)")
     d.add_argument("--quick", action="store_true", help="a much smaller run (tests use it)")
     d.set_defaults(func=cmd_demo)
     return parser
@@ -1293,6 +1373,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.temperatures = list(DEFAULT_TEMPERATURES)
     try:
+        V.preflight(args)  # cheap cross-argument checks before any model, corpus or forward pass
         args.func(args)
     except MemlmError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -53,7 +53,6 @@ import importlib.util
 import io
 import json
 import re
-import sys
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -525,7 +524,6 @@ def describe_corpora() -> list[dict]:
             parts = _named(name)
         except MemlmError as error:
             row["error"] = str(error)
-            print(f"memlm: corpus {name} unavailable: {error}", file=sys.stderr)
         else:
             row["docs"] = {s: len(parts[s]) for s in SPLITS}
             row["chars"] = {s: sum(len(d.text) for d in parts[s]) for s in SPLITS}

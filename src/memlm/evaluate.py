@@ -15,7 +15,6 @@ without searching again, so ``tune`` can grid-search on the validation dump and 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import time
@@ -116,12 +115,16 @@ class TokenScores:
 
     @classmethod
     def load(cls, path: str | Path) -> TokenScores:
-        try:
-            with np.load(path) as z:
-                arrays = {k: z[k] for k in _ARRAYS if k in z.files}
-                meta = json.loads(str(z["meta"]))
-        except (OSError, ValueError, KeyError) as e:
-            raise MemlmError(f"cannot read score dump {path} ({e}); rerun memlm eval --dump {path}") from e
+        from memlm.validate import load_npz_dump
+
+        required = {"targets": 1, "lm_logprob": 1, "doc_index": 1}
+        optional = {"knn_scores": 2, "knn_values": 2, "cache_scores": 2, "cache_values": 2}
+        arrays, meta = load_npz_dump(path, "a kNN-LM score dump", required, optional, f"rerun memlm eval --dump {path}")
+        for scores, values in (("knn_scores", "knn_values"), ("cache_scores", "cache_values")):
+            if (scores in arrays) != (values in arrays) or (
+                scores in arrays and arrays[scores].shape != arrays[values].shape
+            ):
+                raise MemlmError(f"score dump {path}: {scores} and {values} do not match; rerun memlm eval --dump")
         return cls(meta=meta, **arrays)
 
 

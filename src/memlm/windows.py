@@ -41,6 +41,7 @@ __all__ = [
     "limit_documents",
     "resolve_stride",
     "BLOCK_STARTS",
+    "truncate_document",
 ]
 
 BLOCK_STARTS = ("skip", "bos")
@@ -221,10 +222,44 @@ def limit_documents(docs: Sequence, tokenizer, max_tokens: int | None) -> list:
     """The leading documents of ``docs`` whose tokens (EOS included) add up to at most ``max_tokens`` (at least one)."""
     if max_tokens is None:
         return list(docs)
+    if max_tokens < 1:
+        raise MemlmError(f"max_tokens must be >= 1, got {max_tokens}")
     kept, total = [], 0
     for chunk in tokenize_documents(docs, tokenizer):
-        if kept and total + len(chunk.tokens) > max_tokens:
+        if total + len(chunk.tokens) > max_tokens:
+            if not kept:  # one document longer than the budget: its leading part, not all of it
+                kept.append(truncate_document(docs[chunk.doc_index], tokenizer, max_tokens))
             break
         kept.append(docs[chunk.doc_index])
         total += len(chunk.tokens)
     return kept
+
+
+def truncate_document(doc, tokenizer, max_tokens: int, extra_tokens: int = 1):
+    """``doc`` (an object with ``.text``, or a string) cut to its longest leading text whose tokens plus
+    ``extra_tokens`` (the EOS) number at most ``max_tokens`` (at least one character, so that a window has a target).
+    The id is kept; ``meta['truncated_to_tokens']`` records the cut."""
+    import copy
+    import dataclasses
+
+    def n_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + extra_tokens
+
+    text = doc if isinstance(doc, str) else doc.text
+    # invariant: the answer is in [lo, hi]; n_tokens grows (nearly) with the prefix length
+    lo, hi = 1, min(len(text), 64 * max_tokens)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if n_tokens(text[:mid]) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    if isinstance(doc, str):
+        return text[:lo]
+    meta = {**(getattr(doc, "meta", None) or {}), "truncated_to_tokens": max_tokens}
+    if dataclasses.is_dataclass(doc):
+        fields = {f.name for f in dataclasses.fields(doc)}
+        return dataclasses.replace(doc, text=text[:lo], **({"meta": meta} if "meta" in fields else {}))
+    out = copy.copy(doc)
+    out.text = text[:lo]
+    return out

@@ -76,14 +76,19 @@ def scratch_bert(size: str, tokenizer, n_positions: int = 512, dropout: float = 
 
 
 def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -> list:
-    """The leading documents whose tokens (no special tokens) add up to at most ``max_tokens`` (at least one); an
+    """The leading documents whose tokens (no special tokens) add up to at most ``max_tokens`` (a first document longer
+    than that is cut to its leading part within the budget); an
     encoder tokenizer has no EOS, so :func:`memlm.windows.limit_documents` does not apply."""
     if max_tokens is None:
         return list(docs)
     kept, total = [], 0
     for d in docs:
         n = len(tokenizer(d if isinstance(d, str) else d.text, add_special_tokens=False)["input_ids"])
-        if kept and total + n > max_tokens:
+        if total + n > max_tokens:
+            if not kept:  # one document longer than the budget: its leading part, not all of it
+                from memlm.windows import truncate_document
+
+                kept.append(truncate_document(d, tokenizer, max_tokens, extra_tokens=0))
             break
         kept.append(d)
         total += n

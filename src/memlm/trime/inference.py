@@ -35,7 +35,6 @@ exact: for any ``M`` the memory term is the log-sum-exp of lags ``0..M``. :func:
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import time
@@ -131,12 +130,21 @@ class TrimeScores:
     @classmethod
     def load(cls, path: str | Path) -> TrimeScores:
         """Read a dump written by :meth:`save`."""
-        try:
-            with np.load(path) as z:
-                arrays = {k: z[k] for k in _ARRAYS if k in z.files}
-                meta = json.loads(str(z["meta"]))
-        except (OSError, ValueError, KeyError) as e:
-            raise MemlmError(f"cannot read TRIME score dump {path} ({e}); rescore with score_trime") from e
+        from memlm.validate import load_npz_dump
+
+        required = {"targets": 1, "doc_index": 1, "segment_index": 1, "target_logit": 1, "logit_lse": 1,
+                    "mem_all": 3, "mem_hit": 3}  # fmt: skip
+        hint = f"rerun memlm trime-eval --dump {path}"
+        arrays, meta = load_npz_dump(path, "a TRIME score dump", required, {"ext_scores": 2, "ext_values": 2}, hint)
+        temps = meta.get("local_temperatures")
+        if (
+            arrays["mem_all"].shape != arrays["mem_hit"].shape
+            or not isinstance(temps, list)
+            or len(temps) != arrays["mem_all"].shape[1]
+            or ("ext_scores" in arrays) != ("ext_values" in arrays)
+            or ("ext_scores" in arrays and arrays["ext_scores"].shape != arrays["ext_values"].shape)
+        ):
+            raise MemlmError(f"TRIME score dump {path}: its arrays and local temperatures do not match; {hint}")
         return cls(meta=meta, **arrays)
 
 
