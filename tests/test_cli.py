@@ -109,7 +109,15 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
 
     # k = 1: most targets are never retrieved, so p_kNN = 0 for them and the memory-only perplexity is infinite
     r = memlm(
-        "eval", "--corpus", str(corpus_dir / "test"), *common[:2], "--k", "1", "--json", str(tmp_path / "k1.json")
+        "eval",
+        "--corpus",
+        str(corpus_dir / "test"),
+        *common[:2],
+        *common[4:],
+        "--k",
+        "1",
+        "--json",
+        str(tmp_path / "k1.json"),
     )
     assert r.returncode == 0, r.stderr
     k1 = strict_loads((tmp_path / "k1.json").read_text())
@@ -158,6 +166,16 @@ def test_eval_non_overlapping_blocks_and_refused_zero_context(tmp_path, tiny_lm,
     r = memlm("eval", "--model", str(tiny_lm_dir), "--corpus", str(corpus_dir / "test"), "--min-context", "0")
     assert r.returncode == 2 and "error:" in r.stderr and "at least one token of context" in r.stderr
     r = memlm(
-        "eval", "--model", str(tiny_lm_dir), "--corpus", str(corpus_dir / "test"), "--stride", "8", "--min-context", "8"
+        "eval",
+        "--model",
+        str(tiny_lm_dir),
+        "--corpus",
+        str(corpus_dir / "test"),
+        "--window",
+        "32",
+        "--stride",
+        "8",
+        "--min-context",
+        "8",
     )
     assert r.returncode == 2 and "disagree" in r.stderr

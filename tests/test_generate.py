@@ -135,7 +135,20 @@ def test_cli_generate_streams_and_shows_neighbours(tmp_path, tiny_lm_dir):
     corpus = tmp_path / "greek.jsonl"
     corpus.write_text(json.dumps({"id": "greek", "text": "alpha beta gamma delta epsilon zeta eta theta"}) + "\n")
     ds = tmp_path / "ds"
-    r = memlm("datastore", "build", "--model", str(tiny_lm_dir), "--corpus", str(corpus), "--out", str(ds))
+    r = memlm(
+        "datastore",
+        "build",
+        "--model",
+        str(tiny_lm_dir),
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(ds),
+        "--window",
+        "64",
+        "--min-context",
+        "8",
+    )
     assert r.returncode == 0, r.stderr
     common = ["generate", "--datastore", str(ds), "--prompt", "alpha beta gamma", "--greedy", "--lambda", "1"]
     r = memlm(*common, "--k", "1", "--max-new-tokens", "2")

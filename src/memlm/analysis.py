@@ -47,7 +47,7 @@ from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
-from memlm.fileio import atomic_write_json, dumps_json
+from memlm.fileio import atomic_write_json, dumps_json, unique_tmp
 
 __all__ = ["AnalysisSpec", "PAPER", "approx_factory", "interpolation_row", "run_analysis", "write_report"]
 
@@ -263,7 +263,7 @@ class _Run:
                 meta=self._forward_meta(split),
             )
             for role, ds in self.datastores.items():
-                tmp = qpaths[role].with_name(qpaths[role].name + ".tmp.npy")
+                tmp = unique_tmp(qpaths[role], ".tmp.npy")
                 np.save(tmp, queries[ds.key_spec].astype(np.float32))
                 os.replace(tmp, qpaths[role])
             ts.save(dump)

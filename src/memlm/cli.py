@@ -905,7 +905,7 @@ def _add_windows(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=V.positive_int, default=1024, help="tokens per forward window (default 1024)")
     p.add_argument(
         "--min-context",
-        type=V.positive_int,
+        type=V.min_context,
         default=None,
         help="every scored token has at least this many tokens of context, >= 1 (default 512, as the paper)",
     )
@@ -1228,7 +1228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--window", type=V.positive_int, default=1024, help="sliding window of rolling log-likelihoods (tokens)"
     )
     le.add_argument(
-        "--min-context", type=V.positive_int, default=512, help="context every rolling target keeps (tokens)"
+        "--min-context", type=V.min_context, default=512, help="context every rolling target keeps (tokens)"
     )
     le.add_argument(
         "--max-length", type=V.positive_int, default=None, help="tokens of a loglikelihood request (default window)"
@@ -1330,7 +1330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=V.positive_int, default=None, help="per split: leading documents up to this many tokens"
     )
     a.add_argument("--window", type=V.positive_int, default=512)
-    a.add_argument("--min-context", type=V.nonneg_int, default=128)
+    a.add_argument("--min-context", type=V.min_context, default=128)
     a.add_argument("--batch-size", type=V.positive_int, default=4)
     a.add_argument("--k", type=V.neighbours, default=1024)
     a.add_argument("--nprobe", type=V.positive_int, default=32)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.fileio import dumps_json
+from memlm.fileio import dumps_json, unique_tmp
 from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
 from memlm.knn import knn_target_logprob, mix_logprobs
@@ -109,7 +109,7 @@ class TokenScores:
         """Write an ``.npz`` atomically (the meta dict goes in as JSON)."""
         path = Path(path)
         arrays = {k: getattr(self, k) for k in _ARRAYS if getattr(self, k) is not None}
-        tmp = path.with_name(path.name + ".tmp.npz")
+        tmp = unique_tmp(path, ".tmp.npz")
         np.savez(tmp, meta=np.array(dumps_json(self.meta, indent=None)), **arrays)
         os.replace(tmp, path)
 

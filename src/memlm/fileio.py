@@ -49,10 +49,14 @@ def disk_full_error(path: str | os.PathLike[str], resume: bool = True) -> MemlmE
     return MemlmError(f"disk full while writing {path}: free space and {how}")
 
 
-def unique_tmp(path: str | os.PathLike[str]) -> Path:
-    """A fresh, unique temporary name beside ``path`` (``.<name>.<pid>-<random>.tmp``), not created."""
+def unique_tmp(path: str | os.PathLike[str], suffix: str = ".tmp") -> Path:
+    """A fresh, unique temporary name beside ``path`` (``.<name>.<pid>-<random><suffix>``), not created.
+
+    ``suffix`` keeps writers that insist on an extension (``np.savez``: ``.npz``; matplotlib: ``.png``) from
+    renaming the file.
+    """
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    return path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}{suffix}")
 
 
 # ------------------------------------------------------------------------------------------------ checksums

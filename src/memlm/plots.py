@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from memlm.fileio import unique_tmp
+
 __all__ = ["pyplot", "finish_figure"]
 
 
@@ -44,7 +46,7 @@ def finish_figure(
             axes.legend(fontsize=legend_fontsize)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
+    tmp = unique_tmp(path, ".tmp.png")
     fig.savefig(tmp, dpi=dpi)
     pyplot().close(fig)
     os.replace(tmp, path)

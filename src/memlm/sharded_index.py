@@ -39,7 +39,7 @@ import numpy as np
 
 from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
+from memlm.fileio import atomic_write_json, unique_tmp
 
 __all__ = [
     "ShardedSearcher",
@@ -66,7 +66,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_index(index: faiss.Index, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = unique_tmp(path)
     try:
         faiss.write_index(index, str(tmp))
         os.replace(tmp, path)

@@ -86,6 +86,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def min_context(text: str) -> int:
+    """``--min-context``: an integer >= 1 (every scored target needs a token of context from its own window)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 1, got {text!r}: every scored target needs at least one token of context from its own "
+            "window (with 0 the first target of each later window would be predicted from a position that has already "
+            "seen it); for non-overlapping blocks give --stride equal to --window instead"
+        )
+    return value
+
+
 def nonneg_int(text: str) -> int:
     """An integer >= 0."""
     value = _int(text)

@@ -128,6 +128,11 @@ def resolve_stride(window: int, min_context: int | None, stride: int | None = No
                 f"{window - min_context}); give one of them"
             )
         return stride, window - stride
+    if min_context is not None and min_context >= window:
+        raise MemlmError(
+            f"min_context {min_context} must be smaller than the window ({window}): each window scores "
+            "window - min_context new tokens; lower --min-context or raise --window"
+        )
     if min_context is None or not 1 <= min_context < window:
         raise MemlmError(
             f"min_context must be in [1, window), got {min_context} with window {window}: every scored target needs "

@@ -51,7 +51,7 @@ from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import retrieve
-from memlm.fileio import dumps_json
+from memlm.fileio import dumps_json, unique_tmp
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.knn import knn_distribution, knn_target_logprob
 from memlm.trime.batching import Segment, segment_documents
@@ -123,7 +123,7 @@ class TrimeScores:
         """Write an ``.npz`` atomically (meta as JSON)."""
         path = Path(path)
         arrays = {k: getattr(self, k) for k in _ARRAYS if getattr(self, k) is not None}
-        tmp = path.with_name(path.name + ".tmp.npz")
+        tmp = unique_tmp(path, ".tmp.npz")
         np.savez(tmp, meta=np.array(dumps_json(self.meta, indent=None)), **arrays)
         os.replace(tmp, path)
 
