@@ -141,3 +141,22 @@ def test_classify_normalised(index, capsys):
     assert len(probs) == 2 and sum(probs) == pytest.approx(1.0, abs=2e-4) and "label: " in out
     assert main(["npm", "classify", "--index", str(index), "--labels", "animal=cat", query]) == 2
     assert "at least two labels" in _error_line(capsys)
+
+
+def test_train_npm_refuses_other_corpus_on_resume(berts, corpus, tmp_path, capsys):
+    """An encoder run (NPM / MLM) records its corpus, encoder and tokenizer: a rerun with another corpus names it."""
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "x", "text": "a completely different corpus " * 40}) + "\n")
+    base = ["train", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--lr", "1e-3", "--dtype", "float32",
+            "--warmup", "0", "--valid-tokens", "0", "--save-every", "1", "--model", str(berts[0])]  # fmt: skip
+    for objective in ("npm", "mlm"):
+        out = tmp_path / objective
+        args = [*base, "--objective", objective, "--out", str(out)]
+        assert main([*args, "--corpus", str(corpus)]) == 0
+        capsys.readouterr()
+        assert main([*args, "--corpus", str(other)]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "other settings (corpus" in errors[0], err
+        assert json.loads((out / "run.json").read_text())["identity"]["corpus"] == str(corpus)
+        assert main([*args, "--corpus", str(corpus)]) == 0  # the same settings resume

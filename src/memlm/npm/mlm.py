@@ -39,7 +39,13 @@ from memlm.npm.encoder import _cls_sep_pad, mask_ids, masked_query, max_block_to
 from memlm.npm.encoder import special_ids as _special_ids
 from memlm.npm.inference import LabelScores, PhrasePrediction, normalize_text
 from memlm.npm.objective import NpmBatches, npm_batches
-from memlm.npm.train_npm import NpmTrainResult, finish_training, mean_eval_loss, scratch_bert
+from memlm.npm.train_npm import (
+    NpmTrainResult,
+    encoder_run_identity,
+    finish_training,
+    mean_eval_loss,
+    scratch_bert,
+)
 from memlm.train import TrainConfig, train
 
 __all__ = [
@@ -244,7 +250,8 @@ def train_mlm(
     loss_fn = MlmObjective(tok, prob=MLM_PROB if prob is None else prob, seed=config.seed)
     batches = npm_batches(docs, tok, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
     res = train(model, config, batches, None, loss_fn=loss_fn, out_dir=out, resume=resume, warmup_loss=None,
-                stop_after=stop_after, progress=progress, tokenizer=tok)  # fmt: skip
+                stop_after=stop_after, progress=progress, tokenizer=tok,
+                identity=encoder_run_identity(corpus, docs, encoder or "minilm-l6", scratch, tok))  # fmt: skip
     return finish_training(
         res, out, config, tok, valid_corpus or corpus, valid_tokens, lambda vb: mlm_valid_loss(model, loss_fn, vb)
     )

@@ -75,6 +75,22 @@ def scratch_bert(size: str, tokenizer, n_positions: int = 512, dropout: float = 
     return BertModel(cfg)
 
 
+def encoder_run_identity(
+    corpus: str | Sequence[str], docs: Sequence, encoder: str, scratch: str | None, tokenizer
+) -> dict[str, Any]:
+    """What an encoder run (NPM, NPM SINGLE, MLM) trains on, for ``run.json``: resuming with another corpus, encoder
+    or tokenizer is refused with the differences named (:func:`memlm.train.check_run_identity`)."""
+    from memlm.corpora import corpus_fingerprint
+    from memlm.resources import tokenizer_fingerprint
+
+    return {
+        "corpus": corpus if isinstance(corpus, str) else ",".join(corpus),
+        "corpus_fingerprint": corpus_fingerprint(docs),
+        "init": f"scratch {scratch}" if scratch is not None else f"encoder {encoder}",
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+
+
 def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -> list:
     """The leading documents whose tokens (no special tokens) add up to at most ``max_tokens`` (a first document longer
     than that is cut to its leading part within the budget); an
@@ -224,6 +240,7 @@ def train_npm(
         stop_after=stop_after,
         progress=progress,
         tokenizer=tok,
+        identity=encoder_run_identity(corpus, docs, encoder or DEFAULT_ENCODER, scratch, tok),
     )
     return finish_training(
         res, out, config, tok, valid_corpus or corpus, valid_tokens, lambda vb: npm_valid_loss(model, loss_fn, vb)
