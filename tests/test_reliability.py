@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -60,7 +61,11 @@ def build_args(model_dir, corpus, out):
     ]
 
 
-def test_sigkill_then_resume_gives_identical_datastore(tmp_path, tiny_lm_dir, corpus_file, built):
+def _kill_build_at_random_point(seed: int, tmp_path, tiny_lm_dir, corpus_file, built) -> None:
+    """Kill a build after a random number of windows (1..total-1) plus a random 0-20 ms, resume, compare."""
+    rng = random.Random(seed)
+    windows = max(2, Datastore.open(built).manifest["count"] // 12)  # stride = window 16 - min_context 4
+    target, delay = rng.randint(1, windows - 1), rng.uniform(0, 0.02)
     ref = built
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1"}
@@ -74,11 +79,12 @@ def test_sigkill_then_resume_gives_identical_datastore(tmp_path, tiny_lm_dir, co
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
-            if json.loads(progress.read_text())["windows_done"] >= 10:
+            if json.loads(progress.read_text())["windows_done"] >= target:
+                time.sleep(delay)
                 break
         except (OSError, ValueError, KeyError):
             pass
-        time.sleep(0.005)
+        time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert progress.exists(), "the build finished before it could be killed; make the corpus larger"
@@ -90,6 +96,50 @@ def test_sigkill_then_resume_gives_identical_datastore(tmp_path, tiny_lm_dir, co
     a, b = Datastore.open(ref, verify=True), Datastore.open(out, verify=True)
     assert len(a) == len(b)
     assert a.checksum() == b.checksum()
+
+
+def _kill_index_build_at_random_point(seed: int, tmp_path, built) -> None:
+    """Kill ``memlm index build`` after a random delay within the duration of an uninterrupted index build: the index
+    is then absent or complete, never partial, and the rerun writes a byte-identical index."""
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(built, ref_dir)
+    t0 = time.time()
+    memlm("index", "build", str(ref_dir), "--factory", "IVF8,PQ8", check=True)
+    span = time.time() - t0
+    ref = (ref_dir / "index.faiss").read_bytes()
+    ds = tmp_path / f"ds{seed}"
+    shutil.copytree(built, ds)
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memlm.cli", "index", "build", str(ds), "--factory", "IVF8,PQ8"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(random.Random(seed).uniform(0, span))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    index = ds / "index.faiss"
+    assert not index.exists() or index.read_bytes() == ref, "kill -9 left a partial index"
+    r = memlm("index", "build", str(ds), "--factory", "IVF8,PQ8")
+    assert r.returncode == 0, r.stderr
+    assert index.read_bytes() == ref
+
+
+def test_sigkill_then_resume_gives_identical_datastore(tmp_path, tiny_lm_dir, corpus_file, built):
+    _kill_build_at_random_point(int(os.environ.get("MEMLM_KILL_SEED", "0")), tmp_path, tiny_lm_dir, corpus_file, built)
+
+
+def test_sigkill_index_build_then_rebuild_gives_identical_index(tmp_path, built):
+    _kill_index_build_at_random_point(int(os.environ.get("MEMLM_KILL_SEED", "0")), tmp_path, built)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 11))
+def test_sigkill_campaign(seed, tmp_path, tiny_lm_dir, corpus_file, built):
+    """The larger campaign (``pytest -m slow -k sigkill_campaign``): more random kill points for both builds."""
+    _kill_build_at_random_point(seed, tmp_path, tiny_lm_dir, corpus_file, built)
+    _kill_index_build_at_random_point(seed, tmp_path, built)
 
 
 @pytest.mark.parametrize(
