@@ -25,7 +25,6 @@ Shards are searched by a thread pool (FAISS releases the GIL) or by Ray actors, 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ import numpy as np
 
 from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json, unique_tmp
+from memlm.fileio import atomic_write_json, sha256_file, unique_tmp
 
 __all__ = [
     "ShardedSearcher",
@@ -55,14 +54,6 @@ __all__ = [
 ]
 
 TRAINED_SUFFIX = ".trained"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_index(index: faiss.Index, path: Path) -> None:
@@ -162,7 +153,7 @@ def build_sharded_index(
             ) from None
         del train
     _write_index(index, trained_path)
-    trained_sha = _sha256(trained_path)
+    trained_sha = sha256_file(trained_path)
     common = {
         "factory": plan.factory,
         "metric": metric,

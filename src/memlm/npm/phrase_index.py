@@ -44,7 +44,7 @@ import numpy as np
 from memlm import __version__, schema
 from memlm.datastore import model_identity
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full
+from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full, sha256_file
 from memlm.index import FLAT_MAX_N, build_index, load_index, search
 from memlm.locking import folder_lock
 from memlm.npm.encoder import _cls_sep_pad, encode_sequences, max_block_tokens
@@ -107,14 +107,6 @@ def corpus_blocks(documents: Sequence, tokenizer, block_tokens: int) -> list[Cor
         for s in range(0, len(ids), block_tokens):
             blocks.append(CorpusBlock(i, s, ids[s : s + block_tokens]))
     return blocks
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -454,7 +446,7 @@ def _build_phrase_index(
             except OSError:
                 pass  # a full disk again: the rerun truncates to the recorded count
     count = int(state["count"])
-    files = {name: {"dtype": dt, "sha256": _sha256(out / f"{name}.bin")} for name, dt in FILES.items()}
+    files = {name: {"dtype": dt, "sha256": sha256_file(out / f"{name}.bin")} for name, dt in FILES.items()}
     vectors = np.memmap(out / "vectors.bin", dtype=np.float16, mode="r", shape=(count, dim))
     chosen = factory or ("Flat" if count <= FLAT_MAX_N else None)
     identity = {"kind": "npm-phrase-index", "count": count, "dim": dim, "sha256": files["vectors"]["sha256"]}
