@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2TokenizerFast
+
+# The CLI's --dtype auto picks bfloat16 on CPUs with native bf16; the tests pin their tiny models' float32 numbers
+# (tests/test_resources.py checks the auto choice itself).
+os.environ.setdefault("MEMLM_DEFAULT_DTYPE", "float32")
 
 
 @dataclass(frozen=True)

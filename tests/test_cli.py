@@ -87,6 +87,10 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         "exact",
         "--scores",
         "exact",
+        "--lambda",  # the datastore's calibrated values are the default; the checks below use λ = 0.25, τ = 1
+        "0.25",
+        "--temperature",
+        "1",
     )
     assert r.returncode == 0, r.stderr
     res = strict_loads((tmp_path / "test.json").read_text())
@@ -116,6 +120,8 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         *common[4:],
         "--k",
         "1",
+        "--lambda",
+        "0.25",
         "--json",
         str(tmp_path / "k1.json"),
     )

@@ -19,6 +19,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 def memlm(*args, check=False, **kw):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+    env.setdefault("MEMLM_DEFAULT_DTYPE", "float32")  # the CLI tests pin the tiny model's float32 numbers
     return subprocess.run(
         [sys.executable, "-m", "memlm.cli", *args], capture_output=True, text=True, env=env, check=check, **kw
     )

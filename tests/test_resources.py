@@ -222,3 +222,43 @@ def test_smollm2_real():
     assert time.perf_counter() - start < 10  # from the cache, not converted again
     assert model_fingerprint(again) == model_fingerprint(model)
     assert tokenizer_fingerprint(tok2) == tokenizer_fingerprint(tok)
+
+
+def test_default_dtype_is_bf16_only_where_it_is_native(monkeypatch):
+    import memlm.resources as r
+
+    monkeypatch.delenv("MEMLM_DEFAULT_DTYPE", raising=False)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(r, "_cpu_has_native_bf16", lambda: True)
+    assert r.default_dtype() == "bfloat16" and r.parse_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(r, "_cpu_has_native_bf16", lambda: False)
+    assert r.default_dtype() == "float32" and r.parse_dtype("auto") == torch.float32
+    monkeypatch.setenv("MEMLM_DEFAULT_DTYPE", "bf16")
+    assert r.default_dtype() == "bfloat16"
+
+
+def test_cli_resolves_auto_dtype_before_running(monkeypatch, capsys):
+    import memlm.cli as cli
+    import memlm.resources as r
+
+    monkeypatch.delenv("MEMLM_DEFAULT_DTYPE", raising=False)
+    monkeypatch.setattr(r, "default_dtype", lambda: "bfloat16")
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_eval", lambda args: seen.setdefault("dtype", args.dtype))
+    parser = cli.build_parser()
+    assert parser.parse_args(["eval", "--corpus", "wiki"]).dtype == "auto"
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser, "eval", cli.cmd_eval))
+    assert cli.main(["eval", "--corpus", "wiki"]) == 0 and seen["dtype"] == "bfloat16"
+    assert "auto" in _help(parser, "eval")
+
+
+def _with_func(parser, name, func):
+    for action in parser._subparsers._group_actions:
+        action.choices[name].set_defaults(func=func)
+    return parser
+
+
+def _help(parser, name):
+    return parser._subparsers._group_actions[0].choices[name].format_help()

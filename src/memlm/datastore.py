@@ -355,6 +355,18 @@ class Datastore:
         """One SHA-256 over all files' checksums, as recorded in the manifest."""
         return hashlib.sha256("".join(self.manifest["files"][k]["sha256"] for k in FILES).encode()).hexdigest()
 
+    def record_calibration(self, calibration: dict[str, Any]) -> None:
+        """Store the λ/τ tuned on the build's held-out slice (:mod:`memlm.calibration`) in ``manifest.json``.
+
+        Only the manifest's own checksum changes (the build id and file checksums stay, so the index still matches).
+        """
+        manifest = json.loads(json.dumps(self.manifest))
+        manifest["calibration"] = calibration
+        manifest["manifest_sha256"] = _manifest_digest(manifest)
+        schema.check(manifest, schema.DATASTORE_MANIFEST, self.path / "manifest.json", "datastore manifest", REBUILD)
+        atomic_write_json(self.path / "manifest.json", manifest)
+        self.manifest = manifest
+
     def subsample(self, out: str | Path, fraction: float, seed: int = 0) -> Datastore:
         """A random ``fraction`` of the entries (Xu et al.'s 5% datastore; Khandelwal Fig. 2), written to ``out``."""
         if not 0 < fraction <= 1:

@@ -15,9 +15,9 @@ import torch
 
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec
-from memlm.windows import Window
+from memlm.windows import TokenChunk, Window, batched, sliding_windows
 
-__all__ = ["WindowOutput", "collate", "forward_windows", "fp32_head"]
+__all__ = ["WindowOutput", "collate", "forward_windows", "fp32_head", "rolling_forward"]
 
 
 @dataclass
@@ -120,3 +120,46 @@ def forward_windows(
                 lm_lp = (logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).cpu().numpy()
             outputs.append(WindowOutput(w, w.targets, keys, lm_lp))
         yield outputs
+
+
+def rolling_forward(
+    model: torch.nn.Module,
+    token_lists: Sequence[Sequence[int]],
+    key_specs: Sequence[KeySpec] = (),
+    window: int = 1024,
+    min_context: int = 512,
+    batch_size: int = 4,
+    prefix_id: int = 0,
+    pad_id: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[KeySpec, np.ndarray]]:
+    """Every token of every document scored on its own, after ``prefix_id``: lm-evaluation-harness's
+    ``loglikelihood_rolling`` protocol, through memlm's sliding windows (linear in document length).
+
+    Each stream ``[prefix_id] + tokens`` is cut by :func:`memlm.windows.sliding_windows` (no context crosses a document
+    boundary); windows of different documents share batches. Returns ``(lm_logprob [N] float32, targets [N] int64,
+    doc_index [N] int32, keys {spec: [N, D] float32})`` in document order, ``N = sum(len(tokens))``.
+    """
+    import itertools
+
+    specs = list(key_specs)
+    chunks = [
+        TokenChunk(np.asarray([prefix_id, *t], dtype=np.int64), i, 0) for i, t in enumerate(token_lists) if len(t)
+    ]
+    windows = itertools.chain.from_iterable(sliding_windows([c], window, min_context) for c in chunks)
+    lm, targets, docs = [], [], []
+    keys: dict[KeySpec, list[np.ndarray]] = {s: [] for s in specs}
+    for outputs in forward_windows(model, batched(windows, batch_size), specs, pad_id=pad_id):
+        for o in outputs:
+            lm.append(o.lm_logprob)
+            targets.append(o.targets)
+            docs.append(o.window.doc_index[o.window.score_from :])
+            for s in specs:
+                keys[s].append(o.keys[s])
+    if not targets:
+        raise MemlmError("no document has a token to score; give some text")
+    return (
+        np.concatenate(lm).astype(np.float32),
+        np.concatenate(targets).astype(np.int64),
+        np.concatenate(docs).astype(np.int32),
+        {s: np.concatenate(v) for s, v in keys.items()},
+    )

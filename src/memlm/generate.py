@@ -57,14 +57,17 @@ class KNNLogitsProcessor(LogitsProcessor):
         model,
         datastore: Datastore,
         k: int = 64,
-        lam: float = 0.25,
-        temperature: float = 1.0,
+        lam: float | None = None,
+        temperature: float | None = None,
         nprobe: int = 32,
         index=None,
         record: bool = False,
     ) -> None:
+        from memlm.calibration import knn_parameters
+
         self.model = model
         self.datastore = datastore
+        lam, temperature, _ = knn_parameters(datastore, lam, temperature, announce=False)  # calibrated by default
         self.k, self.lam, self.temperature = k, lam, temperature
         self.index = index if index is not None else open_index(datastore, nprobe=nprobe)  # FAISS or sharded
         self._capture = KeyCapture(model, [datastore.key_spec])
@@ -143,8 +146,8 @@ def generate_text(
     datastore: Datastore | None = None,
     index=None,
     k: int = 64,
-    lam: float = 0.25,
-    temperature: float = 1.0,
+    lam: float | None = None,
+    temperature: float | None = None,
     nprobe: int = 32,
     max_new_tokens: int = 40,
     do_sample: bool = False,
@@ -170,7 +173,11 @@ def generate_text(
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     processors: list[LogitsProcessor] = []
-    if processor is None and datastore is not None and lam > 0:
+    if processor is None and datastore is not None:
+        from memlm.calibration import knn_parameters
+
+        lam, temperature, _ = knn_parameters(datastore, lam, temperature, announce=False)
+    if processor is None and datastore is not None and lam:
         processor = KNNLogitsProcessor(
             model, datastore, k=k, lam=lam, temperature=temperature, nprobe=nprobe, index=index
         )

@@ -240,6 +240,17 @@ DATASTORE_MANIFEST = Obj(
         "build_seconds": Num(min=0),
         "stride": Int(),
         "subsample": Obj(),
+        "calibration": Obj(
+            required={
+                "lambda": Num(min=0),
+                "temperature": Num(min=0),
+                "k": Int(min=1),
+                "tokens": Int(min=1),
+                "count": Int(min=0),
+                "base_ppl": Num(min=0),
+                "knn_ppl": Num(min=0),
+            }
+        ),
     },
 )
 

@@ -457,6 +457,8 @@ class ShardedDatastore:
             sources=[state["config"]["source"]],
             sharded={"shards": len(shards), "offsets": offsets.tolist(), "plan": state["plan"]},
         )
+        if isinstance(state.get("calibration"), dict):
+            manifest["calibration"] = state["calibration"]
         arrays = {n: ShardedArray([getattr(s, n) for s in shards]) for n in ("keys", "values", "doc_hash", "offset")}
         return cls(path, manifest, shards, offsets, ray=ray, **arrays)
 
@@ -487,6 +489,14 @@ class ShardedDatastore:
         import hashlib
 
         return hashlib.sha256("".join(s.checksum() for s in self.shards).encode()).hexdigest()
+
+    def record_calibration(self, calibration: dict[str, Any]) -> None:
+        """Store the λ/τ tuned on the build's held-out slice (:mod:`memlm.calibration`) in ``shards.json``."""
+        sp = self.path / SHARDS_FILE
+        state = json.loads(sp.read_text())
+        state["calibration"] = calibration
+        atomic_write_json(sp, state)
+        self.manifest["calibration"] = calibration
 
     def load_searcher(self, index_path: str | Path | None = None, nprobe: int = 32):
         """A :class:`memlm.sharded_index.ShardedSearcher` over the shards' indexes (Ray actors when ``self.ray``)."""

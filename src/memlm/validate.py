@@ -143,6 +143,14 @@ def probability(text: str) -> float:
     return value
 
 
+def holdout_fraction(text: str) -> float:
+    """A share of the corpus in [0, 1) (0 holds nothing out)."""
+    x = _float(text)
+    if not 0.0 <= x < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (a share of the corpus, 0 = hold nothing out), got {text}")
+    return x
+
+
 def nonempty_text(text: str) -> str:
     """A string with at least one non-space character."""
     if not text.strip():

@@ -36,14 +36,14 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from memlm import index as index_lib
+from memlm.calibration import knn_parameters
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import CACHE_KEY, memory_logprob, retrieve
-from memlm.forward import forward_windows
+from memlm.forward import rolling_forward
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.knn import knn_distribution, mix_logprobs
 from memlm.memories import continuous_cache
-from memlm.windows import TokenChunk, batched, sliding_windows
 
 __all__ = ["MemlmLM"]
 
@@ -73,7 +73,7 @@ class MemlmLM(TemplateLM):
         tokenizer: Any = None,
         datastore: str | Path | Datastore | None = None,
         lam: float | None = None,
-        temperature: float = 1.0,
+        temperature: float | None = None,
         k: int = 1024,
         nprobe: int = 32,
         cache: bool = False,
@@ -108,7 +108,11 @@ class MemlmLM(TemplateLM):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.datastore = Datastore.open(datastore) if isinstance(datastore, str | Path) else datastore
         self.cache = _as_bool(cache)
-        self.lam = float(lam) if lam is not None else (0.25 if self.datastore is not None else 0.0)
+        self.parameters_from = None
+        if self.datastore is not None:  # λ/τ not given: the datastore's calibrated values (memlm.calibration)
+            lam, temperature, self.parameters_from = knn_parameters(self.datastore, lam, temperature)
+        self.lam = float(lam) if lam is not None else 0.0
+        temperature = 1.0 if temperature is None else temperature
         self.cache_lambda = float(cache_lambda) if self.cache else 0.0
         if self.datastore is None and self.lam:
             raise MemlmError(f"lam={self.lam} needs a datastore: pass datastore=DIR (or lam=0)")
@@ -186,6 +190,7 @@ class MemlmLM(TemplateLM):
             "datastore": str(self.datastore.path) if self.datastore is not None else None,
             "lambda": self.lam,
             "temperature": self.temperature,
+            "parameters_from": self.parameters_from,
             "k": self.k,
             "nprobe": self.nprobe,
             "cache": self.cache,
@@ -305,25 +310,16 @@ class MemlmLM(TemplateLM):
         tokens advancing by ``window - min_context``; :func:`memlm.forward.forward_windows` gives each target's LM
         log-probability and its queries, then the memories are attached. Linear in ``len(tokens)``.
         """
-        stream = np.asarray([self.prefix_token_id, *tokens], dtype=np.int64)
-        if len(stream) < 2:
+        if not len(tokens):
             return np.zeros(0)
-        chunk = TokenChunk(stream, doc_index=0, doc_hash=0)
-        windows = sliding_windows([chunk], self.window, self.min_context)
-        lm, targets = [], []
-        keys: dict[KeySpec, list[np.ndarray]] = {s: [] for s in self.specs}
-        for outputs in forward_windows(self.model, batched(windows, self.batch_size), self.specs, pad_id=self.pad_id):
-            for o in outputs:
-                lm.append(o.lm_logprob)
-                targets.append(o.targets)
-                for s in self.specs:
-                    keys[s].append(o.keys[s])
-        lm_lp, tgt = np.concatenate(lm), np.concatenate(targets)
+        lm_lp, tgt, _, all_keys = rolling_forward(
+            self.model, [tokens], self.specs, self.window, self.min_context, self.batch_size, self.prefix_token_id,
+            self.pad_id,
+        )  # fmt: skip
         if len(tgt) != len(tokens):
             raise MemlmError(f"internal error: {len(tgt)} scored targets for {len(tokens)} tokens")
         if not self.specs:
             return lm_lp.astype(np.float64)
-        all_keys = {s: np.concatenate(v) for s, v in keys.items()}
         memories = self._memories(all_keys, tgt, np.arange(len(tgt)))
         return self._mixed_target_logprob(lm_lp, tgt, memories).double().numpy()
 
