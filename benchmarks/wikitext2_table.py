@@ -161,11 +161,16 @@ def main() -> None:
             print(f"[table] {name}: neighbours for {split}", file=sys.stderr, flush=True)
             dumps[split] = _neighbours(ts, q, ds, args, args.work / f"{args.corpus}-{split}-{tag}-{name}.npz")
         best = tune(dumps["valid"])["best"]
-        for how, lam, tau in (("tuned on valid", best["lambda"], best["temperature"]), ("λ=0.25, τ=1", 0.25, 1.0)):
+        settings_list = [("tuned on valid", best["lambda"], best["temperature"]), ("λ=0.25, τ=1", 0.25, 1.0)]
+        cal = ds.manifest.get("calibration")
+        if cal is not None:  # the λ/τ the build tuned on its own held-out slice (memlm.calibration)
+            result["datastores"][name]["calibration"] = cal
+            settings_list.append(("calibrated at build", cal["lambda"], cal["temperature"]))
+        for how, lam, tau in settings_list:
             row = _row(dumps["test"], raw_test, lam, tau)
             stats = perplexities(dumps["test"], lam=lam, temperature=tau)
-            result["rows"].append({"datastore": name, "params": how, "valid_ppl": best["ppl"] if how != "λ=0.25, τ=1"
-                                   else perplexities(dumps["valid"], lam=0.25, temperature=1.0)["knn_ppl"],
+            result["rows"].append({"datastore": name, "params": how,
+                                   "valid_ppl": perplexities(dumps["valid"], lam=lam, temperature=tau)["knn_ppl"],
                                    "target_in_neighbours": stats["target_in_neighbours"],
                                    "seconds_search_test": dumps["test"].meta.get("seconds_search"), **row})  # fmt: skip
     result["seconds"] = time.perf_counter() - t_start
