@@ -133,3 +133,22 @@ def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm
     best = min(ppl.values())
     assert ppl[(cal["lambda"], cal["temperature"])] == pytest.approx(best, rel=1e-6)
     assert cal["knn_ppl"] == pytest.approx(best, rel=1e-6)
+
+
+def test_sharded_build_is_calibrated_too(tmp_path, tiny_lm_dir):
+    """`--shards N` holds out the same slice, calibrates on the merged shards and records it in shards.json."""
+    docs = make_toy_docs(60, seed=11)
+    corpus = tmp_path / "train.jsonl"
+    corpus.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in docs))
+    out = tmp_path / "sharded"
+    args = ["--model", str(tiny_lm_dir), "--corpus", str(corpus), "--out", str(out), "--window", "32"]
+    r = memlm("datastore", "build", *args, "--min-context", "8", "--shards", "2", "--holdout", "0.1",
+              "--calibration-k", "8")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    from memlm.sharded import open_datastore
+
+    ds = open_datastore(out)
+    cal = ds.manifest["calibration"]
+    assert cal["count"] == len(ds) and cal["k"] == 8
+    assert json.loads((out / "shards.json").read_text())["calibration"] == cal
+    assert knn_parameters(ds, announce=False)[:2] == (cal["lambda"], cal["temperature"])

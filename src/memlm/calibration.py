@@ -111,7 +111,8 @@ def calibrate(
     block_start = m.get("block_start", "skip")
     ts, queries, _ = lm_scores(model, tokenizer, held_out, [datastore.key_spec], window=window, stride=stride,
                                block_start=block_start, batch_size=batch_size, progress=progress)  # fmt: skip
-    search = "index" if datastore.index_problem() is None else "exact"
+    problem = getattr(datastore, "index_problem", None)  # a sharded datastore's index is checked when opened
+    search = "index" if problem is None or problem() is None else "exact"
     k = min(k, len(datastore))
     add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=nprobe, progress=progress)
     best = tune(ts)["best"]

@@ -37,9 +37,9 @@ __all__ = ["DemoConfig", "run_demo"]
 @dataclass(frozen=True)
 class DemoConfig:
     model: str = "smollm2-135m"
-    dtype: str = field(default_factory=default_dtype)  # bf16 where native (1.8x float32 here); keys are fp16 anyway
+    dtype: str = field(default_factory=default_dtype)  # bf16 where native (1.4x float32 here); keys fp16 anyway
     key: str = "ffn_in"
-    datastore_tokens: int = 75_000  # per corpus; sized so a first run takes <= 5 minutes on 2 CPU cores
+    datastore_tokens: int = 50_000  # per corpus; sized so a first run takes <= 5 minutes on 2 CPU cores
     eval_tokens: int = 8_000
     valid_tokens: int = 4_000
     window: int = 512

@@ -128,10 +128,11 @@ def _cpu_has_native_bf16() -> bool:
 def default_dtype() -> str:
     """The inference dtype used when none is given (``--dtype auto``): the faster one that keeps perplexity.
 
-    ``bfloat16`` on a GPU that supports it and on CPUs with native bf16 (here 1.8x the tokens/s of float32 for
-    SmolLM2-135M's body), else ``float32``. memlm computes the output projection and log-softmax in float32 whatever
-    the body's dtype (:class:`memlm.forward.fp32_head`), which keeps bf16 perplexity within 0.03% of float32
-    (docs/results/precision_bf16_vs_fp32.json). ``MEMLM_DEFAULT_DTYPE`` overrides the choice.
+    ``bfloat16`` on a GPU that supports it and on CPUs with native bf16 (here 1.4x the evaluation tokens/s of
+    float32 for SmolLM2-135M, docs/results/dtype_speed.json), else ``float32``. memlm computes the output projection
+    and log-softmax in float32 whatever the body's dtype (:class:`memlm.forward.fp32_head`), which keeps bf16
+    perplexity within 0.2% of float32 (0.03% and 0.10% measured: docs/results/precision_bf16_vs_fp32.json,
+    dtype_speed.json). ``MEMLM_DEFAULT_DTYPE`` overrides the choice.
     """
     import os
 
