@@ -152,6 +152,8 @@ def main() -> None:
         ts, q = _forward(model, tok, texts, spec, args, args.work / f"{args.corpus}-{split}-{tag}.npz")
         data[split] = (raw, ts, q)
         result[f"{split}_documents"] = len(texts)
+        result[f"{split}_tokens"] = len(ts)
+        result[f"{split}_base_token_ppl"] = math.exp(-float(ts.lm_logprob.astype(np.float64).mean()))
     raw_test, ts_test, _ = data["test"]
     result["rows"].append({"datastore": None, **_row(ts_test, raw_test, 0.0, 1.0)})
     for name, ds in stores.items():
