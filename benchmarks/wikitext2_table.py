@@ -35,6 +35,7 @@ from memlm.datastore import Datastore
 from memlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
 from memlm.fileio import atomic_write_json
 from memlm.forward import rolling_forward
+from memlm.keys import KeySpec, num_layers
 from memlm.knn import mix_logprobs
 from memlm.resources import load_causal_lm
 
@@ -72,9 +73,10 @@ def _forward(model, tok, texts, spec, args, path: Path) -> tuple[TokenScores, np
             "protocol": "lm_eval loglikelihood_rolling (BOS prefix, per article)",
             "seconds_forward": time.perf_counter() - t0}  # fmt: skip
     ts = TokenScores(targets=targets, lm_logprob=lm, doc_index=docs, meta=meta)
-    np.save(path.with_suffix(".queries.npy"), keys[spec].astype(np.float16))
+    queries = keys[spec].astype(np.float16)  # cached like the datastore's keys, in float16
+    np.save(path.with_suffix(".queries.npy"), queries)
     ts.save(path)
-    return ts, keys[spec].astype(np.float16)
+    return ts, queries
 
 
 def _neighbours(ts: TokenScores, queries: np.ndarray, ds: Datastore, args, path: Path) -> TokenScores:
@@ -135,8 +137,6 @@ def main() -> None:
     specs = {ds.key_spec for ds in stores.values()}
     if len(specs) > 1:
         sys.exit("all datastores must use the same key")
-    from memlm.keys import KeySpec, num_layers
-
     spec = next(iter(specs)) if specs else KeySpec().normalized(num_layers(model))
     for ds in stores.values():
         ds.check_compatible(model, tok)

@@ -1,13 +1,14 @@
 """Self-calibrating datastores: a held-out slice of the datastore's own corpus picks its default λ and τ.
 
-A kNN-LM's perplexity depends on the interpolation weight λ and the softmax temperature τ of Eq. 2-3 (Khandelwal et
-al. 2020 tune λ on validation text; Xu et al. 2023, Sec. 3.4, show how much τ matters). No fixed default suits every
-datastore: on 92k tokens of speeches the old defaults λ = 0.25, τ = 1 gave -1.5% perplexity where tuned values gave
--6.5%. So ``memlm datastore build`` holds out a small deterministic slice of its documents (:func:`holdout_split`:
-2% of the tokens, at least 4,096 tokens, never more than 20%), builds the datastore from the rest, then scores the
-slice with the new datastore and grid-searches λ and τ on it (:func:`calibrate`); the result is recorded with the
-datastore (``manifest.json`` → ``calibration``). ``memlm eval``, ``generate``, the lm-eval adapter and the Python API
-take those values when none are given (:func:`knn_parameters`) and say which they used and where they came from.
+A kNN-LM's perplexity depends on the interpolation weight λ and the softmax temperature τ of Eq. 2-3 (Khandelwal et al.
+2020 tune λ on validation text; Xu et al. 2023, Sec. 3.4, show how much τ matters). No fixed default suits every
+datastore (issue 16 reports, on 92k tokens of speeches, -1.5% perplexity with the old defaults λ = 0.25, τ = 1 and -6.5%
+tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/BENCHMARKS.md). So ``memlm datastore
+build`` holds out a small deterministic slice of its documents (:func:`holdout_split`: 2% of the tokens, at least 4,096
+tokens, never more than 20%), builds the datastore from the rest, then scores the slice with the new datastore and grid-
+searches λ and τ on it (:func:`calibrate`); the result is recorded with the datastore (``manifest.json`` →
+``calibration``). ``memlm eval``, ``generate``, the lm-eval adapter and the Python API take those values when none are
+given (:func:`knn_parameters`) and say which they used and where they came from.
 
 The slice is in-domain text the datastore has not seen, so its λ/τ are a good default for text like the datastore's
 corpus. For text from another domain (domain adaptation, or a datastore much larger than the slice's context), tune on
@@ -144,20 +145,18 @@ def knn_parameters(
     cal = (getattr(datastore, "manifest", None) or {}).get("calibration") if datastore is not None else None
     if cal is not None and int(cal.get("count", -1)) != len(datastore):
         cal = None  # recorded for another version of the datastore (e.g. before an --append)
-    parts = []
-    if lam is not None and temperature is not None:
+    missing = [n for n, v in (("λ", lam), ("τ", temperature)) if v is None]
+    if not missing:
         origin = "given"
     elif cal is not None:
-        where = f"{datastore.path}/manifest.json"
-        parts = [n for n, v in (("λ", lam), ("τ", temperature)) if v is None]
         lam = float(cal["lambda"]) if lam is None else lam
         temperature = float(cal["temperature"]) if temperature is None else temperature
         origin = (
             f"calibrated on {cal['tokens']:,} held-out tokens of the datastore's corpus "
-            f"(valid ppl {cal['base_ppl']:.3f} -> {cal['knn_ppl']:.3f}, k={cal['k']}), recorded in {where}"
+            f"(valid ppl {cal['base_ppl']:.3f} -> {cal['knn_ppl']:.3f}, k={cal['k']}), recorded in "
+            f"{datastore.path}/manifest.json"
         )
     else:
-        parts = [n for n, v in (("λ", lam), ("τ", temperature)) if v is None]
         lam = DEFAULT_LAMBDA if lam is None else lam
         temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
         origin = (
@@ -165,6 +164,6 @@ def knn_parameters(
             "on your own valid text with `memlm eval --dump` + `memlm tune`)"
         )
     if announce and datastore is not None:
-        which = f" ({', '.join(parts)} from there)" if parts and len(parts) < 2 else ""
+        which = f" ({missing[0]} from there)" if len(missing) == 1 else ""
         print(f"kNN-LM parameters: λ={lam:g}, τ={temperature:g}: {origin}{which}", file=sys.stderr, flush=True)
     return float(lam), float(temperature), origin

@@ -940,6 +940,24 @@ def _add_ray(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _add_knn_weights(p: argparse.ArgumentParser) -> None:
+    """``--lambda`` / ``--temperature`` (Eq. 2-3); unset, they come from the datastore (memlm.calibration)."""
+    p.add_argument(
+        "--lambda",
+        dest="lam",
+        type=V.probability,
+        default=None,
+        help="interpolation weight λ of the kNN term (default: the datastore's calibrated λ, tuned on its build's "
+        "held-out slice; 0.25 if it has none)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=V.positive_float,
+        default=None,
+        help="softmax temperature τ on the neighbours' scores (default: the datastore's calibrated τ; 1 if none)",
+    )
+
+
 def _add_windows(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=V.positive_int, default=1024, help="tokens per forward window (default 1024)")
     p.add_argument(
@@ -1194,20 +1212,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
     e.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token (default 1024, as the paper)")
-    e.add_argument(
-        "--lambda",
-        dest="lam",
-        type=V.probability,
-        default=None,
-        help="interpolation weight λ (default: the datastore's calibrated λ, tuned on its build's held-out slice; "
-        "0.25 if it has none)",
-    )
-    e.add_argument(
-        "--temperature",
-        type=V.positive_float,
-        default=None,
-        help="softmax temperature on scores (default: the datastore's calibrated τ; 1 if it has none)",
-    )
+    _add_knn_weights(e)
     e.add_argument("--search", default="index", choices=["index", "exact"], help="neighbours from the index or exact")
     e.add_argument(
         "--scores",
@@ -1257,12 +1262,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", type=V.nonempty_text, required=True)
     g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
     g.add_argument("--k", type=V.neighbours, default=64)
-    g.add_argument(
-        "--lambda", dest="lam", type=V.probability, default=None, help="λ (default: the datastore's calibrated λ)"
-    )
-    g.add_argument(
-        "--temperature", type=V.positive_float, default=None, help="τ (default: the datastore's calibrated τ)"
-    )
+    _add_knn_weights(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")
     g.add_argument(
@@ -1282,19 +1282,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(le)
     le.add_argument("--tasks", required=True, help="comma-separated: memlm_wikitext2, memlm_imdb, memlm_bbc_topic")
     le.add_argument("--datastore", default=None, help="kNN-LM datastore folder (none: the bare LM, or cache only)")
-    le.add_argument(
-        "--lambda",
-        dest="lam",
-        type=V.probability,
-        default=None,
-        help="λ of the kNN term (default: the datastore's calibrated λ, 0.25 if it has none)",
-    )
-    le.add_argument(
-        "--temperature",
-        type=V.positive_float,
-        default=None,
-        help="τ of the kNN softmax (default: the datastore's calibrated τ, 1 if it has none)",
-    )
+    _add_knn_weights(le)
     le.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token")
     le.add_argument("--nprobe", type=V.positive_int, default=32)
     le.add_argument("--cache", action="store_true", help="add the continuous cache (Grave et al. 2017)")

@@ -416,10 +416,7 @@ def perplexities(
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": _ppl(lm)}
     if ts.knn_scores is None:
         lam = 0.0  # no datastore in this dump: the kNN term is absent
-    comps, weights = (
-        [lm],
-        [max(0.0, 1.0 - lam - cache_lambda) if lam + cache_lambda <= 1 + 1e-9 else 1.0 - lam - cache_lambda],
-    )
+    comps, weights = [lm], [1.0 - lam - cache_lambda]
     if ts.knn_scores is not None:
         knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k)
         comps.append(knn)

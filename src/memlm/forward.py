@@ -7,6 +7,7 @@ key and an evaluation query for the same context are computed by exactly the sam
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -139,8 +140,6 @@ def rolling_forward(
     boundary); windows of different documents share batches. Returns ``(lm_logprob [N] float32, targets [N] int64,
     doc_index [N] int32, keys {spec: [N, D] float32})`` in document order, ``N = sum(len(tokens))``.
     """
-    import itertools
-
     specs = list(key_specs)
     chunks = [
         TokenChunk(np.asarray([prefix_id, *t], dtype=np.int64), i, 0) for i, t in enumerate(token_lists) if len(t)

@@ -96,8 +96,9 @@ def mix_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     """
     if len(logprobs) != len(weights) or not logprobs:
         raise MemlmError("mix_logprobs needs one weight per distribution")
-    if any(w < 0 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
+    if any(w < -1e-9 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
         raise MemlmError(f"interpolation weights must be >= 0 and sum to 1, got {list(weights)}")
+    weights = [max(0.0, w) for w in weights]  # 1 - λ - λc can round to -1e-17
     terms = [
         lp.float() + math.log(w) if w > 0 else torch.full_like(lp, float("-inf"), dtype=torch.float32)
         for lp, w in zip(logprobs, weights, strict=True)
