@@ -36,7 +36,7 @@ from memlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexi
 from memlm.fileio import atomic_write_json
 from memlm.forward import rolling_forward
 from memlm.keys import KeySpec, num_layers
-from memlm.knn import mix_logprobs
+from memlm.core.distribution import mix_logprobs
 from memlm.resources import load_causal_lm
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from memlm.core.distribution import interpolate, knn_distribution, knn_target_logprob
 from memlm.errors import MemlmError
 from memlm.generalized import (
     LearnedWds,
@@ -23,7 +24,6 @@ from memlm.generalized import (
     train_learned_wds,
 )
 from memlm.index import exact_search
-from memlm.knn import interpolate, knn_distribution, knn_target_logprob
 
 V, D, N = 10, 8, 30
 

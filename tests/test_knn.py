@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from memlm.core.distribution import interpolate, knn_distribution, knn_target_logprob, mix_logprobs
 from memlm.errors import MemlmError
-from memlm.knn import interpolate, knn_distribution, knn_target_logprob, mix_logprobs
 
 
 def reference_knn(queries, keys, values, vocab, k, metric, temperature):

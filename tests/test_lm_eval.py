@@ -15,10 +15,10 @@ from test_datastore import build
 pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from memlm.core.distribution import mix_logprobs  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
 from memlm.evaluate import memory_logprob, score_tokens  # noqa: E402
 from memlm.index import build_index  # noqa: E402
-from memlm.knn import mix_logprobs  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
 
 

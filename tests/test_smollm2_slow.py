@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import Doc
 
+from memlm.core.distribution import interpolate
 from memlm.corpora import load_documents
 from memlm.datastore import build_datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import memory_logprob, score_tokens
 from memlm.index import build_index
-from memlm.knn import interpolate
 from memlm.resources import load_causal_lm
 from memlm.windows import limit_documents
 

@@ -171,7 +171,7 @@ def interpolation_row(
     Used for memories that come as target log-probabilities (the learned W_ds); datastore dumps go through
     :func:`memlm.evaluate.tune`, which also tunes τ.
     """
-    from memlm.knn import mix_logprobs
+    from memlm.core.distribution import mix_logprobs
 
     best = min(lambdas, key=lambda lam: _ppl(mix_logprobs([valid_lm, valid_mem], [1 - lam, lam])))
     return {

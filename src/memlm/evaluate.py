@@ -28,12 +28,12 @@ import torch
 from tqdm.auto import tqdm
 
 from memlm import index as index_lib
+from memlm.core.distribution import knn_target_logprob, mix_logprobs
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.fileio import dumps_json, unique_tmp
 from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
-from memlm.knn import knn_target_logprob, mix_logprobs
 from memlm.memories import continuous_cache
 from memlm.sharded_index import index_metric_of, open_index, search_index
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents

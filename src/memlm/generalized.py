@@ -8,12 +8,14 @@ learned matrix (Sec. 4.1 / 4.2). ``(x)`` is a similarity, inner product ("ip") o
 and sets the rest to ``-inf``; with ``k = N_ds`` Eq. 5 is Eq. 4 (a softmax over the whole datastore). ``M``
 (``V x N_ds``) sums the probabilities of the entries that share a value (vocabulary item).
 
-Everything is computed in log space (log-softmax, per-value logsumexp, :func:`memlm.knn.mix_logprobs`), so a value
-whose entries all have tiny probabilities gets a finite log-probability rather than ``log 0``.
+Everything is computed in log space (log-softmax, per-value logsumexp, mixing: :mod:`memlm.core.distribution`, the
+one place memlm turns scores and values into distributions), so a value whose entries all have tiny
+probabilities gets a finite log-probability rather than ``log 0``.
 
 The dense functions here (:func:`similarity`, :func:`eq5_logprobs`, ...) score every row of ``W_ds``: they are meant
 for small datastores, subsampled ones, exact-vs-approximate ablations and learned matrices, not for a 100M-entry
-datastore (use :mod:`memlm.index` and :mod:`memlm.knn` for that; both paths give the same numbers, see the tests).
+datastore (use :mod:`memlm.index` and :mod:`memlm.core.distribution` for that; both paths give the same numbers,
+see the tests).
 
 :class:`LearnedWds` and :func:`train_learned_wds` implement Sec. 4.1 ("replacing the datastore with trainable
 embeddings", ``N_ds = V``) and Sec. 4.2 / App. B ("increasing the softmax capacity", ``N_ds = n V``): a trainable
@@ -33,9 +35,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from memlm.core.distribution import (
+    METRICS,
+    check_metric,
+    check_temperature,
+    knn_weights,
+    mask_to_k,
+    mix_logprobs,
+    similarity,
+    value_logsumexp,
+)
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_bytes
-from memlm.knn import mix_logprobs
 
 __all__ = [
     "METRICS",
@@ -51,71 +62,12 @@ __all__ = [
     "train_learned_wds",
 ]
 
-METRICS = ("ip", "l2")
-"""Similarity functions ``(x)`` of Eq. 5: inner product and negative squared L2 distance."""
-
 _FORMAT = "memlm.LearnedWds"
 _FORMAT_VERSION = 1
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _check_metric(metric: str) -> None:
-    if metric not in METRICS:
-        raise MemlmError(f"unknown similarity metric {metric!r}; use one of {', '.join(METRICS)}")
-
-
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise MemlmError(f"temperature must be > 0, got {temperature}")
-
-
 # --------------------------------------------------------------------------------------------- Eq. 5 pieces
-
-
-def similarity(h: torch.Tensor, W: torch.Tensor, metric: str) -> torch.Tensor:
-    """The similarity ``W (x) h`` of Eq. 5 (Xu et al. 2023) between queries and every row of ``W``.
-
-    ``h`` is ``[..., D]``, ``W`` is ``[N, D]``; returns float32 ``[..., N]``, larger = closer:
-
-    * ``"ip"``: ``h . w``;
-    * ``"l2"``: ``-||h - w||^2``, computed as ``2 h . w - ||h||^2 - ||w||^2`` in float32 and clamped to ``<= 0``
-      (the same convention as :func:`memlm.index.exact_search`).
-
-    Inputs are cast to float32. Under ``torch.autocast`` the inner-product matmul runs in the autocast dtype; the L2
-    one always runs in float32, because ``2 h . w - ||h||^2 - ||w||^2`` subtracts numbers of size ``||h||^2`` to get a
-    small distance: with bfloat16 dot products (8 bits of mantissa) that cancels catastrophically.
-    """
-    _check_metric(metric)
-    if W.dim() != 2:
-        raise MemlmError(f"W must be a [N, D] matrix, got shape {tuple(W.shape)}")
-    if h.shape[-1] != W.shape[1]:
-        raise MemlmError(
-            f"query dimension {h.shape[-1]} does not match W's dimension {W.shape[1]}: h_ds and W_ds must come from "
-            "the same layer of the same model"
-        )
-    h32, w32 = h.float(), W.float()
-    if metric == "ip":
-        return (h32 @ w32.T).float()
-    with torch.autocast(h32.device.type, enabled=False):
-        dots = h32 @ w32.T
-        hn = (h32 * h32).sum(-1, keepdim=True)
-        wn = (w32 * w32).sum(-1)
-        return (2 * dots - hn - wn).clamp(max=0.0)
-
-
-def mask_to_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``mask-to-k`` of Eq. 5 (Xu et al. 2023): keep the ``k`` largest scores of each row, set the rest to ``-inf``.
-
-    ``scores`` is ``[..., N]``; the result has the same shape. ``k >= N`` keeps everything (Eq. 4, the full datastore).
-    Ties at the k-th score are broken by ``torch.topk`` (exactly ``k`` entries are kept).
-    """
-    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-        raise MemlmError(f"k must be a positive integer, got {k!r}")
-    n = scores.shape[-1]
-    if k >= n:
-        return scores
-    top, idx = torch.topk(scores, int(k), dim=-1)
-    return torch.full_like(scores, float("-inf")).scatter(-1, idx, top)
 
 
 def _check_values(values: torch.Tensor, n: int, vocab_size: int | None) -> torch.Tensor:
@@ -136,26 +88,10 @@ def _check_values(values: torch.Tensor, n: int, vocab_size: int | None) -> torch
 
 def _entry_logweights(h_ds: torch.Tensor, W_ds: torch.Tensor, k: int, temperature: float, metric: str) -> torch.Tensor:
     """``log softmax(mask-to-k(W_ds (x) h_ds) / tau)`` over the ``N`` entries: ``[..., N]``."""
-    _check_temperature(temperature)
     if W_ds.shape[0] == 0:
         raise MemlmError("W_ds is empty (0 rows); build the datastore first")
     scores = mask_to_k(similarity(h_ds, W_ds, metric), k)
-    return torch.log_softmax(scores / temperature, dim=-1)
-
-
-def _sum_by_value(logw: torch.Tensor, values: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``log M exp(logw)``: a per-value logsumexp over the last dim, ``[..., N] -> [..., vocab_size]``.
-
-    Done as ``max_v + log sum exp(logw - max_v)`` with the per-value maximum ``max_v``, so nothing underflows.
-    """
-    lead = logw.shape[:-1]
-    flat = logw.reshape(-1, logw.shape[-1])
-    idx = values.to(flat.device).unsqueeze(0).expand_as(flat)
-    vmax = torch.full((flat.shape[0], vocab_size), float("-inf"), dtype=flat.dtype, device=flat.device)
-    vmax = vmax.scatter_reduce(-1, idx, flat, reduce="amax", include_self=True)
-    shift = torch.where(torch.isfinite(vmax), vmax, torch.zeros_like(vmax))
-    summed = torch.zeros_like(vmax).scatter_add(-1, idx, (flat - shift.gather(-1, idx)).exp())
-    return (summed.log() + shift).reshape(*lead, vocab_size)
+    return knn_weights(scores, torch.zeros(scores.shape, dtype=torch.long, device=scores.device), temperature)
 
 
 def datastore_logprobs(
@@ -173,7 +109,7 @@ def datastore_logprobs(
     log-probabilities ``[..., vocab_size]`` (``-inf`` for values with no entry among the top ``k``).
     """
     values = _check_values(values, W_ds.shape[0], vocab_size)
-    return _sum_by_value(_entry_logweights(h_ds, W_ds, k, temperature, metric), values, vocab_size)
+    return value_logsumexp(_entry_logweights(h_ds, W_ds, k, temperature, metric), values, vocab_size)
 
 
 def datastore_target_logprob(
@@ -281,7 +217,7 @@ class LearnedWds(torch.nn.Module):
         init_noise: float = 0.02,
     ) -> None:
         super().__init__()
-        _check_metric(metric)
+        check_metric(metric)
         for name, val in (("vocab_size", vocab_size), ("dim", dim), ("n", n)):
             if isinstance(val, bool) or not isinstance(val, int | np.integer) or val < 1:
                 raise MemlmError(f"{name} must be a positive integer, got {val!r}")
@@ -326,7 +262,7 @@ class LearnedWds(torch.nn.Module):
 
     def _grouped(self, h: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Scaled logits ``[..., n, V]`` and their logsumexp over all ``n V`` rows ``[...]``."""
-        _check_temperature(temperature)
+        check_temperature(temperature)
         z = self.logits(h).float() / temperature
         return z.unflatten(-1, (self.n, self.vocab_size)), torch.logsumexp(z, dim=-1)
 
@@ -452,7 +388,7 @@ def train_learned_wds(
         raise MemlmError(f"max_steps must be a positive integer or None, got {max_steps!r}")
     if not lr > 0:
         raise MemlmError(f"lr must be > 0, got {lr}")
-    _check_metric(metric)
+    check_metric(metric)
     num, dim = _check_pairs(keys, values, vocab_size, "training")
     if valid is not None:
         if not isinstance(valid, tuple | list) or len(valid) != 2:

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
+from memlm.core.distribution import interpolate, knn_distribution
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture
-from memlm.knn import interpolate, knn_distribution
 from memlm.sharded_index import open_index, search_index
 
 __all__ = [

@@ -4,9 +4,9 @@ Continuous cache (Grave et al. 2017c; combined with kNN-LM in Khandelwal et al. 
 
     p_cache(w | h_t) ∝ sum_{i < t, same document, t - i <= max_len} 1[x_{i+1} = w] exp(s(h_t, h_i) / tau)
 
-The cache is just another memory: it returns (scores, values) for each query, which :func:`memlm.knn.knn_weights`
-turns into a distribution exactly like datastore neighbours. Its entries are the evaluated text's own (key, next token)
-pairs, i.e. what a datastore built from the document so far would hold.
+The cache is just another memory: it returns (scores, values) for each query, which
+:func:`memlm.core.distribution.knn_weights` turns into a distribution exactly like datastore neighbours. Its entries are
+the evaluated text's own (key, next token) pairs, i.e. what a datastore built from the document so far would hold.
 """
 
 from __future__ import annotations

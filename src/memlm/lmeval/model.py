@@ -37,12 +37,12 @@ from tqdm.auto import tqdm
 
 from memlm import index as index_lib
 from memlm.calibration import knn_parameters
+from memlm.core.distribution import knn_distribution, mix_logprobs
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import CACHE_KEY, memory_logprob, retrieve
 from memlm.forward import rolling_forward
 from memlm.keys import KeyCapture, KeySpec, num_layers
-from memlm.knn import knn_distribution, mix_logprobs
 from memlm.memories import continuous_cache
 
 __all__ = ["MemlmLM"]

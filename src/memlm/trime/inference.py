@@ -48,12 +48,12 @@ import numpy as np
 import torch
 
 from memlm import index as index_lib
+from memlm.core.distribution import knn_distribution, knn_target_logprob
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import retrieve
 from memlm.fileio import dumps_json, unique_tmp
 from memlm.keys import KeyCapture, KeySpec, num_layers
-from memlm.knn import knn_distribution, knn_target_logprob
 from memlm.trime.batching import Segment, segment_documents
 from memlm.trime.training import G_SPEC, tokenize_for_trime
 from memlm.windows import doc_hash

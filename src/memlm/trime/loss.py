@@ -10,7 +10,8 @@ Zhong, Lei & Chen (2022), "Training Language Models with Memory Augmentation" (T
 ``f(c)`` is the hidden state the output softmax reads (so ``E · f(c)`` are the model's logits), ``g(c)`` the input of
 the last feed-forward block (memlm's ``ffn_in`` role at layer ``-1``; capture it with
 ``KeyCapture(model, KeySpec("ffn_in", -1), detach=False)`` so that gradients reach it). Unlike the kNN-LM (Eq. 3 in
-``memlm.knn``) this is *one* normalisation over ``|V|`` logits and ``|M|`` memory scores, not an interpolation: a
+``memlm.core.distribution``) this is *one*
+normalisation over ``|V|`` logits and ``|M|`` memory scores, not an interpolation: a
 memory entry whose value is ``w`` adds its mass to ``w``; every visible entry adds to the denominator.
 
 Memory entries and indices. Over a batch of ``B`` segments of length ``T`` flattened to ``N = B * T`` positions,
@@ -35,7 +36,8 @@ Entries with a negative value (``-1`` empty slot, ``-100`` an ignored / padded t
 into the queries *and* the memory keys: they come from the same forward pass.
 
 At test time (App. A, Eq. 6) the memory term gets a temperature, ``exp(sim(g(c), g(c_j)) / τ)``: pass
-``temperature``. (App. A's extra interpolation with a separate memory distribution, Eq. 8-9, is ``memlm.knn``.)
+``temperature``. (App. A's extra interpolation with a separate memory distribution, Eq. 8-9, is
+``memlm.core.distribution``.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,273 @@
+"""From retrieved memory entries to a distribution over values: the one place memlm does it.
+
+Every memory (a kNN-LM datastore, a continuous cache, TRIME's in-batch memories, NPM's reference corpus, a learned
+``W_ds``) produces, for each query, the ``scores`` of its retrieved entries and their ``values``. This module turns
+them into a distribution over values (Xu et al. 2023, Eq. 5; Khandelwal et al. 2020, Eq. 2)::
+
+    p_mem(w | c) = sum_{i in top-k} 1[v_i = w] * n_i exp(s(h_ds(c), k_i) / tau) / sum_{i in top-k} n_i exp(s_i / tau)
+
+where ``s`` is a similarity (negative squared L2 distance or inner product: larger = closer, :func:`similarity`),
+``tau`` a temperature, ``n_i`` the number of original entries merged into entry ``i`` by datastore pruning (He et al.
+2021; ``n_i = 1`` without pruning) and the sum over entries that share a value is Xu's ``M``
+(:func:`value_logsumexp`). ``mask-to-k`` (:func:`mask_to_k`) keeps the ``k`` best of a dense score row. The LM and
+the memory are then interpolated (Eq. 3), with a fixed or a per-token ``lambda``::
+
+    p(w | c) = (1 - lambda) * p_LM(w | c) + lambda * p_mem(w | c)
+
+or, as TRIME trains and tests (Zhong et al. 2022, Eq. 5 / App. A), normalised jointly with the LM's logits
+(:func:`joint_target_logprob`)::
+
+    P(w | c) = [exp(E_w f) + sum_{j: v_j = w} exp(s_j / tau)] / [sum_v exp(E_v f) + sum_j exp(s_j / tau)]
+
+All of it runs in log space so that a memory that gives the target zero probability costs nothing numerically.
+:func:`memory_lse` is the primitive: the log of the unnormalised total mass and of the target's mass.
+
+Conventions: ``scores`` is float ``[..., k]``; ``values`` is integer ``[..., k]`` with ``-1`` marking an empty slot
+(fewer than k neighbours); empty slots get score ``-inf``. ``values`` may also be any integer labels (NPM's phrase
+ids). Everything here is plain torch on CPU or GPU and has a brute-force NumPy reference in ``tests/test_knn.py`` and
+``tests/test_generalized.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from memlm.errors import MemlmError
+
+__all__ = [
+    "METRICS",
+    "check_metric",
+    "check_temperature",
+    "interpolate",
+    "joint_target_logprob",
+    "knn_distribution",
+    "knn_target_logprob",
+    "knn_weights",
+    "mask_to_k",
+    "memory_lse",
+    "mix_logprobs",
+    "perplexity",
+    "similarity",
+    "value_logsumexp",
+]
+
+METRICS = ("ip", "l2")
+"""Similarity functions ``(x)`` of Eq. 5: inner product and negative squared L2 distance."""
+
+_NINF = float("-inf")
+
+
+def check_temperature(temperature: float) -> None:
+    """Refuse a temperature that is not > 0 (the softmax of Eq. 2 / Eq. 5 divides by it)."""
+    if not temperature > 0:
+        raise MemlmError(f"temperature must be > 0, got {temperature}")
+
+
+def check_metric(metric: str) -> None:
+    """Refuse a similarity other than ``ip`` and ``l2``."""
+    if metric not in METRICS:
+        raise MemlmError(f"unknown similarity metric {metric!r}; use one of {', '.join(METRICS)}")
+
+
+# ------------------------------------------------------------------------------------------ scores of entries
+
+
+def similarity(h: torch.Tensor, W: torch.Tensor, metric: str) -> torch.Tensor:
+    """The similarity ``W (x) h`` of Eq. 5 (Xu et al. 2023) between queries and every row of ``W``.
+
+    ``h`` is ``[..., D]``, ``W`` is ``[N, D]``; returns float32 ``[..., N]``, larger = closer:
+
+    * ``"ip"``: ``h . w``;
+    * ``"l2"``: ``-||h - w||^2``, computed as ``2 h . w - ||h||^2 - ||w||^2`` in float32 and clamped to ``<= 0``
+      (the same convention as :func:`memlm.index.exact_search`).
+
+    Inputs are cast to float32. Under ``torch.autocast`` the inner-product matmul runs in the autocast dtype; the L2
+    one always runs in float32, because ``2 h . w - ||h||^2 - ||w||^2`` subtracts numbers of size ``||h||^2`` to get a
+    small distance: with bfloat16 dot products (8 bits of mantissa) that cancels catastrophically.
+    """
+    check_metric(metric)
+    if W.dim() != 2:
+        raise MemlmError(f"W must be a [N, D] matrix, got shape {tuple(W.shape)}")
+    if h.shape[-1] != W.shape[1]:
+        raise MemlmError(
+            f"query dimension {h.shape[-1]} does not match W's dimension {W.shape[1]}: h_ds and W_ds must come from "
+            "the same layer of the same model"
+        )
+    h32, w32 = h.float(), W.float()
+    if metric == "ip":
+        return (h32 @ w32.T).float()
+    with torch.autocast(h32.device.type, enabled=False):
+        dots = h32 @ w32.T
+        hn = (h32 * h32).sum(-1, keepdim=True)
+        wn = (w32 * w32).sum(-1)
+        return (2 * dots - hn - wn).clamp(max=0.0)
+
+
+def mask_to_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``mask-to-k`` of Eq. 5 (Xu et al. 2023): keep the ``k`` largest scores of each row, set the rest to ``-inf``.
+
+    ``scores`` is ``[..., N]``; the result has the same shape. ``k >= N`` keeps everything (Eq. 4, the full datastore).
+    Ties at the k-th score are broken by ``torch.topk`` (exactly ``k`` entries are kept).
+    """
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        raise MemlmError(f"k must be a positive integer, got {k!r}")
+    n = scores.shape[-1]
+    if k >= n:
+        return scores
+    top, idx = torch.topk(scores, int(k), dim=-1)
+    return torch.full_like(scores, _NINF).scatter(-1, idx, top)
+
+
+# ----------------------------------------------------------------------------- entries -> distribution over values
+
+
+def _logits(
+    scores: torch.Tensor, values: torch.Tensor, temperature: float, log_counts: torch.Tensor | None
+) -> torch.Tensor:
+    """``s_i / tau + log n_i`` in at least float32, ``-inf`` in empty slots (value < 0)."""
+    check_temperature(temperature)
+    if scores.shape != values.shape:
+        raise MemlmError(f"scores {tuple(scores.shape)} and values {tuple(values.shape)} must have the same shape")
+    logits = scores.to(torch.promote_types(scores.dtype, torch.float32)) / temperature  # fp16/bf16 -> fp32
+    if log_counts is not None:
+        if log_counts.shape != scores.shape:
+            raise MemlmError(f"log_counts {tuple(log_counts.shape)} must have the scores' shape {tuple(scores.shape)}")
+        logits = logits + log_counts.to(logits.dtype)
+    return logits.masked_fill(values < 0, _NINF)
+
+
+def memory_lse(
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    log_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log sum_i n_i e^{s_i/tau}, log sum_{i: v_i = target} n_i e^{s_i/tau})`` per query: the memory's total mass
+    and the target's mass, unnormalised. Shapes: scores, values ``[..., k]``; targets ``[...]`` -> two ``[...]``.
+
+    The primitive behind Eq. 2 (:func:`knn_target_logprob` = hit - all) and TRIME's joint softmax
+    (:func:`joint_target_logprob`). Both are ``-inf`` for a row with no entry (no hit).
+    """
+    logits = _logits(scores, values, temperature, log_counts)
+    hit = values == targets.to(values.device).unsqueeze(-1)
+    return torch.logsumexp(logits, dim=-1), torch.logsumexp(logits.masked_fill(~hit, _NINF), dim=-1)
+
+
+def knn_weights(
+    scores: torch.Tensor, values: torch.Tensor, temperature: float = 1.0, log_counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Log-softmax over the retrieved entries: ``log softmax_i(s_i / tau + log n_i)`` with empty slots (value -1)
+    masked out. Returns log-weights of the same shape as ``scores``; a row with no valid entry is all ``-inf``."""
+    logits = _logits(scores, values, temperature, log_counts)
+    # log_softmax of an all -inf row is nan; make it -inf (no memory mass) instead.
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    out = logits - lse
+    return torch.where(torch.isfinite(lse), out, torch.full_like(out, _NINF))
+
+
+def knn_target_logprob(
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    log_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``log p_mem(target | c)`` (Eq. 2) for each query, without building the ``[Q, V]`` distribution.
+
+    Sums the weight of every retrieved entry whose value equals the target (the ``M`` aggregation). ``-inf`` when no
+    retrieved entry has the target as value. Shapes: scores, values ``[Q, k]``; targets ``[Q]`` -> ``[Q]``.
+    """
+    all_, hit = memory_lse(scores, values, targets, temperature, log_counts)
+    return torch.where(torch.isfinite(all_), hit - all_, torch.full_like(hit, _NINF))
+
+
+def value_logsumexp(logw: torch.Tensor, values: torch.Tensor, n_values: int) -> torch.Tensor:
+    """``log M exp(logw)``: a per-value logsumexp over the last dim, ``[..., N] -> [..., n_values]``.
+
+    ``values`` is ``[N]`` (shared by every row: a dense ``W_ds``) or ``[..., N]`` like ``logw`` (retrieved entries);
+    entries with a negative value are ignored. Done as ``max_v + log sum exp(logw - max_v)`` with the per-value
+    maximum ``max_v``, so nothing underflows. ``-inf`` for values with no entry.
+    """
+    lead = logw.shape[:-1]
+    flat = logw.reshape(-1, logw.shape[-1])
+    values = values.to(flat.device).long()
+    idx = values.unsqueeze(0).expand_as(flat) if values.dim() == 1 else values.reshape(flat.shape)
+    flat = flat.masked_fill(idx < 0, _NINF)
+    idx = idx.clamp(min=0)
+    vmax = torch.full((flat.shape[0], n_values), _NINF, dtype=flat.dtype, device=flat.device)
+    vmax = vmax.scatter_reduce(-1, idx, flat, reduce="amax", include_self=True)
+    shift = torch.where(torch.isfinite(vmax), vmax, torch.zeros_like(vmax))
+    summed = torch.zeros_like(vmax).scatter_add(-1, idx, (flat - shift.gather(-1, idx)).exp())
+    return (summed.log() + shift).reshape(*lead, n_values)
+
+
+def knn_distribution(
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    log_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The full memory distribution ``log p_mem(. | c)`` over a vocabulary of ``vocab_size`` values (Eq. 2 / Eq. 5).
+
+    Shapes: scores, values ``[..., k]`` -> ``[..., vocab_size]`` log-probabilities (``-inf`` off the retrieved values).
+    """
+    if values.numel() and int(values.max()) >= vocab_size:
+        raise MemlmError(
+            f"memory value {int(values.max())} is out of range for a vocabulary of {vocab_size}: "
+            "the datastore was built with a different tokenizer; rebuild it with this model's tokenizer"
+        )
+    return value_logsumexp(knn_weights(scores, values, temperature, log_counts), values, vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------- combiners
+
+
+def interpolate(lm_logprob: torch.Tensor, mem_logprob: torch.Tensor, lam: float) -> torch.Tensor:
+    """Eq. 3 in log space: ``log((1 - lambda) * p_LM + lambda * p_mem)``; works on any matching shapes."""
+    return mix_logprobs([lm_logprob, mem_logprob], [1.0 - lam, lam])
+
+
+def mix_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``log sum_j w_j p_j`` for a mixture of distributions given as log-probabilities (weights sum to 1).
+
+    Used for LM + kNN (Eq. 3), LM + kNN + continuous cache (Khandelwal et al. Table 1) and TRIME's Eq. 9. Computed
+    in float32, or float64 when an input is float64. A component with weight 0 contributes nothing, whatever it holds.
+    """
+    if len(logprobs) != len(weights) or not logprobs:
+        raise MemlmError("mix_logprobs needs one weight per distribution")
+    if any(w < -1e-9 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
+        raise MemlmError(f"interpolation weights must be >= 0 and sum to 1, got {list(weights)}")
+    weights = [max(0.0, w) for w in weights]  # 1 - λ - λc can round to -1e-17
+    dtype = torch.float64 if any(lp.dtype == torch.float64 for lp in logprobs) else torch.float32
+    terms = [
+        lp.to(dtype) + math.log(w) if w > 0 else torch.full_like(lp, _NINF, dtype=dtype)
+        for lp, w in zip(logprobs, weights, strict=True)
+    ]
+    return torch.logsumexp(torch.stack(terms), dim=0)
+
+
+def joint_target_logprob(
+    target_logit: torch.Tensor, logit_lse: torch.Tensor, memories: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """TRIME's one softmax over the vocabulary and the memories (Zhong et al. 2022, Eq. 5 / App. A Eq. 6)::
+
+        log P(w | c) = logsumexp(E_w f, hit_1, hit_2, ...) - logsumexp(logsumexp_v E_v f, all_1, all_2, ...)
+
+    ``target_logit`` ``[...]`` (``E_w f``), ``logit_lse`` ``[...]`` (``logsumexp_v E_v f``) and, per memory, the
+    ``(all, hit)`` pair of :func:`memory_lse` with its own temperature. No memory gives ``log_softmax(E f)_w``.
+    """
+    num = torch.stack([target_logit, *(hit for _, hit in memories)])
+    den = torch.stack([logit_lse, *(all_ for all_, _ in memories)])
+    return torch.logsumexp(num, 0) - torch.logsumexp(den, 0)
+
+
+def perplexity(logprob: torch.Tensor | np.ndarray) -> float:
+    """``exp(-mean log p)`` of per-token log-probabilities, in float64; ``inf`` when a token has probability 0."""
+    lp = torch.as_tensor(logprob)
+    return float(math.exp(-lp.double().mean().item())) if lp.numel() else float("nan")
