@@ -48,7 +48,15 @@ import numpy as np
 import torch
 
 from memlm import index as index_lib
-from memlm.core.distribution import knn_distribution, knn_target_logprob
+from memlm.core.distribution import (
+    joint_target_logprob,
+    knn_distribution,
+    knn_target_logprob,
+    memory_lse,
+    mix_logprobs,
+    perplexity,
+    value_logsumexp,
+)
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import retrieve
@@ -182,20 +190,6 @@ def _forward_segments(
     return results
 
 
-def _lag_lse(
-    scores: torch.Tensor, hit: torch.Tensor, visible: torch.Tensor | None, temperatures: Sequence[float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse over visible entries, lse over visible entries with the target's value)`` per temperature: ``[n, A]``."""
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
-    all_, hits = [], []
-    for t in temperatures:
-        s = scores / t
-        all_.append(torch.logsumexp(s, 1))
-        hits.append(torch.logsumexp(s.masked_fill(~hit, float("-inf")), 1))
-    return torch.stack(all_, 1), torch.stack(hits, 1)
-
-
 def _memory_terms(
     g: torch.Tensor,
     y: torch.Tensor,
@@ -204,7 +198,11 @@ def _memory_terms(
     temperatures: Sequence[float],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mem_all, mem_hit`` ``[n, A, max_segments + 1]`` of one segment; ``past`` = earlier segments, latest first."""
+    """``mem_all, mem_hit`` ``[n, A, max_segments + 1]`` of one segment; ``past`` = earlier segments, latest first.
+
+    Lag ``m`` holds :func:`memlm.core.distribution.memory_lse` of the entries of segment ``s - m`` (lag 0: the
+    segment's own earlier tokens) at each temperature: the total and the target's unnormalised mass.
+    """
     n = g.shape[0]
     out_all = torch.full((n, len(temperatures), max_segments + 1), float("-inf"), device=g.device)
     out_hit = out_all.clone()
@@ -212,8 +210,11 @@ def _memory_terms(
     entries = [(g, y, earlier), *((pg, py, None) for pg, py in past)]
     for m, (keys, values, visible) in enumerate(entries[: max_segments + 1]):
         scores = (g @ keys.T) * scale
-        hit = values[None, :] == y[:, None]
-        out_all[:, :, m], out_hit[:, :, m] = _lag_lse(scores, hit, visible, temperatures)
+        vals = values[None, :].expand(n, -1)
+        if visible is not None:
+            vals = vals.masked_fill(~visible, -1)  # an invisible entry is an empty slot
+        for a, t in enumerate(temperatures):
+            out_all[:, a, m], out_hit[:, a, m] = memory_lse(scores, vals, y, t)
     return out_all, out_hit
 
 
@@ -437,11 +438,12 @@ def _ext_part(ts: TrimeScores, temperature: float) -> tuple[torch.Tensor, torch.
     if ts.ext_scores is None:
         ninf = torch.full((len(ts),), float("-inf"), dtype=torch.float64)
         return ninf, ninf
-    s = torch.from_numpy(ts.ext_scores).double() / temperature
-    v = torch.from_numpy(ts.ext_values.astype(np.int64))
-    s = s.masked_fill(v < 0, float("-inf"))
-    hit = v == torch.from_numpy(ts.targets)[:, None]
-    return torch.logsumexp(s, 1), torch.logsumexp(s.masked_fill(~hit, float("-inf")), 1)
+    return memory_lse(
+        torch.from_numpy(ts.ext_scores).double(),
+        torch.from_numpy(ts.ext_values.astype(np.int64)),
+        torch.from_numpy(ts.targets),
+        temperature,
+    )
 
 
 def _knn_part(ts: TrimeScores, knn_temperature: float) -> torch.Tensor:
@@ -462,19 +464,10 @@ def _combine(
 ) -> torch.Tensor:
     tl = torch.from_numpy(ts.target_logit).double()
     lse = torch.from_numpy(ts.logit_lse).double()
-    num = torch.logsumexp(torch.stack([tl, local[1], ext[1]]), 0)
-    den = torch.logsumexp(torch.stack([lse, local[0], ext[0]]), 0)
-    joint = num - den
+    joint = joint_target_logprob(tl, lse, [local, ext])
     if lam == 0 or knn is None:
         return joint
-    return _mix(joint, knn, lam)
-
-
-def _mix(joint: torch.Tensor, knn: torch.Tensor, lam: float) -> torch.Tensor:
-    """``log((1 - λ) exp(joint) + λ exp(knn))`` in float64 (Eq. 9)."""
-    if lam >= 1.0:
-        return knn.double()
-    return torch.logaddexp(joint.double() + math.log1p(-lam), knn.double() + math.log(lam))
+    return mix_logprobs([joint, knn.double()], [1.0 - lam, lam])  # Eq. 9, float64
 
 
 def trime_target_logprobs(
@@ -508,10 +501,6 @@ def trime_target_logprobs(
     return _combine(ts, local, ext, knn, lam)
 
 
-def _ppl(logprob: torch.Tensor) -> float:
-    return float(math.exp(-logprob.double().mean().item()))
-
-
 def trime_perplexity(
     ts: TrimeScores,
     segments: int | None = 0,
@@ -529,8 +518,8 @@ def trime_perplexity(
     base = torch.from_numpy(ts.target_logit).double() - torch.from_numpy(ts.logit_lse).double()
     return {
         "tokens": len(ts),
-        "base_ppl": _ppl(base),
-        "ppl": _ppl(lp),
+        "base_ppl": perplexity(base),
+        "ppl": perplexity(lp),
         "segments": segments,
         "local_temperature": local_temperature,
         "temperature": temperature,
@@ -570,10 +559,7 @@ def trime_log_distribution(
             raise MemlmError("memory scores and values must come together with the same shape")
         if values.numel() and int(values.max()) >= v:
             raise MemlmError(f"memory value {int(values.max())} is out of range for a vocabulary of {v}")
-        s = (scores.double() / t).masked_fill(values < 0, float("-inf"))
-        m = torch.maximum(s.amax(-1, keepdim=True), torch.zeros_like(s[..., :1]))  # stable exp, finite shift
-        mass = torch.zeros_like(logits).scatter_add_(-1, values.clamp(min=0).long(), torch.exp(s - m))
-        parts.append(mass.log() + m)
+        parts.append(value_logsumexp(scores.double() / t, values, v))  # each value's unnormalised memory mass
     joint = torch.logsumexp(torch.stack(parts), 0)
     joint = joint - torch.logsumexp(joint, -1, keepdim=True)
     if lam == 0:
@@ -583,7 +569,7 @@ def trime_log_distribution(
     knn = knn_distribution(
         ext_scores.double(), ext_values.long(), v, temperature if knn_temperature is None else knn_temperature
     )
-    return _mix(joint, knn, lam)
+    return mix_logprobs([joint, knn], [1.0 - lam, lam])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -643,7 +629,7 @@ def tune_trime_inference(
                 "temperature": t,
                 "lambda": lam,
                 "knn_temperature": kt,
-                "ppl": _ppl(lp),
+                "ppl": perplexity(lp),
             }
         )
     best = min(grid, key=lambda g: g["ppl"])
@@ -675,7 +661,7 @@ def _without_external(ts: TrimeScores) -> TrimeScores:
 
 
 def _base_ppl(ts: TrimeScores) -> float:
-    return _ppl(torch.from_numpy(ts.target_logit).double() - torch.from_numpy(ts.logit_lse).double())
+    return perplexity(torch.from_numpy(ts.target_logit).double() - torch.from_numpy(ts.logit_lse).double())
 
 
 def trime_memory_results(

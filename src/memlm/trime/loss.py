@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from memlm.core.distribution import joint_target_logprob, memory_lse
 from memlm.errors import MemlmError
 
 __all__ = [
@@ -238,17 +239,14 @@ def trime_logprob(
         scale = 1.0 / math.sqrt(queries.shape[-1])
     dtype = torch.promote_types(torch.promote_types(logits.dtype, queries.dtype), torch.float32)
     logits = logits.to(dtype)
-    scores = (queries.to(dtype) @ mem_keys.to(dtype).transpose(-1, -2)) * (scale / temperature)  # [(G,) N, M]
+    scores = (queries.to(dtype) @ mem_keys.to(dtype).transpose(-1, -2)) * scale  # [(G,) N, M]
     usable = visible & (mem_values >= 0).unsqueeze(-2)
-    scores = scores.masked_fill(~usable, float("-inf"))
+    values = mem_values.long().unsqueeze(-2).expand(scores.shape).masked_fill(~usable, -1)  # -1: not visible
     ignored = targets == ignore_index
     safe_targets = targets.masked_fill(ignored, 0).long()
-    # logsumexp over concat([logits, scores]) without copying the [N, V] logits
-    denominator = torch.logaddexp(torch.logsumexp(logits, dim=-1), torch.logsumexp(scores, dim=-1))
-    target_logit = logits.gather(-1, safe_targets.unsqueeze(-1))  # [(G,) N, 1]
-    hit = mem_values.long().unsqueeze(-2) == safe_targets.unsqueeze(-1)  # [(G,) N, M]
-    numerator = torch.logsumexp(torch.cat([target_logit, scores.masked_fill(~hit, float("-inf"))], dim=-1), dim=-1)
-    out = numerator - denominator
+    target_logit = logits.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)  # [(G,) N]
+    memory = memory_lse(scores, values, safe_targets, temperature)  # (all, hit) [(G,) N]
+    out = joint_target_logprob(target_logit, torch.logsumexp(logits, dim=-1), [memory])
     return out.masked_fill(ignored, 0.0)
 
 
