@@ -44,6 +44,8 @@ import numpy as np
 import torch
 
 from memlm import index as index_lib
+from memlm.core.distribution import interpolate, perplexity
+from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
@@ -155,10 +157,6 @@ def _ds_identity(ds: Datastore) -> dict[str, Any]:
     }
 
 
-def _ppl(logprob: torch.Tensor) -> float:
-    return float(math.exp(-logprob.double().mean().item()))
-
-
 def interpolation_row(
     valid_lm: torch.Tensor,
     valid_mem: torch.Tensor,
@@ -171,16 +169,15 @@ def interpolation_row(
     Used for memories that come as target log-probabilities (the learned W_ds); datastore dumps go through
     :func:`memlm.evaluate.tune`, which also tunes τ.
     """
-    from memlm.core.distribution import mix_logprobs
-
-    best = min(lambdas, key=lambda lam: _ppl(mix_logprobs([valid_lm, valid_mem], [1 - lam, lam])))
+    tuned = grid_search(lambda lam: perplexity(interpolate(valid_lm, valid_mem, lam)), {"lam": lambdas})["best"]
+    best = tuned["lam"]
     return {
         "lambda": best,
-        "valid_ppl": _ppl(mix_logprobs([valid_lm, valid_mem], [1 - best, best])),
-        "base_ppl": _ppl(test_lm),
-        "memory_ppl": _ppl(test_mem),
-        "interp_ppl": _ppl(mix_logprobs([test_lm, test_mem], [1 - best, best])),
-        "oracle_ppl": _ppl(torch.maximum(test_lm, test_mem)),
+        "valid_ppl": tuned["ppl"],
+        "base_ppl": perplexity(test_lm),
+        "memory_ppl": perplexity(test_mem),
+        "interp_ppl": perplexity(interpolate(test_lm, test_mem, best)),
+        "oracle_ppl": perplexity(torch.maximum(test_lm, test_mem)),
     }
 
 
@@ -459,8 +456,8 @@ def run_analysis(
     valid_ts, _ = run.forward("valid")
     test_ts, _ = run.forward("test")
     results["base"] = {
-        "valid_ppl": _ppl(torch.from_numpy(valid_ts.lm_logprob)),
-        "test_ppl": _ppl(torch.from_numpy(test_ts.lm_logprob)),
+        "valid_ppl": perplexity(torch.from_numpy(valid_ts.lm_logprob)),
+        "test_ppl": perplexity(torch.from_numpy(test_ts.lm_logprob)),
         "valid_tokens": len(valid_ts),
         "test_tokens": len(test_ts),
     }

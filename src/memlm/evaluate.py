@@ -14,28 +14,26 @@ without searching again, so ``tune`` can grid-search on the validation dump and 
 
 from __future__ import annotations
 
-import itertools
-import math
-import os
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memlm import index as index_lib
-from memlm.core.distribution import knn_target_logprob, mix_logprobs
+from memlm.core.distribution import knn_target_logprob, mix_logprobs, perplexity
+from memlm.core.dumps import TokenDump
+from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.fileio import dumps_json, unique_tmp
 from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
 from memlm.memories import continuous_cache
-from memlm.sharded_index import index_metric_of, open_index, search_index
+from memlm.retrieval import DatastoreMemory
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
 __all__ = [
@@ -44,7 +42,6 @@ __all__ = [
     "add_neighbours",
     "add_cache",
     "score_tokens",
-    "retrieve",
     "perplexities",
     "tune",
     "DEFAULT_LAMBDAS",
@@ -82,101 +79,35 @@ DEFAULT_LAMBDAS = (
 )
 # up to 1000: `final` keys (squared distances in the hundreds) had their tuned τ at the old edge, 100
 DEFAULT_TEMPERATURES = (0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
-_ARRAYS = ("targets", "lm_logprob", "doc_index", "knn_scores", "knn_values", "cache_scores", "cache_values")
 
 
 @dataclass
-class TokenScores:
-    """Everything needed to score a corpus under any λ / temperature / k: the per-token dump."""
+class TokenScores(TokenDump):
+    """Everything needed to score a corpus under any λ / temperature / k: the kNN-LM's per-token dump."""
+
+    KIND: ClassVar[str] = "a kNN-LM score dump"
+    REQUIRED: ClassVar[dict[str, int]] = {"targets": 1, "lm_logprob": 1, "doc_index": 1}
+    OPTIONAL: ClassVar[dict[str, int]] = {"knn_scores": 2, "knn_values": 2, "cache_scores": 2, "cache_values": 2,
+                                          "knn_log_counts": 2, "lm_entropy": 1, "lm_max_logprob": 1}  # fmt: skip
+    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"))
+    HINT: ClassVar[str] = "rerun memlm eval --dump {path}"
 
     targets: np.ndarray  # [N] int64
     lm_logprob: np.ndarray  # [N] float32
     doc_index: np.ndarray  # [N] int32
     knn_scores: np.ndarray | None = None  # [N, k] float32, sorted best first, -inf in empty slots
     knn_values: np.ndarray | None = None  # [N, k] int32, -1 in empty slots
+    knn_log_counts: np.ndarray | None = None  # [N, k] float32: log of merged entries (a pruned datastore), else None
     cache_scores: np.ndarray | None = None
     cache_values: np.ndarray | None = None
+    lm_entropy: np.ndarray | None = None  # [N] float32: H(p_LM) at each target's context (adaptive retrieval)
+    lm_max_logprob: np.ndarray | None = None  # [N] float32: max_w log p_LM(w)
     meta: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.targets)
 
     def lm_only(self) -> TokenScores:
         """A copy with the LM scores and no memories: attach another datastore to the same forward pass."""
-        return TokenScores(self.targets, self.lm_logprob, self.doc_index, meta=dict(self.meta))
-
-    def save(self, path: str | Path) -> None:
-        """Write an ``.npz`` atomically (the meta dict goes in as JSON)."""
-        path = Path(path)
-        arrays = {k: getattr(self, k) for k in _ARRAYS if getattr(self, k) is not None}
-        tmp = unique_tmp(path, ".tmp.npz")
-        np.savez(tmp, meta=np.array(dumps_json(self.meta, indent=None)), **arrays)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> TokenScores:
-        from memlm.validate import load_npz_dump
-
-        required = {"targets": 1, "lm_logprob": 1, "doc_index": 1}
-        optional = {"knn_scores": 2, "knn_values": 2, "cache_scores": 2, "cache_values": 2}
-        arrays, meta = load_npz_dump(path, "a kNN-LM score dump", required, optional, f"rerun memlm eval --dump {path}")
-        for scores, values in (("knn_scores", "knn_values"), ("cache_scores", "cache_values")):
-            if (scores in arrays) != (values in arrays) or (
-                scores in arrays and arrays[scores].shape != arrays[values].shape
-            ):
-                raise MemlmError(f"score dump {path}: {scores} and {values} do not match; rerun memlm eval --dump")
-        return cls(meta=meta, **arrays)
-
-
-def datastore_metric(datastore: Datastore, index=None) -> str:
-    """The similarity of a datastore's index (``l2`` when it has no index yet)."""
-    if index is not None:
-        return index_metric_of(index)
-    meta = index_lib.read_index_meta(datastore.index_path)
-    return meta["metric"] if meta else "l2"
-
-
-def _index_metric_at(path: Path) -> str | None:
-    meta = index_lib.read_index_meta(path)
-    return meta["metric"] if meta else None
-
-
-def retrieve(
-    datastore: Datastore,
-    queries: np.ndarray,
-    k: int,
-    index=None,
-    search: str = "index",
-    scores: str = "index",
-    metric: str | None = None,
-    chunk: int = 4096,
-    progress: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The k nearest datastore entries of each query: ``(scores [Q, k], ids [Q, k])``, larger score = closer.
-
-    ``search="index"`` asks the FAISS index (approximate for IVF/PQ/HNSW: Xu's "FAISS mask"); ``"exact"`` brute-forces
-    all keys ("real mask"). ``scores="index"`` keeps the index's (possibly quantized) scores; ``"exact"`` recomputes
-    them from the stored fp16 keys (Khandelwal: full-precision distances, "real score").
-    """
-    if search not in ("index", "exact") or scores not in ("index", "exact"):
-        raise MemlmError("search and scores must each be 'index' or 'exact'")
-    if index is None and search == "index":
-        index = open_index(datastore)
-    metric = metric or datastore_metric(datastore, index)
-    out_s = np.empty((len(queries), k), dtype=np.float32)
-    out_i = np.empty((len(queries), k), dtype=np.int64)
-    for s in tqdm(range(0, len(queries), chunk), desc="search", unit="chunk", disable=not progress, leave=False):
-        q = np.ascontiguousarray(queries[s : s + chunk], dtype=np.float32)
-        if search == "index":
-            sc, ids = search_index(index, q, k)  # a FAISS index, or a sharded datastore's searcher
-        else:
-            sc, ids = index_lib.exact_search(datastore.keys, q, k, metric)
-        if scores == "exact" and search == "index":
-            sc = index_lib.exact_scores(datastore.keys, ids, q, metric)
-            order = np.argsort(-sc, axis=1, kind="stable")
-            sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
-        out_s[s : s + len(q)], out_i[s : s + len(q)] = sc, ids
-    return out_s, out_i
+        return TokenScores(self.targets, self.lm_logprob, self.doc_index, lm_entropy=self.lm_entropy,
+                           lm_max_logprob=self.lm_max_logprob, meta=dict(self.meta))  # fmt: skip
 
 
 def lm_scores(
@@ -271,39 +202,12 @@ def add_neighbours(
     and offset) are dropped: use it when the evaluated text is also in the datastore.
     """
     t1 = time.perf_counter()
-    path = Path(index_path) if index_path is not None else datastore.index_path
-    index = open_index(datastore, path, nprobe=nprobe) if search == "index" else None
-    if index is not None and metric is not None and metric != index_metric_of(index):
-        raise MemlmError(f"index {path} uses {index_metric_of(index)}, not {metric}: build an {metric} index")
-    metric = metric or (index_metric_of(index) if index is not None else _index_metric_at(path))
-    chunk = 4096 if search == "index" else max(4096, len(queries))  # exact: one pass over the keys
-    sc, ids = retrieve(
-        datastore, queries, k, index=index, search=search, scores=scores, metric=metric, chunk=chunk, progress=progress
-    )
-    valid = ids >= 0
-    flat = np.where(valid, ids, 0).ravel()
-    values = np.where(valid, datastore.values[flat].reshape(ids.shape), -1)
-    if provenance is not None:
-        own = (
-            valid
-            & (datastore.doc_hash[flat].reshape(ids.shape) == provenance["doc_hash"][:, None])
-            & (datastore.offset[flat].reshape(ids.shape) == provenance["offset"][:, None])
-        )
-        values = np.where(own, -1, values)
-    ts.knn_scores = np.where(values >= 0, sc, -np.inf).astype(np.float32)
-    ts.knn_values = values.astype(np.int32)
+    memory = DatastoreMemory(datastore, search, scores, nprobe, index_path=index_path, metric=metric, progress=progress)
+    r = memory.search(queries, k, provenance)
+    ts.knn_scores, ts.knn_values = r.scores, r.values.astype(np.int32)
+    ts.knn_log_counts = r.log_counts
     ts.meta.update(
-        datastore=str(datastore.path),
-        datastore_entries=len(datastore),
-        key=datastore.key_spec.describe(),
-        k=k,
-        search=search,
-        scores=scores,
-        metric=metric or datastore_metric(datastore, index),
-        index=str(path) if search == "index" else None,
-        nprobe=nprobe,
-        drop_self_matches=provenance is not None,
-        seconds_search=time.perf_counter() - t1,
+        **memory.describe(), k=k, drop_self_matches=provenance is not None, seconds_search=time.perf_counter() - t1
     )
     return ts
 
@@ -378,14 +282,15 @@ def score_tokens(
     return ts
 
 
-def _ppl(logprob: torch.Tensor) -> float:
-    return float(math.exp(-logprob.double().mean().item()))
-
-
 def memory_logprob(
-    scores: np.ndarray, values: np.ndarray, targets: np.ndarray, temperature: float, k: int | None = None
+    scores: np.ndarray,
+    values: np.ndarray,
+    targets: np.ndarray,
+    temperature: float,
+    k: int | None = None,
+    log_counts: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """``log p_mem(target)`` from dumped neighbours, keeping the ``k`` best (Eq. 2)."""
+    """``log p_mem(target)`` from dumped neighbours, keeping the ``k`` best (Eq. 2; merged counts when pruned)."""
     k = scores.shape[1] if k is None else k
     if k > scores.shape[1]:
         raise MemlmError(
@@ -396,6 +301,7 @@ def memory_logprob(
         torch.from_numpy(values[:, :k].astype(np.int64)),
         torch.from_numpy(targets),
         temperature,
+        None if log_counts is None else torch.from_numpy(log_counts[:, :k]),
     )
 
 
@@ -413,18 +319,18 @@ def perplexities(
     (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``.
     """
     lm = torch.from_numpy(ts.lm_logprob)
-    out: dict[str, Any] = {"tokens": len(ts), "base_ppl": _ppl(lm)}
+    out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
     if ts.knn_scores is None:
         lam = 0.0  # no datastore in this dump: the kNN term is absent
     comps, weights = [lm], [1.0 - lam - cache_lambda]
     if ts.knn_scores is not None:
-        knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k)
+        knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
         comps.append(knn)
         weights.append(lam)
         out.update(
-            knn_ppl=_ppl(mix_logprobs([lm, knn], [1.0 - lam, lam])),
-            knn_only_ppl=_ppl(knn),
-            oracle_ppl=_ppl(torch.maximum(lm, knn)),
+            knn_ppl=perplexity(mix_logprobs([lm, knn], [1.0 - lam, lam])),
+            knn_only_ppl=perplexity(knn),
+            oracle_ppl=perplexity(torch.maximum(lm, knn)),
             target_in_neighbours=float(torch.isfinite(knn).float().mean()),
             knn_beats_lm=float((knn > lm).float().mean()),  # tokens where the oracle picks the memory
             **{"lambda": lam, "temperature": temperature, "k": k or ts.knn_scores.shape[1]},
@@ -436,7 +342,9 @@ def perplexities(
         comps.append(cache)
         weights.append(cache_lambda)
         out.update(
-            cache_ppl=_ppl(mix_logprobs(comps, weights)), cache_lambda=cache_lambda, cache_temperature=cache_temperature
+            cache_ppl=perplexity(mix_logprobs(comps, weights)),
+            cache_lambda=cache_lambda,
+            cache_temperature=cache_temperature,
         )
     return out
 
@@ -456,35 +364,34 @@ def tune(
     if ts.knn_scores is None and ts.cache_scores is None:
         raise MemlmError("nothing to tune: the dump has neither datastore neighbours nor cache entries")
     lm = torch.from_numpy(ts.lm_logprob)
-    knn_by_t = {}
-    if ts.knn_scores is not None:
-        knn_by_t = {t: memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t, k) for t in temperatures}
-    else:
+    has_knn = ts.knn_scores is not None
+    if not has_knn:
         lambdas, temperatures = (0.0,), (1.0,)
-    cache_by_t = {}
-    if any(cache_lambdas) and ts.cache_scores is not None:
-        cache_by_t = {t: memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, t) for t in cache_temperatures}
-    else:
+    if not (any(cache_lambdas) and ts.cache_scores is not None):
         cache_lambdas, cache_temperatures = (0.0,), (1.0,)
-    grid = []
-    for lam, t, cl, ct in itertools.product(lambdas, temperatures, cache_lambdas, cache_temperatures):
-        if lam + cl > 1.0 + 1e-9:
-            continue
-        comps, weights = [lm], [max(0.0, 1.0 - lam - cl)]
-        if knn_by_t:
-            comps.append(knn_by_t[t])
+
+    @functools.cache
+    def knn(t: float) -> torch.Tensor:
+        return memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t, k, ts.knn_log_counts)
+
+    @functools.cache
+    def cache(t: float) -> torch.Tensor:
+        return memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, t)
+
+    def ppl(lam: float, temperature: float, cache_lambda: float, cache_temperature: float) -> float:
+        comps, weights = [lm], [max(0.0, 1.0 - lam - cache_lambda)]
+        if has_knn:
+            comps.append(knn(temperature))
             weights.append(lam)
-        if cl:
-            comps.append(cache_by_t[ct])
-            weights.append(cl)
-        grid.append(
-            {
-                "lambda": lam,
-                "temperature": t,
-                "cache_lambda": cl,
-                "cache_temperature": ct,
-                "ppl": _ppl(mix_logprobs(comps, weights)),
-            }
-        )
-    best = min(grid, key=lambda g: g["ppl"])
-    return {"best": best, "grid": grid}
+        if cache_lambda:
+            comps.append(cache(cache_temperature))
+            weights.append(cache_lambda)
+        return perplexity(mix_logprobs(comps, weights))
+
+    grid = {"lambda": lambdas, "temperature": temperatures, "cache_lambda": cache_lambdas,
+            "cache_temperature": cache_temperatures}  # fmt: skip
+    return grid_search(
+        lambda **p: ppl(p["lambda"], p["temperature"], p["cache_lambda"], p["cache_temperature"]),
+        grid,
+        keep=lambda p: p["lambda"] + p["cache_lambda"] <= 1.0 + 1e-9,
+    )

@@ -46,7 +46,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from memlm.core.distribution import knn_distribution, value_logsumexp
 from memlm.errors import MemlmError
 from memlm.npm.encoder import encode_query
 from memlm.npm.phrase_index import PhraseIndex
@@ -229,11 +231,14 @@ def _group(
         groups[texts[key]].append(r)
     if not groups:
         return []
-    total = float(np.logaddexp.reduce(log_scores))
-    preds = []
-    for phrase, rows in groups.items():
-        ls = float(np.logaddexp.reduce(log_scores[rows]))
-        preds.append((ls, phrase, rows))
+    # the phrases are the values of the retrieved spans: M sums each phrase's mass (core.distribution)
+    phrase_id = np.empty(len(spans), dtype=np.int64)
+    for n, rows in enumerate(groups.values()):
+        phrase_id[rows] = n
+    lv = torch.from_numpy(np.asarray(log_scores, dtype=np.float64))[None]
+    mass = value_logsumexp(lv, torch.from_numpy(phrase_id)[None], len(groups))[0].tolist()
+    total = float(torch.logsumexp(lv[0], 0))
+    preds = [(mass[n], phrase, rows) for n, (phrase, rows) in enumerate(groups.items())]
     preds.sort(key=lambda x: (-x[0], x[1]))
     out = []
     for ls, phrase, rows in preds[:top] if top is not None else preds:
@@ -321,17 +326,19 @@ def closed_set(
             allowed[np.asarray(rows, dtype=np.int64)] = True
             spans = spans[allowed[spans[:, 0]] & allowed[spans[:, 1]]]
         logs = span_log_scores(pi, spans, q_start, q_end, "a1", tau)
-    per_label: dict[str, list[float]] = {label: [] for label in verbalizers}
-    for (i, j), ls in zip(spans.tolist(), logs.tolist(), strict=True):
-        label = keys.get(tuple(int(t) for t in pi.token_ids[i : j + 1]))  # I[c in f(y)]: exact token ids
-        if label is not None:
-            per_label[label].append(ls)
-    log_scores = {y: float(np.logaddexp.reduce(v)) if v else -math.inf for y, v in per_label.items()}
-    finite = [v for v in log_scores.values() if v > -math.inf]
-    if not finite:
+    labels = list(verbalizers)
+    label_id = {y: n for n, y in enumerate(labels)}
+    values = np.array(  # I[c in f(y)]: a span's value is the label whose verbalizer has exactly its token ids
+        [label_id.get(keys.get(tuple(int(t) for t in pi.token_ids[i : j + 1])), -1) for i, j in spans.tolist()],
+        dtype=np.int64,
+    )
+    lv, v = torch.from_numpy(np.asarray(logs, dtype=np.float64))[None], torch.from_numpy(values)[None]
+    mass = value_logsumexp(lv, v, len(labels))[0]
+    log_scores = {y: float(mass[n]) for n, y in enumerate(labels)}
+    if not torch.isfinite(mass).any():
         return LabelScores({y: 1.0 / len(log_scores) for y in log_scores}, log_scores, False)
-    z = float(np.logaddexp.reduce(finite))
-    return LabelScores({y: math.exp(v - z) for y, v in log_scores.items()}, log_scores, True)
+    probs = knn_distribution(lv, v, len(labels))[0].exp()
+    return LabelScores({y: float(probs[n]) for n, y in enumerate(labels)}, log_scores, True)
 
 
 def restrict_rows(pi: PhraseIndex, tokenizer, query: str, passages: int | None) -> np.ndarray | None:

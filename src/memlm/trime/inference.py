@@ -34,15 +34,15 @@ exact: for any ``M`` the memory term is the log-sum-exp of lags ``0..M``. :func:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -57,10 +57,11 @@ from memlm.core.distribution import (
     perplexity,
     value_logsumexp,
 )
+from memlm.core.dumps import TokenDump
+from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.evaluate import retrieve
-from memlm.fileio import dumps_json, unique_tmp
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.trime.batching import Segment, segment_documents
 from memlm.trime.training import G_SPEC, tokenize_for_trime
@@ -81,27 +82,23 @@ __all__ = [
 DEFAULT_SEGMENTS = (0, 1, 2, 4, 8)
 DEFAULT_TRIME_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 DEFAULT_TRIME_LAMBDAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
-_ARRAYS = (
-    "targets",
-    "doc_index",
-    "segment_index",
-    "target_logit",
-    "logit_lse",
-    "mem_all",
-    "mem_hit",
-    "ext_scores",
-    "ext_values",
-)
 
 
 @dataclass
-class TrimeScores:
+class TrimeScores(TokenDump):
     """The per-token dump of a TRIME evaluation; any ``(M, τ_local, τ, λ, τ_kNN)`` is scored from it (module doc).
 
     ``mem_all[i, a, m]`` = ``logsumexp_j sim(g_i, g_j) / τ_local[a]`` over the memory entries ``j`` of lag ``m``
     (``m = 0``: earlier positions of the own segment; ``m >= 1``: every position of the ``m``-th previous segment of
     the same document), ``-inf`` when there is none; ``mem_hit`` the same over the entries whose value is the target.
     """
+
+    KIND: ClassVar[str] = "a TRIME score dump"
+    REQUIRED: ClassVar[dict[str, int]] = {"targets": 1, "doc_index": 1, "segment_index": 1, "target_logit": 1,
+                                          "logit_lse": 1, "mem_all": 3, "mem_hit": 3}  # fmt: skip
+    OPTIONAL: ClassVar[dict[str, int]] = {"ext_scores": 2, "ext_values": 2}
+    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("ext_scores", "ext_values"),)
+    HINT: ClassVar[str] = "rerun memlm trime-eval --dump {path}"
 
     targets: np.ndarray  # [N] int64
     doc_index: np.ndarray  # [N] int32, document of each target
@@ -114,9 +111,6 @@ class TrimeScores:
     ext_values: np.ndarray | None = None  # [N, k] int32: their values, -1 when empty
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def __len__(self) -> int:
-        return len(self.targets)
-
     @property
     def max_segments(self) -> int:
         """The largest number of previous segments ``M`` this dump can score."""
@@ -127,37 +121,17 @@ class TrimeScores:
         """The temperatures of the local / long memory term this dump holds."""
         return [float(t) for t in self.meta["local_temperatures"]]
 
-    def save(self, path: str | Path) -> None:
-        """Write an ``.npz`` atomically (meta as JSON)."""
-        path = Path(path)
-        arrays = {k: getattr(self, k) for k in _ARRAYS if getattr(self, k) is not None}
-        tmp = unique_tmp(path, ".tmp.npz")
-        np.savez(tmp, meta=np.array(dumps_json(self.meta, indent=None)), **arrays)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> TrimeScores:
-        """Read a dump written by :meth:`save`."""
-        from memlm.validate import load_npz_dump
-
-        required = {"targets": 1, "doc_index": 1, "segment_index": 1, "target_logit": 1, "logit_lse": 1,
-                    "mem_all": 3, "mem_hit": 3}  # fmt: skip
-        hint = f"rerun memlm trime-eval --dump {path}"
-        arrays, meta = load_npz_dump(path, "a TRIME score dump", required, {"ext_scores": 2, "ext_values": 2}, hint)
-        temps = meta.get("local_temperatures")
+    def check(self, path: str | Path) -> None:
+        super().check(path)
+        temps = self.meta.get("local_temperatures")
         if (
-            arrays["mem_all"].shape != arrays["mem_hit"].shape
+            self.mem_all.shape != self.mem_hit.shape
             or not isinstance(temps, list)
-            or len(temps) != arrays["mem_all"].shape[1]
-            or ("ext_scores" in arrays) != ("ext_values" in arrays)
-            or ("ext_scores" in arrays and arrays["ext_scores"].shape != arrays["ext_values"].shape)
+            or len(temps) != self.mem_all.shape[1]
         ):
-            raise MemlmError(f"TRIME score dump {path}: its arrays and local temperatures do not match; {hint}")
-        return cls(meta=meta, **arrays)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the forward pass and the memories
+            raise MemlmError(
+                f"TRIME score dump {path}: its arrays and local temperatures do not match; {self.hint(path)}"
+            )
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -605,34 +579,26 @@ def tune_trime_inference(
     for lam in lambdas:
         if not 0.0 <= lam <= 1.0:
             raise MemlmError(f"lambda must be in [0, 1], got {lam}")
-    local_cache = {}
     for s, lt in itertools.product(segs, lts):
         _check_params(valid, s, lt, 1.0, 0.0)
-        local_cache[s, lt] = _local_part(valid, s, lt)
-    ext_cache = {t: _ext_part(valid, t) for t in temperatures}
-    knn_cache: dict[float, torch.Tensor] = {}
-    grid = []
-    for s, lt, t, lam, kt in itertools.product(segs, lts, temperatures, lambdas, knn_temperatures):
-        if lam == 0 and kt != knn_temperatures[0]:
-            continue  # τ_kNN is irrelevant without interpolation: keep one grid point
-        kt_eff = t if kt is None else kt
-        knn = None
-        if lam > 0:
-            if kt_eff not in knn_cache:
-                knn_cache[kt_eff] = _knn_part(valid, kt_eff)
-            knn = knn_cache[kt_eff]
-        lp = _combine(valid, local_cache[s, lt], ext_cache[t], knn, lam)
-        grid.append(
-            {
-                "segments": s,
-                "local_temperature": lt,
-                "temperature": t,
-                "lambda": lam,
-                "knn_temperature": kt,
-                "ppl": perplexity(lp),
-            }
-        )
-    best = min(grid, key=lambda g: g["ppl"])
+    local = functools.cache(lambda s, lt: _local_part(valid, s, lt))
+    ext = functools.cache(lambda t: _ext_part(valid, t))
+    knn = functools.cache(lambda kt: _knn_part(valid, kt))
+
+    def ppl(segments, local_temperature, temperature, lam, knn_temperature) -> float:
+        kt = temperature if knn_temperature is None else knn_temperature
+        lp = _combine(valid, local(segments, local_temperature), ext(temperature), knn(kt) if lam > 0 else None, lam)
+        return perplexity(lp)
+
+    grid = {"segments": segs, "local_temperature": lts, "temperature": temperatures, "lambda": lambdas,
+            "knn_temperature": knn_temperatures}  # fmt: skip
+    # τ_kNN is irrelevant without interpolation: keep one grid point
+    tuned = grid_search(
+        lambda **p: ppl(p["segments"], p["local_temperature"], p["temperature"], p["lambda"], p["knn_temperature"]),
+        grid,
+        keep=lambda p: p["lambda"] != 0 or p["knn_temperature"] == knn_temperatures[0],
+    )
+    best, grid = tuned["best"], tuned["grid"]
     out: dict[str, Any] = {"best": best, "grid": grid}
     if test is not None:
         params = {k: best[k] for k in ("segments", "local_temperature", "temperature", "lambda", "knn_temperature")}

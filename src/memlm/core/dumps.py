@@ -1,0 +1,81 @@
+"""One per-token dump format for every method: an ``.npz`` of named per-token arrays plus a JSON ``meta``.
+
+A dump holds what every later question about an evaluation needs without a new forward pass or search: the targets,
+the LM's scores and, per memory, the ``(scores, values)`` of its retrieved entries (``-inf`` / ``-1`` in empty
+slots). The kNN-LM's :class:`memlm.evaluate.TokenScores` and TRIME's :class:`memlm.trime.inference.TrimeScores` are
+dumps; each declares its arrays (name -> number of dimensions), which are required, and which ``(scores, values)``
+pairs must come together with equal shapes. ``meta`` records how the dump was made (model, corpus, windows and the
+:class:`memlm.core.config.RetrievalConfig` of its memory), so a result file can always say what produced it.
+
+Writes are atomic (a uniquely named temporary file, then ``os.replace``); reading checks every array's presence,
+rank and length, the pairs' shapes and the meta JSON, and names the command that rewrites a bad dump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from memlm.errors import MemlmError
+from memlm.fileio import dumps_json, unique_tmp
+
+__all__ = ["TokenDump"]
+
+_D = TypeVar("_D", bound="TokenDump")
+
+
+class TokenDump:
+    """Base of the per-token dumps (a dataclass subclass declares its array fields and a ``meta`` dict).
+
+    Class attributes a subclass sets: ``KIND`` (what it is, for errors), ``REQUIRED`` and ``OPTIONAL`` (array name ->
+    number of dimensions), ``PAIRS`` (``(scores, values)`` names that come together) and ``HINT`` (the command that
+    rewrites a dump, ``{path}`` filled in).
+    """
+
+    KIND: ClassVar[str] = "a per-token dump"
+    REQUIRED: ClassVar[dict[str, int]] = {}
+    OPTIONAL: ClassVar[dict[str, int]] = {}
+    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    HINT: ClassVar[str] = "rerun the command that wrote {path}"
+    meta: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(getattr(self, next(iter(self.REQUIRED))))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The dump's arrays by name (absent optional ones left out)."""
+        names = [*self.REQUIRED, *self.OPTIONAL]
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def save(self, path: str | Path) -> None:
+        """Write an ``.npz`` atomically (``meta`` goes in as JSON; non-finite numbers as null)."""
+        path = Path(path)
+        tmp = unique_tmp(path, ".tmp.npz")
+        np.savez(tmp, meta=np.array(dumps_json(self.meta, indent=None)), **self.arrays())
+        os.replace(tmp, path)
+
+    def check(self, path: str | Path) -> None:
+        """Refuse a dump whose arrays do not fit together (subclasses add their own rules)."""
+        for scores, values in self.PAIRS:
+            s, v = getattr(self, scores), getattr(self, values)
+            if (s is None) != (v is None) or (s is not None and s.shape != v.shape):
+                raise MemlmError(f"{self.KIND} {path}: {scores} and {values} do not match; {self.hint(path)}")
+
+    @classmethod
+    def hint(cls, path: str | Path) -> str:
+        return cls.HINT.format(path=path)
+
+    @classmethod
+    def load(cls: type[_D], path: str | Path) -> _D:
+        """Read a dump written by :meth:`save`, checked (one clear error naming the file and the fix)."""
+        from memlm.validate import load_npz_dump
+
+        arrays, meta = load_npz_dump(path, cls.KIND, cls.REQUIRED, cls.OPTIONAL, cls.hint(path))
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        dump = cls(meta=meta, **{k: v for k, v in arrays.items() if k in names})
+        dump.check(path)
+        return dump

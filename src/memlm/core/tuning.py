@@ -1,0 +1,46 @@
+"""One grid search for every parameter memlm tunes: λ and τ of the kNN-LM (Khandelwal et al. 2020, Sec. 3), the
+continuous cache's λc and τc, the Xu et al. (2023) per-row λ / τ, TRIME's ``M``, τ_local, τ, λ and τ_kNN (Zhong et
+al. 2022, App. A) and the datastore's self-calibration.
+
+A tuner is an objective (parameters -> perplexity on a dev dump, computed from stored per-token scores with no new
+forward pass or search) and a grid (parameter name -> candidate values). :func:`grid_search` evaluates every point of
+the product grid that ``keep`` accepts, in a fixed order, and returns the best point (lowest ``ppl``; the first of
+equal ones) and the whole grid, so a report can show how flat the optimum is. Expensive pieces shared by many points
+(the memory's log-probabilities at one τ) are the objective's business (``functools.cache`` on a helper).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from memlm.errors import MemlmError
+
+__all__ = ["grid_search"]
+
+
+def grid_search(
+    objective: Callable[..., float],
+    grid: Mapping[str, Sequence[Any]],
+    keep: Callable[[dict[str, Any]], bool] | None = None,
+) -> dict[str, Any]:
+    """Minimise ``objective(**point)`` over the product of ``grid``'s value lists.
+
+    Returns ``{"best": point + {"ppl": value}, "grid": [every evaluated point + {"ppl"}]}``. ``keep(point)`` skips a
+    point when it returns False (e.g. λ + λc > 1). A ``nan`` objective never wins.
+    """
+    if not grid or any(len(v) == 0 for v in grid.values()):
+        raise MemlmError(f"nothing to tune: every parameter needs at least one candidate value, got {dict(grid)}")
+    names = list(grid)
+    points = []
+    for combo in itertools.product(*(grid[n] for n in names)):
+        point = dict(zip(names, combo, strict=True))
+        if keep is not None and not keep(point):
+            continue
+        points.append({**point, "ppl": float(objective(**point))})
+    if not points:
+        raise MemlmError("nothing to tune: no point of the grid satisfies its constraints")
+    best = min(points, key=lambda p: math.inf if math.isnan(p["ppl"]) else p["ppl"])
+    return {"best": best, "grid": points}

@@ -1,0 +1,140 @@
+"""Memories over a stored datastore: the :class:`memlm.core.memory.Memory` protocol on a datastore folder.
+
+:class:`DatastoreMemory` answers ``search(queries, k)`` from a datastore (single or sharded) with its FAISS index
+(approximate: Xu et al. 2023's "FAISS mask") or by brute force over all keys ("real mask"), keeping the index's
+scores or recomputing them from the stored fp16 keys (Khandelwal et al. 2020's full-precision distances, "real
+score"). It maps entry ids to their values, can drop self-matches (the evaluated token itself, when the evaluated
+text is in the datastore) and carries the merged counts of a pruned datastore (He et al. 2021). The kNN-LM
+(evaluation, generation, the lm-eval adapter, self-calibration) and TRIME's external memory all search through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from memlm import index as index_lib
+from memlm.core.memory import Retrieved
+from memlm.datastore import Datastore
+from memlm.errors import MemlmError
+from memlm.sharded_index import index_metric_of, open_index, search_index
+
+__all__ = ["DatastoreMemory", "datastore_metric", "entry_values"]
+
+SEARCH_MODES = ("index", "exact")
+
+
+def datastore_metric(datastore: Datastore, index=None, index_path: str | Path | None = None) -> str:
+    """The similarity of a datastore's index (``l2`` when it has no index yet)."""
+    if index is not None:
+        return index_metric_of(index)
+    meta = index_lib.read_index_meta(index_path if index_path is not None else datastore.index_path)
+    return meta["metric"] if meta else "l2"
+
+
+def entry_values(datastore: Datastore, ids: np.ndarray, provenance: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """The values of entries ``ids [Q, k]`` (``-1`` where ``ids < 0``); with ``provenance`` (each query's
+    ``doc_hash`` and ``offset``) an entry that is the query's own token is emptied too (self-match)."""
+    valid = ids >= 0
+    flat = np.where(valid, ids, 0).ravel()
+    values = np.where(valid, np.asarray(datastore.values[flat]).reshape(ids.shape), -1)
+    if provenance is not None:
+        own = (
+            valid
+            & (np.asarray(datastore.doc_hash[flat]).reshape(ids.shape) == provenance["doc_hash"][:, None])
+            & (np.asarray(datastore.offset[flat]).reshape(ids.shape) == provenance["offset"][:, None])
+        )
+        values = np.where(own, -1, values)
+    return values.astype(np.int64)
+
+
+class DatastoreMemory:
+    """A datastore as a memory: ``search(queries, k) -> Retrieved`` (module docstring).
+
+    ``search``: ``"index"`` (the FAISS index at ``index_path``, default the datastore's own, or a sharded
+    datastore's searcher) or ``"exact"`` (all keys); ``scores``: ``"index"`` or ``"exact"`` (recomputed from the
+    stored keys with ``metric``, default the index's). ``counts`` (a pruned datastore's merged counts, ``[N]``) enter
+    as ``log_counts``. ``chunk`` queries are searched at a time.
+    """
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        search: str = "index",
+        scores: str = "index",
+        nprobe: int = 32,
+        index=None,
+        index_path: str | Path | None = None,
+        metric: str | None = None,
+        counts: np.ndarray | None = None,
+        chunk: int = 4096,
+        progress: bool = False,
+    ) -> None:
+        if search not in SEARCH_MODES or scores not in SEARCH_MODES:
+            raise MemlmError("search and scores must each be 'index' or 'exact'")
+        self.datastore, self.search_mode, self.scores_mode = datastore, search, scores
+        self.nprobe, self.chunk, self.progress = nprobe, chunk, progress
+        self.index_path = Path(index_path) if index_path is not None else datastore.index_path
+        if index is None and search == "index":
+            index = open_index(datastore, self.index_path, nprobe=nprobe)
+        self.index = index
+        if index is not None and metric is not None and metric != index_metric_of(index):
+            raise MemlmError(
+                f"index {self.index_path} uses {index_metric_of(index)}, not {metric}: build an {metric} index"
+            )
+        self.metric = metric or datastore_metric(datastore, index, self.index_path)
+        if counts is not None and len(counts) != len(datastore):
+            raise MemlmError(f"counts has {len(counts)} rows for a datastore of {len(datastore)} entries")
+        self.log_counts = None if counts is None else np.log(np.asarray(counts, dtype=np.float32))
+
+    def search_ids(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores [Q, k], ids [Q, k])`` of the k nearest entries, larger = closer, best first."""
+        out_s = np.empty((len(queries), k), dtype=np.float32)
+        out_i = np.empty((len(queries), k), dtype=np.int64)
+        chunk = self.chunk if self.search_mode == "index" else max(self.chunk, len(queries))  # exact: one key pass
+        keys = self.datastore.keys
+        for s in tqdm(range(0, len(queries), chunk), desc="search", unit="chunk", disable=not self.progress,
+                      leave=False):  # fmt: skip
+            q = np.ascontiguousarray(queries[s : s + chunk], dtype=np.float32)
+            if self.search_mode == "index":
+                sc, ids = search_index(self.index, q, k)  # a FAISS index, or a sharded datastore's searcher
+            else:
+                sc, ids = index_lib.exact_search(keys, q, k, self.metric)
+            if self.scores_mode == "exact" and self.search_mode == "index":
+                sc = index_lib.exact_scores(keys, ids, q, self.metric)
+                order = np.argsort(-sc, axis=1, kind="stable")
+                sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
+            out_s[s : s + len(q)], out_i[s : s + len(q)] = sc, ids
+        return out_s, out_i
+
+    def retrieved(
+        self, scores: np.ndarray, ids: np.ndarray, provenance: dict[str, np.ndarray] | None = None
+    ) -> Retrieved:
+        """Searched ``(scores, ids)`` -> :class:`Retrieved` with values (self-matches dropped with ``provenance``)."""
+        values = entry_values(self.datastore, ids, provenance)
+        empty = values < 0
+        log_counts = None
+        if self.log_counts is not None:
+            log_counts = np.where(empty, 0.0, self.log_counts[np.where(ids >= 0, ids, 0)]).astype(np.float32)
+        return Retrieved(
+            np.where(empty, -np.inf, scores).astype(np.float32), values, np.where(empty, -1, ids), log_counts
+        )
+
+    def search(self, queries: np.ndarray, k: int, provenance: dict[str, np.ndarray] | None = None) -> Retrieved:
+        return self.retrieved(*self.search_ids(queries, k), provenance)
+
+    def describe(self) -> dict:
+        """What this memory is, for result files."""
+        return {
+            "datastore": str(self.datastore.path),
+            "datastore_entries": len(self.datastore),
+            "key": self.datastore.key_spec.describe(),
+            "search": self.search_mode,
+            "scores": self.scores_mode,
+            "metric": self.metric,
+            "index": str(self.index_path) if self.search_mode == "index" else None,
+            "nprobe": self.nprobe,
+            "pruned": self.log_counts is not None,
+        }
