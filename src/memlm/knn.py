@@ -13,6 +13,10 @@ the sum over entries that share a value is Xu's ``M``. The LM and the memory are
 
 done in log space so that a memory that gives the target zero probability costs nothing numerically.
 
+A pruned datastore (:mod:`memlm.knnlm.prune`, He et al. 2021 Sec. 5.2) stores one entry for ``c_i`` merged ones;
+its count enters the softmax as a multiplicity, ``p_mem(w) ∝ sum_{i: v_i = w} c_i * exp(s_i / tau)``: pass
+``log_counts = log c_i`` (same shape as ``scores``; ``None`` = every count 1), which is added to the logits.
+
 Conventions: ``scores`` is float ``[..., k]``; ``values`` is integer ``[..., k]`` with ``-1`` marking an empty slot
 (fewer than k neighbours); empty slots get score ``-inf``. Everything here is plain torch on CPU or GPU and has a
 brute-force NumPy reference in ``tests/test_knn.py``.
@@ -36,16 +40,30 @@ __all__ = [
 ]
 
 
-def knn_weights(scores: torch.Tensor, values: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-softmax over the retrieved entries: ``log softmax_i(s_i / tau)`` with empty slots (value -1) masked out.
+def knn_weights(
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    temperature: float = 1.0,
+    log_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-softmax over the retrieved entries: ``log softmax_i(s_i / tau + log c_i)`` with empty slots (value -1)
+    masked out.
 
-    Returns log-weights of the same shape as ``scores``; a row with no valid entry is all ``-inf``.
+    ``log_counts`` (``log c_i``, same shape as ``scores``; ``None``: all counts 1) weighs entry ``i`` as ``c_i`` copies
+    of itself (a merged entry of a pruned datastore). Returns log-weights of the same shape as ``scores``; a row with
+    no valid entry is all ``-inf``.
     """
     if temperature <= 0:
         raise MemlmError(f"temperature must be > 0, got {temperature}")
     if scores.shape != values.shape:
         raise MemlmError(f"scores {tuple(scores.shape)} and values {tuple(values.shape)} must have the same shape")
     logits = scores.to(torch.promote_types(scores.dtype, torch.float32)) / temperature  # fp16/bf16 -> fp32
+    if log_counts is not None:
+        if log_counts.shape != scores.shape:
+            raise MemlmError(
+                f"log_counts {tuple(log_counts.shape)} must have the shape of scores {tuple(scores.shape)}"
+            )
+        logits = logits + log_counts.to(device=logits.device, dtype=logits.dtype)
     logits = logits.masked_fill(values < 0, float("-inf"))
     # log_softmax of an all -inf row is nan; make it -inf (no memory mass) instead.
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -54,31 +72,41 @@ def knn_weights(scores: torch.Tensor, values: torch.Tensor, temperature: float =
 
 
 def knn_target_logprob(
-    scores: torch.Tensor, values: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    log_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``log p_mem(target | c)`` (Eq. 2) for each query, without building the ``[Q, V]`` distribution.
 
     Sums the weight of every retrieved entry whose value equals the target (the ``M`` aggregation). ``-inf`` when no
     retrieved entry has the target as value. Shapes: scores, values ``[Q, k]``; targets ``[Q]`` -> ``[Q]``.
+    ``log_counts``: see :func:`knn_weights`.
     """
-    logw = knn_weights(scores, values, temperature)
+    logw = knn_weights(scores, values, temperature, log_counts)
     hit = values == targets.unsqueeze(-1)
     return torch.logsumexp(logw.masked_fill(~hit, float("-inf")), dim=-1)
 
 
 def knn_distribution(
-    scores: torch.Tensor, values: torch.Tensor, vocab_size: int, temperature: float = 1.0
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    log_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full memory distribution ``log p_mem(. | c)`` over a vocabulary of ``vocab_size`` values (Eq. 2 / Eq. 5).
 
     Shapes: scores, values ``[..., k]`` -> ``[..., vocab_size]`` log-probabilities (``-inf`` off the retrieved values).
+    ``log_counts``: see :func:`knn_weights`.
     """
     if values.numel() and int(values.max()) >= vocab_size:
         raise MemlmError(
             f"memory value {int(values.max())} is out of range for a vocabulary of {vocab_size}: "
             "the datastore was built with a different tokenizer; rebuild it with this model's tokenizer"
         )
-    weights = knn_weights(scores, values, temperature).exp()
+    weights = knn_weights(scores, values, temperature, log_counts).exp()
     probs = torch.zeros(*scores.shape[:-1], vocab_size, dtype=weights.dtype, device=weights.device)
     probs.scatter_add_(-1, values.clamp(min=0).long(), weights)  # empty slots have weight 0
     return probs.log()
