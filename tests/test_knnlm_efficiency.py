@@ -1,0 +1,204 @@
+"""kNN-LM efficiency methods (memlm.knnlm): greedy-merge pruning (He et al. 2021 Sec. 5.2), OPQ / PCA indexes
+(Sec. 6), adaptive retrieval (Sec. 4) and RetoMaton's pointers (Alon et al. 2022), each against a brute-force
+reference on tiny synthetic datastores."""
+
+from __future__ import annotations
+
+import json
+
+import faiss
+import numpy as np
+import pytest
+import torch
+
+from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _seal_manifest
+from memlm.errors import MemlmError
+from memlm.fileio import atomic_write_json
+from memlm.index import exact_search, load_index, plan_index, search, validate_factory
+from memlm.knn import knn_distribution
+from memlm.knnlm.prune import greedy_merge, load_counts, neighbour_log_counts, prune_datastore
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_faiss_thread():
+    """Single-threaded FAISS (k-means under OpenMP crawls on shared cores), as in tests/test_index.py."""
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
+
+
+def make_datastore(path, keys, values, doc_hash=None, offset=None, vocab=1000) -> Datastore:
+    """A memlm datastore folder written straight from arrays (no model): the manifest a build would seal."""
+    path.mkdir(parents=True, exist_ok=True)
+    n, d = keys.shape
+    doc_hash = np.zeros(n, np.int64) if doc_hash is None else doc_hash
+    offset = np.arange(n) if offset is None else offset
+    for name, arr in (("keys", keys), ("values", values), ("doc_hash", doc_hash), ("offset", offset)):
+        np.ascontiguousarray(arr, dtype=FILES[name]).tofile(path / f"{name}.bin")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model": {"name": "synthetic", "fingerprint": "0" * 16},
+        "tokenizer": {"fingerprint": "0" * 16, "vocab_size": vocab},
+        "key": {"role": "ffn_in", "layer": 0, "dim": d},
+        "count": n,
+        "dtypes": dict(FILES),
+        "window": 64,
+        "min_context": 0,
+        "sources": [{"corpus": "synthetic"}],
+    }
+    atomic_write_json(path / "manifest.json", _seal_manifest(manifest, path))
+    return Datastore.open(path)
+
+
+# --------------------------------------------------------------------------------------- greedy merging
+
+
+def naive_greedy_merge(values, neighbour_ids, counts=None, order=None):
+    """The rule as written: visit entries in order; a merged one is skipped; otherwise it is kept and absorbs every
+    same-valued neighbour that is neither kept nor merged yet."""
+    n = len(values)
+    counts = [1] * n if counts is None else [int(c) for c in counts]
+    state = ["new"] * n
+    for i in range(n) if order is None else order:
+        if state[i] == "merged":
+            continue
+        state[i] = "kept"
+        for j in neighbour_ids[i]:
+            if j >= 0 and j != i and values[j] == values[i] and state[j] == "new":
+                state[j] = "merged"
+                counts[i] += counts[j]
+    keep = [i for i in range(n) if state[i] == "kept"]
+    return np.array(keep), np.array([counts[i] for i in keep])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_merge_equals_naive_loop(seed):
+    rng = np.random.default_rng(seed)
+    n, k = 300, 6
+    values = rng.integers(0, 4, size=n)  # few values: many merges, chains of merges
+    nb = rng.integers(-1, n, size=(n, k))  # arbitrary neighbour lists, -1 slots, self and repeats included
+    nb[::7, 0] = np.arange(0, n, 7)
+    counts = rng.integers(1, 4, size=n) if seed % 2 else None
+    order = rng.permutation(n) if seed >= 3 else None
+    keep, c = greedy_merge(values, nb, counts, order)
+    ref_keep, ref_c = naive_greedy_merge(values, nb, counts, order)
+    np.testing.assert_array_equal(keep, ref_keep)
+    np.testing.assert_array_equal(c, ref_c)
+    assert c.sum() == (n if counts is None else counts.sum()) and len(keep) < n
+    with pytest.raises(MemlmError, match="out of range"):
+        greedy_merge(values, np.full((n, 1), n))
+    with pytest.raises(MemlmError, match="permutation"):
+        greedy_merge(values, nb, order=np.zeros(n, int))
+
+
+def _duplicated_datastore(tmp_path, groups=40, dup=3, d=8, seed=0):
+    """``groups`` distinct random keys, each stored ``dup`` times with the same value, rows shuffled."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(groups, d)).astype(np.float16)
+    vals = rng.integers(0, 5, size=groups)
+    perm = rng.permutation(groups * dup)
+    keys, values = np.repeat(base, dup, 0)[perm], np.repeat(vals, dup)[perm]
+    return make_datastore(tmp_path / "full", keys, values), base
+
+
+@pytest.mark.parametrize("temperature", [0.3, 2.0])
+def test_pruning_exact_duplicates_keeps_the_knn_distribution(tmp_path, temperature):
+    """Merged entries that are exact duplicates + counts = exactly the unpruned p_kNN, at every k that keeps whole
+    groups (k_pruned groups <-> dup * k_pruned entries; duplicates tie, so the unpruned top-k holds whole groups)."""
+    dup = 3
+    full, base = _duplicated_datastore(tmp_path, dup=dup)
+    pruned = prune_datastore(full, tmp_path / "pruned", k_merge=dup - 1, search="exact", progress=False)
+    counts = load_counts(pruned)
+    assert len(pruned) == len(base) and counts.tolist() == [dup] * len(base) and load_counts(full) is None
+    # every kept row is one of the original rows, keys and values intact
+    assert {tuple(r) for r in pruned.keys.tolist()} == {tuple(r) for r in base.tolist()}
+    q = np.random.default_rng(1).normal(size=(9, base.shape[1])).astype(np.float32)
+
+    def dist(ds, ids):  # scores in float64 from the stored keys: a duplicate's score is bit-identical to its kept copy
+        s = -((q[:, None, :].astype(np.float64) - ds.keys[ids].astype(np.float64)) ** 2).sum(-1)
+        return torch.from_numpy(s), torch.from_numpy(ds.values[ids].astype(np.int64))
+
+    for kp in (1, 4, len(base)):
+        p_full = knn_distribution(*dist(full, exact_search(full.keys, q, dup * kp, "l2")[1]), 5, temperature)
+        i_pr = exact_search(pruned.keys, q, kp, "l2")[1]
+        logc = torch.from_numpy(np.log(counts[i_pr].astype(np.float64)))
+        p_pr = knn_distribution(*dist(pruned, i_pr), 5, temperature, log_counts=logc)
+        np.testing.assert_allclose(p_pr.exp().numpy(), p_full.exp().numpy(), rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(neighbour_log_counts(counts, i_pr), logc.numpy(), rtol=1e-6)
+    # the manifest says where it came from; pruning the pruned datastore again keeps the totals
+    assert pruned.manifest["pruned"]["of_count"] == len(full) and pruned.manifest["pruned"]["k_merge"] == dup - 1
+    again = prune_datastore(pruned, tmp_path / "again", k_merge=4, search="exact", progress=False)
+    assert load_counts(again).sum() == len(full)
+
+
+def test_prune_with_its_index_and_counts_are_checked(tmp_path):
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(400, 8)).astype(np.float16)
+    keys[200:] = keys[:200]  # the second half duplicates the first: half of it merges away
+    values = np.tile(rng.integers(0, 50, size=200), 2)
+    full = make_datastore(tmp_path / "full", keys, values)
+    full.build_index("Flat", progress=False)
+    pruned = prune_datastore(full, tmp_path / "p", k_merge=3, progress=False)
+    ref_keep, ref_c = greedy_merge(values, _self_free_neighbours(keys, 3))
+    np.testing.assert_array_equal(pruned.values, values[ref_keep])
+    np.testing.assert_array_equal(load_counts(pruned, verify=True), ref_c)
+    assert len(pruned) <= 200 and load_counts(pruned).sum() == 400
+    Datastore.open(pruned.path, verify=True)
+    # the counts belong to this datastore: a changed, missing or foreign counts file is refused
+    np.save(pruned.path / "counts.npy", np.ones(len(pruned), np.int64))
+    with pytest.raises(MemlmError, match="does not match"):
+        load_counts(pruned)
+    (pruned.path / "counts.json").unlink()
+    with pytest.raises(MemlmError, match="missing"):
+        load_counts(pruned)
+    with pytest.raises(MemlmError, match="into itself"):
+        prune_datastore(full, full.path, progress=False)
+
+
+def _self_free_neighbours(keys, k):
+    _, ids = exact_search(keys, keys.astype(np.float32), k + 1, "l2")
+    rows = np.arange(len(keys))
+    return np.array([[j for j in r if j != i][:k] for i, r in zip(rows, ids.tolist(), strict=True)])
+
+
+# ------------------------------------------------------------------------- dimension reduction, OPQ (Sec. 6)
+
+
+@pytest.mark.parametrize(
+    ("factory", "d", "train_size"),
+    [("OPQ32,IVF64,PQ32", 64, 256), ("OPQ16_32,IVF16,PQ16", 64, 256), ("PCA128,IVF64,PQ32", 256, None),
+     ("PCAR32,Flat", 64, None)],
+)  # fmt: skip
+def test_opq_and_pca_factories_build_and_search(tmp_path, factory, d, train_size):
+    """He et al.'s dimension reduction (Sec. 6) as FAISS factory strings through memlm's index builder (what
+    ``memlm index build DS --factory ...`` calls), searched after a save/load round trip. (OPQ trains in ~0.2 s on
+    256 keys, ~10 s on 2048: the smallest sample its 8-bit PQ accepts keeps the test fast.)"""
+    rng = np.random.default_rng(0)
+    n = 1024
+    centers = rng.normal(size=(32, d))
+    keys = (centers[rng.integers(0, 32, n)] + 0.3 * rng.normal(size=(n, d))).astype(np.float16)
+    ds = make_datastore(tmp_path / "ds", keys, rng.integers(0, 100, n))
+    ds.build_index(factory, train_size=train_size, progress=False)
+    index = ds.load_index(nprobe=16)
+    assert index.ntotal == n and index.d == d
+    q = keys[:50].astype(np.float32)
+    s, ids = search(index, q, 5)
+    assert ((ids >= 0) & (ids < n)).all() and np.all(np.diff(s, axis=1) <= 1e-4)
+    # each query's own key is found among its 5 nearest (measured: all 50)
+    assert np.mean([i in row for i, row in enumerate(ids.tolist())]) >= 0.9
+    meta = json.loads((tmp_path / "ds" / "index.faiss.json").read_text())
+    assert (meta["factory"], meta["d"]) == (factory, d)
+    assert load_index(tmp_path / "ds" / "index.faiss").ntotal == n
+
+
+def test_pca_factory_errors_are_caught_before_training():
+    """A PCA that would output more dimensions than its input, or than it has training keys, fails in FAISS only
+    after the training sample is read, with a message about neither; memlm refuses it while planning."""
+    with pytest.raises(MemlmError, match="PCA128 cannot output more dimensions than its 64 inputs"):
+        validate_factory("PCA128,IVF16,PQ16", 64)
+    with pytest.raises(MemlmError, match="needs at least 128 keys"):
+        plan_index(100, 256, "PCA128,Flat")
+    with pytest.raises(MemlmError, match="reduced dimension"):
+        validate_factory("PCA32,IVF16,PQ64", 64)
+    assert plan_index(1000, 256, "PCA128,IVF16,PQ32").train_size == 1000
