@@ -15,17 +15,27 @@ from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _seal_manifest
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
 from memlm.index import exact_search, load_index, plan_index, search, validate_factory
-from memlm.knn import knn_distribution
+from memlm.knn import interpolate, knn_distribution
+from memlm.knnlm.adaptive import (
+    AdaptiveGate,
+    gate_features,
+    gate_lambdas,
+    gated_logprob,
+    threshold_for_fraction,
+    train_gate,
+)
 from memlm.knnlm.prune import greedy_merge, load_counts, neighbour_log_counts, prune_datastore
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_faiss_thread():
-    """Single-threaded FAISS (k-means under OpenMP crawls on shared cores), as in tests/test_index.py."""
-    before = faiss.omp_get_max_threads()
+def _one_thread():
+    """Single-threaded FAISS and torch (k-means under OpenMP and small matmuls crawl on shared cores)."""
+    before = faiss.omp_get_max_threads(), torch.get_num_threads()
     faiss.omp_set_num_threads(1)
+    torch.set_num_threads(1)
     yield
-    faiss.omp_set_num_threads(before)
+    faiss.omp_set_num_threads(before[0])
+    torch.set_num_threads(before[1])
 
 
 def make_datastore(path, keys, values, doc_hash=None, offset=None, vocab=1000) -> Datastore:
@@ -202,3 +212,91 @@ def test_pca_factory_errors_are_caught_before_training():
     with pytest.raises(MemlmError, match="reduced dimension"):
         validate_factory("PCA32,IVF16,PQ64", 64)
     assert plan_index(1000, 256, "PCA128,IVF16,PQ32").train_size == 1000
+
+
+# ------------------------------------------------------------------------------- adaptive retrieval (Sec. 4)
+
+
+def test_gated_logprob_is_the_per_token_mixture():
+    rng = np.random.default_rng(0)
+    n = 200
+    p_lm = rng.uniform(1e-4, 1, n)
+    p_knn = rng.uniform(0, 1, n)
+    p_knn[::5] = 0.0  # targets not retrieved: log p_kNN = -inf
+    lam = rng.uniform(0, 1, n)
+    lam[::7], lam[1::7] = 0.0, 1.0
+    knn = np.log(np.where(p_knn > 0, p_knn, 1.0))
+    knn[p_knn == 0] = -np.inf
+    skipped = (lam == 0) & (np.arange(n) % 2 == 0)
+    knn_garbage = np.where(skipped, np.nan, knn)  # a skipped search leaves nothing meaningful behind
+    got = gated_logprob(torch.tensor(np.log(p_lm)), torch.tensor(knn_garbage), torch.tensor(lam)).numpy()
+    with np.errstate(divide="ignore"):
+        ref = np.log((1 - lam) * p_lm + lam * p_knn)
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    assert np.isneginf(got[(lam == 1) & (p_knn == 0)]).all() and np.isfinite(got[lam < 1]).all()
+    np.testing.assert_array_equal(got[lam == 0], np.log(p_lm)[lam == 0])  # exactly the LM
+    with pytest.raises(MemlmError, match=r"\[0, 1\]"):
+        gated_logprob(torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 1.5]))
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.25, 0.9, 1.0])
+def test_constant_gate_equals_interpolate(lam):
+    rng = np.random.default_rng(1)
+    feats = gate_features(rng.uniform(0, 6, 50), -rng.uniform(0, 5, 50), rng.integers(0, 500, 50))
+    lm = torch.log(torch.tensor(rng.uniform(0.01, 1, 50), dtype=torch.float32))
+    knn = torch.log(torch.tensor(rng.uniform(0, 1, 50), dtype=torch.float32))
+    gate = AdaptiveGate()
+    with torch.no_grad():  # a gate that ignores its input: last layer's weights 0, bias logit(λ)
+        last = gate.mlp[-1]
+        last.weight.zero_()
+        last.bias.fill_(float(np.log(lam / (1 - lam))) if 0 < lam < 1 else (-np.inf if lam == 0 else np.inf))
+    lam_t = gate.lambdas(feats)
+    np.testing.assert_allclose(lam_t, lam, rtol=1e-7)
+    np.testing.assert_allclose(gated_logprob(lm, knn, lam_t).numpy(), interpolate(lm, knn, lam).numpy(), atol=1e-6)
+
+
+def _entropy_task(n=1000, seed=0):
+    """The kNN term helps only where the LM is unsure (high entropy); elsewhere it is useless or missing."""
+    rng = np.random.default_rng(seed)
+    ent = rng.uniform(0, 6, n)
+    maxlp = -0.3 * ent - rng.uniform(0, 0.5, n)
+    pos = rng.integers(0, 1000, n)
+    high = ent > 3
+    lm = np.where(high, rng.uniform(-6, -4, n), rng.uniform(-0.3, -0.05, n))
+    knn = np.where(high, rng.uniform(-1, -0.1, n), rng.uniform(-9, -6, n))
+    knn[(~high) & (rng.uniform(size=n) < 0.3)] = -np.inf
+    return gate_features(ent, maxlp, pos), lm.astype(np.float32), knn.astype(np.float32), high
+
+
+def test_trained_gate_learns_where_the_knn_term_helps(tmp_path):
+    feats, lm, knn, high = _entropy_task()
+    gate = train_gate(feats, lm, knn, steps=150, seed=3)
+    lam = gate.lambdas(feats)
+    assert lam[high].mean() > 0.8 and lam[~high].mean() < 0.1, (lam[high].mean(), lam[~high].mean())
+    # better than the best constant λ on the same tokens
+    lm_t, knn_t = torch.from_numpy(lm), torch.from_numpy(knn)
+    best_const = min(-interpolate(lm_t, knn_t, c).mean().item() for c in np.linspace(0, 1, 21))
+    assert -gated_logprob(lm_t, knn_t, lam).mean().item() < best_const - 0.5
+    # deterministic, and a save/load round trip gives the same gate
+    again = train_gate(feats, lm, knn, steps=150, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(gate.state_dict().values(), again.state_dict().values(), strict=True))
+    gate.save(tmp_path / "gate.npz")
+    np.testing.assert_array_equal(AdaptiveGate.load(tmp_path / "gate.npz").lambdas(feats), lam)
+    with pytest.raises(MemlmError, match="trained on features"):
+        AdaptiveGate.load(tmp_path / "gate.npz", feature_names=("lm_entropy", "context_vector"))
+    (tmp_path / "bad.npz").write_bytes(b"not a gate")
+    with pytest.raises(MemlmError, match="not a memlm adaptive-retrieval gate"):
+        AdaptiveGate.load(tmp_path / "bad.npz")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.37, 0.5, 1.0])
+def test_threshold_for_fraction(fraction):
+    feats, lm, knn, _ = _entropy_task(n=1000, seed=1)
+    gate = train_gate(feats, lm, knn, steps=20, seed=0)
+    thr = threshold_for_fraction(gate, feats, fraction)
+    lam, searched = gate_lambdas(gate, feats, thr)
+    assert searched.sum() == round(fraction * len(feats))
+    assert (lam[~searched] == 0).all() and (lam[searched] >= thr).all()
+    # the searched tokens are the ones with the largest λ
+    if 0 < fraction < 1:
+        assert gate.lambdas(feats)[~searched].max() < thr
