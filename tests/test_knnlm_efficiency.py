@@ -14,7 +14,7 @@ import torch
 from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _seal_manifest
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
-from memlm.index import exact_search, load_index, plan_index, search, validate_factory
+from memlm.index import exact_scores, exact_search, load_index, plan_index, search, validate_factory
 from memlm.knn import interpolate, knn_distribution
 from memlm.knnlm.adaptive import (
     AdaptiveGate,
@@ -24,6 +24,7 @@ from memlm.knnlm.adaptive import (
     threshold_for_fraction,
     train_gate,
 )
+from memlm.knnlm.pointer import pointer_retrieve, retrieve_with_pointers
 from memlm.knnlm.prune import greedy_merge, load_counts, neighbour_log_counts, prune_datastore
 
 
@@ -300,3 +301,149 @@ def test_threshold_for_fraction(fraction):
     # the searched tokens are the ones with the largest λ
     if 0 < fraction < 1:
         assert gate.lambdas(feats)[~searched].max() < thr
+
+
+# ----------------------------------------------------------------------------------- RetoMaton pointers
+
+
+def reference_pointer_retrieve(queries, targets, doc_index, search_fn, keys, values, doc_hash, offset, k, min_surv,
+                               metric):  # fmt: skip
+    """One token at a time, as Alon et al. describe it: the previous step's entries that predicted the token just seen
+    point to their successors; enough of them and the step does not search."""
+    n = len(targets)
+    out_s, out_i, searched = np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64), np.zeros(n, bool)
+    for t in range(n):
+        ptr = []
+        same_doc = t > 0 and doc_index[t] == doc_index[t - 1]
+        if same_doc:
+            for i in out_i[t - 1].tolist():
+                if (i >= 0 and values[i] == targets[t - 1] and i + 1 < len(values)
+                        and doc_hash[i + 1] == doc_hash[i] and offset[i + 1] == offset[i] + 1):  # fmt: skip
+                    ptr.append(i + 1)
+        if same_doc and len(ptr) >= min_surv:
+            ids = np.array(ptr)
+            s = exact_scores(keys, ids[None], queries[t : t + 1], metric)[0]
+            order = sorted(range(len(ids)), key=lambda j: (-float(s[j]), ids[j]))
+            out_i[t, : len(ids)], out_s[t, : len(ids)] = ids[order], s[order]
+        else:
+            s, i = search_fn(queries[t : t + 1])
+            out_s[t], out_i[t], searched[t] = s[0], i[0], True
+    return out_s, out_i, searched
+
+
+def _phrase_corpus(n_docs, seed, vocab=30, n_phrases=5, phrase_len=8, doc_phrases=(3, 9)):
+    """Documents made of a few fixed phrases in random order: the datastore's continuations repeat."""
+    rng = np.random.default_rng(seed)
+    phrases = np.random.default_rng(100).integers(0, vocab, size=(n_phrases, phrase_len))
+    return [np.concatenate(phrases[rng.integers(0, n_phrases, rng.integers(*doc_phrases))]) for _ in range(n_docs)]
+
+
+def _contexts(docs, emb, rng, noise=0.3):
+    """Entry j of a document: key = f(tokens up to j) (last token + half the one before + noise), value = token j+1."""
+    keys, values, doc_hash, offset = [], [], [], []
+    for h, toks in enumerate(docs):
+        prev2 = np.r_[0, toks[:-2]]
+        keys.append(emb[toks[:-1]] + 0.5 * emb[prev2] + noise * rng.normal(size=(len(toks) - 1, emb.shape[1])))
+        values.append(toks[1:])
+        doc_hash.append(np.full(len(toks) - 1, 1000 + h))
+        offset.append(np.arange(1, len(toks)))
+    return [np.concatenate(a) for a in (keys, values, doc_hash, offset)]
+
+
+def _exact_search_fn(keys, k, metric):
+    kf = keys.astype(np.float64)
+
+    def fn(q):  # per query row, float64, stable: the same numbers whatever the batch
+        out_s, out_i = np.full((len(q), k), -np.inf, np.float32), np.full((len(q), k), -1, np.int64)
+        for r, x in enumerate(q.astype(np.float64)):
+            s = -((kf - x) ** 2).sum(1) if metric == "l2" else kf @ x
+            top = np.argsort(-s, kind="stable")[:k]
+            out_s[r, : len(top)], out_i[r, : len(top)] = s[top], top
+        return out_s, out_i
+
+    return fn
+
+
+@pytest.fixture(scope="module")
+def pointer_data():
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(30, 16))
+    keys, values, doc_hash, offset = _contexts(_phrase_corpus(12, seed=1), emb, rng)
+    q, targets, _, _ = _contexts(_phrase_corpus(5, seed=2), emb, rng)
+    lengths = [len(d) - 1 for d in _phrase_corpus(5, seed=2)]
+    doc_index = np.repeat(np.arange(5), lengths)
+    return dict(queries=q.astype(np.float32), targets=targets, doc_index=doc_index, keys=keys.astype(np.float16),
+                values=values.astype(np.int32), doc_hash=doc_hash, offset=offset.astype(np.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("k", "min_surv", "lookahead", "metric"),
+    [(8, 1, 32, "l2"), (8, 2, 3, "l2"), (4, 3, 1, "l2"), (16, 4, 5, "ip"), (8, 1, 2, "ip")],
+)
+def test_pointers_equal_the_token_by_token_reference(pointer_data, k, min_surv, lookahead, metric):  # fmt: skip
+    d = pointer_data
+    fn = _exact_search_fn(d["keys"], k, metric)
+    args = (d["queries"], d["targets"], d["doc_index"], fn, d["keys"], d["values"], d["doc_hash"], d["offset"], k)
+    s, i, searched = pointer_retrieve(*args, min_surv, metric, lookahead=lookahead)
+    rs, ri, rsearched = reference_pointer_retrieve(*args, min_surv, metric)
+    np.testing.assert_array_equal(searched, rsearched)
+    np.testing.assert_array_equal(i, ri)
+    np.testing.assert_array_equal(s, rs)
+    assert searched.mean() < 0.5  # the repeated phrases let chains survive (measured 0.09-0.21 searched)
+    first = np.r_[True, d["doc_index"][1:] != d["doc_index"][:-1]]
+    assert searched[first].all()  # a new document always searches
+    # a pointer row holds successors of the previous row's entries that predicted its token
+    for t in np.flatnonzero(~searched)[:20]:
+        prev = set(ri[t - 1][(ri[t - 1] >= 0) & (d["values"][np.maximum(ri[t - 1], 0)] == d["targets"][t - 1])])
+        assert {j - 1 for j in i[t][i[t] >= 0]} <= prev
+
+
+def test_more_survivors_than_k_is_plain_search(pointer_data):
+    d = pointer_data
+    fn = _exact_search_fn(d["keys"], 6, "l2")
+    s, i, searched = pointer_retrieve(d["queries"], d["targets"], d["doc_index"], fn, d["keys"], d["values"],
+                                      d["doc_hash"], d["offset"], 6, min_survivors=7)  # fmt: skip
+    ps, pi = fn(d["queries"])
+    assert searched.all()
+    np.testing.assert_array_equal(i, pi)
+    np.testing.assert_array_equal(s, ps)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pointers_on_random_edge_cases(seed):
+    """Tied scores (duplicate keys), k larger than the datastore (-1 slots), one-token documents, a document index
+    that comes back (a new run is a new document), datastore documents cut mid-stream: still the reference."""
+    rng = np.random.default_rng(seed)
+    nds, n, k = 20, 60, 25
+    keys = rng.normal(size=(nds, 4)).astype(np.float16)
+    keys[5:10] = keys[0]  # ties
+    values = rng.integers(0, 2, nds).astype(np.int32)
+    doc_hash = np.repeat([7, 8, 9], [8, 5, 7])
+    offset = np.r_[np.arange(8), np.arange(5) + 3, np.arange(7)].astype(np.int32)
+    offset[15] += 2  # a gap: 15 does not follow 14
+    q = rng.normal(size=(n, 4)).astype(np.float32)
+    targets = rng.integers(0, 2, n)
+    doc_index = np.r_[np.zeros(20), [1], np.full(15, 2), [3], np.zeros(23)].astype(int)  # doc 0 again: new run
+    fn = _exact_search_fn(keys, k, "l2")
+    args = (q, targets, doc_index, fn, keys, values, doc_hash, offset, k)
+    for min_surv, lookahead in ((1, 4), (3, 1), (6, 7)):
+        s, i, searched = pointer_retrieve(*args, min_surv, "l2", lookahead=lookahead)
+        rs, ri, rsearched = reference_pointer_retrieve(*args, min_surv, "l2")
+        np.testing.assert_array_equal(searched, rsearched)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_array_equal(s, rs)
+        assert searched[[0, 20, 21, 36, 37]].all() and not searched.all()
+
+
+def test_retrieve_with_pointers_on_a_datastore(tmp_path, pointer_data):
+    d = pointer_data
+    ds = make_datastore(tmp_path / "ds", d["keys"], d["values"], d["doc_hash"], d["offset"], vocab=30)
+    index = ds.build_index("Flat", metric="ip", progress=False)
+    s, i, searched = retrieve_with_pointers(ds, d["queries"], d["targets"], d["doc_index"], k=8, min_survivors=2)
+    fn = lambda q: search(index, q, 8)  # noqa: E731
+    rs, ri, rsearched = reference_pointer_retrieve(d["queries"], d["targets"], d["doc_index"], fn, d["keys"],
+                                                   d["values"], d["doc_hash"], d["offset"], 8, 2, "ip")  # fmt: skip
+    np.testing.assert_array_equal(searched, rsearched)
+    np.testing.assert_array_equal(i, ri)
+    np.testing.assert_allclose(s, rs, rtol=1e-5, atol=1e-4)  # FAISS scores one query or a batch the same up to ulps
+    assert 0 < searched.mean() < 0.5
