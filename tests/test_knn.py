@@ -8,8 +8,9 @@ from memlm.core.distribution import interpolate, knn_distribution, knn_target_lo
 from memlm.errors import MemlmError
 
 
-def reference_knn(queries, keys, values, vocab, k, metric, temperature):
-    """Brute force: score every key, keep the top k, softmax(score / T), sum the mass per value."""
+def reference_knn(queries, keys, values, vocab, k, metric, temperature, counts=None):
+    """Brute force: score every key, keep the top k, count * exp(score / T) normalised, sum the mass per value."""
+    counts = np.ones(len(keys)) if counts is None else counts
     out = np.zeros((len(queries), vocab))
     for qi, q in enumerate(queries):
         if metric == "l2":
@@ -17,7 +18,7 @@ def reference_knn(queries, keys, values, vocab, k, metric, temperature):
         else:
             s = keys @ q
         top = np.argsort(-s, kind="stable")[: min(k, len(keys))]
-        w = np.exp((s[top] - s[top].max()) / temperature)
+        w = counts[top] * np.exp((s[top] - s[top].max()) / temperature)
         w /= w.sum()
         for j, i in enumerate(top):
             out[qi, values[i]] += w[j]
@@ -55,6 +56,37 @@ def test_knn_distribution_matches_bruteforce(metric, temperature, k):
         lp = knn_target_logprob(sc, vals, t, temperature).numpy()
         with np.errstate(divide="ignore"):
             np.testing.assert_allclose(lp, np.log(ref[:, target]), atol=1e-6)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+@pytest.mark.parametrize("temperature", [0.5, 3.0])
+@pytest.mark.parametrize("k", [1, 5, 40])
+def test_counts_weigh_entries(metric, temperature, k):
+    """A pruned datastore's counts (He et al. 2021 Sec. 5.2): p ∝ sum_{i: v_i = w} c_i exp(s_i / T)."""
+    rng = np.random.default_rng(3)
+    keys = rng.normal(size=(30, 8))
+    values = rng.integers(0, 6, size=30)
+    counts = rng.integers(1, 5, size=30).astype(float)
+    queries = rng.normal(size=(7, 8))
+    ref = reference_knn(queries, keys, values, 10, k, metric, temperature, counts)
+    sc, vals = topk_scores(queries, keys, values, k, metric)
+    sim = -((queries[:, None] - keys[None]) ** 2).sum(-1) if metric == "l2" else queries @ keys.T
+    order = np.argsort(-sim, axis=1, kind="stable")[:, :k]  # the rows topk_scores kept
+    logc = np.log(counts[order])
+    if k > len(keys):
+        logc = np.concatenate([logc, np.full((len(queries), k - len(keys)), 123.0)], 1)  # garbage in empty slots
+    logc = torch.tensor(logc)
+    got = knn_distribution(sc, vals, 10, temperature, log_counts=logc).exp().numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-6)
+    for target in range(10):
+        lp = knn_target_logprob(sc, vals, torch.full((7,), target), temperature, log_counts=logc).numpy()
+        with np.errstate(divide="ignore"):
+            np.testing.assert_allclose(lp, np.log(ref[:, target]), atol=1e-6)
+    # all counts 1 is the unweighted formula
+    ones = knn_distribution(sc, vals, 10, temperature, log_counts=torch.zeros_like(sc))
+    np.testing.assert_allclose(ones.exp().numpy(), knn_distribution(sc, vals, 10, temperature).exp().numpy())
+    with pytest.raises(MemlmError, match="log_counts"):
+        knn_distribution(sc, vals, 10, temperature, log_counts=logc[:1])
 
 
 def test_repeated_values_are_summed():

@@ -371,10 +371,19 @@ class Datastore:
         """A random ``fraction`` of the entries (Xu et al.'s 5% datastore; Khandelwal Fig. 2), written to ``out``."""
         if not 0 < fraction <= 1:
             raise MemlmError(f"fraction must be in (0, 1], got {fraction}")
+        n = len(self)
+        keep = np.sort(np.random.default_rng(seed).choice(n, size=max(1, round(n * fraction)), replace=False))
+        record = {"subsample": {"of": str(self.path), "fraction": fraction, "seed": seed}}
+        return self.write_rows(out, keep, record, "write a subsampled datastore")
+
+    def write_rows(
+        self, out: str | Path, rows: np.ndarray, record: dict[str, Any], what: str = "write a datastore subset"
+    ) -> Datastore:
+        """The entries at ``rows`` (sorted row numbers) written to ``out`` as a new datastore, ``record`` (e.g.
+        ``{"subsample": {...}}``) added to its manifest; used by :meth:`subsample` and :mod:`memlm.knnlm.prune`."""
         out = Path(out)
-        with folder_lock(out, "write a subsampled datastore"):
-            n = len(self)
-            keep = np.sort(np.random.default_rng(seed).choice(n, size=max(1, round(n * fraction)), replace=False))
+        keep = np.asarray(rows, dtype=np.int64)
+        with folder_lock(out, what):
             (out / "manifest.json").unlink(missing_ok=True)  # the folder is not a datastore until it is complete
             for name in FILES:
                 src = getattr(self, name)
@@ -393,7 +402,7 @@ class Datastore:
             manifest = json.loads(json.dumps(self.manifest))
             for stale in ("manifest_sha256", "build_id", "values_range"):
                 manifest.pop(stale, None)
-            manifest.update(count=len(keep), subsample={"of": str(self.path), "fraction": fraction, "seed": seed})
+            manifest.update(count=len(keep), **record)
             atomic_write_json(out / "manifest.json", _seal_manifest(manifest, out))
             return Datastore.open(out)
 

@@ -134,11 +134,29 @@ def _make_index(factory: str, d: int, metric: str) -> faiss.Index:
     if d <= 0:
         raise MemlmError(f"key dimension must be positive, got {d}; check the datastore's keys")
     try:
-        return faiss.index_factory(int(d), factory, _FAISS_METRIC[metric])
+        index = faiss.index_factory(int(d), factory, _FAISS_METRIC[metric])
     except RuntimeError as err:
+        prefix = re.match(r"\s*(PCA|OPQ)", factory)
+        reduced = "; after a PCA/OPQ prefix, m must divide the reduced dimension" if prefix else ""
         raise MemlmError(
             f"invalid FAISS index factory {factory!r} for {d}-dim keys ({_faiss_reason(err)}); use {_FACTORY_HELP}"
+            f"{reduced}"
         ) from None
+    for vt in _transforms(index):
+        if isinstance(vt, faiss.PCAMatrix) and vt.d_out > vt.d_in:  # FAISS only finds out when training
+            raise MemlmError(
+                f"invalid FAISS index factory {factory!r} for {d}-dim keys (PCA{vt.d_out} cannot output more "
+                f"dimensions than its {vt.d_in} inputs); use PCA{vt.d_in} or fewer"
+            )
+    return index
+
+
+def _transforms(index: faiss.Index) -> list[Any]:
+    """The vector transforms (PCA, OPQ, random rotation, ...) of an ``IndexPreTransform``, in order."""
+    root = faiss.downcast_index(index)
+    if not isinstance(root, faiss.IndexPreTransform):
+        return []
+    return [faiss.downcast_VectorTransform(root.chain.at(i)) for i in range(root.chain.size())]
 
 
 def validate_factory(factory: str, d: int, metric: str = "l2") -> None:
@@ -175,12 +193,11 @@ def _nlist(index: faiss.Index) -> int | None:
 def _min_train(index: faiss.Index) -> int:
     """The fewest training vectors FAISS accepts for ``index`` (k-means needs >= one point per centroid)."""
     need = 1
-    root = faiss.downcast_index(index)
-    if isinstance(root, faiss.IndexPreTransform):
-        for i in range(root.chain.size()):
-            vt = faiss.downcast_VectorTransform(root.chain.at(i))
-            if isinstance(vt, faiss.OPQMatrix):
-                need = max(need, 256)  # OPQ trains an 8-bit PQ internally
+    for vt in _transforms(index):
+        if isinstance(vt, faiss.OPQMatrix):
+            need = max(need, 256)  # OPQ trains an 8-bit PQ internally
+        elif isinstance(vt, faiss.PCAMatrix):
+            need = max(need, int(vt.d_out))  # a PCA of n points has at most n components
     for idx in _sub_indexes(index):
         if isinstance(idx, faiss.IndexIVF):
             need = max(need, int(idx.nlist))

@@ -136,7 +136,7 @@ def _logits(
     if log_counts is not None:
         if log_counts.shape != scores.shape:
             raise MemlmError(f"log_counts {tuple(log_counts.shape)} must have the scores' shape {tuple(scores.shape)}")
-        logits = logits + log_counts.to(logits.dtype)
+        logits = logits + log_counts.to(device=logits.device, dtype=logits.dtype)
     return logits.masked_fill(values < 0, _NINF)
 
 
