@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from memlm.core.distribution import interpolate, knn_distribution
 from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _seal_manifest
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
 from memlm.index import exact_scores, exact_search, load_index, plan_index, search, validate_factory
-from memlm.core.distribution import interpolate, knn_distribution
 from memlm.knnlm.adaptive import (
     AdaptiveGate,
     gate_features,

@@ -157,9 +157,9 @@ def gated_logprob(lm_logprob, knn_logprob, lam) -> torch.Tensor:
     """Per-token interpolation in log space: ``log((1 - λ_t) p_LM + λ_t p_kNN)``.
 
     ``lam`` is a tensor/array of per-token weights in ``[0, 1]`` (or a scalar). The convention of
-    :func:`memlm.core.distribution.mix_logprobs`: log-probabilities in, ``-inf`` = probability 0; a component with weight 0 is left
-    out, so where ``λ_t = 0`` the result is exactly ``log p_LM`` whatever ``knn_logprob`` holds there (``-inf``, nan or
-    garbage: a token whose search was skipped), and where ``λ_t = 1`` exactly ``log p_kNN``.
+    :func:`memlm.core.distribution.mix_logprobs`: log-probabilities in, ``-inf`` = probability 0; a component with
+    weight 0 is left out, so where ``λ_t = 0`` the result is exactly ``log p_LM`` whatever ``knn_logprob`` holds
+    there (``-inf``, nan or garbage: a token whose search was skipped), and where ``λ_t = 1`` exactly ``log p_kNN``.
     """
     lm = _as_logprob(lm_logprob, "lm_logprob")
     knn = _as_logprob(knn_logprob, "knn_logprob").to(lm.dtype)

@@ -12,9 +12,9 @@ successors, which are good candidates for step ``t + 1`` without searching again
 min_survivors`` the search for step ``t + 1`` is skipped and ``S_{t+1} = P_{t+1}``, their scores ``s(q_{t+1}, k_i)``
 recomputed exactly from the stored fp16 keys (:func:`memlm.index.exact_scores`, the index's metric); otherwise step
 ``t + 1`` searches as usual (``S_{t+1}`` = the top-k). The first token of an evaluated document always searches (no
-chain crosses a document boundary). The kNN distribution over ``S_t`` is then the usual one (:mod:`memlm.core.distribution`); the
-saving is the fraction of searches skipped (Alon et al. report ~80% with little or no perplexity loss; this is the
-pointer part of RetoMaton, without its clustering of entries into automaton states).
+chain crosses a document boundary). The kNN distribution over ``S_t`` is then the usual one
+(:mod:`memlm.core.distribution`); the saving is the fraction of searches skipped (Alon et al. report ~80% with little
+or no perplexity loss; this is the pointer part of RetoMaton, without its clustering of entries into automaton states).
 
 Vectorised: a chain started at ``t0`` from the set ``S_{t0}`` survives ``m`` steps for exactly the entries ``i`` of
 ``S_{t0}`` whose stored continuation ``v_i, ..., v_{i+m-1}`` equals ``x_{t0}, ..., x_{t0+m-1}`` within one datastore

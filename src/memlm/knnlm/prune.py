@@ -9,7 +9,8 @@ with the same value, ``v_j = v_i``, that is neither kept nor merged yet (``j`` c
 it. A kept entry's count is ``c_i = 1 + (number of entries merged into it)`` (more generally the sum of the counts of
 what it absorbed, so pruning a pruned datastore stays consistent; the counts always sum to the original size).
 
-The counts enter the kNN distribution as multiplicities (He et al. Sec. 5.2; :func:`memlm.core.distribution.knn_weights`)::
+The counts enter the kNN distribution as multiplicities (He et al. Sec. 5.2;
+:func:`memlm.core.distribution.knn_weights`)::
 
     p_kNN(w | c) ∝ sum_{i in top-k, v_i = w} c_i * exp(s(q, k_i) / tau)
 
@@ -304,8 +305,9 @@ def load_counts(datastore: Datastore, verify: bool = False) -> np.ndarray | None
 
 
 def neighbour_log_counts(counts: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
-    """``log c_i`` of retrieved ids ``[Q, k]`` (float32; 0 where ``id == -1`` or ``counts`` is ``None``): the
-    ``log_counts`` argument of :func:`memlm.core.distribution.knn_target_logprob` / :func:`memlm.core.distribution.knn_distribution`."""
+    """``log c_i`` of retrieved ids ``[Q, k]`` (float32; 0 where ``id == -1`` or ``counts`` is ``None``):
+    the ``log_counts`` argument of :func:`memlm.core.distribution.knn_target_logprob` /
+    :func:`memlm.core.distribution.knn_distribution`."""
     ids = np.asarray(ids)
     if counts is None:
         return np.zeros(ids.shape, dtype=np.float32)
