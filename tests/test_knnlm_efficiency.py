@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.core.distribution import interpolate, knn_distribution
+from memlm.core.distribution import interpolate, interpolate_per_token, knn_distribution
 from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _seal_manifest
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
@@ -20,7 +20,6 @@ from memlm.knnlm.adaptive import (
     AdaptiveGate,
     gate_features,
     gate_lambdas,
-    gated_logprob,
     threshold_for_fraction,
     train_gate,
 )
@@ -230,14 +229,14 @@ def test_gated_logprob_is_the_per_token_mixture():
     knn[p_knn == 0] = -np.inf
     skipped = (lam == 0) & (np.arange(n) % 2 == 0)
     knn_garbage = np.where(skipped, np.nan, knn)  # a skipped search leaves nothing meaningful behind
-    got = gated_logprob(torch.tensor(np.log(p_lm)), torch.tensor(knn_garbage), torch.tensor(lam)).numpy()
+    got = interpolate_per_token(torch.tensor(np.log(p_lm)), torch.tensor(knn_garbage), torch.tensor(lam)).numpy()
     with np.errstate(divide="ignore"):
         ref = np.log((1 - lam) * p_lm + lam * p_knn)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     assert np.isneginf(got[(lam == 1) & (p_knn == 0)]).all() and np.isfinite(got[lam < 1]).all()
     np.testing.assert_array_equal(got[lam == 0], np.log(p_lm)[lam == 0])  # exactly the LM
     with pytest.raises(MemlmError, match=r"\[0, 1\]"):
-        gated_logprob(torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 1.5]))
+        interpolate_per_token(torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 1.5]))
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.25, 0.9, 1.0])
@@ -253,7 +252,9 @@ def test_constant_gate_equals_interpolate(lam):
         last.bias.fill_(float(np.log(lam / (1 - lam))) if 0 < lam < 1 else (-np.inf if lam == 0 else np.inf))
     lam_t = gate.lambdas(feats)
     np.testing.assert_allclose(lam_t, lam, rtol=1e-7)
-    np.testing.assert_allclose(gated_logprob(lm, knn, lam_t).numpy(), interpolate(lm, knn, lam).numpy(), atol=1e-6)
+    np.testing.assert_allclose(
+        interpolate_per_token(lm, knn, lam_t).numpy(), interpolate(lm, knn, lam).numpy(), atol=1e-6
+    )
 
 
 def _entropy_task(n=1000, seed=0):
@@ -277,7 +278,7 @@ def test_trained_gate_learns_where_the_knn_term_helps(tmp_path):
     # better than the best constant λ on the same tokens
     lm_t, knn_t = torch.from_numpy(lm), torch.from_numpy(knn)
     best_const = min(-interpolate(lm_t, knn_t, c).mean().item() for c in np.linspace(0, 1, 21))
-    assert -gated_logprob(lm_t, knn_t, lam).mean().item() < best_const - 0.5
+    assert -interpolate_per_token(lm_t, knn_t, lam).mean().item() < best_const - 0.5
     # deterministic, and a save/load round trip gives the same gate
     again = train_gate(feats, lm, knn, steps=150, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(gate.state_dict().values(), again.state_dict().values(), strict=True))

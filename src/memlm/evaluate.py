@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memlm.core.distribution import knn_target_logprob, mix_logprobs, perplexity
+from memlm.core.distribution import interpolate_per_token, knn_target_logprob, mix_logprobs, perplexity
 from memlm.core.dumps import TokenDump
 from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
@@ -88,7 +88,8 @@ class TokenScores(TokenDump):
     KIND: ClassVar[str] = "a kNN-LM score dump"
     REQUIRED: ClassVar[dict[str, int]] = {"targets": 1, "lm_logprob": 1, "doc_index": 1}
     OPTIONAL: ClassVar[dict[str, int]] = {"knn_scores": 2, "knn_values": 2, "cache_scores": 2, "cache_values": 2,
-                                          "knn_log_counts": 2, "lm_entropy": 1, "lm_max_logprob": 1}  # fmt: skip
+                                          "knn_log_counts": 2, "lm_entropy": 1, "lm_max_logprob": 1, "position": 1,
+                                          "knn_lambda": 1, "searched": 1}  # fmt: skip
     PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"))
     HINT: ClassVar[str] = "rerun memlm eval --dump {path}"
 
@@ -102,12 +103,16 @@ class TokenScores(TokenDump):
     cache_values: np.ndarray | None = None
     lm_entropy: np.ndarray | None = None  # [N] float32: H(p_LM) at each target's context (adaptive retrieval)
     lm_max_logprob: np.ndarray | None = None  # [N] float32: max_w log p_LM(w)
+    position: np.ndarray | None = None  # [N] int32: the target's offset in its document
+    knn_lambda: np.ndarray | None = None  # [N] float32: per-token λ of an adaptive gate (0 where not searched)
+    searched: np.ndarray | None = None  # [N] bool: where the datastore was searched (adaptive, pointer reuse)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def lm_only(self) -> TokenScores:
         """A copy with the LM scores and no memories: attach another datastore to the same forward pass."""
-        return TokenScores(self.targets, self.lm_logprob, self.doc_index, lm_entropy=self.lm_entropy,
-                           lm_max_logprob=self.lm_max_logprob, meta=dict(self.meta))  # fmt: skip
+        lm_fields = ("lm_entropy", "lm_max_logprob", "position")
+        return TokenScores(self.targets, self.lm_logprob, self.doc_index, meta=dict(self.meta),
+                           **{f: getattr(self, f) for f in lm_fields})  # fmt: skip
 
 
 def lm_scores(
@@ -122,8 +127,12 @@ def lm_scores(
     meta: dict[str, Any] | None = None,
     stride: int | None = None,
     block_start: str = "skip",
+    on_batch: Callable[[dict[KeySpec, np.ndarray]], None] | None = None,
 ) -> tuple[TokenScores, dict[KeySpec, np.ndarray], dict[str, np.ndarray]]:
     """The forward pass: LM log-probabilities of every target, plus the queries for each key spec.
+
+    ``on_batch`` (optional) is called with each forward batch's queries (spec -> ``[n, D]``, in stream order) as soon
+    as they exist: a search started there overlaps the next batch's forward pass (pipelining).
 
     Windows as :func:`memlm.windows.sliding_windows` cuts them: ``stride`` (when given) replaces ``min_context``, and
     ``stride == window`` gives non-overlapping blocks whose first token is skipped (``block_start="skip"``, Hugging
@@ -138,7 +147,8 @@ def lm_scores(
     if n_total == 0:
         raise MemlmError("the evaluation corpus has no tokens; give it some text")
     specs = list(dict.fromkeys(key_specs))
-    parts: dict[str, list[np.ndarray]] = {"targets": [], "lm": [], "doc": [], "off": [], "hash": []}
+    parts: dict[str, list[np.ndarray]] = {"targets": [], "lm": [], "doc": [], "off": [], "hash": [], "ent": [],
+                                          "max": []}  # fmt: skip
     queries: dict[KeySpec, list[np.ndarray]] = {s: [] for s in specs}
     bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     windows = sliding_windows(
@@ -152,10 +162,14 @@ def lm_scores(
     t0 = time.perf_counter()
     with tqdm(total=n_total, unit="tok", desc="forward", disable=not progress, dynamic_ncols=True) as bar:
         for outputs in forward_windows(model, batched(windows, batch_size), specs, True, pad_id=pad_id):
+            if on_batch is not None:
+                on_batch({s: np.concatenate([o.keys[s] for o in outputs]) for s in specs})
             for o in outputs:
                 rows = slice(o.window.score_from, len(o.window.input_ids))
                 parts["targets"].append(o.targets)
                 parts["lm"].append(o.lm_logprob)
+                parts["ent"].append(o.lm_entropy)
+                parts["max"].append(o.lm_max_logprob)
                 parts["doc"].append(o.window.doc_index[rows])
                 parts["off"].append(o.window.offset[rows])
                 parts["hash"].append(o.window.doc_hash[rows])
@@ -167,6 +181,9 @@ def lm_scores(
         targets=cat["targets"].astype(np.int64),
         lm_logprob=cat["lm"].astype(np.float32),
         doc_index=cat["doc"].astype(np.int32),
+        lm_entropy=cat["ent"].astype(np.float32),
+        lm_max_logprob=cat["max"].astype(np.float32),
+        position=cat["off"].astype(np.int32),
         meta={
             **(meta or {}),
             "tokens": int(len(cat["targets"])),
@@ -177,7 +194,8 @@ def lm_scores(
             "seconds_forward": time.perf_counter() - t0,
         },
     )
-    return ts, {s: np.concatenate(q) for s, q in queries.items()}, {"doc_hash": cat["hash"], "offset": cat["off"]}
+    provenance = {"doc_hash": cat["hash"], "offset": cat["off"]}
+    return ts, {s: np.concatenate(q) for s, q in queries.items()}, provenance
 
 
 def add_neighbours(
@@ -316,7 +334,9 @@ def perplexities(
     """Base, memory-interpolated and oracle perplexity of a dump under the given parameters.
 
     ``knn_only_ppl`` (the memory alone, λ = 1) is infinite when some target is never among its retrieved neighbours
-    (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``.
+    (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``. A dump with a per-token ``knn_lambda``
+    (adaptive retrieval, :mod:`memlm.knnlm.adaptive`) interpolates with it instead of ``lam`` (``lambda`` is then
+    reported as ``"adaptive"``) and reports ``searched_fraction``, the share of tokens whose datastore was searched.
     """
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
@@ -327,14 +347,20 @@ def perplexities(
         knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
         comps.append(knn)
         weights.append(lam)
+        mixed = mix_logprobs([lm, knn], [1.0 - lam, lam]) if ts.knn_lambda is None else None
+        if ts.knn_lambda is not None:
+            mixed = interpolate_per_token(lm, knn, torch.from_numpy(ts.knn_lambda))
         out.update(
-            knn_ppl=perplexity(mix_logprobs([lm, knn], [1.0 - lam, lam])),
+            knn_ppl=perplexity(mixed),
             knn_only_ppl=perplexity(knn),
             oracle_ppl=perplexity(torch.maximum(lm, knn)),
             target_in_neighbours=float(torch.isfinite(knn).float().mean()),
             knn_beats_lm=float((knn > lm).float().mean()),  # tokens where the oracle picks the memory
-            **{"lambda": lam, "temperature": temperature, "k": k or ts.knn_scores.shape[1]},
+            **{"lambda": lam if ts.knn_lambda is None else "adaptive", "temperature": temperature},
+            k=k or ts.knn_scores.shape[1],
         )
+        if ts.searched is not None:
+            out["searched_fraction"] = float(ts.searched.mean())
     if cache_lambda:
         if ts.cache_scores is None:
             raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")

@@ -29,6 +29,8 @@ class WindowOutput:
     targets: np.ndarray  # [n] int64
     keys: dict[KeySpec, np.ndarray]  # spec -> [n, D] float32: h_ds at the position before each target
     lm_logprob: np.ndarray | None  # [n] float32: log p_LM(target | context), None when not asked
+    lm_entropy: np.ndarray | None = None  # [n] float32: H(p_LM(. | context)) (adaptive retrieval's gate features)
+    lm_max_logprob: np.ndarray | None = None  # [n] float32: max_w log p_LM(w | context)
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -115,11 +117,13 @@ def forward_windows(
             rows = torch.arange(w.score_from - 1, len(w.input_ids) - 1, device=device)  # positions before targets
             targets = torch.from_numpy(w.targets).to(device)
             keys = {s: captured[s][b, rows].float().cpu().numpy() for s in specs}
-            lm_lp = None
+            lm_lp = entropy = max_lp = None
             if with_logprobs:
-                logits = out.logits[b, rows].float()
-                lm_lp = (logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).cpu().numpy()
-            outputs.append(WindowOutput(w, w.targets, keys, lm_lp))
+                logp = torch.log_softmax(out.logits[b, rows].float(), -1)  # [n, V]
+                lm_lp = logp.gather(-1, targets[:, None]).squeeze(-1).cpu().numpy()
+                entropy = -(logp.exp() * logp).nan_to_num().sum(-1).cpu().numpy()  # 0 * -inf = 0
+                max_lp = logp.amax(-1).cpu().numpy()
+            outputs.append(WindowOutput(w, w.targets, keys, lm_lp, entropy, max_lp))
         yield outputs
 
 

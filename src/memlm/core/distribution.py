@@ -43,6 +43,7 @@ __all__ = [
     "check_metric",
     "check_temperature",
     "interpolate",
+    "interpolate_per_token",
     "joint_target_logprob",
     "knn_distribution",
     "knn_target_logprob",
@@ -231,6 +232,35 @@ def knn_distribution(
 def interpolate(lm_logprob: torch.Tensor, mem_logprob: torch.Tensor, lam: float) -> torch.Tensor:
     """Eq. 3 in log space: ``log((1 - lambda) * p_LM + lambda * p_mem)``; works on any matching shapes."""
     return mix_logprobs([lm_logprob, mem_logprob], [1.0 - lam, lam])
+
+
+def _as_logprob(x, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if not t.is_floating_point():
+        raise MemlmError(f"{name} must hold float log-probabilities, got {t.dtype}")
+    return t.to(torch.float64) if t.dtype == torch.float64 else t.float()
+
+
+def interpolate_per_token(lm_logprob, knn_logprob, lam) -> torch.Tensor:
+    """Eq. 3 with a per-token λ in log space: ``log((1 - λ_t) p_LM + λ_t p_kNN)`` (He et al. 2021's adaptive gate).
+
+    ``lam`` is a tensor/array of per-token weights in ``[0, 1]`` (or a scalar). The convention of
+    :func:`mix_logprobs`: log-probabilities in, ``-inf`` = probability 0; a component with
+    weight 0 is left out, so where ``λ_t = 0`` the result is exactly ``log p_LM`` whatever ``knn_logprob`` holds
+    there (``-inf``, nan or garbage: a token whose search was skipped), and where ``λ_t = 1`` exactly ``log p_kNN``.
+    """
+    lm = _as_logprob(lm_logprob, "lm_logprob")
+    knn = _as_logprob(knn_logprob, "knn_logprob").to(lm.dtype)
+    lam = torch.as_tensor(lam, dtype=torch.float64)
+    if torch.isnan(lam).any() or (lam < 0).any() or (lam > 1).any():
+        raise MemlmError("per-token λ must be in [0, 1]")
+    lam = torch.broadcast_to(lam, torch.broadcast_shapes(lam.shape, lm.shape, knn.shape))
+    neg_inf = torch.tensor(float("-inf"), dtype=lm.dtype)
+    w_lm = torch.log1p(-lam).to(lm.dtype)  # -inf at λ = 1
+    w_knn = torch.log(lam).to(lm.dtype)  # -inf at λ = 0
+    a = torch.where(lam < 1, lm + w_lm, neg_inf)
+    b = torch.where(lam > 0, knn + w_knn, neg_inf)
+    return torch.logsumexp(torch.stack([a, b]), dim=0)
 
 
 def mix_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

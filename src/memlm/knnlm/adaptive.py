@@ -47,7 +47,6 @@ __all__ = [
     "AdaptiveGate",
     "gate_features",
     "gate_lambdas",
-    "gated_logprob",
     "gate_loss",
     "threshold_for_fraction",
     "train_gate",
@@ -144,35 +143,6 @@ class AdaptiveGate(nn.Module):
         except RuntimeError as e:
             raise MemlmError(f"gate {path} has tensors that do not fit its config ({e}); {fix}") from None
         return gate.eval()
-
-
-def _as_logprob(x, name: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
-    if not t.is_floating_point():
-        raise MemlmError(f"{name} must hold float log-probabilities, got {t.dtype}")
-    return t.to(torch.float64) if t.dtype == torch.float64 else t.float()
-
-
-def gated_logprob(lm_logprob, knn_logprob, lam) -> torch.Tensor:
-    """Per-token interpolation in log space: ``log((1 - λ_t) p_LM + λ_t p_kNN)``.
-
-    ``lam`` is a tensor/array of per-token weights in ``[0, 1]`` (or a scalar). The convention of
-    :func:`memlm.core.distribution.mix_logprobs`: log-probabilities in, ``-inf`` = probability 0; a component with
-    weight 0 is left out, so where ``λ_t = 0`` the result is exactly ``log p_LM`` whatever ``knn_logprob`` holds
-    there (``-inf``, nan or garbage: a token whose search was skipped), and where ``λ_t = 1`` exactly ``log p_kNN``.
-    """
-    lm = _as_logprob(lm_logprob, "lm_logprob")
-    knn = _as_logprob(knn_logprob, "knn_logprob").to(lm.dtype)
-    lam = torch.as_tensor(lam, dtype=torch.float64)
-    if torch.isnan(lam).any() or (lam < 0).any() or (lam > 1).any():
-        raise MemlmError("per-token λ must be in [0, 1]")
-    lam = torch.broadcast_to(lam, torch.broadcast_shapes(lam.shape, lm.shape, knn.shape))
-    neg_inf = torch.tensor(float("-inf"), dtype=lm.dtype)
-    w_lm = torch.log1p(-lam).to(lm.dtype)  # -inf at λ = 1
-    w_knn = torch.log(lam).to(lm.dtype)  # -inf at λ = 0
-    a = torch.where(lam < 1, lm + w_lm, neg_inf)
-    b = torch.where(lam > 0, knn + w_knn, neg_inf)
-    return torch.logsumexp(torch.stack([a, b]), dim=0)
 
 
 def gate_loss(gate: AdaptiveGate, features: torch.Tensor, lm: torch.Tensor, knn: torch.Tensor) -> torch.Tensor:

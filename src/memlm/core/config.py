@@ -1,0 +1,73 @@
+"""``RetrievalConfig``: every setting that decides what a memory returns and how it is scored, in one record.
+
+Each dump and result file memlm writes carries ``meta["retrieval"] = RetrievalConfig(...).to_dict()``, so a number
+can always be traced to its k, τ, λ, search and score mode, nprobe, windows and efficiency options.
+
+Efficiency options of the kNN-LM (all off by default; :mod:`memlm.knnlm`):
+
+* ``adaptive``: path of a trained gate (He et al. 2021, Sec. 4); ``adaptive_fraction`` the share of tokens searched
+  (the gate's threshold is set to reach it on the evaluated text);
+* ``pointer_min``: RetoMaton's pointer reuse (Alon et al. 2022): search only when fewer than this many pointers
+  survive (0 = off);
+* ``pipeline``: the FAISS search of one batch runs while the model computes the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from memlm.errors import MemlmError
+
+__all__ = ["RetrievalConfig"]
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Retrieval and scoring settings (see the module docstring); ``None`` = not set / the datastore's default."""
+
+    k: int = 1024
+    temperature: float | None = None
+    lam: float | None = None
+    search: str = "index"  # "index" (FAISS, approximate) | "exact" (all keys)
+    scores: str = "index"  # "index" | "exact" (recomputed from the stored keys)
+    nprobe: int = 32
+    metric: str | None = None  # None: the index's
+    drop_self_matches: bool = False
+    window: int | None = None
+    stride: int | None = None
+    min_context: int | None = None
+    cache: bool = False
+    cache_lambda: float = 0.0
+    cache_temperature: float = 1.0
+    adaptive: str | None = None
+    adaptive_fraction: float | None = None
+    pointer_min: int = 0
+    pipeline: bool = False
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise MemlmError(f"k must be >= 1, got {self.k}")
+        if self.search not in ("index", "exact") or self.scores not in ("index", "exact"):
+            raise MemlmError("search and scores must each be 'index' or 'exact'")
+        if self.adaptive_fraction is not None and not 0.0 <= self.adaptive_fraction <= 1.0:
+            raise MemlmError(f"adaptive_fraction must be in [0, 1], got {self.adaptive_fraction}")
+        if self.pointer_min < 0:
+            raise MemlmError(f"pointer_min must be >= 0, got {self.pointer_min}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (recorded in dumps and result files)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RetrievalConfig:
+        """The config a file recorded (unknown keys refused with their names)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise MemlmError(f"unknown retrieval settings {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> RetrievalConfig:
+        return dataclasses.replace(self, **changes)
