@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from memlm.core.config import RetrievalConfig
 from memlm.core.distribution import interpolate_per_token, knn_target_logprob, mix_logprobs, perplexity
 from memlm.core.dumps import TokenDump
 from memlm.core.tuning import grid_search
@@ -32,6 +34,8 @@ from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
+from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
+from memlm.knnlm.pointer import pointer_retrieve
 from memlm.memories import continuous_cache
 from memlm.retrieval import DatastoreMemory
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
@@ -265,6 +269,10 @@ def score_tokens(
     meta: dict[str, Any] | None = None,
     stride: int | None = None,
     block_start: str = "skip",
+    adaptive: str | Path | None = None,
+    adaptive_fraction: float | None = None,
+    pointer_min: int = 0,
+    pipeline: bool = False,
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
 
@@ -272,29 +280,73 @@ def score_tokens(
 
     With a ``datastore``, its key role is used for the queries and the model must be the one that built it.
     ``drop_self_matches`` removes neighbours that are the very token being scored (same document, same offset), for
-    when the evaluated text is also in the datastore.
+    when the evaluated text is also in the datastore. A pruned datastore's merged counts enter the scores.
+
+    Efficiency options (:mod:`memlm.knnlm`; each recorded in ``meta["retrieval"]``):
+
+    * ``adaptive``: a trained gate file (:class:`memlm.knnlm.adaptive.AdaptiveGate`, He et al. 2021) gives each
+      token its λ; tokens below the gate's threshold (set so that ``adaptive_fraction`` of the tokens are searched,
+      or the gate's λ > 0 when no fraction is given) are not searched and get λ = 0;
+    * ``pointer_min``: RetoMaton's pointer reuse (Alon et al. 2022): a token whose predecessor's neighbours leave at
+      least this many pointers is not searched (:func:`memlm.knnlm.pointer.pointer_retrieve`);
+    * ``pipeline``: each forward batch's queries are searched in a background thread while the model computes the
+      next batch (FAISS releases the GIL). Not combinable with the two above, which need every query first.
     """
+    config = RetrievalConfig(
+        k=k, search=search, scores=scores, nprobe=nprobe, drop_self_matches=drop_self_matches, window=window,
+        stride=stride, min_context=None if stride is not None else min_context, cache=cache,
+        adaptive=None if adaptive is None else str(adaptive), adaptive_fraction=adaptive_fraction,
+        pointer_min=pointer_min, pipeline=pipeline,
+    )  # fmt: skip
+    if pipeline and (adaptive is not None or pointer_min):
+        raise MemlmError("--pipeline searches each batch as it comes; adaptive retrieval and pointer reuse need every "
+                         "query first: use one or the other")  # fmt: skip
     specs: list[KeySpec] = []
+    memory = None
     if datastore is not None:
         datastore.check_compatible(model, tokenizer)
         specs.append(datastore.key_spec)
+        memory = DatastoreMemory(datastore, search, scores, nprobe, progress=progress)
     if cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
-    ts, queries, provenance = lm_scores(
-        model, tokenizer, documents, specs, window, min_context, batch_size, progress, meta, stride, block_start
-    )
-    if datastore is not None:
-        add_neighbours(
-            ts,
-            queries[datastore.key_spec],
-            datastore,
-            k,
-            search,
-            scores,
-            nprobe,
-            provenance if drop_self_matches else None,
-            progress,
-        )
+    pending: list[Future] = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        on_batch = None
+        if pipeline and memory is not None:
+            spec = datastore.key_spec
+            on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], k))  # noqa: E731
+        ts, queries, provenance = lm_scores(model, tokenizer, documents, specs, window, min_context, batch_size,
+                                            progress, meta, stride, block_start, on_batch)  # fmt: skip
+        t1 = time.perf_counter()
+        if memory is not None:
+            q = queries[datastore.key_spec]
+            prov = provenance if drop_self_matches else None
+            if pending:
+                parts = [f.result() for f in pending]
+                sc, ids = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+            elif pointer_min:
+                sc, ids, ts.searched = pointer_retrieve(
+                    q, ts.targets, ts.doc_index, lambda x: memory.search_ids(x, k), datastore.keys,
+                    datastore.values, datastore.doc_hash, datastore.offset, k, pointer_min, memory.metric,
+                )  # fmt: skip
+            elif adaptive is not None:
+                gate = AdaptiveGate.load(adaptive)
+                features = gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position)
+                threshold = (
+                    0.0 if adaptive_fraction is None else threshold_for_fraction(gate, features, adaptive_fraction)
+                )
+                ts.knn_lambda, ts.searched = gate_lambdas(gate, features, threshold)
+                sc = np.full((len(q), k), -np.inf, dtype=np.float32)
+                ids = np.full((len(q), k), -1, dtype=np.int64)
+                if ts.searched.any():
+                    sc[ts.searched], ids[ts.searched] = memory.search_ids(q[ts.searched], k)
+            else:
+                sc, ids = memory.search_ids(q, k)
+            r = memory.retrieved(sc, ids, prov)
+            ts.knn_scores, ts.knn_values, ts.knn_log_counts = r.scores, r.values.astype(np.int32), r.log_counts
+            ts.meta.update(**memory.describe(), k=k, drop_self_matches=drop_self_matches)
+            ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
+    ts.meta["retrieval"] = config.to_dict()
     if cache:
         add_cache(ts, queries[specs[-1]], cache_k, cache_max_len, cache_metric)
     return ts

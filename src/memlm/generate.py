@@ -34,7 +34,8 @@ from memlm.core.distribution import interpolate, knn_distribution
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture
-from memlm.sharded_index import open_index, search_index
+from memlm.retrieval import DatastoreMemory
+from memlm.sharded_index import open_index
 
 __all__ = [
     "KNNLogitsProcessor",
@@ -70,6 +71,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         lam, temperature, _ = knn_parameters(datastore, lam, temperature, announce=False)  # calibrated by default
         self.k, self.lam, self.temperature = k, lam, temperature
         self.index = index if index is not None else open_index(datastore, nprobe=nprobe)  # FAISS or sharded
+        self.memory = DatastoreMemory(datastore, nprobe=nprobe, index=self.index)
         self._capture = KeyCapture(model, [datastore.key_spec])
         self.record = record
         self.history: list[tuple[np.ndarray, np.ndarray]] = []
@@ -88,19 +90,16 @@ class KNNLogitsProcessor(LogitsProcessor):
         if keys.shape[0] != scores.shape[0]:
             raise RuntimeError(f"hooked {keys.shape[0]} rows but got scores for {scores.shape[0]}")
         query = keys[:, -1].float().cpu().numpy()  # [rows, D]: each row's newest position (left padding)
-        sc, ids = search_index(self.index, query, self.k)
+        sc, ids = self.memory.search_ids(query, self.k)
         if self.record:
             self.history.append((sc.copy(), ids.copy()))
-        valid = ids >= 0
-        values = np.where(valid, self.datastore.values[np.where(valid, ids, 0).ravel()].reshape(ids.shape), -1)
-        sc = np.where(valid, sc, -np.inf)
+        r = self.memory.retrieved(sc, ids)
         lm = torch.log_softmax(scores.float(), dim=-1)
+        counts = None if r.log_counts is None else torch.from_numpy(r.log_counts).to(lm.device)
         knn = knn_distribution(
-            torch.from_numpy(sc).to(lm.device),
-            torch.from_numpy(values).long().to(lm.device),
-            lm.shape[-1],
-            self.temperature,
-        )
+            torch.from_numpy(r.scores).to(lm.device), torch.from_numpy(r.values).to(lm.device), lm.shape[-1],
+            self.temperature, counts,
+        )  # fmt: skip
         return interpolate(lm, knn, self.lam).to(scores.dtype)
 
 

@@ -16,14 +16,71 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memlm import index as index_lib
+from memlm import schema
 from memlm.core.memory import Retrieved
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
+from memlm.fileio import sample_sha256, sha256_file
 from memlm.sharded_index import index_metric_of, open_index, search_index
 
-__all__ = ["DatastoreMemory", "datastore_metric", "entry_values"]
+__all__ = ["DatastoreMemory", "datastore_metric", "entry_values", "load_counts"]
 
 SEARCH_MODES = ("index", "exact")
+COUNTS_FILE = "counts.npy"
+COUNTS_SIDECAR = "counts.json"
+COUNTS_FORMAT = "memlm-datastore-counts"
+_SIDECAR_SCHEMA = schema.Obj(
+    required={
+        "format": schema.Str(),
+        "count": schema.Int(min=0),
+        "total": schema.Int(min=0),
+        "build_id": schema.Str(),
+        "file": schema.Obj(
+            required={"bytes": schema.Int(min=0), "sample_sha256": schema.Str(), "sha256": schema.Str()}
+        ),
+    }
+)
+_REPRUNE = "prune the source datastore again (memlm.knnlm.prune.prune_datastore)"
+
+
+def load_counts(datastore: Datastore, verify: bool = False) -> np.ndarray | None:
+    """The counts of a pruned datastore (int64 ``[count]``, memory-mapped), or ``None`` for an unpruned one.
+
+    A datastore whose manifest records ``pruned`` must have ``counts.npy`` and a ``counts.json`` written for this very
+    datastore (its build id), of the right length, matching the file's size and sampled SHA-256 (``verify``: the full
+    SHA-256), with every count >= 1 and the total recorded at pruning; anything else is a :class:`MemlmError` (using
+    the datastore without its counts would silently change the kNN distribution).
+    """
+    record = datastore.manifest.get("pruned")
+    if record is None:
+        return None
+    path = datastore.path
+    side_path = path / COUNTS_SIDECAR
+    f = path / record.get("counts_file", COUNTS_FILE)
+    if not side_path.exists() or not f.exists():
+        raise MemlmError(
+            f"datastore {path} is pruned but its counts ({f.name}, {side_path.name}) are missing (an interrupted "
+            f"prune, or a copy or subsample of a pruned datastore); {_REPRUNE}"
+        )
+    side = schema.read_json(side_path, _SIDECAR_SCHEMA, "pruned datastore counts sidecar", _REPRUNE)
+    if side["format"] != COUNTS_FORMAT or side["build_id"] != datastore.manifest.get("build_id"):
+        raise MemlmError(f"{side_path} belongs to another datastore than {path} (build id differs); {_REPRUNE}")
+    file = side["file"]
+    if f.stat().st_size != file["bytes"] or sample_sha256(f) != file["sample_sha256"]:
+        raise MemlmError(f"{f} does not match {side_path.name} (replaced, truncated or corrupt); {_REPRUNE}")
+    if verify and sha256_file(f) != file["sha256"]:
+        raise MemlmError(f"checksum mismatch in {f}: the file is corrupt; {_REPRUNE}")
+    try:
+        counts = np.load(f, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise MemlmError(f"{f} is not a counts array ({e}); {_REPRUNE}") from None
+    if counts.shape != (len(datastore),) or counts.dtype != np.int64:
+        raise MemlmError(
+            f"{f} holds {counts.dtype} {counts.shape}, the datastore needs int64 ({len(datastore)},); {_REPRUNE}"
+        )
+    if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != side["total"]):
+        raise MemlmError(f"{f} holds counts < 1 or a total other than recorded ({side['total']}); {_REPRUNE}")
+    return counts
 
 
 def datastore_metric(datastore: Datastore, index=None, index_path: str | Path | None = None) -> str:
@@ -55,8 +112,8 @@ class DatastoreMemory:
 
     ``search``: ``"index"`` (the FAISS index at ``index_path``, default the datastore's own, or a sharded
     datastore's searcher) or ``"exact"`` (all keys); ``scores``: ``"index"`` or ``"exact"`` (recomputed from the
-    stored keys with ``metric``, default the index's). ``counts`` (a pruned datastore's merged counts, ``[N]``) enter
-    as ``log_counts``. ``chunk`` queries are searched at a time.
+    stored keys with ``metric``, default the index's). ``counts`` (merged counts ``[N]``; ``"auto"``: those of a
+    pruned datastore, :func:`load_counts`) enter as ``log_counts``. ``chunk`` queries are searched at a time.
     """
 
     def __init__(
@@ -68,7 +125,7 @@ class DatastoreMemory:
         index=None,
         index_path: str | Path | None = None,
         metric: str | None = None,
-        counts: np.ndarray | None = None,
+        counts: np.ndarray | None | str = "auto",
         chunk: int = 4096,
         progress: bool = False,
     ) -> None:
@@ -85,6 +142,8 @@ class DatastoreMemory:
                 f"index {self.index_path} uses {index_metric_of(index)}, not {metric}: build an {metric} index"
             )
         self.metric = metric or datastore_metric(datastore, index, self.index_path)
+        if isinstance(counts, str):  # "auto": a pruned datastore's own counts, None for an unpruned one
+            counts = load_counts(datastore)
         if counts is not None and len(counts) != len(datastore):
             raise MemlmError(f"counts has {len(counts)} rows for a datastore of {len(datastore)} entries")
         self.log_counts = None if counts is None else np.log(np.asarray(counts, dtype=np.float32))

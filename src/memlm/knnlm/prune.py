@@ -38,38 +38,19 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memlm import index as index_lib
-from memlm import schema
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
 from memlm.locking import folder_lock
+from memlm.retrieval import COUNTS_FILE, COUNTS_FORMAT, COUNTS_SIDECAR, load_counts  # noqa: F401 - re-exported
 
 __all__ = [
-    "COUNTS_FILE",
-    "COUNTS_SIDECAR",
     "greedy_merge",
     "merge_candidates",
     "merge_edges",
-    "load_counts",
     "neighbour_log_counts",
     "prune_datastore",
 ]
-
-COUNTS_FILE = "counts.npy"
-COUNTS_SIDECAR = "counts.json"
-_FORMAT = "memlm-datastore-counts"
-_SIDECAR_SCHEMA = schema.Obj(
-    required={
-        "format": schema.Str(),
-        "count": schema.Int(min=0),
-        "total": schema.Int(min=0),
-        "build_id": schema.Str(),
-        "file": schema.Obj(
-            required={"bytes": schema.Int(min=0), "sample_sha256": schema.Str(), "sha256": schema.Str()}
-        ),
-    }
-)
-_REPRUNE = "prune the source datastore again (memlm.knnlm.prune.prune_datastore)"
 
 
 def _visit_rank(n: int, order: np.ndarray | None) -> np.ndarray:
@@ -251,7 +232,7 @@ def prune_datastore(
         pruned = datastore.write_rows(out, keep, {"pruned": record}, "write a pruned datastore")
         f = out / COUNTS_FILE
         sidecar = {
-            "format": _FORMAT,
+            "format": COUNTS_FORMAT,
             "count": len(keep),
             "total": int(counts.sum()),
             "build_id": pruned.manifest["build_id"],
@@ -262,46 +243,6 @@ def prune_datastore(
         print(f"pruned {datastore.path}: {n:,} -> {len(keep):,} entries ({len(keep) / n:.1%}) with k_merge={k_merge} "
               f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)  # fmt: skip
     return pruned
-
-
-def load_counts(datastore: Datastore, verify: bool = False) -> np.ndarray | None:
-    """The counts of a pruned datastore (int64 ``[count]``, memory-mapped), or ``None`` for an unpruned one.
-
-    A datastore whose manifest records ``pruned`` must have ``counts.npy`` and a ``counts.json`` written for this very
-    datastore (its build id), of the right length, matching the file's size and sampled SHA-256 (``verify``: the full
-    SHA-256), with every count >= 1 and the total recorded at pruning; anything else is a :class:`MemlmError` (using
-    the datastore without its counts would silently change the kNN distribution).
-    """
-    record = datastore.manifest.get("pruned")
-    if record is None:
-        return None
-    path = datastore.path
-    side_path = path / COUNTS_SIDECAR
-    f = path / record.get("counts_file", COUNTS_FILE)
-    if not side_path.exists() or not f.exists():
-        raise MemlmError(
-            f"datastore {path} is pruned but its counts ({f.name}, {side_path.name}) are missing (an interrupted "
-            f"prune, or a copy or subsample of a pruned datastore); {_REPRUNE}"
-        )
-    side = schema.read_json(side_path, _SIDECAR_SCHEMA, "pruned datastore counts sidecar", _REPRUNE)
-    if side["format"] != _FORMAT or side["build_id"] != datastore.manifest.get("build_id"):
-        raise MemlmError(f"{side_path} belongs to another datastore than {path} (build id differs); {_REPRUNE}")
-    file = side["file"]
-    if f.stat().st_size != file["bytes"] or sample_sha256(f) != file["sample_sha256"]:
-        raise MemlmError(f"{f} does not match {side_path.name} (replaced, truncated or corrupt); {_REPRUNE}")
-    if verify and sha256_file(f) != file["sha256"]:
-        raise MemlmError(f"checksum mismatch in {f}: the file is corrupt; {_REPRUNE}")
-    try:
-        counts = np.load(f, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise MemlmError(f"{f} is not a counts array ({e}); {_REPRUNE}") from None
-    if counts.shape != (len(datastore),) or counts.dtype != np.int64:
-        raise MemlmError(
-            f"{f} holds {counts.dtype} {counts.shape}, the datastore needs int64 ({len(datastore)},); {_REPRUNE}"
-        )
-    if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != side["total"]):
-        raise MemlmError(f"{f} holds counts < 1 or a total other than recorded ({side['total']}); {_REPRUNE}")
-    return counts
 
 
 def neighbour_log_counts(counts: np.ndarray | None, ids: np.ndarray) -> np.ndarray:

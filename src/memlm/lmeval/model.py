@@ -40,10 +40,11 @@ from memlm.calibration import knn_parameters
 from memlm.core.distribution import knn_distribution, mix_logprobs
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.evaluate import CACHE_KEY, memory_logprob, retrieve
+from memlm.evaluate import CACHE_KEY, memory_logprob
 from memlm.forward import rolling_forward
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.memories import continuous_cache
+from memlm.retrieval import DatastoreMemory
 
 __all__ = ["MemlmLM"]
 
@@ -135,10 +136,11 @@ class MemlmLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.progress = _as_bool(progress)
         self.specs: list[KeySpec] = []
-        self.index = None
+        self.index = self.memory = None
         if self.datastore is not None:
             self.datastore.check_compatible(self.model, self.tokenizer)
             self.index = index_lib.load_index(self.datastore.index_path, nprobe=self.nprobe)
+            self.memory = DatastoreMemory(self.datastore, nprobe=self.nprobe, index=self.index)
             self.specs.append(self.datastore.key_spec)
         self.cache_spec = CACHE_KEY.normalized(num_layers(self.model)) if self.cache else None
         if self.cache_spec is not None and self.cache_spec not in self.specs:
@@ -212,45 +214,36 @@ class MemlmLM(TemplateLM):
             weights.append(self.cache_lambda)
         return weights
 
-    def _neighbours(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, values) ``[Q, k]`` of the datastore's k nearest entries; ``-inf`` / ``-1`` in empty slots."""
-        assert self.datastore is not None
-        sc, ids = retrieve(self.datastore, queries, self.k, index=self.index, progress=False)
-        valid = ids >= 0
-        values = np.where(valid, self.datastore.values[np.where(valid, ids, 0).ravel()].reshape(ids.shape), -1)
-        return np.where(valid, sc, -np.inf).astype(np.float32), values.astype(np.int64)
-
-    def _memories(
-        self, keys: dict[KeySpec, np.ndarray], targets: np.ndarray, rows: np.ndarray
-    ) -> list[tuple[np.ndarray, np.ndarray, float]]:
-        """(scores, values, τ) of each memory for the positions ``rows`` of one sequence.
+    def _memories(self, keys: dict[KeySpec, np.ndarray], targets: np.ndarray, rows: np.ndarray) -> list[tuple]:
+        """(scores, values, τ, log counts or None) of each memory for the positions ``rows`` of one sequence.
 
         ``keys[spec]`` holds the key at every position of the sequence that predicts a token (``targets`` are those
         tokens); the cache of row ``n`` sees positions ``< n`` of the same sequence only.
         """
         out = []
-        if self.datastore is not None:
-            sc, val = self._neighbours(keys[self.datastore.key_spec][rows])
-            out.append((sc, val, self.temperature))
+        if self.memory is not None:
+            r = self.memory.search(keys[self.datastore.key_spec][rows], self.k)
+            out.append((r.scores, r.values, self.temperature, r.log_counts))
         if self.cache_spec is not None:
             cs, cv = continuous_cache(
                 keys[self.cache_spec], targets, np.zeros(len(targets), dtype=np.int32), self.cache_k, self.cache_max_len
             )
-            out.append((cs[rows], cv[rows], self.cache_temperature))
+            out.append((cs[rows], cv[rows], self.cache_temperature, None))
         return out
 
     def _mixed_target_logprob(self, lm: np.ndarray, targets: np.ndarray, memories) -> torch.Tensor:
         """``log p(target)`` per position under the interpolation (Eq. 3; + cache)."""
         comps = [torch.from_numpy(np.asarray(lm, dtype=np.float32))]
-        for sc, val, tau in memories:
-            comps.append(memory_logprob(sc, val, np.asarray(targets, dtype=np.int64), tau))
+        for sc, val, tau, counts in memories:
+            comps.append(memory_logprob(sc, val, np.asarray(targets, dtype=np.int64), tau, None, counts))
         return mix_logprobs(comps, self._weights())
 
     def _mixed_distribution(self, lm_full: torch.Tensor, memories) -> torch.Tensor:
         """``log p(. | c)`` over the vocabulary, ``[n, V]`` (for greedy checks)."""
         comps = [lm_full]
-        for sc, val, tau in memories:
-            comps.append(knn_distribution(torch.from_numpy(sc), torch.from_numpy(val), lm_full.shape[-1], tau))
+        for sc, val, tau, counts in memories:
+            counts = None if counts is None else torch.from_numpy(counts)
+            comps.append(knn_distribution(torch.from_numpy(sc), torch.from_numpy(val), lm_full.shape[-1], tau, counts))
         return mix_logprobs(comps, self._weights())
 
     # ------------------------------------------------------------------------------------------- loglikelihood

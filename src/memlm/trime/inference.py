@@ -61,8 +61,8 @@ from memlm.core.dumps import TokenDump
 from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.evaluate import retrieve
 from memlm.keys import KeyCapture, KeySpec, num_layers
+from memlm.retrieval import DatastoreMemory
 from memlm.trime.batching import Segment, segment_documents
 from memlm.trime.training import G_SPEC, tokenize_for_trime
 from memlm.windows import doc_hash
@@ -193,32 +193,23 @@ def _memory_terms(
 
 
 def _retrieve_external(
-    datastore: Datastore,
-    index,
+    memory: DatastoreMemory,
     queries: np.ndarray,
     k: int,
-    search: str,
     ext_scores: str,
     scale: float,
     provenance: tuple[np.ndarray, np.ndarray] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    sc, ids = retrieve(datastore, queries, k, index=index, search=search, progress=False)
+    """The external memory's ``(scores, values)`` (Sec. 4.3): the datastore's top-k, rescored as ``scale * g . k``
+    from the stored keys with ``ext_scores="dot"``; self-matches dropped with ``provenance``."""
+    sc, ids = memory.search_ids(queries, k)
     if ext_scores == "dot":
-        sc = index_lib.exact_scores(datastore.keys, ids, queries, "ip") * np.float32(scale)
+        sc = index_lib.exact_scores(memory.datastore.keys, ids, queries, "ip") * np.float32(scale)
         order = np.argsort(-sc, axis=1, kind="stable")
         sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
-    valid = ids >= 0
-    flat = np.where(valid, ids, 0).ravel()
-    values = np.where(valid, datastore.values[flat].reshape(ids.shape), -1)
-    if provenance is not None:
-        hashes, offsets = provenance
-        own = (
-            valid
-            & (datastore.doc_hash[flat].reshape(ids.shape) == hashes[:, None])
-            & (datastore.offset[flat].reshape(ids.shape) == offsets[:, None])
-        )
-        values = np.where(own, -1, values)
-    return np.where(values >= 0, sc, -np.inf).astype(np.float32), values.astype(np.int32)
+    prov = None if provenance is None else {"doc_hash": provenance[0], "offset": provenance[1]}
+    r = memory.retrieved(sc, ids, prov)
+    return r.scores, r.values.astype(np.int32)
 
 
 @torch.inference_mode()
@@ -275,13 +266,14 @@ def score_trime(
     if k < 1:
         raise MemlmError(f"k must be >= 1, got {k}")
     key = key.normalized(num_layers(model))
-    index = None
+    index = memory = None
     if datastore is not None:
         if tokenizer is None:
             raise MemlmError("an external datastore needs the tokenizer to check that it was built for this model")
         datastore.check_compatible(model, tokenizer, key)
         if search == "index":
             index = index_lib.load_index(datastore.index_path, nprobe=nprobe)
+        memory = DatastoreMemory(datastore, search, "index", nprobe, index=index)
     docs = list(documents)
     if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
         raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
@@ -327,7 +319,7 @@ def score_trime(
                 if hashes is not None:
                     offsets = s.start + 1 + np.arange(n)  # offset of each target inside its document
                     prov = (np.full(n, hashes[s.doc_index], dtype=np.int64), offsets)
-                es, ev = _retrieve_external(datastore, index, g.cpu().numpy(), k, search, ext_scores, sc, prov)
+                es, ev = _retrieve_external(memory, g.cpu().numpy(), k, ext_scores, sc, prov)
                 parts["es"].append(es)
                 parts["ev"].append(ev)
                 seconds_search += time.perf_counter() - t1
