@@ -273,6 +273,7 @@ def score_tokens(
     adaptive_fraction: float | None = None,
     pointer_min: int = 0,
     pipeline: bool = False,
+    index_path: str | Path | None = None,
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
 
@@ -281,6 +282,7 @@ def score_tokens(
     With a ``datastore``, its key role is used for the queries and the model must be the one that built it.
     ``drop_self_matches`` removes neighbours that are the very token being scored (same document, same offset), for
     when the evaluated text is also in the datastore. A pruned datastore's merged counts enter the scores.
+    ``index_path`` searches another index of the datastore (e.g. a compressed ``OPQ``/``PCA`` one).
 
     Efficiency options (:mod:`memlm.knnlm`; each recorded in ``meta["retrieval"]``):
 
@@ -306,7 +308,7 @@ def score_tokens(
     if datastore is not None:
         datastore.check_compatible(model, tokenizer)
         specs.append(datastore.key_spec)
-        memory = DatastoreMemory(datastore, search, scores, nprobe, progress=progress)
+        memory = DatastoreMemory(datastore, search, scores, nprobe, index_path=index_path, progress=progress)
     if cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
     pending: list[Future] = []

@@ -14,7 +14,10 @@ rank and length, the pairs' shapes and the meta JSON, and names the command that
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -23,9 +26,53 @@ import numpy as np
 from memlm.errors import MemlmError
 from memlm.fileio import dumps_json, unique_tmp
 
-__all__ = ["TokenDump"]
+__all__ = ["TokenDump", "read_npz_dump"]
 
 _D = TypeVar("_D", bound="TokenDump")
+
+
+_DUMP_KINDS = {"lm_logprob": "a kNN-LM dump (memlm eval --dump)", "mem_all": "a TRIME dump (memlm trime-eval --dump)"}
+
+
+def read_npz_dump(
+    path: str | Path, what: str, required: dict[str, int], optional: dict[str, int], hint: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The arrays and meta dict of a score dump (``.npz``), checked: readable (not truncated), every ``required``
+    array present with its number of dimensions (``required[name]``), every array with the same first dimension,
+    numeric (or boolean), and ``meta`` a JSON object. A dump of the other kind (kNN-LM vs TRIME) is named as such.
+
+    Raises :class:`MemlmError` naming the file and ``hint`` (how to rewrite it).
+    """
+    arrays: dict[str, Any] = {}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            files = set(z.files)
+            missing = [k for k in required if k not in files]
+            if missing:
+                other = next((desc for key, desc in _DUMP_KINDS.items() if key in files and key not in required), None)
+                found = f"it is {other}" if other else f"it lacks {', '.join(missing)}"
+                raise MemlmError(f"{path} is not {what}: {found}; {hint}")
+            for k in (*required, *optional):
+                if k in files:
+                    arrays[k] = z[k]
+            meta = json.loads(str(z["meta"])) if "meta" in files else {}
+    except MemlmError:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, zlib.error) as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise MemlmError(f"cannot read {what} {path} ({reason}): the file is truncated or not a dump; {hint}") from e
+    if not isinstance(meta, dict):
+        raise MemlmError(f"{what} {path} has a malformed meta record (not a JSON object); {hint}")
+    n = None
+    for k, a in arrays.items():
+        ndim = required.get(k, optional.get(k))
+        if a.dtype.kind not in "biuf" or a.ndim != ndim:
+            raise MemlmError(f"{what} {path}: array {k} is {a.dtype} with {a.ndim} dimensions, not {ndim}; {hint}")
+        if n is None:
+            n = a.shape[0]
+        elif a.shape[0] != n:
+            raise MemlmError(f"{what} {path}: array {k} has {a.shape[0]} rows, not {n} as the others; {hint}")
+    return arrays, meta
 
 
 class TokenDump:
@@ -72,9 +119,7 @@ class TokenDump:
     @classmethod
     def load(cls: type[_D], path: str | Path) -> _D:
         """Read a dump written by :meth:`save`, checked (one clear error naming the file and the fix)."""
-        from memlm.validate import load_npz_dump
-
-        arrays, meta = load_npz_dump(path, cls.KIND, cls.REQUIRED, cls.OPTIONAL, cls.hint(path))
+        arrays, meta = read_npz_dump(path, cls.KIND, cls.REQUIRED, cls.OPTIONAL, cls.hint(path))
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         dump = cls(meta=meta, **{k: v for k, v in arrays.items() if k in names})
         dump.check(path)

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from memlm.core.distribution import memory_lse
 from memlm.errors import MemlmError
 from memlm.npm.masking import MaskedBatch
 
@@ -99,10 +100,11 @@ def npm_contrastive_loss(
 
     dtype = torch.promote_types(queries.dtype, torch.float32)  # fp16/bf16 -> fp32 for the softmax
     scores = (queries.to(dtype) @ candidates.to(dtype).T) / math.sqrt(queries.shape[1])
-    neg_inf = float("-inf")
-    all_scores = scores if candidate_mask is None else scores.masked_fill(~candidate_mask, neg_inf)
-    pos_scores = scores.masked_fill(~positive_mask, neg_inf)
-    loss = torch.logsumexp(all_scores, dim=1) - torch.logsumexp(pos_scores, dim=1)
+    # a candidate's value is 1 when it is a positive, 0 otherwise, -1 (empty) when it is not a candidate: the loss is
+    # -log p_mem(1), the retrieved-entry softmax of core.distribution with the positives as the target's entries
+    values = positive_mask.long() if candidate_mask is None else positive_mask.long().masked_fill(~candidate_mask, -1)
+    all_, hit = memory_lse(scores, values, torch.ones(q_n, dtype=torch.long, device=scores.device))
+    loss = all_ - hit
     return _reduce(loss, reduction)
 
 
