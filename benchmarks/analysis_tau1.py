@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from memlm.analysis import tau1_row, tau1_tables
+from memlm.xu2023.analysis import tau1_row, tau1_tables
 from memlm.fileio import atomic_write_json
 
 

@@ -25,7 +25,7 @@ import torch
 from memlm import index as index_lib
 from memlm.corpora import load_documents
 from memlm.datastore import build_datastore
-from memlm.evaluate import add_neighbours, lm_scores
+from memlm.knnlm.evaluate import add_neighbours, lm_scores
 from memlm.fileio import atomic_write_json
 from memlm.forward import collate
 from memlm.resources import load_causal_lm

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from memlm.corpora import load_documents
-from memlm.evaluate import lm_scores
+from memlm.knnlm.evaluate import lm_scores
 from memlm.fileio import atomic_write_json
 from memlm.forward import fp32_head
 from memlm.resources import load_causal_lm

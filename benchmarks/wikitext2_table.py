@@ -32,7 +32,7 @@ import torch
 
 from memlm.corpora import load_documents
 from memlm.datastore import Datastore
-from memlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
 from memlm.fileio import atomic_write_json
 from memlm.forward import rolling_forward
 from memlm.keys import KeySpec, num_layers
@@ -165,7 +165,7 @@ def main() -> None:
         best = tune(dumps["valid"])["best"]
         settings_list = [("tuned on valid", best["lambda"], best["temperature"]), ("λ=0.25, τ=1", 0.25, 1.0)]
         cal = ds.manifest.get("calibration")
-        if cal is not None:  # the λ/τ the build tuned on its own held-out slice (memlm.calibration)
+        if cal is not None:  # the λ/τ the build tuned on its own held-out slice (memlm.knnlm.calibration)
             result["datastores"][name]["calibration"] = cal
             settings_list.append(("calibrated at build", cal["lambda"], cal["temperature"]))
         for how, lam, tau in settings_list:

@@ -30,7 +30,7 @@ def _tree_hash(root: Path) -> dict[str, str]:
 def world(tmp_path_factory, tiny_lm):
     """A folder with everything a command may be pointed at: model, corpus, datastore, dumps, junk files."""
     from memlm.datastore import build_datastore
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
     from memlm.trime.inference import TrimeScores
 
     root = tmp_path_factory.mktemp("adversarial")
@@ -423,7 +423,7 @@ def test_max_tokens_is_honoured_inside_one_long_document(tiny_lm):
 
 
 def test_dumps_of_the_wrong_kind_or_truncated_are_refused(world):
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
     from memlm.trime.inference import TrimeScores
 
     assert len(TokenScores.load(world / "knn.npz")) == 20
@@ -440,7 +440,7 @@ def test_dumps_of_the_wrong_kind_or_truncated_are_refused(world):
 
 
 def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
 
     np.savez(
         tmp_path / "x.npz",

@@ -7,11 +7,11 @@ import pytest
 from conftest import make_toy_docs
 from test_train_lm import write_jsonl
 
-from memlm.analysis import AnalysisSpec, approx_factory, gain_explained, interpolation_row, run_analysis
 from memlm.cli import main
 from memlm.datastore import build_datastore
 from memlm.errors import MemlmError
 from memlm.keys import KeySpec
+from memlm.xu2023.analysis import AnalysisSpec, approx_factory, gain_explained, interpolation_row, run_analysis
 
 
 def _dump(out, prefix):
@@ -65,7 +65,7 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
         assert row["oracle_ppl"] <= row["interp_ppl"] + 1e-6
     # exact search with exact scores finds at least as close neighbours as the IVF-PQ index
     # rank by rank, the exact top-k scores dominate the exact scores of the index's candidates
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
 
     real = TokenScores.load(_dump(out, "att-l2-f1-exact-exact-test"))
     faiss_real = TokenScores.load(_dump(out, "att-l2-f1-index-exact-test"))
@@ -83,14 +83,14 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
     for fig in ("fig_datastore_ratio.png", "fig_learned_n.png", "fig_temperature.png"):
         assert (out / fig).stat().st_size > 1000
     # rerunning resumes from the dumps: no forward pass, no search, no training
-    import memlm.evaluate
+    import memlm.knnlm.evaluate
 
     def boom(*a, **k):
         raise AssertionError("recomputed")
 
-    monkeypatch.setattr(memlm.evaluate, "lm_scores", boom)
-    monkeypatch.setattr("memlm.analysis.add_neighbours", boom)
-    monkeypatch.setattr("memlm.generalized.train_learned_wds", boom)
+    monkeypatch.setattr(memlm.knnlm.evaluate, "lm_scores", boom)
+    monkeypatch.setattr("memlm.xu2023.analysis.add_neighbours", boom)
+    monkeypatch.setattr("memlm.xu2023.generalized.train_learned_wds", boom)
     again = run_analysis(spec, out, progress=False, log=lambda m: None)
     assert again["table1"] == res["table1"] and again["learned"] == res["learned"]
 
@@ -98,7 +98,7 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
 def test_exact_mask_dump_matches_bruteforce(setup):
     tmp, spec = setup
     from memlm.datastore import Datastore
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
 
     out = tmp / "out"
     run_analysis(spec, out, progress=False, log=lambda m: None)
@@ -166,7 +166,7 @@ def test_rerun_with_other_settings_does_not_reuse_caches(setup):
         and again["learned"][0]["train_loss"] != first["learned"][0]["train_loss"]
     )
     # both runs' dumps are kept side by side, each with the settings that made it
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
 
     dumps = sorted((out / "nb").glob("att-l2-f1-index-index-test-*.npz"))
     assert len(dumps) == 2
@@ -177,7 +177,7 @@ def test_rerun_with_other_settings_does_not_reuse_caches(setup):
 def test_tau1_twins_and_fig5_best_tau_on_valid(setup):
     """Every Table 1 / 3 row carries its τ = 1 twin (λ tuned on valid), equal to the Fig. 5 sweep's τ = 1 row where
     the sweep covers it; the report's Fig. 5 "best τ" is the valid argmin, not the test one."""
-    from memlm.analysis import tau1_row, tau1_tables
+    from memlm.xu2023.analysis import tau1_row, tau1_tables
 
     tmp, spec = setup
     out = tmp / "out"

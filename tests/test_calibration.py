@@ -7,7 +7,7 @@ import pytest
 from conftest import gpt2_tokenizer, make_toy_docs
 from test_reliability import memlm
 
-from memlm.calibration import holdout_split, knn_parameters
+from memlm.knnlm.calibration import holdout_split, knn_parameters
 from memlm.windows import doc_hash
 
 
@@ -118,7 +118,7 @@ def test_eval_without_flags_uses_the_calibration(built, tmp_path):
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.datastore import Datastore
-    from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities
+    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities
 
     root, ds_path, docs, _ = built
     model, tok = tiny_lm

@@ -98,7 +98,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         assert key in res
     assert res["k"] == 16 and res["search"] == "exact"
     # the reported perplexities, recomputed with NumPy from the per-token dump (Eq. 2 and 3, λ = 0.25, τ = 1)
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
 
     d = TokenScores.load(tmp_path / "test.npz")
     lm, sc = d.lm_logprob.astype(np.float64), d.knn_scores.astype(np.float64)
@@ -157,7 +157,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
 
 def test_eval_non_overlapping_blocks_and_refused_zero_context(tmp_path, tiny_lm, tiny_lm_dir, corpus_dir):
     from memlm.corpora import load_documents
-    from memlm.evaluate import lm_scores, perplexities
+    from memlm.knnlm.evaluate import lm_scores, perplexities
 
     model, tok = tiny_lm
     docs = load_documents(str(corpus_dir / "test"), "all")

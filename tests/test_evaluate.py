@@ -6,10 +6,10 @@ import torch
 from conftest import Doc
 from test_datastore import build
 
-from memlm.evaluate import TokenScores, perplexities, score_tokens, tune
-from memlm.generate import KNNLogitsProcessor
 from memlm.index import build_index
-from memlm.memories import continuous_cache
+from memlm.knnlm.cache import continuous_cache
+from memlm.knnlm.evaluate import TokenScores, perplexities, score_tokens, tune
+from memlm.knnlm.generate import KNNLogitsProcessor
 
 
 def indexed(tmp_path, tiny_lm, docs, **kw):
@@ -51,7 +51,7 @@ def test_rare_continuation_seen_once_gets_probability_raised(tmp_path, tiny_lm, 
     assert ts.targets[pos] == target_ids[0]
     lam = 0.25
     from memlm.core.distribution import interpolate
-    from memlm.evaluate import memory_logprob
+    from memlm.knnlm.evaluate import memory_logprob
 
     knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0)
     mixed = interpolate(torch.from_numpy(ts.lm_logprob), knn, lam)
@@ -123,8 +123,8 @@ def test_bf16_body_gets_float32_head_and_log_softmax(toy_docs):
     states (the old code read the model's bf16 logits, off by the bf16 rounding of each logit)."""
     from conftest import gpt2_tokenizer, tiny_gpt2
 
-    from memlm.evaluate import lm_scores
     from memlm.keys import KeySpec
+    from memlm.knnlm.evaluate import lm_scores
 
     model, tok = tiny_gpt2(0).to(torch.bfloat16), gpt2_tokenizer()
     with torch.no_grad():

@@ -152,7 +152,7 @@ def test_fuzz_eval_numbers_campaign(ds_dir, flag, value):
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
-    from memlm.evaluate import TokenScores
+    from memlm.knnlm.evaluate import TokenScores
 
     rng = np.random.default_rng(0)
     n = 30

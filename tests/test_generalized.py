@@ -11,7 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from memlm.core.distribution import interpolate, knn_distribution, knn_target_logprob
 from memlm.errors import MemlmError
-from memlm.generalized import (
+from memlm.index import exact_search
+from memlm.xu2023.generalized import (
     LearnedWds,
     datastore_logprobs,
     datastore_target_logprob,
@@ -23,7 +24,6 @@ from memlm.generalized import (
     similarity,
     train_learned_wds,
 )
-from memlm.index import exact_search
 
 V, D, N = 10, 8, 30
 

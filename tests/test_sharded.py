@@ -11,8 +11,8 @@ from conftest import make_toy_docs
 
 from memlm.datastore import Datastore, build_datastore
 from memlm.errors import MemlmError
-from memlm.evaluate import score_tokens
 from memlm.index import build_index, exact_search, load_index, search
+from memlm.knnlm.evaluate import score_tokens
 from memlm.sharded import (
     ShardedArray,
     ShardedDatastore,
@@ -228,7 +228,7 @@ def test_faiss_gpu_detection_on_a_cpu_build():
 def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single):
     import torch
 
-    from memlm.generate import KNNLogitsProcessor
+    from memlm.knnlm.generate import KNNLogitsProcessor
 
     model, tok = tiny_lm
     build_sharded_index(sharded, factory="Flat", progress=False)

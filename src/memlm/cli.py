@@ -77,9 +77,9 @@ def cmd_corpora(args: argparse.Namespace) -> None:
 
 
 def cmd_datastore_build(args: argparse.Namespace) -> None:
-    from memlm.calibration import holdout_split
     from memlm.datastore import build_datastore
     from memlm.keys import KeySpec
+    from memlm.knnlm.calibration import holdout_split
     from memlm.locking import folder_lock
 
     if args.shards is not None or args.ray is not None:
@@ -111,8 +111,8 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
 
 
 def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace) -> None:
-    """Tune λ and τ on the build's held-out slice and record them with the datastore (memlm.calibration)."""
-    from memlm.calibration import calibrate
+    """Tune λ and τ on the build's held-out slice and record them with the datastore (memlm.knnlm.calibration)."""
+    from memlm.knnlm.calibration import calibrate
 
     if not held_out:
         print(f"no calibration: nothing held out ({holdout.get('reason')}); eval falls back to λ=0.25, τ=1",
@@ -154,8 +154,8 @@ def _ensure_index(ds, factory: str | None, metric: str) -> None:
 
 def _build_sharded(args: argparse.Namespace) -> None:
     """``datastore build --shards N [--ray ADDRESS|local]``: memlm.sharded.build_sharded (+ the sharded index)."""
-    from memlm.calibration import holdout_split
     from memlm.keys import KeySpec
+    from memlm.knnlm.calibration import holdout_split
     from memlm.sharded import build_sharded
 
     model, tok = _load_model(args.model, "float32" if args.ray else args.dtype)  # Ray workers load their own
@@ -240,9 +240,9 @@ def cmd_index_build(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.calibration import knn_parameters
-    from memlm.evaluate import perplexities, score_tokens
     from memlm.keys import KeySpec
+    from memlm.knnlm.calibration import knn_parameters
+    from memlm.knnlm.evaluate import perplexities, score_tokens
     from memlm.sharded import open_datastore
 
     ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
@@ -303,7 +303,7 @@ def _print_result(res: dict[str, Any]) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from memlm.evaluate import TokenScores, perplexities, tune
+    from memlm.knnlm.evaluate import TokenScores, perplexities, tune
 
     valid = TokenScores.load(args.valid)
     result = tune(
@@ -338,8 +338,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from memlm.calibration import knn_parameters
-    from memlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
+    from memlm.knnlm.calibration import knn_parameters
+    from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
     from memlm.sharded import open_datastore
 
     ds = open_datastore(args.datastore, ray=args.ray)
@@ -864,7 +864,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def cmd_analyze(args: argparse.Namespace) -> None:
-    from memlm.analysis import FIG5_TEMPERATURES, AnalysisSpec, run_analysis
+    from memlm.xu2023.analysis import FIG5_TEMPERATURES, AnalysisSpec, run_analysis
 
     datastores = {role: d for role, d in (("att", args.datastore_att), ("ffn", args.datastore_ffn)) if d}
     spec = AnalysisSpec(
@@ -941,7 +941,7 @@ def _add_ray(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_knn_weights(p: argparse.ArgumentParser) -> None:
-    """``--lambda`` / ``--temperature`` (Eq. 2-3); unset, they come from the datastore (memlm.calibration)."""
+    """``--lambda`` / ``--temperature`` (Eq. 2-3); unset, they come from the datastore (memlm.knnlm.calibration)."""
     p.add_argument(
         "--lambda",
         dest="lam",
@@ -1428,12 +1428,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.objective == "lm" and not (args.from_scratch or args.model):
         args.train_parser.error("one of the arguments --from-scratch --model is required")  # as before --objective
     if getattr(args, "lambdas", False) is None:
-        from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+        from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 
         args.lambdas = list(DEFAULT_LAMBDAS)
         args.temperatures = args.temperatures or list(DEFAULT_TEMPERATURES)
     elif getattr(args, "temperatures", False) is None:
-        from memlm.evaluate import DEFAULT_TEMPERATURES
+        from memlm.knnlm.evaluate import DEFAULT_TEMPERATURES
 
         args.temperatures = list(DEFAULT_TEMPERATURES)
     if getattr(args, "dtype", None) == "auto":

@@ -24,9 +24,9 @@ from typing import Any
 from memlm.corpora import corpus_fingerprint, load_documents
 from memlm.datastore import Datastore, build_datastore
 from memlm.errors import MemlmError
-from memlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.fileio import atomic_write_json
 from memlm.keys import KeySpec
+from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.locking import folder_lock
 from memlm.resources import default_dtype, load_causal_lm, memlm_home
 from memlm.windows import limit_documents

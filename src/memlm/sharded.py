@@ -491,7 +491,7 @@ class ShardedDatastore:
         return hashlib.sha256("".join(s.checksum() for s in self.shards).encode()).hexdigest()
 
     def record_calibration(self, calibration: dict[str, Any]) -> None:
-        """Store the λ/τ tuned on the build's held-out slice (:mod:`memlm.calibration`) in ``shards.json``."""
+        """Store the λ/τ tuned on the build's held-out slice (:mod:`memlm.knnlm.calibration`) in ``shards.json``."""
         sp = self.path / SHARDS_FILE
         state = json.loads(sp.read_text())
         state["calibration"] = calibration

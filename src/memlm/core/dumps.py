@@ -2,10 +2,11 @@
 
 A dump holds what every later question about an evaluation needs without a new forward pass or search: the targets,
 the LM's scores and, per memory, the ``(scores, values)`` of its retrieved entries (``-inf`` / ``-1`` in empty
-slots). The kNN-LM's :class:`memlm.evaluate.TokenScores` and TRIME's :class:`memlm.trime.inference.TrimeScores` are
-dumps; each declares its arrays (name -> number of dimensions), which are required, and which ``(scores, values)``
-pairs must come together with equal shapes. ``meta`` records how the dump was made (model, corpus, windows and the
-:class:`memlm.core.config.RetrievalConfig` of its memory), so a result file can always say what produced it.
+slots). The kNN-LM's :class:`memlm.knnlm.evaluate.TokenScores` and TRIME's
+:class:`memlm.trime.inference.TrimeScores` are dumps; each declares its arrays (name -> number of dimensions),
+which are required, and which ``(scores, values)`` pairs must come together with equal shapes. ``meta`` records how
+the dump was made (model, corpus, windows and the :class:`memlm.core.config.RetrievalConfig` of its memory), so a
+result file can always say what produced it.
 
 Writes are atomic (a uniquely named temporary file, then ``os.replace``); reading checks every array's presence,
 rank and length, the pairs' shapes and the meta JSON, and names the command that rewrites a bad dump.

@@ -9,7 +9,7 @@ external memories), a learned matrix, or every token of a reference corpus (NPM)
 * :class:`memlm.retrieval.DatastoreMemory`: a datastore folder with its FAISS index (approximate), exact search,
   index or exact scores, a sharded datastore, self-match removal, merged counts of a pruned datastore;
 * :class:`memlm.retrieval.PointerMemory`: RetoMaton's pointer reuse on top of a datastore memory;
-* :class:`memlm.memories.ContinuousCache`: the evaluated document's own earlier positions (Grave et al. 2017c);
+* :class:`memlm.knnlm.cache.ContinuousCache`: the evaluated document's own earlier positions (Grave et al. 2017c);
 * :class:`memlm.npm.inference.PhraseMemory`: NPM's phrase index (start and end vectors of a reference corpus).
 
 What comes back is always the same :class:`Retrieved`: ``scores [Q, k]`` (larger = closer; ``-inf`` in empty

@@ -18,7 +18,7 @@ The three lm_eval request types:
   tokens and every scored token but those of the first window has at least ``min_context`` tokens of context, so
   the cost is linear in the text length. A text of at most ``window`` tokens is one forward pass.
 - ``generate_until(context, gen_kwargs)``: greedy (or sampled) decoding from ``p`` through
-  :class:`memlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string.
+  :class:`memlm.knnlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string.
 
 With ``lam=0`` and no cache, every score is the bare LM's: the memory term has weight 0 and adds exactly nothing.
 """
@@ -36,14 +36,14 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from memlm import index as index_lib
-from memlm.calibration import knn_parameters
 from memlm.core.distribution import knn_distribution, mix_logprobs
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.evaluate import CACHE_KEY, memory_logprob
 from memlm.forward import rolling_forward
 from memlm.keys import KeyCapture, KeySpec, num_layers
-from memlm.memories import continuous_cache
+from memlm.knnlm.cache import continuous_cache
+from memlm.knnlm.calibration import knn_parameters
+from memlm.knnlm.evaluate import CACHE_KEY, memory_logprob
 from memlm.retrieval import DatastoreMemory
 
 __all__ = ["MemlmLM"]
@@ -110,7 +110,7 @@ class MemlmLM(TemplateLM):
         self.datastore = Datastore.open(datastore) if isinstance(datastore, str | Path) else datastore
         self.cache = _as_bool(cache)
         self.parameters_from = None
-        if self.datastore is not None:  # λ/τ not given: the datastore's calibrated values (memlm.calibration)
+        if self.datastore is not None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
             lam, temperature, self.parameters_from = knn_parameters(self.datastore, lam, temperature)
         self.lam = float(lam) if lam is not None else 0.0
         temperature = 1.0 if temperature is None else temperature
@@ -331,7 +331,7 @@ class MemlmLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
-        from memlm.generate import generate_text
+        from memlm.knnlm.generate import generate_text
 
         out = []
         for req in tqdm(requests, desc="generate", disable=disable_tqdm or not self.progress):

@@ -389,15 +389,17 @@ def _check_params(
     return segments
 
 
-def _local_part(ts: TrimeScores, segments: int | None, local_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse over all, lse over target hits)`` of lags ``0..segments``; ``-inf`` with no local memory."""
+def _local_part(
+    ts: TrimeScores, segments: int | None, local_temperature: float
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The local / long memory as one ``(all, hit)`` pair per lag ``0..segments`` (each lag's entries are one memory
+    of the joint softmax); none without a local memory (``segments=None``)."""
     if segments is None:
-        ninf = torch.full((len(ts),), float("-inf"), dtype=torch.float64)
-        return ninf, ninf
+        return []
     a = next(i for i, t in enumerate(ts.local_temperatures) if math.isclose(t, local_temperature))
     all_ = torch.from_numpy(ts.mem_all[:, a, : segments + 1]).double()
     hit = torch.from_numpy(ts.mem_hit[:, a, : segments + 1]).double()
-    return torch.logsumexp(all_, 1), torch.logsumexp(hit, 1)
+    return [(all_[:, m], hit[:, m]) for m in range(segments + 1)]
 
 
 def _ext_part(ts: TrimeScores, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,14 +425,14 @@ def _knn_part(ts: TrimeScores, knn_temperature: float) -> torch.Tensor:
 
 def _combine(
     ts: TrimeScores,
-    local: tuple[torch.Tensor, torch.Tensor],
+    local: list[tuple[torch.Tensor, torch.Tensor]],
     ext: tuple[torch.Tensor, torch.Tensor],
     knn: torch.Tensor | None,
     lam: float,
 ) -> torch.Tensor:
     tl = torch.from_numpy(ts.target_logit).double()
     lse = torch.from_numpy(ts.logit_lse).double()
-    joint = joint_target_logprob(tl, lse, [local, ext])
+    joint = joint_target_logprob(tl, lse, [*local, ext])
     if lam == 0 or knn is None:
         return joint
     return mix_logprobs([joint, knn.double()], [1.0 - lam, lam])  # Eq. 9, float64

@@ -39,6 +39,7 @@ from memlm.core.distribution import (
     METRICS,
     check_metric,
     check_temperature,
+    knn_target_logprob,
     knn_weights,
     mask_to_k,
     mix_logprobs,
@@ -129,9 +130,11 @@ def datastore_target_logprob(
     values = _check_values(values, W_ds.shape[0], None)
     if targets.shape != h_ds.shape[:-1]:
         raise MemlmError(f"targets {tuple(targets.shape)} must have h_ds's leading shape {tuple(h_ds.shape[:-1])}")
-    logw = _entry_logweights(h_ds, W_ds, k, temperature, metric)
-    hit = values.to(logw.device) == targets.to(logw.device).long().unsqueeze(-1)
-    return torch.logsumexp(logw.masked_fill(~hit, float("-inf")), dim=-1)
+    if W_ds.shape[0] == 0:
+        raise MemlmError("W_ds is empty (0 rows); build the datastore first")
+    scores = mask_to_k(similarity(h_ds, W_ds, metric), k)  # [..., N]
+    return knn_target_logprob(scores, values.to(scores.device).expand_as(scores), targets.to(scores.device).long(),
+                              temperature)  # fmt: skip
 
 
 def eq5_logprobs(

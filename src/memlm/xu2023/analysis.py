@@ -7,8 +7,8 @@ Every experiment is one setting of their Eq. 5::
 * Table 1: h_ds ∈ {att (``ffn_in``: the last FFN's input after its layer norm), ffn (``final``: what the softmax
   reads)} x ⊗ ∈ {L2, IP}, with an approximate FAISS index (mask and scores from FAISS).
 * Table 2 / Fig. 3 (their §4.1-4.2, App. B): W_ds a *learned* nV x D matrix fed by att or ffn
-  (:class:`memlm.generalized.LearnedWds`), trained with cross-entropy on the datastore's own (key, value) pairs, i.e.
-  the frozen LM's h_ds at its training positions; n embeddings per word, summed by M.
+  (:class:`memlm.xu2023.generalized.LearnedWds`), trained with cross-entropy on the datastore's own (key, value)
+  pairs, i.e. the frozen LM's h_ds at its training positions; n embeddings per word, summed by M.
 * Table 3 / Fig. 2 and 4: FAISS mask + FAISS score, FAISS mask + real score, real mask + real score (exact search),
   on random subsamples of the datastore.
 * Fig. 5: the temperature τ from 0.1 to 3.0 (and on to 10), for the 5% and the full datastore; the "best τ" is the
@@ -48,15 +48,15 @@ from memlm.core.distribution import interpolate, perplexity
 from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
 from memlm.fileio import atomic_write_json, dumps_json, unique_tmp
+from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
 
 __all__ = ["AnalysisSpec", "PAPER", "approx_factory", "interpolation_row", "run_analysis", "write_report"]
 
 ROLES = {"att": "ffn_in", "ffn": "final"}  # Xu et al.'s names -> memlm key roles
 # 0.1..3.0 as the paper's Fig. 5, then wider: the scratch LM's best τ sat at the 3.0 edge
 FIG5_TEMPERATURES = tuple(round(0.1 * i, 1) for i in range(1, 31)) + (3.5, 4.0, 5.0, 6.0, 8.0, 10.0)
-SETTINGS = {  # Table 3 rows: (mask, score) -> (search, scores) of memlm.evaluate.retrieve
+SETTINGS = {  # Table 3 rows: (mask, score) -> (search, scores) of memlm.knnlm.evaluate.retrieve
     "FAISS mask, FAISS score": ("index", "index"),
     "FAISS mask, real score": ("index", "exact"),
     "real mask, real score": ("exact", "exact"),
@@ -167,7 +167,7 @@ def interpolation_row(
     """λ tuned on valid for ``(1-λ) p_LM + λ p_mem`` (log-probabilities of the targets), then test perplexities.
 
     Used for memories that come as target log-probabilities (the learned W_ds); datastore dumps go through
-    :func:`memlm.evaluate.tune`, which also tunes τ.
+    :func:`memlm.knnlm.evaluate.tune`, which also tunes τ.
     """
     tuned = grid_search(lambda lam: perplexity(interpolate(valid_lm, valid_mem, lam)), {"lam": lambdas})["best"]
     best = tuned["lam"]
@@ -237,7 +237,7 @@ class _Run:
         dump = self.out / f"forward-{split}.npz"
         qpaths = {role: self.out / f"queries-{split}-{role}.npy" for role in self.datastores}
         if not (dump.exists() and all(p.exists() for p in qpaths.values())):
-            from memlm.evaluate import lm_scores
+            from memlm.knnlm.evaluate import lm_scores
             from memlm.train_lm import load_corpora
             from memlm.windows import limit_documents
 
@@ -378,7 +378,7 @@ class _Run:
 
     # -- learned W_ds --------------------------------------------------------------------------------------------
     def learned_row(self, role: str, n: int) -> dict[str, Any]:
-        from memlm.generalized import load_learned_wds, save_learned_wds, train_learned_wds
+        from memlm.xu2023.generalized import load_learned_wds, save_learned_wds, train_learned_wds
 
         ds = self.datastores[role]
         s = self.spec

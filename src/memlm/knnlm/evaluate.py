@@ -35,8 +35,8 @@ from memlm.errors import MemlmError
 from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
 from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
+from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.pointer import pointer_retrieve
-from memlm.memories import continuous_cache
 from memlm.retrieval import DatastoreMemory
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 

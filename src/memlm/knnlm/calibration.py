@@ -96,12 +96,12 @@ def calibrate(
     batch_size: int = 4,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Score ``held_out`` with ``datastore`` and grid-search λ and τ on it (:func:`memlm.evaluate.tune`).
+    """Score ``held_out`` with ``datastore`` and grid-search λ and τ on it (:func:`memlm.knnlm.evaluate.tune`).
 
     The slice is read with the datastore's own windows (``window``, ``stride``); the datastore's index (or exact
     search when it has none) gives ``k`` neighbours per token. Returns the record stored under ``calibration``.
     """
-    from memlm.evaluate import add_neighbours, lm_scores, perplexities, tune
+    from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities, tune
 
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")

@@ -64,7 +64,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         index=None,
         record: bool = False,
     ) -> None:
-        from memlm.calibration import knn_parameters
+        from memlm.knnlm.calibration import knn_parameters
 
         self.model = model
         self.datastore = datastore
@@ -173,7 +173,7 @@ def generate_text(
     ids, mask = ids.to(device), mask.to(device)
     processors: list[LogitsProcessor] = []
     if processor is None and datastore is not None:
-        from memlm.calibration import knn_parameters
+        from memlm.knnlm.calibration import knn_parameters
 
         lam, temperature, _ = knn_parameters(datastore, lam, temperature, announce=False)
     if processor is None and datastore is not None and lam:
