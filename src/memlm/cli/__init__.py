@@ -1450,7 +1450,3 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
