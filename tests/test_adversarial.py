@@ -334,7 +334,7 @@ def test_case_count():
 
 def test_bad_arguments_fail_before_the_model_is_loaded(world, capsys, monkeypatch):
     """--factory, --dump, --json, --k are checked before any model is loaded (today they failed after the pass)."""
-    import memlm.cli as cli
+    import memlm.cli.common as cli
 
     def no_model(*_a, **_k):
         raise AssertionError("the model was loaded before the arguments were checked")

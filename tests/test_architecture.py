@@ -33,6 +33,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, module: str, top_level_only: bool) -> set[str]:
+    """The memlm modules ``path`` imports: ``from a import b`` is module ``a.b`` when that is a module, else ``a``."""
+    mods = _modules()
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found: set[str] = set()
@@ -48,8 +50,7 @@ def _imports(path: Path, module: str, top_level_only: bool) -> set[str]:
             else:
                 name = node.module or ""
             if name.startswith("memlm"):
-                found.add(name)
-                found |= {f"{name}.{a.name}" for a in node.names}
+                found |= {f"{name}.{a.name}" if f"{name}.{a.name}" in mods else name for a in node.names}
     return found
 
 

@@ -118,7 +118,7 @@ def ds_dir(tmp_path_factory, tiny_lm):
 
 
 def _eval_property(ds_dir, flag: str, value: str) -> None:
-    import memlm.cli as cli
+    import memlm.cli.common as cli
 
     def reached(*_a, **_k):
         raise _Reached

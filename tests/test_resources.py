@@ -241,12 +241,15 @@ def test_default_dtype_is_bf16_only_where_it_is_native(monkeypatch):
 
 def test_cli_resolves_auto_dtype_before_running(monkeypatch, capsys):
     import memlm.cli as cli
+    import memlm.cli.knnlm as knnlm_cli
     import memlm.resources as r
 
     monkeypatch.delenv("MEMLM_DEFAULT_DTYPE", raising=False)
     monkeypatch.setattr(r, "default_dtype", lambda: "bfloat16")
     seen = {}
-    monkeypatch.setattr(cli, "cmd_eval", lambda args: seen.setdefault("dtype", args.dtype))  # bound by build_parser
+    monkeypatch.setattr(
+        knnlm_cli, "cmd_eval", lambda args: seen.setdefault("dtype", args.dtype)
+    )  # bound by build_parser
     assert cli.build_parser().parse_args(["eval", "--corpus", "wiki"]).dtype == "auto"
     assert cli.main(["eval", "--corpus", "wiki"]) == 0 and seen["dtype"] == "bfloat16"
     with pytest.raises(SystemExit):

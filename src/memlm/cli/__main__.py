@@ -1,0 +1,7 @@
+"""``python -m memlm.cli``: the ``memlm`` command."""
+
+import sys
+
+from memlm.cli import main
+
+sys.exit(main())

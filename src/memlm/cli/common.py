@@ -1,0 +1,174 @@
+"""What the ``memlm`` commands share: argument groups, corpus and model loading, JSON output, and the wrapper that
+runs a command (cross-argument checks first; a :class:`MemlmError` becomes one ``error:`` line and exit status 2).
+
+Modules that import torch or faiss (most of memlm) are imported inside the functions that need them, here and in
+every command module, so that ``memlm --help`` and argument errors answer without loading torch (about 1 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from memlm import resources
+from memlm import validate as V
+from memlm.corpora import corpus_fingerprint
+from memlm.errors import MemlmError
+from memlm.fileio import atomic_write_json
+from memlm.windows import limit_documents, resolve_stride
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+# ---------------------------------------------------------------------------------------------- running a command
+
+
+def resolve_dtype(args: argparse.Namespace) -> None:
+    """``--dtype auto`` -> the dtype it means on this machine (memlm.resources.default_dtype), resolved once before
+    the command runs, so result files and caches record the dtype actually used."""
+    if getattr(args, "dtype", None) == "auto":
+        args.dtype = resources.default_dtype()
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command: 0 when it succeeds, 2 after one ``error:`` line, 130 when interrupted."""
+    try:
+        V.preflight(args)  # cheap cross-argument checks before any model, corpus or forward pass
+        args.func(args)
+    except MemlmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ inputs, outputs
+
+
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        atomic_write_json(Path(path), data)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def load_documents(corpus: str, split: str | None, tokenizer, max_tokens: int | None):
+    from memlm.train_lm import load_corpora  # imports torch
+
+    docs = limit_documents(load_corpora(corpus, split), tokenizer, max_tokens)
+    source = {
+        "corpus": corpus,
+        "split": split,
+        "documents": len(docs),
+        "fingerprint": corpus_fingerprint(docs),
+        "max_tokens": max_tokens,
+    }
+    return docs, source
+
+
+def _load_model(name: str, dtype: str):
+    """The causal LM and tokenizer of a command. Commands call it as ``common._load_model``, where tests replace it
+    to check that bad arguments are refused before any model is loaded."""
+    return resources.load_causal_lm(name, dtype=dtype)
+
+
+def floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise MemlmError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+# ------------------------------------------------------------------------------------------------ argument groups
+
+
+def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument(
+        "--model",
+        default=None if not required else DEFAULT_MODEL,
+        help=f"named model (memlm models), HF id or local folder (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype for the forward pass. Default auto = bfloat16 on GPUs and on CPUs with native bf16 "
+        "(AVX512-BF16/AMX: 1.4x float32's tokens/s for SmolLM2-135M eval on 2 cores), float32 elsewhere; the output "
+        "head and log-softmax always run in float32, so bf16 perplexity stays within 0.2%% of float32 (0.03%% and "
+        "0.10%% measured, docs/BENCHMARKS.md)",
+    )
+
+
+def add_corpus(p: argparse.ArgumentParser, split: str) -> None:
+    p.add_argument(
+        "--corpus", required=True, help="named corpus (memlm corpora), .txt/.jsonl file or folder; a,b for several"
+    )
+    p.add_argument(
+        "--split",
+        default=split,
+        choices=["train", "valid", "test", "all"],
+        help=f"split of a named corpus: train, valid, test, all (default {split})",
+    )
+    p.add_argument(
+        "--max-tokens", type=V.positive_int, default=None, help="use only the leading documents up to this many tokens"
+    )
+
+
+def add_ray(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--ray", default=None, metavar="ADDRESS", help=f"{what}: 'local' starts a local Ray cluster, else its address"
+    )
+
+
+def add_knn_weights(p: argparse.ArgumentParser) -> None:
+    """``--lambda`` / ``--temperature`` (Eq. 2-3); unset, they come from the datastore (memlm.knnlm.calibration)."""
+    p.add_argument(
+        "--lambda",
+        dest="lam",
+        type=V.probability,
+        default=None,
+        help="interpolation weight λ of the kNN term (default: the datastore's calibrated λ, tuned on its build's "
+        "held-out slice; 0.25 if it has none)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=V.positive_float,
+        default=None,
+        help="softmax temperature τ on the neighbours' scores (default: the datastore's calibrated τ; 1 if none)",
+    )
+
+
+def add_windows(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--window", type=V.positive_int, default=1024, help="tokens per forward window (default 1024)")
+    p.add_argument(
+        "--min-context",
+        type=V.min_context,
+        default=None,
+        help="every scored token has at least this many tokens of context, >= 1 (default 512, as the paper)",
+    )
+    p.add_argument(
+        "--stride",
+        type=V.positive_int,
+        default=None,
+        help="instead of --min-context: windows advance by this many tokens (window - min_context); "
+        "--stride equal to --window gives non-overlapping blocks (Hugging Face's perplexity guide, run_clm.py)",
+    )
+    p.add_argument(
+        "--block-start",
+        default="skip",
+        choices=["skip", "bos"],
+        help="with --stride = --window: skip the first token of every block (default, as the guide) or score it "
+        "from a BOS (or EOS) token put before each block of window - 1 tokens",
+    )
+    p.add_argument("--batch-size", type=V.positive_int, default=4)
+
+
+def window_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """window, min_context (default 512 unless --stride is given), stride and block_start for the windowing."""
+    if args.min_context is not None and args.stride is not None:
+        resolve_stride(args.window, args.min_context, args.stride)  # refuses a disagreement
+    min_context = args.min_context if args.min_context is not None or args.stride is not None else 512
+    return {"window": args.window, "min_context": min_context, "stride": args.stride, "block_start": args.block_start}

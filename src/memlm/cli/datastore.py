@@ -1,0 +1,246 @@
+"""``memlm datastore build|info`` and ``memlm index build``: kNN-LM datastores (memlm.datastore, memlm.sharded)
+and their FAISS indexes; a build also calibrates λ and τ on a held-out slice (memlm.knnlm.calibration)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from memlm import validate as V
+from memlm.cli import common
+from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
+from memlm.errors import MemlmError
+from memlm.knnlm.calibration import calibrate, holdout_split
+from memlm.locking import folder_lock
+
+# memlm.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands (common.py)
+
+
+def cmd_datastore_build(args: argparse.Namespace) -> None:
+    from memlm.datastore import build_datastore
+    from memlm.keys import KeySpec
+
+    if args.shards is not None or args.ray is not None:
+        return _build_sharded(args)
+    key = KeySpec.parse(args.key)
+    model, tok = common._load_model(args.model, args.dtype)
+    if args.device != "cpu":
+        model.to(args.device)
+    V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
+    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
+    with folder_lock(args.out, "build a datastore"):  # held through the index build too
+        ds = build_datastore(
+            model,
+            tok,
+            docs,
+            args.out,
+            key=key,
+            **window_kwargs(args),
+            batch_size=args.batch_size,
+            source=source,
+            append=args.append,
+            overwrite=args.overwrite,
+        )
+        print(f"datastore {ds.path}: {len(ds)} entries, key {ds.key_spec.describe()}, dim {ds.dim}")
+        if args.index:
+            _ensure_index(ds, args.factory, args.metric)
+        _calibrate(model, tok, ds, held_out, source["holdout"], args)
+
+
+def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace) -> None:
+    """Tune λ and τ on the build's held-out slice and record them with the datastore (memlm.knnlm.calibration)."""
+    if not held_out:
+        print(f"no calibration: nothing held out ({holdout.get('reason')}); eval falls back to λ=0.25, τ=1",
+              file=sys.stderr)  # fmt: skip
+        return
+    cal = ds.manifest.get("calibration")
+    if cal is not None and cal.get("count") == len(ds) and cal.get("holdout_ids") == holdout.get("ids_sha256"):
+        print(f"calibration already recorded: λ={cal['lambda']:g}, τ={cal['temperature']:g}", file=sys.stderr)
+        return
+    print(f"calibrating λ and τ on {holdout['tokens']:,} held-out tokens ({holdout['documents']} documents)",
+          file=sys.stderr)  # fmt: skip
+    cal = calibrate(model, tok, ds, held_out, k=args.calibration_k, batch_size=args.batch_size)
+    cal["holdout_ids"] = holdout.get("ids_sha256")
+    ds.record_calibration(cal)
+    print(f"calibrated: λ={cal['lambda']:g}, τ={cal['temperature']:g} (held-out ppl {cal['base_ppl']:.3f} -> "
+          f"{cal['knn_ppl']:.3f}); recorded in {ds.path}", file=sys.stderr)  # fmt: skip
+
+
+def _ensure_index(ds, factory: str | None, metric: str) -> None:
+    """Build the datastore's index unless a valid one with the same factory and metric is there already."""
+    from memlm.index import plan_index, read_index_meta
+
+    problem = ds.index_problem()
+    if problem is not None:
+        if ds.index_path.exists():
+            print(f"rebuilding the index: {problem}", file=sys.stderr)
+        _build_index(ds, factory, metric, None)
+        return
+    meta = read_index_meta(ds.index_path)
+    want = plan_index(len(ds), ds.dim, factory, metric).factory
+    if (meta["factory"], meta["metric"]) != (want, metric):
+        raise MemlmError(
+            f"datastore {ds.path} already has an index {meta['factory']} ({meta['metric']}), not {want} ({metric}) as "
+            f"asked: rebuild it with `memlm index build {ds.path} --factory '{want}' --metric {metric}`, or rerun "
+            "with the index's --factory and --metric"
+        )
+    print(f"index {ds.index_path} already built ({meta['factory']}, {metric})", file=sys.stderr)
+
+
+def _build_sharded(args: argparse.Namespace) -> None:
+    """``datastore build --shards N [--ray ADDRESS|local]``: memlm.sharded.build_sharded (+ the sharded index)."""
+    from memlm.keys import KeySpec
+    from memlm.sharded import build_sharded
+
+    model, tok = common._load_model(args.model, "float32" if args.ray else args.dtype)  # Ray workers load their own
+    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
+    ds = build_sharded(
+        args.model if args.ray else model,
+        docs,
+        args.out,
+        args.shards or 1,
+        tokenizer=tok,
+        key=KeySpec.parse(args.key),
+        window=args.window,
+        min_context=args.min_context,
+        batch_size=args.batch_size,
+        source=source,
+        ray=args.ray,
+        dtype=args.dtype,
+        device=args.device,
+        cpus_per_worker=args.cpus_per_worker,
+    )
+    print(f"sharded datastore {ds.path}: {len(ds)} entries in {len(ds.shards)} shards, key {ds.key_spec.describe()}")
+    if args.index and not (ds.path / "index.faiss.json").exists():
+        _build_index(ds, args.factory, args.metric, None, ray=args.ray)
+    if args.index:
+        _calibrate(model, tok, ds, held_out, source["holdout"], args)
+
+
+def _build_index(ds, factory: str | None, metric: str, train_size: int | None, ray: str | None = None) -> None:
+    from memlm.index import read_index_meta
+
+    if hasattr(ds, "shards"):  # a sharded datastore: train once, one index per shard
+        from memlm.sharded_index import build_sharded_index
+
+        desc = build_sharded_index(ds, factory=factory, metric=metric, train_size=train_size, ray=ray)
+        print(f"sharded index {ds.index_path}.json ({desc['factory']}, {metric}, {len(desc['shards'])} shards)")
+        return
+
+    ds.build_index(factory=factory, metric=metric, train_size=train_size)  # prints its plan
+    print(f"index {ds.index_path} ({read_index_meta(ds.index_path)['factory']}, {metric})")
+
+
+def cmd_datastore_info(args: argparse.Namespace) -> None:
+    from memlm.index import read_index_meta
+    from memlm.sharded import open_datastore
+
+    ds = open_datastore(args.dir, verify=args.verify)
+    m = ds.manifest
+    if hasattr(ds, "shards"):  # a sharded datastore: its manifest lists the shards (each a datastore)
+        keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "sharded")
+        print(json.dumps({k: m[k] for k in keys if k in m}, indent=2))
+        if args.verify:
+            print(f"checksums OK ({ds.checksum()[:16]}): every shard's manifest, sizes and full SHA-256")
+        return
+    info = {k: m[k] for k in ("model", "tokenizer", "key", "count", "window", "min_context", "sources") if k in m}
+    info["build_id"] = m.get("build_id")
+    problem = ds.index_problem()
+    if not ds.index_path.exists():
+        info["index"] = None
+    else:
+        meta = read_index_meta(ds.index_path) if problem is None else None
+        info["index"] = {k: meta.get(k) for k in ("factory", "metric", "n", "d")} if meta else {}
+        info["index"].update(usable=problem is None, **({"problem": problem} if problem else {}))
+    print(json.dumps(info, indent=2))
+    if args.verify:
+        if problem is not None and ds.index_path.exists():
+            raise MemlmError(f"datastore files OK, but its index cannot be used: {problem}")
+        checked = "manifest, sizes, values range and full SHA-256 of every file"
+        if ds.index_path.exists():
+            ds.load_index(verify=True)
+            checked += ", and the index (full SHA-256, header, datastore identity)"
+        print(f"checksums OK ({ds.checksum()[:16]}): {checked}")
+
+
+def cmd_index_build(args: argparse.Namespace) -> None:
+    from memlm.sharded import open_datastore
+
+    open_datastore(args.dir)  # a clear error before the folder is touched
+    with folder_lock(args.dir, "build an index"):
+        _build_index(open_datastore(args.dir), args.factory, args.metric, args.train_size, ray=args.ray)
+
+
+def add_parsers(sub) -> None:
+    ds = sub.add_parser("datastore", help="build or inspect a kNN-LM datastore").add_subparsers(
+        dest="sub", required=True
+    )
+    b = ds.add_parser("build", help="one forward pass over a corpus -> (key, next token) datastore (+ index)")
+    add_model(b, required=True)
+    add_corpus(b, "train")
+    b.add_argument(
+        "--out", type=V.output_dir, required=True, help="datastore folder (rerun the same command to resume)"
+    )
+    b.add_argument(
+        "--key",
+        default="ffn_in",
+        help="key role[@layer]: ffn_in, final, ffn_out, attn_out, attn_in, block_out, ffn_in_raw (FFN input before "
+        "its layer norm) (default ffn_in = last layer's FFN input after layer norm)",
+    )
+    add_windows(b)
+    b.add_argument("--append", action="store_true", help="add this corpus to an existing datastore")
+    b.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the datastore (and index) already in --out, or an unfinished build with other settings",
+    )
+    b.add_argument(
+        "--no-index",
+        dest="index",
+        action="store_false",
+        help="do not build the FAISS index afterwards (nor calibrate λ and τ, which needs it)",
+    )
+    b.add_argument(
+        "--holdout",
+        type=V.holdout_fraction,
+        default=0.02,
+        help="share of the corpus's tokens held out of the datastore (deterministic documents, at least 4,096 "
+        "tokens) to tune λ and τ on after the build; recorded in the manifest and used by eval, generate and "
+        "lm-eval when no --lambda/--temperature is given (default 0.02; 0 = none)",
+    )
+    b.add_argument(
+        "--calibration-k", type=V.neighbours, default=1024, help="neighbours per held-out token (default 1024)"
+    )
+    b.add_argument("--factory", default=None, help="FAISS factory string (default: chosen from the datastore size)")
+    b.add_argument("--metric", default="l2", choices=["l2", "ip"])
+    b.add_argument("--device", default="cpu", help="where the forward pass runs: cpu, cuda, cuda:N (default cpu)")
+    b.add_argument(
+        "--shards",
+        type=V.positive_int,
+        default=None,
+        help="split the corpus by documents into N shards (docs/SCALING.md)",
+    )
+    add_ray(b, "build the shards as Ray tasks")
+    b.add_argument("--cpus-per-worker", type=V.positive_int, default=1, help="CPUs (torch threads) per Ray build task")
+    b.set_defaults(func=cmd_datastore_build)
+    i = ds.add_parser("info", help="print a datastore's manifest")
+    i.add_argument("dir", type=V.existing_dir)
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="also check the full SHA-256 of every file and of the index (opening always checks sizes, sampled "
+        "checksums, the manifest's own checksum and the values' range)",
+    )
+    i.set_defaults(func=cmd_datastore_info)
+
+    ix = sub.add_parser("index", help="FAISS index over a datastore").add_subparsers(dest="sub", required=True)
+    ib = ix.add_parser("build", help="build (or rebuild) the index of a datastore folder")
+    ib.add_argument("dir", type=V.existing_dir)
+    ib.add_argument("--factory", default=None, help="FAISS factory string, e.g. Flat, IVF4096,PQ64, HNSW32")
+    ib.add_argument("--metric", default="l2", choices=["l2", "ip"])
+    ib.add_argument("--train-size", type=V.positive_int, default=None)
+    add_ray(ib, "fill a sharded datastore's shard indexes as Ray tasks")
+    ib.set_defaults(func=cmd_index_build)

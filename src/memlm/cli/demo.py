@@ -1,0 +1,21 @@
+"""``memlm demo``: SmolLM2-135M with wiki and news datastores (memlm.demo)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memlm import validate as V
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from memlm.demo import run_demo  # imports torch (see common.py)
+
+    run_demo(out=Path(args.out) if args.out else None, quick=args.quick)
+
+
+def add_parsers(sub) -> None:
+    d = sub.add_parser("demo", help="SmolLM2-135M + wiki and news datastores on the offline defaults")
+    d.add_argument("--out", type=V.output_dir, default=None, help="output folder (default $MEMLM_HOME/demo)")
+    d.add_argument("--quick", action="store_true", help="a much smaller run (tests use it)")
+    d.set_defaults(func=cmd_demo)

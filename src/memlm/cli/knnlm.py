@@ -1,0 +1,219 @@
+"""``memlm eval``, ``memlm tune`` and ``memlm generate``: the kNN-LM (memlm.knnlm.evaluate, memlm.knnlm.generate) with a
+datastore's calibrated (or given) λ and τ."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from memlm import validate as V
+from memlm.cli import common
+from memlm.cli.common import (
+    DEFAULT_MODEL,
+    add_corpus,
+    add_knn_weights,
+    add_model,
+    add_ray,
+    add_windows,
+    load_documents,
+    window_kwargs,
+    write_json,
+)
+from memlm.knnlm.calibration import knn_parameters
+
+# memlm.knnlm.evaluate, .generate, .keys and .sharded import torch or faiss: imported in the commands (see common.py)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from memlm.keys import KeySpec
+    from memlm.knnlm.evaluate import perplexities, score_tokens
+    from memlm.sharded import open_datastore
+
+    ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
+    model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
+    model, tok = common._load_model(model_name, args.dtype)
+    if ds is not None:
+        ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
+    V.check_against_model(args, model)
+    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    ts = score_tokens(
+        model,
+        tok,
+        docs,
+        ds,
+        k=args.k,
+        **window_kwargs(args),
+        batch_size=args.batch_size,
+        search=args.search,
+        scores=args.scores,
+        nprobe=args.nprobe,
+        drop_self_matches=args.drop_self_matches,
+        cache=args.cache,
+        meta={"model": model_name, "source": source},
+    )
+    if args.dump:
+        ts.save(args.dump)
+        print(f"wrote {args.dump}", file=sys.stderr)
+    lam, temperature, origin = 0.0, args.temperature or 1.0, None
+    if ds is not None:
+        lam, temperature, origin = knn_parameters(ds, args.lam, args.temperature)
+        if args.cache and args.lam is None and lam + args.cache_lambda > 1:
+            lam = 1.0 - args.cache_lambda  # the calibrated λ was tuned without the cache: leave the cache its weight
+            print(f"λ lowered to {lam:g} so that λ + --cache-lambda <= 1", file=sys.stderr)
+    res = perplexities(
+        ts,
+        lam=lam,
+        temperature=temperature,
+        cache_lambda=args.cache_lambda if args.cache else 0.0,
+        cache_temperature=args.cache_temperature,
+    )
+    res.update(
+        model=model_name,
+        corpus=args.corpus,
+        split=args.split,
+        **({"parameters_from": origin} if origin else {}),
+        **{
+            k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
+        },
+    )
+    _print_result(res)
+    write_json(args.json, res)
+
+
+def _print_result(res: dict[str, Any]) -> None:
+    fmt = {float: "{:.4g}"}
+    for k, v in res.items():
+        print(f"{k:22s} {fmt.get(type(v), '{}').format(v)}")
+
+
+def cmd_tune(args: argparse.Namespace) -> None:
+    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, perplexities, tune
+
+    valid = TokenScores.load(args.valid)
+    result = tune(
+        valid,
+        lambdas=args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS),
+        temperatures=args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES),
+        k=args.k,
+        cache_lambdas=args.cache_lambdas,
+        cache_temperatures=args.cache_temperatures,
+    )
+    best = result["best"]
+    out: dict[str, Any] = {"valid": {"best": best, "grid_points": len(result["grid"])}}
+    print(
+        f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
+        f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
+    )
+    if args.test:
+        res = perplexities(
+            TokenScores.load(args.test),
+            lam=best["lambda"],
+            temperature=best["temperature"],
+            k=args.k,
+            cache_lambda=best["cache_lambda"],
+            cache_temperature=best["cache_temperature"],
+        )
+        out["test"] = res
+        _print_result(res)
+    out["grid"] = result["grid"]
+    write_json(args.json, out)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
+    from memlm.sharded import open_datastore
+
+    ds = open_datastore(args.datastore, ray=args.ray)
+    model, tok = common._load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
+    ds.check_compatible(model, tok)
+    lam, temperature, _ = knn_parameters(ds, args.lam, args.temperature)
+    torch.manual_seed(args.seed)
+    knn = KNNLogitsProcessor(model, ds, k=args.k, lam=lam, temperature=temperature, record=args.show_neighbours > 0)
+    lookup = SourceLookup(ds, tok) if args.show_neighbours > 0 else None
+    streamer = NeighbourStreamer(tok, knn, lookup, n_neighbours=args.show_neighbours)
+    print(args.prompt, end="" if lookup is None else "\n", flush=True)
+    generate_text(
+        model,
+        tok,
+        [args.prompt],
+        max_new_tokens=args.max_new_tokens,
+        do_sample=not args.greedy,
+        streamer=streamer,
+        processor=knn,
+    )
+
+
+def add_parsers(sub) -> None:
+    e = sub.add_parser("eval", help="perplexity of the LM and of the kNN-LM on a corpus split")
+    add_model(e)
+    add_corpus(e, "test")
+    e.add_argument(
+        "--datastore", type=V.existing_dir, default=None, help="datastore folder (its model and key are used)"
+    )
+    e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
+    e.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token (default 1024, as the paper)")
+    add_knn_weights(e)
+    e.add_argument("--search", default="index", choices=["index", "exact"], help="neighbours from the index or exact")
+    e.add_argument(
+        "--scores",
+        default="index",
+        choices=["index", "exact"],
+        help="scores as the index returns them or recomputed from the stored fp16 keys",
+    )
+    e.add_argument("--nprobe", type=V.positive_int, default=32)
+    e.add_argument(
+        "--drop-self-matches",
+        action="store_true",
+        help="ignore neighbours that are the evaluated token itself (text also in the datastore)",
+    )
+    e.add_argument("--cache", action="store_true", help="also compute the continuous cache (Grave et al. 2017)")
+    e.add_argument("--cache-lambda", type=V.probability, default=0.1)
+    e.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
+    add_windows(e)
+    e.add_argument("--dump", type=V.output_file, default=None, help="write per-token scores (.npz) for memlm tune")
+    e.add_argument(
+        "--json",
+        type=V.output_file,
+        default=None,
+        help="write the results as (strict) JSON; knn_only_ppl is null when some target is never retrieved (infinite)",
+    )
+    add_ray(e, "search a sharded datastore with one Ray actor per shard (default: threads in this process)")
+    e.add_argument(
+        "--mmap-index",
+        action="store_true",
+        help="memory-map the index instead of reading it into RAM (larger-than-RAM datastores; sharded: always)",
+    )
+    e.set_defaults(func=cmd_eval)  # looked up when the parser is built (tests replace it first)
+
+    t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
+    t.add_argument("--valid", type=V.existing_file, required=True, help="dump from memlm eval --split valid --dump")
+    t.add_argument("--test", type=V.existing_file, default=None, help="dump from memlm eval --split test --dump")
+    t.add_argument("--lambdas", type=V.probability, nargs="+", default=None)
+    t.add_argument("--temperatures", type=V.positive_float, nargs="+", default=None)
+    t.add_argument("--cache-lambdas", type=V.probability, nargs="+", default=[0.0])
+    t.add_argument("--cache-temperatures", type=V.positive_float, nargs="+", default=[1.0])
+    t.add_argument("--k", type=V.neighbours, default=None, help="use only the k best of the dumped neighbours")
+    t.add_argument("--json", type=V.output_file, default=None)
+    t.set_defaults(func=cmd_tune)
+
+    g = sub.add_parser("generate", help="sample from the kNN-LM, streaming tokens as they come")
+    add_model(g)
+    g.add_argument("--datastore", type=V.existing_dir, required=True)
+    g.add_argument("--prompt", type=V.nonempty_text, required=True)
+    g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
+    g.add_argument("--k", type=V.neighbours, default=64)
+    add_knn_weights(g)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")
+    g.add_argument(
+        "--show-neighbours",
+        type=V.nonneg_int,
+        default=0,
+        metavar="N",
+        help="print under each generated token the N nearest datastore entries with their source text",
+    )
+    add_ray(g, "search a sharded datastore with one Ray actor per shard")
+    g.set_defaults(func=cmd_generate)

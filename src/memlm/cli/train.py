@@ -1,0 +1,199 @@
+"""``memlm train``: a causal LM (cross-entropy or a TRIME loss; memlm.train_lm) or an NPM / MLM encoder
+(memlm.npm), resumable."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memlm import validate as V
+from memlm.errors import MemlmError
+
+# memlm.train, .train_lm, .trime and .npm import torch: imported in the commands (see common.py)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from memlm.train import TrainConfig
+    from memlm.train_lm import train_lm
+
+    if args.objective != "lm":
+        return _train_npm(args)
+    config = TrainConfig(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        seed=args.seed,
+        warmup_loss_steps=args.ce_warmup if args.loss != "ce" else 0,
+        device=args.device,
+    )
+    extra = {}
+    if args.loss != "ce":
+        from memlm.train import causal_lm_loss
+        from memlm.trime.training import trime_objective
+
+        options = {"seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+        if args.loss == "trime-long":
+            options["segments_per_doc"] = args.segments_per_doc
+        if args.loss == "trime-ext":
+            options.update(drop_local_p=args.drop_local_p, packing=args.packing)
+        loss_fn, batches = trime_objective(args.loss, **options)
+        extra = {"loss_fn": loss_fn, "batches": batches, "warmup_loss": causal_lm_loss}
+    result = train_lm(
+        args.out,
+        args.corpus,
+        config,
+        scratch=args.from_scratch,
+        model=args.model,
+        tokenizer=args.tokenizer or "bpe:8192",
+        valid_corpus=args.valid_corpus,
+        valid_tokens=args.valid_tokens,
+        n_positions=args.n_positions,
+        dropout=args.dropout,
+        resume=not args.no_resume,
+        stop_after=args.stop_after,
+        **extra,
+    )
+    if result.final_dir is None:
+        print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
+        return
+    ppl = result.valid_ppl
+    print(f"trained {result.step} updates -> {result.final_dir}" + (f" (valid ppl {ppl:.3f})" if ppl else ""))
+
+
+def _train_npm(args: argparse.Namespace) -> None:
+    from memlm.npm.train_npm import DEFAULT_ENCODER, train_npm
+    from memlm.train import TrainConfig
+
+    if args.loss != "ce":
+        raise MemlmError(f"--loss {args.loss} is for causal LMs; --objective {args.objective} has its own loss")
+    if args.from_scratch and args.model:
+        raise MemlmError("give --from-scratch SIZE or --model ENCODER, not both")
+    if args.tokenizer and args.tokenizer.startswith("bpe:"):
+        raise MemlmError(
+            "--objective npm uses an encoder's WordPiece tokenizer: give --tokenizer ENCODER (folder/name)"
+        )
+    if args.from_scratch and args.tokenizer and args.model is None:
+        encoder = args.tokenizer  # from scratch: the tokenizer of this encoder
+    else:
+        encoder = args.model or DEFAULT_ENCODER
+    config = TrainConfig(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        eval_every=0,
+        save_every=args.save_every,
+        seed=args.seed,
+        device=args.device,
+    )
+    common = {"encoder": encoder, "scratch": args.from_scratch, "valid_corpus": args.valid_corpus,
+              "valid_tokens": args.valid_tokens, "n_positions": args.n_positions, "dropout": args.dropout,
+              "resume": not args.no_resume, "stop_after": args.stop_after}  # fmt: skip
+    if args.objective == "mlm":
+        from memlm.npm.mlm import train_mlm
+
+        if args.max_span is not None:
+            raise MemlmError("--max-span is for NPM's span masking; --objective mlm masks single tokens")
+        result = train_mlm(args.out, args.corpus, config, prob=args.mask_budget, **common)
+    else:
+        result = train_npm(args.out, args.corpus, config, objective=args.objective, budget=args.mask_budget,
+                           max_span=args.max_span, **common)  # fmt: skip
+    if result.final_dir is None:
+        print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
+        return
+    vl = result.valid_loss
+    unit = "masked token" if args.objective != "npm" else "masked span"
+    print(
+        f"trained {result.step} updates ({args.objective}) -> {result.final_dir}"
+        + (f" (valid loss {vl:.4f} per {unit})" if vl is not None else "")
+    )
+
+
+def add_parsers(sub) -> None:
+    t = sub.add_parser("train", help="train a causal LM from scratch or continue a pretrained one (resumable)")
+    t.add_argument(
+        "--out",
+        type=V.output_dir,
+        required=True,
+        help="run folder; rerun the same command to resume; model in OUT/final",
+    )
+    t.add_argument("--corpus", required=True, help="training corpora, comma-separated (split train), e.g. wiki,news")
+    t.add_argument("--valid-corpus", default=None, help="validation corpora (split valid; default: --corpus)")
+    t.add_argument(
+        "--valid-tokens", type=V.nonneg_int, default=200_000, help="validation tokens scored (0: no validation)"
+    )
+    t.add_argument(
+        "--objective",
+        default="lm",
+        choices=["lm", "npm", "npm-single", "mlm"],
+        help="lm: causal LM (--loss picks CE or TRIME); npm / npm-single: NPM on a BERT-like encoder (Min et al. "
+        "2023); mlm: the same encoder with a masked-LM head (NPM's parametric baseline)",
+    )
+    init = t.add_mutually_exclusive_group()
+    init.add_argument(
+        "--from-scratch",
+        metavar="SIZE",
+        help="GPT-2-style model: 5m..50m or <layers>x<dim> (6x384); npm: a BERT of that size",
+    )
+    init.add_argument(
+        "--model",
+        help="continue training this pretrained model (named, HF id or folder); npm: the encoder (default minilm-l6)",
+    )
+    t.add_argument(
+        "--tokenizer",
+        default=None,
+        help="from scratch: bpe:<vocab> (trained here; default bpe:8192), gpt2 or folder; npm: the encoder whose "
+        "tokenizer to use (default minilm-l6)",
+    )
+    t.add_argument("--n-positions", type=V.positive_int, default=1024, help="from scratch: maximum positions")
+    t.add_argument("--dropout", type=V.probability, default=0.1, help="from scratch: dropout")
+    t.add_argument("--steps", type=V.positive_int, default=1000, help="optimizer updates")
+    t.add_argument("--batch-size", type=V.positive_int, default=8, help="sequences per micro-batch")
+    t.add_argument("--grad-accum", type=V.positive_int, default=1, help="micro-batches per update")
+    t.add_argument("--seq-len", type=V.positive_int, default=512)
+    t.add_argument("--lr", type=V.positive_float, default=6e-4, help="peak learning rate (AdamW)")
+    t.add_argument("--weight-decay", type=V.nonneg_float, default=0.1)
+    t.add_argument("--warmup", type=V.nonneg_float, default=0.05, help="warm-up updates, or a fraction of --steps")
+    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16: autocast")
+    t.add_argument(
+        "--eval-every", type=V.nonneg_int, default=200, help="validation every N updates (0: only at the end)"
+    )
+    t.add_argument(
+        "--save-every", type=V.nonneg_int, default=200, help="checkpoint every N updates (0: only at the end)"
+    )
+    t.add_argument(
+        "--loss",
+        default="ce",
+        choices=["ce", "trime", "trime-long", "trime-ext"],
+        help="ce (plain LM); TRIME with local memory, + long-term (consecutive segments), + external (BM25 batches)",
+    )
+    t.add_argument(
+        "--ce-warmup", type=V.probability, default=0.05, help="TRIME: plain CE for this fraction of updates first"
+    )
+    t.add_argument(
+        "--segments-per-doc", type=V.positive_int, default=None, help="trime-long: consecutive segments per batch"
+    )
+    t.add_argument(
+        "--drop-local-p", type=V.probability, default=0.9, help="trime-ext: drop the local memory with prob. p"
+    )
+    t.add_argument("--packing", default="bm25", choices=["bm25", "random"], help="trime-ext: batch packing")
+    t.add_argument(
+        "--mask-budget", type=V.probability, default=None, help="npm, mlm: fraction of tokens masked (default 0.15)"
+    )
+    t.add_argument("--max-span", type=V.positive_int, default=None, help="npm: longest masked span (default 10)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one, else CPU), cpu, cuda, cuda:N")
+    t.add_argument("--stop-after", type=V.positive_int, default=None, help="stop (resumably) after this many updates")
+    t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
+    t.set_defaults(func=cmd_train, train_parser=t)

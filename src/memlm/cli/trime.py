@@ -1,0 +1,142 @@
+"""``memlm trime-eval`` and ``memlm trime-tune``: TRIME (Zhong et al. 2022) perplexity with local, long-term and
+external memory, and the choice of its parameters on a validation dump (memlm.trime)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from memlm import validate as V
+from memlm.cli.common import DEFAULT_MODEL, add_corpus, add_model, floats, write_json
+
+# memlm.trime and memlm.datastore import torch: imported in the commands (see common.py)
+
+
+def _print_trime_rows(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]], tokens: str) -> None:
+    print(f"{'memory':10s} {'M':>3s} {'tau_local':>9s} {'tau':>6s} {'lambda':>6s} {'ppl':>10s}  ({tokens})")
+    for name, p, res in rows:
+        if res is None:
+            continue
+        if p is None:
+            print(f"{name:10s} {'-':>3s} {'-':>9s} {'-':>6s} {'-':>6s} {res['base_ppl']:10.4f}")
+            continue
+        ext = name == "external"
+        m = "-" if p["segments"] is None else str(p["segments"])
+        tau = f"{p['temperature']:.3g}" if ext else "-"
+        lam = f"{p['lambda']:.3g}" if ext else "-"
+        print(f"{name:10s} {m:>3s} {p['local_temperature']:9.3g} {tau:>6s} {lam:>6s} {res['ppl']:10.4f}")
+
+
+def cmd_trime_eval(args: argparse.Namespace) -> None:
+    from memlm.trime.inference import run_trime_eval
+
+    model = args.model
+    if model is None and args.datastore:
+        from memlm.datastore import Datastore
+
+        model = Datastore.open(args.datastore).model_name
+    model = model or DEFAULT_MODEL
+    ts, res = run_trime_eval(
+        model,
+        args.corpus,
+        args.split,
+        args.seq_len,
+        max_segments=args.max_segments,
+        local_temperatures=floats(args.local_temperatures),
+        datastore=args.datastore,
+        k=args.k,
+        search=args.search,
+        nprobe=args.nprobe,
+        drop_self_matches=args.drop_self_matches,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+        dump=args.dump,
+    )
+    if args.dump:
+        print(f"wrote {args.dump}", file=sys.stderr)
+    rows = [
+        ("none", None, res),
+        *((name, res[name], res[name]) for name in ("local", "long", "external") if name in res),
+    ]
+    _print_trime_rows(rows, f"{res['tokens']} tokens, {args.split}")
+    out = {"model": model, "corpus": args.corpus, "split": args.split, "seq_len": args.seq_len, **res,
+           "meta": {k: v for k, v in ts.meta.items() if k != "source"}, "source": ts.meta.get("source")}  # fmt: skip
+    write_json(args.json, out)
+
+
+def cmd_trime_tune(args: argparse.Namespace) -> None:
+    from memlm.trime.inference import (
+        DEFAULT_SEGMENTS,
+        DEFAULT_TRIME_LAMBDAS,
+        DEFAULT_TRIME_TEMPERATURES,
+        TrimeScores,
+        tune_trime_memories,
+    )
+
+    valid = TrimeScores.load(args.valid)
+    test = TrimeScores.load(args.test) if args.test else None
+    res = tune_trime_memories(
+        valid,
+        test,
+        segments=tuple(int(x) for x in floats(args.segments)) if args.segments else DEFAULT_SEGMENTS,
+        temperatures=floats(args.ext_temperatures) if args.ext_temperatures else DEFAULT_TRIME_TEMPERATURES,
+        lambdas=floats(args.ext_lambdas) if args.ext_lambdas else DEFAULT_TRIME_LAMBDAS,
+        knn_temperatures=floats(args.knn_temperatures) if args.knn_temperatures else (None,),
+        local_temperatures=floats(args.local_temperatures) if args.local_temperatures else None,
+    )
+    kinds = [k for k in ("local", "long", "external") if k in res]
+    print("best on valid:")
+    _print_trime_rows(
+        [("none", None, res["valid"]), *((k, res[k]["best"], res[k]["best"]) for k in kinds)],
+        f"{res['valid']['tokens']} tokens, valid",
+    )
+    if test is not None:
+        print("applied to test:")
+        _print_trime_rows(
+            [("none", None, res["test"]), *((k, res[k]["best"], res[k]["test"]) for k in kinds)],
+            f"{res['test']['tokens']} tokens, test",
+        )
+    write_json(args.json, res)
+
+
+def add_parsers(sub) -> None:
+    te = sub.add_parser("trime-eval", help="TRIME perplexity with local, long-term and external memory (+ dump)")
+    add_model(te)
+    add_corpus(te, "test")
+    te.add_argument("--seq-len", type=V.positive_int, required=True, help="tokens per segment (one forward pass each)")
+    te.add_argument(
+        "--max-segments", type=V.nonneg_int, default=8, help="previous segments kept for the long-term memory"
+    )
+    te.add_argument("--local-temperatures", default="1", help="τ_local values kept in the dump, comma-separated")
+    te.add_argument(
+        "--datastore",
+        type=V.existing_dir,
+        default=None,
+        help="external memory: a datastore with ffn_in keys of this model",
+    )
+    te.add_argument("--k", type=V.neighbours, default=1024, help="entries retrieved per token from the datastore")
+    te.add_argument("--search", default="index", choices=["index", "exact"])
+    te.add_argument("--nprobe", type=V.positive_int, default=32)
+    te.add_argument("--drop-self-matches", action="store_true", help="ignore retrieved entries that are the token")
+    te.add_argument("--batch-size", type=V.positive_int, default=8)
+    te.add_argument(
+        "--dump", type=V.output_file, default=None, help="write per-token scores (.npz) for memlm trime-tune"
+    )
+    te.add_argument("--json", type=V.output_file, default=None, help="write the results as JSON")
+    te.set_defaults(func=cmd_trime_eval)
+    tt = sub.add_parser("trime-tune", help="choose M, τ_local, τ, λ on a valid dump; apply to a test dump")
+    tt.add_argument(
+        "--valid", type=V.existing_file, required=True, help="dump from memlm trime-eval --split valid --dump"
+    )
+    tt.add_argument("--test", type=V.existing_file, default=None, help="dump from memlm trime-eval --split test --dump")
+    tt.add_argument("--segments", default=None, help="M values, comma-separated (default 0,1,2,4,8)")
+    tt.add_argument(
+        "--temperatures", dest="ext_temperatures", default=None, help="τ of the external memory (default 0.25..8)"
+    )
+    tt.add_argument("--lambdas", dest="ext_lambdas", default=None, help="λ values (default 0,0.05,...,0.6)")
+    tt.add_argument("--knn-temperatures", default=None, help="τ_kNN values (default: τ)")
+    tt.add_argument("--local-temperatures", default=None, help="τ_local values (default: all in the dump)")
+    tt.add_argument("--json", type=V.output_file, default=None)
+    tt.set_defaults(func=cmd_trime_tune)
