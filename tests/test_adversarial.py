@@ -127,6 +127,20 @@ CASES: list[tuple[str, list[str]]] = [
     ("info-empty-dir", ["datastore", "info", D]),
     ("info-junk-manifest", ["datastore", "info", "{root}/junkds"]),
     ("info-list-manifest", ["datastore", "info", "{root}/listds"]),
+    # datastore prune
+    ("prune-missing", ["datastore", "prune", NO, "--out", "{root}/o"]),
+    ("prune-file", ["datastore", "prune", F, "--out", "{root}/o"]),
+    ("prune-out-file", ["datastore", "prune", DS, "--out", F]),
+    ("prune-k-merge-0", ["datastore", "prune", DS, "--out", "{root}/o", "--k-merge", "0"]),
+    ("prune-no-out", ["datastore", "prune", DS]),
+    ("prune-junk-manifest", ["datastore", "prune", "{root}/junkds", "--out", "{root}/o"]),
+    # gate train
+    ("gate-dump-missing", ["gate", "train", "--dump", NO, "--out", "{root}/o.npz"]),
+    ("gate-dump-trime", ["gate", "train", "--dump", TD, "--out", "{root}/o.npz"]),
+    ("gate-dump-junk", ["gate", "train", "--dump", JK, "--out", "{root}/o.npz"]),
+    ("gate-dump-no-entropy", ["gate", "train", "--dump", KD, "--out", "{root}/o.npz"]),
+    ("gate-out-under-file", ["gate", "train", "--dump", KD, "--out", F + "/g.npz"]),
+    ("gate-steps-0", ["gate", "train", "--dump", KD, "--out", "{root}/o.npz", "--steps", "0"]),
     # index build
     ("index-missing", ["index", "build", NO]),
     ("index-file", ["index", "build", F]),
@@ -137,6 +151,13 @@ CASES: list[tuple[str, list[str]]] = [
     ("index-junk-manifest", ["index", "build", "{root}/junkds"]),
     # eval
     ("eval-k-neg", [*EVAL, "--k", "-5"]),
+    ("eval-adaptive-missing", [*EVAL, "--adaptive", NO]),
+    ("eval-adaptive-junk", [*EVAL, "--adaptive", JK]),
+    ("eval-adaptive-fraction-alone", [*EVAL, "--adaptive-fraction", "0.5"]),
+    ("eval-adaptive-fraction-1.5", [*EVAL, "--adaptive", KD, "--adaptive-fraction", "1.5"]),
+    ("eval-pointer-neg", [*EVAL, "--pointer-min", "-1"]),
+    ("eval-pipeline-pointer", [*EVAL, "--pointer-min", "4", "--pipeline"]),
+    ("eval-index-missing", [*EVAL, "--index", NO]),
     ("eval-k-0", [*EVAL, "--k", "0"]),
     ("eval-k-1e11", [*EVAL, "--k", "1e11"]),
     ("eval-k-huge", [*EVAL, "--k", "100000000000"]),
@@ -324,7 +345,8 @@ def test_case_count():
     commands = {tuple(a[:2]) if a and a[0] in ("datastore", "index", "npm") else tuple(a[:1]) for _, a in CASES}
     assert {("datastore", "build"), ("datastore", "info"), ("index", "build"), ("eval",), ("tune",), ("generate",),
             ("train",), ("analyze",), ("npm", "index"), ("npm", "predict"), ("npm", "classify"), ("npm", "eval"),
-            ("trime-eval",), ("trime-tune",), ("demo",), ("models",)} <= commands  # fmt: skip
+            ("trime-eval",), ("trime-tune",), ("demo",), ("models",), ("datastore", "prune"),
+            ("gate",)} <= commands  # fmt: skip
     assert len(CASES) >= 150
     assert len({n for n, _ in CASES}) == len(CASES)
 

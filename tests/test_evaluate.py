@@ -8,7 +8,7 @@ from test_datastore import build
 
 from memlm.index import build_index
 from memlm.knnlm.cache import continuous_cache
-from memlm.knnlm.evaluate import TokenScores, perplexities, score_tokens, tune
+from memlm.knnlm.evaluate import TokenScores, memory_logprob, perplexities, score_tokens, tune
 from memlm.knnlm.generate import KNNLogitsProcessor
 
 
@@ -137,3 +137,58 @@ def test_bf16_body_gets_float32_head_and_log_softmax(toy_docs):
     np.testing.assert_allclose(ts.lm_logprob, ref.numpy(), atol=2e-5, rtol=0)
     bf16_ref = torch.log_softmax(logits.bfloat16().double(), -1).gather(-1, torch.from_numpy(ts.targets)[:, None])
     assert (bf16_ref.squeeze(-1) - ref).abs().max() > 1e-3  # what rounding the logits to bf16 costs
+
+
+# ------------------------------------------------------------------------------ efficient kNN-LM through score_tokens
+
+
+def test_pipelined_search_equals_searching_after_the_forward_pass(tmp_path, tiny_lm, toy_docs):
+    model, tok = tiny_lm
+    ds = indexed(tmp_path, tiny_lm, toy_docs[:10])
+    probe = toy_docs[2:5]
+    plain = score_tokens(model, tok, probe, ds, k=8, window=32, min_context=8, batch_size=2, progress=False)
+    piped = score_tokens(model, tok, probe, ds, k=8, window=32, min_context=8, batch_size=2, progress=False,
+                         pipeline=True)  # fmt: skip
+    np.testing.assert_array_equal(piped.knn_values, plain.knn_values)
+    np.testing.assert_array_equal(piped.knn_scores, plain.knn_scores)
+    assert piped.meta["retrieval"]["pipeline"] and not plain.meta["retrieval"]["pipeline"]
+
+
+def test_pointer_reuse_in_eval_skips_searches_and_equals_plain_search_when_it_never_skips(tmp_path, tiny_lm, toy_docs):
+    model, tok = tiny_lm
+    ds = indexed(tmp_path, tiny_lm, toy_docs[:10])
+    probe = toy_docs[:3]  # text that is in the datastore: pointers survive
+    kw = dict(k=8, window=32, min_context=8, progress=False)
+    plain = score_tokens(model, tok, probe, ds, **kw)
+    never = score_tokens(model, tok, probe, ds, pointer_min=9, **kw)  # more pointers than k: always search
+    np.testing.assert_array_equal(never.knn_values, plain.knn_values)
+    assert never.searched.all()
+    reuse = score_tokens(model, tok, probe, ds, pointer_min=1, **kw)
+    assert 0 < reuse.searched.mean() < 0.9
+    searched = reuse.searched
+    np.testing.assert_array_equal(reuse.knn_values[searched], plain.knn_values[searched])
+    assert perplexities(reuse, lam=0.25)["searched_fraction"] == pytest.approx(searched.mean())
+
+
+def test_adaptive_gate_in_eval_searches_the_requested_fraction_with_the_gate_lambda(tmp_path, tiny_lm, toy_docs):
+    from memlm.core.distribution import interpolate_per_token
+    from memlm.knnlm.adaptive import AdaptiveGate, gate_features
+
+    model, tok = tiny_lm
+    ds = indexed(tmp_path, tiny_lm, toy_docs[:10])
+    torch.manual_seed(0)
+    AdaptiveGate().save(tmp_path / "gate.npz")
+    kw = dict(k=8, window=32, min_context=8, progress=False)
+    plain = score_tokens(model, tok, toy_docs[3:5], ds, **kw)
+    ts = score_tokens(model, tok, toy_docs[3:5], ds, adaptive=tmp_path / "gate.npz", adaptive_fraction=0.5, **kw)
+    assert ts.searched.sum() == round(0.5 * len(ts))
+    np.testing.assert_array_equal(ts.knn_values[ts.searched], plain.knn_values[ts.searched])
+    assert (ts.knn_values[~ts.searched] == -1).all() and (ts.knn_lambda[~ts.searched] == 0).all()
+    gate = AdaptiveGate.load(tmp_path / "gate.npz")
+    lam = gate.lambdas(gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position))
+    np.testing.assert_allclose(ts.knn_lambda[ts.searched], lam[ts.searched], rtol=1e-6)
+    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0)
+    want = interpolate_per_token(torch.from_numpy(ts.lm_logprob), knn, torch.from_numpy(ts.knn_lambda))
+    got = perplexities(ts, temperature=1.0)
+    assert got["knn_ppl"] == pytest.approx(float(torch.exp(-want.double().mean())), rel=1e-6)
+    assert got["lambda"] == "adaptive"

@@ -359,6 +359,13 @@ def _pre_eval(args: argparse.Namespace) -> None:
 
         KeySpec.parse(args.key)
     _datastore_k(args.datastore, args.k)
+    fast = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min)) if on]
+    if args.pipeline and fast:
+        raise MemlmError(f"--pipeline searches each batch as it comes, {fast[0]} needs every query first: use one")
+    if args.adaptive_fraction is not None and args.adaptive is None:
+        raise MemlmError("--adaptive-fraction needs --adaptive GATE (a gate from memlm gate train)")
+    if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:
+        raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
 
 
 def _pre_train(args: argparse.Namespace) -> None:

@@ -120,18 +120,23 @@ def _build_sharded(args: argparse.Namespace) -> None:
         _calibrate(model, tok, ds, held_out, source["holdout"], args)
 
 
-def _build_index(ds, factory: str | None, metric: str, train_size: int | None, ray: str | None = None) -> None:
+def _build_index(
+    ds, factory: str | None, metric: str, train_size: int | None, ray: str | None = None, out: str | None = None
+) -> None:
     from memlm.index import read_index_meta
 
     if hasattr(ds, "shards"):  # a sharded datastore: train once, one index per shard
         from memlm.sharded_index import build_sharded_index
 
+        if out is not None:
+            raise MemlmError("--out is for a single datastore; a sharded one keeps one index per shard")
         desc = build_sharded_index(ds, factory=factory, metric=metric, train_size=train_size, ray=ray)
         print(f"sharded index {ds.index_path}.json ({desc['factory']}, {metric}, {len(desc['shards'])} shards)")
         return
 
-    ds.build_index(factory=factory, metric=metric, train_size=train_size)  # prints its plan
-    print(f"index {ds.index_path} ({read_index_meta(ds.index_path)['factory']}, {metric})")
+    path = ds.index_path if out is None else out
+    ds.build_index(factory=factory, metric=metric, train_size=train_size, path=path)  # prints its plan
+    print(f"index {path} ({read_index_meta(path)['factory']}, {metric})")
 
 
 def cmd_datastore_info(args: argparse.Namespace) -> None:
@@ -171,7 +176,22 @@ def cmd_index_build(args: argparse.Namespace) -> None:
 
     open_datastore(args.dir)  # a clear error before the folder is touched
     with folder_lock(args.dir, "build an index"):
-        _build_index(open_datastore(args.dir), args.factory, args.metric, args.train_size, ray=args.ray)
+        _build_index(open_datastore(args.dir), args.factory, args.metric, args.train_size, ray=args.ray, out=args.out)
+
+
+def cmd_datastore_prune(args: argparse.Namespace) -> None:
+    from memlm.datastore import Datastore
+    from memlm.index import read_index_meta
+    from memlm.knnlm.prune import prune_datastore
+
+    src = Datastore.open(args.dir)
+    pruned = prune_datastore(src, args.out, k_merge=args.k_merge, nprobe=args.nprobe)
+    print(f"{args.out}: {len(pruned):,} of {len(src):,} entries kept ({len(pruned) / max(1, len(src)):.1%})")
+    meta = read_index_meta(src.index_path)
+    with folder_lock(args.out, "build an index"):
+        _build_index(
+            pruned, args.factory or (meta["factory"] if meta else None), meta["metric"] if meta else "l2", None
+        )
 
 
 def add_parsers(sub) -> None:
@@ -242,5 +262,16 @@ def add_parsers(sub) -> None:
     ib.add_argument("--factory", default=None, help="FAISS factory string, e.g. Flat, IVF4096,PQ64, HNSW32")
     ib.add_argument("--metric", default="l2", choices=["l2", "ip"])
     ib.add_argument("--train-size", type=V.positive_int, default=None)
+    ib.add_argument("--out", type=V.output_file, default=None,
+                    help="write this index file instead of the datastore's index.faiss (e.g. a compressed "
+                    "OPQ32_128,IVF4096,PQ32 one to search with memlm eval --index)")  # fmt: skip
     add_ray(ib, "fill a sharded datastore's shard indexes as Ray tasks")
     ib.set_defaults(func=cmd_index_build)
+
+    pr = ds.add_parser("prune", help="merge near-duplicate entries with the same value (He et al. 2021)")
+    pr.add_argument("dir", type=V.existing_dir)
+    pr.add_argument("--out", type=V.output_dir, required=True, help="the pruned datastore's folder")
+    pr.add_argument("--k-merge", type=V.positive_int, default=8, help="neighbours merged into an entry (default 8)")
+    pr.add_argument("--nprobe", type=V.positive_int, default=32)
+    pr.add_argument("--factory", default=None, help="the pruned datastore's index (default: its source's factory)")
+    pr.set_defaults(func=cmd_datastore_prune)

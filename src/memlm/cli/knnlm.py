@@ -20,6 +20,7 @@ from memlm.cli.common import (
     window_kwargs,
     write_json,
 )
+from memlm.errors import MemlmError
 from memlm.knnlm.calibration import knn_parameters
 
 # memlm.knnlm.evaluate, .generate, .keys and .sharded import torch or faiss: imported in the commands (see common.py)
@@ -51,6 +52,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
         drop_self_matches=args.drop_self_matches,
         cache=args.cache,
         meta={"model": model_name, "source": source},
+        adaptive=args.adaptive,
+        adaptive_fraction=args.adaptive_fraction,
+        pointer_min=args.pointer_min,
+        pipeline=args.pipeline,
+        index_path=args.index,
     )
     if args.dump:
         ts.save(args.dump)
@@ -76,6 +82,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         **{
             k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
         },
+        retrieval=ts.meta["retrieval"],
     )
     _print_result(res)
     write_json(args.json, res)
@@ -146,6 +153,25 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_gate_train(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from memlm.knnlm.adaptive import gate_features, train_gate
+    from memlm.knnlm.evaluate import TokenScores, memory_logprob
+
+    ts = TokenScores.load(args.dump)
+    if ts.knn_scores is None or ts.lm_entropy is None or ts.position is None:
+        raise MemlmError(f"{args.dump} lacks datastore neighbours or the LM's entropy: rerun memlm eval --datastore DS "
+                         "--dump with this memlm")  # fmt: skip
+    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, args.temperature, None, ts.knn_log_counts)
+    gate = train_gate(gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position), ts.lm_logprob, knn.numpy(),
+                      steps=args.steps, seed=args.seed)  # fmt: skip
+    gate.save(args.out)
+    lam = gate.lambdas(gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position))
+    print(f"wrote {args.out}: λ on the dump's {len(ts):,} tokens mean {float(np.mean(lam)):.3f}, "
+          f"median {float(np.median(lam)):.3f}")  # fmt: skip
+
+
 def add_parsers(sub) -> None:
     e = sub.add_parser("eval", help="perplexity of the LM and of the kNN-LM on a corpus split")
     add_model(e)
@@ -186,6 +212,40 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="memory-map the index instead of reading it into RAM (larger-than-RAM datastores; sharded: always)",
     )
+    e.add_argument(
+        "--index",
+        type=V.existing_file,
+        default=None,
+        help="search this index of the datastore instead of its index.faiss (e.g. a compressed OPQ/PCA one)",
+    )
+    fast = e.add_argument_group("efficient kNN-LM (docs/BENCHMARKS.md, 'Efficient kNN-LM')")
+    fast.add_argument(
+        "--adaptive",
+        type=V.existing_file,
+        default=None,
+        metavar="GATE",
+        help="adaptive retrieval (He et al. 2021): a gate from `memlm gate train` gives each token its λ",
+    )
+    fast.add_argument(
+        "--adaptive-fraction",
+        type=V.probability,
+        default=None,
+        metavar="F",
+        help="with --adaptive: search only the share F of tokens the gate ranks highest (λ = 0 elsewhere)",
+    )
+    fast.add_argument(
+        "--pointer-min",
+        type=V.nonneg_int,
+        default=0,
+        metavar="N",
+        help="pointer reuse (RetoMaton): skip the search where >= N of the previous token's neighbours "
+        "continue with the observed token (0 = off)",
+    )
+    fast.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="search each forward batch in a background thread while the model computes the next",
+    )
     e.set_defaults(func=cmd_eval)  # looked up when the parser is built (tests replace it first)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
@@ -217,3 +277,15 @@ def add_parsers(sub) -> None:
     )
     add_ray(g, "search a sharded datastore with one Ray actor per shard")
     g.set_defaults(func=cmd_generate)
+
+    gate = sub.add_parser("gate", help="adaptive retrieval (He et al. 2021): train the gate that predicts λ per token")
+    gsub = gate.add_subparsers(dest="gate_cmd", required=True)
+    gt = gsub.add_parser("train", help="train a gate on a valid dump from memlm eval --datastore DS --dump")
+    gt.add_argument(
+        "--dump", type=V.existing_file, required=True, help="held-out dump (memlm eval --split valid --dump)"
+    )
+    gt.add_argument("--out", type=V.output_file, required=True, help="gate file (.npz) for memlm eval --adaptive")
+    gt.add_argument("--temperature", type=V.positive_float, default=1.0, help="τ of the kNN term it is trained with")
+    gt.add_argument("--steps", type=V.positive_int, default=300)
+    gt.add_argument("--seed", type=int, default=0)
+    gt.set_defaults(func=cmd_gate_train)
