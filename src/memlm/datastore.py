@@ -2,7 +2,8 @@
 
     D = {(f(c_i), w_i) | (c_i, w_i) in corpus}
 
-A datastore is a folder that describes itself, like a ``save_pretrained`` folder::
+A datastore is a folder that describes itself, like a ``save_pretrained`` folder (:mod:`memlm.folder`'s format, shared
+with NPM's phrase index: manifest, arrays, checksums, resumable writer, lock)::
 
     manifest.json   model and tokenizer fingerprints, key role/layer/dim, count, dtypes, sources, windowing, checksums
     keys.bin        float16 [count, dim]   (raw C-order; shape and dtype are in the manifest, never typed by a user)
