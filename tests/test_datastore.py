@@ -126,7 +126,7 @@ def test_subsample(tmp_path, tiny_lm, toy_docs):
 def test_disk_full_is_a_clear_error_and_the_rerun_resumes(tmp_path, tiny_lm, toy_docs, monkeypatch, code):
     import builtins
 
-    import memlm.datastore as dsmod
+    import memlm.folder as folder_mod  # the shared append-only writer opens the array files
 
     lone = build(tmp_path, tiny_lm, toy_docs, name="lone")
     calls = {"keys": 0}
@@ -151,7 +151,7 @@ def test_disk_full_is_a_clear_error_and_the_rerun_resumes(tmp_path, tiny_lm, toy
         f = builtins.open(path, mode, *a, **kw)
         return FullDisk(f) if str(path).endswith("keys.bin") and "a" in mode else f
 
-    monkeypatch.setattr(dsmod, "open", fake_open, raising=False)
+    monkeypatch.setattr(folder_mod, "open", fake_open, raising=False)
     with pytest.raises(MemlmError) as e:
         build(tmp_path, tiny_lm, toy_docs, name="full")
     msg = str(e.value)

@@ -2,7 +2,8 @@
 
     D = {(f(c_i), w_i) | (c_i, w_i) in corpus}
 
-A datastore is a folder that describes itself, like a ``save_pretrained`` folder::
+A datastore is a folder that describes itself, like a ``save_pretrained`` folder (:mod:`memlm.folder`'s format, shared
+with NPM's phrase index: manifest, arrays, checksums, resumable writer, lock)::
 
     manifest.json   model and tokenizer fingerprints, key role/layer/dim, count, dtypes, sources, windowing, checksums
     keys.bin        float16 [count, dim]   (raw C-order; shape and dtype are in the manifest, never typed by a user)
@@ -47,18 +48,12 @@ from tqdm.auto import tqdm
 from memlm import __version__, schema
 from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.fileio import (
-    atomic_write_json,
-    disk_full_error,
-    is_disk_full,
-    sample_sha256,
-    sha256_file,
-    unique_tmp,
-)
+from memlm.fileio import disk_full_error, is_disk_full, unique_tmp
+from memlm.folder import FolderFormat
+from memlm.folder import manifest_digest as _manifest_digest  # noqa: F401 (the name older callers import)
 from memlm.forward import forward_windows
 from memlm.index import meta_path
 from memlm.keys import KeySpec, key_dim, num_layers
-from memlm.locking import folder_lock, lock_holder
 from memlm.resources import model_fingerprint, tokenizer_fingerprint
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
@@ -67,34 +62,35 @@ __all__ = ["Datastore", "build_datastore", "FORMAT_VERSION", "model_identity"]
 FORMAT_VERSION = 1
 FILES = {"keys": "float16", "values": "int32", "doc_hash": "int64", "offset": "int32"}
 REBUILD = "rebuild it with `memlm datastore build ... --overwrite` (or delete the folder)"
+_PROGRESS_FIX = "delete progress.json (and the .bin files) or rerun with --overwrite to start over"
+
+#: the datastore's folder format (:mod:`memlm.folder`): manifest, arrays, progress file, checksums, lock
+FOLDER = FolderFormat(
+    kind="datastore",
+    title="a memlm datastore",
+    arrays=FILES,
+    wide="keys",
+    dim_field=("key", "dim"),
+    format_version=FORMAT_VERSION,
+    manifest_schema=schema.DATASTORE_MANIFEST,
+    progress_schema=schema.DATASTORE_PROGRESS,
+    builder="memlm datastore build",
+    fix=REBUILD,
+    progress_fix=_PROGRESS_FIX,
+    resume="run the same `memlm datastore build` command again to resume it",
+    verify_command="memlm datastore info --verify",
+)
 
 
-def _sha256(path: Path, nbytes: int) -> str:
-    return sha256_file(path, nbytes)
-
-
-def _manifest_digest(manifest: dict[str, Any]) -> str:
-    """SHA-256 of the manifest's content (every field but ``manifest_sha256`` itself), canonical JSON."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _seal_manifest(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """Fill in checksums (full and sampled), the values' min/max, a fresh build id and the manifest's own checksum."""
+def _publish(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Record the values' min/max and a fresh build id, then seal and write the manifest (:meth:`FolderFormat.publish`:
+    checksums of every file and of the manifest itself)."""
     n = int(manifest["count"])
-    files = {}
-    for name, dtype in FILES.items():
-        f = folder / f"{name}.bin"
-        files[name] = {"dtype": dtype, "sha256": _sha256(f, f.stat().st_size), "sample_sha256": sample_sha256(f)}
-    values = np.memmap(folder / "values.bin", dtype=np.int32, mode="r", shape=(n,)) if n else np.zeros(0, np.int32)
-    manifest.update(
-        files=files,
-        values_range={"min": int(values.min()), "max": int(values.max())} if n else None,
-        build_id=uuid.uuid4().hex,
-    )
+    values = FOLDER.array(folder, "values", n, 1)
+    manifest.update(values_range={"min": int(values.min()), "max": int(values.max())} if n else None,
+                    build_id=uuid.uuid4().hex)  # fmt: skip
     del values
-    manifest["manifest_sha256"] = _manifest_digest(manifest)
-    return manifest
+    return FOLDER.publish(folder, manifest)
 
 
 def _settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -223,57 +219,13 @@ class Datastore:
     def open(cls, path: str | Path, verify: bool = False) -> Datastore:
         """Open a datastore folder; see the module docstring for what is checked (``verify``: full checksums)."""
         path = Path(path)
-        manifest_path = path / "manifest.json"
-        if (path / "progress.json").exists():
-            holder = lock_holder(path)
-            busy = f" (pid {holder.get('pid')} may be building it right now)" if holder else ""
-            raise MemlmError(
-                f"datastore {path} has an unfinished build (progress.json){busy}: run the same `memlm datastore build` "
-                "command again to resume it"
-            )
-        if not manifest_path.exists():
-            raise MemlmError(
-                f"{path} is not a memlm datastore (no manifest.json): build one with memlm datastore build"
-            )
-        manifest = schema.read_json(manifest_path, schema.DATASTORE_MANIFEST, "datastore manifest", REBUILD)
-        if manifest["format_version"] != FORMAT_VERSION:
-            raise MemlmError(
-                f"{path} has datastore format {manifest.get('format_version')}, this memlm reads {FORMAT_VERSION}"
-            )
-        if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_digest(manifest):
-            raise MemlmError(
-                f"{manifest_path} was changed after the build (its content no longer matches its manifest_sha256: "
-                f"a hand edit or corruption); restore the original manifest or {REBUILD}"
-            )
-        if manifest["dtypes"] != FILES:
-            raise MemlmError(f"{manifest_path} lists dtypes {manifest['dtypes']}, memlm writes {FILES}; {REBUILD}")
+        manifest = FOLDER.read_manifest(path)
         try:
             KeySpec(manifest["key"]["role"], manifest["key"]["layer"])
         except MemlmError as e:
-            raise MemlmError(f"{manifest_path} has an invalid key ({e}); {REBUILD}") from None
-        n, d = manifest["count"], manifest["key"]["dim"]
-        arrays = {}
-        for name, dtype in FILES.items():
-            f = path / f"{name}.bin"
-            shape = (n, d) if name == "keys" else (n,)
-            expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            size = f.stat().st_size if f.exists() else -1
-            if size != expected:
-                what = "missing" if size < 0 else f"{size} bytes, the manifest says {expected}"
-                raise MemlmError(
-                    f"datastore file {f} is {what} (truncated or corrupt); "
-                    "rebuild the datastore with memlm datastore build"
-                )
-            recorded = manifest["files"][name]
-            if "sample_sha256" in recorded and recorded["sample_sha256"] != sample_sha256(f):
-                raise MemlmError(
-                    f"datastore file {f} is corrupt (its sampled checksum differs from the manifest's; "
-                    f"`memlm datastore info --verify {path}` checks every byte); {REBUILD}"
-                )
-            if verify and recorded["sha256"] != _sha256(f, expected):
-                raise MemlmError(f"checksum mismatch in {f}: the file is corrupt; rebuild the datastore")
-            arrays[name] = np.memmap(f, dtype=dtype, mode="r", shape=shape) if n else np.zeros(shape, dtype=dtype)
-        if n:
+            raise MemlmError(f"{path / 'manifest.json'} has an invalid key ({e}); {REBUILD}") from None
+        arrays = FOLDER.open_arrays(path, manifest, verify)
+        if manifest["count"]:
             _check_values(path, manifest, arrays["values"])
         return cls(path, manifest, **arrays)
 
@@ -362,10 +314,7 @@ class Datastore:
         """
         manifest = json.loads(json.dumps(self.manifest))
         manifest["calibration"] = calibration
-        manifest["manifest_sha256"] = _manifest_digest(manifest)
-        schema.check(manifest, schema.DATASTORE_MANIFEST, self.path / "manifest.json", "datastore manifest", REBUILD)
-        atomic_write_json(self.path / "manifest.json", manifest)
-        self.manifest = manifest
+        self.manifest = FOLDER.rewrite_manifest(self.path, manifest)
 
     def subsample(self, out: str | Path, fraction: float, seed: int = 0) -> Datastore:
         """A random ``fraction`` of the entries (Xu et al.'s 5% datastore; Khandelwal Fig. 2), written to ``out``."""
@@ -383,7 +332,7 @@ class Datastore:
         ``{"subsample": {...}}``) added to its manifest; used by :meth:`subsample` and :mod:`memlm.knnlm.prune`."""
         out = Path(out)
         keep = np.asarray(rows, dtype=np.int64)
-        with folder_lock(out, what):
+        with FOLDER.writing(out, what):
             (out / "manifest.json").unlink(missing_ok=True)  # the folder is not a datastore until it is complete
             for name in FILES:
                 src = getattr(self, name)
@@ -400,10 +349,10 @@ class Datastore:
                 finally:
                     tmp.unlink(missing_ok=True)
             manifest = json.loads(json.dumps(self.manifest))
-            for stale in ("manifest_sha256", "build_id", "values_range"):
+            for stale in ("manifest_sha256", "build_id", "values_range", "files"):
                 manifest.pop(stale, None)
             manifest.update(count=len(keep), **record)
-            atomic_write_json(out / "manifest.json", _seal_manifest(manifest, out))
+            _publish(manifest, out)
             return Datastore.open(out)
 
 
@@ -440,13 +389,9 @@ def build_datastore(
     key = (key or KeySpec()).normalized(num_layers(model))
     stride, min_context = resolve_stride(window, None if stride is not None else min_context, stride)
     block = block_start if stride == window else None  # only blocks have a first token to skip or score
-    out = Path(out)
-    with folder_lock(out, "build a datastore"):
+    with FOLDER.writing(Path(out), "build a datastore", overwrite=overwrite) as out:
         return _build_locked(model, tokenizer, documents, out, key, window, min_context, batch_size, source, append,
-                             progress, overwrite, stride, block)  # fmt: skip
-
-
-_PROGRESS_FIX = "delete progress.json (and the .bin files) or rerun with --overwrite to start over"
+                             progress, stride, block)  # fmt: skip
 
 
 def _build_locked(
@@ -461,16 +406,10 @@ def _build_locked(
     source: dict[str, Any] | None,
     append: bool,
     progress: bool,
-    overwrite: bool,
     stride: int,
     block_start: str | None,
 ) -> Datastore:
-    manifest_path, progress_path = out / "manifest.json", out / "progress.json"
-    for stale in out.glob(".*.tmp"):
-        stale.unlink(missing_ok=True)  # temporary files of a killed writer (we hold the lock: none is in use)
-    if overwrite:
-        for name in [*(f"{n}.bin" for n in FILES), "manifest.json", "progress.json", "index.faiss", "index.faiss.json"]:
-            (out / name).unlink(missing_ok=True)
+    manifest_path, progress_path = out / "manifest.json", FOLDER.progress_path(out)
     ident = model_identity(model, tokenizer)
     source = dict(source or {})
     dtype = str(next(iter(model.parameters())).dtype).replace("torch.", "")
@@ -488,8 +427,7 @@ def _build_locked(
     how = "rerun with the same settings, use a new --out, or --overwrite to replace it"
 
     if progress_path.exists():
-        state = schema.read_json(progress_path, schema.DATASTORE_PROGRESS, "datastore build progress file",
-                                 _PROGRESS_FIX)  # fmt: skip
+        state = FOLDER.read_progress(out)
         if state["config"] != config:
             diff = _diff(_settings(state["config"]), _settings(config)) or ["the recorded settings differ"]
             raise MemlmError(
@@ -528,17 +466,13 @@ def _build_locked(
         for stale in (existing.index_path, meta_path(existing.index_path)):
             stale.unlink(missing_ok=True)  # the index no longer covers every entry
         state = {"config": config, "base": base, "windows_done": 0, "count": base["count"], "seconds": 0.0}
-        atomic_write_json(progress_path, state)
+        FOLDER.start(out, state)
     else:
         if append:
             raise MemlmError(f"--append needs an existing datastore in {out}; build it first without --append")
-        if any((out / f"{name}.bin").exists() for name in FILES):
-            raise MemlmError(
-                f"{out} holds datastore files but no manifest or progress file; use an empty folder or --overwrite"
-            )
         base = {"count": 0, "manifest": None}
         state = {"config": config, "base": base, "windows_done": 0, "count": 0, "seconds": 0.0}
-        atomic_write_json(progress_path, state)
+        FOLDER.start(out, state)
 
     dim = key_dim(model, key)
     # a shard (memlm.sharded.ShardDocuments) brings its own windows: those of the one-process build for its targets
@@ -553,13 +487,8 @@ def _build_locked(
             progress_path.unlink(missing_ok=True)
         raise MemlmError(f"corpus {source.get('corpus', '')} has no tokens to store; give it some text")
 
-    try:
-        count = _write_entries(model, tokenizer, documents, out, key, dim, window, stride, block_start, batch_size,
-                               state, base, n_total, progress)  # fmt: skip
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full_error(getattr(e, "memlm_file", out / "keys.bin")) from None
-        raise
+    count = _write_entries(model, tokenizer, documents, out, key, dim, window, stride, block_start, batch_size, state,
+                           base, n_total, progress)  # fmt: skip
     prev = base["manifest"]
     sources = (prev["sources"] if prev else []) + [{**source, "targets": count - base["count"]}]
     manifest = {
@@ -568,7 +497,6 @@ def _build_locked(
         **ident,
         "key": {"role": key.role, "layer": key.layer, "dim": dim, "describe": key.describe()},
         "count": count,
-        "dtypes": dict(FILES),
         "window": window,
         "min_context": min_context,
         "stride": stride,
@@ -578,8 +506,7 @@ def _build_locked(
         "build_seconds": (prev["build_seconds"] if prev and "build_seconds" in prev else 0.0) + float(state["seconds"]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    atomic_write_json(manifest_path, _seal_manifest(manifest, out))
-    progress_path.unlink()
+    _publish(manifest, out)
     return Datastore.open(out)
 
 
@@ -599,87 +526,36 @@ def _write_entries(
     n_total: int,
     progress: bool,
 ) -> int:
-    """The streaming part of a build: append every remaining window's entries, recording progress per batch.
-
-    An ``OSError`` carries the file it happened on as ``memlm_file`` (for the disk-full message).
-    """
-    progress_path = out / "progress.json"
-    # Truncate anything written after the last recorded batch (a crash between data and progress writes).
-    count = int(state["count"])
-    handles = {}
-    current = out / "keys.bin"
-    try:
-        for name, dtype in FILES.items():
-            current = out / f"{name}.bin"
-            width = dim if name == "keys" else 1
-            current.touch()
-            os.truncate(current, count * width * np.dtype(dtype).itemsize)
-            handles[name] = open(current, "ab")
-
-        bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        if hasattr(documents, "memlm_windows"):  # a shard of a sharded build (memlm.sharded)
-            windows = documents.memlm_windows(tokenizer, window, window - stride)
-        else:
-            windows = sliding_windows(
-                tokenize_documents(documents, tokenizer),
-                window,
-                stride=stride,
-                block_start=block_start or "skip",
-                bos_id=bos_id,
-            )
-        skip = int(state["windows_done"])
-        done_targets = count - base["count"]
-        bar = tqdm(
-            total=n_total,
-            initial=done_targets,
-            unit="tok",
-            desc=f"datastore {out.name}",
-            disable=not progress,
-            dynamic_ncols=True,
+    """The streaming part of a build: append every remaining window's entries, recording progress per batch."""
+    bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if hasattr(documents, "memlm_windows"):  # a shard of a sharded build (memlm.sharded)
+        windows = documents.memlm_windows(tokenizer, window, window - stride)
+    else:
+        windows = sliding_windows(
+            tokenize_documents(documents, tokenizer),
+            window,
+            stride=stride,
+            block_start=block_start or "skip",
+            bos_id=bos_id,
         )
-        t0 = time.perf_counter()
-        seconds0 = float(state["seconds"])
-
-        def remaining():
-            for w in windows:
-                if w.index >= skip:
-                    yield w
-
-        def write(name: str, data: bytes) -> None:
-            nonlocal current
-            current = out / f"{name}.bin"
-            handles[name].write(data)
-
-        try:
-            for outputs in forward_windows(model, batched(remaining(), batch_size), [key], with_logprobs=False):
-                for o in outputs:
-                    rows = slice(o.window.score_from, len(o.window.input_ids))
-                    write("keys", o.keys[key].astype(np.float16).tobytes())
-                    write("values", o.targets.astype(np.int32).tobytes())
-                    write("doc_hash", o.window.doc_hash[rows].astype(np.int64).tobytes())
-                    write("offset", o.window.offset[rows].astype(np.int32).tobytes())
-                    count += len(o.targets)
-                    bar.update(len(o.targets))
-                for name, h in handles.items():
-                    current = out / f"{name}.bin"
-                    h.flush()
-                    os.fsync(h.fileno())
-                state.update(
-                    windows_done=outputs[-1].window.index + 1,
-                    count=count,
-                    seconds=seconds0 + time.perf_counter() - t0,
-                )
-                current = progress_path
-                atomic_write_json(progress_path, state)
-        finally:
-            bar.close()
-    except OSError as e:
-        e.memlm_file = current  # type: ignore[attr-defined]
-        raise
-    finally:
-        for h in handles.values():
-            try:
-                h.close()
-            except OSError:
-                pass  # flushing a full disk again: the rerun truncates to the recorded count anyway
-    return count
+    skip = int(state["windows_done"])
+    bar = tqdm(
+        total=n_total,
+        initial=int(state["count"]) - base["count"],
+        unit="tok",
+        desc=f"datastore {out.name}",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    t0 = time.perf_counter()
+    seconds0 = float(state["seconds"])
+    remaining = (w for w in windows if w.index >= skip)
+    # truncates what was written after the last recorded batch (a crash between data and progress writes)
+    with FOLDER.appender(out, dim, state) as writer, bar:
+        for outputs in forward_windows(model, batched(remaining, batch_size), [key], with_logprobs=False):
+            for o in outputs:
+                rows = slice(o.window.score_from, len(o.window.input_ids))
+                bar.update(writer.append(keys=o.keys[key], values=o.targets, doc_hash=o.window.doc_hash[rows],
+                                         offset=o.window.offset[rows]))  # fmt: skip
+            writer.commit(windows_done=outputs[-1].window.index + 1, seconds=seconds0 + time.perf_counter() - t0)
+    return writer.count

@@ -291,7 +291,8 @@ PHRASE_MANIFEST = Obj(
         "corpus": Obj(required={"fingerprint": Str()}),
         "files": Obj(required={name: _FILE for name in ("vectors", "token_ids", "doc", "position", "block")}),
         "index": Obj(required={"factory": Str(), "metric": Str()}),
-    }
+    },
+    optional={"dtypes": Obj(values=Str()), "manifest_sha256": _HEX64},
 )
 
 PHRASE_PROGRESS = Obj(required={"config": Obj(), "blocks_done": Int(min=0), "count": Int(min=0), "seconds": Num(min=0)})

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from memlm import __version__
-from memlm.datastore import Datastore, build_datastore
+from memlm.datastore import FOLDER, Datastore, build_datastore
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
 from memlm.keys import KeySpec
@@ -236,10 +236,6 @@ def build_shard(
     )
 
 
-def _shard_done(folder: Path) -> bool:
-    return (folder / "manifest.json").is_file() and not (folder / "progress.json").exists()
-
-
 def build_sharded(
     model,
     documents: Sequence,
@@ -304,7 +300,7 @@ def build_sharded(
         }
         atomic_write_json(shards_path, state)
 
-    todo = [p for p in plans if not _shard_done(out / shard_name(p.index))]
+    todo = [p for p in plans if not FOLDER.is_complete(out / shard_name(p.index))]
     t0 = time.perf_counter()
     if todo:
         if progress:

@@ -6,11 +6,12 @@ most ``max_length - 2`` tokens; a block is encoded unmasked as ``[CLS] block [SE
 only inside one block (:meth:`PhraseIndex.same_block`). Rows are in corpus order: block after block, document after
 document, so ``token_ids[i : j + 1]`` is the span's token stream.
 
-The folder (a sibling of :mod:`memlm.datastore`'s format: the datastore stores next-token *targets* of causal-LM
-windows with a key role, which does not fit token vectors of an encoder, so the same conventions are reused here)::
+The folder is :mod:`memlm.folder`'s format, as a datastore's is (the datastore stores next-token *targets* of
+causal-LM windows with a key role, which does not fit token vectors of an encoder, so only the folder is shared)::
 
     manifest.json   format, encoder + tokenizer fingerprints (memlm.datastore.model_identity), dim, count,
-                    block_tokens, corpus fingerprint, file checksums, the [MASK_s]/[MASK_e] choice
+                    block_tokens, corpus fingerprint, file checksums, the [MASK_s]/[MASK_e] choice,
+                    manifest_sha256
     docs.json       the documents' ids and 64-bit hashes (index = the ``doc`` value below)
     vectors.bin     float16 [count, dim]  token vectors (last hidden states)
     token_ids.bin   int32   [count]       the token stream
@@ -20,18 +21,19 @@ windows with a key role, which does not fit token vectors of an encoder, so the 
     index.faiss     FAISS index over the vectors (memlm.index.build_index, metric "ip", exact "Flat" up to
                     memlm.index.FLAT_MAX_N vectors), with index.faiss.json beside it
 
-Building is resumable like a datastore's: after every batch of blocks the files are flushed and ``progress.json`` is
-replaced atomically; a rerun of the same call truncates bytes past the recorded count and continues. ``manifest.json``
-is written last, so a folder with a manifest and no ``progress.json`` is complete. A build holds the folder's writer
-lock (:mod:`memlm.locking`); every metadata file is schema-checked when read (:mod:`memlm.schema`), and the index
-records the identity (count, dim, vectors' SHA-256) of the phrase index it was built from (checked on load).
+Building is resumable like a datastore's (:class:`memlm.folder.AppendWriter`): after every batch of blocks the files
+are flushed and ``progress.json`` is replaced atomically; a rerun of the same call truncates bytes past the recorded
+count and continues. ``manifest.json`` is written last (with the files' full and sampled SHA-256 and its own
+checksum), so a folder with a manifest and no ``progress.json`` is complete. Opening checks what a datastore's opening
+checks (:meth:`memlm.folder.FolderFormat.open_arrays`; folders built before the sampled and manifest checksums were
+recorded open without them). A build holds the folder's writer lock (:mod:`memlm.locking`); every metadata file is
+schema-checked when read (:mod:`memlm.schema`), and the index records the identity (count, dim, vectors' SHA-256) of
+the phrase index it was built from (checked on load).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -44,9 +46,9 @@ import numpy as np
 from memlm import __version__, schema
 from memlm.datastore import model_identity
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full, sha256_file
+from memlm.fileio import atomic_write_json
+from memlm.folder import FolderFormat
 from memlm.index import FLAT_MAX_N, build_index, load_index, search
-from memlm.locking import folder_lock
 from memlm.npm.encoder import _cls_sep_pad, encode_sequences, max_block_tokens
 from memlm.windows import doc_hash
 
@@ -64,6 +66,25 @@ FORMAT = "memlm-npm-phrase-index"
 FORMAT_VERSION = 1
 FILES = {"vectors": "float16", "token_ids": "int32", "doc": "int32", "position": "int32", "block": "int32"}
 MASK_CHOICE = "[MASK_s] = [MASK_e] = tokenizer.mask_token_id (paper App. A.2)"
+
+#: the phrase index's folder format (:mod:`memlm.folder`, shared with :mod:`memlm.datastore`)
+FOLDER = FolderFormat(
+    kind="phrase index",
+    title="an NPM phrase index",
+    arrays=FILES,
+    wide="vectors",
+    dim_field=("dim",),
+    format_version=FORMAT_VERSION,
+    manifest_schema=schema.PHRASE_MANIFEST,
+    progress_schema=schema.PHRASE_PROGRESS,
+    builder="build_phrase_index (`memlm npm index`)",
+    fix="rebuild it with `memlm npm index --overwrite` (or delete the folder)",
+    progress_fix="delete the folder or rerun with --overwrite",
+    resume="rerun build_phrase_index with the same encoder and corpus to resume it",
+    verify_command=None,
+    format_name=FORMAT,
+    extra_files=("docs.json",),
+)
 
 
 @dataclass(frozen=True)
@@ -184,43 +205,16 @@ class PhraseIndex:
         return self.path / "index.faiss"
 
     @classmethod
-    def open(cls, path: str | Path, model=None, tokenizer=None) -> PhraseIndex:
-        """Open a finished phrase index; with ``model`` and ``tokenizer`` also :meth:`check_encoder`."""
+    def open(cls, path: str | Path, model=None, tokenizer=None, verify: bool = False) -> PhraseIndex:
+        """Open a finished phrase index (checked as :meth:`memlm.folder.FolderFormat.open_arrays` says; ``verify``:
+        full checksums); with ``model`` and ``tokenizer`` also :meth:`check_encoder`."""
         path = Path(path)
-        if (path / "progress.json").exists():
-            raise MemlmError(
-                f"phrase index {path} has an unfinished build (progress.json): rerun build_phrase_index with the "
-                "same encoder and corpus to resume it"
-            )
-        mpath = path / "manifest.json"
-        if not mpath.exists():
-            raise MemlmError(f"{path} is not an NPM phrase index (no manifest.json): build one with build_phrase_index")
-        fix = "rebuild it with `memlm npm index --overwrite` (or delete the folder)"
-        try:
-            raw = json.loads(mpath.read_bytes())
-        except (OSError, ValueError):
-            raw = None
-        if isinstance(raw, dict) and (raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION):
-            raise MemlmError(
-                f"{mpath} is not the manifest of a version-{FORMAT_VERSION} NPM phrase index "
-                f"(format {raw.get('format')} v{raw.get('format_version')}); {fix}"
-            )
-        manifest = schema.read_json(mpath, schema.PHRASE_MANIFEST, "phrase-index manifest", fix)
-        docs = schema.read_json(path / "docs.json", schema.PHRASE_DOCS, "phrase-index document list", fix)
+        manifest = FOLDER.read_manifest(path)
+        docs = schema.read_json(path / "docs.json", schema.PHRASE_DOCS, "phrase-index document list", FOLDER.fix)
         if len(docs["ids"]) != manifest["corpus"].get("n_docs", len(docs["ids"])):
             raise MemlmError(f"{path / 'docs.json'} lists {len(docs['ids'])} documents, the manifest says "
-                             f"{manifest['corpus'].get('n_docs')}; {fix}")  # fmt: skip
-        n, d = int(manifest["count"]), int(manifest["dim"])
-        arrays = {}
-        for name, dtype in FILES.items():
-            f = path / f"{name}.bin"
-            shape = (n, d) if name == "vectors" else (n,)
-            expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            size = f.stat().st_size if f.exists() else -1
-            if size != expected:
-                raise MemlmError(f"phrase index file {f} is truncated or missing ({size} of {expected} bytes); rebuild")
-            arrays[name] = np.memmap(f, dtype=dtype, mode="r", shape=shape) if n else np.zeros(shape, dtype=dtype)
-        out = cls(path, manifest, doc_ids=list(docs["ids"]), **arrays)
+                             f"{manifest['corpus'].get('n_docs')}; {FOLDER.fix}")  # fmt: skip
+        out = cls(path, manifest, doc_ids=list(docs["ids"]), **FOLDER.open_arrays(path, manifest, verify))
         if model is not None or tokenizer is not None:
             if model is None or tokenizer is None:
                 raise MemlmError("pass both model and tokenizer to check a phrase index's encoder")
@@ -352,12 +346,7 @@ def build_phrase_index(
     out = Path(out)
     if batch_size < 1:
         raise MemlmError(f"batch_size must be >= 1, got {batch_size}")
-    with folder_lock(out, "build a phrase index"):
-        if overwrite:
-            names = [*(f"{n}.bin" for n in FILES), "manifest.json", "progress.json", "docs.json", "index.faiss",
-                     "index.faiss.json"]  # fmt: skip
-            for name in names:
-                (out / name).unlink(missing_ok=True)
+    with FOLDER.writing(out, "build a phrase index", overwrite=overwrite):
         return _build_phrase_index(model, tokenizer, documents, out, max_length, batch_size, factory, source, progress)
 
 
@@ -384,10 +373,9 @@ def _build_phrase_index(
         "block_tokens": block_tokens,
         "factory": factory,
     }
-    manifest_path, progress_path = out / "manifest.json", out / "progress.json"
+    manifest_path, progress_path = out / "manifest.json", FOLDER.progress_path(out)
     if progress_path.exists():
-        state = schema.read_json(progress_path, schema.PHRASE_PROGRESS, "phrase-index progress file",
-                                 "delete the folder or rerun with --overwrite")  # fmt: skip
+        state = FOLDER.read_progress(out)
         if state["config"] != config:
             diff = [f"{k} {v} -> {config.get(k)}" for k, v in state["config"].items() if config.get(k) != v]
             raise MemlmError(
@@ -413,10 +401,8 @@ def _build_phrase_index(
             print(f"phrase index {out} already built ({len(existing)} vectors); nothing to do", file=sys.stderr)
         return existing
     else:
-        if any((out / f"{name}.bin").exists() for name in FILES):
-            raise MemlmError(f"{out} holds phrase-index files but no manifest or progress file; use an empty folder")
         state = {"config": config, "blocks_done": 0, "count": 0, "seconds": 0.0}
-        atomic_write_json(progress_path, state)
+        FOLDER.start(out, state)
 
     atomic_write_json(out / "docs.json", {"ids": [i for i, _ in fields], "hashes": [doc_hash(i, t) for i, t in fields]})
     blocks = corpus_blocks(documents, tokenizer, block_tokens)
@@ -424,30 +410,20 @@ def _build_phrase_index(
         progress_path.unlink(missing_ok=True)
         raise MemlmError("the corpus has no tokens to index; give it some text")
     dim = int(model.config.hidden_size)
-    count = int(state["count"])
-    handles = {}
-    for name, dtype in FILES.items():
-        f = out / f"{name}.bin"
-        width = dim if name == "vectors" else 1
-        f.touch()
-        os.truncate(f, count * width * np.dtype(dtype).itemsize)  # drop bytes written after the last progress
-        handles[name] = open(f, "ab")
     t0, seconds0 = time.perf_counter(), float(state["seconds"])
-    try:
-        _encode_blocks(model, blocks, state, handles, progress_path, cls, sep, pad, batch_size, count, t0, seconds0)
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full_error(out) from None
-        raise
-    finally:
-        for h in handles.values():
-            try:
-                h.close()
-            except OSError:
-                pass  # a full disk again: the rerun truncates to the recorded count
+    # truncates what was written after the last recorded batch (a crash between data and progress writes)
+    with FOLDER.appender(out, dim, state) as writer:
+        for s in range(int(state["blocks_done"]), len(blocks), batch_size):
+            chunk = blocks[s : s + batch_size]
+            hidden = encode_sequences(model, [[cls, *b.tokens.tolist(), sep] for b in chunk], pad, batch_size)
+            for b_index, (b, h) in enumerate(zip(chunk, hidden, strict=True), start=s):
+                n = len(b.tokens)
+                writer.append(vectors=h[1 : 1 + n], token_ids=b.tokens, doc=np.full(n, b.doc),
+                              position=np.arange(b.start, b.start + n), block=np.full(n, b_index))  # fmt: skip
+            writer.commit(blocks_done=s + len(chunk), seconds=seconds0 + time.perf_counter() - t0)
     count = int(state["count"])
-    files = {name: {"dtype": dt, "sha256": sha256_file(out / f"{name}.bin")} for name, dt in FILES.items()}
-    vectors = np.memmap(out / "vectors.bin", dtype=np.float16, mode="r", shape=(count, dim))
+    files = FOLDER.checksums(out)
+    vectors = FOLDER.array(out, "vectors", count, dim)
     chosen = factory or ("Flat" if count <= FLAT_MAX_N else None)
     identity = {"kind": "npm-phrase-index", "count": count, "dim": dim, "sha256": files["vectors"]["sha256"]}
     build_index(vectors, out / "index.faiss", factory=chosen, metric="ip", progress=progress, source=identity)
@@ -463,32 +439,10 @@ def _build_phrase_index(
         "block_tokens": block_tokens,
         "n_blocks": len(blocks),
         "corpus": {"fingerprint": corpus_fp, "n_docs": len(fields), **dict(source or {})},
-        "dtypes": dict(FILES),
         "files": files,
         "index": {"factory": chosen or "default", "metric": "ip"},
         "build_seconds": float(state["seconds"]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    atomic_write_json(manifest_path, manifest)
-    progress_path.unlink()
+    FOLDER.publish(out, manifest)
     return PhraseIndex.open(out)
-
-
-def _encode_blocks(model, blocks, state, handles, progress_path, cls, sep, pad, batch_size, count, t0, seconds0):
-    """Encode the remaining blocks, appending to the open files and recording progress after every batch."""
-    for s in range(int(state["blocks_done"]), len(blocks), batch_size):
-        chunk = blocks[s : s + batch_size]
-        hidden = encode_sequences(model, [[cls, *b.tokens.tolist(), sep] for b in chunk], pad, batch_size)
-        for b_index, (b, h) in enumerate(zip(chunk, hidden, strict=True), start=s):
-            n = len(b.tokens)
-            handles["vectors"].write(h[1 : 1 + n].astype(np.float16).tobytes())
-            handles["token_ids"].write(b.tokens.astype(np.int32).tobytes())
-            handles["doc"].write(np.full(n, b.doc, dtype=np.int32).tobytes())
-            handles["position"].write(np.arange(b.start, b.start + n, dtype=np.int32).tobytes())
-            handles["block"].write(np.full(n, b_index, dtype=np.int32).tobytes())
-            count += n
-        for h in handles.values():
-            h.flush()
-            os.fsync(h.fileno())
-        state.update(blocks_done=s + len(chunk), count=count, seconds=seconds0 + time.perf_counter() - t0)
-        atomic_write_json(progress_path, state)
