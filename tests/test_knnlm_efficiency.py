@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from memlm.core.distribution import interpolate, interpolate_per_token, knn_distribution
-from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _seal_manifest
+from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _publish
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
 from memlm.index import exact_scores, exact_search, load_index, plan_index, search, validate_factory
 from memlm.knnlm.adaptive import (
     AdaptiveGate,
@@ -57,7 +56,7 @@ def make_datastore(path, keys, values, doc_hash=None, offset=None, vocab=1000) -
         "min_context": 0,
         "sources": [{"corpus": "synthetic"}],
     }
-    atomic_write_json(path / "manifest.json", _seal_manifest(manifest, path))
+    _publish(manifest, path)
     return Datastore.open(path)
 
 
