@@ -5,12 +5,13 @@ Xu et al. (2023, Eq. 5) write every memory-augmented LM with one ``W_ds``: a dat
 external memories), a learned matrix, or every token of a reference corpus (NPM). In memlm each is a ``Memory``:
 
 * :class:`DenseMemory` (here): exact search over an in-memory ``[N, D]`` matrix with values, an optional scale and
-  a per-query visibility mask (TRIME's in-batch memories, a learned or subsampled ``W_ds``);
+  a per-query visibility mask (TRIME's local and long-term memories);
 * :class:`memlm.retrieval.DatastoreMemory`: a datastore folder with its FAISS index (approximate), exact search,
-  index or exact scores, a sharded datastore, self-match removal, merged counts of a pruned datastore;
-* :class:`memlm.retrieval.PointerMemory`: RetoMaton's pointer reuse on top of a datastore memory;
-* :class:`memlm.knnlm.cache.ContinuousCache`: the evaluated document's own earlier positions (Grave et al. 2017c);
-* :class:`memlm.npm.inference.PhraseMemory`: NPM's phrase index (start and end vectors of a reference corpus).
+  index or exact scores, a sharded datastore, self-match removal, merged counts of a pruned datastore (the kNN-LM,
+  its generation and lm-eval adapter, TRIME's external memory);
+* :func:`memlm.knnlm.pointer.pointer_retrieve`: RetoMaton's pointer reuse over a datastore memory's search;
+* :func:`memlm.knnlm.cache.continuous_cache`: the evaluated document's own earlier positions (Grave et al. 2017c);
+* :class:`memlm.npm.inference.PhraseMemory`: NPM's phrase index (every token of a reference corpus).
 
 What comes back is always the same :class:`Retrieved`: ``scores [Q, k]`` (larger = closer; ``-inf`` in empty
 slots), ``values [Q, k]`` (``-1`` in empty slots), ``ids [Q, k]`` (the entries' row numbers, ``-1`` when empty) and
