@@ -2,7 +2,7 @@
 efficiency option on the same test text, back to back, for datastores of growing size.
 
     python benchmarks/bench_efficient.py --datastore DS_100K --datastore DS_300K --datastore DS_1M \\
-        --corpus wikitext2 --max-tokens 8000 --valid-tokens 8000 --out docs/results/efficient
+        --corpus wikitext2 --max-tokens 4096 --valid-tokens 4096 --out docs/results/efficient
 
 For every datastore ``DS`` (a memlm datastore folder with its default IVF-PQ index; k = 1024):
 
@@ -124,8 +124,9 @@ def setup(args: argparse.Namespace, ds_path: Path, out: Path) -> dict:
     prune_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     compressed = out / "compressed.faiss"
+    factory = compressed_factory(args.compressed_factory, ds_factory(ds))
     if not compressed.exists():
-        ds.build_index(factory=args.compressed_factory, path=compressed)
+        ds.build_index(factory=factory, path=compressed)
     res = {
         "datastore": str(ds_path),
         "entries": len(ds),
@@ -138,11 +139,17 @@ def setup(args: argparse.Namespace, ds_path: Path, out: Path) -> dict:
         "pruned": str(pruned),
         "prune_seconds": prune_seconds,
         "compressed_index": str(compressed),
-        "compressed_factory": args.compressed_factory,
+        "compressed_factory": factory,
         "compressed_seconds": time.perf_counter() - t0,
     }
     path.write_text(json.dumps(res, indent=1))
     return res
+
+
+def compressed_factory(template: str, base: str) -> str:
+    """``template`` with ``{ivf}`` replaced by the datastore index's own ``IVF<nlist>`` (same coarse quantizer size)."""
+    ivf = next((part for part in base.split(",") if part.startswith("IVF")), "IVF1024")
+    return template.format(ivf=ivf)
 
 
 def ds_factory(ds) -> str:
@@ -158,13 +165,13 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--corpus", default="wikitext2")
-    p.add_argument("--max-tokens", type=int, default=8000)
-    p.add_argument("--valid-tokens", type=int, default=8000)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--valid-tokens", type=int, default=4096)
     p.add_argument("--k", type=int, default=1024)
     p.add_argument("--nprobe", type=int, default=32)
     p.add_argument("--adaptive-fraction", type=float, default=0.5)
     p.add_argument("--pointer-min", type=int, default=16)
-    p.add_argument("--compressed-factory", default="OPQ32_128,IVF4096,PQ32")
+    p.add_argument("--compressed-factory", default="OPQ32_128,{ivf},PQ32")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default="docs/results/efficient")
     p.add_argument("--one", help=argparse.SUPPRESS)
