@@ -95,8 +95,8 @@ def setup(args: argparse.Namespace, ds_path: Path, out: Path) -> dict:
     from memlm.core.distribution import knn_target_logprob
     from memlm.corpora import load_documents
     from memlm.datastore import Datastore
-    from memlm.knnlm.evaluate import score_tokens, tune
     from memlm.knnlm.adaptive import gate_features, train_gate
+    from memlm.knnlm.evaluate import score_tokens, tune
     from memlm.knnlm.prune import prune_datastore
     from memlm.resources import load_causal_lm
     from memlm.windows import limit_documents
