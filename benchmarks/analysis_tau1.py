@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from memlm.xu2023.analysis import tau1_row, tau1_tables
 from memlm.fileio import atomic_write_json
+from memlm.xu2023.analysis import tau1_row, tau1_tables
 
 
 def fig5_best_on_valid(results: dict) -> list[dict]:

@@ -25,9 +25,9 @@ import torch
 from memlm import index as index_lib
 from memlm.corpora import load_documents
 from memlm.datastore import build_datastore
-from memlm.knnlm.evaluate import add_neighbours, lm_scores
 from memlm.fileio import atomic_write_json
 from memlm.forward import collate
+from memlm.knnlm.evaluate import add_neighbours, lm_scores
 from memlm.resources import load_causal_lm
 from memlm.windows import batched, limit_documents, sliding_windows, tokenize_documents
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from memlm.corpora import load_documents
-from memlm.knnlm.evaluate import lm_scores
 from memlm.fileio import atomic_write_json
+from memlm.knnlm.evaluate import lm_scores
 from memlm.resources import _cpu_has_native_bf16, default_dtype, load_causal_lm
 from memlm.windows import limit_documents
 

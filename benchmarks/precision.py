@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from memlm.corpora import load_documents
-from memlm.knnlm.evaluate import lm_scores
 from memlm.fileio import atomic_write_json
 from memlm.forward import fp32_head
+from memlm.knnlm.evaluate import lm_scores
 from memlm.resources import load_causal_lm
 from memlm.windows import limit_documents
 

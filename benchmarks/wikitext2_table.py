@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memlm.core.distribution import mix_logprobs
 from memlm.corpora import load_documents
 from memlm.datastore import Datastore
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
 from memlm.fileio import atomic_write_json
 from memlm.forward import rolling_forward
 from memlm.keys import KeySpec, num_layers
-from memlm.core.distribution import mix_logprobs
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
 from memlm.resources import load_causal_lm
 
 
