@@ -77,7 +77,7 @@ def _run_child(args: list[str]) -> dict[str, Any]:
 def child_build(a: argparse.Namespace) -> None:
     import torch
 
-    from memlm.cli import _documents
+    from memlm.cli.common import load_documents as _documents
     from memlm.resources import load_causal_lm
     from memlm.sharded import build_sharded
 
@@ -151,7 +151,8 @@ def _real() -> Any:
 def cmd_synth(a: argparse.Namespace) -> None:
     import faiss
 
-    from memlm.datastore import FILES, _sha256
+    from memlm.datastore import FILES
+    from memlm.fileio import sha256_file as _sha256
     from memlm.fileio import atomic_write_json
     from memlm.sharded_index import build_sharded_index
 
