@@ -152,8 +152,8 @@ def cmd_synth(a: argparse.Namespace) -> None:
     import faiss
 
     from memlm.datastore import FILES
-    from memlm.fileio import sha256_file as _sha256
     from memlm.fileio import atomic_write_json
+    from memlm.fileio import sha256_file as _sha256
     from memlm.sharded_index import build_sharded_index
 
     real = _real()
