@@ -39,12 +39,11 @@ from memlm.core.distribution import (
     METRICS,
     check_metric,
     check_temperature,
+    knn_distribution,
     knn_target_logprob,
-    knn_weights,
     mask_to_k,
     mix_logprobs,
     similarity,
-    value_logsumexp,
 )
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_bytes
@@ -87,12 +86,11 @@ def _check_values(values: torch.Tensor, n: int, vocab_size: int | None) -> torch
     return values.long()
 
 
-def _entry_logweights(h_ds: torch.Tensor, W_ds: torch.Tensor, k: int, temperature: float, metric: str) -> torch.Tensor:
-    """``log softmax(mask-to-k(W_ds (x) h_ds) / tau)`` over the ``N`` entries: ``[..., N]``."""
+def _masked_scores(h_ds: torch.Tensor, W_ds: torch.Tensor, k: int, metric: str) -> torch.Tensor:
+    """``mask-to-k(W_ds (x) h_ds)``: ``[..., N]``, the k best scores of each query and ``-inf`` elsewhere."""
     if W_ds.shape[0] == 0:
         raise MemlmError("W_ds is empty (0 rows); build the datastore first")
-    scores = mask_to_k(similarity(h_ds, W_ds, metric), k)
-    return knn_weights(scores, torch.zeros(scores.shape, dtype=torch.long, device=scores.device), temperature)
+    return mask_to_k(similarity(h_ds, W_ds, metric), k)
 
 
 def datastore_logprobs(
@@ -110,7 +108,8 @@ def datastore_logprobs(
     log-probabilities ``[..., vocab_size]`` (``-inf`` for values with no entry among the top ``k``).
     """
     values = _check_values(values, W_ds.shape[0], vocab_size)
-    return value_logsumexp(_entry_logweights(h_ds, W_ds, k, temperature, metric), values, vocab_size)
+    scores = _masked_scores(h_ds, W_ds, k, metric)
+    return knn_distribution(scores, values.to(scores.device).expand_as(scores), vocab_size, temperature)
 
 
 def datastore_target_logprob(
@@ -130,9 +129,7 @@ def datastore_target_logprob(
     values = _check_values(values, W_ds.shape[0], None)
     if targets.shape != h_ds.shape[:-1]:
         raise MemlmError(f"targets {tuple(targets.shape)} must have h_ds's leading shape {tuple(h_ds.shape[:-1])}")
-    if W_ds.shape[0] == 0:
-        raise MemlmError("W_ds is empty (0 rows); build the datastore first")
-    scores = mask_to_k(similarity(h_ds, W_ds, metric), k)  # [..., N]
+    scores = _masked_scores(h_ds, W_ds, k, metric)
     return knn_target_logprob(scores, values.to(scores.device).expand_as(scores), targets.to(scores.device).long(),
                               temperature)  # fmt: skip
 
