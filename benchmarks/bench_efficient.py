@@ -174,6 +174,7 @@ def main() -> None:
     p.add_argument("--compressed-factory", default="OPQ32_128,{ivf},PQ32")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default="docs/results/efficient")
+    p.add_argument("--setup-only", action="store_true", help="prepare gates, pruned datastores, compressed indexes")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--ds", help=argparse.SUPPRESS)
     p.add_argument("--pruned-path", help=argparse.SUPPRESS)
@@ -190,6 +191,8 @@ def main() -> None:
         work = Path(os.environ.get("MEMLM_BENCH_WORK", "/tmp/memlm-bench")) / ds_path.name
         work.mkdir(parents=True, exist_ok=True)
         st = setup(args, ds_path, work)
+        if args.setup_only:
+            continue
         rows = results["runs"].setdefault(ds_path.name, {"setup": st, "rows": {}})["rows"]
         for name in args.configs.split(","):
             cmd = [sys.executable, __file__, "--one", name, "--ds", str(ds_path), "--pruned-path", st["pruned"],
@@ -210,7 +213,8 @@ def main() -> None:
             print(f"{ds_path.name} {name}: {rows[name]['tok_per_s']:.1f} tok/s ppl {rows[name]['ppl']:.3f} "
                   f"searched {rows[name]['searched_fraction']:.2f}", flush=True)  # fmt: skip
             results_path.write_text(json.dumps(results, indent=1))
-    report(results, out)
+    if not args.setup_only:
+        report(results, out)
 
 
 def report(results: dict, out: Path) -> None:
