@@ -250,7 +250,7 @@ class _CachedDecode:
     def decode(self, ids, *args, **kwargs) -> str:
         if args or kwargs:
             return self._tokenizer.decode(ids, *args, **kwargs)
-        key = tuple(int(t) for t in ids)
+        key = tuple(ids) if type(ids) is list else tuple(int(t) for t in ids)  # _group passes lists of ints
         text = self._texts.get(key)
         if text is None:
             text = self._tokenizer.decode(list(key))
