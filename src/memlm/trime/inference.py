@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 import torch
 
@@ -246,6 +247,14 @@ def _retrieve_external(
     return np.where(values >= 0, sc, -np.inf).astype(np.float32), values.astype(np.int32)
 
 
+def _nprobe_of(index, default: int) -> int:
+    """The nprobe an IVF index searches with (``default`` when no index or no IVF index is used)."""
+    if index is None:
+        return default
+    ivf = faiss.try_extract_index_ivf(index) if isinstance(index, faiss.Index) else None
+    return default if ivf is None else int(ivf.nprobe)
+
+
 @torch.inference_mode()
 def score_trime(
     model: torch.nn.Module,
@@ -264,6 +273,7 @@ def score_trime(
     scale: float | None = None,
     key: KeySpec = G_SPEC,
     meta: dict[str, Any] | None = None,
+    index=None,
 ) -> TrimeScores:
     """One forward pass per segment and one retrieval per token: the per-token dump of TRIME's Eq. 6 (App. A).
 
@@ -283,7 +293,10 @@ def score_trime(
     this model; its FAISS index unless ``search="exact"``), ``ext_scores="dot"`` recomputes ``sim`` from the stored
     keys (the index only ranks), ``"index"`` keeps the index's own similarity (−L2² or inner product).
     ``drop_self_matches`` (needs documents with ``.id``/``.text``) drops retrieved entries that are the scored token.
-    Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
+    ``index``: the datastore's FAISS index already loaded (:func:`memlm.index.load_index`; its own ``nprobe``
+    applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
+    The external search runs once per forward batch (all its targets in one call). Runs under
+    ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
     """
     if seq_len < 2:
         raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
@@ -300,13 +313,21 @@ def score_trime(
     if k < 1:
         raise MemlmError(f"k must be >= 1, got {k}")
     key = key.normalized(num_layers(model))
-    index = None
-    if datastore is not None:
+    if datastore is None:
+        index = None
+    else:
         if tokenizer is None:
             raise MemlmError("an external datastore needs the tokenizer to check that it was built for this model")
         datastore.check_compatible(model, tokenizer, key)
-        if search == "index":
+        if search != "index":
+            index = None
+        elif index is None:
             index = index_lib.load_index(datastore.index_path, nprobe=nprobe)
+        elif int(index.ntotal) != len(datastore) or int(index.d) != int(datastore.keys.shape[1]):
+            raise MemlmError(
+                f"the index passed holds {int(index.ntotal):,} x {int(index.d)} keys, the datastore {datastore.path} "
+                f"{len(datastore):,} x {int(datastore.keys.shape[1])}: pass its own index"
+            )
     docs = list(documents)
     if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
         raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
@@ -394,7 +415,7 @@ def score_trime(
             k=k,
             search=search,
             ext_scores=ext_scores,
-            nprobe=nprobe,
+            nprobe=_nprobe_of(index, nprobe),
             drop_self_matches=drop_self_matches,
             seconds_search=seconds_search,
         )

@@ -1,0 +1,122 @@
+"""TRIME external-memory fast paths == the code they replaced (issue 14): one search per forward batch instead of one
+per segment, the rescoring of retrieved keys (exact_scores) with reused float32 buffers, an index passed in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_toy_docs
+from test_datastore import build
+
+from memlm import index as index_lib
+from memlm.errors import MemlmError
+from memlm.index import build_index, load_index
+from memlm.trime import score_trime
+
+
+def old_exact_scores(keys, ids, queries, metric):
+    """exact_scores before issue 14: 64 MiB blocks, NumPy float16 cast, the query rows by a boolean mask."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    nq, k = ids.shape
+    d = q.shape[1]
+    out = np.full((nq, k), -np.inf, dtype=np.float32)
+    block = max(1, 64 * 1024**2 // (k * d * 4))
+    for s in range(0, nq, block):
+        e = min(s + block, nq)
+        bids = ids[s:e]
+        valid = bids >= 0
+        if not valid.any():
+            continue
+        uniq, inv = np.unique(bids[valid], return_inverse=True)
+        kv = np.ascontiguousarray(keys[uniq], dtype=np.float32)[inv]
+        qv = np.broadcast_to(q[s:e, None, :], (*bids.shape, d))[valid]
+        if metric == "l2":
+            diff = qv - kv
+            vals = -np.einsum("nd,nd->n", diff, diff)
+        else:
+            vals = np.einsum("nd,nd->n", qv, kv)
+        out[s:e][valid] = vals
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("d,k", [(8, 1), (32, 7), (256, 1024)])
+def test_exact_scores_bitwise_equal_to_old(monkeypatch, dtype, metric, d, k):
+    rng = np.random.default_rng(d + k)
+    n = 3000
+    keys = rng.normal(size=(n, d)).astype(dtype)
+    nq = 37
+    q = rng.normal(size=(nq, d)).astype(np.float32)
+    ids = rng.integers(0, n, size=(nq, k))
+    ids[rng.random(ids.shape) < 0.1] = -1  # missing neighbours
+    ids[3] = -1  # a query with none
+    want = old_exact_scores(keys, ids, q, metric)
+    for block_bytes in (index_lib._RESCORE_BLOCK_BYTES, k * d * 4 * 5, 1):  # several queries per block, or one
+        monkeypatch.setattr(index_lib, "_RESCORE_BLOCK_BYTES", block_bytes)
+        got = index_lib.exact_scores(keys, ids, q, metric)
+        assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert np.array_equal(index_lib.exact_scores(np.asarray(keys), ids, q, metric), want)
+
+
+@pytest.fixture(scope="module")
+def ext_ivf(tmp_path_factory, tiny_lm):
+    tmp = tmp_path_factory.mktemp("trime-speed")
+    ds = build(tmp, tiny_lm, make_toy_docs(20, seed=3), window=32, min_context=8)
+    build_index(ds.keys, ds.index_path, factory="IVF4,Flat", metric="l2", progress=False)
+    return ds
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("drop", [False, True])
+def test_one_search_per_batch_equals_one_per_segment(tiny_lm, ext_ivf, monkeypatch, drop):
+    """Each forward batch's targets go to _retrieve_external in one call; splitting that call back into one call per
+    segment (the old loop) gives the same neighbours and the same scores, bit for bit."""
+    from memlm.trime import inference as ti
+
+    model, tok = tiny_lm
+    docs = make_toy_docs(6, seed=9) + make_toy_docs(20, seed=3)[:3]  # the last three are in the datastore
+    calls = []
+    real = ti._retrieve_external
+
+    def spy(ds, index, queries, *args):
+        out = real(ds, index, queries, *args)
+        calls.append((index, queries, args, out))
+        return out
+
+    monkeypatch.setattr(ti, "_retrieve_external", spy)
+    bs = 3
+    ts = score_trime(model, tok, docs, 16, max_segments=1, datastore=ext_ivf, k=16, nprobe=2, batch_size=bs,
+                     drop_self_matches=drop)  # fmt: skip
+    pairs = np.stack([ts.doc_index, ts.segment_index], 1)
+    starts = np.flatnonzero(np.r_[True, (pairs[1:] != pairs[:-1]).any(1)])
+    lengths = np.diff(np.r_[starts, len(ts)])
+    assert len(lengths) > 2 * bs and len(calls) == -(-len(lengths) // bs)
+    for c, (index, queries, args, (es, ev)) in enumerate(calls):
+        seg_lengths = lengths[c * bs : (c + 1) * bs]
+        assert len(queries) == seg_lengths.sum()
+        lo = 0
+        for n in seg_lengths:
+            k, search, ext_scores, scale, prov = args
+            p = None if prov is None else (prov[0][lo : lo + n], prov[1][lo : lo + n])
+            s1, v1 = real(ext_ivf, index, queries[lo : lo + n], k, search, ext_scores, scale, p)
+            assert np.array_equal(s1, es[lo : lo + n]) and np.array_equal(v1, ev[lo : lo + n])
+            lo += n
+    assert np.array_equal(np.concatenate([c[3][1] for c in calls]), ts.ext_values)
+    if drop:
+        assert (ts.ext_values == -1).any()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_index_passed_in(tiny_lm, ext_ivf, tmp_path):
+    model, tok = tiny_lm
+    docs = make_toy_docs(3, seed=4)
+    own = score_trime(model, tok, docs, 16, max_segments=0, datastore=ext_ivf, k=8, nprobe=3)
+    index = load_index(ext_ivf.index_path, nprobe=3)
+    given = score_trime(model, tok, docs, 16, max_segments=0, datastore=ext_ivf, k=8, index=index)
+    assert np.array_equal(own.ext_scores, given.ext_scores) and np.array_equal(own.ext_values, given.ext_values)
+    assert own.meta["nprobe"] == given.meta["nprobe"] == 3
+    other = build(tmp_path, tiny_lm, make_toy_docs(2, seed=5), window=32, min_context=8)
+    build_index(other.keys, other.index_path, factory="Flat", metric="l2", progress=False)
+    with pytest.raises(MemlmError, match="its own index"):
+        score_trime(model, tok, docs, 16, datastore=ext_ivf, k=8, index=load_index(other.index_path))
