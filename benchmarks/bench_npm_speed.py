@@ -153,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         predictors["npm_legacy"] = legacy_predictor(model, tok, legacy_index(pi), args.k, args.l_max)
     stats = {name: tasks.QueryStats() for name in predictors}
     answers: dict[str, list] = {name: [] for name in predictors}
-    for name, fn in predictors.items():
+    for fn in predictors.values():
         fn(probes[0].query)  # warm-up: loads the FAISS index, first-call allocations
     for s in range(0, len(probes), args.chunk):
         for name, fn in predictors.items():
             answers[name] += [stats[name].timed(fn, q.query) for q in probes[s : s + args.chunk]]
-        print(f"{s + args.chunk:4d}/{len(probes)} "
-              + "  ".join(f"{n} {st.queries_per_second:.2f} q/s" for n, st in stats.items()), file=sys.stderr)  # fmt: skip
+        done = "  ".join(f"{n} {st.queries_per_second:.2f} q/s" for n, st in stats.items())
+        print(f"{min(s + args.chunk, len(probes)):4d}/{len(probes)} {done}", file=sys.stderr)
     speed = {name: st.as_dict() for name, st in stats.items()}
     qps = {name: st.queries_per_second for name, st in stats.items()}
     result = {
@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "mlm_over_npm": qps["mlm"] / qps["npm"],
         "speed": speed,
         "em": {
-            name: float(np.mean([tasks.exact_match(tok, a, pr.answer) for a, pr in zip(answers[name], probes)]))
+            name: float(
+                np.mean([tasks.exact_match(tok, a, pr.answer) for a, pr in zip(answers[name], probes, strict=True)])
+            )
             for name in ("npm", *(["npm_legacy"] if args.legacy else []))
         },  # fmt: skip
         "torch_threads": torch.get_num_threads(),
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.legacy:
         result["mlm_over_npm_legacy"] = qps["mlm"] / qps["npm_legacy"]
         result["npm_speedup_vs_legacy"] = qps["npm"] / qps["npm_legacy"]
-        result["same_top1_as_legacy"] = sum(a == b for a, b in zip(answers["npm"], answers["npm_legacy"]))
+        result["same_top1_as_legacy"] = sum(a == b for a, b in zip(answers["npm"], answers["npm_legacy"], strict=True))
     if args.stages:
         result["npm_stage_ms"] = stage_times(model, tok, pi, probes[: args.stages], args.k, args.l_max)
     print(json.dumps(result, indent=2))

@@ -120,3 +120,39 @@ def test_index_passed_in(tiny_lm, ext_ivf, tmp_path):
     build_index(other.keys, other.index_path, factory="Flat", metric="l2", progress=False)
     with pytest.raises(MemlmError, match="its own index"):
         score_trime(model, tok, docs, 16, datastore=ext_ivf, k=8, index=load_index(other.index_path))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("factory,metric", [("IVF4,Flat", "l2"), ("Flat", "l2"), ("Flat", "ip")])
+def test_dot_index_equals_dot_up_to_float32_rounding(tiny_lm, tmp_path, factory, metric):
+    model, tok = tiny_lm
+    ds = build(tmp_path, tiny_lm, make_toy_docs(20, seed=3), window=32, min_context=8)
+    build_index(ds.keys, ds.index_path, factory=factory, metric=metric, progress=False)
+    docs = make_toy_docs(4, seed=11)
+    kw = {"max_segments": 0, "datastore": ds, "k": 12, "nprobe": 4, "batch_size": 4}
+    dot = score_trime(model, tok, docs, 16, **kw)
+    fast = score_trime(model, tok, docs, 16, ext_scores="dot-index", **kw)
+    assert fast.meta["ext_scores"] == "dot-index"
+    valid = dot.ext_values >= 0
+    assert valid.mean() > 0.9 and np.array_equal(valid, fast.ext_values >= 0)
+    np.testing.assert_allclose(fast.ext_scores[valid], dot.ext_scores[valid], rtol=1e-5, atol=1e-5)
+    # the same entries (rows sorted by score: near-ties may swap places)
+    assert np.array_equal(np.sort(fast.ext_values, 1), np.sort(dot.ext_values, 1))
+    for ts in (dot, fast):
+        assert np.all(np.diff(np.where(ts.ext_values >= 0, ts.ext_scores, -np.inf), axis=1) <= 0)
+
+
+def test_dot_index_refuses_compressed_index_and_exact_search(tiny_lm, ext_setup_pq):
+    model, tok = tiny_lm
+    with pytest.raises(MemlmError, match="exact distances"):
+        score_trime(model, tok, make_toy_docs(1), 16, datastore=ext_setup_pq, k=4, ext_scores="dot-index")
+    with pytest.raises(MemlmError, match="search='index'"):
+        score_trime(model, tok, make_toy_docs(1), 16, datastore=ext_setup_pq, k=4, ext_scores="dot-index",
+                    search="exact")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ext_setup_pq(tmp_path_factory, tiny_lm):
+    ds = build(tmp_path_factory.mktemp("trime-pq"), tiny_lm, make_toy_docs(20, seed=3), window=32, min_context=8)
+    build_index(ds.keys, ds.index_path, factory="IVF2,PQ4x4", metric="l2", progress=False)
+    return ds

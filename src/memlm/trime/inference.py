@@ -218,6 +218,43 @@ def _memory_terms(
     return out_all, out_hit
 
 
+def _key_sqnorms(datastore: Datastore, chunk: int = 65536) -> np.ndarray:
+    """``[N]`` float64 ``||k||^2`` of the datastore's keys (as float32 values), computed once per datastore object
+    (kept on it, 8 bytes per entry)."""
+    out = getattr(datastore, "_trime_key_sqnorms", None)
+    if out is None or len(out) != len(datastore.keys):
+        keys = datastore.keys
+        out = np.empty(len(keys), dtype=np.float64)
+        for s in range(0, len(keys), chunk):
+            kc = np.asarray(keys[s : s + chunk], dtype=np.float32).astype(np.float64)
+            out[s : s + chunk] = np.einsum("nd,nd->n", kc, kc)
+        datastore._trime_key_sqnorms = out
+    return out
+
+
+def _dot_from_index(datastore: Datastore, index, queries: np.ndarray, sc: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``q . k`` of the retrieved entries from the index's own exact distances (``ext_scores="dot-index"``): the
+    inner product itself for an ``ip`` index; ``(||q||^2 + ||k||^2 - ||q - k||^2) / 2`` (float64, with the stored keys'
+    norms) for an ``l2`` one. Only for indexes whose distances are exact (``Flat``, ``IVF...,Flat``): the result is
+    q.k up to float32 rounding (the index's float32 distance), without reading the neighbours' keys again."""
+    base = faiss.downcast_index(index) if isinstance(index, faiss.Index) else None
+    ivf = faiss.try_extract_index_ivf(index) if base is not None else None
+    ivf = faiss.downcast_index(ivf) if ivf is not None else None
+    if not (isinstance(base, faiss.IndexFlat) or isinstance(ivf, faiss.IndexIVFFlat)):
+        raise MemlmError(
+            "ext_scores='dot-index' needs an index with exact distances (Flat or IVF...,Flat); this one compresses "
+            "the keys: use ext_scores='dot' (recomputed from the stored keys)"
+        )
+    valid = ids >= 0
+    if index_lib.index_metric(index) == "ip":
+        return np.where(valid, sc, -np.inf).astype(np.float32)
+    q = np.asarray(queries, dtype=np.float32).astype(np.float64)
+    qn = np.einsum("nd,nd->n", q, q)
+    kn = _key_sqnorms(datastore)[np.where(valid, ids, 0)]
+    dot = 0.5 * (qn[:, None] + kn + sc.astype(np.float64))  # sc = -||q - k||^2
+    return np.where(valid, dot, -np.inf).astype(np.float32)
+
+
 def _retrieve_external(
     datastore: Datastore,
     index,
@@ -229,8 +266,11 @@ def _retrieve_external(
     provenance: tuple[np.ndarray, np.ndarray] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     sc, ids = retrieve(datastore, queries, k, index=index, search=search, progress=False)
-    if ext_scores == "dot":
-        sc = index_lib.exact_scores(datastore.keys, ids, queries, "ip") * np.float32(scale)
+    if ext_scores in ("dot", "dot-index"):
+        if ext_scores == "dot":
+            sc = index_lib.exact_scores(datastore.keys, ids, queries, "ip") * np.float32(scale)
+        else:
+            sc = _dot_from_index(datastore, index, queries, sc, ids) * np.float32(scale)
         order = np.argsort(-sc, axis=1, kind="stable")
         sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
     valid = ids >= 0
@@ -291,7 +331,10 @@ def score_trime(
     context from earlier segments; every token but a document's first is a target exactly once. ``local_temperatures``
     are the ``τ_local`` values the dump keeps (1.0 = as trained). With ``datastore`` (an ``ffn_in@-1`` datastore of
     this model; its FAISS index unless ``search="exact"``), ``ext_scores="dot"`` recomputes ``sim`` from the stored
-    keys (the index only ranks), ``"index"`` keeps the index's own similarity (−L2² or inner product).
+    keys (the index only ranks), ``"index"`` keeps the index's own similarity (−L2² or inner product),
+    ``"dot-index"`` derives ``q.k`` from the index's exact distances (``Flat`` / ``IVF...,Flat`` only:
+    ``(||q||² + ||k||² − L2²) / 2``), equal to ``"dot"`` up to float32 rounding and much cheaper than re-reading the
+    keys (:func:`_dot_from_index`).
     ``drop_self_matches`` (needs documents with ``.id``/``.text``) drops retrieved entries that are the scored token.
     ``index``: the datastore's FAISS index already loaded (:func:`memlm.index.load_index`; its own ``nprobe``
     applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
@@ -308,8 +351,10 @@ def score_trime(
     temps = [float(t) for t in local_temperatures]
     if not temps or any(t <= 0 for t in temps):
         raise MemlmError(f"local_temperatures must be a non-empty list of values > 0, got {list(local_temperatures)}")
-    if search not in ("index", "exact") or ext_scores not in ("dot", "index"):
-        raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot' or 'index'")
+    if search not in ("index", "exact") or ext_scores not in ("dot", "index", "dot-index"):
+        raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot', 'index' or 'dot-index'")
+    if ext_scores == "dot-index" and search != "index":
+        raise MemlmError("ext_scores='dot-index' takes q.k from the FAISS index's distances: use search='index'")
     if k < 1:
         raise MemlmError(f"k must be >= 1, got {k}")
     key = key.normalized(num_layers(model))
