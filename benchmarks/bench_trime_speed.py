@@ -9,8 +9,8 @@ Runs, each timed ``--repeats`` times in turn (local, external, ...) and the best
 * ``external``: the external memory as the code runs it now, nprobe 32 (the FAISS index is read once, before the
   timing: its read is reported as ``index_load_s``);
 * ``external_legacy`` (``--legacy``): the code as it was before issue 14, emulated in process: the index read by every
-  score_trime call, one search per segment, the old rescoring (64 MiB blocks, NumPy float16 cast); its dump must be
-  identical to ``external``'s (``legacy_identical``);
+  score_trime call, the old rescoring (64 MiB blocks, NumPy float16 cast); its dump must be identical to
+  ``external``'s (``legacy_identical``);
 * ``external_nprobeN`` (``--nprobes 16 8 4``): the current code with fewer IVF lists probed. This changes the
   neighbours: each gets the share of nprobe-32 neighbours it keeps (``recall_vs_nprobe32``) and the test perplexity
   of the external memory (M = 8, tau = 1, lambda = 0, as ``memlm trime-eval`` reports it) next to nprobe 32's;
@@ -42,9 +42,7 @@ from memlm.fileio import atomic_write_json
 from memlm.resources import load_causal_lm
 from memlm.train_lm import load_corpora
 from memlm.trime import inference as ti
-from memlm.trime.batching import segment_documents
 from memlm.trime.inference import score_trime, trime_perplexity
-from memlm.trime.training import tokenize_for_trime
 from memlm.windows import limit_documents
 
 
@@ -78,25 +76,15 @@ def old_exact_scores(keys, ids, queries, metric):
 
 
 def legacy_external(model, tok, docs, ds, args):
-    """score_trime's external memory as before issue 14: index read per call, one search per segment, old rescoring."""
-    segments = [s for s in segment_documents(tokenize_for_trime(docs, tok), args.seq_len - 1) if len(s.targets)]
-    lengths = [len(s.targets) for s in segments]
-    real_retrieve, real_exact = ti._retrieve_external, index_lib.exact_scores
-
-    def per_segment(datastore, index, queries, k, search, ext_scores, scale, prov):
-        outs, lo = [], 0
-        while lo < len(queries):
-            n = lengths.pop(0)
-            outs.append(real_retrieve(datastore, index, queries[lo : lo + n], k, search, ext_scores, scale, prov))
-            lo += n
-        return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
-
-    ti._retrieve_external, index_lib.exact_scores = per_segment, old_exact_scores
+    """score_trime's external memory as before issue 14: the index read by the call, the old rescoring (the search is
+    one call per segment, now as then)."""
+    real_exact = index_lib.exact_scores
+    index_lib.exact_scores = old_exact_scores
     try:
         return score_trime(model, tok, docs, args.seq_len, args.segments, datastore=ds, k=args.k, nprobe=32,
                            batch_size=args.batch_size)  # fmt: skip
     finally:
-        ti._retrieve_external, index_lib.exact_scores = real_retrieve, real_exact
+        index_lib.exact_scores = real_exact
 
 
 def recall(a: np.ndarray, b: np.ndarray) -> float:

@@ -86,7 +86,7 @@ def test_retrieve_batch_equals_one_query_at_a_time(tok, kind):
     if index is not None:
         index.nprobe = 2
     rng = np.random.default_rng(2)
-    qs = [rng.normal(size=D).astype(np.float32) for _ in range(3)]
+    qs = [rng.normal(size=D).astype(np.float32) for _ in range(3 if kind == "flat" else 45)]  # > the BLAS threshold
     rows = np.arange(5, len(pi) - 7)
     for k in (1, 7, len(pi) + 3):
         for r in (None, rows, np.zeros(0, dtype=np.int64)):

@@ -46,6 +46,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import faiss
 import numpy as np
 
 from memlm.errors import MemlmError
@@ -170,13 +171,19 @@ def retrieve_batch(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """:func:`retrieve` for several query vectors (NPM's ``q_start`` and ``q_end``) with one search call: one FAISS
     search of ``[Q, h]``, or one read of the ``rows``' vectors. Each query's result is the one :func:`retrieve` gives
-    it alone (FAISS scores the queries of a batch independently; :meth:`PhraseIndex.search_rows` scores them one by
-    one)."""
+    it alone: FAISS computes the distances of fewer than ``faiss.cvar.distance_compute_blas_threshold`` (20) queries
+    one query at a time (from that many on it uses BLAS, whose rounding depends on the batch, so larger batches are
+    searched in chunks below it), and :meth:`PhraseIndex.search_rows` scores queries one by one."""
     _check_k_lmax(k)
     if not len(queries):
         return []
     q = np.stack([_vec(v, pi.dim, "query") for v in queries])
-    scores, ids = pi.search(q, k) if rows is None else pi.search_rows(q, rows, k)
+    if rows is None:
+        step = max(1, int(faiss.cvar.distance_compute_blas_threshold) - 1)
+        found = [pi.search(q[s : s + step], k) for s in range(0, len(q), step)]
+        scores, ids = np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+    else:
+        scores, ids = pi.search_rows(q, rows, k)
     scale = math.sqrt(pi.dim)
     out = []
     for r in range(len(q)):

@@ -338,8 +338,7 @@ def score_trime(
     ``drop_self_matches`` (needs documents with ``.id``/``.text``) drops retrieved entries that are the scored token.
     ``index``: the datastore's FAISS index already loaded (:func:`memlm.index.load_index`; its own ``nprobe``
     applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
-    The external search runs once per forward batch (all its targets in one call). Runs under
-    ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
+    Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
     """
     if seq_len < 2:
         raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
@@ -394,8 +393,6 @@ def score_trime(
     for start in range(0, len(segments), batch_size):
         batch = segments[start : start + batch_size]
         outs = _forward_segments(model, batch, pad_id, key)
-        queries: list[np.ndarray] = []  # g(c) of every target of the batch: one external search for all of them
-        provs: list[tuple[np.ndarray, np.ndarray]] = []
         for s, (tl, lse, g) in zip(batch, outs, strict=True):
             if s.doc_index != current_doc:
                 fifo.clear()
@@ -415,20 +412,19 @@ def score_trime(
             parts["all"].append(mem_all.cpu().numpy())
             parts["hit"].append(mem_hit.cpu().numpy())
             if datastore is not None:
-                queries.append(g.cpu().numpy())
+                # one search per segment, as before: batching the segments of a forward batch into one FAISS call
+                # gained nothing measurable (255 queries already fill the threads) and is not result-preserving (the
+                # IVF coarse quantizer ranks centroids with BLAS, whose rounding depends on the batch: a near-tie at
+                # the nprobe-th list flipped for 1 query in 9,889 in docs/results/speed)
+                t1 = time.perf_counter()
+                prov = None
                 if hashes is not None:
                     offsets = s.start + 1 + np.arange(n)  # offset of each target inside its document
-                    provs.append((np.full(n, hashes[s.doc_index], dtype=np.int64), offsets))
-        if datastore is not None:
-            # every query's neighbours and scores are those a search of its own segment gives (FAISS and the
-            # rescoring treat queries independently); one call amortises the search's per-call and threading costs
-            t1 = time.perf_counter()
-            prov = None if hashes is None else (np.concatenate([h for h, _ in provs]),
-                                                np.concatenate([o for _, o in provs]))  # fmt: skip
-            es, ev = _retrieve_external(datastore, index, np.concatenate(queries), k, search, ext_scores, sc, prov)
-            parts["es"].append(es)
-            parts["ev"].append(ev)
-            seconds_search += time.perf_counter() - t1
+                    prov = (np.full(n, hashes[s.doc_index], dtype=np.int64), offsets)
+                es, ev = _retrieve_external(datastore, index, g.cpu().numpy(), k, search, ext_scores, sc, prov)
+                parts["es"].append(es)
+                parts["ev"].append(ev)
+                seconds_search += time.perf_counter() - t1
     out = TrimeScores(
         targets=np.concatenate(parts["y"]).astype(np.int64),
         doc_index=np.concatenate(parts["doc"]),
