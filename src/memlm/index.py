@@ -85,6 +85,10 @@ _FACTORY_HELP = "e.g. 'Flat', 'HNSW32', 'IVF4096,Flat' or 'IVF4096,PQ64' (PQ m m
 # Per-block budget for the float32 temporaries of exact_scores / exact_search.
 _EXACT_BLOCK_BYTES = 64 * 1024**2
 
+_RESCORE_BLOCK_BYTES = 8 * 1024**2
+"""float32 neighbour rows per block of :func:`exact_scores`: small enough for the allocator to reuse the buffers
+(a 64 MiB block was a fresh memory map, page-faulted anew for every block of queries)."""
+
 
 # --------------------------------------------------------------------------------------------- factories
 
@@ -722,7 +726,9 @@ def exact_scores(keys: np.ndarray, ids: np.ndarray, queries: np.ndarray, metric:
     out = np.full((nq, k), -np.inf, dtype=np.float32)
     if k == 0:
         return out
-    block = max(1, _EXACT_BLOCK_BYTES // (k * d * 4))
+    block = max(1, _RESCORE_BLOCK_BYTES // (k * d * 4))
+    f16 = np.dtype(getattr(keys, "dtype", np.float32)) == np.float16
+    buf = torch.empty((min(block, nq) * k, d), dtype=torch.float32) if f16 else None  # reused float32 rows
     for s in range(0, nq, block):
         e = min(s + block, nq)
         bids = ids[s:e]
@@ -730,8 +736,14 @@ def exact_scores(keys: np.ndarray, ids: np.ndarray, queries: np.ndarray, metric:
         if not valid.any():
             continue
         uniq, inv = np.unique(bids[valid], return_inverse=True)
-        kv = _as_f32(keys[uniq])[inv]  # [n_valid, D]
-        qv = np.broadcast_to(q[s:e, None, :], (*bids.shape, d))[valid]  # [n_valid, D]
+        if f16:  # read once per unique id, expand in float16, cast (exact) into the reused buffer with torch
+            k16 = np.ascontiguousarray(np.asarray(keys[uniq])[inv])
+            kv = buf[: len(k16)].copy_(torch.from_numpy(k16.view(np.int16)).view(torch.float16)).numpy()
+        else:
+            kv = _as_f32(keys[uniq])[inv]  # [n_valid, D]
+        # each valid (query, neighbour) pair's query row, in the row-major order of the mask: the same contiguous
+        # [n_valid, D] operands (so the same einsum and the same bits) as np.broadcast_to(q[:, None], ...)[valid]
+        qv = q[s:e][np.nonzero(valid)[0]]  # [n_valid, D]
         if metric == "l2":
             diff = qv - kv
             vals = -np.einsum("nd,nd->n", diff, diff)

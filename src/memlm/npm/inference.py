@@ -41,14 +41,17 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import faiss
 import numpy as np
 import torch
 
 from memlm.core.distribution import knn_distribution, value_logsumexp
+from memlm.core.memory import Retrieved
 from memlm.errors import MemlmError
 from memlm.npm.encoder import encode_query
 from memlm.npm.phrase_index import PhraseIndex
@@ -61,6 +64,8 @@ __all__ = [
     "normalize_text",
     "verbalizer_sequences",
     "retrieve",
+    "retrieve_batch",
+    "PhraseMemory",
     "candidate_spans",
     "span_log_scores",
     "predict_phrases",
@@ -162,31 +167,73 @@ def retrieve(pi: PhraseIndex, q: np.ndarray, k: int, rows: np.ndarray | None = N
 
     ``rows``: restrict to these rows with exact search (BM25 passages); ``None``: the FAISS index.
     """
+    return retrieve_batch(pi, [q], k, rows)[0]
+
+
+def retrieve_batch(
+    pi: PhraseIndex, queries: Sequence[np.ndarray], k: int, rows: np.ndarray | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`retrieve` for several query vectors (NPM's ``q_start`` and ``q_end``) with one search call: one FAISS
+    search of ``[Q, h]``, or one read of the ``rows``' vectors. Each query's result is the one :func:`retrieve` gives
+    it alone: FAISS computes the distances of fewer than ``faiss.cvar.distance_compute_blas_threshold`` (20) queries
+    one query at a time (from that many on it uses BLAS, whose rounding depends on the batch, so larger batches are
+    searched in chunks below it), and :meth:`PhraseIndex.search_rows` scores queries one by one."""
     _check_k_lmax(k)
-    q = _vec(q, pi.dim, "query")[None]
-    scores, ids = pi.search(q, k) if rows is None else pi.search_rows(q, rows, k)
-    keep = ids[0] >= 0
-    return scores[0][keep] / math.sqrt(pi.dim), ids[0][keep]
+    if not len(queries):
+        return []
+    r = PhraseMemory(pi, rows).search(np.stack([_vec(v, pi.dim, "query") for v in queries]), k)
+    keep = r.ids >= 0
+    return [(r.scores[i][keep[i]], r.ids[i][keep[i]]) for i in range(len(r))]
+
+
+class PhraseMemory:
+    """NPM's phrase index as a :class:`memlm.core.memory.Memory`: every token of the reference corpus is an entry
+    (its encoder vector the key, its token id the value); ``search`` returns ``sim = q . c / sqrt(h)`` (App. A.1),
+    best first. ``rows`` restricts the search to those rows with exact scores (BM25 passages), else the FAISS index.
+    Queries are searched in chunks below FAISS's BLAS threshold (``faiss.cvar.distance_compute_blas_threshold``, 20):
+    below it FAISS scores one query at a time, so each query's result is its one-query result whatever the batch."""
+
+    def __init__(self, pi: PhraseIndex, rows: np.ndarray | None = None) -> None:
+        self.pi, self.rows = pi, rows
+
+    def search(self, queries: np.ndarray, k: int) -> Retrieved:
+        q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+        if self.rows is None:
+            step = max(1, int(faiss.cvar.distance_compute_blas_threshold) - 1)
+            found = [self.pi.search(q[s : s + step], k) for s in range(0, len(q), step)]
+            scores, ids = np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+        else:
+            scores, ids = self.pi.search_rows(q, self.rows, k)
+        valid = ids >= 0
+        values = np.where(valid, np.asarray(self.pi.token_ids)[np.where(valid, ids, 0)], -1)
+        return Retrieved(np.where(valid, scores / math.sqrt(self.pi.dim), -np.inf), values, np.where(valid, ids, -1))
 
 
 def candidate_spans(pi: PhraseIndex, starts: Sequence[int], ends: Sequence[int], l_max: int) -> np.ndarray:
     """App. A.1's candidate set ``C~*``: ``[S, 2]`` distinct ``(i, j)`` rows (inclusive), sorted, each inside one block:
-    spans of 1 .. ``l_max`` tokens starting at a retrieved start or ending at a retrieved end."""
+    spans of 1 .. ``l_max`` tokens starting at a retrieved start or ending at a retrieved end.
+
+    Vectorised: every ``(start, start + o)`` and ``(end - o, end)`` for ``o < l_max`` inside the index and the
+    start's (end's) block (blocks are contiguous row ranges, so this is the run up to the block boundary), then the
+    distinct pairs in ``(i, j)`` order."""
     _check_k_lmax(1, l_max)
     n = len(pi)
     block = np.asarray(pi.block)
-    out: set[tuple[int, int]] = set()
-    for s in {int(x) for x in starts}:
-        for j in range(s, min(s + l_max, n)):
-            if block[j] != block[s]:
-                break
-            out.add((s, j))
-    for e in {int(x) for x in ends}:
-        for i in range(e, max(e - l_max, -1), -1):
-            if block[i] != block[e]:
-                break
-            out.add((i, e))
-    return np.array(sorted(out), dtype=np.int64).reshape(-1, 2)
+    off = np.arange(min(int(l_max), max(n, 1)), dtype=np.int64)
+    parts = []
+    for anchors, sign in ((starts, 1), (ends, -1)):
+        a = np.unique(np.asarray(anchors, dtype=np.int64).reshape(-1))
+        if a.size and (a[0] < 0 or a[-1] >= n):
+            raise MemlmError(f"span anchors must be rows of the phrase index (0 .. {n - 1}), got {a[0]} .. {a[-1]}")
+        other = a[:, None] + sign * off[None, :]  # [A, L]: the span's other end
+        inside = (other >= 0) & (other < n)
+        inside &= block[np.clip(other, 0, max(n - 1, 0))] == block[a][:, None]
+        anchor = np.broadcast_to(a[:, None], other.shape)[inside]
+        other = other[inside]
+        i, j = (anchor, other) if sign > 0 else (other, anchor)
+        parts.append(i * n + j)
+    codes = np.unique(np.concatenate(parts))
+    return np.stack([codes // max(n, 1), codes % max(n, 1)], axis=1).astype(np.int64).reshape(-1, 2)
 
 
 def span_log_scores(
@@ -211,6 +258,49 @@ def span_log_scores(
     sim_s = (np.asarray(pi.vectors[spans[:, 0]], dtype=np.float32) @ qs).astype(np.float64) * scale / tau
     sim_e = (np.asarray(pi.vectors[spans[:, 1]], dtype=np.float32) @ qe).astype(np.float64) * scale / tau
     return sim_s + sim_e if combine == "a1" else np.logaddexp(sim_s, sim_e)
+
+
+class _CachedDecode:
+    """A tokenizer stand-in for :func:`_group` and :meth:`PhraseIndex.context`: ``decode(ids)`` is memoised by
+    token-id tuple (decoding is a pure function of the ids), everything else is the tokenizer's own. Grouping decodes
+    every distinct candidate span (about 16k per NPM query at ``k = 1024``), and neighbouring queries share many of
+    them; the cache holds at most ``max_entries`` strings and starts over when full."""
+
+    def __init__(self, tokenizer, max_entries: int = 1 << 19) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[tuple[int, ...], str] = {}
+        self._max = int(max_entries)
+
+    def decode(self, ids, *args, **kwargs) -> str:
+        if args or kwargs:
+            return self._tokenizer.decode(ids, *args, **kwargs)
+        key = tuple(ids) if type(ids) is list else tuple(int(t) for t in ids)  # _group passes lists of ints
+        text = self._texts.get(key)
+        if text is None:
+            text = self._tokenizer.decode(list(key))
+            if len(self._texts) >= self._max:
+                self._texts.clear()
+            self._texts[key] = text
+        return text
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cached_decode(tokenizer):
+    """The per-tokenizer :class:`_CachedDecode` (one cache per tokenizer object, shared by all queries)."""
+    if isinstance(tokenizer, _CachedDecode):
+        return tokenizer
+    try:
+        dec = _DECODERS.get(tokenizer)
+        if dec is None:
+            dec = _DECODERS[tokenizer] = _CachedDecode(tokenizer)
+        return dec
+    except TypeError:  # not weak-referenceable: no cache across calls
+        return _CachedDecode(tokenizer)
 
 
 def _group(
@@ -268,15 +358,23 @@ def predict_phrases(
     """NPM open-set prediction from query vectors (App. A.1; module docstring): ranked phrases, scores summed per
     distinct phrase string. ``rows`` restricts the search (BM25); ``top=None`` returns every phrase."""
     _check_k_lmax(k, l_max)
-    _, starts = retrieve(pi, q_start, k, rows)
-    _, ends = retrieve(pi, q_end, k, rows)
+    spans = _npm_spans(pi, q_start, q_end, k, l_max, rows)
+    return _group(pi, _cached_decode(tokenizer), spans, span_log_scores(pi, spans, q_start, q_end, combine), top,
+                  contexts, context_window)  # fmt: skip
+
+
+def _npm_spans(
+    pi: PhraseIndex, q_start: np.ndarray, q_end: np.ndarray, k: int, l_max: int, rows: np.ndarray | None
+) -> np.ndarray:
+    """``C~*`` of a query (App. A.1): one search for both ``q_start`` and ``q_end``, the spans around the hits, kept
+    inside the allowed ``rows`` (BM25 passages) when given."""
+    (_, starts), (_, ends) = retrieve_batch(pi, [q_start, q_end], k, rows)
     spans = candidate_spans(pi, starts, ends, l_max)
     if rows is not None and len(spans):  # stay inside the allowed passages
         allowed = np.zeros(len(pi), dtype=bool)
         allowed[np.asarray(rows, dtype=np.int64)] = True
         spans = spans[allowed[spans[:, 0]] & allowed[spans[:, 1]]]
-    return _group(pi, tokenizer, spans, span_log_scores(pi, spans, q_start, q_end, combine), top, contexts,
-                  context_window)  # fmt: skip
+    return spans
 
 
 def predict_tokens(
@@ -292,7 +390,7 @@ def predict_tokens(
     """NPM SINGLE (App. A.3): ``sum_{i <= k} I[c^i = v] exp(sim(q, E(c^i)))`` per token string ``v``, ranked."""
     sims, ids = retrieve(pi, q, k, rows)
     spans = np.stack([ids, ids], axis=1) if len(ids) else np.zeros((0, 2), dtype=np.int64)
-    return _group(pi, tokenizer, spans, sims.astype(np.float64), top, contexts, context_window)
+    return _group(pi, _cached_decode(tokenizer), spans, sims.astype(np.float64), top, contexts, context_window)
 
 
 def closed_set(
@@ -318,20 +416,10 @@ def closed_set(
         spans = np.stack([ids, ids], axis=1) if len(ids) else np.zeros((0, 2), dtype=np.int64)
         logs = sims.astype(np.float64) / tau
     else:
-        _, starts = retrieve(pi, q_start, k, rows)
-        _, ends = retrieve(pi, q_end, k, rows)
-        spans = candidate_spans(pi, starts, ends, l_max)
-        if rows is not None and len(spans):
-            allowed = np.zeros(len(pi), dtype=bool)
-            allowed[np.asarray(rows, dtype=np.int64)] = True
-            spans = spans[allowed[spans[:, 0]] & allowed[spans[:, 1]]]
+        spans = _npm_spans(pi, q_start, q_end, k, l_max, rows)
         logs = span_log_scores(pi, spans, q_start, q_end, "a1", tau)
     labels = list(verbalizers)
-    label_id = {y: n for n, y in enumerate(labels)}
-    values = np.array(  # I[c in f(y)]: a span's value is the label whose verbalizer has exactly its token ids
-        [label_id.get(keys.get(tuple(int(t) for t in pi.token_ids[i : j + 1])), -1) for i, j in spans.tolist()],
-        dtype=np.int64,
-    )
+    values = _verbalizer_hits(pi, spans, keys, labels)  # I[c in f(y)]: the label whose verbalizer has its token ids
     lv, v = torch.from_numpy(np.asarray(logs, dtype=np.float64))[None], torch.from_numpy(values)[None]
     mass = value_logsumexp(lv, v, len(labels))[0]
     log_scores = {y: float(mass[n]) for n, y in enumerate(labels)}
@@ -339,6 +427,28 @@ def closed_set(
         return LabelScores({y: 1.0 / len(log_scores) for y in log_scores}, log_scores, False)
     probs = knn_distribution(lv, v, len(labels))[0].exp()
     return LabelScores({y: float(probs[n]) for n, y in enumerate(labels)}, log_scores, True)
+
+
+def _verbalizer_hits(
+    pi: PhraseIndex, spans: np.ndarray, keys: Mapping[tuple[int, ...], str], labels: Sequence[str]
+) -> np.ndarray:
+    """``[S]`` label number of each span whose token ids are exactly a verbalizer sequence of ``keys``, ``-1`` for
+    the others (vectorised over spans: one comparison of the span tokens per verbalizer sequence)."""
+    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    out = np.full(len(spans), -1, dtype=np.int64)
+    if not len(spans) or not keys:
+        return out
+    tid = np.asarray(pi.token_ids)
+    length = spans[:, 1] - spans[:, 0] + 1
+    number = {y: a for a, y in enumerate(labels)}
+    for key, label in keys.items():
+        sel = np.flatnonzero(length == len(key))
+        for t, token in enumerate(key):
+            if not len(sel):
+                break
+            sel = sel[tid[spans[sel, 0] + t] == token]
+        out[sel] = number[label]
+    return out
 
 
 def restrict_rows(pi: PhraseIndex, tokenizer, query: str, passages: int | None) -> np.ndarray | None:

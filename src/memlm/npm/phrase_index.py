@@ -214,7 +214,10 @@ class PhraseIndex:
         if len(docs["ids"]) != manifest["corpus"].get("n_docs", len(docs["ids"])):
             raise MemlmError(f"{path / 'docs.json'} lists {len(docs['ids'])} documents, the manifest says "
                              f"{manifest['corpus'].get('n_docs')}; {FOLDER.fix}")  # fmt: skip
-        out = cls(path, manifest, doc_ids=list(docs["ids"]), **FOLDER.open_arrays(path, manifest, verify))
+        # plain ndarray views of the checked read-only memory maps: still paged in lazily, but slicing them (one
+        # span's token ids, thousands of times per query) skips np.memmap's per-slice subclass overhead
+        arrays = {name: np.asarray(a) for name, a in FOLDER.open_arrays(path, manifest, verify).items()}
+        out = cls(path, manifest, doc_ids=list(docs["ids"]), **arrays)
         if model is not None or tokenizer is not None:
             if model is None or tokenizer is None:
                 raise MemlmError("pass both model and tokenizer to check a phrase index's encoder")
@@ -284,18 +287,23 @@ class PhraseIndex:
         return search(self.faiss_index(), np.atleast_2d(np.asarray(queries, dtype=np.float32)), k)
 
     def search_rows(self, queries: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Exact top-``k`` by inner product among ``rows`` only (e.g. the BM25 passages, §6.3)."""
+        """Exact top-``k`` by inner product among ``rows`` only (e.g. the BM25 passages, §6.3).
+
+        The rows' vectors are read (and cast to float32) once for all queries; each query is scored on its own
+        (``[1, D] @ [D, R]``), so a query's result does not depend on the others passed with it."""
         q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
         rows = np.asarray(rows, dtype=np.int64)
         out_s = np.full((q.shape[0], k), -np.inf, dtype=np.float32)
         out_i = np.full((q.shape[0], k), -1, dtype=np.int64)
         if rows.size == 0:
             return out_s, out_i
-        scores = q @ np.asarray(self.vectors[rows], dtype=np.float32).T  # [Q, R]
+        mat = np.asarray(self.vectors[rows], dtype=np.float32).T  # [D, R]
         kk = min(k, rows.size)
-        top = np.argsort(-scores, axis=1, kind="stable")[:, :kk]
-        out_s[:, :kk] = np.take_along_axis(scores, top, axis=1)
-        out_i[:, :kk] = rows[top]
+        for r in range(q.shape[0]):
+            scores = q[r : r + 1] @ mat  # [1, R]
+            top = np.argsort(-scores, axis=1, kind="stable")[:, :kk]
+            out_s[r, :kk] = np.take_along_axis(scores, top, axis=1)[0]
+            out_i[r, :kk] = rows[top[0]]
         return out_s, out_i
 
     def bm25_blocks(self, tokenizer, query: str, n: int = 3) -> list[int]:

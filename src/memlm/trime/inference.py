@@ -44,10 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import faiss
 import numpy as np
 import torch
 
 from memlm import index as index_lib
+from memlm.core.config import RetrievalConfig
 from memlm.core.distribution import (
     joint_target_logprob,
     knn_distribution,
@@ -192,6 +194,43 @@ def _memory_terms(
     return out_all, out_hit
 
 
+def _key_sqnorms(datastore: Datastore, chunk: int = 65536) -> np.ndarray:
+    """``[N]`` float64 ``||k||^2`` of the datastore's keys (as float32 values), computed once per datastore object
+    (kept on it, 8 bytes per entry)."""
+    out = getattr(datastore, "_trime_key_sqnorms", None)
+    if out is None or len(out) != len(datastore.keys):
+        keys = datastore.keys
+        out = np.empty(len(keys), dtype=np.float64)
+        for s in range(0, len(keys), chunk):
+            kc = np.asarray(keys[s : s + chunk], dtype=np.float32).astype(np.float64)
+            out[s : s + chunk] = np.einsum("nd,nd->n", kc, kc)
+        datastore._trime_key_sqnorms = out
+    return out
+
+
+def _dot_from_index(datastore: Datastore, index, queries: np.ndarray, sc: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``q . k`` of the retrieved entries from the index's own exact distances (``ext_scores="dot-index"``): the
+    inner product itself for an ``ip`` index; ``(||q||^2 + ||k||^2 - ||q - k||^2) / 2`` (float64, with the stored keys'
+    norms) for an ``l2`` one. Only for indexes whose distances are exact (``Flat``, ``IVF...,Flat``): the result is
+    q.k up to float32 rounding (the index's float32 distance), without reading the neighbours' keys again."""
+    base = faiss.downcast_index(index) if isinstance(index, faiss.Index) else None
+    ivf = faiss.try_extract_index_ivf(index) if base is not None else None
+    ivf = faiss.downcast_index(ivf) if ivf is not None else None
+    if not (isinstance(base, faiss.IndexFlat) or isinstance(ivf, faiss.IndexIVFFlat)):
+        raise MemlmError(
+            "ext_scores='dot-index' needs an index with exact distances (Flat or IVF...,Flat); this one compresses "
+            "the keys: use ext_scores='dot' (recomputed from the stored keys)"
+        )
+    valid = ids >= 0
+    if index_lib.index_metric(index) == "ip":
+        return np.where(valid, sc, -np.inf).astype(np.float32)
+    q = np.asarray(queries, dtype=np.float32).astype(np.float64)
+    qn = np.einsum("nd,nd->n", q, q)
+    kn = _key_sqnorms(datastore)[np.where(valid, ids, 0)]
+    dot = 0.5 * (qn[:, None] + kn + sc.astype(np.float64))  # sc = -||q - k||^2
+    return np.where(valid, dot, -np.inf).astype(np.float32)
+
+
 def _retrieve_external(
     memory: DatastoreMemory,
     queries: np.ndarray,
@@ -201,15 +240,27 @@ def _retrieve_external(
     provenance: tuple[np.ndarray, np.ndarray] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The external memory's ``(scores, values)`` (Sec. 4.3): the datastore's top-k, rescored as ``scale * g . k``
-    from the stored keys with ``ext_scores="dot"``; self-matches dropped with ``provenance``."""
+    from the stored keys with ``ext_scores="dot"`` (or from an exact index's distances, ``"dot-index"``);
+    self-matches dropped with ``provenance``."""
     sc, ids = memory.search_ids(queries, k)
-    if ext_scores == "dot":
-        sc = index_lib.exact_scores(memory.datastore.keys, ids, queries, "ip") * np.float32(scale)
+    if ext_scores in ("dot", "dot-index"):
+        if ext_scores == "dot":
+            sc = index_lib.exact_scores(memory.datastore.keys, ids, queries, "ip") * np.float32(scale)
+        else:
+            sc = _dot_from_index(memory.datastore, memory.index, queries, sc, ids) * np.float32(scale)
         order = np.argsort(-sc, axis=1, kind="stable")
         sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
     prov = None if provenance is None else {"doc_hash": provenance[0], "offset": provenance[1]}
     r = memory.retrieved(sc, ids, prov)
     return r.scores, r.values.astype(np.int32)
+
+
+def _nprobe_of(index, default: int) -> int:
+    """The nprobe an IVF index searches with (``default`` when no index or no IVF index is used)."""
+    if index is None:
+        return default
+    ivf = faiss.try_extract_index_ivf(index) if isinstance(index, faiss.Index) else None
+    return default if ivf is None else int(ivf.nprobe)
 
 
 @torch.inference_mode()
@@ -230,6 +281,7 @@ def score_trime(
     scale: float | None = None,
     key: KeySpec = G_SPEC,
     meta: dict[str, Any] | None = None,
+    index=None,
 ) -> TrimeScores:
     """One forward pass per segment and one retrieval per token: the per-token dump of TRIME's Eq. 6 (App. A).
 
@@ -247,8 +299,13 @@ def score_trime(
     context from earlier segments; every token but a document's first is a target exactly once. ``local_temperatures``
     are the ``τ_local`` values the dump keeps (1.0 = as trained). With ``datastore`` (an ``ffn_in@-1`` datastore of
     this model; its FAISS index unless ``search="exact"``), ``ext_scores="dot"`` recomputes ``sim`` from the stored
-    keys (the index only ranks), ``"index"`` keeps the index's own similarity (−L2² or inner product).
+    keys (the index only ranks), ``"index"`` keeps the index's own similarity (−L2² or inner product),
+    ``"dot-index"`` derives ``q.k`` from the index's exact distances (``Flat`` / ``IVF...,Flat`` only:
+    ``(||q||² + ||k||² − L2²) / 2``), equal to ``"dot"`` up to float32 rounding and much cheaper than re-reading the
+    keys (:func:`_dot_from_index`).
     ``drop_self_matches`` (needs documents with ``.id``/``.text``) drops retrieved entries that are the scored token.
+    ``index``: the datastore's FAISS index already loaded (:func:`memlm.index.load_index`; its own ``nprobe``
+    applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
     Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
     """
     if seq_len < 2:
@@ -261,18 +318,29 @@ def score_trime(
     temps = [float(t) for t in local_temperatures]
     if not temps or any(t <= 0 for t in temps):
         raise MemlmError(f"local_temperatures must be a non-empty list of values > 0, got {list(local_temperatures)}")
-    if search not in ("index", "exact") or ext_scores not in ("dot", "index"):
-        raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot' or 'index'")
+    if search not in ("index", "exact") or ext_scores not in ("dot", "index", "dot-index"):
+        raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot', 'index' or 'dot-index'")
+    if ext_scores == "dot-index" and search != "index":
+        raise MemlmError("ext_scores='dot-index' takes q.k from the FAISS index's distances: use search='index'")
     if k < 1:
         raise MemlmError(f"k must be >= 1, got {k}")
     key = key.normalized(num_layers(model))
-    index = memory = None
-    if datastore is not None:
+    memory = None
+    if datastore is None:
+        index = None
+    else:
         if tokenizer is None:
             raise MemlmError("an external datastore needs the tokenizer to check that it was built for this model")
         datastore.check_compatible(model, tokenizer, key)
-        if search == "index":
+        if search != "index":
+            index = None
+        elif index is None:
             index = index_lib.load_index(datastore.index_path, nprobe=nprobe)
+        elif int(index.ntotal) != len(datastore) or int(index.d) != int(datastore.keys.shape[1]):
+            raise MemlmError(
+                f"the index passed holds {int(index.ntotal):,} x {int(index.d)} keys, the datastore {datastore.path} "
+                f"{len(datastore):,} x {int(datastore.keys.shape[1])}: pass its own index"
+            )
         memory = DatastoreMemory(datastore, search, "index", nprobe, index=index)
     docs = list(documents)
     if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
@@ -314,6 +382,10 @@ def score_trime(
             parts["all"].append(mem_all.cpu().numpy())
             parts["hit"].append(mem_hit.cpu().numpy())
             if datastore is not None:
+                # one search per segment, as before: batching the segments of a forward batch into one FAISS call
+                # gained nothing measurable (255 queries already fill the threads) and is not result-preserving (the
+                # IVF coarse quantizer ranks centroids with BLAS, whose rounding depends on the batch: a near-tie at
+                # the nprobe-th list flipped for 1 query in 9,889 in docs/results/speed)
                 t1 = time.perf_counter()
                 prov = None
                 if hashes is not None:
@@ -345,6 +417,17 @@ def score_trime(
             "scale": scale,
             "key": key.describe(),
             "seconds": time.perf_counter() - t0,
+            "retrieval": RetrievalConfig(
+                k=k,
+                search=search,
+                scores="index" if ext_scores == "index" else "exact",
+                nprobe=_nprobe_of(index, nprobe),
+                metric=None if ext_scores == "index" else "ip",
+                drop_self_matches=drop_self_matches,
+                window=seq_len,
+            ).to_dict()
+            if datastore is not None
+            else None,
         },
     )
     if datastore is not None:
@@ -354,7 +437,7 @@ def score_trime(
             k=k,
             search=search,
             ext_scores=ext_scores,
-            nprobe=nprobe,
+            nprobe=_nprobe_of(index, nprobe),
             drop_self_matches=drop_self_matches,
             seconds_search=seconds_search,
         )
