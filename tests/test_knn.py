@@ -123,3 +123,11 @@ def test_empty_row_has_no_mass_and_bad_inputs():
         knn_target_logprob(sc, vals, torch.tensor([0]), temperature=0)
     with pytest.raises(MemlmError, match="tokenizer"):
         knn_distribution(torch.zeros(1, 2), torch.tensor([[0, 99]]), vocab_size=10)
+
+
+def test_distribution_of_no_retrieved_entry_is_all_minus_inf():
+    from memlm.core.distribution import value_logsumexp
+
+    empty = torch.zeros(2, 0)
+    assert torch.equal(value_logsumexp(empty, torch.zeros(2, 0, dtype=torch.long), 5), torch.full((2, 5), -np.inf))
+    assert torch.isneginf(knn_distribution(empty, torch.zeros(2, 0, dtype=torch.long), 5)).all()

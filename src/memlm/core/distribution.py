@@ -195,6 +195,8 @@ def value_logsumexp(logw: torch.Tensor, values: torch.Tensor, n_values: int) -> 
     maximum ``max_v``, so nothing underflows. ``-inf`` for values with no entry.
     """
     lead = logw.shape[:-1]
+    if logw.shape[-1] == 0:  # no entry retrieved (e.g. no candidate span): no value has mass
+        return torch.full((*lead, n_values), _NINF, dtype=logw.dtype, device=logw.device)
     flat = logw.reshape(-1, logw.shape[-1])
     values = values.to(flat.device).long()
     idx = values.unsqueeze(0).expand_as(flat) if values.dim() == 1 else values.reshape(flat.shape)
