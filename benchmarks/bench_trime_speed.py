@@ -16,7 +16,10 @@ Runs, each timed ``--repeats`` times in turn (local, external, ...) and the best
   of the external memory (M = 8, tau = 1, lambda = 0, as ``memlm trime-eval`` reports it) next to nprobe 32's;
 * ``external_dotindex_nprobeN`` (``--dot-index``): ``ext_scores="dot-index"``, q.k from the IVF-Flat index's own L2
   distances and the keys' norms instead of re-reading the 1,024 keys; at nprobe 32 it gets the largest score and
-  log-probability differences to ``external`` (float32 rounding).
+  log-probability differences to ``external`` (float32 rounding);
+* ``external_IVF<n>_...`` (``--alt-index PATH --alt-nprobes 32 16``): another FAISS index over the same keys (e.g.
+  ``IVF4096,Flat``), with both score modes;
+* ``--exact-recall``: one untimed exact (brute-force) search gives every run's ``recall_vs_exact``.
 
     PYTHONPATH=src python benchmarks/bench_trime_speed.py --model runs/trime/trimelm-ext/final \\
         --datastore runs/trime/ds-500k --legacy --nprobes 16 8 4 --json docs/results/speed/trime_local_vs_external.json
@@ -127,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--legacy", action="store_true", help="also time the code of before issue 14")
     p.add_argument("--nprobes", type=int, nargs="*", default=[], help="also time these nprobe values (not 32)")
     p.add_argument("--dot-index", action="store_true", help="also time ext_scores='dot-index' (each nprobe)")
+    p.add_argument("--alt-index", default=None, help="another FAISS index of the datastore's keys (e.g. IVF4096,Flat)")
+    p.add_argument("--alt-nprobes", type=int, nargs="*", default=[32], help="nprobe values for --alt-index")
+    p.add_argument(
+        "--exact-recall",
+        action="store_true",
+        help="also score once with exact search (untimed) and give each run's recall against it",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch and FAISS threads (default: theirs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -159,6 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.dot_index:
         runs.update({f"external_dotindex_nprobe{n}": external(n, "dot-index") for n in (32, *args.nprobes)})
+    if args.alt_index:
+        alt = index_lib.load_index(args.alt_index, nprobe=32, expect=index_lib.expected_source(ds.index_path))
+        alt_ivf = faiss.extract_index_ivf(alt)
+        alt_name = f"IVF{alt_ivf.nlist}"
+
+        def external_alt(nprobe, ext_scores):
+            def run():
+                alt_ivf.nprobe = nprobe
+                return score_trime(model, tok, docs, args.seq_len, m, datastore=ds, k=args.k, batch_size=bs,
+                                   index=alt, ext_scores=ext_scores)  # fmt: skip
+
+            return run
+
+        for n in args.alt_nprobes:
+            runs[f"external_{alt_name}_nprobe{n}"] = external_alt(n, "dot")
+            runs[f"external_{alt_name}_dotindex_nprobe{n}"] = external_alt(n, "dot-index")
     if args.legacy:
         runs["external_legacy"] = lambda: legacy_external(model, tok, docs, ds, args)
     score_trime(model, tok, docs[:2], args.seq_len, 0, batch_size=bs)  # warm-up (first-call allocations)
@@ -172,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             dumps[name] = ts
             print(f"{name:20s} {tps:,.0f} tok/s  load {loadavg()[0]}", file=sys.stderr)
     ref = dumps["external"]
+    exact = None
+    if args.exact_recall:
+        t = time.perf_counter()
+        exact = score_trime(model, tok, docs, args.seq_len, m, datastore=ds, k=args.k, batch_size=bs, search="exact")
+        print(f"exact search {time.perf_counter() - t:.0f} s", file=sys.stderr)
     quality = {}
     for name, ts in dumps.items():
         if name == "local":
@@ -182,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
             q["ppl_change_vs_nprobe32"] = q["ppl_external_M8"] / trime_perplexity(ref, m)["ppl"] - 1.0
         if name == "external_dotindex_nprobe32":
             q.update(score_difference(ts, ref))
+        if exact is not None:
+            q["recall_vs_exact"] = recall(ts.ext_values, exact.ext_values)
         quality[name] = q
+    if exact is not None:
+        quality["exact_search"] = {"ppl_external_M8": trime_perplexity(exact, m)["ppl"],
+                                   "ppl_change_vs_nprobe32": trime_perplexity(exact, m)["ppl"]
+                                   / trime_perplexity(ref, m)["ppl"] - 1.0}  # fmt: skip
     result = {
         "command": "PYTHONPATH=src python benchmarks/bench_trime_speed.py " + " ".join(argv or sys.argv[1:]),
         "model": args.model,

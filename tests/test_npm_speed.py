@@ -193,7 +193,9 @@ def test_cached_decode_is_the_tokenizer(tok):
     assert dec.decode(ids[:4], skip_special_tokens=True) == tok.decode(ids[:4], skip_special_tokens=True)
     assert dec.mask_token == tok.mask_token and dec.convert_ids_to_tokens(ids[:3]) == tok.convert_ids_to_tokens(ids[:3])
     small = inf._CachedDecode(tok, max_entries=2)
-    assert [small.decode([t]) for t in ids[:5]] == [tok.decode([t]) for t in ids[:5]] and len(small._texts) <= 2
+    assert [small.decode([t]) for t in ids[:5]] == [tok.decode([t]) for t in ids[:5]]
+    assert len(small._texts) <= 2 and len(small._old) <= 2
+    assert small.decode([ids[3]]) == tok.decode([ids[3]]) and (ids[3],) in small._texts  # an old-generation hit moves
 
 
 def test_open_gives_plain_arrays(tok, tmp_path):
