@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 import re
 import weakref
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -317,33 +316,40 @@ def _group(
     contexts: bool,
     context_window: int,
 ) -> list[PhrasePrediction]:
-    texts: dict[tuple[int, ...], str] = {}
-    groups: dict[str, list[int]] = defaultdict(list)
-    for r, (i, j) in enumerate(spans.tolist()):
-        key = tuple(int(t) for t in pi.token_ids[i : j + 1])
-        if key not in texts:
-            texts[key] = tokenizer.decode(list(key)).strip()
-        groups[texts[key]].append(r)
-    if not groups:
+    """Ranked phrases from scored spans: a span's value is its phrase (the decoded text of its tokens), and M sums each
+    phrase's mass (:func:`memlm.core.distribution.value_logsumexp`). Vectorised: distinct token sequences by one
+    ``np.unique``, one decode per distinct sequence, one per-value logsumexp."""
+    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    if not len(spans):
         return []
-    # the phrases are the values of the retrieved spans: M sums each phrase's mass (core.distribution)
-    phrase_id = np.empty(len(spans), dtype=np.int64)
-    for n, rows in enumerate(groups.values()):
-        phrase_id[rows] = n
-    lv = torch.from_numpy(np.asarray(log_scores, dtype=np.float64))[None]
-    mass = value_logsumexp(lv, torch.from_numpy(phrase_id)[None], len(groups))[0].tolist()
+    log_scores = np.asarray(log_scores, dtype=np.float64)
+    tid = np.asarray(pi.token_ids)
+    length = spans[:, 1] - spans[:, 0] + 1
+    cols = np.arange(int(length.max()))
+    tokens = np.where(cols < length[:, None], tid[np.minimum(spans[:, :1] + cols, len(tid) - 1)], -1)  # [S, L]
+    seqs, inv = np.unique(tokens, axis=0, return_inverse=True)
+    phrase_of: dict[str, int] = {}
+    seq_phrase = np.array([phrase_of.setdefault(tokenizer.decode(row[row >= 0].tolist()).strip(), len(phrase_of))
+                           for row in seqs], dtype=np.int64)  # fmt: skip
+    phrases = list(phrase_of)
+    phrase_id = seq_phrase[inv.reshape(-1)]
+    lv = torch.from_numpy(log_scores)[None]
+    mass = value_logsumexp(lv, torch.from_numpy(phrase_id)[None], len(phrases))[0].numpy()
     total = float(torch.logsumexp(lv[0], 0))
-    preds = [(mass[n], phrase, rows) for n, (phrase, rows) in enumerate(groups.items())]
-    preds.sort(key=lambda x: (-x[0], x[1]))
+    by_phrase = np.argsort(phrase_id, kind="stable")  # rows of each phrase, ascending
+    bounds = np.searchsorted(phrase_id[by_phrase], np.arange(len(phrases) + 1))
+    order = sorted(range(len(phrases)), key=lambda n: (-mass[n], phrases[n]))
     out = []
-    for ls, phrase, rows in preds[:top] if top is not None else preds:
+    for n in order[:top] if top is not None else order:
+        rows = by_phrase[bounds[n] : bounds[n + 1]]
         hits = []
-        for r in sorted(rows, key=lambda r: -log_scores[r]):
+        for r in rows[np.argsort(-log_scores[rows], kind="stable")].tolist():
             i, j = (int(x) for x in spans[r])
             ctx = pi.context(tokenizer, i, j, context_window) if contexts else None
             doc = int(pi.doc[i])
             hits.append(SpanHit(i, j, pi.doc_ids[doc], int(pi.position[i]), math.exp(log_scores[r]), ctx))
-        out.append(PhrasePrediction(phrase, math.exp(ls), math.exp(ls - total), ls, tuple(hits)))
+        ls = float(mass[n])
+        out.append(PhrasePrediction(phrases[n], math.exp(ls), math.exp(ls - total), ls, tuple(hits)))
     return out
 
 
