@@ -14,6 +14,7 @@ without searching again, so ``tune`` can grid-search on the validation dump and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -312,9 +313,10 @@ def score_tokens(
     if cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
     pending: list[Future] = []
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    pipelined = pipeline and memory is not None
+    with ThreadPoolExecutor(max_workers=1) if pipelined else contextlib.nullcontext() as pool:
         on_batch = None
-        if pipeline and memory is not None:
+        if pipelined:
             spec = datastore.key_spec
             on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], k))  # noqa: E731
         ts, queries, provenance = lm_scores(model, tokenizer, documents, specs, window, min_context, batch_size,
