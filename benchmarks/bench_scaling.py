@@ -151,9 +151,8 @@ def _real() -> Any:
 def cmd_synth(a: argparse.Namespace) -> None:
     import faiss
 
-    from memlm.datastore import FILES
+    from memlm.datastore import FOLDER
     from memlm.fileio import atomic_write_json
-    from memlm.fileio import sha256_file as _sha256
     from memlm.sharded_index import build_sharded_index
 
     real = _real()
@@ -183,10 +182,10 @@ def cmd_synth(a: argparse.Namespace) -> None:
             rng.integers(-(2**62), 2**62, m, dtype=np.int64).tofile(folder / "doc_hash.bin")
             (np.arange(m) % 1000).astype(np.int32).tofile(folder / "offset.bin")
             manifest = json.loads(json.dumps(real.shards[0].manifest))
-            files = {k: {"dtype": v, "sha256": _sha256(folder / f"{k}.bin", (folder / f"{k}.bin").stat().st_size)}
-                     for k, v in FILES.items()}  # fmt: skip
-            manifest.update(count=m, files=files, sources=[{"synthetic": f"N(mean, cov) of {real.path}'s keys"}])
-            atomic_write_json(folder / "manifest.json", manifest)
+            for stale in ("files", "manifest_sha256"):
+                manifest.pop(stale, None)
+            manifest.update(count=m, sources=[{"synthetic": f"N(mean, cov) of {real.path}'s keys"}])
+            FOLDER.publish(folder, manifest)  # checksums of the synthetic arrays, manifest sealed
             lo = 1 + sum(sizes[:s])
             plan.append({"index": s, "doc_lo": s, "doc_hi": s + 1, "target_lo": lo, "target_hi": lo + m,
                          "first_window": 0, "read_doc": s, "read_skip": 0})  # fmt: skip
@@ -210,7 +209,7 @@ def cmd_synth(a: argparse.Namespace) -> None:
                 "(values: the real values' unigram distribution); 2 shards; one sharded index per size",
                 "real_keys": len(real),
                 "factory": a.factory,
-                "sizes": old + info,
+                "sizes": [o for o in old if o["n"] not in {i["n"] for i in info}] + info,
                 "command": "PYTHONPATH=src python benchmarks/bench_scaling.py synth --sizes "
                 + " ".join(map(str, a.sizes)),
             },
@@ -234,11 +233,11 @@ def child_search(a: argparse.Namespace) -> None:
     from memlm.sharded import ShardedDatastore
     from memlm.sharded_index import ShardedSearcher, merge_topk, search_with_offset
 
-    faiss.omp_set_num_threads(2)
+    faiss.omp_set_num_threads(a.threads)
     q = _queries(a.queries)
     rss0 = _peak_rss_mib()
     ds = ShardedDatastore.open(WORK / f"synth-{a.size}")
-    res: dict[str, Any] = {"size": a.size, "mode": a.mode, "rss_mib_before_index": rss0}
+    res: dict[str, Any] = {"size": a.size, "mode": a.mode, "threads": a.threads, "rss_mib_before_index": rss0}
     t0 = time.perf_counter()
     if a.mode in ("mmap", "mmap-threads2"):
         searcher = ShardedSearcher.open(ds, nprobe=a.nprobe, workers=2 if a.mode == "mmap-threads2" else 1)
@@ -277,6 +276,7 @@ def child_search(a: argparse.Namespace) -> None:
         k=a.k,
         nprobe=a.nprobe,
         qps=len(q) / (t2 - t1),
+        loadavg_after=os.getloadavg(),
         peak_rss_mib=_peak_rss_mib(),
         **_rss_parts_mib(),
     )
@@ -292,11 +292,13 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> float:
 def cmd_search(a: argparse.Namespace) -> None:
     rows = []
     for n in a.sizes:
-        for mode in a.modes:
-            r = _run_child(["child-search", "--size", str(n), "--mode", mode, "--k", str(a.k), "--nprobe",
-                            str(a.nprobe), "--queries", str(a.queries)])  # fmt: skip
-            rows.append(r)
-            print(json.dumps(r), file=sys.stderr, flush=True)
+        for repeat in range(a.repeats):  # modes interleaved, so a change of machine load hits every mode alike
+            for mode in a.modes:
+                r = _run_child(["child-search", "--size", str(n), "--mode", mode, "--k", str(a.k), "--nprobe",
+                                str(a.nprobe), "--queries", str(a.queries), "--threads", str(a.threads)])  # fmt: skip
+                r["repeat"] = repeat
+                rows.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
         ref = WORK / f"ids-{n}-single.npy"
         if ref.exists():
             for r in rows:
@@ -312,7 +314,7 @@ def cmd_search(a: argparse.Namespace) -> None:
             "RSS (ru_maxrss) of a fresh process that opens the datastore, loads the index and searches once",
             "modes": {
                 "mmap": "ShardedSearcher, shard indexes memory-mapped (IO_FLAG_MMAP), shards searched one after the "
-                "other, FAISS 2 threads",
+                "other",
                 "mmap-threads2": "same, the 2 shards searched by 2 threads at once",
                 "ray": "ShardedSearcher with one Ray actor per shard (local cluster, 1 CPU each)",
                 "ram": "shard indexes read into RAM (memlm.index.load_index), merged the same way",
@@ -322,12 +324,46 @@ def cmd_search(a: argparse.Namespace) -> None:
             "rows": rows,
             "command": "PYTHONPATH=src python benchmarks/bench_scaling.py search --sizes "
             + " ".join(map(str, a.sizes))
-            + f" --json {a.json}",
+            + f" --modes {' '.join(a.modes)} --threads {a.threads} --repeats {a.repeats} --json {a.json}",
         },
     )
 
 
 # ---------------------------------------------------------------------------------------------------------- eval
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _memory_cgroup(limit_mib: int, name: str) -> Path:
+    """A cgroup-v1 memory group capped at ``limit_mib`` (page cache included: the kernel must evict the memory-mapped
+    keys and index lists to stay under it, and kills the process if its anonymous memory alone exceeds it)."""
+    group = Path("/sys/fs/cgroup/memory") / name
+    if not Path("/sys/fs/cgroup/memory").is_dir():
+        raise SystemExit("--memory-limit-mib needs a writable cgroup-v1 memory controller at /sys/fs/cgroup/memory")
+    if group.exists():
+        group.rmdir()
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(limit_mib * 2**20))
+    (group / "memory.memsw.limit_in_bytes").write_text(str(limit_mib * 2**20))  # no escape into swap
+    return group
+
+
+def _cgroup_report(group: Path) -> dict[str, Any]:
+    read = lambda name: int((group / name).read_text().split()[0])  # noqa: E731
+    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+    report = {
+        "limit_mib": read("memory.limit_in_bytes") / 2**20,
+        "max_usage_mib": read("memory.max_usage_in_bytes") / 2**20,
+        "failcnt": read("memory.failcnt"),  # times the limit was hit (the kernel reclaimed page cache)
+        "oom_kill": int(
+            dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines()).get("oom_kill", 0)
+        ),  # fmt: skip
+        "pgmajfault": int(stat.get("total_pgmajfault", stat.get("pgmajfault", 0))),
+    }
+    group.rmdir()
+    return report
 
 
 def cmd_eval(a: argparse.Namespace) -> None:
@@ -360,14 +396,23 @@ def cmd_eval(a: argparse.Namespace) -> None:
             )
             # fmt: skip
             t0 = time.perf_counter()
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+            group = _memory_cgroup(a.memory_limit_mib, f"memlm-eval-{n}") if a.memory_limit_mib else None
+            out = subprocess.run(
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                env=os.environ,
+                preexec_fn=(lambda g=group: (g / "cgroup.procs").write_text(str(os.getpid()))) if group else None,
+            )
+            limit = _cgroup_report(group) if group else None
             if out.returncode != 0:
-                raise RuntimeError(out.stderr[-3000:])
+                raise RuntimeError(f"{limit}\n{out.stderr[-3000:]}")
             res = json.loads(out.stdout.strip().splitlines()[-1])
             if res["rc"] != 0:
                 raise RuntimeError(f"memlm eval failed ({res['rc']}): {out.stderr[-2000:]}")
             ppl = [x for x in out.stdout.splitlines() if x.startswith(("base_ppl", "knn_ppl", "tokens"))]
-            rows.append({"size": n, "mode": label, **res, "seconds": time.perf_counter() - t0, "printed": ppl})
+            rows.append({"size": n, "mode": label, **res, "seconds": time.perf_counter() - t0, "printed": ppl,
+                         "datastore_bytes": _folder_bytes(target), "memory_cgroup": limit})  # fmt: skip
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     _write(
         a.json,
@@ -378,7 +423,8 @@ def cmd_eval(a: argparse.Namespace) -> None:
             "rows": rows,
             "command": "PYTHONPATH=src python benchmarks/bench_scaling.py eval --sizes "
             + " ".join(map(str, a.sizes))
-            + f" --json {a.json}",
+            + (f" --memory-limit-mib {a.memory_limit_mib}" if a.memory_limit_mib else "")
+            + f" --tokens {a.tokens} --json {a.json}",
         },
     )
 
@@ -442,6 +488,8 @@ def main() -> None:
         q.add_argument("--k", type=int, default=1024)
         q.add_argument("--nprobe", type=int, default=32)
         q.add_argument("--queries", type=int, default=4096)
+        q.add_argument("--threads", type=int, default=2, help="FAISS OpenMP threads of each search process")
+    se.add_argument("--repeats", type=int, default=1)
     cs.add_argument("--size", type=int, required=True)
     cs.add_argument("--mode", required=True)
     e = sub.add_parser("eval")
@@ -449,6 +497,7 @@ def main() -> None:
     e.add_argument("--tokens", type=int, default=1024)
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--json", default="eval.json")
+    e.add_argument("--memory-limit-mib", type=int, default=0, help="run each eval in a cgroup capped at this memory")
     pl = sub.add_parser("plan")
     pl.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000, 100_000_000, 10**9])
     pl.add_argument("--d", type=int, default=576)

@@ -5,6 +5,7 @@ training), ``eval-<model>/tuned.json`` (``memlm trime-tune``: every memory chose
 ``eval-vanilla-knnlm/*.json`` (``memlm tune``: the vanilla LM with the continuous cache and the kNN-LM).
 
     .venv/bin/python benchmarks/trime_report.py --out docs/results/trime
+    .venv/bin/python benchmarks/trime_report.py --out docs/results/trime --from-summary   # tables from the JSONs
 
 writes ``summary.json`` / ``tables.md`` for the 400-update runs (``vanilla``, ``trimelm``, ...) and, when they exist,
 ``summary-2k.json`` / ``tables-2k.md`` for the 2,000-update runs trained on a GPU (``vanilla-2k``, ``trimelm-2k``, ...;
@@ -155,7 +156,7 @@ def tables(res: dict[str, Any]) -> str:
         )
     for name, kind, label in (
         ("trimelm", "local", "local memory"),
-        ("trimelm-long", "long", "long-term memory (M segments)"),
+        ("trimelm-long", "long", "local + long-term memory (M segments)"),
         ("trimelm-ext", "external", "external memory (datastore) + long-term memory"),
     ):
         rows.append((MODELS[name], "none", _f(test(name).get("base")), "", "-"))
@@ -169,16 +170,26 @@ def tables(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
         *(f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows),
         "",
-        "### Ablations of TrimeLM_ext: BM25 vs random batches, local-memory dropout p",
+        "### Every model with each memory at test time (the ablations of TrimeLM_ext included)",
         "",
-        "| model | no memory | local | long-term | external |",
+        "Each column adds one memory and is tuned on valid on its own: `local` = the segment's earlier tokens "
+        "(M = 0); `long-term` = local + the M best previous segments; `external` = long-term + the datastore. "
+        "The gain of a memory is its column against the one before it.",
+        "",
+        "| model | no memory | local | long-term (M) | external |",
         "|---|---|---|---|---|",
     ]
-    for name in ("trimelm-ext", "trimelm-ext-random", "trimelm-ext-p0"):
+    for name in MODELS:
         if not test(name):
             continue
         t = test(name)
-        cells = [_f(t.get("base"))] + [mem(name, kind)[0] for kind in ("local", "long", "external")]
+        long = t.get("long")
+        cells = [
+            _f(t.get("base")),
+            mem(name, "local")[0],
+            "-" if long is None else f"{_f(long['ppl'])} (M={long['params'].get('segments')})",
+            mem(name, "external")[0],
+        ]
         lines.append(f"| {MODELS[name]} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -205,10 +216,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="runs/trime")
     p.add_argument("--out", default="docs/results/trime")
+    p.add_argument(
+        "--from-summary",
+        action="store_true",
+        help="redraw tables*.md from the summary JSONs already in --out (no runs/ needed)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for suffix in ("", "-2k"):
+        if args.from_summary:
+            res = _read(out / f"summary{suffix}.json")
+            if res is not None:
+                md = tables(res)
+                (out / f"tables{suffix}.md").write_text(md)
+                print(f"## runs{suffix or ' (400 updates)'}\n\n{md}")
+            continue
         res = collect(Path(args.runs), suffix)
         if not any(e.get("training") for e in res["models"].values()):
             continue
