@@ -73,6 +73,8 @@ def test_train_npm_writes_final(berts, corpus, tmp_path, capsys):
     # causal-LM losses do not go with an NPM objective; a causal LM still needs --from-scratch or --model
     assert main([*base, "--objective", "npm", "--loss", "trime", "--model", str(berts[0]), "--out", str(tmp_path)]) == 2
     assert "error: --loss trime" in capsys.readouterr().err
+    assert main([*base, "--objective", "npm", "--detach-memory", "--model", str(berts[0]), "--out", str(tmp_path)]) == 2
+    assert "--detach-memory is a TRIME ablation" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([*base, "--out", str(tmp_path / "c")])
     assert e.value.code == 2

@@ -198,6 +198,11 @@ def test_gradients_reach_memory_representations(kind):
     detached = _grads(model, trime_loss(logits.reshape(n, -1), q, q.detach(), y, vis, y))
     assert (full - detached).abs().max() > 1e-5  # the memory terms send gradients into the memory keys
 
+    # App. G's ablation "w/o back-prop to memory": same loss value, the gradient of the detached-keys loss
+    ablation = TrimeObjective(kind, detach_memory=True)
+    assert ablation(model, batch).item() == pytest.approx(objective(model, batch).item(), rel=1e-6)
+    assert torch.allclose(_grads(model, ablation(model, batch)), detached, atol=1e-6)
+
 
 def test_long_memory_sends_gradients_to_earlier_segments():
     """Row 0 (doc 0, segment 0) has no earlier segment, so its own loss terms are the same under the local and the
@@ -335,6 +340,12 @@ def test_objective_options_are_checked():
         trime_objective("trime-ext", drop_local_p=1.5)
     with pytest.raises(MemlmError, match="packing"):
         trime_objective("trime-ext", packing="tfidf")
+    with pytest.raises(MemlmError, match="TRIME objectives"):
+        trime_objective("ce", detach_memory=True)
+    with pytest.raises(MemlmError, match="detach_memory"):
+        trime_objective("trime", detach_memory="yes")
+    assert trime_objective("trime-long", detach_memory=True).loss_fn.detach_memory
+    assert not trime_objective("trime-long").loss_fn.detach_memory
     with pytest.raises(MemlmError, match="segments_per_doc"):
         trime_objective("trime-long", batch_size=4, segments_per_doc=5)
     with pytest.raises(MemlmError, match="seq_len"):

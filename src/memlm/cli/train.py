@@ -16,6 +16,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from memlm.train import TrainConfig
     from memlm.train_lm import train_lm
 
+    if args.detach_memory and (args.objective != "lm" or args.loss == "ce"):
+        raise MemlmError("--detach-memory is a TRIME ablation: use it with --loss trime, trime-long or trime-ext")
     if args.objective != "lm":
         return _train_npm(args)
     config = TrainConfig(
@@ -43,6 +45,8 @@ def cmd_train(args: argparse.Namespace) -> None:
             options["segments_per_doc"] = args.segments_per_doc
         if args.loss == "trime-ext":
             options.update(drop_local_p=args.drop_local_p, packing=args.packing)
+        if args.detach_memory:
+            options["detach_memory"] = True
         loss_fn, batches = trime_objective(args.loss, **options)
         extra = {"loss_fn": loss_fn, "batches": batches, "warmup_loss": causal_lm_loss}
     result = train_lm(
@@ -188,6 +192,11 @@ def add_parsers(sub) -> None:
         "--drop-local-p", type=V.probability, default=0.9, help="trime-ext: drop the local memory with prob. p"
     )
     t.add_argument("--packing", default="bm25", choices=["bm25", "random"], help="trime-ext: batch packing")
+    t.add_argument(
+        "--detach-memory",
+        action="store_true",
+        help="TRIME ablation (App. G): no back-propagation into the memory keys, only into the queries",
+    )
     t.add_argument(
         "--mask-budget", type=V.probability, default=None, help="npm, mlm: fraction of tokens masked (default 0.15)"
     )

@@ -102,6 +102,10 @@ class TrimeObjective:
     torch generator for that draw (default: the global torch RNG, which :func:`memlm.train.train` saves and restores,
     so resumed runs draw the same). ``scale``: the similarity scale (default ``1 / sqrt(d)``). The loss is the mean
     of ``-log P(target | c)`` over the batch's targets, computed in float32 outside any autocast.
+
+    ``detach_memory``: the ablation "w/o back-prop to memory" (Zhong et al. 2022, App. G, Table 11): the memory keys
+    ``g(c_j)`` enter Eq. 5 as constants (``g.detach()``), so gradients reach ``g`` only as the query ``g(c_i)``.
+    The loss value is unchanged; only its gradient differs.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class TrimeObjective:
         scale: float | None = None,
         generator: torch.Generator | None = None,
         key: KeySpec = G_SPEC,
+        detach_memory: bool = False,
     ) -> None:
         if kind not in MEMORY_KINDS:
             raise MemlmError(f"unknown memory kind {kind!r}; use one of {', '.join(MEMORY_KINDS)}")
@@ -122,9 +127,11 @@ class TrimeObjective:
         self.scale = scale
         self.generator = generator
         self.key = key
+        self.detach_memory = bool(detach_memory)
 
     def __repr__(self) -> str:
         extra = f", drop_local_p={self.drop_local_p}" if self.kind == "external" else ""
+        extra += ", detach_memory=True" if self.detach_memory else ""
         return f"TrimeObjective({self.kind!r}{extra})"
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +219,8 @@ class TrimeObjective:
                     lg, q, y = logits[flat], g[flat], targets[flat]
                 q = q.reshape(n_groups, n, -1).to(dtype)
                 y = y.reshape(n_groups, n)
-                lp = trime_logprob(lg.reshape(n_groups, n, -1).to(dtype), q, q, y, visible, y, scale=self.scale)
+                keys = q.detach() if self.detach_memory else q  # App. G: no back-propagation into the memory
+                lp = trime_logprob(lg.reshape(n_groups, n, -1).to(dtype), q, keys, y, visible, y, scale=self.scale)
                 total = total - lp.sum()  # ignored targets give 0
             return total / (targets != -100).sum().clamp(min=1)
 
@@ -399,6 +407,7 @@ class TrimeSetup(NamedTuple):
 
 _KIND = {"trime": "local", "trime-long": "long", "trime-ext": "external"}
 _COMMON = ("seq_len", "batch_size", "seed")
+_TRIME_ONLY = ("detach_memory",)  # every TRIME objective, not ce
 _ONLY = {"segments_per_doc": ("trime-long",), "drop_local_p": ("trime-ext",), "packing": ("trime-ext",),
          "bm25_k": ("trime-ext",)}  # fmt: skip
 
@@ -419,18 +428,24 @@ def trime_objective(name: str, **options: Any) -> TrimeSetup:
     Options (``None`` means "not given"): ``seq_len`` (256; use ``TrainConfig.seq_len``), ``batch_size`` (8; use
     ``TrainConfig.batch_size``), ``seed`` (0), ``segments_per_doc`` (``m``, trime-long only; default ``batch_size``),
     ``drop_local_p`` (trime-ext only; 0.9), ``packing`` (trime-ext only; ``bm25`` or ``random``), ``bm25_k``
-    (trime-ext only; 20). Train with ``warmup_loss=causal_lm_loss`` and ``TrainConfig.warmup_loss_steps=0.05``.
+    (trime-ext only; 20), ``detach_memory`` (TRIME objectives; False: App. G's "w/o back-prop to memory" ablation).
+    Train with ``warmup_loss=causal_lm_loss`` and ``TrainConfig.warmup_loss_steps=0.05``.
     """
     if name not in OBJECTIVES:
         raise MemlmError(f"unknown training objective {name!r}; use one of {', '.join(OBJECTIVES)}")
     given = {k: v for k, v in options.items() if v is not None}
-    unknown = sorted(k for k in given if k not in _COMMON and k not in _ONLY)
+    unknown = sorted(k for k in given if k not in _COMMON and k not in _ONLY and k not in _TRIME_ONLY)
     if unknown:
         known = ", ".join([*_COMMON, *_ONLY])
         raise MemlmError(f"unknown option(s) {', '.join(unknown)} for objective {name!r}; known: {known}")
     for key, names in _ONLY.items():
         if key in given and name not in names:
             raise MemlmError(f"option {key} only applies to objective {' / '.join(names)}, not {name!r}")
+    detach = given.get("detach_memory", False)
+    if not isinstance(detach, bool):
+        raise MemlmError(f"detach_memory must be True or False, got {detach!r}")
+    if detach and name == "ce":
+        raise MemlmError("detach_memory applies to the TRIME objectives (trime, trime-long, trime-ext), not 'ce'")
     seq_len = _check_int("seq_len", given.get("seq_len", 256), 2)
     batch_size = _check_int("batch_size", given.get("batch_size", 8), 1)
     seed = _check_int("seed", given.get("seed", 0), 0)
@@ -454,7 +469,7 @@ def trime_objective(name: str, **options: Any) -> TrimeSetup:
         kind: MemoryKind = "local"  # plain chunks, like the CE baseline
     else:
         kind = _KIND[name]  # type: ignore[assignment]
-        loss_fn = TrimeObjective(kind, float(p))
+        loss_fn = TrimeObjective(kind, float(p), detach_memory=detach)
 
     def batches(documents: Sequence, tokenizer=None):
         return trime_batches(
