@@ -164,6 +164,9 @@ def test_sharded_ivf_equals_single_ivf_with_same_quantizer(sharded, single, tmp_
     ref_s, ref_i = search(one, q, 8)
     np.testing.assert_array_equal(ids, ref_i)
     np.testing.assert_allclose(sc, ref_s, rtol=1e-5)
+    # each shard is a normal datastore with a normal index: load_index accepts it (its sidecar names the shard)
+    for shard in sharded.shards:
+        assert load_index(shard.path / "ivf.faiss", nprobe=2).ntotal == len(shard)
     # and the quantizer is the one build_index trains on the concatenated keys (same sample, same seed)
     build_index(single.keys, tmp_path / "ref.faiss", factory="IVF8,Flat", progress=False)
     ref_index = faiss.read_index(str(tmp_path / "ref.faiss"))
@@ -242,3 +245,29 @@ def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single
             outs.append(knn(ids, logits))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
     assert not torch.allclose(outs[0], torch.log_softmax(logits, -1))  # the datastore changed the distribution
+
+
+def test_cli_eval_takes_a_sharded_datastore(tiny_lm_dir, tmp_path, capsys):
+    """The README's sharded path on the command line: `memlm datastore build --shards 2`, then `memlm eval
+    --datastore SHARDED` passes the pre-flight checks (--k against the entries of all shards) and scores."""
+    from test_train_lm import write_jsonl
+
+    from memlm.cli import main
+
+    train = write_jsonl(tmp_path / "train.jsonl", make_toy_docs(12, seed=4))
+    valid = write_jsonl(tmp_path / "valid.jsonl", make_toy_docs(4, seed=9))
+    ds = tmp_path / "ds"
+    window = ["--window", str(W), "--min-context", str(C)]
+    build = ["datastore", "build", "--model", str(tiny_lm_dir), "--corpus", str(train), "--out", str(ds),
+             "--shards", "2", "--factory", "Flat", *window]  # fmt: skip
+    assert main(build) == 0, capsys.readouterr().err
+    n = len(open_datastore(ds))
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(valid), "--datastore", str(ds), "--k", "8",
+            *window, "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["tokens"] > 0 and res["datastore"] == str(ds) and res["target_in_neighbours"] > 0
+    capsys.readouterr()
+    assert main([*argv, "--k", str(n + 1025)]) == 2  # --k beyond all shards' entries: refused
+    assert f"exceeds the {n} entries" in capsys.readouterr().err

@@ -98,7 +98,9 @@ def add_shard_index(trained: str, keys_path: str, n: int, d: int, out: str, meta
         index.add(np.ascontiguousarray(keys[s : s + chunk_size], dtype=np.float32))
     out_path = Path(out)
     _write_index(index, out_path)
-    _write_json(index_lib.meta_path(out_path), {**meta, "n": n, "shard_index": True})
+    # the shard folder's identity, so the shard opens as a normal datastore whose index load_index accepts
+    source = index_lib.expected_source(out_path)
+    _write_json(index_lib.meta_path(out_path), {**meta, "n": n, "shard_index": True, "source": source})
     return n
 
 

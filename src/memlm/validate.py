@@ -329,9 +329,9 @@ def _datastore_k(path: str | None, k: int, flag: str = "--datastore") -> None:
     """``k`` larger than the datastore (beyond the default 1024) is a mistake, not a request for -1 padding."""
     if not path:
         return
-    from memlm.datastore import Datastore
+    from memlm.sharded import open_datastore
 
-    n = len(Datastore.open(path))
+    n = len(open_datastore(path))  # a single or a sharded datastore
     if k > n and k > 1024:
         raise MemlmError(f"--k {k} exceeds the {n} entries of the datastore {path}: give --k <= {n}")
 
