@@ -4,7 +4,11 @@
 # 16 x 256 tokens) for the vanilla LM, TrimeLM, TrimeLM_long and TrimeLM_ext, plus two ablations of TrimeLM_ext
 # (random instead of BM25 batches; local-memory dropout p = 0 instead of 0.9). Then test perplexity with each memory,
 # every hyper-parameter (M, tau, lambda, cache weight) tuned on valid. Every step resumes when rerun.
-#   bash benchmarks/trime.sh [train|train-main|train-ablations|eval|all|eval-2k]
+#   bash benchmarks/trime.sh [train|train-main|train-ablations|eval|all|eval-2k|train-issue12|eval-issue12]
+# train-issue12 / eval-issue12 (issue 12 item 8): seeds 1 and 2 of the four main models, the 'w/o back-prop to
+# memory' ablation (--detach-memory) and local-memory dropout p = 0.5 (p = 0.9 and 0 are trimelm-ext and
+# trimelm-ext-p0); eval-issue12 also scores the main models with App. D's overlapping windows (--context 128: the
+# windows of the kNN-LM rows, 256 tokens with >= 128 of context), into eval-NAME-appd/.
 # eval-2k evaluates vanilla-2k, trimelm-2k, trimelm-long-2k and trimelm-ext-2k: the four models with the same settings but 2,000 updates,
 # trained on a GPU (benchmarks/device_train.sh; the commands are in runs/trime/*-2k/final/device-command.txt):
 #   memlm train --corpus wiki,news --from-scratch 4x256 --tokenizer runs/trime/tokenizer --n-positions 256 \
@@ -50,6 +54,19 @@ trime_eval() {  # run name, extra flags; dumps for valid and test, then tune on 
     $M trime-eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split \
       --max-tokens "$TOKENS" --seq-len 256 --max-segments 8 --local-temperatures 0.5,1,2 --batch-size 16 \
       --dump "$out/$split.npz" --json "$out/$split.json" "$@"
+  done
+  $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
+}
+
+trime_eval_appd() {  # run name, extra flags: App. D protocol (overlapping windows, the kNN-LM rows' context)
+  local name=$1; shift
+  local out=$R/eval-$name-appd
+  mkdir -p "$out"
+  for split in valid test; do
+    [[ -f $out/$split.npz ]] && continue
+    $M trime-eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split \
+      --max-tokens "$TOKENS" --seq-len 256 --context 128 --max-segments 8 --local-temperatures 0.5,1,2 \
+      --batch-size 16 --dump "$out/$split.npz" --json "$out/$split.json" "$@"
   done
   $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
 }
@@ -104,4 +121,28 @@ if [[ $what == eval-2k ]]; then
   knnlm_eval vanilla-2k
   datastore trimelm-ext-2k
   trime_eval trimelm-ext-2k --datastore "$R/ds-trimelm-ext-2k"
+fi
+
+if [[ $what == train-issue12 ]]; then
+  for seed in 1 2; do
+    train vanilla-s$seed --loss ce --seed $seed
+    train trimelm-s$seed --loss trime --seed $seed
+    train trimelm-long-s$seed --loss trime-long --segments-per-doc 4 --seed $seed
+    train trimelm-ext-s$seed --loss trime-ext --packing bm25 --drop-local-p 0.9 --seed $seed
+  done
+  train trimelm-ext-detach --loss trime-ext --packing bm25 --drop-local-p 0.9 --detach-memory
+  train trimelm-ext-p05 --loss trime-ext --packing bm25 --drop-local-p 0.5
+fi
+if [[ $what == eval-issue12 ]]; then
+  for name in vanilla trimelm trimelm-long; do trime_eval_appd $name; done
+  trime_eval_appd trimelm-ext --datastore "$R/ds-trimelm-ext"
+  for seed in 1 2; do
+    for name in vanilla trimelm trimelm-long; do trime_eval $name-s$seed; done
+    datastore trimelm-ext-s$seed
+    trime_eval trimelm-ext-s$seed --datastore "$R/ds-trimelm-ext-s$seed"
+  done
+  for name in trimelm-ext-detach trimelm-ext-p05; do
+    datastore $name
+    trime_eval $name --datastore "$R/ds-$name"
+  done
 fi

@@ -97,3 +97,18 @@ def test_external_memory_and_refusals(tiny_lm_dir, corpus, tmp_path, capsys):
     capsys.readouterr()
     assert _eval(tiny_lm_dir, corpus, "valid", tmp_path, "--datastore", str(tmp_path / "final")) == 2
     assert "ffn_in" in _error_line(capsys)
+
+
+def test_eval_overlapping_windows(tiny_lm_dir, corpus, tmp_path, capsys):
+    """--context C: App. D's overlapping windows; the same targets as the default segments, the context recorded,
+    the plain LM scored with more context (different numbers); a context with no target left is refused."""
+    assert _eval(tiny_lm_dir, corpus, "valid", tmp_path) == 0
+    plain = TrimeScores.load(tmp_path / "valid.npz")
+    (tmp_path / "ov").mkdir()
+    assert _eval(tiny_lm_dir, corpus, "valid", tmp_path / "ov", "--context", "8") == 0
+    ov = TrimeScores.load(tmp_path / "ov" / "valid.npz")
+    assert json.loads((tmp_path / "ov" / "valid.json").read_text())["context"] == 8 == ov.meta["context"]
+    assert (ov.targets == plain.targets).all() and not (ov.target_logit == plain.target_logit).all()
+    capsys.readouterr()
+    assert _eval(tiny_lm_dir, corpus, "valid", tmp_path / "ov", "--context", "15") == 2
+    assert "--context 15 leaves no target" in _error_line(capsys)

@@ -141,6 +141,88 @@ def test_fifo_and_batching_do_not_change_results(small_lm, dump):
         score_trime(small_lm, None, token_docs(), 65)
 
 
+# ----------------------------------------------------------------------- overlapping windows (App. D protocol)
+
+
+def _forward_prefix(model, tokens):
+    """logits [n, V] and g [n, D] (float64) of ``tokens`` alone through the model."""
+    with KeyCapture(model, KeySpec("ffn_in", -1)) as cap, torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(np.asarray(tokens))[None]).logits[0]
+        g = cap.keys[0]
+    return logits.double().numpy(), g.double().numpy()
+
+
+def brute_overlapping(model, docs, span, context, m_prev, temp=1.0):
+    """TRIME App. D written out per target: target p of a document is scored in the window that owns it (the first
+    window owns p <= span, window i >= 1 owns (span + (i-1) S, span + i S], S = span - context) and is computed from
+    that window's tokens a..p-1 (a = its first owned target - 1 - context); memory = every earlier position of the
+    window (local) + the owned targets p' <= a of the m_prev previous windows, their g from their own windows;
+    ``m_prev=None``: no memory (the plain LM on the window)."""
+    out = []
+    step = span - context
+    for doc in docs:
+        n = len(doc)
+        owner = lambda p: 0 if p <= span else (p - span - 1) // step + 1  # noqa: E731
+        start = lambda i: 0 if i == 0 else span + (i - 1) * step - context  # noqa: E731
+        entries = {}  # window -> [(g, value, p)] of its owned targets
+        for p in range(1, n):
+            w, a = owner(p), start(owner(p))
+            logits, g = _forward_prefix(model, doc[a:p])
+            entries.setdefault(w, []).append((g[-1], int(doc[p]), p))
+        for p in range(1, n):
+            w, a = owner(p), start(owner(p))
+            logits, g = _forward_prefix(model, doc[a:p])
+            q, y, d = g[-1], int(doc[p]), g.shape[1]
+            mem = [] if m_prev is None else [(g[j - a], int(doc[j + 1])) for j in range(a, p - 1)]  # a..p-2
+            for prev in range(max(0, w - m_prev), w) if m_prev else []:
+                mem += [(k, v) for k, v, pp in entries[prev] if pp <= a]
+            num, den = math.exp(logits[-1, y]), np.exp(logits[-1]).sum()
+            for k, v in mem:
+                e = math.exp(float(q @ k) / math.sqrt(d) / temp)
+                den += e
+                num += e if v == y else 0.0
+            out.append(math.log(num / den))
+    return np.array(out)
+
+
+def test_evaluation_windows_cover_every_target_once_with_context():
+    from memlm.trime.inference import evaluation_windows
+
+    docs = token_docs()
+    for span, context in ((11, 0), (11, 5), (11, 10), (4, 1)):
+        wins = evaluation_windows(docs, span, context)
+        for d, doc in enumerate(docs):
+            mine = [w for w in wins if w.doc_index == d]
+            scored = np.concatenate([w.scored_positions for w in mine])
+            np.testing.assert_array_equal(scored, np.arange(1, len(doc)))  # each target once, in order
+            for w in mine:
+                assert len(w.inputs) <= span and np.array_equal(w.tokens, doc[w.start : w.start + len(w.tokens)])
+                assert w.score_from == (0 if w.index == 0 else context)  # C tokens of context after window 0
+                np.testing.assert_array_equal(w.targets[w.score_from :], doc[w.scored_positions])
+    # context 0: the training segments
+    same = [(s.doc_index, s.start, s.tokens.tolist()) for s in segment_documents(docs, 11) if len(s.targets)]
+    assert [(w.doc_index, w.start, w.tokens.tolist()) for w in evaluation_windows(docs, 11, 0)] == same
+    with pytest.raises(MemlmError, match="context must be an integer in"):
+        evaluation_windows(docs, 11, 11)
+
+
+@pytest.mark.parametrize("context", [5, 9])
+def test_overlapping_windows_equal_bruteforce(small_lm, context):
+    docs = token_docs(lengths=(30, 7, 26))
+    ov = score_trime(small_lm, None, docs, SEQ, max_segments=2, batch_size=3, context=context)
+    assert ov.meta["context"] == context
+    np.testing.assert_array_equal(ov.targets, np.concatenate([d[1:] for d in docs]))
+    for m in (None, 0, 1, 2):
+        lp = trime_target_logprobs(ov, segments=m).numpy()
+        np.testing.assert_allclose(lp, brute_overlapping(small_lm, docs, SEQ - 1, context, m), atol=1e-4)
+    assert not np.allclose(trime_target_logprobs(ov, segments=1).numpy(), trime_target_logprobs(ov, 0).numpy())
+    one = score_trime(small_lm, None, docs, SEQ, max_segments=2, batch_size=1, context=context)
+    np.testing.assert_allclose(one.mem_all, ov.mem_all, atol=1e-5)
+    # more context than the non-overlapping segments: the plain LM scores change for targets after window 0
+    plain = score_trime(small_lm, None, docs, SEQ, max_segments=2, batch_size=3)
+    assert not np.allclose(plain.target_logit, ov.target_logit)
+
+
 def test_dump_roundtrip(tmp_path, dump):
     dump.save(tmp_path / "d.npz")
     again = TrimeScores.load(tmp_path / "d.npz")

@@ -9,6 +9,7 @@ from typing import Any
 
 from memlm import validate as V
 from memlm.cli.common import DEFAULT_MODEL, add_corpus, add_model, floats, write_json
+from memlm.errors import MemlmError
 
 # memlm.trime and memlm.datastore import torch: imported in the commands (see common.py)
 
@@ -31,6 +32,11 @@ def _print_trime_rows(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any
 def cmd_trime_eval(args: argparse.Namespace) -> None:
     from memlm.trime.inference import run_trime_eval
 
+    if args.context >= args.seq_len - 1:
+        raise MemlmError(
+            f"--context {args.context} leaves no target to score in a window of --seq-len {args.seq_len} "
+            f"({args.seq_len - 1} input positions): use --context < {args.seq_len - 1}"
+        )
     model = args.model
     if model is None and args.datastore:
         from memlm.datastore import Datastore
@@ -53,6 +59,7 @@ def cmd_trime_eval(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens,
         dtype=args.dtype,
         dump=args.dump,
+        context=args.context,
     )
     if args.dump:
         print(f"wrote {args.dump}", file=sys.stderr)
@@ -61,7 +68,8 @@ def cmd_trime_eval(args: argparse.Namespace) -> None:
         *((name, res[name], res[name]) for name in ("local", "long", "external") if name in res),
     ]
     _print_trime_rows(rows, f"{res['tokens']} tokens, {args.split}")
-    out = {"model": model, "corpus": args.corpus, "split": args.split, "seq_len": args.seq_len, **res,
+    out = {"model": model, "corpus": args.corpus, "split": args.split, "seq_len": args.seq_len,
+           "context": args.context, **res,
            "meta": {k: v for k, v in ts.meta.items() if k != "source"}, "source": ts.meta.get("source")}  # fmt: skip
     write_json(args.json, out)
 
@@ -108,6 +116,13 @@ def add_parsers(sub) -> None:
     te.add_argument("--seq-len", type=V.positive_int, required=True, help="tokens per segment (one forward pass each)")
     te.add_argument(
         "--max-segments", type=V.nonneg_int, default=8, help="previous segments kept for the long-term memory"
+    )
+    te.add_argument(
+        "--context",
+        type=V.nonneg_int,
+        default=0,
+        help="0: non-overlapping segments (default); C > 0: overlapping windows (TRIME App. D), each scoring the "
+        "targets after the previous window's with C tokens of context before them",
     )
     te.add_argument("--local-temperatures", default="1", help="τ_local values kept in the dump, comma-separated")
     te.add_argument(

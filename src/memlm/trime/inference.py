@@ -21,7 +21,12 @@ its layer norm (``KeySpec("ffn_in", -1)``). The testing memory ``M_test`` (App. 
 A document is cut into consecutive segments (:func:`memlm.trime.batching.segment_documents`, ``seq_len - 1`` owned
 tokens plus the next segment's first token, as in training), each scored fully by one forward pass of at most
 ``seq_len`` tokens with no context from earlier segments; earlier segments reach a token only through the long-term
-memory. Segments are processed in document order with a FIFO of the last ``max_segments`` segments' detached
+memory. With ``context = C > 0`` the windows overlap instead (App. D: "we evaluate on the tokens at the end of the
+segment (i.e., an evaluation segment can overlap with others)", following Baevski & Auli 2019): each window scores
+the ``seq_len - 1 - C`` targets after the previous window's and reads the ``C`` tokens before them as context
+(:func:`evaluation_windows`); the local memory is every earlier position of the window, context included, and the
+long-term memory keeps only entries from before the window (none is counted twice).
+Segments are processed in document order with a FIFO of the last ``max_segments`` segments' detached
 ``(g, target)`` pairs.
 
 :func:`score_trime` does the forward passes and the retrieval once and keeps, per target, all a later choice of
@@ -65,12 +70,14 @@ from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
-from memlm.trime.batching import Segment, segment_documents
+from memlm.trime.batching import Segment
 from memlm.trime.training import G_SPEC, tokenize_for_trime
 from memlm.windows import doc_hash
 
 __all__ = [
     "TrimeScores",
+    "EvalWindow",
+    "evaluation_windows",
     "score_trime",
     "trime_target_logprobs",
     "trime_perplexity",
@@ -136,12 +143,67 @@ class TrimeScores(TokenDump):
             )
 
 
+@dataclass(frozen=True)
+class EvalWindow:
+    """One evaluation window of a document: ``tokens[a : e2 + 1]``, scoring the targets at document positions
+    ``a + 1 + score_from .. e2`` (the ones before are context). Same ``inputs`` / ``targets`` convention as
+    :class:`memlm.trime.batching.Segment`."""
+
+    doc_index: int
+    index: int  # window number inside the document
+    start: int  # a: document offset of the first input token
+    tokens: np.ndarray
+    score_from: int  # targets[:score_from] are context only
+
+    @property
+    def inputs(self) -> np.ndarray:
+        return self.tokens[:-1]
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.tokens[1:]
+
+    @property
+    def scored_positions(self) -> np.ndarray:
+        """Document positions ``p`` of the scored targets (token ``p`` predicted from tokens ``< p``)."""
+        return self.start + 1 + np.arange(self.score_from, len(self.targets))
+
+
+def evaluation_windows(token_docs: Sequence[np.ndarray], span: int, context: int = 0) -> list[EvalWindow]:
+    """Windows of at most ``span`` input tokens that score every target of each document exactly once, in order.
+
+    ``context = 0``: consecutive non-overlapping segments, exactly :func:`memlm.trime.batching.segment_documents`
+    with ``segment_len = span`` (the training segments). ``context = C`` (``0 <= C < span``): TRIME App. D / Baevski &
+    Auli (2019): window ``i`` scores the next ``span - C`` targets after those of window ``i - 1`` and starts ``C``
+    tokens before them, so every target but the first ``C`` of a document sees at least ``C`` tokens of its own
+    document (window 0 scores its first ``span`` targets with the context they have).
+    """
+    if span < 1:
+        raise MemlmError(f"span must be >= 1, got {span}")
+    if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context < span:
+        raise MemlmError(
+            f"context must be an integer in [0, {span - 1}] (fewer than the {span} input positions of a window), "
+            f"got {context!r}"
+        )
+    out: list[EvalWindow] = []
+    for d, doc in enumerate(token_docs):
+        arr = np.asarray(doc, dtype=np.int64).reshape(-1)
+        last = len(arr) - 1  # the last target position
+        done, i = 0, 0  # targets 1..done are scored
+        while done < last:
+            end = min(done + (span if i == 0 else span - context), last)
+            a = 0 if i == 0 else done - context
+            out.append(EvalWindow(d, i, a, arr[a : end + 1].copy(), done - a))
+            done, i = end, i + 1
+    return out
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
 def _forward_segments(
-    model: torch.nn.Module, segments: Sequence[Segment], pad_id: int, key: KeySpec
+    model: torch.nn.Module, segments: Sequence[Segment | EvalWindow], pad_id: int, key: KeySpec
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(target_logit [n], logit_lse [n], g [n, D])`` in float32 for each segment (n = its number of targets)."""
     device = _device(model)
@@ -173,24 +235,28 @@ def _memory_terms(
     max_segments: int,
     temperatures: Sequence[float],
     scale: float,
+    first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mem_all, mem_hit`` ``[n, A, max_segments + 1]`` of one segment; ``past`` = earlier segments, latest first.
+    """``mem_all, mem_hit`` ``[n - first, A, max_segments + 1]`` of one window's rows ``first..n-1`` (the scored
+    ones); ``past`` = the entries of earlier windows, latest first.
 
-    Lag ``m`` holds :func:`memlm.core.distribution.memory_lse` of the entries of segment ``s - m`` (lag 0: the
-    segment's own earlier tokens) at each temperature: the total and the target's unnormalised mass.
+    Lag ``m`` holds :func:`memlm.core.distribution.memory_lse` of the entries of window ``s - m`` (lag 0: the window's
+    own earlier positions, context rows included) at each temperature: the total and the target's unnormalised mass.
     """
     n = g.shape[0]
-    out_all = torch.full((n, len(temperatures), max_segments + 1), float("-inf"), device=g.device)
+    q, yq = g[first:], y[first:]
+    rows = n - first
+    out_all = torch.full((rows, len(temperatures), max_segments + 1), float("-inf"), device=g.device)
     out_hit = out_all.clone()
-    earlier = torch.ones(n, n, dtype=torch.bool, device=g.device).tril(-1)  # [t, j]: j < t
+    earlier = torch.ones(n, n, dtype=torch.bool, device=g.device).tril(-1)[first:]  # [t, j]: j < t
     entries = [(g, y, earlier), *((pg, py, None) for pg, py in past)]
     for m, (keys, values, visible) in enumerate(entries[: max_segments + 1]):
-        scores = (g @ keys.T) * scale
-        vals = values[None, :].expand(n, -1)
+        scores = (q @ keys.T) * scale
+        vals = values[None, :].expand(rows, -1)
         if visible is not None:
             vals = vals.masked_fill(~visible, -1)  # an invisible entry is an empty slot
         for a, t in enumerate(temperatures):
-            out_all[:, a, m], out_hit[:, a, m] = memory_lse(scores, vals, y, t)
+            out_all[:, a, m], out_hit[:, a, m] = memory_lse(scores, vals, yq, t)
     return out_all, out_hit
 
 
@@ -282,6 +348,7 @@ def score_trime(
     key: KeySpec = G_SPEC,
     meta: dict[str, Any] | None = None,
     index=None,
+    context: int = 0,
 ) -> TrimeScores:
     """One forward pass per segment and one retrieval per token: the per-token dump of TRIME's Eq. 6 (App. A).
 
@@ -307,6 +374,12 @@ def score_trime(
     ``index``: the datastore's FAISS index already loaded (:func:`memlm.index.load_index`; its own ``nprobe``
     applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
     Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
+
+    ``context``: 0 (default) scores non-overlapping segments; ``C > 0`` scores overlapping windows, each target with
+    at least ``C`` tokens of its document before it in the window (App. D; :func:`evaluation_windows`). The local
+    memory (lag 0) is then every earlier position of the window, context included; lag ``m`` holds the scored
+    entries of the ``m``-th previous window whose positions lie before the current window (so no position is in
+    two lags). ``segment_index`` numbers the windows.
     """
     if seq_len < 2:
         raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
@@ -346,8 +419,7 @@ def score_trime(
     if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
         raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
     token_docs = tokenize_for_trime(docs, tokenizer)
-    segments = segment_documents(token_docs, seq_len - 1)
-    segments = [s for s in segments if len(s.targets) > 0]
+    segments = evaluation_windows(token_docs, seq_len - 1, context)
     if not segments:
         raise MemlmError("the evaluation corpus has no targets (every document has fewer than 2 tokens)")
     hashes = [doc_hash(d.id, d.text) for d in docs] if drop_self_matches else None
@@ -355,7 +427,7 @@ def score_trime(
     pad_id = 0 if pad_id is None else int(pad_id)
 
     parts: dict[str, list] = {k_: [] for k_ in ("y", "doc", "seg", "tl", "lse", "all", "hit", "es", "ev")}
-    fifo: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=max(max_segments, 1))
+    fifo: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(maxlen=max(max_segments, 1))
     current_doc = -1
     t0 = time.perf_counter()
     seconds_search = 0.0
@@ -370,11 +442,16 @@ def score_trime(
             y = torch.from_numpy(s.targets).to(device)
             d = g.shape[1]
             sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
-            mem_all, mem_hit = _memory_terms(g, y, list(reversed(fifo)), max_segments, temps, sc)
+            f = s.score_from
+            positions = torch.from_numpy(s.scored_positions).to(device)
+            # earlier windows' entries whose input position (p - 1) is before this window's first input (a)
+            past = [(pg[pp <= s.start], py[pp <= s.start]) for pg, py, pp in reversed(fifo)]
+            mem_all, mem_hit = _memory_terms(g, y, past, max_segments, temps, sc, first=f)
+            tl, lse, g, y = tl[f:], lse[f:], g[f:], y[f:]
             if max_segments > 0:
-                fifo.append((g, y))
-            n = len(s.targets)
-            parts["y"].append(s.targets)
+                fifo.append((g, y, positions))
+            n = len(y)
+            parts["y"].append(s.targets[f:])
             parts["doc"].append(np.full(n, s.doc_index, dtype=np.int32))
             parts["seg"].append(np.full(n, s.index, dtype=np.int32))
             parts["tl"].append(tl.cpu().numpy())
@@ -389,7 +466,7 @@ def score_trime(
                 t1 = time.perf_counter()
                 prov = None
                 if hashes is not None:
-                    offsets = s.start + 1 + np.arange(n)  # offset of each target inside its document
+                    offsets = s.scored_positions  # offset of each target inside its document
                     prov = (np.full(n, hashes[s.doc_index], dtype=np.int64), offsets)
                 es, ev = _retrieve_external(memory, g.cpu().numpy(), k, ext_scores, sc, prov)
                 parts["es"].append(es)
@@ -412,6 +489,7 @@ def score_trime(
             "documents": len(token_docs),
             "segments": len(segments),
             "seq_len": seq_len,
+            "context": context,
             "max_segments": max_segments,
             "local_temperatures": temps,
             "scale": scale,
@@ -425,6 +503,7 @@ def score_trime(
                 metric=None if ext_scores == "index" else "ip",
                 drop_self_matches=drop_self_matches,
                 window=seq_len,
+                min_context=context or None,
             ).to_dict()
             if datastore is not None
             else None,
@@ -789,10 +868,12 @@ def run_trime_eval(
     max_tokens: int | None = None,
     dtype: str = "float32",
     dump: str | Path | None = None,
+    context: int = 0,
 ) -> tuple[TrimeScores, dict[str, Any]]:
     """Load ``model`` (:func:`memlm.resources.load_causal_lm`), score ``corpus`` at ``split`` with :func:`score_trime`
     (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last layer), write the dump
-    to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``)."""
+    to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``).
+    ``context``: :func:`score_trime`'s (0: non-overlapping segments; C > 0: App. D's overlapping windows)."""
     from memlm.corpora import corpus_fingerprint
     from memlm.resources import load_causal_lm
     from memlm.train_lm import load_corpora
@@ -825,6 +906,7 @@ def run_trime_eval(
         drop_self_matches=drop_self_matches,
         batch_size=batch_size,
         meta={"model": model, "source": source},
+        context=context,
     )
     if dump:
         ts.save(dump)
