@@ -322,6 +322,36 @@ def test_epochs_bound_steps():
     assert log[-1]["epoch"] == 1
 
 
+def _valid_loss(model, keys, values):
+    with torch.no_grad():
+        lp = model.target_logprob(torch.from_numpy(keys), torch.from_numpy(values.astype(np.int64)))
+    return float(-lp.double().mean())
+
+
+def test_patience_stops_at_the_plateau_and_keeps_the_best_weights():
+    """Early stopping: training ends once the validation loss has not improved for `patience` log points, and the
+    returned weights are those of the best log point, not the last."""
+    keys, values = clusters(2000, seed=1)
+    kw = dict(epochs=100, batch_size=32, lr=3e-2, dtype="float32", progress=False, log_every=10, device="cpu")
+    # validation pairs whose labels contradict the training pairs: every update makes them worse -> best = step 0
+    vk, vv = clusters(300, seed=2)
+    model, log = train_learned_wds(keys, values, 4, valid=(vk, (vv + 1) % 4), patience=3, **kw)
+    assert [e["step"] for e in log] == [0, 10, 20, 30] and all(e["best_step"] == 0 for e in log)
+    assert log[1]["valid_loss"] > log[0]["valid_loss"]
+    assert torch.equal(model.weight, LearnedWds(4, 16, seed=0).weight)  # the initial weights are restored
+    # learnable validation pairs: stops long before the 6,300-step budget, at the best validation loss seen
+    valid = clusters(300, seed=2)
+    model, log = train_learned_wds(keys, values, 4, valid=valid, patience=3, max_steps=6300, **kw)
+    assert log[-1]["step"] < 6300 and log[-1]["step"] - log[-1]["best_step"] == 30
+    best = next(e["valid_loss"] for e in log if e["step"] == log[-1]["best_step"])
+    assert _valid_loss(model, *valid) == pytest.approx(best, abs=1e-6) and log[-1]["valid_loss"] != best
+    assert best <= min(e["valid_loss"] for e in log) + 1e-3 and best < 0.5 * log[0]["valid_loss"]
+    with pytest.raises(MemlmError, match="needs valid"):
+        train_learned_wds(keys, values, 4, patience=3, **kw)
+    with pytest.raises(MemlmError, match="patience must be a positive integer"):
+        train_learned_wds(keys, values, 4, valid=valid, patience=0, **kw)
+
+
 def test_save_load_roundtrip(tmp_path):
     wds = LearnedWds(V, D, n=2, metric="l2", seed=3)
     path = save_learned_wds(wds, tmp_path / "sub" / "wds.safetensors")

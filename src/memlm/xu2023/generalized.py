@@ -360,6 +360,8 @@ def train_learned_wds(
     init: torch.Tensor | None = None,
     device: str | torch.device | None = None,
     log_every: int = 100,
+    patience: int | None = None,
+    min_delta: float = 1e-3,
 ) -> tuple[LearnedWds, list[dict[str, Any]]]:
     """Train a :class:`LearnedWds` on a datastore's ``(h_ds, next token)`` pairs (Xu et al. 2023, Sec. 4.1 / 4.2).
 
@@ -373,6 +375,12 @@ def train_learned_wds(
 
     ``device`` defaults to CUDA when available. ``init``, ``n``, ``metric``, ``seed``: see :class:`LearnedWds`.
     ``valid``: optional ``(keys, values)`` evaluated at every log point.
+
+    ``patience`` (needs ``valid``): train until the validation loss plateaus instead of for a fixed budget: stop
+    once ``patience`` consecutive log points have not lowered the best validation loss by more than ``min_delta``
+    nats, and return the weights of the best log point (early stopping; ``epochs`` / ``max_steps`` stay upper
+    bounds). The log then ends with the point that triggered the stop; ``best_step`` in each entry names the step
+    whose weights are kept so far.
 
     Returns the trained model (on ``device``, in eval mode) and a log: one dict every ``log_every`` steps, plus one
     before the first update (step 0) and one at the end, with ``step``, ``epoch``, ``loss`` (mean training loss per
@@ -389,6 +397,11 @@ def train_learned_wds(
     if not lr > 0:
         raise MemlmError(f"lr must be > 0, got {lr}")
     check_metric(metric)
+    if patience is not None:
+        if isinstance(patience, bool) or not isinstance(patience, int | np.integer) or patience < 1:
+            raise MemlmError(f"patience must be a positive integer or None, got {patience!r}")
+        if valid is None:
+            raise MemlmError("patience (stop when the validation loss plateaus) needs valid=(keys, values)")
     num, dim = _check_pairs(keys, values, vocab_size, "training")
     if valid is not None:
         if not isinstance(valid, tuple | list) or len(valid) != 2:
@@ -406,14 +419,27 @@ def train_learned_wds(
     rng = np.random.default_rng(seed)
     log: list[dict[str, Any]] = []
 
-    def record(step: int, epoch: int, loss: float) -> None:
+    best: dict[str, Any] = {"loss": math.inf, "step": 0, "state": None, "stale": 0}
+
+    def record(step: int, epoch: int, loss: float) -> bool:
+        """Append a log entry; True when early stopping says stop."""
         entry: dict[str, Any] = {"step": step, "epoch": epoch, "loss": loss}
+        stop = False
         if valid is not None:
             model.eval()
             vloss = _evaluate(model, valid[0], valid[1], batch_size * 4, dev, amp)
             model.train()
             entry.update(valid_loss=vloss, valid_ppl=math.exp(min(vloss, 700.0)))
+            if patience is not None:
+                if vloss < best["loss"] - min_delta:
+                    best.update(loss=vloss, step=step, stale=0,
+                                state={k: v.detach().clone() for k, v in model.state_dict().items()})  # fmt: skip
+                else:
+                    best["stale"] += 1
+                    stop = best["stale"] >= patience
+                entry["best_step"] = best["step"]
         log.append(entry)
+        return stop
 
     step, run_loss, run_n = 0, 0.0, 0
     model.train()
@@ -444,8 +470,12 @@ def train_learned_wds(
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}")
                 if step % log_every == 0 or step == total:
-                    record(step, epoch, run_loss / run_n)
+                    stopped = record(step, epoch, run_loss / run_n)
                     run_loss, run_n = 0.0, 0
+                    if stopped:
+                        total = step  # ends both loops
+    if patience is not None and best["state"] is not None:
+        model.load_state_dict(best["state"])
     model.eval()
     return model, log
 
