@@ -196,3 +196,27 @@ def test_tau1_twins_and_fig5_best_tau_on_valid(setup):
         sweep = [t for t in res["temperature"] if (t["fraction"], t["setting"]) == (f, setting)]
         best = min(sweep, key=lambda t: t["valid_ppl"])
         assert f"| {f:.0%} | {setting} | {best['temperature']:.1f} | {best['interp_ppl']:.3f} |" in text
+
+
+def test_learned_patience_trains_to_the_plateau(setup):
+    """--learned-patience: each W_ds trains until its valid memory-only loss stops improving, past the one epoch a
+    fixed budget stops at; the row reports the kept (best) step, where it stopped and the curve."""
+    import dataclasses
+
+    tmp, spec = setup
+    plateau = dataclasses.replace(
+        spec, fractions=(1.0,), temperatures=(1.0,), learned_n=(1,), learned_steps=3000, learned_lr=0.1,
+        learned_patience=2, learned_log_every=5, skip=("table1", "approx", "temperature"),
+    )  # fmt: skip
+    quiet = {"progress": False, "log": lambda m: None}
+    res = run_analysis(plateau, tmp / "plateau", **quiet)
+    fixed = run_analysis(dataclasses.replace(plateau, learned_patience=None), tmp / "plateau", **quiet)
+    for row, one in zip(res["learned"], fixed["learned"], strict=True):
+        steps = [e["step"] for e in row["curve"]]
+        assert steps[0] == 0 and steps[-1] == row["stopped_at"] < 3000  # stopped by the plateau, not the budget
+        assert row["stopped_at"] - row["train_steps"] == 10  # patience 2 x 5 updates after the kept step
+        best = next(e["valid_ppl"] for e in row["curve"] if e["step"] == row["train_steps"])
+        assert best <= min(e["valid_ppl"] for e in row["curve"]) * 1.01 and row["train_steps"] > 0
+        # the fixed budget stops after one epoch of the toy datastore (a few dozen updates), before the plateau
+        assert one["train_steps"] < row["train_steps"] and "curve" not in one
+        assert one["memory_ppl"] != row["memory_ppl"]

@@ -33,6 +33,7 @@ def cmd_analyze(args: argparse.Namespace) -> None:
         learned_steps=args.learned_steps,
         learned_batch=args.learned_batch,
         learned_lr=args.learned_lr,
+        learned_patience=args.learned_patience,
         seed=args.seed,
         skip=tuple(s.strip() for s in args.skip.split(",") if s.strip()),
     )
@@ -62,6 +63,14 @@ def add_parsers(sub) -> None:
     a.add_argument("--learned-n", default="1,2,3,6", help="embeddings per word of the learned W_ds")
     a.add_argument("--learned-steps", type=V.positive_int, default=1000, help="training updates of each learned W_ds")
     a.add_argument("--learned-batch", type=V.positive_int, default=512)
+    a.add_argument(
+        "--learned-patience",
+        type=V.positive_int,
+        default=None,
+        help="train each W_ds until its memory-only loss on the valid text has not improved for this many log points "
+        "(every 100 updates), keeping the best weights; --learned-steps is then the most (default: a fixed "
+        "--learned-steps, at most one epoch)",
+    )
     a.add_argument("--learned-lr", type=V.positive_float, default=1e-3)
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--skip", default="", help="comma-separated parts to skip: table1, approx, temperature, learned")

@@ -117,6 +117,10 @@ class AnalysisSpec:
     learned_steps: int = 1000
     learned_batch: int = 512
     learned_lr: float = 1e-3
+    # None: train each W_ds for learned_steps updates (at most one epoch). P: train until its memory-only loss on the
+    # valid text has not improved for P log points (every learned_log_every updates), learned_steps being the most
+    learned_patience: int | None = None
+    learned_log_every: int = 100
     seed: int = 0
     skip: tuple[str, ...] = ()  # any of: table1, learned, approx, temperature
 
@@ -391,6 +395,8 @@ class _Run:
                     "steps": s.learned_steps,
                     "batch": s.learned_batch,
                     "lr": s.learned_lr,
+                    "patience": s.learned_patience,
+                    "log_every": s.learned_log_every,
                     "seed": s.seed,
                     "datastore": _ds_identity(ds),
                 }
@@ -418,6 +424,16 @@ class _Run:
                 max_steps=self.spec.learned_steps,
                 seed=self.spec.seed,
                 progress=self.progress,
+                log_every=s.learned_log_every,
+                **(
+                    {}
+                    if s.learned_patience is None
+                    else {
+                        "epochs": 10**6,  # learned_steps bounds it; the plateau ends it
+                        "valid": (valid_q[role], valid_ts.targets),
+                        "patience": s.learned_patience,
+                    }
+                ),
             )
             info = {"train_seconds": time.perf_counter() - t0, "log": train_log, "settings": settings}
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -441,6 +457,12 @@ class _Run:
         row.update(h_ds=role, n=n, sim="ip", params=n * vocab * ds.dim, train_steps=self.spec.learned_steps)
         row["train_seconds"] = info["train_seconds"]
         row["train_loss"] = info["log"][-1]["loss"] if info["log"] else None
+        if info["log"]:  # the updates actually made (a fixed budget stops after one epoch)
+            row["train_steps"] = info["log"][-1]["step"]
+        if s.learned_patience is not None and info["log"]:
+            row["train_steps"] = info["log"][-1]["best_step"]  # the weights kept: the best valid point
+            row["stopped_at"] = info["log"][-1]["step"]
+            row["curve"] = [{k: e[k] for k in ("step", "loss", "valid_ppl")} for e in info["log"]]
         return row
 
 
