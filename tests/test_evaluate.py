@@ -192,3 +192,19 @@ def test_adaptive_gate_in_eval_searches_the_requested_fraction_with_the_gate_lam
     got = perplexities(ts, temperature=1.0)
     assert got["knn_ppl"] == pytest.approx(float(torch.exp(-want.double().mean())), rel=1e-6)
     assert got["lambda"] == "adaptive"
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_exact_rescoring_advises_random_reads_of_the_keys(tmp_path, tiny_lm, toy_docs):
+    """DatastoreMemory(scores='exact') marks the keys' memory map MADV_RANDOM (smaps flag 'rr'): rescoring reads the
+    keys of scattered ids, where read-ahead only wastes I/O (and thrashes when the keys exceed the memory given)."""
+    from test_folder import _vm_flags
+
+    from memlm.retrieval import DatastoreMemory
+
+    ds = indexed(tmp_path, tiny_lm, toy_docs)
+    keys_file = ds.path / "keys.bin"
+    DatastoreMemory(ds, scores="index")
+    assert _vm_flags(keys_file) and not any(" rr" in f for f in _vm_flags(keys_file))
+    DatastoreMemory(ds, scores="exact")
+    assert all(" rr" in f for f in _vm_flags(keys_file))

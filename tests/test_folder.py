@@ -4,6 +4,7 @@ import errno
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,3 +245,36 @@ def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
             w.commit()
     monkeypatch.undo()
     assert TOY.read_progress(folder)["count"] == 0  # nothing recorded: the rerun starts from the durable rows
+
+
+def _vm_flags(path) -> list[str]:
+    """VmFlags of this process's mappings of ``path`` (Linux /proc/self/smaps)."""
+    flags, current = [], None
+    for line in open("/proc/self/smaps").read().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0] and ":" not in line.split()[0]:
+            current = line.split()[-1] if len(line.split()) >= 6 else None
+        elif line.startswith("VmFlags:") and current == str(path):
+            flags.append(line)
+    return flags
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_advise_random_marks_the_mapping_for_scattered_reads(tmp_path):
+    """advise_random sets MADV_RANDOM on the memory map (smaps flag 'rr'), also through a sharded array's parts,
+    and DatastoreMemory does it for exact rescoring, where the keys of scattered ids are read."""
+    from memlm.folder import advise_random
+    from memlm.sharded import ShardedArray
+
+    folder = tmp_path / "t"
+    build(folder, [3, 5, 2])
+    _, arrays = open_toy(folder)
+    vec = arrays["vec"]
+    assert _vm_flags(folder / "vec.bin") and not any(" rr" in f for f in _vm_flags(folder / "vec.bin"))
+    assert advise_random(vec) == 1
+    assert all(" rr" in f for f in _vm_flags(folder / "vec.bin"))
+    other = tmp_path / "u"
+    build(other, [4])
+    _, more = open_toy(other)
+    assert advise_random(ShardedArray([more["vec"], more["vec"]])) == 2
+    assert all(" rr" in f for f in _vm_flags(other / "vec.bin"))
+    assert advise_random(np.zeros((3, 2))) == 0  # not a memory map: left alone

@@ -322,3 +322,25 @@ class AppendWriter:
         self._handles.clear()
         if isinstance(exc, OSError) and is_disk_full(exc):
             raise disk_full_error(self.current) from None
+
+
+def advise_random(array: Any) -> int:
+    """Tell the kernel that ``array``'s memory-mapped pages will be read at scattered rows (``MADV_RANDOM``).
+
+    Exact rescoring (``--scores exact``) reads the keys of the retrieved ids: rows spread over the whole file. With the
+    default advice each page fault also reads ahead the following pages, which is wasted I/O; when the keys do not
+    fit in the memory given to the process, that read-ahead evicts pages still needed and the reads thrash. With
+    ``MADV_RANDOM`` a fault reads just its page. ``array`` is an ``np.memmap``, anything with ``parts`` (a sharded
+    datastore's arrays) or something else (left alone). Returns how many mappings were advised (0 where the
+    platform has no ``madvise``).
+    """
+    import mmap
+
+    parts = getattr(array, "parts", None)
+    if parts is not None:
+        return sum(advise_random(p) for p in parts)
+    mapping = getattr(array, "_mmap", None)  # np.memmap keeps its mmap.mmap here
+    if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_RANDOM"):
+        return 0
+    mapping.madvise(mmap.MADV_RANDOM)
+    return 1

@@ -21,6 +21,7 @@ from memlm.core.memory import Retrieved
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.fileio import sample_sha256, sha256_file
+from memlm.folder import advise_random
 from memlm.sharded_index import index_metric_of, open_index, search_index
 
 __all__ = ["DatastoreMemory", "datastore_metric", "entry_values", "load_counts"]
@@ -137,6 +138,8 @@ class DatastoreMemory:
         if index is None and search == "index":
             index = open_index(datastore, self.index_path, nprobe=nprobe)
         self.index = index
+        if scores == "exact" and search == "index":  # rescoring reads the keys of scattered ids: no read-ahead
+            advise_random(datastore.keys)
         if index is not None and metric is not None and metric != index_metric_of(index):
             raise MemlmError(
                 f"index {self.index_path} uses {index_metric_of(index)}, not {metric}: build an {metric} index"
