@@ -11,17 +11,19 @@ what=${1:-all}
 if [[ $what == scratch || $what == all ]]; then
   # (a) the from-scratch GPT-2 (4 layers x 256, ~5M parameters, byte-level BPE with 8,192 types) that is also the
   # vanilla LM of docs/TRIME.md: benchmarks/trime.sh trains it (400 updates of 16 x 256 tokens of wiki+news train)
-  [[ -d $R/trime/vanilla/final ]] || bash benchmarks/trime.sh train
+  [[ -d $R/trime/vanilla/final ]] || bash benchmarks/trime.sh train-vanilla
   for key in ffn_in final; do
     [[ -f $R/analysis/ds-scratch-$key/manifest.json ]] && continue
     $M datastore build --model $R/trime/vanilla/final --dtype bfloat16 --corpus wiki,news --split train \
       --max-tokens 300000 --key $key --window 256 --min-context 128 --batch-size 32 --no-index \
       --out $R/analysis/ds-scratch-$key
   done
+  # learned W_ds trained until its valid memory-only loss plateaus (issue 12 item 5); the earlier run swept
+  # --learned-n 1,2,3,6 at --learned-steps 600 (one epoch, not converged)
   $M analyze --model $R/trime/vanilla/final --dtype bfloat16 \
     --datastore-att $R/analysis/ds-scratch-ffn_in --datastore-ffn $R/analysis/ds-scratch-final \
     --valid-corpus wiki,news --test-corpus wiki,news --max-tokens 20000 --window 256 --min-context 128 \
-    --batch-size 16 --k 1024 --fractions 0.05,0.25,1 --learned-n 1,2,3,6 --learned-steps 600 \
+    --batch-size 16 --k 1024 --fractions 0.05,0.25,1 --learned-n 1 --learned-steps 30000 --learned-patience 3 \
     --out $R/analysis/scratch
 fi
 

@@ -31,6 +31,7 @@ from memlm.index import build_index, plan_index
 from memlm.keys import KeySpec, num_layers
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.resources import load_causal_lm
+from memlm.train_lm import load_corpora
 from memlm.windows import limit_documents
 
 FFN_IN, FINAL = KeySpec("ffn_in", -1), KeySpec("final", -1)
@@ -84,7 +85,7 @@ def forward(args, model, tok, corpus: str, split: str, specs, out: Path):
             ts = TokenScores(z["targets"], z["lm_logprob"], z["doc_index"], meta=json.loads(str(z["meta"])))
             return ts, {s: z[f"q_{n}"] for s, n in zip(specs, names, strict=True)}
     n = args.test_tokens if split == "test" else args.valid_tokens
-    docs = limit_documents(load_documents(corpus, split), tok, n)
+    docs = limit_documents(load_corpora(corpus, split), tok, n)  # "wiki" or "wiki,news"
     log(f"forward {corpus}/{split}: {len(docs)} docs")
     ts, queries, _ = lm_scores(
         model, tok, docs, specs, args.window, args.min_context, args.batch_size, meta={"corpus": corpus, "split": split}
@@ -120,27 +121,37 @@ def tuned(valid: TokenScores, test: TokenScores, k: int | None = None) -> dict:
     }
 
 
+def add_forward_args(p: argparse.ArgumentParser, valid_tokens: int = 15_000, test_tokens: int = 30_000) -> None:
+    """The model, the held-out text and the windows of :func:`forward`, and k: shared by the kNN-LM benchmarks."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--valid-tokens", type=int, default=valid_tokens)
+    p.add_argument("--test-tokens", type=int, default=test_tokens)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--min-context", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=4, help="forward batch")
+    p.add_argument("--k", type=int, default=1024)
+
+
+def open_run(args: argparse.Namespace):
+    """``(out folder, model, tokenizer, number of layers)`` of a benchmark run: --out created, --model loaded."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = load_causal_lm(args.model, dtype=args.dtype)
+    return out, model, tok, num_layers(model)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/knnlm")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16")
+    add_forward_args(p)
     p.add_argument("--wiki-tokens", type=int, default=500_000, help="wiki train tokens in the datastore (0: all)")
     p.add_argument("--news-tokens", type=int, default=500_000, help="news train tokens in the datastore (0: all)")
     p.add_argument("--final-tokens", type=int, default=500_000, help="wiki tokens for the `final`-key datastore")
-    p.add_argument("--valid-tokens", type=int, default=15_000)
-    p.add_argument("--test-tokens", type=int, default=30_000)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--min-context", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--k", type=int, default=1024)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3, 1.0])
     args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model, tok = load_causal_lm(args.model, dtype=args.dtype)
-    n_layers = num_layers(model)
+    out, model, tok, n_layers = open_run(args)
     specs = [FFN_IN.normalized(n_layers), FINAL.normalized(n_layers)]
 
     stores = {

@@ -4,7 +4,7 @@
 # 16 x 256 tokens) for the vanilla LM, TrimeLM, TrimeLM_long and TrimeLM_ext, plus two ablations of TrimeLM_ext
 # (random instead of BM25 batches; local-memory dropout p = 0 instead of 0.9). Then test perplexity with each memory,
 # every hyper-parameter (M, tau, lambda, cache weight) tuned on valid. Every step resumes when rerun.
-#   bash benchmarks/trime.sh [train|train-main|train-ablations|eval|all|eval-2k|train-issue12|eval-issue12]
+#   bash benchmarks/trime.sh [train|train-vanilla|train-main|train-ablations|eval|all|eval-2k|train-issue12|eval-issue12]
 # train-issue12 / eval-issue12 (issue 12 item 8): seeds 1 and 2 of the four main models, the 'w/o back-prop to
 # memory' ablation (--detach-memory) and local-memory dropout p = 0.5 (p = 0.9 and 0 are trimelm-ext and
 # trimelm-ext-p0); eval-issue12 also scores the main models with App. D's overlapping windows (--context 128: the
@@ -88,6 +88,9 @@ knnlm_eval() {  # [vanilla run]: + continuous cache, + kNN-LM (+ cache), with th
     --cache-temperatures 0.5 1 2 --json "$out/knnlm-cache.json"
 }
 
+if [[ $what == train-vanilla ]]; then  # the vanilla LM alone (benchmarks/analysis.sh scratch)
+  train vanilla --loss ce
+fi
 if [[ $what == train || $what == all || $what == train-main ]]; then
   train vanilla --loss ce
   train trimelm --loss trime

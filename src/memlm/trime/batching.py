@@ -33,6 +33,7 @@ import numpy as np
 from memlm.errors import MemlmError
 
 __all__ = [
+    "TokenWindow",
     "Segment",
     "Batch",
     "segment_documents",
@@ -45,8 +46,24 @@ __all__ = [
 ]
 
 
+class TokenWindow:
+    """Next-token view of a run of ``tokens``: position ``i`` of :attr:`inputs` predicts :attr:`targets` ``[i]``."""
+
+    tokens: np.ndarray
+
+    @property
+    def inputs(self) -> np.ndarray:
+        """Input positions that have a next-token target: ``tokens[:-1]``."""
+        return self.tokens[:-1]
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Next-token targets of :attr:`inputs`: ``tokens[1:]``."""
+        return self.tokens[1:]
+
+
 @dataclass(frozen=True)
-class Segment:
+class Segment(TokenWindow):
     """One segment of a tokenized document (see the module docstring for the ``+1`` convention)."""
 
     doc_index: int  # index of the document in the ``token_docs`` given to :func:`segment_documents`
@@ -59,16 +76,6 @@ class Segment:
     def owned(self) -> np.ndarray:
         """The ``length`` document tokens this segment covers (disjoint across segments)."""
         return self.tokens[: self.length]
-
-    @property
-    def inputs(self) -> np.ndarray:
-        """Input positions that have a next-token target: ``tokens[:-1]``."""
-        return self.tokens[:-1]
-
-    @property
-    def targets(self) -> np.ndarray:
-        """Next-token targets of :attr:`inputs`: ``tokens[1:]``."""
-        return self.tokens[1:]
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
-from memlm.trime.batching import Segment
+from memlm.trime.batching import Segment, TokenWindow
 from memlm.trime.training import G_SPEC, tokenize_for_trime
 from memlm.windows import doc_hash
 
@@ -144,7 +144,7 @@ class TrimeScores(TokenDump):
 
 
 @dataclass(frozen=True)
-class EvalWindow:
+class EvalWindow(TokenWindow):
     """One evaluation window of a document: ``tokens[a : e2 + 1]``, scoring the targets at document positions
     ``a + 1 + score_from .. e2`` (the ones before are context). Same ``inputs`` / ``targets`` convention as
     :class:`memlm.trime.batching.Segment`."""
@@ -154,14 +154,6 @@ class EvalWindow:
     start: int  # a: document offset of the first input token
     tokens: np.ndarray
     score_from: int  # targets[:score_from] are context only
-
-    @property
-    def inputs(self) -> np.ndarray:
-        return self.tokens[:-1]
-
-    @property
-    def targets(self) -> np.ndarray:
-        return self.tokens[1:]
 
     @property
     def scored_positions(self) -> np.ndarray:
