@@ -369,6 +369,22 @@ def _cgroup_report(group: Path) -> dict[str, Any]:
     return report
 
 
+def _evict_page_cache(folder: Path) -> int:
+    """Drop ``folder``'s files from the page cache (``sync``, then ``posix_fadvise(DONTNEED)`` per file; no root
+    needed), so a later reader faults every page it touches in again, charged to its own memory cgroup. Returns the
+    bytes of the files advised."""
+    subprocess.run(["sync"], check=True)
+    total = 0
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        total += f.stat().st_size
+    return total
+
+
 def cmd_eval(a: argparse.Namespace) -> None:
     rows = []
     for n in a.sizes:
@@ -391,6 +407,8 @@ def cmd_eval(a: argparse.Namespace) -> None:
                 "1024",
                 "--nprobe",
                 "32",
+                "--scores",
+                a.scores,
             ]
             code = (
                 f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_scaling as b; "
@@ -398,15 +416,24 @@ def cmd_eval(a: argparse.Namespace) -> None:
                 "print(json.dumps({'rc': rc, 'peak_rss_mib': b._peak_rss_mib(), **b._rss_parts_mib()}))"
             )
             # fmt: skip
+            evicted = _evict_page_cache(target) if a.evict else 0  # pages then read (and charged) inside the limit
             t0 = time.perf_counter()
             group = _memory_cgroup(a.memory_limit_mib, f"memlm-eval-{n}") if a.memory_limit_mib else None
-            out = subprocess.run(
-                [sys.executable, "-c", code],
-                capture_output=True,
-                text=True,
-                env=os.environ,
-                preexec_fn=(lambda g=group: (g / "cgroup.procs").write_text(str(os.getpid()))) if group else None,
-            )
+            try:
+                out = subprocess.run(
+                    [sys.executable, "-c", code],
+                    capture_output=True,
+                    text=True,
+                    env=os.environ,
+                    preexec_fn=(lambda g=group: (g / "cgroup.procs").write_text(str(os.getpid()))) if group else None,
+                    timeout=a.timeout_s or None,
+                )
+            except subprocess.TimeoutExpired:  # recorded, not raised: "did not finish in T s" is the measurement
+                rows.append({"size": n, "mode": label, "timed_out": True, "seconds": time.perf_counter() - t0,
+                             "memory_cgroup": _cgroup_report(group) if group else None, "evicted_bytes": evicted,
+                             "datastore_bytes": _folder_bytes(target)})  # fmt: skip
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                continue
             limit = _cgroup_report(group) if group else None
             if out.returncode != 0:
                 raise RuntimeError(f"{limit}\n{out.stderr[-3000:]}")
@@ -415,7 +442,8 @@ def cmd_eval(a: argparse.Namespace) -> None:
                 raise RuntimeError(f"memlm eval failed ({res['rc']}): {out.stderr[-2000:]}")
             ppl = [x for x in out.stdout.splitlines() if x.startswith(("base_ppl", "knn_ppl", "tokens"))]
             rows.append({"size": n, "mode": label, **res, "seconds": time.perf_counter() - t0, "printed": ppl,
-                         "datastore_bytes": _folder_bytes(target), "memory_cgroup": limit})  # fmt: skip
+                         "datastore_bytes": _folder_bytes(target), "memory_cgroup": limit,
+                         "evicted_bytes": evicted})  # fmt: skip
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     _write(
         a.json,
@@ -427,6 +455,9 @@ def cmd_eval(a: argparse.Namespace) -> None:
             "command": "PYTHONPATH=src python benchmarks/bench_scaling.py eval --sizes "
             + " ".join(map(str, a.sizes))
             + (f" --memory-limit-mib {a.memory_limit_mib}" if a.memory_limit_mib else "")
+            + (" --evict" if a.evict else "")
+            + (f" --timeout-s {a.timeout_s}" if a.timeout_s else "")
+            + f" --scores {a.scores}"
             + f" --tokens {a.tokens} --json {a.json}",
         },
     )
@@ -501,6 +532,9 @@ def main() -> None:
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--json", default="eval.json")
     e.add_argument("--memory-limit-mib", type=int, default=0, help="run each eval in a cgroup capped at this memory")
+    e.add_argument("--scores", default="index", choices=["index", "exact"], help="exact: read the retrieved keys")
+    e.add_argument("--evict", action="store_true", help="drop the datastore's files from the page cache first")
+    e.add_argument("--timeout-s", type=int, default=0, help="stop an eval after this long and record it as timed out")
     pl = sub.add_parser("plan")
     pl.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000, 100_000_000, 10**9])
     pl.add_argument("--d", type=int, default=576)
