@@ -237,7 +237,17 @@ def test_cli_npm_eval_end_to_end(tok, tmp_path, capsys):
         r = npm_classify(model, mtok, pi, tasks.bbc_query(mtok, d.text, tasks.encoder_limit(model, mtok)),
                          tasks.BBC_VERBALIZERS, single=True, k=8, bm25_passages=3)  # fmt: skip
         want.append(r.label if r.matched else None)
-    assert [r["pred"] for r in res["predictions"]] == want
+    assert [r["pred"] for r in res["predictions"]] == want and res["article_tokens"] == 256
+    # --article-tokens: the query keeps that many article tokens before the template ([MASK] moves forward)
+    out = tmp_path / "bbc-short.json"
+    assert main([*base, "--task", "bbc", "--corpus", str(bbc), "--single", "--json", str(out), "--predictions",
+                 "--article-tokens", "3"]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    short = [tasks.bbc_query(mtok, d.text, tasks.encoder_limit(model, mtok), max_tokens=3) for d in BBC]
+    assert all(len(mtok(q.removesuffix(tasks.BBC_TEMPLATE), add_special_tokens=False)["input_ids"]) <= 3 for q in short)
+    want = [npm_classify(model, mtok, pi, q, tasks.BBC_VERBALIZERS, single=True, k=8) for q in short]
+    assert res["article_tokens"] == 3
+    assert [r["pred"] for r in res["predictions"]] == [w.label if w.matched else None for w in want]
     assert res["unmatched"] == sum(w is None for w in want) / 4
     assert res["accuracy"] == sum(w == tasks.bbc_label(d) for w, d in zip(want, BBC, strict=True)) / 4
     out = tmp_path / "upd.json"

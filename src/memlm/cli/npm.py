@@ -182,8 +182,9 @@ def cmd_npm_eval(args: argparse.Namespace) -> None:
         classify = (tasks.mlm_classifier(model, tok) if args.mlm
                     else tasks.npm_classifier(model, tok, pi, tau=args.tau, **npm_opts))  # fmt: skip
         res = tasks.bbc_classification(classify, tok, docs, max_queries=args.max_queries,
-                                       limit_tokens=tasks.encoder_limit(model, tok),
+                                       limit_tokens=tasks.encoder_limit(model, tok), max_tokens=args.article_tokens,
                                        keep_predictions=args.predictions, seed=args.seed)  # fmt: skip
+        res["article_tokens"] = args.article_tokens
     elif args.task == "cloze":
         ref = PhraseIndex.open(args.reference_index) if args.reference_index else pi
         ref_docs = tasks.index_documents(ref, tok)
@@ -318,6 +319,13 @@ def add_parsers(sub) -> None:
         type=V.positive_int,
         default=None,
         help="bbc: N test articles, a seeded sample (default all); cloze: N probes (500); update: N probes (50)",
+    )
+    ne.add_argument(
+        "--article-tokens",
+        type=V.positive_int,
+        default=256,
+        help="bbc: the query keeps at most this many article tokens before the template (default 256), so [MASK] "
+        "sits at about this position: keep it within the sequence length the encoder was trained at",
     )
     ne.add_argument("--corpus", default=None, help="documents to query (default: bbc; cloze: the index's corpus)")
     ne.add_argument("--split", default="test", help="split of --corpus (default test)")
