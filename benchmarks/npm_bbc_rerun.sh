@@ -56,4 +56,7 @@ if [[ $what == trained || $what == all ]]; then
   bbc npm-single npm-single --single
   topk npm "$R/npm/final" npm
   topk npm-single "$R/npm-single/final" npm-single --single
+  # the [MASK] inside the 128 positions the encoders were trained on (about 106 instead of 262)
+  bbc npm-article100 npm --article-tokens 100
+  bbc npm-single-article100 npm-single --single --article-tokens 100
 fi
