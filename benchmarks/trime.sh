@@ -52,7 +52,7 @@ trime_eval() {  # run name, extra flags; dumps for valid and test, then tune on 
   for split in valid test; do
     [[ -f $out/$split.npz ]] && continue
     $M trime-eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split \
-      --max-tokens "$TOKENS" --seq-len 256 --max-segments 8 --local-temperatures 0.5,1,2 --batch-size 16 \
+      --max-tokens "$TOKENS" --seq-len 256 --max-segments 8 --local-temperatures 0.5,1,2,4,8 --batch-size 16 \
       --dump "$out/$split.npz" --json "$out/$split.json" "$@"
   done
   $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
@@ -65,7 +65,7 @@ trime_eval_appd() {  # run name, extra flags: App. D protocol (overlapping windo
   for split in valid test; do
     [[ -f $out/$split.npz ]] && continue
     $M trime-eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split \
-      --max-tokens "$TOKENS" --seq-len 256 --context 128 --max-segments 8 --local-temperatures 0.5,1,2 \
+      --max-tokens "$TOKENS" --seq-len 256 --context 128 --max-segments 8 --local-temperatures 0.5,1,2,4,8 \
       --batch-size 16 --dump "$out/$split.npz" --json "$out/$split.json" "$@"
   done
   $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"

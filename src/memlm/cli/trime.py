@@ -148,7 +148,7 @@ def add_parsers(sub) -> None:
     tt.add_argument("--test", type=V.existing_file, default=None, help="dump from memlm trime-eval --split test --dump")
     tt.add_argument("--segments", default=None, help="M values, comma-separated (default 0,1,2,4,8)")
     tt.add_argument(
-        "--temperatures", dest="ext_temperatures", default=None, help="τ of the external memory (default 0.25..8)"
+        "--temperatures", dest="ext_temperatures", default=None, help="τ of the external memory (default 0.25..32)"
     )
     tt.add_argument("--lambdas", dest="ext_lambdas", default=None, help="λ values (default 0,0.05,...,0.6)")
     tt.add_argument("--knn-temperatures", default=None, help="τ_kNN values (default: τ)")
