@@ -62,16 +62,21 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--patience", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=20_000)
+    p.add_argument("--roles", default="att,ffn", help="which W_ds to train (the JSON is written after each)")
     p.add_argument("--out", default="runs/learned_wds", help="forward-pass cache")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     t0 = time.perf_counter()
     out, model, tok, n_layers = open_run(args)
-    stores = {"att": Datastore.open(args.datastore_att), "ffn": Datastore.open(args.datastore_ffn)}
+    paths = {"att": args.datastore_att, "ffn": args.datastore_ffn}
+    stores = {r: Datastore.open(paths[r]) for r in args.roles.split(",")}
     specs = [ds.key_spec.normalized(n_layers) for ds in stores.values()]
     fw = {s: forward(args, model, tok, args.corpus, s, specs, out) for s in ("valid", "test")}
     del model
     result: dict = {"label": args.label, "config": vars(args), "roles": {}}
+    result["command"] = "python benchmarks/learned_wds_curve.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+    )
     for (role, ds), spec in zip(stores.items(), specs, strict=True):
         (v_ts, v_q), (t_ts, t_q) = fw["valid"], fw["test"]
         vq, tq = v_q[spec], t_q[spec]
@@ -120,13 +125,10 @@ def main() -> None:
             f"{row['memory_ppl']:.3f}, interp {row['interp_ppl']:.3f} (λ={row['lambda']}), share "
             f"{result['roles'][role]['share_of_knn_gain']:.0%}"
         )
-    result["seconds"] = time.perf_counter() - t0
-    result["command"] = "python benchmarks/learned_wds_curve.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-    )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.json, result)
-    plot(result, Path(args.json).with_suffix(".png"))
+        result["seconds"] = time.perf_counter() - t0
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(args.json, result)  # after each role: a long run keeps what it finished
+        plot(result, Path(args.json).with_suffix(".png"))
     log(f"done in {result['seconds']:.0f} s: {args.json}")
 
 
