@@ -51,8 +51,8 @@ KEY_TYPES: list[tuple[str, str, float]] = [
     ("MHSA input before layer norm", "block_out@-2", 17.14),
 ]
 PAPER_NO_DATASTORE = 17.96
-# memlm's default grid widened upwards: keys before a norm (the residual stream) have squared distances in the
-# 1e4-1e5 range, so their best τ lies beyond the default grid's top (1,000)
+# memlm's default grid widened upwards: keys before a norm (the residual stream) choose τ = 20,000 here, beyond the
+# default grid's top (1,000)
 TEMPERATURES = sorted({*DEFAULT_TEMPERATURES, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5})
 
 

@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,15 +38,6 @@ from memlm.fileio import atomic_write_json  # noqa: E402
 from memlm.knnlm.evaluate import add_neighbours, perplexities, tune  # noqa: E402
 from memlm.xu2023.analysis import gain_explained, interpolation_row  # noqa: E402
 from memlm.xu2023.generalized import train_learned_wds  # noqa: E402
-
-
-def _memory_logprob(wds, queries: np.ndarray, targets: np.ndarray) -> torch.Tensor:
-    parts = []
-    with torch.inference_mode():
-        for s in range(0, len(targets), 2048):
-            h = torch.from_numpy(np.array(queries[s : s + 2048], dtype=np.float32))
-            parts.append(wds.target_logprob(h, torch.from_numpy(targets[s : s + 2048].astype(np.int64))).float())
-    return torch.cat(parts)
 
 
 def main() -> None:
@@ -99,9 +89,9 @@ def main() -> None:
         seconds = time.perf_counter() - t1
         row = interpolation_row(
             torch.from_numpy(v_ts.lm_logprob),
-            _memory_logprob(wds, vq, v_ts.targets),
+            wds.score(vq, v_ts.targets),
             torch.from_numpy(t_ts.lm_logprob),
-            _memory_logprob(wds, tq, t_ts.targets),
+            wds.score(tq, t_ts.targets),
         )
         best_step = curve[-1]["best_step"]
         result["roles"][role] = {

@@ -416,3 +416,13 @@ def test_l2_similarity_under_bf16_autocast_is_float32():
     np.testing.assert_allclose(got.double().numpy(), exact.numpy(), atol=2e-2, rtol=1e-5)
     near = exact.diagonal()  # distances ~0.16 of each query to its own row
     np.testing.assert_allclose(got.diagonal().double().numpy(), near.numpy(), atol=2e-2)
+
+
+def test_score_in_chunks_equals_target_logprob():
+    """LearnedWds.score: the target log-probabilities of a float16 array, chunk by chunk, equal one float32 call."""
+    keys, values = clusters(50, seed=3)
+    wds = LearnedWds(4, 16, n=2, seed=1)
+    full = wds.target_logprob(torch.from_numpy(keys.astype(np.float16).astype(np.float32)), torch.from_numpy(values))
+    got = wds.score(keys.astype(np.float16), values, chunk=7)
+    assert got.shape == (50,)
+    torch.testing.assert_close(got, full.detach(), rtol=0, atol=1e-6)

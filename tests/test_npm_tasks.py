@@ -245,9 +245,13 @@ def test_cli_npm_eval_end_to_end(tok, tmp_path, capsys):
     res = json.loads(out.read_text())
     short = [tasks.bbc_query(mtok, d.text, tasks.encoder_limit(model, mtok), max_tokens=3) for d in BBC]
     assert all(len(mtok(q.removesuffix(tasks.BBC_TEMPLATE), add_special_tokens=False)["input_ids"]) <= 3 for q in short)
+    full = [tasks.bbc_query(mtok, d.text, tasks.encoder_limit(model, mtok)) for d in BBC]
+    assert all(a != b for a, b in zip(short, full, strict=True))  # every article is cut
     want = [npm_classify(model, mtok, pi, q, tasks.BBC_VERBALIZERS, single=True, k=8) for q in short]
     assert res["article_tokens"] == 3
     assert [r["pred"] for r in res["predictions"]] == [w.label if w.matched else None for w in want]
+    for r, w in zip(res["predictions"], want, strict=True):  # the scores of the short queries, not the full ones
+        assert r["probs"] == pytest.approx(w.probs, abs=1e-6)
     assert res["unmatched"] == sum(w is None for w in want) / 4
     assert res["accuracy"] == sum(w == tasks.bbc_label(d) for w, d in zip(want, BBC, strict=True)) / 4
     out = tmp_path / "upd.json"

@@ -89,7 +89,16 @@ __all__ = [
 ]
 
 DEFAULT_SEGMENTS = (0, 1, 2, 4, 8)
-DEFAULT_TRIME_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # widened: 8, the old top, was chosen (issue 12 item 4)
+DEFAULT_TRIME_TEMPERATURES = (
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    4.0,
+    8.0,
+    16.0,
+    32.0,
+)  # widened: 8, the old top, was chosen (issue 12 item 4)
 DEFAULT_TRIME_LAMBDAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 
 

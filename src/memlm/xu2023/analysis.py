@@ -428,8 +428,8 @@ class _Run:
                 **(
                     {}
                     if s.learned_patience is None
-                    else {
-                        "epochs": 10**6,  # learned_steps bounds it; the plateau ends it
+                    else {  # as many epochs as learned_steps needs; the plateau ends it sooner
+                        "epochs": math.ceil(s.learned_steps * s.learned_batch / len(ds)),
                         "valid": (valid_q[role], valid_ts.targets),
                         "patience": s.learned_patience,
                     }
@@ -440,28 +440,20 @@ class _Run:
             save_learned_wds(wds, path)
             atomic_write_json(info_path, info)
 
-        def mem(q: np.ndarray, ts: TokenScores) -> torch.Tensor:
-            parts = []
-            with torch.inference_mode():
-                for s in range(0, len(ts), 2048):
-                    h = torch.from_numpy(np.array(q[s : s + 2048], dtype=np.float32))
-                    parts.append(wds.target_logprob(h, torch.from_numpy(ts.targets[s : s + 2048])).float())
-            return torch.cat(parts)
-
         row = interpolation_row(
             torch.from_numpy(valid_ts.lm_logprob),
-            mem(valid_q[role], valid_ts),
+            wds.score(valid_q[role], valid_ts.targets),
             torch.from_numpy(test_ts.lm_logprob),
-            mem(test_q[role], test_ts),
+            wds.score(test_q[role], test_ts.targets),
         )
-        row.update(h_ds=role, n=n, sim="ip", params=n * vocab * ds.dim, train_steps=self.spec.learned_steps)
-        row["train_seconds"] = info["train_seconds"]
-        row["train_loss"] = info["log"][-1]["loss"] if info["log"] else None
-        if info["log"]:  # the updates actually made (a fixed budget stops after one epoch)
-            row["train_steps"] = info["log"][-1]["step"]
-        if s.learned_patience is not None and info["log"]:
-            row["train_steps"] = info["log"][-1]["best_step"]  # the weights kept: the best valid point
-            row["stopped_at"] = info["log"][-1]["step"]
+        last = info["log"][-1]  # train_learned_wds always logs the end
+        # the updates behind the weights: all that were made (a fixed budget stops after one epoch), or with
+        # patience the best valid point's
+        steps = last["step"] if s.learned_patience is None else last["best_step"]
+        row.update(h_ds=role, n=n, sim="ip", params=n * vocab * ds.dim, train_steps=steps,
+                   train_seconds=info["train_seconds"], train_loss=last["loss"])  # fmt: skip
+        if s.learned_patience is not None:
+            row["stopped_at"] = last["step"]
             row["curve"] = [{k: e[k] for k in ("step", "loss", "valid_ppl")} for e in info["log"]]
         return row
 

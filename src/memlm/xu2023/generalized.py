@@ -283,6 +283,17 @@ class LearnedWds(torch.nn.Module):
         idx = targets.to(z.device).long()[..., None, None].expand(*z.shape[:-1], 1)
         return torch.logsumexp(z.gather(-1, idx).squeeze(-1), dim=-1) - lse
 
+    @torch.inference_mode()
+    def score(self, queries: Any, targets: Any, chunk: int = 2048) -> torch.Tensor:
+        """:meth:`target_logprob` of ``queries`` ``[N, D]`` (any array, e.g. float16 dumps) and ``targets`` ``[N]``,
+        in chunks of ``chunk`` rows converted to float32: the memory's log-probabilities of a held-out text."""
+        parts = []
+        for s in range(0, len(targets), chunk):
+            h = torch.from_numpy(np.array(queries[s : s + chunk], dtype=np.float32))
+            y = torch.from_numpy(np.asarray(targets[s : s + chunk]).astype(np.int64))
+            parts.append(self.target_logprob(h, y).float())
+        return torch.cat(parts) if parts else torch.zeros(0)
+
     def forward(self, h: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Same as :meth:`log_probs`."""
         return self.log_probs(h, temperature)
