@@ -5,6 +5,8 @@
 # (random instead of BM25 batches; local-memory dropout p = 0 instead of 0.9). Then test perplexity with each memory,
 # every hyper-parameter (M, tau, lambda, cache weight) tuned on valid. Every step resumes when rerun.
 #   bash benchmarks/trime.sh [train|train-vanilla|train-main|train-ablations|eval|all|eval-2k|train-issue12|eval-issue12]
+#   bash benchmarks/trime.sh train-only NAME...   (e.g. trimelm-s1 trimelm-ext-detach: one queue per core)
+#   bash benchmarks/trime.sh eval-only NAME... / eval-appd NAME...   (the tables used EVAL_TOKENS=40000 DS_TOKENS=500000)
 # train-issue12 / eval-issue12 (issue 12 item 8): seeds 1 and 2 of the four main models, the 'w/o back-prop to
 # memory' ablation (--detach-memory) and local-memory dropout p = 0.5 (p = 0.9 and 0 are trimelm-ext and
 # trimelm-ext-p0); eval-issue12 also scores the main models with App. D's overlapping windows (--context 128: the
@@ -35,6 +37,22 @@ train() {  # name, extra flags
     --seq-len 256 --batch-size 16 --steps "$STEPS" --lr 1e-3 --eval-every 100 --save-every 50 \
     --valid-tokens 50000 --dtype bfloat16 "$@"
   [[ -d $R/tokenizer ]] || cp -r "$R/$name/tokenizer" "$R/tokenizer"
+}
+
+train_named() {  # NAME[-sSEED]: every model of docs/TRIME.md by name; -sN trains the same model with --seed N
+  local name=$1 base=$1 seed=()
+  if [[ $name =~ ^(.*)-s([0-9]+)$ ]]; then base=${BASH_REMATCH[1]} seed=(--seed "${BASH_REMATCH[2]}"); fi
+  case $base in
+    vanilla) train "$name" --loss ce "${seed[@]}" ;;
+    trimelm) train "$name" --loss trime "${seed[@]}" ;;
+    trimelm-long) train "$name" --loss trime-long --segments-per-doc 4 "${seed[@]}" ;;
+    trimelm-ext) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.9 "${seed[@]}" ;;
+    trimelm-ext-random) train "$name" --loss trime-ext --packing random --drop-local-p 0.9 "${seed[@]}" ;;
+    trimelm-ext-p0) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0 "${seed[@]}" ;;
+    trimelm-ext-p05) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.5 "${seed[@]}" ;;
+    trimelm-ext-detach) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.9 --detach-memory "${seed[@]}" ;;
+    *) echo "trime.sh: no model named $name" >&2; return 1 ;;
+  esac
 }
 
 datastore() {  # model run name
@@ -71,6 +89,13 @@ trime_eval_appd() {  # run name, extra flags: App. D protocol (overlapping windo
   $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
 }
 
+eval_named() {  # NAME [appd]: trime-eval with every memory (segments, or App. D's windows with appd); a TrimeLM_ext
+  # model (trimelm-ext*) also gets its own datastore as external memory
+  local name=$1 how=${2:-segments} ds=()
+  if [[ $name == trimelm-ext* ]]; then datastore "$name"; ds=(--datastore "$R/ds-$name"); fi
+  if [[ $how == appd ]]; then trime_eval_appd "$name" "${ds[@]}"; else trime_eval "$name" "${ds[@]}"; fi
+}
+
 knnlm_eval() {  # [vanilla run]: + continuous cache, + kNN-LM (+ cache), with the kNN-LM machinery
   local name=${1:-vanilla}
   local out=$R/eval-$name-knnlm
@@ -89,31 +114,23 @@ knnlm_eval() {  # [vanilla run]: + continuous cache, + kNN-LM (+ cache), with th
 }
 
 if [[ $what == train-vanilla ]]; then  # the vanilla LM alone (benchmarks/analysis.sh scratch)
-  train vanilla --loss ce
+  train_named vanilla
 fi
 if [[ $what == train || $what == all || $what == train-main ]]; then
-  train vanilla --loss ce
-  train trimelm --loss trime
-  train trimelm-long --loss trime-long --segments-per-doc 4
-  train trimelm-ext --loss trime-ext --packing bm25 --drop-local-p 0.9
+  for name in vanilla trimelm trimelm-long trimelm-ext; do train_named $name; done
 fi
 if [[ $what == train || $what == all || $what == train-ablations ]]; then  # may run beside train-main
-  train trimelm-ext-random --loss trime-ext --packing random --drop-local-p 0.9
-  train trimelm-ext-p0 --loss trime-ext --packing bm25 --drop-local-p 0
+  for name in trimelm-ext-random trimelm-ext-p0; do train_named $name; done
+fi
+if [[ $what == train-only ]]; then  # train-only NAME...: these models, in this order (a queue per core)
+  shift
+  for name in "$@"; do train_named "$name"; done
 fi
 
 if [[ $what == eval || $what == all ]]; then
   datastore vanilla
   knnlm_eval
-  trime_eval vanilla
-  trime_eval trimelm
-  trime_eval trimelm-long
-  datastore trimelm-ext
-  trime_eval trimelm-ext --datastore "$R/ds-trimelm-ext"
-  for name in trimelm-ext-random trimelm-ext-p0; do
-    datastore $name
-    trime_eval $name --datastore "$R/ds-$name"
-  done
+  for name in vanilla trimelm trimelm-long trimelm-ext trimelm-ext-random trimelm-ext-p0; do eval_named $name; done
 fi
 
 if [[ $what == eval-2k ]]; then
@@ -128,24 +145,19 @@ fi
 
 if [[ $what == train-issue12 ]]; then
   for seed in 1 2; do
-    train vanilla-s$seed --loss ce --seed $seed
-    train trimelm-s$seed --loss trime --seed $seed
-    train trimelm-long-s$seed --loss trime-long --segments-per-doc 4 --seed $seed
-    train trimelm-ext-s$seed --loss trime-ext --packing bm25 --drop-local-p 0.9 --seed $seed
+    for name in vanilla trimelm trimelm-long trimelm-ext; do train_named $name-s$seed; done
   done
-  train trimelm-ext-detach --loss trime-ext --packing bm25 --drop-local-p 0.9 --detach-memory
-  train trimelm-ext-p05 --loss trime-ext --packing bm25 --drop-local-p 0.5
+  for name in trimelm-ext-detach trimelm-ext-p05; do train_named $name; done
 fi
 if [[ $what == eval-issue12 ]]; then
-  for name in vanilla trimelm trimelm-long; do trime_eval_appd $name; done
-  trime_eval_appd trimelm-ext --datastore "$R/ds-trimelm-ext"
+  for name in vanilla trimelm trimelm-long trimelm-ext; do eval_named $name appd; done
   for seed in 1 2; do
-    for name in vanilla trimelm trimelm-long; do trime_eval $name-s$seed; done
-    datastore trimelm-ext-s$seed
-    trime_eval trimelm-ext-s$seed --datastore "$R/ds-trimelm-ext-s$seed"
+    for name in vanilla trimelm trimelm-long trimelm-ext; do eval_named $name-s$seed; done
   done
-  for name in trimelm-ext-detach trimelm-ext-p05; do
-    datastore $name
-    trime_eval $name --datastore "$R/ds-$name"
-  done
+  for name in trimelm-ext-detach trimelm-ext-p05; do eval_named $name; done
+fi
+if [[ $what == eval-only || $what == eval-appd ]]; then  # eval-only|eval-appd NAME...: these trained models
+  how=segments; [[ $what == eval-appd ]] && how=appd
+  shift
+  for name in "$@"; do eval_named "$name" $how; done
 fi

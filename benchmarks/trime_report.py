@@ -30,6 +30,17 @@ MODELS = {
     "trimelm-ext-random": "TrimeLM_ext, random batches (p = 0.9)",
     "trimelm-ext-p0": "TrimeLM_ext, BM25 batches, p = 0",
 }
+# issue 12 item 8 (400 updates): the main rows with seeds 1 and 2 beside seed 0 (the plain names), the main rows under
+# App. D's overlapping windows (eval-NAME-appd), and the ablations of TrimeLM_ext: p in {0, 0.5, 0.9} and no back-prop
+MAIN = ("vanilla", "trimelm", "trimelm-long", "trimelm-ext")
+OWN_MEMORY = {"vanilla": "local", "trimelm": "local", "trimelm-long": "long", "trimelm-ext": "external"}
+SEEDS = {0: "", 1: "-s1", 2: "-s2"}
+ABLATIONS = {
+    "trimelm-ext": "p = 0.9 (TrimeLM_ext)",
+    "trimelm-ext-p05": "p = 0.5",
+    "trimelm-ext-p0": "p = 0",
+    "trimelm-ext-detach": "p = 0.9, no back-propagation into the memory (memory keys detached)",
+}
 # the paper's WikiText-103 test perplexities as its text states them (Zhong et al. 2022, Sec. 5.3): the 247M model with
 # segments of L = 3,072 tokens, and (TrimeLM_long) the 150M model with L = 150
 PAPER = {
@@ -89,6 +100,129 @@ def collect(runs: Path, suffix: str = "") -> dict[str, Any]:
         if tuned is not None:
             res["knnlm"][name] = {"test": tuned["test"], "best": tuned["valid"]["best"]}
     return res
+
+
+def _run(runs: Path, name: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"training": _training(runs / name)}
+    tuned = _read(runs / f"eval-{name}" / "tuned.json")
+    if tuned is not None:
+        entry["test"] = _memories(tuned)
+    return entry
+
+
+def _stats(xs: list[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation and range over seeds."""
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5 if n > 1 else None
+    return {"n": n, "mean": mean, "sd": sd, "min": min(xs), "max": max(xs), "values": xs}
+
+
+def _seed_metrics(entry: dict[str, Any], name: str) -> dict[str, float]:
+    """The numbers of one run that the seed table summarises."""
+    out: dict[str, float] = {}
+    tr, t = entry.get("training") or {}, entry.get("test") or {}
+    if tr.get("final_valid_ppl") is not None:
+        out["train_valid_ppl"] = tr["final_valid_ppl"]
+    if "base" in t:
+        out["test_none"] = t["base"]
+    own = t.get(OWN_MEMORY[name])
+    if own is not None:
+        out["test_own_memory"] = own["ppl"]
+    return out
+
+
+def collect_issue12(runs: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Issue 12 item 8: seeds (mean, sd, range), App. D rows, the TrimeLM_ext ablations. An ablation whose run is not
+    under ``runs`` comes from ``previous`` (the committed summary.json) and says so; seed 0's new numbers are compared
+    with ``previous`` (the same command, rerun)."""
+    prev = (previous or {}).get("models", {})
+    res: dict[str, Any] = {"seeds": {}, "appd": {}, "ablations": {}, "seed0_vs_summary": {}}
+    for name in MAIN:
+        per_seed = {seed: _run(runs, name + suffix) for seed, suffix in SEEDS.items()}
+        per_seed = {seed: e for seed, e in per_seed.items() if e.get("test")}
+        metrics = {seed: _seed_metrics(e, name) for seed, e in per_seed.items()}
+        keys = sorted({k for m in metrics.values() for k in m})
+        res["seeds"][name] = {
+            "runs": per_seed,
+            "own_memory": OWN_MEMORY[name],
+            "stats": {k: _stats([m[k] for m in metrics.values() if k in m]) for k in keys},
+        }
+        if 0 in metrics and name in prev:
+            old = _seed_metrics(prev[name], name)
+            both = [k for k in old if k in metrics[0]]
+            res["seed0_vs_summary"][name] = {k: {"now": metrics[0][k], "summary": old[k]} for k in both}
+        tuned = _read(runs / f"eval-{name}-appd" / "tuned.json")
+        if tuned is not None:
+            res["appd"][name] = {"test": _memories(tuned), "context": (tuned.get("test") or {}).get("context")}
+    for name in ABLATIONS:
+        entry = _run(runs, name)
+        if entry.get("test"):
+            res["ablations"][name] = {**entry, "source": "this rerun"}
+        elif name in prev and prev[name].get("test"):
+            res["ablations"][name] = {**prev[name], "source": "summary.json (earlier run, same command)"}
+    return res
+
+
+def _pm(st: dict[str, Any] | None) -> str:
+    if not st:
+        return "-"
+    if st["n"] < 2:
+        return f"{st['mean']:.2f} (1 seed)"
+    return f"{st['mean']:.2f} ± {st['sd']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
+
+
+def tables_issue12(res: dict[str, Any]) -> str:
+    """Markdown for issue 12 item 8: seeds, App. D protocol, ablations (400 updates)."""
+    memory_label = {"local": "local memory", "long": "local + long-term memory", "external": "external + long-term"}
+    lines = [
+        "### Seeds (400 updates): mean ± sample sd (min-max) over the seeds that ran",
+        "",
+        "| model | metric | seed 0 | seed 1 | seed 2 | mean ± sd (range) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in res["seeds"].items():
+        if not r["runs"]:
+            continue
+        for key, label in (
+            ("train_valid_ppl", "valid ppl at the end of training"),
+            ("test_none", "test ppl, no memory"),
+            ("test_own_memory", f"test ppl, {memory_label[r['own_memory']]}"),
+        ):
+            runs = {int(s): e for s, e in r["runs"].items()}
+            cells = [_f(_seed_metrics(runs[s], name).get(key)) if s in runs else "-" for s in SEEDS]
+            lines.append(f"| {MODELS[name]} | {label} | " + " | ".join(cells) + f" | {_pm(r['stats'].get(key))} |")
+    if res["appd"]:
+        lines += [
+            "",
+            "### App. D protocol (overlapping windows of 256 tokens, the last 128 scored) beside the segments (seed 0)",
+            "",
+            "| model | memory | segments: none | segments: with memory | App. D: none | App. D: with memory |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, a in res["appd"].items():
+            seed0 = {int(k): v for k, v in res["seeds"].get(name, {}).get("runs", {}).items()}.get(0) or {}
+            seg = seed0.get("test") or {}
+            kind = OWN_MEMORY[name]
+            lines.append(
+                f"| {MODELS[name]} | {memory_label[kind]} | {_f(seg.get('base'))} | "
+                f"{_f((seg.get(kind) or {}).get('ppl'))} | {_f(a['test'].get('base'))} | "
+                f"{_f((a['test'].get(kind) or {}).get('ppl'))} |"
+            )
+    if res["ablations"]:
+        lines += [
+            "",
+            "### TrimeLM_ext ablations (400 updates, seed 0): local-memory dropout p, back-propagation into memory",
+            "",
+            "| ablation | valid ppl (end of training) | no memory | local | long-term | external | run |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, a in res["ablations"].items():
+            t = a.get("test", {})
+            cells = [_f((a.get("training") or {}).get("final_valid_ppl")), _f(t.get("base"))]
+            cells += [_f((t.get(k) or {}).get("ppl")) for k in ("local", "long", "external")]
+            lines.append(f"| {ABLATIONS[name]} | " + " | ".join(cells) + f" | {a['source']} |")
+    return "\n".join(lines) + "\n"
 
 
 def _f(x: float | None) -> str:
@@ -221,9 +355,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="redraw tables*.md from the summary JSONs already in --out (no runs/ needed)",
     )
+    p.add_argument(
+        "--issue12-only",
+        action="store_true",
+        help="write only summary-issue12.json / tables-issue12.md (seeds, App. D, ablations); keep the other files",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_summary:
+        res12 = _read(out / "summary-issue12.json")
+    else:
+        res12 = collect_issue12(Path(args.runs), _read(out / "summary.json"))
+        if any(r["runs"] for r in res12["seeds"].values()):
+            atomic_write_json(out / "summary-issue12.json", res12, sort_keys=False)
+        else:
+            res12 = None
+    if res12 is not None:
+        md = tables_issue12(res12)
+        (out / "tables-issue12.md").write_text(md)
+        print(f"## issue 12 item 8\n\n{md}")
+    if args.issue12_only:
+        return 0
     for suffix in ("", "-2k"):
         if args.from_summary:
             res = _read(out / f"summary{suffix}.json")
