@@ -9,8 +9,8 @@
 #   bash benchmarks/trime.sh eval-only NAME... / eval-appd NAME...   (the tables used EVAL_TOKENS=40000 DS_TOKENS=500000)
 # train-issue12 / eval-issue12 (issue 12 item 8): seeds 1 and 2 of the four main models, the 'w/o back-prop to
 # memory' ablation (--detach-memory) and local-memory dropout p = 0.5 (p = 0.9 and 0 are trimelm-ext and
-# trimelm-ext-p0); eval-issue12 also scores the main models with App. D's overlapping windows (--context 128: the
-# windows of the kNN-LM rows, 256 tokens with >= 128 of context), into eval-NAME-appd/.
+# trimelm-ext-p0); eval-issue12 also scores the main models with App. D's overlapping windows over the documents read
+# as one stream (--stream --context 127: exactly the windows and targets of the kNN-LM rows), into eval-NAME-appd/.
 # eval-2k evaluates vanilla-2k, trimelm-2k, trimelm-long-2k and trimelm-ext-2k: the four models with the same settings but 2,000 updates,
 # trained on a GPU (benchmarks/device_train.sh; the commands are in runs/trime/*-2k/final/device-command.txt):
 #   memlm train --corpus wiki,news --from-scratch 4x256 --tokenizer runs/trime/tokenizer --n-positions 256 \
@@ -76,15 +76,17 @@ trime_eval() {  # run name, extra flags; dumps for valid and test, then tune on 
   $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
 }
 
-trime_eval_appd() {  # run name, extra flags: App. D protocol (overlapping windows, the kNN-LM rows' context)
+trime_eval_appd() {  # run name, extra flags: App. D protocol with the kNN-LM rows' windows: the documents as one
+  # stream, windows of 256 tokens, each scoring the targets after the previous window's with >= 128 tokens before them
+  # (--context 127: the first scored target is predicted from 128 tokens, as memlm eval --window 256 --min-context 128)
   local name=$1; shift
   local out=$R/eval-$name-appd
   mkdir -p "$out"
   for split in valid test; do
     [[ -f $out/$split.npz ]] && continue
     $M trime-eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split \
-      --max-tokens "$TOKENS" --seq-len 256 --context 128 --max-segments 8 --local-temperatures 0.5,1,2,4,8 \
-      --batch-size 16 --dump "$out/$split.npz" --json "$out/$split.json" "$@"
+      --max-tokens "$TOKENS" --seq-len 256 --stream --context 127 --max-segments 8 \
+      --local-temperatures 0.5,1,2,4,8 --batch-size 16 --dump "$out/$split.npz" --json "$out/$split.json" "$@"
   done
   $M trime-tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/tuned.json"
 }

@@ -305,6 +305,38 @@ def test_full_distribution_normalises_and_matches_target(tiny_lm, ext_setup):
         assert float(logp[y[t]]) == pytest.approx(float(per_token), abs=1e-4)
 
 
+@pytest.mark.parametrize("context", [3, 7])
+def test_stream_windows_are_the_knnlm_evaluation_windows(tiny_lm, ext_setup, context):
+    """--stream --context C scores the targets of memlm eval --window SEQ --min-context C+1 from the same contexts,
+    so a TRIME row and a kNN-LM row share one protocol (issue 12 item 8a)."""
+    from memlm.knnlm.evaluate import lm_scores
+
+    model, tok = tiny_lm
+    docs = make_toy_docs(6, seed=11)
+    ts = score_trime(model, tok, docs, 16, max_segments=2, batch_size=3, context=context, stream=True)
+    ref, _, prov = lm_scores(model, tok, docs, window=16, min_context=context + 1, batch_size=2, progress=False)
+    assert ts.meta["stream"] is True and len(ts) == len(ref) > 100
+    np.testing.assert_array_equal(ts.targets, ref.targets)
+    np.testing.assert_allclose(trime_target_logprobs(ts, None).numpy(), ref.lm_logprob, atol=1e-4)
+    # per document (the default) the first token of every document is no target and no context crosses documents
+    per_doc = score_trime(model, tok, docs, 16, max_segments=2, batch_size=3, context=context)
+    assert len(per_doc) == len(ref) - (len(docs) - 1)
+    # the long-term memory crosses documents in a stream: lag 1 reaches back over a document boundary
+    assert np.isfinite(ts.mem_all[:, :, 1]).sum() > np.isfinite(per_doc.mem_all[:, :, 1]).sum()
+    # self-matches: each stream target's (document hash, offset) is the one memlm eval records for it
+    from memlm.trime.inference import token_provenance
+    from memlm.trime.training import tokenize_for_trime
+
+    ((h, o),) = token_provenance(docs, tokenize_for_trime(docs, tok), stream=True)
+    np.testing.assert_array_equal(h[1:], prov["doc_hash"])
+    np.testing.assert_array_equal(o[1:], prov["offset"])
+    kw = dict(max_segments=0, datastore=ext_setup, k=8, batch_size=3, context=context, stream=True)
+    own = make_toy_docs(12, seed=3)[:4]  # documents the datastore was built from: their self-matches are dropped
+    dropped = score_trime(model, tok, own, 16, drop_self_matches=True, **kw)
+    kept = score_trime(model, tok, own, 16, **kw)
+    assert not np.array_equal(dropped.ext_scores, kept.ext_scores)
+
+
 def test_refuses_incompatible_datastore(ext_setup, tiny_lm, tmp_path):
     model, tok = tiny_lm
     with pytest.raises(MemlmError, match="built with model"):

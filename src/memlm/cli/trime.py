@@ -60,6 +60,7 @@ def cmd_trime_eval(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         dump=args.dump,
         context=args.context,
+        stream=args.stream,
     )
     if args.dump:
         print(f"wrote {args.dump}", file=sys.stderr)
@@ -69,7 +70,7 @@ def cmd_trime_eval(args: argparse.Namespace) -> None:
     ]
     _print_trime_rows(rows, f"{res['tokens']} tokens, {args.split}")
     out = {"model": model, "corpus": args.corpus, "split": args.split, "seq_len": args.seq_len,
-           "context": args.context, **res,
+           "context": args.context, "stream": args.stream, **res,
            "meta": {k: v for k, v in ts.meta.items() if k != "source"}, "source": ts.meta.get("source")}  # fmt: skip
     write_json(args.json, out)
 
@@ -123,6 +124,12 @@ def add_parsers(sub) -> None:
         default=0,
         help="0: non-overlapping segments (default); C > 0: overlapping windows (TRIME App. D), each scoring the "
         "targets after the previous window's with C tokens of context before them",
+    )
+    te.add_argument(
+        "--stream",
+        action="store_true",
+        help="read the documents as one token stream (EOS between them), as memlm eval does: with --context C the "
+        "targets and contexts of memlm eval --window SEQ_LEN --min-context C+1, so TRIME and kNN-LM rows compare",
     )
     te.add_argument("--local-temperatures", default="1", help="τ_local values kept in the dump, comma-separated")
     te.add_argument(

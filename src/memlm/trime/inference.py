@@ -199,6 +199,21 @@ def evaluation_windows(token_docs: Sequence[np.ndarray], span: int, context: int
     return out
 
 
+def token_provenance(
+    docs: Sequence, token_docs: Sequence[np.ndarray], stream: bool = False
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(doc_hash, offset)`` of every token of each scored sequence: one pair of arrays per document, or one pair for
+    the whole stream (``stream=True``: the documents' tokens joined in order), so that a target at position ``p`` of
+    its sequence comes from document ``doc_hash[p]``, token ``offset[p]`` (as :mod:`memlm.windows` records it)."""
+    per_doc = [
+        (np.full(len(t), doc_hash(d.id, d.text), dtype=np.int64), np.arange(len(t), dtype=np.int64))
+        for d, t in zip(docs, token_docs, strict=True)
+    ]
+    if not stream or not per_doc:
+        return per_doc
+    return [(np.concatenate([h for h, _ in per_doc]), np.concatenate([o for _, o in per_doc]))]
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -350,6 +365,7 @@ def score_trime(
     meta: dict[str, Any] | None = None,
     index=None,
     context: int = 0,
+    stream: bool = False,
 ) -> TrimeScores:
     """One forward pass per segment and one retrieval per token: the per-token dump of TRIME's Eq. 6 (App. A).
 
@@ -381,6 +397,13 @@ def score_trime(
     memory (lag 0) is then every earlier position of the window, context included; lag ``m`` holds the scored
     entries of the ``m``-th previous window whose positions lie before the current window (so no position is in
     two lags). ``segment_index`` numbers the windows.
+
+    ``stream``: join the documents (each with its EOS) into one token stream first, as the kNN-LM's evaluation does
+    (:mod:`memlm.windows`): context and the long-term memory then flow across documents, every token but the stream's
+    first is a target, and with ``context = C`` the targets and their contexts are exactly those of
+    :func:`memlm.knnlm.evaluate.lm_scores` with ``window = seq_len``, ``min_context = C + 1`` (the first target of a
+    window is predicted from ``C + 1`` tokens), so TRIME rows and kNN-LM rows share one protocol. ``doc_index`` is
+    then 0 for every target.
     """
     if seq_len < 2:
         raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
@@ -420,10 +443,12 @@ def score_trime(
     if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
         raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
     token_docs = tokenize_for_trime(docs, tokenizer)
+    provenance = token_provenance(docs, token_docs, stream) if drop_self_matches else None
+    if stream and token_docs:
+        token_docs = [np.concatenate(token_docs)]
     segments = evaluation_windows(token_docs, seq_len - 1, context)
     if not segments:
         raise MemlmError("the evaluation corpus has no targets (every document has fewer than 2 tokens)")
-    hashes = [doc_hash(d.id, d.text) for d in docs] if drop_self_matches else None
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad_id = 0 if pad_id is None else int(pad_id)
 
@@ -466,9 +491,9 @@ def score_trime(
                 # the nprobe-th list flipped for 1 query in 9,889 in docs/results/speed)
                 t1 = time.perf_counter()
                 prov = None
-                if hashes is not None:
-                    offsets = s.scored_positions  # offset of each target inside its document
-                    prov = (np.full(n, hashes[s.doc_index], dtype=np.int64), offsets)
+                if provenance is not None:
+                    doc_hashes, offsets = provenance[s.doc_index]
+                    prov = (doc_hashes[s.scored_positions], offsets[s.scored_positions])
                 es, ev = _retrieve_external(memory, g.cpu().numpy(), k, ext_scores, sc, prov)
                 parts["es"].append(es)
                 parts["ev"].append(ev)
@@ -491,6 +516,7 @@ def score_trime(
             "segments": len(segments),
             "seq_len": seq_len,
             "context": context,
+            "stream": bool(stream),
             "max_segments": max_segments,
             "local_temperatures": temps,
             "scale": scale,
@@ -870,11 +896,13 @@ def run_trime_eval(
     dtype: str = "float32",
     dump: str | Path | None = None,
     context: int = 0,
+    stream: bool = False,
 ) -> tuple[TrimeScores, dict[str, Any]]:
     """Load ``model`` (:func:`memlm.resources.load_causal_lm`), score ``corpus`` at ``split`` with :func:`score_trime`
     (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last layer), write the dump
     to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``).
-    ``context``: :func:`score_trime`'s (0: non-overlapping segments; C > 0: App. D's overlapping windows)."""
+    ``context``: :func:`score_trime`'s (0: non-overlapping segments; C > 0: App. D's overlapping windows); ``stream``:
+    :func:`score_trime`'s (the documents as one token stream, as the kNN-LM's evaluation reads them)."""
     from memlm.corpora import corpus_fingerprint
     from memlm.resources import load_causal_lm
     from memlm.train_lm import load_corpora
@@ -908,6 +936,7 @@ def run_trime_eval(
         batch_size=batch_size,
         meta={"model": model, "source": source},
         context=context,
+        stream=stream,
     )
     if dump:
         ts.save(dump)
