@@ -81,10 +81,18 @@ def main() -> None:
         vocab = int(ds.manifest["tokenizer"]["vocab_size"])
         log(f"{args.label}/{role}: kNN-LM (IP, τ = 1) {knn_row['base_ppl']:.3f} -> {knn_row['knn_ppl']:.3f}")
         t1 = time.perf_counter()
+
+        head = {"key": spec.describe(n_layers), "knn_lm": knn_row, "partial": True}
+
+        def partial(curve: list[dict], role: str = role, head: dict = head) -> None:  # the curve so far, if stopped
+            result["roles"][role] = {**head, "curve": curve}
+            atomic_write_json(args.json, result)
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         wds, curve = train_learned_wds(
             ds.keys, ds.values, vocab, n=1, metric="ip", epochs=10_000, batch_size=args.batch, lr=args.lr,
             max_steps=args.max_steps, dtype="bfloat16", valid=(vq, v_ts.targets), patience=args.patience,
-            log_every=args.log_every,
+            log_every=args.log_every, on_log=partial,
         )  # fmt: skip
         seconds = time.perf_counter() - t1
         row = interpolation_row(

@@ -341,7 +341,18 @@ def test_patience_stops_at_the_plateau_and_keeps_the_best_weights():
     assert torch.equal(model.weight, LearnedWds(4, 16, seed=0).weight)  # the initial weights are restored
     # learnable validation pairs: stops long before the 6,300-step budget, at the best validation loss seen
     valid = clusters(300, seed=2)
-    model, log = train_learned_wds(keys, values, 4, valid=valid, patience=3, max_steps=6300, **kw)
+    seen: list[list[int]] = []  # on_log sees the curve grow one entry at a time (a stopped run keeps it)
+    model, log = train_learned_wds(
+        keys,
+        values,
+        4,
+        valid=valid,
+        patience=3,
+        max_steps=6300,
+        on_log=lambda c: seen.append([e["step"] for e in c]),
+        **kw,
+    )
+    assert seen == [[e["step"] for e in log[: i + 1]] for i in range(len(log))]
     assert log[-1]["step"] < 6300 and log[-1]["step"] - log[-1]["best_step"] == 30
     best = next(e["valid_loss"] for e in log if e["step"] == log[-1]["best_step"])
     assert _valid_loss(model, *valid) == pytest.approx(best, abs=1e-6) and log[-1]["valid_loss"] != best

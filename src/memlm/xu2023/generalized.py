@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +373,7 @@ def train_learned_wds(
     log_every: int = 100,
     patience: int | None = None,
     min_delta: float = 1e-3,
+    on_log: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> tuple[LearnedWds, list[dict[str, Any]]]:
     """Train a :class:`LearnedWds` on a datastore's ``(h_ds, next token)`` pairs (Xu et al. 2023, Sec. 4.1 / 4.2).
 
@@ -397,6 +398,9 @@ def train_learned_wds(
     before the first update (step 0) and one at the end, with ``step``, ``epoch``, ``loss`` (mean training loss per
     token since the previous entry; at step 0 the loss of the first batch) and, with ``valid``, ``valid_loss`` and
     ``valid_ppl``.
+
+    ``on_log`` (optional) is called with the log so far after every entry, e.g. to write the curve of a long run
+    to disk as it grows (a run stopped early still leaves its curve).
     """
     if dtype not in _DTYPES:
         raise MemlmError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
@@ -450,6 +454,8 @@ def train_learned_wds(
                     stop = best["stale"] >= patience
                 entry["best_step"] = best["step"]
         log.append(entry)
+        if on_log is not None:
+            on_log(log)
         return stop
 
     step, run_loss, run_n = 0, 0.0, 0
