@@ -155,13 +155,34 @@ def collect_issue12(runs: Path, previous: dict[str, Any] | None) -> dict[str, An
         tuned = _read(runs / f"eval-{name}-appd" / "tuned.json")
         if tuned is not None:
             res["appd"][name] = {"test": _memories(tuned), "context": (tuned.get("test") or {}).get("context")}
+    res["test_documents"] = _document_lengths(runs / "eval-vanilla" / "test.npz")
     for name in ABLATIONS:
         entry = _run(runs, name)
         if entry.get("test"):
             res["ablations"][name] = {**entry, "source": "this rerun"}
         elif name in prev and prev[name].get("test"):
-            res["ablations"][name] = {**prev[name], "source": "summary.json (earlier run, same command)"}
+            res["ablations"][name] = {**prev[name], "source": "summary.json (earlier run: same command, older code)"}
     return res
+
+
+def _document_lengths(dump: Path) -> dict[str, Any] | None:
+    """How many test targets lie beyond the first segment of their document (where App. D's windows and the
+    segments differ at all), from a segments dump of ``memlm trime-eval``."""
+    if not dump.is_file():
+        return None
+    import numpy as np
+
+    with np.load(dump, allow_pickle=False) as z:
+        doc, seg = z["doc_index"], z["segment_index"]
+    per_doc = np.bincount(doc)
+    per_doc = per_doc[per_doc > 0]
+    return {
+        "dump": str(dump),
+        "documents": int(len(per_doc)),
+        "targets": int(len(doc)),
+        "median_targets_per_document": float(np.median(per_doc)),
+        "targets_after_the_first_segment": int((seg > 0).sum()),
+    }
 
 
 def _pm(st: dict[str, Any] | None) -> str:
