@@ -84,30 +84,27 @@ def _memories(tuned: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _run(runs: Path, name: str) -> dict[str, Any]:
+    """One model's training summary and, once evaluated, its test perplexity with each memory."""
+    entry: dict[str, Any] = {"training": _training(runs / name)}
+    tuned = _read(runs / f"eval-{name}" / "tuned.json")
+    if tuned is not None:
+        entry["test"] = _memories(tuned)
+    return entry
+
+
 def collect(runs: Path, suffix: str = "") -> dict[str, Any]:
     """Everything the tables need, from the files of ``benchmarks/trime.sh``; ``suffix`` picks the runs
     ``<model><suffix>`` (``-2k``: the 2,000-update models), still keyed by the plain model names."""
     res: dict[str, Any] = {"models": {}, "knnlm": {}, "suffix": suffix}
     for name in MODELS:
-        entry: dict[str, Any] = {"training": _training(runs / f"{name}{suffix}")}
-        tuned = _read(runs / f"eval-{name}{suffix}" / "tuned.json")
-        if tuned is not None:
-            entry["test"] = _memories(tuned)
-        res["models"][name] = entry
+        res["models"][name] = _run(runs, f"{name}{suffix}")
     k = runs / f"eval-vanilla{suffix}-knnlm"
     for name in ("cache-only", "knnlm", "knnlm-cache"):
         tuned = _read(k / f"{name}.json")
         if tuned is not None:
             res["knnlm"][name] = {"test": tuned["test"], "best": tuned["valid"]["best"]}
     return res
-
-
-def _run(runs: Path, name: str) -> dict[str, Any]:
-    entry: dict[str, Any] = {"training": _training(runs / name)}
-    tuned = _read(runs / f"eval-{name}" / "tuned.json")
-    if tuned is not None:
-        entry["test"] = _memories(tuned)
-    return entry
 
 
 def _stats(xs: list[float]) -> dict[str, Any]:
@@ -154,7 +151,12 @@ def collect_issue12(runs: Path, previous: dict[str, Any] | None) -> dict[str, An
             res["seed0_vs_summary"][name] = {k: {"now": metrics[0][k], "summary": old[k]} for k in both}
         tuned = _read(runs / f"eval-{name}-appd" / "tuned.json")
         if tuned is not None:
-            res["appd"][name] = {"test": _memories(tuned), "context": (tuned.get("test") or {}).get("context")}
+            scored = _read(runs / f"eval-{name}-appd" / "test.json") or {}  # the windows it was scored with
+            res["appd"][name] = {
+                "test": _memories(tuned),
+                "context": scored.get("context"),
+                "stream": scored.get("stream"),
+            }
     res["test_documents"] = _document_lengths(runs / "eval-vanilla" / "test.npz")
     for name in ABLATIONS:
         entry = _run(runs, name)
@@ -205,18 +207,19 @@ def tables_issue12(res: dict[str, Any]) -> str:
     for name, r in res["seeds"].items():
         if not r["runs"]:
             continue
+        runs = {int(s): e for s, e in r["runs"].items()}  # JSON keys are strings
         for key, label in (
             ("train_valid_ppl", "valid ppl at the end of training"),
             ("test_none", "test ppl, no memory"),
             ("test_own_memory", f"test ppl, {memory_label[r['own_memory']]}"),
         ):
-            runs = {int(s): e for s, e in r["runs"].items()}
             cells = [_f(_seed_metrics(runs[s], name).get(key)) if s in runs else "-" for s in SEEDS]
             lines.append(f"| {MODELS[name]} | {label} | " + " | ".join(cells) + f" | {_pm(r['stats'].get(key))} |")
     if res["appd"]:
         lines += [
             "",
-            "### App. D protocol (overlapping windows of 256 tokens, the last 128 scored) beside the segments (seed 0)",
+            "### App. D protocol (the kNN-LM rows' windows: one stream, 256 tokens, the last 128 scored) beside the "
+            "segments (seed 0)",
             "",
             "| model | memory | segments: none | segments: with memory | App. D: none | App. D: with memory |",
             "|---|---|---|---|---|---|",

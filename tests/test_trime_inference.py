@@ -330,11 +330,19 @@ def test_stream_windows_are_the_knnlm_evaluation_windows(tiny_lm, ext_setup, con
     ((h, o),) = token_provenance(docs, tokenize_for_trime(docs, tok), stream=True)
     np.testing.assert_array_equal(h[1:], prov["doc_hash"])
     np.testing.assert_array_equal(o[1:], prov["offset"])
-    kw = dict(max_segments=0, datastore=ext_setup, k=8, batch_size=3, context=context, stream=True)
-    own = make_toy_docs(12, seed=3)[:4]  # documents the datastore was built from: their self-matches are dropped
+    # retrieving every entry (exact search, k = N), dropping self-matches removes exactly the entry whose
+    # (document hash, offset) is the target's own, for every target of every document of the stream
+    ds = ext_setup
+    own = make_toy_docs(12, seed=3)[:4]  # documents the datastore was built from
+    kw = dict(max_segments=0, datastore=ds, k=len(ds), search="exact", batch_size=3, context=context, stream=True)
     dropped = score_trime(model, tok, own, 16, drop_self_matches=True, **kw)
     kept = score_trime(model, tok, own, 16, **kw)
-    assert not np.array_equal(dropped.ext_scores, kept.ext_scores)
+    ((h, o),) = token_provenance(own, tokenize_for_trime(own, tok), stream=True)
+    in_ds = set(zip(np.asarray(ds.doc_hash).tolist(), np.asarray(ds.offset).tolist(), strict=True))
+    own_entry = np.array([(a, b) in in_ds for a, b in zip(h[1:].tolist(), o[1:].tolist(), strict=True)])
+    assert own_entry.sum() > 50 and len(set(h[1:][own_entry].tolist())) == len(own)  # every document has some
+    removed = np.isfinite(kept.ext_scores).sum(1) - np.isfinite(dropped.ext_scores).sum(1)
+    np.testing.assert_array_equal(removed, own_entry.astype(int))
 
 
 def test_refuses_incompatible_datastore(ext_setup, tiny_lm, tmp_path):

@@ -21,6 +21,8 @@ def _run(runs: Path, name: str, valid: float, base: float, local: float, appd: b
     for folder in [f"eval-{name}"] + ([f"eval-{name}-appd"] if appd else []):
         (runs / folder).mkdir()
         (runs / folder / "tuned.json").write_text(json.dumps(tuned))
+        scored = {"context": 127 if "appd" in folder else 0, "stream": True}
+        (runs / folder / "test.json").write_text(json.dumps(scored))
 
 
 def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the_summary(tmp_path: Path) -> None:
@@ -42,6 +44,7 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
     assert res["seeds"]["trimelm"]["stats"]["test_own_memory"]["mean"] == pytest.approx(12.0)
     assert res["seed0_vs_summary"]["trimelm"]["test_none"] == {"now": 10.0, "summary": 10.5}
     assert res["appd"]["trimelm"]["test"]["local"]["ppl"] == 9.0
+    assert (res["appd"]["trimelm"]["context"], res["appd"]["trimelm"]["stream"]) == (127, True)  # as it was scored
     assert res["ablations"]["trimelm-ext-detach"]["source"] == "this rerun"
     assert res["ablations"]["trimelm-ext-p0"]["source"].startswith("summary.json")
     assert "trimelm-ext-p05" not in res["ablations"]  # neither rerun nor in the summary: no row
