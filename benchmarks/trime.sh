@@ -7,6 +7,7 @@
 #   bash benchmarks/trime.sh [train|train-vanilla|train-main|train-ablations|eval|all|eval-2k|train-issue12|eval-issue12]
 #   bash benchmarks/trime.sh train-only NAME...   (e.g. trimelm-s1 trimelm-ext-detach: one queue per core)
 #   bash benchmarks/trime.sh eval-only NAME... / eval-appd NAME...   (the tables used EVAL_TOKENS=40000 DS_TOKENS=500000)
+#   bash benchmarks/trime.sh knnlm-only vanilla vanilla-s1 ...   (kNN-LM + cache rows over each run's own datastore)
 # train-issue12 / eval-issue12 (issue 12 item 8): seeds 1 and 2 of the four main models, the 'w/o back-prop to
 # memory' ablation (--detach-memory) and local-memory dropout p = 0.5 (p = 0.9 and 0 are trimelm-ext and
 # trimelm-ext-p0); eval-issue12 also scores the main models with App. D's overlapping windows over the documents read
@@ -157,6 +158,11 @@ if [[ $what == eval-issue12 ]]; then
     for name in vanilla trimelm trimelm-long trimelm-ext; do eval_named $name-s$seed; done
   done
   for name in trimelm-ext-detach trimelm-ext-p05; do eval_named $name; done
+fi
+if [[ $what == knnlm-only ]]; then  # knnlm-only NAME...: these vanilla runs (vanilla, vanilla-s1, ...) with a kNN-LM
+  # over their own datastore and the continuous cache (App. D's windows, as every kNN-LM row)
+  shift
+  for name in "$@"; do datastore "$name"; knnlm_eval "$name"; done
 fi
 if [[ $what == eval-only || $what == eval-appd ]]; then  # eval-only|eval-appd NAME...: these trained models
   how=segments; [[ $what == eval-appd ]] && how=appd
