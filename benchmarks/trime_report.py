@@ -35,6 +35,11 @@ MODELS = {
 MAIN = ("vanilla", "trimelm", "trimelm-long", "trimelm-ext")
 OWN_MEMORY = {"vanilla": "local", "trimelm": "local", "trimelm-long": "long", "trimelm-ext": "external"}
 SEEDS = {0: "", 1: "-s1", 2: "-s2"}
+KNNLM_ROWS = {
+    "knnlm": "Vanilla LM + kNN-LM (own datastore)",
+    "cache-only": "Vanilla LM + continuous cache",
+    "knnlm-cache": "Vanilla LM + kNN-LM + cache",
+}
 ABLATIONS = {
     "trimelm-ext": "p = 0.9 (TrimeLM_ext)",
     "trimelm-ext-p05": "p = 0.5",
@@ -107,6 +112,11 @@ def collect(runs: Path, suffix: str = "") -> dict[str, Any]:
     return res
 
 
+def _knnlm_ppl(test: dict[str, Any]) -> float:
+    """Test perplexity of a ``memlm tune`` result: with the cache when it has one, else the kNN-LM's (λ may be 0)."""
+    return test.get("cache_ppl", test.get("knn_ppl", test["base_ppl"]))
+
+
 def _stats(xs: list[float]) -> dict[str, Any]:
     """Mean, sample standard deviation and range over seeds."""
     n = len(xs)
@@ -157,6 +167,14 @@ def collect_issue12(runs: Path, previous: dict[str, Any] | None) -> dict[str, An
                 "context": scored.get("context"),
                 "stream": scored.get("stream"),
             }
+    # the kNN-LM (and continuous cache) over each vanilla seed's own datastore, App. D's windows (trime.sh knnlm-only)
+    knn: dict[str, dict[int, float]] = {}
+    for seed, suffix in SEEDS.items():
+        for row in KNNLM_ROWS:
+            tuned = _read(runs / f"eval-vanilla{suffix}-knnlm" / f"{row}.json")
+            if tuned is not None:
+                knn.setdefault(row, {})[seed] = _knnlm_ppl(tuned["test"])
+    res["knnlm"] = {row: {"runs": v, "stats": _stats(list(v.values()))} for row, v in knn.items()}
     res["test_documents"] = _document_lengths(runs / "eval-vanilla" / "test.npz")
     for name in ABLATIONS:
         entry = _run(runs, name)
@@ -215,6 +233,12 @@ def tables_issue12(res: dict[str, Any]) -> str:
         ):
             cells = [_f(_seed_metrics(runs[s], name).get(key)) if s in runs else "-" for s in SEEDS]
             lines.append(f"| {MODELS[name]} | {label} | " + " | ".join(cells) + f" | {_pm(r['stats'].get(key))} |")
+    for row, r in res.get("knnlm", {}).items():
+        runs = {int(s): v for s, v in r["runs"].items()}
+        cells = [_f(runs.get(s)) for s in SEEDS]
+        lines.append(
+            f"| {KNNLM_ROWS[row]} | test ppl, App. D windows | " + " | ".join(cells) + f" | {_pm(r['stats'])} |"
+        )
     if res["appd"]:
         lines += [
             "",
@@ -285,7 +309,7 @@ def tables(res: dict[str, Any]) -> str:
             (
                 "Vanilla LM",
                 "+ continuous cache (Grave et al.; sliding windows)",
-                _f(t.get("cache_ppl", t["base_ppl"])),
+                _f(_knnlm_ppl(t)),
                 f"λc={b['cache_lambda']}, τc={b['cache_temperature']}",
                 PAPER["vanilla+cache"],
             )
@@ -296,7 +320,7 @@ def tables(res: dict[str, Any]) -> str:
             (
                 "Vanilla LM",
                 "+ kNN-LM (sliding windows)",
-                _f(t.get("knn_ppl")),
+                _f(_knnlm_ppl(t)),
                 f"λ={b['lambda']}, τ={b['temperature']}",
                 PAPER["vanilla+knnlm"],
             )  # fmt: skip
@@ -307,7 +331,7 @@ def tables(res: dict[str, Any]) -> str:
             (
                 "Vanilla LM",
                 "+ kNN-LM + continuous cache (sliding windows)",
-                _f(t.get("cache_ppl", t.get("knn_ppl"))),
+                _f(_knnlm_ppl(t)),
                 f"λ={b['lambda']}, τ={b['temperature']}, λc={b['cache_lambda']}",
                 PAPER["vanilla+knnlm+cache"],
             )

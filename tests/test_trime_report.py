@@ -36,7 +36,16 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
             "trimelm-ext-p0": {"training": {"final_valid_ppl": 7.0}, "test": {"base": 6.0}},
         }
     }
+    for suffix, ppl in (("", 200.0), ("-s2", 220.0)):  # kNN-LM rows of two vanilla seeds (memlm tune's JSON)
+        (runs / f"eval-vanilla{suffix}-knnlm").mkdir()
+        test = {"base_ppl": 400.0, "knn_ppl": ppl, "lambda": 0.5}
+        (runs / f"eval-vanilla{suffix}-knnlm" / "knnlm.json").write_text(json.dumps({"test": test}))
+        test = {**test, "cache_ppl": ppl - 20}
+        (runs / f"eval-vanilla{suffix}-knnlm" / "knnlm-cache.json").write_text(json.dumps({"test": test}))
     res = trime_report.collect_issue12(runs, previous)
+    knn = res["knnlm"]["knnlm"]["stats"]
+    assert knn["values"] == [200.0, 220.0] and knn["sd"] == pytest.approx(200**0.5)
+    assert res["knnlm"]["knnlm-cache"]["stats"]["mean"] == pytest.approx(190.0)  # with the cache: its cache_ppl
     st = res["seeds"]["trimelm"]["stats"]["test_none"]
     assert st["n"] == 3 and st["mean"] == pytest.approx(13.0)
     assert st["sd"] == pytest.approx(((9 + 1 + 16) / 2) ** 0.5)  # sample sd (n - 1), not population sd
@@ -52,5 +61,6 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
     md = trime_report.tables_issue12(res)
     assert md == trime_report.tables_issue12(json.loads(json.dumps(res)))
     assert "13.00 ± 3.61 (10.00-17.00)" in md
-    assert "Vanilla" not in md.split("### App. D")[0]  # a model with no run has no seed rows
+    assert "| Vanilla LM + kNN-LM (own datastore) | test ppl, App. D windows | 200.00 | - | 220.00 |" in md
+    assert "| Vanilla LM (CE) |" not in md.split("### App. D")[0]  # a model with no run has no seed rows
     assert "| TrimeLM (local memory) | local memory | 10.00 | 9.00 | 10.00 | 9.00 |" in md
