@@ -40,18 +40,22 @@ train() {  # name, extra flags
   [[ -d $R/tokenizer ]] || cp -r "$R/$name/tokenizer" "$R/tokenizer"
 }
 
-train_named() {  # NAME[-sSEED]: every model of docs/TRIME.md by name; -sN trains the same model with --seed N
-  local name=$1 base=$1 seed=()
-  if [[ $name =~ ^(.*)-s([0-9]+)$ ]]; then base=${BASH_REMATCH[1]} seed=(--seed "${BASH_REMATCH[2]}"); fi
+train_named() {  # NAME[-sSEED][-2k-cpu]: every model of docs/TRIME.md by name; -sN trains the same model with --seed N,
+  # -2k-cpu with the 2,000 updates of the GPU runs (NAME-2k), here
+  local name=$1 base=$1 extra=()
+  if [[ $base =~ ^(.*)-2k-cpu$ ]]; then  # the 2,000-update recipe of the GPU runs (eval-2k), trained here on the CPU
+    base=${BASH_REMATCH[1]} extra=(--steps 2000 --eval-every 500)
+  fi
+  if [[ $base =~ ^(.*)-s([0-9]+)$ ]]; then base=${BASH_REMATCH[1]} extra+=(--seed "${BASH_REMATCH[2]}"); fi
   case $base in
-    vanilla) train "$name" --loss ce "${seed[@]}" ;;
-    trimelm) train "$name" --loss trime "${seed[@]}" ;;
-    trimelm-long) train "$name" --loss trime-long --segments-per-doc 4 "${seed[@]}" ;;
-    trimelm-ext) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.9 "${seed[@]}" ;;
-    trimelm-ext-random) train "$name" --loss trime-ext --packing random --drop-local-p 0.9 "${seed[@]}" ;;
-    trimelm-ext-p0) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0 "${seed[@]}" ;;
-    trimelm-ext-p05) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.5 "${seed[@]}" ;;
-    trimelm-ext-detach) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.9 --detach-memory "${seed[@]}" ;;
+    vanilla) train "$name" --loss ce "${extra[@]}" ;;
+    trimelm) train "$name" --loss trime "${extra[@]}" ;;
+    trimelm-long) train "$name" --loss trime-long --segments-per-doc 4 "${extra[@]}" ;;
+    trimelm-ext) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.9 "${extra[@]}" ;;
+    trimelm-ext-random) train "$name" --loss trime-ext --packing random --drop-local-p 0.9 "${extra[@]}" ;;
+    trimelm-ext-p0) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0 "${extra[@]}" ;;
+    trimelm-ext-p05) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.5 "${extra[@]}" ;;
+    trimelm-ext-detach) train "$name" --loss trime-ext --packing bm25 --drop-local-p 0.9 --detach-memory "${extra[@]}" ;;
     *) echo "trime.sh: no model named $name" >&2; return 1 ;;
   esac
 }
