@@ -44,7 +44,7 @@ train_named() {  # NAME[-sSEED][-2k-cpu]: every model of docs/TRIME.md by name; 
   # -2k-cpu with the 2,000 updates of the GPU runs (NAME-2k), here
   local name=$1 base=$1 extra=()
   if [[ $base =~ ^(.*)-2k-cpu$ ]]; then  # the 2,000-update recipe of the GPU runs (eval-2k), trained here on the CPU
-    base=${BASH_REMATCH[1]} extra=(--steps 2000 --eval-every 500)
+    base=${BASH_REMATCH[1]} extra=(--steps 2000 --eval-every 500)  # given after train's own: these win
   fi
   if [[ $base =~ ^(.*)-s([0-9]+)$ ]]; then base=${BASH_REMATCH[1]} extra+=(--seed "${BASH_REMATCH[2]}"); fi
   case $base in

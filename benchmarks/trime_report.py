@@ -104,12 +104,21 @@ def collect(runs: Path, suffix: str = "") -> dict[str, Any]:
     res: dict[str, Any] = {"models": {}, "knnlm": {}, "suffix": suffix}
     for name in MODELS:
         res["models"][name] = _run(runs, f"{name}{suffix}")
-    k = runs / f"eval-vanilla{suffix}-knnlm"
-    for name in ("cache-only", "knnlm", "knnlm-cache"):
-        tuned = _read(k / f"{name}.json")
-        if tuned is not None:
-            res["knnlm"][name] = {"test": tuned["test"], "best": tuned["valid"]["best"]}
+    for row, tuned in _knnlm_results(runs, f"vanilla{suffix}").items():
+        res["knnlm"][row] = {"test": tuned["test"], "best": tuned["valid"]["best"]}
     return res
+
+
+def _knnlm_results(runs: Path, name: str) -> dict[str, dict[str, Any]]:
+    """The ``memlm tune`` results of a vanilla run with the kNN-LM / cache (``trime.sh knnlm-only``), by row."""
+    folder = runs / f"eval-{name}-knnlm"
+    found = {row: _read(folder / f"{row}.json") for row in KNNLM_ROWS}
+    return {row: tuned for row, tuned in found.items() if tuned is not None}
+
+
+def _by_seed(per_seed: dict[Any, Any]) -> dict[int, Any]:
+    """A per-seed dict with int keys (they come back from JSON as strings)."""
+    return {int(seed): v for seed, v in per_seed.items()}
 
 
 def _knnlm_ppl(test: dict[str, Any]) -> float:
@@ -170,10 +179,8 @@ def collect_issue12(runs: Path, previous: dict[str, Any] | None) -> dict[str, An
     # the kNN-LM (and continuous cache) over each vanilla seed's own datastore, App. D's windows (trime.sh knnlm-only)
     knn: dict[str, dict[int, float]] = {}
     for seed, suffix in SEEDS.items():
-        for row in KNNLM_ROWS:
-            tuned = _read(runs / f"eval-vanilla{suffix}-knnlm" / f"{row}.json")
-            if tuned is not None:
-                knn.setdefault(row, {})[seed] = _knnlm_ppl(tuned["test"])
+        for row, tuned in _knnlm_results(runs, f"vanilla{suffix}").items():
+            knn.setdefault(row, {})[seed] = _knnlm_ppl(tuned["test"])
     res["knnlm"] = {row: {"runs": v, "stats": _stats(list(v.values()))} for row, v in knn.items()}
     res["test_documents"] = _document_lengths(runs / "eval-vanilla" / "test.npz")
     for name in ABLATIONS:
@@ -225,7 +232,7 @@ def tables_issue12(res: dict[str, Any]) -> str:
     for name, r in res["seeds"].items():
         if not r["runs"]:
             continue
-        runs = {int(s): e for s, e in r["runs"].items()}  # JSON keys are strings
+        runs = _by_seed(r["runs"])
         for key, label in (
             ("train_valid_ppl", "valid ppl at the end of training"),
             ("test_none", "test ppl, no memory"),
@@ -234,8 +241,7 @@ def tables_issue12(res: dict[str, Any]) -> str:
             cells = [_f(_seed_metrics(runs[s], name).get(key)) if s in runs else "-" for s in SEEDS]
             lines.append(f"| {MODELS[name]} | {label} | " + " | ".join(cells) + f" | {_pm(r['stats'].get(key))} |")
     for row, r in res.get("knnlm", {}).items():
-        runs = {int(s): v for s, v in r["runs"].items()}
-        cells = [_f(runs.get(s)) for s in SEEDS]
+        cells = [_f(_by_seed(r["runs"]).get(s)) for s in SEEDS]
         lines.append(
             f"| {KNNLM_ROWS[row]} | test ppl, App. D windows | " + " | ".join(cells) + f" | {_pm(r['stats'])} |"
         )
@@ -249,7 +255,7 @@ def tables_issue12(res: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for name, a in res["appd"].items():
-            seed0 = {int(k): v for k, v in res["seeds"].get(name, {}).get("runs", {}).items()}.get(0) or {}
+            seed0 = _by_seed(res["seeds"].get(name, {}).get("runs", {})).get(0) or {}
             seg = seed0.get("test") or {}
             kind = OWN_MEMORY[name]
             lines.append(
