@@ -1,5 +1,7 @@
 """Evaluation: perplexity equals HF loss, a rare continuation gets its probability raised, tuning, cache, generation."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -159,15 +161,30 @@ def test_pointer_reuse_in_eval_skips_searches_and_equals_plain_search_when_it_ne
     ds = indexed(tmp_path, tiny_lm, toy_docs[:10])
     probe = toy_docs[:3]  # text that is in the datastore: pointers survive
     kw = dict(k=8, window=32, min_context=8, progress=False)
-    plain = score_tokens(model, tok, probe, ds, **kw)
-    never = score_tokens(model, tok, probe, ds, pointer_min=9, **kw)  # more pointers than k: always search
-    np.testing.assert_array_equal(never.knn_values, plain.knn_values)
-    assert never.searched.all()
+    plain = score_tokens(model, tok, probe, ds, scores="exact", **kw)  # pointer reuse scores every row exactly
+    never = score_tokens(model, tok, probe, ds, pointer_min=9, pointer_rule="replace", **kw)  # 8 < 9: always search
+    np.testing.assert_array_equal(np.sort(never.knn_values, 1), np.sort(plain.knn_values, 1))
+    assert never.searched.all() and never.meta["scores"] == "exact"
     reuse = score_tokens(model, tok, probe, ds, pointer_min=1, **kw)
-    assert 0 < reuse.searched.mean() < 0.9
+    assert 0 < reuse.searched.mean() < 0.9 and reuse.meta["retrieval"]["pointer_rule"] == "retomaton"
     searched = reuse.searched
-    np.testing.assert_array_equal(reuse.knn_values[searched], plain.knn_values[searched])
+    for got, want in zip(reuse.knn_values[searched], plain.knn_values[searched], strict=True):
+        assert set(want) <= set(got)  # the search results (and, with the authors' rule, surviving pointers)
     assert perplexities(reuse, lam=0.25)["searched_fraction"] == pytest.approx(searched.mean())
+
+
+def test_pointer_reuse_with_self_matches_dropped_searches_and_keeps_neighbours(tmp_path, tiny_lm, toy_docs, capsys):
+    """Text that is in the datastore, self-matches dropped: the self entry's chain must not count as a survivor.
+    The earlier code searched ~2% of the tokens and most rows held nothing after the drop (p_kNN = 0); it also drew
+    one empty 'search' progress bar per round. Fails on the earlier code, passes now."""
+    model, tok = tiny_lm
+    ds = indexed(tmp_path, tiny_lm, toy_docs[:10])
+    kw = dict(k=8, window=32, min_context=8, drop_self_matches=True)
+    ts = score_tokens(model, tok, toy_docs[:3], ds, pointer_min=1, progress=True, **kw)
+    err = capsys.readouterr().err
+    assert (ts.knn_values >= 0).any(1).mean() > 0.95  # every row keeps neighbours other than itself
+    assert ts.searched.mean() > 0.2
+    assert "pointer search" in err and re.search(r"(?<!pointer )search:", err) is None  # one bar, not one per round
 
 
 def test_adaptive_gate_in_eval_searches_the_requested_fraction_with_the_gate_lambda(tmp_path, tiny_lm, toy_docs):

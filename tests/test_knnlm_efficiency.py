@@ -306,29 +306,59 @@ def test_threshold_for_fraction(fraction):
 # ----------------------------------------------------------------------------------- RetoMaton pointers
 
 
-def reference_pointer_retrieve(queries, targets, doc_index, search_fn, keys, values, doc_hash, offset, k, min_surv,
-                               metric):  # fmt: skip
-    """One token at a time, as Alon et al. describe it: the previous step's entries that predicted the token just seen
-    point to their successors; enough of them and the step does not search."""
+def reference_retomaton(queries, targets, doc_index, search_fn, keys, values, doc_hash, offset, k, min_knns, metric,
+                        rule="retomaton", provenance=None):  # fmt: skip
+    """Token by token, as neulab/retomaton scores a text (``SequenceScorer.score_with_knnlm`` with
+    ``KNN_Dstore.get_knn_log_prob``; Alon et al. 2022 Sec. 3), written from their loop:
+
+    * ``cur_knns``: the entries the previous step scored with whose value was the token just seen and that have a
+      successor, sorted by score, best first; ``pointers = cur_knns + 1``, at most ``max_knns`` (= k) of them;
+    * ``len(cur_knns) < min_knns``: search, and score with the search results *and* the pointers
+      (``np.concatenate([knns, pointers])``); otherwise score with the pointers alone;
+    * every score recomputed from the stored keys (their default for L2).
+
+    memlm's three changes, on purpose: a successor must be in the same datastore document; an entry both retrieved
+    and pointed to enters once; the evaluated token's own entry (``provenance``) is dropped before anything else.
+    ``rule="replace"``: memlm's earlier rule, the pointers discarded when searching.
+    """
     n = len(targets)
-    out_s, out_i, searched = np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64), np.zeros(n, bool)
+    rows, searched = [], np.zeros(n, bool)
+    cur_knns = []  # (score, id) of the previous step's correct entries
     for t in range(n):
-        ptr = []
-        same_doc = t > 0 and doc_index[t] == doc_index[t - 1]
-        if same_doc:
-            for i in out_i[t - 1].tolist():
-                if (i >= 0 and values[i] == targets[t - 1] and i + 1 < len(values)
-                        and doc_hash[i + 1] == doc_hash[i] and offset[i + 1] == offset[i] + 1):  # fmt: skip
-                    ptr.append(i + 1)
-        if same_doc and len(ptr) >= min_surv:
-            ids = np.array(ptr)
-            s = exact_scores(keys, ids[None], queries[t : t + 1], metric)[0]
-            order = sorted(range(len(ids)), key=lambda j: (-float(s[j]), ids[j]))
-            out_i[t, : len(ids)], out_s[t, : len(ids)] = ids[order], s[order]
+        if t == 0 or doc_index[t] != doc_index[t - 1]:
+            cur_knns = []  # a new evaluated document
+        cur_knns = sorted(cur_knns, key=lambda x: (-x[0], x[1]))
+        pointers = [i + 1 for _, i in cur_knns][:k]
+        if len(cur_knns) < min_knns:
+            searched[t] = True
+            found = [int(i) for i in search_fn(queries[t : t + 1])[1][0] if i >= 0]
+            entries = found + ([p for p in pointers if p not in found] if rule == "retomaton" else [])
         else:
-            s, i = search_fn(queries[t : t + 1])
-            out_s[t], out_i[t], searched[t] = s[0], i[0], True
+            entries = pointers
+        if provenance is not None:
+            own = (provenance["doc_hash"][t], provenance["offset"][t])
+            entries = [i for i in entries if (doc_hash[i], offset[i]) != own]
+        sc = exact_scores(keys, np.array(entries, np.int64)[None], queries[t : t + 1], metric)[0] if entries else []
+        row = sorted(zip(sc.tolist() if len(entries) else [], entries, strict=True), key=lambda x: (-x[0], x[1]))
+        rows.append(row)
+        cur_knns = [(s, i) for s, i in row if values[i] == targets[t] and i + 1 < len(values)
+                    and doc_hash[i + 1] == doc_hash[i] and offset[i + 1] == offset[i] + 1]  # fmt: skip
+    width = max(1, max(len(r) for r in rows))
+    out_s, out_i = np.full((n, width), -np.inf, np.float32), np.full((n, width), -1, np.int64)
+    for t, row in enumerate(rows):
+        out_s[t, : len(row)] = [s for s, _ in row]
+        out_i[t, : len(row)] = [i for _, i in row]
     return out_s, out_i, searched
+
+
+def _same_rows(got, want):
+    """Pointer output == reference, up to the reference's (narrower) padding."""
+    (s, i, searched), (rs, ri, rsearched) = got, want
+    np.testing.assert_array_equal(searched, rsearched)
+    w = ri.shape[1]
+    assert w <= i.shape[1] and (i[:, w:] == -1).all()
+    np.testing.assert_array_equal(i[:, :w], ri)
+    np.testing.assert_allclose(s[:, :w], rs, rtol=1e-6, atol=1e-5)
 
 
 def _phrase_corpus(n_docs, seed, vocab=30, n_phrases=5, phrase_len=8, doc_phrases=(3, 9)):
@@ -377,36 +407,42 @@ def pointer_data():
 
 
 @pytest.mark.parametrize(
-    ("k", "min_surv", "lookahead", "metric"),
-    [(8, 1, 32, "l2"), (8, 2, 3, "l2"), (4, 3, 1, "l2"), (16, 4, 5, "ip"), (8, 1, 2, "ip")],
-)
-def test_pointers_equal_the_token_by_token_reference(pointer_data, k, min_surv, lookahead, metric):  # fmt: skip
+    ("k", "min_surv", "lookahead", "metric", "rule"),
+    [(8, 1, 32, "l2", "retomaton"), (8, 2, 3, "l2", "retomaton"), (4, 3, 1, "l2", "retomaton"),
+     (16, 4, 5, "ip", "retomaton"), (8, 1, 2, "ip", "retomaton"), (8, 3, 4, "l2", "replace"),
+     (4, 6, 3, "l2", "retomaton")],
+)  # fmt: skip
+def test_pointers_equal_the_authors_token_by_token_loop(pointer_data, k, min_surv, lookahead, metric, rule):
     d = pointer_data
     fn = _exact_search_fn(d["keys"], k, metric)
     args = (d["queries"], d["targets"], d["doc_index"], fn, d["keys"], d["values"], d["doc_hash"], d["offset"], k)
-    s, i, searched = pointer_retrieve(*args, min_surv, metric, lookahead=lookahead)
-    rs, ri, rsearched = reference_pointer_retrieve(*args, min_surv, metric)
-    np.testing.assert_array_equal(searched, rsearched)
-    np.testing.assert_array_equal(i, ri)
-    np.testing.assert_array_equal(s, rs)
-    assert searched.mean() < 0.5  # the repeated phrases let chains survive (measured 0.09-0.21 searched)
+    got = pointer_retrieve(*args, min_surv, metric, lookahead=lookahead, rule=rule)
+    want = reference_retomaton(*args, min_surv, metric, rule=rule)
+    _same_rows(got, want)
+    searched = got[2]
     first = np.r_[True, d["doc_index"][1:] != d["doc_index"][:-1]]
     assert searched[first].all()  # a new document always searches
-    # a pointer row holds successors of the previous row's entries that predicted its token
-    for t in np.flatnonzero(~searched)[:20]:
-        prev = set(ri[t - 1][(ri[t - 1] >= 0) & (d["values"][np.maximum(ri[t - 1], 0)] == d["targets"][t - 1])])
-        assert {j - 1 for j in i[t][i[t] >= 0]} <= prev
+    if min_surv <= k:
+        assert searched.mean() < 0.5  # the repeated phrases let chains survive (measured 0.09-0.21 searched)
 
 
-def test_more_survivors_than_k_is_plain_search(pointer_data):
+def test_a_search_keeps_the_surviving_pointers(pointer_data):
+    """The authors' rule: where fewer than N pointers survive, the searched row holds the k search results AND the
+    survivors' successors (memlm's earlier rule dropped the pointers). With N > k at most k pointers are carried."""
     d = pointer_data
-    fn = _exact_search_fn(d["keys"], 6, "l2")
-    s, i, searched = pointer_retrieve(d["queries"], d["targets"], d["doc_index"], fn, d["keys"], d["values"],
-                                      d["doc_hash"], d["offset"], 6, min_survivors=7)  # fmt: skip
-    ps, pi = fn(d["queries"])
-    assert searched.all()
-    np.testing.assert_array_equal(i, pi)
-    np.testing.assert_array_equal(s, ps)
+    k, n_min = 4, 3
+    fn = _exact_search_fn(d["keys"], k, "l2")
+    args = (d["queries"], d["targets"], d["doc_index"], fn, d["keys"], d["values"], d["doc_hash"], d["offset"], k)
+    s, i, searched = pointer_retrieve(*args, n_min, "l2")
+    rs, ri, _ = pointer_retrieve(*args, n_min, "l2", rule="replace")
+    assert i.shape[1] == k + n_min - 1 and ri.shape[1] == k
+    merged = searched & ((i >= 0).sum(1) > k)  # searched rows that also carry pointers
+    assert merged.sum() > 10
+    plain = fn(d["queries"][merged])[1]
+    for row, found in zip(i[merged], plain, strict=True):
+        assert set(found) < set(row[row >= 0])  # all the search results, plus the pointers
+    s, i, searched = pointer_retrieve(*args, k + 2, "l2")
+    assert i.shape[1] == 2 * k and ((i >= 0).sum(1) > k).any() and searched.mean() > 0.5
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -427,23 +463,62 @@ def test_pointers_on_random_edge_cases(seed):
     fn = _exact_search_fn(keys, k, "l2")
     args = (q, targets, doc_index, fn, keys, values, doc_hash, offset, k)
     for min_surv, lookahead in ((1, 4), (3, 1), (6, 7)):
-        s, i, searched = pointer_retrieve(*args, min_surv, "l2", lookahead=lookahead)
-        rs, ri, rsearched = reference_pointer_retrieve(*args, min_surv, "l2")
-        np.testing.assert_array_equal(searched, rsearched)
-        np.testing.assert_array_equal(i, ri)
-        np.testing.assert_array_equal(s, rs)
-        assert searched[[0, 20, 21, 36, 37]].all() and not searched.all()
+        for rule in ("retomaton", "replace"):
+            got = pointer_retrieve(*args, min_surv, "l2", lookahead=lookahead, rule=rule)
+            _same_rows(got, reference_retomaton(*args, min_surv, "l2", rule=rule))
+            assert got[2][[0, 20, 21, 36, 37]].all() and not got[2].all()
+
+
+def test_self_matches_are_dropped_before_survivors_are_counted(pointer_data):
+    """Evaluating text that is in the datastore with self-matches dropped: the self entry's chain would never break
+    (it always predicts the next token), so pointer reuse must not count it. Fails on the earlier code, which
+    searched ~2% of the tokens and left rows that held nothing but the self-match."""
+    d = pointer_data
+    k = 8
+    docs = d["doc_hash"]
+    own = np.flatnonzero(np.isin(docs, np.unique(docs)[:4]))  # the first four datastore documents, evaluated
+    q = d["keys"][own].astype(np.float32)
+    targets, doc_index = d["values"][own].astype(np.int64), docs[own]
+    prov = {"doc_hash": docs[own], "offset": d["offset"][own]}
+    fn = _exact_search_fn(d["keys"], k, "l2")
+    args = (q, targets, doc_index, fn, d["keys"], d["values"], d["doc_hash"], d["offset"], k)
+    got = pointer_retrieve(*args, 2, "l2", provenance=prov)
+    _same_rows(got, reference_retomaton(*args, 2, "l2", provenance=prov))
+    s, i, searched = got
+    is_self = (
+        (i >= 0)
+        & (d["doc_hash"][np.maximum(i, 0)] == prov["doc_hash"][:, None])
+        & (d["offset"][np.maximum(i, 0)] == prov["offset"][:, None])
+    )
+    assert not is_self.any()
+    assert searched.mean() > 0.1 and (i >= 0).sum(1).min() >= 1  # not the self-chain's ~0 searches
+    # without provenance the self entry's chain carries every row after the first: almost no searches
+    assert pointer_retrieve(*args, 2, "l2")[2].mean() < 0.1
 
 
 def test_retrieve_with_pointers_on_a_datastore(tmp_path, pointer_data):
     d = pointer_data
     ds = make_datastore(tmp_path / "ds", d["keys"], d["values"], d["doc_hash"], d["offset"], vocab=30)
     index = ds.build_index("Flat", metric="ip", progress=False)
-    s, i, searched = retrieve_with_pointers(ds, d["queries"], d["targets"], d["doc_index"], k=8, min_survivors=2)
+    got = retrieve_with_pointers(ds, d["queries"], d["targets"], d["doc_index"], k=8, min_survivors=2)
     fn = lambda q: search(index, q, 8)  # noqa: E731
-    rs, ri, rsearched = reference_pointer_retrieve(d["queries"], d["targets"], d["doc_index"], fn, d["keys"],
-                                                   d["values"], d["doc_hash"], d["offset"], 8, 2, "ip")  # fmt: skip
-    np.testing.assert_array_equal(searched, rsearched)
-    np.testing.assert_array_equal(i, ri)
-    np.testing.assert_allclose(s, rs, rtol=1e-5, atol=1e-4)  # FAISS scores one query or a batch the same up to ulps
-    assert 0 < searched.mean() < 0.5
+    want = reference_retomaton(d["queries"], d["targets"], d["doc_index"], fn, d["keys"], d["values"],
+                               d["doc_hash"], d["offset"], 8, 2, "ip")  # fmt: skip
+    _same_rows(got, want)
+    assert 0 < got[2].mean() < 0.5
+
+
+def test_pointer_rows_and_searched_rows_share_one_score_scale(tmp_path, pointer_data):
+    """Under a dimension-reducing index (PCA) the index's scores are distances in the reduced space; the pointers'
+    are full-dimension distances from the stored keys. Every row is scored exactly, so one τ serves both (fails on
+    the earlier code, which kept the index's scores in searched rows)."""
+    d = pointer_data
+    ds = make_datastore(tmp_path / "ds", d["keys"], d["values"], d["doc_hash"], d["offset"], vocab=30)
+    index = ds.build_index("PCA4,Flat", metric="l2", progress=False)
+    s, i, searched = retrieve_with_pointers(ds, d["queries"], d["targets"], d["doc_index"], k=8, min_survivors=2,
+                                            index=index)  # fmt: skip
+    assert searched.any() and (~searched).any()
+    want = exact_scores(d["keys"], i, d["queries"], "l2")
+    np.testing.assert_allclose(s, want, rtol=1e-6, atol=1e-5)
+    index_scores = search(index, d["queries"][searched], 8)[0]
+    assert np.abs(index_scores - s[searched][:, :8]).max() > 1.0  # the index's scale is another one

@@ -151,13 +151,15 @@ class DatastoreMemory:
             raise MemlmError(f"counts has {len(counts)} rows for a datastore of {len(datastore)} entries")
         self.log_counts = None if counts is None else np.log(np.asarray(counts, dtype=np.float32))
 
-    def search_ids(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(scores [Q, k], ids [Q, k])`` of the k nearest entries, larger = closer, best first."""
+    def search_ids(self, queries: np.ndarray, k: int, progress: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores [Q, k], ids [Q, k])`` of the k nearest entries, larger = closer, best first (``progress``:
+        override the memory's progress bar, e.g. off for many small searches)."""
+        progress = self.progress if progress is None else progress
         out_s = np.empty((len(queries), k), dtype=np.float32)
         out_i = np.empty((len(queries), k), dtype=np.int64)
         chunk = self.chunk if self.search_mode == "index" else max(self.chunk, len(queries))  # exact: one key pass
         keys = self.datastore.keys
-        for s in tqdm(range(0, len(queries), chunk), desc="search", unit="chunk", disable=not self.progress,
+        for s in tqdm(range(0, len(queries), chunk), desc="search", unit="chunk", disable=not progress,
                       leave=False):  # fmt: skip
             q = np.ascontiguousarray(queries[s : s + chunk], dtype=np.float32)
             if self.search_mode == "index":

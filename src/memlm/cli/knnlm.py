@@ -55,6 +55,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         adaptive=args.adaptive,
         adaptive_fraction=args.adaptive_fraction,
         pointer_min=args.pointer_min,
+        pointer_rule=args.pointer_rule,
         pipeline=args.pipeline,
         index_path=args.index,
     )
@@ -238,8 +239,15 @@ def add_parsers(sub) -> None:
         type=V.nonneg_int,
         default=0,
         metavar="N",
-        help="pointer reuse (RetoMaton): skip the search where >= N of the previous token's neighbours "
-        "continue with the observed token (0 = off)",
+        help="pointer reuse (RetoMaton, Alon et al. 2022): skip the search where >= N of the previous token's "
+        "neighbours continue with the observed token (0 = off); every row is then scored exactly from the keys",
+    )
+    fast.add_argument(
+        "--pointer-rule",
+        choices=["retomaton", "replace"],
+        default="retomaton",
+        help="with --pointer-min, what a token that searches scores with: 'retomaton' (the paper's code: the k "
+        "search results and the surviving pointers), 'replace' (the search results only) (default retomaton)",
     )
     fast.add_argument(
         "--pipeline",

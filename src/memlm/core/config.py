@@ -8,7 +8,8 @@ Efficiency options of the kNN-LM (all off by default; :mod:`memlm.knnlm`):
 * ``adaptive``: path of a trained gate (He et al. 2021, Sec. 4); ``adaptive_fraction`` the share of tokens searched
   (the gate's threshold is set to reach it on the evaluated text);
 * ``pointer_min``: RetoMaton's pointer reuse (Alon et al. 2022): search only when fewer than this many pointers
-  survive (0 = off);
+  survive (0 = off); ``pointer_rule``: what a search row scores with, "retomaton" (search results + surviving
+  pointers, the authors') or "replace" (search results only);
 * ``pipeline``: the FAISS search of one batch runs while the model computes the next.
 """
 
@@ -44,6 +45,7 @@ class RetrievalConfig:
     adaptive: str | None = None
     adaptive_fraction: float | None = None
     pointer_min: int = 0
+    pointer_rule: str = "retomaton"
     pipeline: bool = False
 
     def __post_init__(self) -> None:
@@ -55,6 +57,8 @@ class RetrievalConfig:
             raise MemlmError(f"adaptive_fraction must be in [0, 1], got {self.adaptive_fraction}")
         if self.pointer_min < 0:
             raise MemlmError(f"pointer_min must be >= 0, got {self.pointer_min}")
+        if self.pointer_rule not in ("retomaton", "replace"):
+            raise MemlmError(f"pointer_rule must be 'retomaton' or 'replace', got {self.pointer_rule!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (recorded in dumps and result files)."""

@@ -275,6 +275,7 @@ def score_tokens(
     pointer_min: int = 0,
     pipeline: bool = False,
     index_path: str | Path | None = None,
+    pointer_rule: str = "retomaton",
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
 
@@ -291,7 +292,10 @@ def score_tokens(
       token its λ; tokens below the gate's threshold (set so that ``adaptive_fraction`` of the tokens are searched,
       or the gate's λ > 0 when no fraction is given) are not searched and get λ = 0;
     * ``pointer_min``: RetoMaton's pointer reuse (Alon et al. 2022): a token whose predecessor's neighbours leave at
-      least this many pointers is not searched (:func:`memlm.knnlm.pointer.pointer_retrieve`);
+      least this many pointers is not searched (:func:`memlm.knnlm.pointer.pointer_retrieve`); where it searches,
+      ``pointer_rule="retomaton"`` (the authors') scores with the search results and the surviving pointers,
+      ``"replace"`` with the search results alone. Every row is then scored exactly from the stored keys (one scale
+      for searched and pointer rows), and self-matches are dropped before survivors are counted;
     * ``pipeline``: each forward batch's queries are searched in a background thread while the model computes the
       next batch (FAISS releases the GIL). Not combinable with the two above, which need every query first.
     """
@@ -299,7 +303,7 @@ def score_tokens(
         k=k, search=search, scores=scores, nprobe=nprobe, drop_self_matches=drop_self_matches, window=window,
         stride=stride, min_context=None if stride is not None else min_context, cache=cache,
         adaptive=None if adaptive is None else str(adaptive), adaptive_fraction=adaptive_fraction,
-        pointer_min=pointer_min, pipeline=pipeline,
+        pointer_min=pointer_min, pointer_rule=pointer_rule, pipeline=pipeline,
     )  # fmt: skip
     if pipeline and (adaptive is not None or pointer_min):
         raise MemlmError("--pipeline searches each batch as it comes; adaptive retrieval and pointer reuse need every "
@@ -330,8 +334,9 @@ def score_tokens(
                 sc, ids = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
             elif pointer_min:
                 sc, ids, ts.searched = pointer_retrieve(
-                    q, ts.targets, ts.doc_index, lambda x: memory.search_ids(x, k), datastore.keys,
+                    q, ts.targets, ts.doc_index, lambda x: memory.search_ids(x, k, progress=False), datastore.keys,
                     datastore.values, datastore.doc_hash, datastore.offset, k, pointer_min, memory.metric,
+                    rule=pointer_rule, provenance=prov, progress=progress,
                 )  # fmt: skip
             elif adaptive is not None:
                 gate = AdaptiveGate.load(adaptive)
@@ -349,6 +354,8 @@ def score_tokens(
             r = memory.retrieved(sc, ids, prov)
             ts.knn_scores, ts.knn_values, ts.knn_log_counts = r.scores, r.values.astype(np.int32), r.log_counts
             ts.meta.update(**memory.describe(), k=k, drop_self_matches=drop_self_matches)
+            if pointer_min:
+                ts.meta["scores"] = "exact"  # pointer reuse scores every row from the stored keys
             ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
     ts.meta["retrieval"] = config.to_dict()
     if cache:

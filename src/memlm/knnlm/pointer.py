@@ -2,27 +2,44 @@
 Automaton-augmented Retrieval", ICML).
 
 A datastore entry ``i`` stores (key = context representation, value ``v_i`` = the token that followed), and entry
-``i + 1`` is what the same corpus said one token later. After a kNN-LM step has retrieved the entries ``S_t`` and the
-true token ``x_t`` (the target of step ``t``) is seen, the entries of ``S_t`` that predicted it correctly point to their
-successors, which are good candidates for step ``t + 1`` without searching again::
+``i + 1`` is what the same corpus said one token later. Let ``S_t`` be the entries step ``t`` scores with. Once the true
+token ``x_t`` is seen, the entries of ``S_t`` that predicted it point to their successors::
 
-    P_{t+1} = { i + 1 : i in S_t, v_i = x_t, entry i + 1 follows entry i in the same datastore document }
+    C_t     = { i in S_t : v_i = x_t, entry i + 1 follows entry i in the same datastore document }
+    P_{t+1} = { i + 1 : i in C_t }      (at most k: the successors of the k best-scored entries of C_t)
 
-("follows": ``doc_hash[i + 1] == doc_hash[i]`` and ``offset[i + 1] == offset[i] + 1``). If ``|P_{t+1}| >=
-min_survivors`` the search for step ``t + 1`` is skipped and ``S_{t+1} = P_{t+1}``, their scores ``s(q_{t+1}, k_i)``
-recomputed exactly from the stored fp16 keys (:func:`memlm.index.exact_scores`, the index's metric); otherwise step
-``t + 1`` searches as usual (``S_{t+1}`` = the top-k). The first token of an evaluated document always searches (no
-chain crosses a document boundary). The kNN distribution over ``S_t`` is then the usual one
-(:mod:`memlm.core.distribution`); the saving is the fraction of searches skipped (Alon et al. report ~80% with little
-or no perplexity loss; this is the pointer part of RetoMaton, without its clustering of entries into automaton states).
+("follows": ``doc_hash[i + 1] == doc_hash[i]`` and ``offset[i + 1] == offset[i] + 1``; Alon et al.'s datastore is one
+stream, where only the last entry has no successor.) Step ``t + 1`` then scores with::
 
-Vectorised: a chain started at ``t0`` from the set ``S_{t0}`` survives ``m`` steps for exactly the entries ``i`` of
-``S_{t0}`` whose stored continuation ``v_i, ..., v_{i+m-1}`` equals ``x_{t0}, ..., x_{t0+m-1}`` within one datastore
-document, and the pointer set of step ``t0 + m`` is ``{i + m}`` over them. So one ``[k, L]`` comparison per chain
-gives its whole run: the first ``m`` where fewer than ``min_survivors`` remain is the next search. All evaluated
-documents advance together in rounds; each round makes one batched search for every document that needs one and
-looks ``lookahead`` steps ahead for every document (a chain longer than that continues in the next round without a
-search). The rows of pointer steps are filled for all tokens at once, and their exact scores computed in one call.
+    S_{t+1} = P_{t+1}                          if |C_t| >= N   (no search)
+    S_{t+1} = P_{t+1} ∪ kNN(q_{t+1}, k)        otherwise       (rule "retomaton")
+    S_{t+1} = kNN(q_{t+1}, k)                  otherwise       (rule "replace": the pointers are dropped)
+
+``N`` is ``min_survivors`` (the authors' ``--min-knns``); the cap of ``k`` pointers is their ``--max-knns``, which
+defaults to ``k``. The "retomaton" rule is the paper's and its code's (``fairseq/knnlm.py`` in neulab/retomaton
+concatenates the search results and the pointers), with one difference: an entry that is both retrieved and pointed to
+enters once here (a set union, as in the paper's equations); the authors' concatenation scores it twice. The
+"replace" rule, memlm's earlier one, discards the pointers whenever it searches. The first token of an evaluated
+document always searches (no chain crosses a document boundary). This is the pointer part of RetoMaton, without its
+clustering of entries into automaton states.
+
+Scores: every row, searched or not, is scored exactly, ``s(q_t, k_i)`` recomputed from the stored fp16 keys
+(:func:`memlm.index.exact_scores`, the index's metric), as the authors' code recomputes L2 distances for the retrieved
+and the pointed-to entries alike. One temperature then serves both (an index's own scores are on another scale: a PQ
+code's approximate distance, or a distance in an OPQ / PCA index's reduced space).
+
+Self-matches (the evaluated text is in the datastore, ``provenance`` given): the entry that *is* the evaluated token
+is dropped from ``S_t`` before ``C_t`` is formed. Otherwise its chain never breaks (entry ``i`` predicts ``x_t`` and
+its successor is the next evaluated token), pointer reuse almost never searches, and the rows hold nothing once the
+self-match is dropped.
+
+Vectorised: a chain started at a base row ``t0`` with the set ``S_{t0}`` survives ``m`` steps for exactly the entries
+``i`` of ``S_{t0}`` whose stored continuation ``v_i, ..., v_{i+m-1}`` equals ``x_{t0}, ..., x_{t0+m-1}`` within one
+datastore document (and that are not self-matches on the way), so one ``[W, L]`` comparison per chain gives its whole
+run: the first ``m`` where fewer than ``N`` survive is the next search, whose row also takes the survivors' successors
+(rule "retomaton"). All evaluated documents advance together in rounds; each round makes one batched search for every
+document that needs one, scores those rows exactly, and looks ``lookahead`` steps ahead for every document (a chain
+longer than that continues in the next round without a search). Pointer rows are scored in one call at the end.
 """
 
 from __future__ import annotations
@@ -30,14 +47,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from memlm import index as index_lib
 from memlm.errors import MemlmError
 
-__all__ = ["pointer_retrieve", "retrieve_with_pointers", "successor_ok"]
+__all__ = ["POINTER_RULES", "pointer_retrieve", "pointer_width", "retrieve_with_pointers", "successor_ok"]
 
 SearchFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
-_GATHER_BUDGET = 1 << 20  # elements of one [docs, k, lookahead] block (a few such int64 arrays live at once)
+POINTER_RULES = ("retomaton", "replace")
+_GATHER_BUDGET = 1 << 20  # elements of one [docs, width, lookahead] block (a few such arrays live at once)
 
 
 def successor_ok(ids: np.ndarray, doc_hash: np.ndarray, offset: np.ndarray) -> np.ndarray:
@@ -51,12 +70,39 @@ def successor_ok(ids: np.ndarray, doc_hash: np.ndarray, offset: np.ndarray) -> n
     return ok & (doc_hash[a] == doc_hash[b]) & (offset[b] == offset[a].astype(np.int64) + 1)
 
 
+def pointer_width(k: int, min_survivors: int, rule: str = "retomaton") -> int:
+    """Columns of a pointer-reuse row: ``k`` for "replace"; ``k`` retrieved + at most ``min(N - 1, k)`` carried
+    pointers for "retomaton"."""
+    if rule not in POINTER_RULES:
+        raise MemlmError(f"pointer rule must be one of {', '.join(POINTER_RULES)}, got {rule!r}")
+    return k if rule == "replace" else k + min(min_survivors - 1, k)
+
+
 def _segments(doc_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Start and end (exclusive) of each maximal run of equal ``doc_index``: the evaluated documents."""
     n = len(doc_index)
     starts = np.flatnonzero(np.r_[True, doc_index[1:] != doc_index[:-1]]) if n else np.zeros(0, np.int64)
     ends = np.r_[starts[1:], n].astype(np.int64)
     return starts.astype(np.int64), ends
+
+
+def _is_self(ids: np.ndarray, rows: np.ndarray, doc_hash, offset, provenance) -> np.ndarray:
+    """Whether entry ``ids[..., j]`` is the evaluated token of row ``rows[...]`` (broadcast; ``False`` for -1)."""
+    if provenance is None:
+        return np.zeros(ids.shape, dtype=bool)
+    valid = (ids >= 0) & (ids < len(doc_hash))
+    safe = np.where(valid, ids, 0)
+    return (
+        valid
+        & (np.asarray(doc_hash)[safe] == np.asarray(provenance["doc_hash"])[rows])
+        & (np.asarray(offset)[safe] == np.asarray(provenance["offset"])[rows])
+    )
+
+
+def _sort_rows(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row by score descending, ties by id; ``-1`` / ``-inf`` padding last."""
+    order = np.lexsort((ids, -scores.astype(np.float64)), axis=1)
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
 
 
 def pointer_retrieve(
@@ -72,21 +118,26 @@ def pointer_retrieve(
     min_survivors: int = 1,
     metric: str = "l2",
     lookahead: int = 32,
+    rule: str = "retomaton",
+    provenance: dict[str, np.ndarray] | None = None,
+    progress: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """kNN retrieval for ``N`` evaluated tokens with RetoMaton's pointers (see the module docstring).
+    """kNN retrieval for ``T`` evaluated tokens with RetoMaton's pointers (see the module docstring).
 
-    ``queries`` ``[N, D]`` and ``targets`` ``[N]`` (the token predicted at each step) in text order, ``doc_index``
-    ``[N]`` the evaluated document of each (a new run of equal values starts a document). ``search_fn(q [B, D]) ->
-    (scores [B, k], ids [B, k])`` is the normal search (e.g. ``lambda q: memlm.index.search(index, q, k)``: larger
-    score = closer, ``-1`` ids for missing slots). ``keys``, ``values``, ``doc_hash``, ``offset``: the datastore's
-    arrays (:class:`memlm.datastore.Datastore`). ``metric`` is the index's (for the pointers' exact scores);
-    ``lookahead`` how many steps one round follows a chain (speed only: the result does not depend on it).
+    ``queries`` ``[T, D]`` and ``targets`` ``[T]`` (the token predicted at each step) in text order, ``doc_index``
+    ``[T]`` the evaluated document of each (a new run of equal values starts a document). ``search_fn(q [B, D]) ->
+    (scores [B, k], ids [B, k])`` is the normal search (e.g. ``lambda q: memlm.index.search(index, q, k)``; ``-1``
+    ids for missing slots; its scores are not used). ``keys``, ``values``, ``doc_hash``, ``offset``: the datastore's
+    arrays (:class:`memlm.datastore.Datastore`). ``min_survivors`` is ``N``, ``metric`` the index's (for the exact
+    scores), ``rule`` "retomaton" (the authors') or "replace", ``provenance`` (each token's ``doc_hash`` and
+    ``offset``, from :func:`memlm.knnlm.evaluate.lm_scores`) drops self-matches before survivors are counted.
+    ``lookahead`` is how many steps one round follows a chain (speed only: the result does not depend on it).
 
-    Returns ``(scores [N, k] float32, ids [N, k] int64, searched [N] bool)``. A searched row is ``search_fn``'s result
-    as given; a pointer row holds the surviving pointers (at most ``k``) sorted by exact score, descending (ties by
-    id), then ``-inf`` / ``-1`` padding. ``min_survivors > k`` gives plain search at every token. Self-matches (the
-    evaluated text being in the datastore) are not dropped here.
+    Returns ``(scores [T, W] float32, ids [T, W] int64, searched [T] bool)`` with ``W =``
+    :func:`pointer_width`: each row's set ``S_t`` sorted by exact score, descending (ties by id), then ``-inf`` /
+    ``-1`` padding.
     """
+    width = pointer_width(k, min_survivors, rule)
     q = np.asarray(queries)
     targets = np.asarray(targets, dtype=np.int64).reshape(-1)
     doc_index = np.asarray(doc_index).reshape(-1)
@@ -101,42 +152,55 @@ def pointer_retrieve(
     nds = len(values)
     if not (len(doc_hash) == len(offset) == nds == len(keys)):
         raise MemlmError("keys, values, doc_hash and offset must describe the same datastore entries")
-    out_s = np.full((n, k), -np.inf, dtype=np.float32)
-    out_i = np.full((n, k), -1, dtype=np.int64)
+    if provenance is not None and not (len(provenance["doc_hash"]) == len(provenance["offset"]) == n):
+        raise MemlmError(f"provenance must give the doc_hash and offset of each of the {n} evaluated tokens")
+    out_s = np.full((n, width), -np.inf, dtype=np.float32)
+    out_i = np.full((n, width), -1, dtype=np.int64)
     searched = np.zeros(n, dtype=bool)
     if n == 0:
         return out_s, out_i, searched
 
     starts, ends = _segments(doc_index)
     pos = starts.copy()  # per document: the row whose set is the chain's base
-    end = ends.copy()
+    carry = np.full((len(starts), k), -1, dtype=np.int64)  # pointers that a searched base row merges ("retomaton")
     need_search = np.ones(len(starts), dtype=bool)  # else the base row is already filled (carried pointers)
     active = np.arange(len(starts))
-    while len(active):
-        # 1. one batched search for the documents whose base row needs one
-        todo = active[need_search[active]]
-        if len(todo):
-            rows = pos[todo]
-            s, i = search_fn(np.ascontiguousarray(q[rows], dtype=np.float32))
-            s, i = np.asarray(s), np.asarray(i)
-            if s.shape != (len(rows), k) or i.shape != (len(rows), k):
-                raise MemlmError(f"search_fn must return scores and ids of shape [{len(rows)}, {k}], got {s.shape}")
-            out_s[rows], out_i[rows] = s, i
-            searched[rows] = True
-        # 2. follow every document's chain up to `lookahead` steps from its base row
-        nxt_pos, nxt_search, keep = _advance(
-            active, pos, end, out_i, targets, values, doc_hash, offset, min_survivors, lookahead
-        )
-        pos[active], need_search[active] = nxt_pos, nxt_search
-        active = active[keep]
+    arrays = (targets, values, doc_hash, offset, provenance)
+    with tqdm(total=n, desc="pointer search", unit="tok", disable=not progress, leave=False) as bar:
+        while len(active):
+            # 1. one batched search for the documents whose base row needs one; the row is S_t, scored exactly
+            todo = active[need_search[active]]
+            if len(todo):
+                rows = pos[todo]
+                qs = np.ascontiguousarray(q[rows], dtype=np.float32)
+                s, i = search_fn(qs)
+                i = np.asarray(i, dtype=np.int64)
+                if np.shape(s) != (len(rows), k) or i.shape != (len(rows), k):
+                    raise MemlmError(f"search_fn must return scores and ids of shape [{len(rows)}, {k}], got "
+                                     f"{np.shape(s)}")  # fmt: skip
+                if rule == "retomaton":
+                    ptr = carry[todo]
+                    ptr = np.where((ptr[:, :, None] == i[:, None, :]).any(2), -1, ptr)  # in both: once
+                    i = np.concatenate([i, ptr], axis=1)
+                    carry[todo] = -1
+                i = np.where(_is_self(i, rows[:, None], doc_hash, offset, provenance), -1, i)
+                ids, sc = _sort_rows(i, index_lib.exact_scores(keys, i, qs, metric))
+                out_i[rows], out_s[rows] = ids[:, :width], sc[:, :width]
+                searched[rows] = True
+            # 2. follow every document's chain up to `lookahead` steps from its base row
+            before = pos[active].copy()
+            nxt_pos, nxt_search, keep, carried = _advance(active, pos, ends, out_i, arrays, k, min_survivors, lookahead)
+            pos[active], need_search[active] = nxt_pos, nxt_search
+            if rule == "retomaton":
+                carry[active] = carried
+            bar.update(int((np.minimum(nxt_pos, ends[active]) - before).sum()))
+            active = active[keep]
 
-    ptr = np.flatnonzero(~searched)
-    if len(ptr):
-        ids = out_i[ptr]
-        sc = index_lib.exact_scores(keys, ids, q[ptr], metric)
-        order = np.lexsort((ids, -sc.astype(np.float64)), axis=1)  # score descending, then id; padding (-inf) last
-        out_i[ptr] = np.take_along_axis(ids, order, 1)
-        out_s[ptr] = np.take_along_axis(sc, order, 1)
+        ptr = np.flatnonzero(~searched)
+        if len(ptr):
+            ids = out_i[ptr]
+            out_i[ptr], out_s[ptr] = _sort_rows(ids, index_lib.exact_scores(keys, ids, q[ptr], metric))
+        bar.update(n - bar.n)
     return out_s, out_i, searched
 
 
@@ -151,16 +215,18 @@ def retrieve_with_pointers(
     index_path=None,
     nprobe: int = 32,
     lookahead: int = 32,
+    rule: str = "retomaton",
+    provenance: dict[str, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`pointer_retrieve` over a :class:`memlm.datastore.Datastore`, searching its index (default
-    ``index.faiss``, or ``index`` / ``index_path``) with the index's metric for the pointers' exact scores."""
+    ``index.faiss``, or ``index`` / ``index_path``) with the index's metric for the exact scores."""
     from memlm.sharded_index import index_metric_of, open_index, search_index
 
     if index is None:
         index = open_index(datastore, index_path, nprobe=nprobe)
     return pointer_retrieve(
         queries, targets, doc_index, lambda q: search_index(index, q, k), datastore.keys, datastore.values,
-        datastore.doc_hash, datastore.offset, k, min_survivors, index_metric_of(index), lookahead,
+        datastore.doc_hash, datastore.offset, k, min_survivors, index_metric_of(index), lookahead, rule, provenance,
     )  # fmt: skip
 
 
@@ -169,20 +235,21 @@ def _advance(
     pos: np.ndarray,
     end: np.ndarray,
     out_i: np.ndarray,
-    targets: np.ndarray,
-    values: np.ndarray,
-    doc_hash: np.ndarray,
-    offset: np.ndarray,
+    arrays: tuple,
+    k: int,
     min_survivors: int,
     lookahead: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Fill the pointer rows that follow each document's base row; return each document's next base row, whether it
-    needs a search, and whether the document is still active. Blocks of documents bound the ``[D, k, L]`` arrays."""
-    k = out_i.shape[1]
+    needs a search, whether the document is still active, and the pointers its next searched row merges ``[d, k]``.
+    Blocks of documents bound the ``[d, W, L]`` arrays."""
+    targets, values, doc_hash, offset, provenance = arrays
+    w = out_i.shape[1]
     nxt_pos = np.empty(len(docs), dtype=np.int64)
     nxt_search = np.empty(len(docs), dtype=bool)
     keep = np.empty(len(docs), dtype=bool)
-    block = max(1, _GATHER_BUDGET // (k * lookahead))
+    carried = np.full((len(docs), k), -1, dtype=np.int64)
+    block = max(1, _GATHER_BUDGET // (w * lookahead))
     for b0 in range(0, len(docs), block):
         sl = slice(b0, b0 + block)
         p, e = pos[docs[sl]], end[docs[sl]]
@@ -191,25 +258,41 @@ def _advance(
         if L <= 0:
             nxt_pos[sl], nxt_search[sl], keep[sl] = p, False, False
             continue
-        base = out_i[p]  # [d, k]
+        base = out_i[p]  # [d, w]: S at the base row, best first where it was searched
         steps = np.arange(L, dtype=np.int64)
-        cur = np.where(base[:, :, None] >= 0, base[:, :, None] + steps, -1)  # entry i + j, j < L
-        tgt = targets[np.minimum(p[:, None] + steps, len(targets) - 1)]  # x_{p + j}
+        cur = np.where(base[:, :, None] >= 0, base[:, :, None] + steps, -1)  # entry i + m, m < L
+        row = np.minimum(p[:, None] + steps, len(targets) - 1)  # row p + m
         safe = np.clip(cur, 0, len(values) - 1)
-        ok = (cur >= 0) & (values[safe] == tgt[:, None, :]) & successor_ok(cur, doc_hash, offset)
-        alive = np.logical_and.accumulate(ok, axis=2)  # alive[..., m-1]: survives to row p + m
+        own = _is_self(cur, row[:, None, :], doc_hash, offset, provenance)  # i + m is row p + m's own token
+        ok = (cur >= 0) & ~own & (values[safe] == targets[row][:, None, :]) & successor_ok(cur, doc_hash, offset)
+        count0 = ok[:, :, 0].sum(1)  # |C| at the base row, before the cap of k pointers
+        ok[:, :, 0] &= np.cumsum(ok[:, :, 0], axis=1) <= k  # the k best-scored survivors point on
+        alive = np.logical_and.accumulate(ok, axis=2)  # alive[:, j, m]: entry j's chain is in C at row p + m
         count = alive.sum(1)  # [d, L]
+        count[:, 0] = count0
         in_doc = (steps + 1)[None, :] <= left[:, None]
-        cont = (count >= min_survivors) & in_doc
-        stop = np.where(cont.all(1), L + 1, np.argmin(cont, axis=1) + 1)  # first m that does not continue
-        # pointer rows p + m for m < stop: the survivors' successors i + m
+        cont = (count >= min_survivors) & in_doc  # row p + m + 1 does not search
+        stop = np.where(cont.all(1), L + 1, np.argmin(cont, axis=1) + 1)  # first m that searches (or leaves)
+        # pointer rows p + m for 1 <= m < stop: successors i + m of the chains alive at row p + m - 1 (not self)
         sel_d, sel_m = np.nonzero((steps + 1)[None, :] < stop[:, None])
         if len(sel_d):
-            ids = np.where(alive[sel_d, :, sel_m], base[sel_d] + (sel_m + 1)[:, None], -1)
-            out_i[p[sel_d] + sel_m + 1] = ids
+            m = sel_m + 1
+            nxt_ids = base[sel_d] + m[:, None]
+            own_m = _is_self(np.where(base[sel_d] >= 0, nxt_ids, -1), (p[sel_d] + m)[:, None], doc_hash, offset,
+                             provenance)  # fmt: skip
+            out_i[p[sel_d] + m] = np.where(alive[sel_d, :, sel_m] & ~own_m, nxt_ids, -1)
         full = stop == L + 1  # every step continued: the last pointer row is the next base, no search
         nxt = np.where(full, p + L, p + stop)
+        # the searched row p + stop merges the successors of the chains alive at row p + stop - 1 (at most k)
+        part = ~full & (stop <= L)
+        if part.any():
+            d_idx = np.flatnonzero(part)
+            a = alive[d_idx, :, stop[d_idx] - 1]
+            ids = np.where(a, base[d_idx] + stop[d_idx][:, None], -1)
+            first = np.argsort(~a, axis=1, kind="stable")[:, :k]  # keep order (best first at the base row)
+            got = np.take_along_axis(ids, first, 1)
+            carried[b0 + d_idx, : got.shape[1]] = got
         nxt_pos[sl] = nxt
         nxt_search[sl] = ~full
         keep[sl] = np.where(full, nxt < e - 1, nxt < e)
-    return nxt_pos, nxt_search, keep
+    return nxt_pos, nxt_search, keep, carried
