@@ -76,6 +76,11 @@ def world(tmp_path_factory, tiny_lm):
     (root / "junkds" / "manifest.json").write_bytes(rng.bytes(200))
     (root / "listds").mkdir()
     (root / "listds" / "manifest.json").write_text("[]")
+    import shutil
+
+    shutil.copytree(root / "ds", root / "ds2")  # another finished datastore
+    (root / "shardedds").mkdir()
+    (root / "shardedds" / "shards.json").write_text("{}")  # what marks a sharded datastore folder
     return root
 
 
@@ -134,6 +139,9 @@ CASES: list[tuple[str, list[str]]] = [
     ("prune-k-merge-0", ["datastore", "prune", DS, "--out", "{root}/o", "--k-merge", "0"]),
     ("prune-no-out", ["datastore", "prune", DS]),
     ("prune-junk-manifest", ["datastore", "prune", "{root}/junkds", "--out", "{root}/o"]),
+    ("prune-out-other-datastore", ["datastore", "prune", DS, "--out", "{root}/ds2"]),  # replaced it, exit 0
+    ("prune-sharded", ["datastore", "prune", "{root}/shardedds", "--out", "{root}/o"]),  # "not a memlm datastore"
+    ("prune-seed-neg", ["datastore", "prune", DS, "--out", "{root}/o", "--seed", "-1"]),
     # gate train
     ("gate-dump-missing", ["gate", "train", "--dump", NO, "--out", "{root}/o.npz"]),
     ("gate-dump-trime", ["gate", "train", "--dump", TD, "--out", "{root}/o.npz"]),
@@ -483,3 +491,15 @@ def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
     )
     with pytest.raises(MemlmError):
         TokenScores.load(tmp_path / "y.npz")
+
+
+def test_prune_refusals_name_the_problem(world, capsys):
+    """`datastore prune` on a sharded datastore said "not a memlm datastore"; into another finished datastore it
+    replaced it and exited 0. Both now say what is wrong and what to do (fails on the earlier code)."""
+    code, err = run_cli([a.format(root=world) for a in ["datastore", "prune", "{root}/shardedds", "--out", "{root}/o"]],
+                        capsys)  # fmt: skip
+    assert_one_error(code, err)
+    assert "sharded datastore" in err and "--shards" in err
+    code, err = run_cli([a.format(root=world) for a in ["datastore", "prune", DS, "--out", "{root}/ds2"]], capsys)
+    assert_one_error(code, err)
+    assert "already holds a datastore" in err and "--overwrite" in err

@@ -63,42 +63,64 @@ def make_datastore(path, keys, values, doc_hash=None, offset=None, vocab=1000) -
 # --------------------------------------------------------------------------------------- greedy merging
 
 
-def naive_greedy_merge(values, neighbour_ids, counts=None, order=None):
-    """The rule as written: visit entries in order; a merged one is skipped; otherwise it is kept and absorbs every
-    same-valued neighbour that is neither kept nor merged yet."""
-    n = len(values)
-    counts = [1] * n if counts is None else [int(c) for c in counts]
-    state = ["new"] * n
-    for i in range(n) if order is None else order:
-        if state[i] == "merged":
+def reference_greedy_merge(values, neighbour_ids, order):
+    """He et al. 2021 Sec. 5.2 as their ``greedy_merge.py`` runs it, transcribed from its loop: every weight starts at
+    1; the entries are visited in ``order`` (theirs: ``random.shuffle``); an entry whose weight is 0 (merged away) is
+    skipped; otherwise each listed neighbour ``v`` that is not the entry itself, still has weight 1 (neither merged
+    nor absorbed anything) and has the same value is merged: ``weights[v] = 0``, ``weights[i] += 1``. The kept
+    entries are those with weight > 0, carrying their weights. (-1 slots, absent from their retrieval files, are
+    passed over.)"""
+    weights = [1] * len(values)
+    for i in order:
+        if weights[i] <= 0:
             continue
-        state[i] = "kept"
-        for j in neighbour_ids[i]:
-            if j >= 0 and j != i and values[j] == values[i] and state[j] == "new":
-                state[j] = "merged"
-                counts[i] += counts[j]
-    keep = [i for i in range(n) if state[i] == "kept"]
-    return np.array(keep), np.array([counts[i] for i in keep])
+        for v in neighbour_ids[i]:
+            if v >= 0 and v != i and weights[v] == 1 and values[v] == values[i]:
+                weights[v] = 0
+                weights[i] += 1
+    keep = [i for i, w in enumerate(weights) if w > 0]
+    return np.array(keep), np.array([weights[i] for i in keep])
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_greedy_merge_equals_naive_loop(seed):
+def test_greedy_merge_equals_the_authors_loop(seed):
     rng = np.random.default_rng(seed)
     n, k = 300, 6
     values = rng.integers(0, 4, size=n)  # few values: many merges, chains of merges
     nb = rng.integers(-1, n, size=(n, k))  # arbitrary neighbour lists, -1 slots, self and repeats included
     nb[::7, 0] = np.arange(0, n, 7)
-    counts = rng.integers(1, 4, size=n) if seed % 2 else None
-    order = rng.permutation(n) if seed >= 3 else None
-    keep, c = greedy_merge(values, nb, counts, order)
-    ref_keep, ref_c = naive_greedy_merge(values, nb, counts, order)
+    order = rng.permutation(n) if seed >= 2 else np.arange(n)
+    keep, c = greedy_merge(values, nb, order=None if seed < 2 else order)
+    ref_keep, ref_c = reference_greedy_merge(values, nb, order)
     np.testing.assert_array_equal(keep, ref_keep)
     np.testing.assert_array_equal(c, ref_c)
-    assert c.sum() == (n if counts is None else counts.sum()) and len(keep) < n
+    assert c.sum() == n and len(keep) < n
     with pytest.raises(MemlmError, match="out of range"):
         greedy_merge(values, np.full((n, 1), n))
     with pytest.raises(MemlmError, match="permutation"):
         greedy_merge(values, nb, order=np.zeros(n, int))
+
+
+def test_a_kept_entry_that_absorbed_nothing_is_merged_later():
+    """Their rule, where memlm's earlier one differed: entry 0 is visited first, finds no same-valued neighbour and
+    stays with weight 1; entry 1, visited next, lists 0 and 2 and absorbs both (the earlier rule never merged an entry
+    visited before)."""
+    values = np.array([5, 5, 5, 7])
+    nb = np.array([[3, -1], [0, 2], [1, 3], [2, 0]])
+    keep, c = greedy_merge(values, nb)
+    assert keep.tolist() == [1, 3] and c.tolist() == [3, 1]
+    # an entry that absorbed something is never merged into another: 1 has weight 2 when 2 is visited
+    nb = np.array([[3, -1], [0, -1], [1, 0], [2, 0]])
+    keep, c = greedy_merge(values, nb)
+    assert keep.tolist() == [1, 2, 3] and c.tolist() == [2, 1, 1]
+
+
+def test_pruning_a_pruned_datastore_adds_its_counts():
+    """Counts from an earlier pruning: an entry that absorbed nothing in this pass is merged with its whole count."""
+    values = np.array([1, 1, 1, 2])
+    nb = np.array([[1, 2], [0, 2], [0, 1], [0, 1]])
+    keep, c = greedy_merge(values, nb, counts=np.array([3, 2, 4, 1]))
+    assert keep.tolist() == [0, 3] and c.tolist() == [9, 1]
 
 
 def _duplicated_datastore(tmp_path, groups=40, dup=3, d=8, seed=0):
@@ -148,8 +170,9 @@ def test_prune_with_its_index_and_counts_are_checked(tmp_path):
     values = np.tile(rng.integers(0, 50, size=200), 2)
     full = make_datastore(tmp_path / "full", keys, values)
     full.build_index("Flat", progress=False)
-    pruned = prune_datastore(full, tmp_path / "p", k_merge=3, progress=False)
-    ref_keep, ref_c = greedy_merge(values, _self_free_neighbours(keys, 3))
+    pruned = prune_datastore(full, tmp_path / "p", k_merge=3, seed=5, progress=False)
+    nb = exact_search(keys, keys.astype(np.float32), 4, "l2")[1]  # k_merge + 1 nearest, usually the entry first
+    ref_keep, ref_c = reference_greedy_merge(values, nb, np.random.default_rng(5).permutation(len(keys)))
     np.testing.assert_array_equal(pruned.values, values[ref_keep])
     np.testing.assert_array_equal(load_counts(pruned, verify=True), ref_c)
     assert len(pruned) <= 200 and load_counts(pruned).sum() == 400
@@ -163,12 +186,53 @@ def test_prune_with_its_index_and_counts_are_checked(tmp_path):
         load_counts(pruned)
     with pytest.raises(MemlmError, match="into itself"):
         prune_datastore(full, full.path, progress=False)
+    assert pruned.manifest["pruned"]["seed"] == 5 and pruned.manifest["pruned"]["order"] == "random (seed 5)"
+    # a finished datastore in the output folder is replaced only when asked (fails on the earlier code)
+    other = make_datastore(tmp_path / "other", keys[:10], values[:10])
+    with pytest.raises(MemlmError, match="already holds a datastore"):
+        prune_datastore(full, other.path, k_merge=3, progress=False)
+    assert len(Datastore.open(other.path)) == 10
+    replaced = prune_datastore(full, other.path, k_merge=3, progress=False, overwrite=True)
+    assert replaced.manifest["pruned"]["of_count"] == len(full) and load_counts(replaced).sum() == len(full)
 
 
-def _self_free_neighbours(keys, k):
-    _, ids = exact_search(keys, keys.astype(np.float32), k + 1, "l2")
-    rows = np.arange(len(keys))
-    return np.array([[j for j in r if j != i][:k] for i, r in zip(rows, ids.tolist(), strict=True)])
+def test_self_matches_on_a_pruned_datastore_take_only_the_tokens_own_share(tmp_path):
+    """--drop-self-matches on a pruned datastore: the evaluated token's entry may have been merged into a neighbour
+    (its mass stays in that count) or kept with others merged into it (dropping the entry drops theirs too). Each
+    loses exactly one from its count: over exact duplicates the pruned datastore then gives the unpruned datastore's
+    self-dropped distribution. Fails on the earlier code."""
+    from memlm.retrieval import DatastoreMemory
+
+    dup, groups, d = 3, 30, 8
+    rng = np.random.default_rng(3)
+    base = rng.normal(size=(groups, d)).astype(np.float16)
+    vals = rng.integers(0, 5, size=groups)
+    perm = rng.permutation(groups * dup)
+    keys, values = np.repeat(base, dup, 0)[perm], np.repeat(vals, dup)[perm]
+    doc_hash, offset = np.repeat(np.arange(10), 9), np.tile(np.arange(9), 10)
+    full = make_datastore(tmp_path / "full", keys, values, doc_hash, offset)
+    pruned = prune_datastore(full, tmp_path / "pruned", k_merge=dup - 1, search="exact", progress=False)
+    assert len(pruned) == groups
+    rows = np.arange(len(full))  # every original entry evaluated as its own token
+    q = keys.astype(np.float32)
+    prov = {"doc_hash": doc_hash[rows], "offset": offset[rows]}
+    kept = np.isin(rows, [r for r in rows if ((pruned.doc_hash == doc_hash[r]) & (pruned.offset == offset[r])).any()])
+    assert kept.any() and (~kept).any()  # both cases occur
+    for kp in (1, 3):
+        r_full = DatastoreMemory(full, search="exact").search(q, dup * kp, prov)
+        r_pr = DatastoreMemory(pruned, search="exact").search(q, kp, prov)
+        for t in (0.5, 3.0):
+            p_full = knn_distribution(*_t(r_full.scores, r_full.values), 5, t)
+            p_pr = knn_distribution(*_t(r_pr.scores, r_pr.values), 5, t, log_counts=torch.from_numpy(r_pr.log_counts))
+            np.testing.assert_allclose(p_pr.exp().numpy(), p_full.exp().numpy(), rtol=1e-5, atol=1e-7)
+    # a datastore pruned before memlm recorded the merged entries: refused, not silently wrong
+    (tmp_path / "pruned" / "absorbed.npy").unlink()
+    with pytest.raises(MemlmError, match="absorbed.npy"):
+        DatastoreMemory(pruned, search="exact").search(q, 2, prov)
+
+
+def _t(scores, values):
+    return torch.from_numpy(scores.astype(np.float64)), torch.from_numpy(values.astype(np.int64))
 
 
 # ------------------------------------------------------------------------- dimension reduction, OPQ (Sec. 6)

@@ -24,22 +24,24 @@ from memlm.fileio import sample_sha256, sha256_file
 from memlm.folder import advise_random
 from memlm.sharded_index import index_metric_of, open_index, search_index
 
-__all__ = ["DatastoreMemory", "datastore_metric", "entry_values", "load_counts"]
+__all__ = ["DatastoreMemory", "datastore_metric", "entry_values", "load_absorbed", "load_counts"]
 
 SEARCH_MODES = ("index", "exact")
 COUNTS_FILE = "counts.npy"
 COUNTS_SIDECAR = "counts.json"
 COUNTS_FORMAT = "memlm-datastore-counts"
+ABSORBED_FILE = "absorbed.npy"  # merged-away entries: (doc_hash, offset) -> the pruned row that absorbed them
+ABSORBED_DTYPE = np.dtype([("doc_hash", "<i8"), ("offset", "<i8"), ("row", "<i8")])
+_FILE_CHECK = {"bytes": schema.Int(min=0), "sample_sha256": schema.Str(), "sha256": schema.Str()}
 _SIDECAR_SCHEMA = schema.Obj(
     required={
         "format": schema.Str(),
         "count": schema.Int(min=0),
         "total": schema.Int(min=0),
         "build_id": schema.Str(),
-        "file": schema.Obj(
-            required={"bytes": schema.Int(min=0), "sample_sha256": schema.Str(), "sha256": schema.Str()}
-        ),
-    }
+        "file": schema.Obj(required=_FILE_CHECK),
+    },
+    optional={"absorbed": schema.Obj(required={"count": schema.Int(min=0), **_FILE_CHECK})},
 )
 _REPRUNE = "prune the source datastore again (memlm.knnlm.prune.prune_datastore)"
 
@@ -82,6 +84,42 @@ def load_counts(datastore: Datastore, verify: bool = False) -> np.ndarray | None
     if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != side["total"]):
         raise MemlmError(f"{f} holds counts < 1 or a total other than recorded ({side['total']}); {_REPRUNE}")
     return counts
+
+
+def load_absorbed(datastore: Datastore) -> np.ndarray | None:
+    """Where a pruned datastore's merged-away entries went: a structured array ``(doc_hash, offset, row)`` sorted by
+    ``(doc_hash, offset)`` (``row``: the entry of this datastore that absorbed it), checked against the counts
+    sidecar; ``None`` for an unpruned datastore or one pruned before memlm recorded it."""
+    if datastore.manifest.get("pruned") is None:
+        return None
+    side_path = datastore.path / COUNTS_SIDECAR
+    side = schema.read_json(side_path, _SIDECAR_SCHEMA, "pruned datastore counts sidecar", _REPRUNE)
+    if "absorbed" not in side:
+        return None
+    rec, f = side["absorbed"], datastore.path / ABSORBED_FILE
+    if not f.exists() or f.stat().st_size != rec["bytes"] or sample_sha256(f) != rec["sample_sha256"]:
+        raise MemlmError(f"{f} is missing or does not match {side_path.name}; {_REPRUNE}")
+    try:
+        arr = np.load(f, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise MemlmError(f"{f} is not a merged-entries table ({e}); {_REPRUNE}") from None
+    if arr.dtype != ABSORBED_DTYPE or arr.shape != (rec["count"],):
+        raise MemlmError(f"{f} holds {arr.dtype} {arr.shape}, not the merged-entries table recorded; {_REPRUNE}")
+    if len(arr) and (int(arr["row"].min()) < 0 or int(arr["row"].max()) >= len(datastore)):
+        raise MemlmError(f"{f} points outside the datastore's {len(datastore)} entries; {_REPRUNE}")
+    return arr
+
+
+def _holders(absorbed: np.ndarray, provenance: dict[str, np.ndarray]) -> np.ndarray:
+    """For each query token (``provenance``: its ``doc_hash`` and ``offset``) the row that absorbed its own entry when
+    the datastore was pruned, or ``-1`` (not merged away, or not in the datastore)."""
+    q = np.zeros(len(provenance["doc_hash"]), dtype=ABSORBED_DTYPE)
+    q["doc_hash"], q["offset"] = provenance["doc_hash"], provenance["offset"]
+    pos = np.minimum(np.searchsorted(absorbed, q), max(len(absorbed) - 1, 0))
+    if not len(absorbed):
+        return np.full(len(q), -1, dtype=np.int64)
+    hit = (absorbed["doc_hash"][pos] == q["doc_hash"]) & (absorbed["offset"][pos] == q["offset"])
+    return np.where(hit, absorbed["row"][pos], -1)
 
 
 def datastore_metric(datastore: Datastore, index=None, index_path: str | Path | None = None) -> str:
@@ -147,8 +185,11 @@ class DatastoreMemory:
         self.metric = metric or datastore_metric(datastore, index, self.index_path)
         if isinstance(counts, str):  # "auto": a pruned datastore's own counts, None for an unpruned one
             counts = load_counts(datastore)
+        self.pruned = counts is not None and datastore.manifest.get("pruned") is not None
+        self.absorbed = load_absorbed(datastore) if self.pruned else None
         if counts is not None and len(counts) != len(datastore):
             raise MemlmError(f"counts has {len(counts)} rows for a datastore of {len(datastore)} entries")
+        self.counts = counts
         self.log_counts = None if counts is None else np.log(np.asarray(counts, dtype=np.float32))
 
     def search_ids(self, queries: np.ndarray, k: int, progress: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -176,12 +217,32 @@ class DatastoreMemory:
     def retrieved(
         self, scores: np.ndarray, ids: np.ndarray, provenance: dict[str, np.ndarray] | None = None
     ) -> Retrieved:
-        """Searched ``(scores, ids)`` -> :class:`Retrieved` with values (self-matches dropped with ``provenance``)."""
-        values = entry_values(self.datastore, ids, provenance)
-        empty = values < 0
-        log_counts = None
-        if self.log_counts is not None:
-            log_counts = np.where(empty, 0.0, self.log_counts[np.where(ids >= 0, ids, 0)]).astype(np.float32)
+        """Searched ``(scores, ids)`` -> :class:`Retrieved` with values (self-matches dropped with ``provenance``).
+
+        On a pruned datastore a self-match is the evaluated token's own share, one of the merged entries' count: its
+        absorber's count loses 1 (the entry is dropped only when nothing else is left in it), whether the token's
+        entry was kept or merged into a neighbour.
+        """
+        if not self.pruned or provenance is None:
+            values = entry_values(self.datastore, ids, provenance)
+            empty = values < 0
+            log_counts = None
+            if self.log_counts is not None:
+                log_counts = np.where(empty, 0.0, self.log_counts[np.where(ids >= 0, ids, 0)]).astype(np.float32)
+        else:
+            if self.absorbed is None:
+                raise MemlmError(
+                    f"{self.datastore.path} was pruned before memlm recorded where merged entries went, so "
+                    f"--drop-self-matches cannot take the evaluated tokens out of its counts; {_REPRUNE}"
+                )
+            values = entry_values(self.datastore, ids)
+            own = (values >= 0) & (entry_values(self.datastore, ids, provenance) < 0)  # the token's own entry, kept
+            holder = _holders(self.absorbed, provenance)
+            share = own | ((ids == holder[:, None]) & (holder[:, None] >= 0))  # ...or the one it was merged into
+            c = np.asarray(self.counts)[np.where(ids >= 0, ids, 0)] - share
+            empty = (values < 0) | (c <= 0)
+            values = np.where(empty, -1, values)
+            log_counts = np.where(empty, 0.0, np.log(np.maximum(c, 1).astype(np.float64))).astype(np.float32)
         return Retrieved(
             np.where(empty, -np.inf, scores).astype(np.float32), values, np.where(empty, -1, ids), log_counts
         )

@@ -183,9 +183,17 @@ def cmd_datastore_prune(args: argparse.Namespace) -> None:
     from memlm.datastore import Datastore
     from memlm.index import read_index_meta
     from memlm.knnlm.prune import prune_datastore
+    from memlm.sharded import is_sharded
 
+    if is_sharded(args.dir):
+        raise MemlmError(
+            f"{args.dir} is a sharded datastore; memlm datastore prune merges the entries of one datastore folder: "
+            "build the corpus without --shards to prune it"
+        )
     src = Datastore.open(args.dir)
-    pruned = prune_datastore(src, args.out, k_merge=args.k_merge, nprobe=args.nprobe)
+    pruned = prune_datastore(
+        src, args.out, k_merge=args.k_merge, nprobe=args.nprobe, seed=args.seed, overwrite=args.overwrite
+    )
     print(f"{args.out}: {len(pruned):,} of {len(src):,} entries kept ({len(pruned) / max(1, len(src)):.1%})")
     meta = read_index_meta(src.index_path)
     with folder_lock(args.out, "build an index"):
@@ -271,7 +279,20 @@ def add_parsers(sub) -> None:
     pr = ds.add_parser("prune", help="merge near-duplicate entries with the same value (He et al. 2021)")
     pr.add_argument("dir", type=V.existing_dir)
     pr.add_argument("--out", type=V.output_dir, required=True, help="the pruned datastore's folder")
-    pr.add_argument("--k-merge", type=V.positive_int, default=8, help="neighbours merged into an entry (default 8)")
+    pr.add_argument(
+        "--k-merge",
+        type=V.positive_int,
+        default=8,
+        help="each entry's k_merge + 1 nearest entries (itself passed over) are merged into it when they have its "
+        "value and are neither merged nor have absorbed anything (He et al. 2021's greedy merging; default 8)",
+    )
+    pr.add_argument(
+        "--seed",
+        type=V.nonneg_int,
+        default=0,
+        help="entries are visited in a random order drawn with this seed, recorded in the manifest (default 0)",
+    )
+    pr.add_argument("--overwrite", action="store_true", help="replace a datastore already in --out")
     pr.add_argument("--nprobe", type=V.positive_int, default=32)
     pr.add_argument("--factory", default=None, help="the pruned datastore's index (default: its source's factory)")
     pr.set_defaults(func=cmd_datastore_prune)

@@ -1,29 +1,37 @@
 """Datastore pruning by greedy merging (He, Neubig, Berg-Kirkpatrick 2021, "Efficient Nearest Neighbor Language
-Models", Sec. 5.2).
+Models", EMNLP, Sec. 5.2).
 
 Many datastore entries are near-copies of each other: the same next token after nearly the same context. Greedy merging
-replaces such a group by one entry that carries a count. Every entry ``i`` is visited once, in a fixed order (row
-order, or a given permutation: He et al. traverse in random order); an entry that has already been merged is skipped;
-otherwise it is *kept*, and each of its ``k_merge`` nearest neighbours ``j`` (in the datastore itself, other than ``i``)
-with the same value, ``v_j = v_i``, that is neither kept nor merged yet (``j`` comes later in the order) is merged into
-it. A kept entry's count is ``c_i = 1 + (number of entries merged into it)`` (more generally the sum of the counts of
-what it absorbed, so pruning a pruned datastore stays consistent; the counts always sum to the original size).
+replaces such a group by one entry that carries a weight (a count). Every entry starts with weight ``w_i = 1``. The
+entries are visited once each, in a random order (seeded; He et al.'s ``greedy_merge.py`` shuffles, seed 22 there) or
+a given one. Visiting ``i``: if ``i`` has been merged away (``w_i = 0``) it is skipped; otherwise each of its
+``k_merge + 1`` nearest neighbours ``j`` in the datastore (the entry itself, usually the first, is passed over) with
 
-The counts enter the kNN distribution as multiplicities (He et al. Sec. 5.2;
-:func:`memlm.core.distribution.knn_weights`)::
+    j != i,   v_j = v_i,   w_j = 1  (j is not merged and has absorbed nothing yet)
 
-    p_kNN(w | c) ∝ sum_{i in top-k, v_i = w} c_i * exp(s(q, k_i) / tau)
+is merged into it: ``w_i += w_j``, ``w_j = 0``. A neighbour visited earlier that was kept but absorbed nothing still
+has ``w_j = 1`` and is merged too (their rule); one that absorbed something (``w_j > 1``) is never merged, so no merge
+is undone and the weights always sum to the original size. Pruning a pruned datastore starts from its counts and
+merges an entry that has absorbed nothing *in this pass* (``w_j = 1`` generalised), adding its count.
 
-so that where the merged entries are exact duplicates (same key, same value) the pruned datastore gives exactly the
-unpruned distribution (``tests/test_knnlm_efficiency.py``); in general a merged entry stands for neighbours that are
-close to it, and the pruned distribution approximates the full one.
+The weights enter the kNN distribution as multiplicities (:func:`memlm.core.distribution.knn_weights`)::
+
+    p_kNN(w | c) ∝ sum_{i in top-k, v_i = w} w_i * exp(s(q, k_i) / tau)
+
+He et al.'s code adds ``log w_i`` to the score *before* dividing by the temperature, ``softmax((s + log w) / tau)``,
+i.e. ``w_i ** (1 / tau)``; the two agree at their default ``tau = 1``. memlm keeps ``w_i * exp(s / tau)`` because it is
+the count of the entries the kept one stands for at every ``tau``: where the merged entries are exact duplicates the
+pruned datastore gives exactly the unpruned distribution (``tests/test_knnlm_efficiency.py``), and memlm tunes ``tau``
+(often far from 1), where ``w ** (1 / tau)`` would shrink a merged group's mass towards one entry's.
 
 :func:`greedy_merge` is the algorithm on arrays (candidate pairs vectorised, one flat loop over candidate pairs in
 visiting order); :func:`prune_datastore` searches every key of a datastore for its neighbours (its FAISS index, or
 exact search), merges, and writes a new datastore folder with the kept rows
-(:meth:`memlm.datastore.Datastore.write_rows`) plus ``counts.npy`` (int64 ``[count]``) and its sidecar
-``counts.json``; :func:`load_counts` reads them back, checked against the datastore; :func:`neighbour_log_counts`
-gives the ``log_counts`` of retrieved ids for :mod:`memlm.core.distribution`.
+(:meth:`memlm.datastore.Datastore.write_rows`) plus ``counts.npy`` (int64 ``[count]``), ``absorbed.npy`` (which kept
+row each merged-away entry went into, by its document hash and offset: ``--drop-self-matches`` takes the evaluated
+token's own share out of its absorber's count) and their sidecar ``counts.json``; :func:`load_counts` reads the counts
+back, checked against the datastore; :func:`neighbour_log_counts` gives the ``log_counts`` of retrieved ids for
+:mod:`memlm.core.distribution`.
 """
 
 from __future__ import annotations
@@ -42,7 +50,15 @@ from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
 from memlm.locking import folder_lock
-from memlm.retrieval import COUNTS_FILE, COUNTS_FORMAT, COUNTS_SIDECAR, load_counts  # noqa: F401 - re-exported
+from memlm.retrieval import (  # noqa: F401 - load_counts, load_absorbed re-exported
+    ABSORBED_DTYPE,
+    ABSORBED_FILE,
+    COUNTS_FILE,
+    COUNTS_FORMAT,
+    COUNTS_SIDECAR,
+    load_absorbed,
+    load_counts,
+)
 
 __all__ = [
     "greedy_merge",
@@ -65,14 +81,12 @@ def _visit_rank(n: int, order: np.ndarray | None) -> np.ndarray:
     return rank
 
 
-def merge_candidates(
-    values: np.ndarray, rows: np.ndarray, neighbour_ids: np.ndarray, rank: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs ``(i, j)`` that greedy merging may merge: ``j`` among ``i``'s neighbours, same value, visited later.
+def merge_candidates(values: np.ndarray, rows: np.ndarray, neighbour_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs ``(i, j)`` that greedy merging may merge: ``j`` among ``i``'s neighbours, ``j != i``, same value.
 
-    ``rows`` ``[B]`` are entry ids, ``neighbour_ids`` ``[B, k]`` their neighbours (``-1``: none), ``rank`` the visiting
-    rank of every entry. Returns ``(src, dst)`` in row-then-neighbour order. A neighbour visited earlier than ``i`` is
-    already kept or merged when ``i`` is visited, so it is never a candidate (nor is ``i`` itself).
+    ``rows`` ``[B]`` are entry ids, ``neighbour_ids`` ``[B, k]`` their neighbours (``-1``: none). Returns
+    ``(src, dst)`` in row-then-neighbour order; whether ``j`` can still be merged is decided in visiting order
+    (:func:`merge_edges`).
     """
     n = len(values)
     nb = np.asarray(neighbour_ids, dtype=np.int64)
@@ -83,19 +97,20 @@ def merge_candidates(
         raise MemlmError(f"neighbour id {int(nb.max())} is out of range for {n} entries (another datastore's index?)")
     valid = nb >= 0
     safe = np.where(valid, nb, 0)
-    cand = valid & (rank[safe] > rank[rows][:, None]) & (values[safe] == values[rows][:, None])
+    cand = valid & (safe != rows[:, None]) & (values[safe] == values[rows][:, None])
     r, c = np.nonzero(cand)
     return rows[r], nb[r, c]
 
 
 def merge_edges(
     n: int, src: np.ndarray, dst: np.ndarray, rank: np.ndarray, counts: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy merging given its candidate pairs (:func:`merge_candidates`): ``(keep_ids, counts)``.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy merging given its candidate pairs (:func:`merge_candidates`): ``(keep_ids, counts, into)``.
 
-    Pairs are visited by the rank of their source (stable: neighbour order within a source). A source that has been
-    merged by then is skipped (only earlier-visited entries merge, so every merge into it has happened); otherwise
-    its target, if not merged yet, is merged into it. The one loop runs over candidate pairs only, on Python lists.
+    Pairs are visited by the rank of their source (stable: neighbour order within a source). A source merged away by
+    then is skipped; otherwise its target is merged into it if the target is neither merged nor has absorbed anything
+    (He et al.'s ``weights[v] == 1``). ``into[j]`` is the entry ``j`` was merged into (``-1``: kept). The one loop runs
+    over candidate pairs only, on Python lists.
     """
     counts = np.ones(n, dtype=np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
     if counts.shape != (n,):
@@ -104,20 +119,23 @@ def merge_edges(
     dst = np.asarray(dst, dtype=np.int64)
     by_visit = np.argsort(rank[src], kind="stable")
     merged = bytearray(n)
+    absorbed = bytearray(n)
     into_j, into_i = [], []  # merges, j into i
     for i, j in zip(src[by_visit].tolist(), dst[by_visit].tolist(), strict=True):
-        if merged[i] or merged[j]:
+        if merged[i] or merged[j] or absorbed[j]:
             continue
         merged[j] = 1
+        absorbed[i] = 1
         into_j.append(j)
         into_i.append(i)
     out = counts.copy()
     gone = np.asarray(into_j, dtype=np.int64)
     np.add.at(out, np.asarray(into_i, dtype=np.int64), counts[gone])  # a merged entry absorbed nothing itself
-    keep = np.ones(n, dtype=bool)
-    keep[gone] = False
+    into = np.full(n, -1, dtype=np.int64)
+    into[gone] = np.asarray(into_i, dtype=np.int64)
+    keep = into < 0
     keep_ids = np.flatnonzero(keep)
-    return keep_ids, out[keep_ids]
+    return keep_ids, out[keep_ids], into
 
 
 def greedy_merge(
@@ -129,24 +147,47 @@ def greedy_merge(
     """Greedy merging (He et al. 2021 Sec. 5.2) of ``N`` entries: ``(keep_ids, counts)``.
 
     ``values`` ``[N]``: each entry's value; ``neighbour_ids`` ``[N, k]``: the ids of each entry's nearest neighbours in
-    the same datastore (``-1`` for none; the entry itself, if listed, is ignored); ``counts`` ``[N]``: existing counts
-    (a pruned datastore; default all 1); ``order``: the visiting order (a permutation; default row order).
+    the same datastore (``-1`` for none; the entry itself, if listed, is passed over); ``counts`` ``[N]``: existing
+    counts (a pruned datastore; default all 1); ``order``: the visiting order (a permutation; default row order).
     ``keep_ids`` (sorted ascending) are the entries that stay, ``counts`` their counts (int64, summing to
     ``sum(counts)``). See the module docstring for the rule.
     """
     values = np.asarray(values)
     n = len(values)
     rank = _visit_rank(n, order)
-    src, dst = merge_candidates(values, np.arange(n), neighbour_ids, rank)
-    return merge_edges(n, src, dst, rank, counts)
+    src, dst = merge_candidates(values, np.arange(n), neighbour_ids)
+    keep, out, _ = merge_edges(n, src, dst, rank, counts)
+    return keep, out
 
 
-def _neighbours_without_self(rows: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
-    """Drop each row's own id from its ``k + 1`` neighbours (or the farthest one when it is not among them)."""
-    drop = ids == rows[:, None]
-    drop[~drop.any(1), -1] = True
-    pos = np.argsort(drop, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(ids, pos, 1)
+def _check_out(out: Path, source: Path, overwrite: bool) -> None:
+    """Refuse to prune into the source, or over a finished datastore without ``overwrite``."""
+    from memlm.sharded import is_sharded
+
+    if out.resolve() == source.resolve():
+        raise MemlmError(f"cannot prune datastore {source} into itself; give another output folder")
+    if is_sharded(out):
+        raise MemlmError(f"{out} holds a sharded datastore; give another output folder (or delete it first)")
+    if not overwrite and (out / "manifest.json").exists():
+        raise MemlmError(
+            f"{out} already holds a datastore; give another output folder, or --overwrite (overwrite=True) to "
+            "replace it with the pruned one"
+        )
+
+
+def _absorbed_map(datastore: Datastore, keep: np.ndarray, into: np.ndarray, old: np.ndarray | None) -> np.ndarray:
+    """Where every merged-away entry now lives: ``(doc_hash, offset, row)`` sorted by ``(doc_hash, offset)``, ``row``
+    a row of the pruned datastore. ``old``: the source's own map (a pruned datastore pruned again), carried over."""
+    holder = np.where(into >= 0, into, np.arange(len(into)))  # an absorber is never merged away itself
+    new_row = np.searchsorted(keep, holder)  # source row -> pruned row
+    gone = np.flatnonzero(into >= 0)
+    parts = [(np.asarray(datastore.doc_hash)[gone], np.asarray(datastore.offset)[gone], new_row[gone])]
+    if old is not None and len(old):
+        parts.append((old["doc_hash"], old["offset"], new_row[old["row"]]))
+    out = np.zeros(sum(len(p[0]) for p in parts), dtype=ABSORBED_DTYPE)
+    for name, i in (("doc_hash", 0), ("offset", 1), ("row", 2)):
+        out[name] = np.concatenate([p[i] for p in parts]) if parts else []
+    return np.sort(out, order=["doc_hash", "offset"])
 
 
 def prune_datastore(
@@ -157,23 +198,25 @@ def prune_datastore(
     index_path: str | Path | None = None,
     nprobe: int = 32,
     metric: str | None = None,
-    seed: int | None = None,
+    seed: int | None = 0,
     chunk: int = 4096,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> Datastore:
     """Greedy-merge ``datastore`` (He et al. 2021 Sec. 5.2) and write the kept entries to ``out`` with their counts.
 
-    Each entry's ``k_merge`` nearest other entries come from the datastore's FAISS index (``search="index"``;
-    ``index_path`` for another than ``index.faiss``, ``nprobe`` for IVF) or from exact search over all keys
-    (``search="exact"``, with ``metric``: for tests and small datastores, quadratic in N). Entries are visited in row
-    order, or in a random order drawn with ``seed`` (He et al.'s). A datastore that is itself pruned keeps its counts
-    (they add up). ``out`` becomes a normal memlm datastore (its manifest records ``pruned``: the source, ``k_merge``,
-    the search, the sizes) plus ``counts.npy`` and ``counts.json``; build its index with ``memlm index build``.
-    Returns the opened pruned datastore; :func:`load_counts` gives its counts.
+    Each entry's ``k_merge + 1`` nearest entries (itself among them, passed over: He et al.'s ``ret[:, :k + 1]``) come
+    from the datastore's FAISS index (``search="index"``; ``index_path`` for another than ``index.faiss``, ``nprobe``
+    for IVF) or from exact search over all keys (``search="exact"``, with ``metric``: for tests and small datastores,
+    quadratic in N). Entries are visited in a random order drawn with ``seed`` (He et al.'s; ``None``: row order). A
+    datastore that is itself pruned keeps its counts (they add up). ``out`` becomes a normal memlm datastore (its
+    manifest records ``pruned``: the source, ``k_merge``, the search, the seed, the sizes) plus ``counts.npy``,
+    ``absorbed.npy`` and ``counts.json``; build its index with ``memlm index build``. A folder that already holds a
+    datastore is replaced only with ``overwrite``. Returns the opened pruned datastore; :func:`load_counts` gives its
+    counts.
     """
     out = Path(out)
-    if out.resolve() == datastore.path.resolve():
-        raise MemlmError(f"cannot prune datastore {datastore.path} into itself; give another output folder")
+    _check_out(out, datastore.path, overwrite)
     if k_merge < 1:
         raise MemlmError(f"k_merge must be >= 1, got {k_merge}; He et al. use up to 100")
     if search not in ("index", "exact"):
@@ -192,6 +235,7 @@ def prune_datastore(
         meta = index_lib.read_index_meta(datastore.index_path)
         metric = meta["metric"] if meta else "l2"
     old_counts = load_counts(datastore)
+    old_absorbed = load_absorbed(datastore) if old_counts is not None else None
     rank = _visit_rank(n, None if seed is None else np.random.default_rng(seed).permutation(n))
     values = np.asarray(datastore.values)
     srcs, dsts = [], []
@@ -205,18 +249,21 @@ def prune_datastore(
             _, ids = search_index(index, q, k)
         else:
             _, ids = index_lib.exact_search(datastore.keys, q, k, metric)
-        rows = np.arange(s, e, dtype=np.int64)
-        src, dst = merge_candidates(values, rows, _neighbours_without_self(rows, ids, k - 1), rank)
+        src, dst = merge_candidates(values, np.arange(s, e, dtype=np.int64), ids)
         srcs.append(src)
         dsts.append(dst)
-    keep, counts = merge_edges(n, np.concatenate(srcs), np.concatenate(dsts), rank, old_counts)
+    keep, counts, into = merge_edges(n, np.concatenate(srcs), np.concatenate(dsts), rank, old_counts)
+    absorbed = _absorbed_map(datastore, keep, into, old_absorbed)
     record: dict[str, Any] = {
         "of": str(datastore.path),
         "of_count": n,
         "k_merge": k_merge,
+        "neighbours": k,
         "search": search,
         "metric": metric,
         "order": "rows" if seed is None else f"random (seed {seed})",
+        "seed": seed,
+        "rule": "He et al. 2021: merge a same-valued neighbour that is not merged and has absorbed nothing",
         "total": int(counts.sum()),
         "counts_file": COUNTS_FILE,
         "seconds": round(time.perf_counter() - t0, 3),
@@ -226,18 +273,23 @@ def prune_datastore(
     with folder_lock(out, "write a pruned datastore"):
         out.mkdir(parents=True, exist_ok=True)
         (out / COUNTS_SIDECAR).unlink(missing_ok=True)  # the counts are trusted only once the datastore is complete
-        buf = io.BytesIO()
-        np.save(buf, counts.astype(np.int64), allow_pickle=False)
-        atomic_write_bytes(out / COUNTS_FILE, buf.getvalue())
+        files = {}
+        for name, arr in ((COUNTS_FILE, counts.astype(np.int64)), (ABSORBED_FILE, absorbed)):
+            buf = io.BytesIO()
+            np.save(buf, arr, allow_pickle=False)
+            atomic_write_bytes(out / name, buf.getvalue())
+            files[name] = out / name
         pruned = datastore.write_rows(out, keep, {"pruned": record}, "write a pruned datastore")
-        f = out / COUNTS_FILE
+        f, fa = files[COUNTS_FILE], files[ABSORBED_FILE]
         sidecar = {
             "format": COUNTS_FORMAT,
             "count": len(keep),
             "total": int(counts.sum()),
             "build_id": pruned.manifest["build_id"],
             "file": {"bytes": f.stat().st_size, "sample_sha256": sample_sha256(f), "sha256": sha256_file(f)},
-        }
+            "absorbed": {"count": len(absorbed), "bytes": fa.stat().st_size, "sample_sha256": sample_sha256(fa),
+                         "sha256": sha256_file(fa)},
+        }  # fmt: skip
         atomic_write_json(out / COUNTS_SIDECAR, sidecar)
     if progress:
         print(f"pruned {datastore.path}: {n:,} -> {len(keep):,} entries ({len(keep) / n:.1%}) with k_merge={k_merge} "
