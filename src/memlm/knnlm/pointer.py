@@ -162,7 +162,8 @@ def pointer_retrieve(
 
     starts, ends = _segments(doc_index)
     pos = starts.copy()  # per document: the row whose set is the chain's base
-    carry = np.full((len(starts), k), -1, dtype=np.int64)  # pointers that a searched base row merges ("retomaton")
+    # pointers that a searched base row merges ("retomaton"): fewer than N survived, so at most min(N - 1, k)
+    carry = np.full((len(starts), width - k), -1, dtype=np.int64)
     need_search = np.ones(len(starts), dtype=bool)  # else the base row is already filled (carried pointers)
     active = np.arange(len(starts))
     arrays = (targets, values, doc_hash, offset, provenance)
@@ -189,7 +190,9 @@ def pointer_retrieve(
                 searched[rows] = True
             # 2. follow every document's chain up to `lookahead` steps from its base row
             before = pos[active].copy()
-            nxt_pos, nxt_search, keep, carried = _advance(active, pos, ends, out_i, arrays, k, min_survivors, lookahead)
+            nxt_pos, nxt_search, keep, carried = _advance(
+                active, pos, ends, out_i, arrays, k, carry.shape[1], min_survivors, lookahead
+            )
             pos[active], need_search[active] = nxt_pos, nxt_search
             if rule == "retomaton":
                 carry[active] = carried
@@ -237,18 +240,20 @@ def _advance(
     out_i: np.ndarray,
     arrays: tuple,
     k: int,
+    carry_width: int,
     min_survivors: int,
     lookahead: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Fill the pointer rows that follow each document's base row; return each document's next base row, whether it
-    needs a search, whether the document is still active, and the pointers its next searched row merges ``[d, k]``.
+    needs a search, whether the document is still active, and the pointers its next searched row merges
+    ``[d, carry_width]`` (fewer than ``N`` survived there, so ``carry_width = min(N - 1, k)`` holds them all).
     Blocks of documents bound the ``[d, W, L]`` arrays."""
     targets, values, doc_hash, offset, provenance = arrays
     w = out_i.shape[1]
     nxt_pos = np.empty(len(docs), dtype=np.int64)
     nxt_search = np.empty(len(docs), dtype=bool)
     keep = np.empty(len(docs), dtype=bool)
-    carried = np.full((len(docs), k), -1, dtype=np.int64)
+    carried = np.full((len(docs), carry_width), -1, dtype=np.int64)
     block = max(1, _GATHER_BUDGET // (w * lookahead))
     for b0 in range(0, len(docs), block):
         sl = slice(b0, b0 + block)
@@ -285,11 +290,11 @@ def _advance(
         nxt = np.where(full, p + L, p + stop)
         # the searched row p + stop merges the successors of the chains alive at row p + stop - 1 (at most k)
         part = ~full & (stop <= L)
-        if part.any():
+        if part.any() and carry_width:
             d_idx = np.flatnonzero(part)
             a = alive[d_idx, :, stop[d_idx] - 1]
             ids = np.where(a, base[d_idx] + stop[d_idx][:, None], -1)
-            first = np.argsort(~a, axis=1, kind="stable")[:, :k]  # keep order (best first at the base row)
+            first = np.argsort(~a, axis=1, kind="stable")[:, :carry_width]  # in order (best first at the base)
             got = np.take_along_axis(ids, first, 1)
             carried[b0 + d_idx, : got.shape[1]] = got
         nxt_pos[sl] = nxt
