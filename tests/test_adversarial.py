@@ -165,6 +165,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-adaptive-fraction-1.5", [*EVAL, "--adaptive", KD, "--adaptive-fraction", "1.5"]),
     ("eval-pointer-neg", [*EVAL, "--pointer-min", "-1"]),
     ("eval-pipeline-pointer", [*EVAL, "--pointer-min", "4", "--pipeline"]),
+    ("eval-pointer-rule-without-min", [*EVAL, "--pointer-rule", "replace"]),
+    ("eval-pointer-rule-bogus", [*EVAL, "--pointer-min", "4", "--pointer-rule", "bogus"]),
     ("eval-index-missing", [*EVAL, "--index", NO]),
     ("eval-k-0", [*EVAL, "--k", "0"]),
     ("eval-k-1e11", [*EVAL, "--k", "1e11"]),

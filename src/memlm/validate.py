@@ -362,6 +362,8 @@ def _pre_eval(args: argparse.Namespace) -> None:
     fast = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min)) if on]
     if args.pipeline and fast:
         raise MemlmError(f"--pipeline searches each batch as it comes, {fast[0]} needs every query first: use one")
+    if getattr(args, "pointer_rule", None) and not args.pointer_min:
+        raise MemlmError("--pointer-rule chooses what pointer reuse does where it searches: give --pointer-min N too")
     if args.adaptive_fraction is not None and args.adaptive is None:
         raise MemlmError("--adaptive-fraction needs --adaptive GATE (a gate from memlm gate train)")
     if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:

@@ -55,7 +55,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         adaptive=args.adaptive,
         adaptive_fraction=args.adaptive_fraction,
         pointer_min=args.pointer_min,
-        pointer_rule=args.pointer_rule,
+        pointer_rule=args.pointer_rule or "retomaton",
         pipeline=args.pipeline,
         index_path=args.index,
     )
@@ -245,7 +245,7 @@ def add_parsers(sub) -> None:
     fast.add_argument(
         "--pointer-rule",
         choices=["retomaton", "replace"],
-        default="retomaton",
+        default=None,
         help="with --pointer-min, what a token that searches scores with: 'retomaton' (the paper's code: the k "
         "search results and the surviving pointers), 'replace' (the search results only) (default retomaton)",
     )
