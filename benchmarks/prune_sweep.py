@@ -92,6 +92,7 @@ def _evaluate(args: argparse.Namespace, ds, valid, test) -> dict[str, Any]:
         dumps[name] = ts
     best = tune(dumps["valid"])["best"]
     res = perplexities(dumps["test"], lam=best["lambda"], temperature=best["temperature"])
+    authors = _authors_weighting(dumps["valid"], dumps["test"]) if dumps["test"].knn_log_counts is not None else None
     edge = {
         "lambda": best["lambda"] in (min(_grid()[0]), max(_grid()[0])),
         "temperature": best["temperature"] in (min(_grid()[1]), max(_grid()[1])),
@@ -107,7 +108,33 @@ def _evaluate(args: argparse.Namespace, ds, valid, test) -> dict[str, Any]:
         "target_in_neighbours": res["target_in_neighbours"],
         "test_tokens": res["tokens"],
         "valid_tokens": len(dumps["valid"]),
+        **({"authors_weighting": authors} if authors is not None else {}),
     }
+
+
+def _authors_weighting(valid, test) -> dict[str, Any]:
+    """He et al.'s code weights a merged entry by softmax((s + log w) / tau), i.e. w ** (1 / tau): the same tuning
+    and test with that weighting, for comparison with memlm's w * exp(s / tau)."""
+    import torch
+
+    from memlm.core.distribution import mix_logprobs, perplexity
+    from memlm.knnlm.evaluate import memory_logprob
+
+    lambdas, temperatures = _grid()
+
+    def knn(ts, t):
+        return memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t, None, ts.knn_log_counts / t)
+
+    def ppl(ts, knn_lp, lam):
+        return perplexity(mix_logprobs([torch.from_numpy(ts.lm_logprob), knn_lp], [1.0 - lam, lam]))
+
+    best = (float("inf"), None, None)
+    for t in temperatures:
+        k_lp = knn(valid, t)
+        for lam in lambdas:
+            best = min(best, (ppl(valid, k_lp, lam), lam, t), key=lambda x: x[0])
+    valid_ppl, lam, t = best
+    return {"lambda": lam, "temperature": t, "valid_ppl": valid_ppl, "test_ppl": ppl(test, knn(test, t), lam)}
 
 
 def _grid():
