@@ -382,7 +382,8 @@ def reference_retomaton(queries, targets, doc_index, search_fn, keys, values, do
     * every score recomputed from the stored keys (their default for L2).
 
     memlm's three changes, on purpose: a successor must be in the same datastore document; an entry both retrieved
-    and pointed to enters once; the evaluated token's own entry (``provenance``) is dropped before anything else.
+    and pointed to enters once; the evaluated token's own entry (``provenance``) is never a survivor (it stays in
+    the row, for the memory to drop).
     ``rule="replace"``: memlm's earlier rule, the pointers discarded when searching.
     """
     n = len(targets)
@@ -399,14 +400,13 @@ def reference_retomaton(queries, targets, doc_index, search_fn, keys, values, do
             entries = found + ([p for p in pointers if p not in found] if rule == "retomaton" else [])
         else:
             entries = pointers
-        if provenance is not None:
-            own = (provenance["doc_hash"][t], provenance["offset"][t])
-            entries = [i for i in entries if (doc_hash[i], offset[i]) != own]
         sc = exact_scores(keys, np.array(entries, np.int64)[None], queries[t : t + 1], metric)[0] if entries else []
         row = sorted(zip(sc.tolist() if len(entries) else [], entries, strict=True), key=lambda x: (-x[0], x[1]))
         rows.append(row)
+        own = (provenance["doc_hash"][t], provenance["offset"][t]) if provenance is not None else None
         cur_knns = [(s, i) for s, i in row if values[i] == targets[t] and i + 1 < len(values)
-                    and doc_hash[i + 1] == doc_hash[i] and offset[i + 1] == offset[i] + 1]  # fmt: skip
+                    and doc_hash[i + 1] == doc_hash[i] and offset[i + 1] == offset[i] + 1
+                    and (doc_hash[i], offset[i]) != own]  # fmt: skip
     width = max(1, max(len(r) for r in rows))
     out_s, out_i = np.full((n, width), -np.inf, np.float32), np.full((n, width), -1, np.int64)
     for t, row in enumerate(rows):
@@ -554,8 +554,8 @@ def test_self_matches_are_dropped_before_survivors_are_counted(pointer_data):
         & (d["doc_hash"][np.maximum(i, 0)] == prov["doc_hash"][:, None])
         & (d["offset"][np.maximum(i, 0)] == prov["offset"][:, None])
     )
-    assert not is_self.any()
-    assert searched.mean() > 0.1 and (i >= 0).sum(1).min() >= 1  # not the self-chain's ~0 searches
+    assert not is_self[~searched].any()  # a pointer row never holds the token itself (a searched row may)
+    assert searched.mean() > 0.1 and ((i >= 0) & ~is_self).sum(1).min() >= 1  # not the self-chain's ~0 searches
     # without provenance the self entry's chain carries every row after the first: almost no searches
     assert pointer_retrieve(*args, 2, "l2")[2].mean() < 0.1
 

@@ -29,9 +29,11 @@ and the pointed-to entries alike. One temperature then serves both (an index's o
 code's approximate distance, or a distance in an OPQ / PCA index's reduced space).
 
 Self-matches (the evaluated text is in the datastore, ``provenance`` given): the entry that *is* the evaluated token
-is dropped from ``S_t`` before ``C_t`` is formed. Otherwise its chain never breaks (entry ``i`` predicts ``x_t`` and
-its successor is the next evaluated token), pointer reuse almost never searches, and the rows hold nothing once the
-self-match is dropped.
+is never in ``C_t`` (never counted as a survivor, never pointed on). Otherwise its chain never breaks (entry ``i``
+predicts ``x_t`` and its successor is the next evaluated token), pointer reuse almost never searches, and the rows
+hold nothing once the self-match is dropped. It stays in a searched row, where
+:meth:`memlm.retrieval.DatastoreMemory.retrieved` drops it (on a pruned datastore: takes the token's one share out of
+its count); no pointer row can hold it.
 
 Vectorised: a chain started at a base row ``t0`` with the set ``S_{t0}`` survives ``m`` steps for exactly the entries
 ``i`` of ``S_{t0}`` whose stored continuation ``v_i, ..., v_{i+m-1}`` equals ``x_{t0}, ..., x_{t0+m-1}`` within one
@@ -130,7 +132,7 @@ def pointer_retrieve(
     ids for missing slots; its scores are not used). ``keys``, ``values``, ``doc_hash``, ``offset``: the datastore's
     arrays (:class:`memlm.datastore.Datastore`). ``min_survivors`` is ``N``, ``metric`` the index's (for the exact
     scores), ``rule`` "retomaton" (the authors') or "replace", ``provenance`` (each token's ``doc_hash`` and
-    ``offset``, from :func:`memlm.knnlm.evaluate.lm_scores`) drops self-matches before survivors are counted.
+    ``offset``, from :func:`memlm.knnlm.evaluate.lm_scores`) keeps self-matches out of the survivors.
     ``lookahead`` is how many steps one round follows a chain (speed only: the result does not depend on it).
 
     Returns ``(scores [T, W] float32, ids [T, W] int64, searched [T] bool)`` with ``W =``
@@ -184,7 +186,6 @@ def pointer_retrieve(
                     ptr = np.where((ptr[:, :, None] == i[:, None, :]).any(2), -1, ptr)  # in both: once
                     i = np.concatenate([i, ptr], axis=1)
                     carry[todo] = -1
-                i = np.where(_is_self(i, rows[:, None], doc_hash, offset, provenance), -1, i)
                 ids, sc = _sort_rows(i, index_lib.exact_scores(keys, i, qs, metric))
                 out_i[rows], out_s[rows] = ids[:, :width], sc[:, :width]
                 searched[rows] = True
