@@ -146,7 +146,8 @@ def describe_holdout(source: dict[str, Any]) -> str:
     hold = source.get("holdout") or {}
     if not hold.get("documents"):
         return "none (all of the corpus is in the datastore)"
-    return f"{hold.get('tokens', 0):,} tokens of {hold['documents']} documents (--holdout {hold.get('fraction')})"
+    n = hold["documents"]
+    return f"{hold.get('tokens', 0):,} tokens of {n} document{'s' if n != 1 else ''} (--holdout {hold.get('fraction')})"
 
 
 def _same_source(a: dict[str, Any], b: dict[str, Any]) -> bool:

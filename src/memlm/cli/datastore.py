@@ -327,7 +327,7 @@ def add_parsers(sub) -> None:
         "calibrate",
         help="tune a datastore's default λ and τ on text you name (outside it), e.g. one built without --holdout",
     )
-    c.add_argument("dir", type=V.existing_dir)
+    c.add_argument("dir", type=V.existing_dir, help="the datastore folder")
     add_model(c)
     add_corpus(c, "valid")
     c.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token (default 1024, as memlm eval)")
