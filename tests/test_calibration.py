@@ -305,3 +305,11 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     assert ret["cache_lambda"] == 0.05 and ret["index"] == str(ds / "index.faiss")  # were 0.0 and absent
     r = memlm(*common, "--k", "8")
     assert r.returncode == 0 and "note: this run uses k=8 (calibrated with k=16)" in r.stderr, r.stderr
+    # another index swapped in by `memlm index build` (it was used without a word)
+    r = memlm("index", "build", str(ds), "--factory", "IVF4,Flat")
+    assert r.returncode == 0, r.stderr
+    r = memlm(*common, "--k", "16")
+    assert (
+        r.returncode == 0
+        and "note: this run uses index index.faiss (IVF4,Flat) (calibrated on index.faiss (Flat))" in r.stderr
+    ), r.stderr
