@@ -227,6 +227,10 @@ def test_rerun_with_another_holdout_is_refused(built, tmp_path):
     r2 = memlm(*rerun, "--out", str(ds), "--holdout", "0")
     assert r2.returncode == 2 and "held-out slice" in r2.stderr and "-> none" in r2.stderr, r2.stderr
     assert (ds / "manifest.json").read_bytes() == before
+    # --append of the same corpus with another slice adds nothing (the corpus is there; it would be stored twice)
+    r2 = memlm(*rerun, "--out", str(ds), "--holdout", "0", "--append")
+    assert r2.returncode == 0 and "nothing to append" in r2.stderr, r2.stderr
+    assert (ds / "manifest.json").read_bytes() == before
     # a datastore built before --holdout existed: no slice recorded, no calibration
     old = tmp_path / "old"
     shutil.copytree(ds, old)

@@ -150,11 +150,14 @@ def describe_holdout(source: dict[str, Any]) -> str:
     return f"{hold.get('tokens', 0):,} tokens of {n} document{'s' if n != 1 else ''} (--holdout {hold.get('fraction')})"
 
 
+def _same_corpus(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same corpus, split, --max-tokens and text (an --append of it would add it twice, whatever its slice)."""
+    return all(a.get(k) == b.get(k) for k in ("corpus", "split", "max_tokens", "fingerprint"))
+
+
 def _same_source(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Same corpus, split, --max-tokens, text and held-out slice: the same entries."""
-    return all(a.get(k) == b.get(k) for k in ("corpus", "split", "max_tokens", "fingerprint")) and holdout_key(
-        a
-    ) == holdout_key(b)
+    return _same_corpus(a, b) and holdout_key(a) == holdout_key(b)
 
 
 def _source_diff(sources: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
@@ -487,7 +490,7 @@ def _build_locked(
                 "datastore's own model, key, window and min-context, or use a new --out"
             )
         existing.check_compatible(model, tokenizer, key)
-        if any(_same_source(s, source) for s in existing.manifest["sources"]):
+        if any(_same_corpus(s, source) for s in existing.manifest["sources"]):
             print(f"datastore {out} already holds this corpus ({len(existing)} entries); nothing to append",
                   file=sys.stderr)  # fmt: skip
             return existing
