@@ -82,9 +82,9 @@ def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace
         return
     if holdout.get("short_of_minimum"):
         print(f"note: {holdout['short_of_minimum']}", file=sys.stderr)
-    tails = f", {len(holdout['tails'])} of them document tails" if holdout.get("tails") else ""
-    print(f"calibrating λ and τ on {holdout['tokens']:,} held-out tokens ({holdout['documents']} documents{tails})",
-          file=sys.stderr)  # fmt: skip
+    n, tails = holdout["documents"], len(holdout.get("tails") or [])
+    what = f"{n} document{'s' if n != 1 else ''}" + (f", {tails} of them a document's tail" if tails else "")
+    print(f"calibrating λ and τ on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
     text = {"held_out": True, "documents": holdout["documents"], "ids_sha256": holdout.get("ids_sha256")}
     cal = calibrate(model, tok, ds, held_out, k=args.calibration_k, batch_size=args.batch_size, text=text)
     cal["holdout_ids"] = holdout.get("ids_sha256")
