@@ -48,6 +48,7 @@ def world(tmp_path_factory, tiny_lm):
 
     ds = Datastore.open(root / "ds")
     build_index(ds.keys, ds.index_path, factory="Flat", metric="l2")
+    _bad_calibration(root / "ds", root / "badcal", len(ds))
     n = 20
     rng = np.random.default_rng(0)
     TokenScores(
@@ -82,6 +83,23 @@ def world(tmp_path_factory, tiny_lm):
     (root / "shardedds").mkdir()
     (root / "shardedds" / "shards.json").write_text("{}")  # what marks a sharded datastore folder
     return root
+
+
+def _bad_calibration(ds: Path, out: Path, count: int, **fields: float) -> None:
+    """A copy of datastore ``ds`` whose manifest records a calibration with ``fields`` (default λ = 1.5, outside
+    [0, 1]), its checksum resealed as an older memlm or the API could have written it."""
+    import math
+    import shutil
+
+    from memlm.folder import manifest_digest
+
+    shutil.copytree(ds, out)
+    m = json.loads((out / "manifest.json").read_text())
+    m["calibration"] = {"lambda": 1.5, "temperature": 1.0, "k": 4, "tokens": 10, "count": count, "base_ppl": 9.0,
+                        "knn_ppl": 8.0, **fields}  # fmt: skip
+    if all(math.isfinite(v) for v in fields.values()):
+        m["manifest_sha256"] = manifest_digest(m)
+    (out / "manifest.json").write_text(json.dumps(m))
 
 
 M, C, DS = "{root}/model", "{root}/corpus", "{root}/ds"
@@ -142,6 +160,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("prune-out-other-datastore", ["datastore", "prune", DS, "--out", "{root}/ds2"]),  # replaced it, exit 0
     ("prune-sharded", ["datastore", "prune", "{root}/shardedds", "--out", "{root}/o"]),  # "not a memlm datastore"
     ("prune-seed-neg", ["datastore", "prune", DS, "--out", "{root}/o", "--seed", "-1"]),
+    # datastore calibrate
+    ("calibrate-missing", ["datastore", "calibrate", NO, "--corpus", C]),
+    ("calibrate-own-text", ["datastore", "calibrate", DS, "--model", M, "--corpus", C]),
+    ("calibrate-k-0", ["datastore", "calibrate", DS, "--corpus", C, "--k", "0"]),
     # gate train
     ("gate-dump-missing", ["gate", "train", "--dump", NO, "--out", "{root}/o.npz"]),
     ("gate-dump-trime", ["gate", "train", "--dump", TD, "--out", "{root}/o.npz"]),
@@ -193,6 +215,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-datastore-missing", [*EVAL, "--datastore", NO]),
     ("eval-datastore-file", [*EVAL, "--datastore", F]),
     ("eval-datastore-junk", [*EVAL, "--datastore", "{root}/junkds"]),
+    ("eval-calibration-lambda-1.5", [*EVAL, "--datastore", "{root}/badcal"]),
+    ("gen-calibration-lambda-1.5", [*GEN, "--datastore", "{root}/badcal"]),
     ("eval-key-bogus", [*EVAL, "--key", "bogus"]),
     ("eval-key-other", [*EVAL, "--key", "final"]),
     ("eval-window-beyond-context", [*EVAL, "--window", "600"]),
@@ -380,6 +404,27 @@ def test_bad_arguments_fail_before_the_model_is_loaded(world, capsys, monkeypatc
     )
     assert_one_error(code, err)
     assert "IVF8,PQfoo" in err and "20160" not in err
+
+
+def test_bad_calibration_in_a_manifest_fails_before_the_model_loads(world, capsys, monkeypatch, tmp_path):
+    """A calibration λ > 1, τ <= 0 or NaN in a manifest is refused when the datastore is opened, naming the manifest
+    (it passed the schema and failed only after the model loaded, with a message that did not name it)."""
+    import memlm.cli.common as cli
+
+    def no_model(*_a, **_k):
+        raise AssertionError("the model was loaded before the manifest was checked")
+
+    monkeypatch.setattr(cli, "_load_model", no_model)
+    n = json.loads((world / "ds" / "manifest.json").read_text())["count"]
+    cases = {"lam": {"lambda": 1.5}, "tau0": {"lambda": 0.5, "temperature": 0.0},
+             "taunan": {"lambda": 0.5, "temperature": float("nan")}}  # fmt: skip
+    for name, fields in cases.items():
+        _bad_calibration(world / "ds", tmp_path / name, n, **fields)
+        for cmd in (EVAL, GEN):
+            code, err = run_cli([a.format(root=world) for a in cmd] + ["--datastore", str(tmp_path / name)], capsys)
+            assert_one_error(code, err)
+            field = "lambda" if name == "lam" else "temperature"
+            assert str(tmp_path / name / "manifest.json") in err and f"calibration.{field}" in err, err
 
 
 def test_missing_data_package_in_corpora_is_one_error(monkeypatch, capsys):

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import gpt2_tokenizer, make_toy_docs
+from conftest import Doc, gpt2_tokenizer, make_toy_docs
 from test_reliability import memlm
 
 from memlm.knnlm.calibration import holdout_split, knn_parameters
@@ -19,8 +19,10 @@ def test_holdout_split_is_deterministic_disjoint_and_sized():
     assert [d.id for d in kept] == [d.id for d in docs if d.id not in {h.id for h in held}]  # corpus order kept
     n = [len(tok(d.text, add_special_tokens=False)["input_ids"]) for d in docs]
     total, taken = sum(n), sum(len(tok(d.text, add_special_tokens=False)["input_ids"]) for d in held)
-    assert info["tokens"] == taken and info["corpus_tokens"] == total
-    assert taken >= 0.05 * total and taken <= 0.2 * total  # at least the fraction, never over the cap
+    assert info["text_tokens"] == taken and info["corpus_tokens"] == total
+    assert info["tokens"] == taken + len(held) - 1  # scored as calibration scores them: EOS after each, less the first
+    assert info["tokens"] >= 0.05 * total and taken <= 0.2 * total  # at least the fraction, never over the cap
+    assert info["tails"] == []  # enough whole documents: none is cut
     # the same documents in another order give the same slice (it depends on ids and texts, not positions)
     _, held2, info2 = holdout_split(list(reversed(docs)), tok, fraction=0.05, min_tokens=100)
     assert {d.id for d in held2} == {d.id for d in held} and info2["ids_sha256"] == info["ids_sha256"]
@@ -29,13 +31,56 @@ def test_holdout_split_is_deterministic_disjoint_and_sized():
     assert info3["tokens"] >= 300 and len(held3) < len(held) + 50
 
 
+def _ntok(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def test_holdout_split_edge_cases():
     tok = gpt2_tokenizer()
     docs = make_toy_docs(10, seed=1)
     assert holdout_split(docs, tok, fraction=0.0)[1] == []
-    assert holdout_split(docs[:1], tok)[1] == []
-    kept, held, _ = holdout_split(docs[:2], tok, fraction=0.5, min_tokens=10_000)
-    assert len(kept) >= 1  # never everything
+    # two documents, a goal far over the cap: the slice stops at 20% of the corpus and the datastore keeps the rest
+    kept, held, info = holdout_split(docs[:2], tok, fraction=0.5, min_tokens=10_000)
+    total = sum(_ntok(tok, d.text) for d in docs[:2])
+    assert 0 < info["text_tokens"] <= 0.2 * total and "short_of_minimum" in info
+    assert sum(_ntok(tok, d.text) for d in kept) >= 0.8 * total - 2
+
+
+def _one_file(n_docs: int = 60) -> str:
+    """One long text in paragraphs, like a .txt file of speeches."""
+    return "\n\n".join(d.text[:1].upper() + d.text[1:] + "." for d in make_toy_docs(n_docs, seed=3))
+
+
+def test_one_document_holds_out_its_tail_at_a_paragraph():
+    """A one-document corpus (a .txt file) is calibrated too: its tail is held out (nothing was, before)."""
+    tok = gpt2_tokenizer()
+    text = _one_file()
+    doc = Doc("speeches.txt", text)
+    total = _ntok(tok, text)
+    kept, held, info = holdout_split([doc], tok, fraction=0.05, min_tokens=200)
+    assert len(kept) == 1 and len(held) == 1 and info["whole_documents"] == 0
+    head, tail = kept[0].text, held[0].text
+    assert kept[0].id == "speeches.txt" and held[0].id == "speeches.txt#tail"
+    assert text.startswith(head) and text.endswith(tail) and len(head) + len(tail) <= len(text)
+    assert text[len(head) : len(text) - len(tail)].strip() == ""  # nothing lost between head and tail
+    cut = info["tails"][0]
+    assert cut["boundary"] == "paragraph" and text[: cut["from_char"]].endswith("\n\n")
+    assert info["tokens"] == _ntok(tok, tail) >= max(0.05 * total, 200)  # the goal is met ...
+    assert _ntok(tok, tail) <= 0.2 * total  # ... under the cap
+    # deterministic (a resumed build holds out the same tail), and the cut is part of the slice's identity
+    assert holdout_split([doc], tok, fraction=0.05, min_tokens=200)[2]["ids_sha256"] == info["ids_sha256"]
+    other = holdout_split([doc], tok, fraction=0.15, min_tokens=200)[2]
+    assert other["tails"][0]["from_char"] < cut["from_char"] and other["ids_sha256"] != info["ids_sha256"]
+
+
+def test_few_long_documents_top_up_with_the_longest_tail():
+    """Whole documents first; when they fall short of the goal (every one is over the cap), the longest's tail."""
+    tok = gpt2_tokenizer()
+    big, small = Doc("big", _one_file(60)), Doc("small", _one_file(20))
+    kept, held, info = holdout_split([small, big], tok, fraction=0.1, min_tokens=50)
+    assert [d.id for d in held] == ["big#tail"] and [d.id for d in kept] == ["small", "big"]
+    assert kept[0].text == small.text and big.text.startswith(kept[1].text)
+    assert info["tokens"] >= 0.1 * (_ntok(tok, big.text) + _ntok(tok, small.text))
 
 
 class _Fake:
@@ -128,11 +173,23 @@ def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm
     ts, q, _ = lm_scores(model, tok, held, [ds.key_spec], window=32, min_context=8, progress=False)
     add_neighbours(ts, q[ds.key_spec], ds, k=16, progress=False)
     assert len(ts) == cal["tokens"]
-    ppl = {(lam, t): perplexities(ts, lam=lam, temperature=t)["knn_ppl"] for lam in DEFAULT_LAMBDAS
-           for t in DEFAULT_TEMPERATURES}  # fmt: skip
+    grid = cal["grid"]  # memlm tune's grid, widened while the best value sat on its edge
+    assert set(DEFAULT_LAMBDAS) <= set(grid["lambdas"]) and set(DEFAULT_TEMPERATURES) <= set(grid["temperatures"])
+    ppl = {(lam, t): perplexities(ts, lam=lam, temperature=t)["knn_ppl"] for lam in grid["lambdas"]
+           for t in grid["temperatures"]}  # fmt: skip
     best = min(ppl.values())
     assert ppl[(cal["lambda"], cal["temperature"])] == pytest.approx(best, rel=1e-6)
     assert cal["knn_ppl"] == pytest.approx(best, rel=1e-6)
+    default_best = min(v for (lam, t), v in ppl.items() if lam in DEFAULT_LAMBDAS and t in DEFAULT_TEMPERATURES)
+    if grid["widened"] == 0:  # not widened: the best of the default grid is not on its τ edge
+        assert cal["temperature"] not in (min(DEFAULT_TEMPERATURES), max(DEFAULT_TEMPERATURES))
+    else:  # widened: because the default grid's best sat on its edge, and the wider grid does at least as well
+        assert best <= default_best
+        at = [t for (lam, t), v in ppl.items() if v == default_best and lam in DEFAULT_LAMBDAS]
+        assert at[0] in (min(DEFAULT_TEMPERATURES), max(DEFAULT_TEMPERATURES)) or cal["lambda"] < 0.01
+    # what the values were measured with is recorded: k, search, index (file, factory)
+    assert (cal["k"], cal["search"], cal["scores"]) == (16, "index", "index")
+    assert cal["index"]["file"] == "index.faiss" and cal["index"]["factory"]
 
 
 def test_sharded_build_is_calibrated_too(tmp_path, tiny_lm_dir):
@@ -152,3 +209,111 @@ def test_sharded_build_is_calibrated_too(tmp_path, tiny_lm_dir):
     assert cal["count"] == len(ds) and cal["k"] == 8
     assert json.loads((out / "shards.json").read_text())["calibration"] == cal
     assert knn_parameters(ds, announce=False)[:2] == (cal["lambda"], cal["temperature"])
+
+
+def test_rerun_with_another_holdout_is_refused(built, tmp_path):
+    """The held-out slice is part of the settings a rerun compares. It was ignored: a rerun with another --holdout,
+    or over a datastore built before --holdout existed, found 'nothing to do' and calibrated on a 'held-out' slice
+    that was in the datastore."""
+    import shutil
+
+    from memlm.folder import manifest_digest
+
+    root, ds, _, r = built
+    model_dir = r.args[r.args.index("--model") + 1]
+    rerun = ["datastore", "build", "--model", model_dir, "--corpus", str(root / "train.jsonl"), "--window", "32",
+             "--min-context", "8", "--calibration-k", "16"]  # fmt: skip
+    before = (ds / "manifest.json").read_bytes()
+    r2 = memlm(*rerun, "--out", str(ds), "--holdout", "0")
+    assert r2.returncode == 2 and "held-out slice" in r2.stderr and "-> none" in r2.stderr, r2.stderr
+    assert (ds / "manifest.json").read_bytes() == before
+    # --append of the same corpus with another slice adds nothing (the corpus is there; it would be stored twice)
+    r2 = memlm(*rerun, "--out", str(ds), "--holdout", "0", "--append")
+    assert r2.returncode == 0 and "nothing to append" in r2.stderr, r2.stderr
+    assert (ds / "manifest.json").read_bytes() == before
+    # a datastore built before --holdout existed: no slice recorded, no calibration
+    old = tmp_path / "old"
+    shutil.copytree(ds, old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["sources"][0]["holdout"], m["calibration"]
+    m["manifest_sha256"] = manifest_digest(m)
+    (old / "manifest.json").write_text(json.dumps(m))
+    r3 = memlm(*rerun, "--out", str(old), "--holdout", "0.1")
+    assert r3.returncode == 2 and "held-out slice none" in r3.stderr and "datastore calibrate" in r3.stderr, r3.stderr
+    assert "calibration" not in json.loads((old / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def onefile(tmp_path_factory, tiny_lm_dir):
+    """A datastore built from one .txt file (one document)."""
+    root = tmp_path_factory.mktemp("onefile")
+    (root / "speeches.txt").write_text(_one_file(120))
+    args = ["--model", str(tiny_lm_dir), "--corpus", str(root / "speeches.txt"), "--window", "32", "--min-context",
+            "8", "--calibration-k", "16"]  # fmt: skip
+    r = memlm("datastore", "build", *args, "--out", str(root / "ds"), "--holdout", "0.05")
+    assert r.returncode == 0, r.stderr
+    return root, root / "ds", args, r
+
+
+def test_one_file_corpus_is_calibrated_on_its_tail(onefile, tiny_lm):
+    """A one-document corpus gets a held-out tail (before: 'no calibration: nothing held out'), kept out of the
+    entries: none of its 16-token spans is in the datastore, while the head's all are."""
+    from memlm.datastore import Datastore
+    from memlm.knnlm.calibration import text_overlap
+
+    root, ds_path, _, r = onefile
+    assert "calibrated: λ=" in r.stderr and "no calibration" not in r.stderr, r.stderr
+    ds = Datastore.open(ds_path)
+    hold, cal = ds.manifest["sources"][0]["holdout"], ds.manifest["calibration"]
+    assert hold["documents"] == 1 and hold["tails"][0]["of"] == "speeches.txt"
+    assert cal["tokens"] == hold["tokens"] and cal["holdout_ids"] == hold["ids_sha256"]
+    _, tok = tiny_lm
+    text = (root / "speeches.txt").read_text().strip()
+    head, tail = Doc("h", text[: hold["tails"][0]["from_char"]]), Doc("t", text[hold["tails"][0]["from_char"] :])
+    shared, spans = text_overlap(ds, [tail], tok)
+    assert spans > 100 and shared == 0
+    shared, spans = text_overlap(ds, [head], tok)
+    assert shared >= 0.95 * spans
+
+
+def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, tmp_path):
+    """`--holdout 0` over a datastore built with a slice names the difference; `memlm datastore calibrate` refuses
+    the datastore's own text (whole or in part) and tunes on other text, which eval then reports; a run with another
+    k says so; the result's retrieval record holds the λ, τ and index used."""
+    import shutil
+
+    root, ds0, args, _ = onefile
+    r = memlm("datastore", "build", *args, "--out", str(ds0), "--holdout", "0")
+    assert r.returncode == 2 and "held-out slice" in r.stderr and "datastore calibrate" in r.stderr, r.stderr
+    ds = tmp_path / "ds"
+    shutil.copytree(ds0, ds)
+    model = args[args.index("--model") + 1]
+    r = memlm("datastore", "calibrate", str(ds), "--model", model, "--corpus", str(root / "speeches.txt"))
+    assert r.returncode == 2 and "is the corpus datastore" in r.stderr, r.stderr
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "speeches.txt").write_text((root / "speeches.txt").read_text()[:3000])
+    r = memlm("datastore", "calibrate", str(ds), "--model", model, "--corpus", str(tmp_path / "part"))
+    assert r.returncode == 2 and "-token spans" in r.stderr and "are in datastore" in r.stderr, r.stderr
+    (tmp_path / "other.txt").write_text("\n\n".join(d.text for d in make_toy_docs(30, seed=99)))
+    r = memlm("datastore", "calibrate", str(ds), "--model", model, "--corpus", str(tmp_path / "other.txt"), "--k",
+              "16")  # fmt: skip
+    assert r.returncode == 0 and "calibrated: λ=" in r.stderr, r.stderr
+    cal = json.loads((ds / "manifest.json").read_text())["calibration"]
+    assert cal["text"]["named"] and cal["text"]["corpus"] == str(tmp_path / "other.txt") and cal["k"] == 16
+    common = ["eval", "--corpus", str(tmp_path / "other.txt"), "--datastore", str(ds), "--window", "32",
+              "--min-context", "8", "--cache", "--cache-lambda", "0.05"]  # fmt: skip
+    r = memlm(*common, "--k", "16", "--json", str(tmp_path / "a.json"))
+    assert r.returncode == 0 and "named with memlm datastore calibrate" in r.stderr and "note:" not in r.stderr
+    ret = json.loads((tmp_path / "a.json").read_text())["retrieval"]
+    assert (ret["lam"], ret["temperature"]) == (cal["lambda"], cal["temperature"])  # were None
+    assert ret["cache_lambda"] == 0.05 and ret["index"] == str(ds / "index.faiss")  # were 0.0 and absent
+    r = memlm(*common, "--k", "8")
+    assert r.returncode == 0 and "note: this run uses k=8 (calibrated with k=16)" in r.stderr, r.stderr
+    # another index swapped in by `memlm index build` (it was used without a word)
+    r = memlm("index", "build", str(ds), "--factory", "IVF4,Flat")
+    assert r.returncode == 0, r.stderr
+    r = memlm(*common, "--k", "16")
+    assert (
+        r.returncode == 0
+        and "note: this run uses index index.faiss (IVF4,Flat) (calibrated on index.faiss (Flat))" in r.stderr
+    ), r.stderr

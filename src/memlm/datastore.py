@@ -110,6 +110,7 @@ def _settings(config: dict[str, Any]) -> dict[str, Any]:
         "split": src.get("split"),
         "max-tokens": src.get("max_tokens"),
         "corpus content": src.get("fingerprint"),
+        "held-out slice": describe_holdout(src) if "holdout" in src else None,
     }
 
 
@@ -132,8 +133,31 @@ def _manifest_settings(manifest: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def _same_source(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def holdout_key(source: dict[str, Any]) -> str | None:
+    """The identity of the slice a source held out of the datastore (``None``: nothing held out, e.g. a datastore
+    built before ``--holdout`` existed or with ``--holdout 0``). Two builds with equal corpora and equal keys put the
+    same text into the datastore (:func:`memlm.knnlm.calibration.holdout_split` is deterministic)."""
+    hold = source.get("holdout") or {}
+    return str(hold.get("ids_sha256")) if hold.get("documents") else None
+
+
+def describe_holdout(source: dict[str, Any]) -> str:
+    """The held-out slice of a source in words, for messages."""
+    hold = source.get("holdout") or {}
+    if not hold.get("documents"):
+        return "none (all of the corpus is in the datastore)"
+    n = hold["documents"]
+    return f"{hold.get('tokens', 0):,} tokens of {n} document{'s' if n != 1 else ''} (--holdout {hold.get('fraction')})"
+
+
+def _same_corpus(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same corpus, split, --max-tokens and text (an --append of it would add it twice, whatever its slice)."""
     return all(a.get(k) == b.get(k) for k in ("corpus", "split", "max_tokens", "fingerprint"))
+
+
+def _same_source(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same corpus, split, --max-tokens, text and held-out slice: the same entries."""
+    return _same_corpus(a, b) and holdout_key(a) == holdout_key(b)
 
 
 def _source_diff(sources: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
@@ -146,7 +170,11 @@ def _source_diff(sources: list[dict[str, Any]], source: dict[str, Any]) -> list[
             for name, k in (("corpus", "corpus"), ("split", "split"), ("max-tokens", "max_tokens"))
             if old.get(k) != source.get(k)
         ]
-        return out or [f"corpus content {old.get('fingerprint')} -> {source.get('fingerprint')} (the text changed)"]
+        if not out and old.get("fingerprint") != source.get("fingerprint"):
+            out.append(f"corpus content {old.get('fingerprint')} -> {source.get('fingerprint')} (the text changed)")
+        if holdout_key(old) != holdout_key(source):
+            out.append(f"held-out slice {describe_holdout(old)} -> {describe_holdout(source)}")
+        return out
     have = ", ".join(f"{s.get('corpus')}/{s.get('split')}" for s in sources)
     return [f"corpus {source.get('corpus')}/{source.get('split')} is not one of its sources ({have})"]
 
@@ -446,9 +474,13 @@ def _build_locked(
         if not append:
             diff += _source_diff(existing.manifest["sources"], source)
             if diff:
+                if all(d.startswith("held-out slice") for d in diff):  # same text, another slice held out of it
+                    fix = (f"{how} (the entries hold the text this slice would calibrate on); to calibrate it as it "
+                           f"is, name text outside it: `memlm datastore calibrate {out} --corpus FILE`")  # fmt: skip
+                else:
+                    fix = f"{how}, or --append to add this corpus to it"
                 raise MemlmError(
-                    f"{out} already holds a datastore built with other settings ({'; '.join(diff)}): {how}, "
-                    "or --append to add this corpus to it"
+                    f"{out} already holds a datastore built with other settings ({'; '.join(diff)}): {fix}"
                 )
             print(f"datastore {out} already built ({len(existing)} entries); nothing to do", file=sys.stderr)
             return existing
@@ -458,7 +490,7 @@ def _build_locked(
                 "datastore's own model, key, window and min-context, or use a new --out"
             )
         existing.check_compatible(model, tokenizer, key)
-        if any(_same_source(s, source) for s in existing.manifest["sources"]):
+        if any(_same_corpus(s, source) for s in existing.manifest["sources"]):
             print(f"datastore {out} already holds this corpus ({len(existing)} entries); nothing to append",
                   file=sys.stderr)  # fmt: skip
             return existing

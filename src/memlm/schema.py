@@ -13,6 +13,7 @@ The formats, and where they are read:
 
 * ``DATASTORE_MANIFEST``: a datastore's ``manifest.json`` (:meth:`memlm.datastore.Datastore.open`, the index
   identity check of :func:`memlm.index.load_index`).
+* ``CALIBRATION``: the ``calibration`` record of a datastore's manifest (and of a sharded one's ``shards.json``).
 * ``DATASTORE_PROGRESS``: a datastore's ``progress.json`` (resuming :func:`memlm.datastore.build_datastore`).
 * ``INDEX_META``: ``index.faiss.json`` beside a FAISS index (:func:`memlm.index.read_index_meta`, ``load_index``).
 * ``PHRASE_MANIFEST``, ``PHRASE_PROGRESS``, ``PHRASE_DOCS``: an NPM phrase index's ``manifest.json``,
@@ -36,6 +37,7 @@ from memlm.errors import MemlmError
 __all__ = [
     "AnyValue",
     "Bool",
+    "CALIBRATION",
     "DATASTORE_MANIFEST",
     "DATASTORE_PROGRESS",
     "INDEX_META",
@@ -96,15 +98,21 @@ class Int(Schema):
 
 @dataclass(frozen=True)
 class Num(Schema):
-    """A finite number (int or float, not a bool) >= ``min``."""
+    """A finite number (int or float, not a bool) >= ``min``, <= ``max`` and > ``above`` (each when given)."""
 
     min: float | None = None
+    max: float | None = None
+    above: float | None = None
 
     def check(self, value: Any, where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise SchemaError(where, f"expected a finite number, got {_show(value)}")
         if self.min is not None and value < self.min:
             raise SchemaError(where, f"expected a number >= {self.min}, got {value}")
+        if self.max is not None and value > self.max:
+            raise SchemaError(where, f"expected a number <= {self.max}, got {value}")
+        if self.above is not None and value <= self.above:
+            raise SchemaError(where, f"expected a number > {self.above}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -219,6 +227,24 @@ _IDENTITY = Obj(
     }  # fmt: skip
 )
 
+#: a datastore's calibrated λ and τ (memlm.knnlm.calibration): λ a probability, τ a positive temperature
+CALIBRATION = Obj(
+    required={
+        "lambda": Num(min=0, max=1),
+        "temperature": Num(above=0),
+        "k": Int(min=1),
+        "tokens": Int(min=1),
+        "count": Int(min=0),
+        "base_ppl": Num(min=0),
+        "knn_ppl": Num(min=0),
+    },
+    optional={
+        "nprobe": Int(min=1),
+        "search": Str(choices=("index", "exact")),
+        "scores": Str(choices=("index", "exact")),
+    },
+)
+
 DATASTORE_MANIFEST = Obj(
     required={
         "format_version": Int(),
@@ -240,17 +266,7 @@ DATASTORE_MANIFEST = Obj(
         "build_seconds": Num(min=0),
         "stride": Int(),
         "subsample": Obj(),
-        "calibration": Obj(
-            required={
-                "lambda": Num(min=0),
-                "temperature": Num(min=0),
-                "k": Int(min=1),
-                "tokens": Int(min=1),
-                "count": Int(min=0),
-                "base_ppl": Num(min=0),
-                "knn_ppl": Num(min=0),
-            }
-        ),
+        "calibration": CALIBRATION,
     },
 )
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from memlm import __version__
+from memlm import __version__, schema
 from memlm.datastore import FOLDER, Datastore, build_datastore
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
@@ -453,8 +453,9 @@ class ShardedDatastore:
             sources=[state["config"]["source"]],
             sharded={"shards": len(shards), "offsets": offsets.tolist(), "plan": state["plan"]},
         )
-        if isinstance(state.get("calibration"), dict):
-            manifest["calibration"] = state["calibration"]
+        if state.get("calibration") is not None:
+            fix = "rerun `memlm datastore calibrate` on it, or remove the calibration from the file"
+            manifest["calibration"] = schema.check(state["calibration"], schema.CALIBRATION, sp, "calibration", fix)
         arrays = {n: ShardedArray([getattr(s, n) for s in shards]) for n in ("keys", "values", "doc_hash", "offset")}
         return cls(path, manifest, shards, offsets, ray=ray, **arrays)
 

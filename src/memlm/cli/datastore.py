@@ -11,7 +11,7 @@ from memlm import validate as V
 from memlm.cli import common
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
 from memlm.errors import MemlmError
-from memlm.knnlm.calibration import calibrate, holdout_split
+from memlm.knnlm.calibration import OVERLAP_LIMIT, OVERLAP_NGRAM, calibrate, holdout_split, text_overlap
 from memlm.locking import folder_lock
 
 # memlm.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands (common.py)
@@ -29,7 +29,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         model.to(args.device)
     V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
-    docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
+    docs, held_out, source["holdout"] = _holdout(docs, tok, args)
     with folder_lock(args.out, "build a datastore"):  # held through the index build too
         ds = build_datastore(
             model,
@@ -49,23 +49,92 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         _calibrate(model, tok, ds, held_out, source["holdout"], args)
 
 
+def _holdout(docs, tok, args: argparse.Namespace):
+    """memlm.knnlm.calibration.holdout_split with the build's --holdout and windows (the slice is counted in the
+    tokens its calibration scores)."""
+    from memlm.windows import resolve_stride
+
+    w = window_kwargs(args)
+    stride, _ = resolve_stride(w["window"], None if w["stride"] is not None else w["min_context"], w["stride"])
+    return holdout_split(docs, tok, args.holdout, window=w["window"], stride=stride, block_start=w["block_start"])
+
+
 def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace) -> None:
     """Tune λ and τ on the build's held-out slice and record them with the datastore (memlm.knnlm.calibration)."""
+    from memlm.datastore import holdout_key
+
     if not held_out:
-        print(f"no calibration: nothing held out ({holdout.get('reason')}); eval falls back to λ=0.25, τ=1",
+        print(f"no calibration: nothing held out ({holdout.get('reason')}); eval falls back to λ=0.25, τ=1 unless "
+              f"you calibrate on text outside the datastore: `memlm datastore calibrate {ds.path} --corpus FILE`",
               file=sys.stderr)  # fmt: skip
         return
+    if not any(holdout_key(s) == holdout.get("ids_sha256") for s in ds.manifest.get("sources", [])):
+        raise MemlmError(  # build_datastore compares the slice, so this is a safety net, never a normal path
+            f"datastore {ds.path} records no source with this held-out slice: it may hold that text; not calibrating"
+        )
     cal = ds.manifest.get("calibration")
+    if cal is not None and cal.get("count") == len(ds) and (cal.get("text") or {}).get("named"):
+        print(f"calibration on {cal['text'].get('corpus')} (memlm datastore calibrate) kept: λ={cal['lambda']:g}, "
+              f"τ={cal['temperature']:g}", file=sys.stderr)  # fmt: skip
+        return
     if cal is not None and cal.get("count") == len(ds) and cal.get("holdout_ids") == holdout.get("ids_sha256"):
         print(f"calibration already recorded: λ={cal['lambda']:g}, τ={cal['temperature']:g}", file=sys.stderr)
         return
-    print(f"calibrating λ and τ on {holdout['tokens']:,} held-out tokens ({holdout['documents']} documents)",
-          file=sys.stderr)  # fmt: skip
-    cal = calibrate(model, tok, ds, held_out, k=args.calibration_k, batch_size=args.batch_size)
+    if holdout.get("short_of_minimum"):
+        print(f"note: {holdout['short_of_minimum']}", file=sys.stderr)
+    n, tails = holdout["documents"], len(holdout.get("tails") or [])
+    what = f"{n} document{'s' if n != 1 else ''}" + (f", {tails} of them a document's tail" if tails else "")
+    print(f"calibrating λ and τ on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
+    text = {"held_out": True, "documents": holdout["documents"], "ids_sha256": holdout.get("ids_sha256")}
+    cal = calibrate(model, tok, ds, held_out, k=args.calibration_k, batch_size=args.batch_size, text=text)
     cal["holdout_ids"] = holdout.get("ids_sha256")
     ds.record_calibration(cal)
+    _say_calibrated(cal, ds)
+
+
+def _say_calibrated(cal: dict, ds) -> None:
+    edge = cal["grid"]["on_edge"]
     print(f"calibrated: λ={cal['lambda']:g}, τ={cal['temperature']:g} (held-out ppl {cal['base_ppl']:.3f} -> "
-          f"{cal['knn_ppl']:.3f}); recorded in {ds.path}", file=sys.stderr)  # fmt: skip
+          f"{cal['knn_ppl']:.3f}; k={cal['k']}, {cal['search']} search"
+          + (f", still on the grid's edge in {', '.join(edge)}" if edge else "")
+          + f"); recorded in {ds.path}", file=sys.stderr)  # fmt: skip
+
+
+def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
+    """``memlm datastore calibrate DS --corpus FILE``: λ and τ tuned on text the user names, outside the datastore."""
+    from memlm.sharded import open_datastore
+
+    ds = open_datastore(args.dir)
+    model, tok = common._load_model(args.model or ds.model_name or common.DEFAULT_MODEL, args.dtype)
+    ds.check_compatible(model, tok)
+    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    if not docs:
+        raise MemlmError(f"corpus {args.corpus} ({args.split}) has no text to calibrate on")
+    own = [s for s in ds.manifest.get("sources", []) if s.get("fingerprint") == source["fingerprint"]]
+    if own:
+        raise MemlmError(
+            f"{args.corpus} is the corpus datastore {ds.path} was built from (same text): calibrate on text outside "
+            "the datastore, e.g. a valid split or a held-back file"
+        )
+    shared, spans = text_overlap(ds, docs, tok)
+    if spans and shared > OVERLAP_LIMIT * spans:
+        raise MemlmError(
+            f"{shared:,} of the {spans:,} {OVERLAP_NGRAM}-token spans of {args.corpus} ({shared / spans:.1%}) are in "
+            f"datastore {ds.path}: its λ, τ would be tuned on text it holds; calibrate on text outside it (at most "
+            f"{OVERLAP_LIMIT:.0%} shared)"
+        )
+    text = {"named": True, **{k: source[k] for k in ("corpus", "split", "max_tokens", "fingerprint", "documents")},
+            "shared_spans": [shared, spans]}  # fmt: skip
+    with folder_lock(args.dir, "calibrate a datastore"):
+        old = ds.manifest.get("calibration")
+        cal = calibrate(model, tok, ds, docs, k=args.k, nprobe=args.nprobe, batch_size=args.batch_size, text=text)
+        if cal["tokens"] < 4096:
+            print(f"note: {cal['tokens']:,} tokens to calibrate on, fewer than the 4,096 a build holds out",
+                  file=sys.stderr)  # fmt: skip
+        ds.record_calibration(cal)
+    if old is not None:
+        print(f"replaced the calibration λ={old['lambda']:g}, τ={old['temperature']:g}", file=sys.stderr)
+    _say_calibrated(cal, ds)
 
 
 def _ensure_index(ds, factory: str | None, metric: str) -> None:
@@ -96,7 +165,7 @@ def _build_sharded(args: argparse.Namespace) -> None:
 
     model, tok = common._load_model(args.model, "float32" if args.ray else args.dtype)  # Ray workers load their own
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
-    docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
+    docs, held_out, source["holdout"] = _holdout(docs, tok, args)
     ds = build_sharded(
         args.model if args.ray else model,
         docs,
@@ -151,7 +220,8 @@ def cmd_datastore_info(args: argparse.Namespace) -> None:
         if args.verify:
             print(f"checksums OK ({ds.checksum()[:16]}): every shard's manifest, sizes and full SHA-256")
         return
-    info = {k: m[k] for k in ("model", "tokenizer", "key", "count", "window", "min_context", "sources") if k in m}
+    keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "calibration")
+    info = {k: m[k] for k in keys if k in m}
     info["build_id"] = m.get("build_id")
     problem = ds.index_problem()
     if not ds.index_path.exists():
@@ -235,12 +305,19 @@ def add_parsers(sub) -> None:
         "--holdout",
         type=V.holdout_fraction,
         default=0.02,
-        help="share of the corpus's tokens held out of the datastore (deterministic documents, at least 4,096 "
-        "tokens) to tune λ and τ on after the build; recorded in the manifest and used by eval, generate and "
-        "lm-eval when no --lambda/--temperature is given (default 0.02; 0 = none)",
+        help="share of the corpus's tokens held out of the datastore to tune λ and τ on after the build (default "
+        "0.02; 0 = none). The slice holds max(share, 4,096) scored tokens but never more than 20%% of the corpus: "
+        "whole documents first (in the order of a hash of id and text), then, when that falls short (one .txt file, "
+        "a few long documents), the tail of the longest document(s), at most half of each, cut where a paragraph "
+        "(else a line, sentence, word) starts; the head stays in the datastore. Deterministic (a rerun resumes), "
+        "recorded in the manifest (sources[].holdout) and part of the settings a rerun compares; eval, generate and "
+        "lm-eval use the tuned values when no --lambda/--temperature is given",
     )
     b.add_argument(
-        "--calibration-k", type=V.neighbours, default=1024, help="neighbours per held-out token (default 1024)"
+        "--calibration-k",
+        type=V.neighbours,
+        default=1024,
+        help="neighbours per held-out token (default 1024, as memlm eval; runs with another k are told so)",
     )
     b.add_argument("--factory", default=None, help="FAISS factory string (default: chosen from the datastore size)")
     b.add_argument("--metric", default="l2", choices=["l2", "ip"])
@@ -254,6 +331,17 @@ def add_parsers(sub) -> None:
     add_ray(b, "build the shards as Ray tasks")
     b.add_argument("--cpus-per-worker", type=V.positive_int, default=1, help="CPUs (torch threads) per Ray build task")
     b.set_defaults(func=cmd_datastore_build)
+    c = ds.add_parser(
+        "calibrate",
+        help="tune a datastore's default λ and τ on text you name (outside it), e.g. one built without --holdout",
+    )
+    c.add_argument("dir", type=V.existing_dir, help="the datastore folder")
+    add_model(c)
+    add_corpus(c, "valid")
+    c.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token (default 1024, as memlm eval)")
+    c.add_argument("--nprobe", type=V.positive_int, default=32)
+    c.add_argument("--batch-size", type=V.positive_int, default=4)
+    c.set_defaults(func=cmd_datastore_calibrate)
     i = ds.add_parser("info", help="print a datastore's manifest")
     i.add_argument("dir", type=V.existing_dir)
     i.add_argument(

@@ -64,7 +64,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"wrote {args.dump}", file=sys.stderr)
     lam, temperature, origin = 0.0, args.temperature or 1.0, None
     if ds is not None:
-        lam, temperature, origin = knn_parameters(ds, args.lam, args.temperature)
+        setting = {k: getattr(args, k) for k in ("k", "search", "scores", "nprobe", "index")}  # noticed if uncalibrated
+        lam, temperature, origin = knn_parameters(ds, args.lam, args.temperature, setting=setting)
         if args.cache and args.lam is None and lam + args.cache_lambda > 1:
             lam = 1.0 - args.cache_lambda  # the calibrated λ was tuned without the cache: leave the cache its weight
             print(f"λ lowered to {lam:g} so that λ + --cache-lambda <= 1", file=sys.stderr)
@@ -83,7 +84,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
         **{
             k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
         },
-        retrieval=ts.meta["retrieval"],
+        retrieval={  # the values this result used (score_tokens records the search; λ, τ are chosen here)
+            **ts.meta["retrieval"],
+            **({"lam": res.get("lambda", lam), "temperature": temperature} if ds is not None else {}),
+            "cache_lambda": res.get("cache_lambda", args.cache_lambda if args.cache else 0.0),
+            "cache_temperature": args.cache_temperature,
+        },
     )
     _print_result(res)
     write_json(args.json, res)
@@ -137,7 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     ds = open_datastore(args.datastore, ray=args.ray)
     model, tok = common._load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
     ds.check_compatible(model, tok)
-    lam, temperature, _ = knn_parameters(ds, args.lam, args.temperature)
+    lam, temperature, _ = knn_parameters(ds, args.lam, args.temperature, setting={"k": args.k, "search": "index"})
     torch.manual_seed(args.seed)
     knn = KNNLogitsProcessor(model, ds, k=args.k, lam=lam, temperature=temperature, record=args.show_neighbours > 0)
     lookup = SourceLookup(ds, tok) if args.show_neighbours > 0 else None

@@ -34,6 +34,7 @@ class RetrievalConfig:
     search: str = "index"  # "index" (FAISS, approximate) | "exact" (all keys)
     scores: str = "index"  # "index" | "exact" (recomputed from the stored keys)
     nprobe: int = 32
+    index: str | None = None  # the index file searched (None: exact search, or not recorded)
     metric: str | None = None  # None: the index's
     drop_self_matches: bool = False
     window: int | None = None

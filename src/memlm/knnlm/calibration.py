@@ -4,11 +4,17 @@ A kNN-LM's perplexity depends on the interpolation weight λ and the softmax tem
 2020 tune λ on validation text; Xu et al. 2023, Sec. 3.4, show how much τ matters). No fixed default suits every
 datastore (issue 16 reports, on 92k tokens of speeches, -1.5% perplexity with the old defaults λ = 0.25, τ = 1 and -6.5%
 tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/BENCHMARKS.md). So ``memlm datastore
-build`` holds out a small deterministic slice of its documents (:func:`holdout_split`: 2% of the tokens, at least 4,096
-tokens, never more than 20%), builds the datastore from the rest, then scores the slice with the new datastore and grid-
-searches λ and τ on it (:func:`calibrate`); the result is recorded with the datastore (``manifest.json`` →
-``calibration``). ``memlm eval``, ``generate``, the lm-eval adapter and the Python API take those values when none are
-given (:func:`knn_parameters`) and say which they used and where they came from.
+build`` holds out a small deterministic slice of its corpus (:func:`holdout_split`: 2% of the tokens, at least 4,096,
+never more than 20%; whole documents first, then, for a corpus of one document or a few long ones, the tails of the
+longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the rest, then scores
+the slice with the new datastore and grid-searches λ and τ on it, widening the grid while the best value sits on its
+edge (:func:`calibrate`); the result, with what it was measured with (k, search and score mode, nprobe, index file and
+factory), is recorded with the datastore (``manifest.json`` → ``calibration``). The slice is part of the build's
+settings: a rerun with another ``--holdout`` (or over a datastore built without one) is refused, never calibrated on
+text inside the datastore; such a datastore is calibrated on text the user names (``memlm datastore calibrate DS
+--corpus FILE``). ``memlm eval``, ``generate``, the lm-eval adapter and the Python API take those values when none are
+given (:func:`knn_parameters`), say which they used and where they came from, and add one notice when they search with
+another k, mode or index than the calibration did.
 
 The slice is in-domain text the datastore has not seen, so its λ/τ are a good default for text like the datastore's
 corpus. For text from another domain (domain adaptation, or a datastore much larger than the slice's context), tune on
@@ -17,10 +23,16 @@ target-domain text instead: ``memlm eval --dump`` on a valid split, then ``memlm
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
+import json
+import math
+import re
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
@@ -32,12 +44,17 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "holdout_split",
     "calibrate",
+    "calibration_mismatch",
+    "index_identity",
     "knn_parameters",
+    "tune_widening",
 ]
 
 HOLDOUT_FRACTION = 0.02
 HOLDOUT_MIN_TOKENS = 4096
 HOLDOUT_MAX_SHARE = 0.2  # the slice never takes more than this share of the corpus's tokens
+MIN_TAIL_TOKENS = 16  # a document is not cut for a shorter tail
+HOLDOUT_RULE = "whole documents in sha256(id, text) order, then tails of the longest documents cut at a boundary"
 DEFAULT_LAMBDA, DEFAULT_TEMPERATURE = 0.25, 1.0  # the fallback when a datastore has no calibration
 
 
@@ -46,31 +63,103 @@ def _rank(doc) -> str:
     return hashlib.sha256(f"memlm-holdout-v1\n{doc.id}\n{doc.text}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
+#: where a tail may start, best first: after a blank line, after a line break, after a sentence's end, after a space
+_BOUNDARIES = (
+    ("paragraph", re.compile(r"\n[ \t]*\n\s*")),
+    ("line", re.compile(r"\n\s*")),
+    ("sentence", re.compile(r"[.!?][\"'\u201d\u2019)\]]*\s+")),
+    ("word", re.compile(r"\s+")),
+)
+
+
+def _with_text(doc, doc_id: str, text: str, meta: dict[str, Any]):
+    """A copy of ``doc`` with another id, text and meta (dataclasses such as :class:`memlm.corpora.Document`)."""
+    if dataclasses.is_dataclass(doc):
+        fields = {f.name for f in dataclasses.fields(doc)}
+        return dataclasses.replace(doc, id=doc_id, text=text, **({"meta": meta} if "meta" in fields else {}))
+    out = copy.copy(doc)
+    out.id, out.text = doc_id, text
+    return out
+
+
+def _cut_tail(text: str, n_tokens: int, goal: int, most: int, must_reach: bool, tokenizer) -> tuple[int, int, str]:
+    """``(p, tokens, boundary)``: the tail ``text[p:]`` holds ``tokens`` tokens, in ``[goal, most]`` when it can
+    (``must_reach``: at least ``goal``; else at most ``most`` and as close to ``goal`` as a boundary allows), and
+    starts at the best boundary (:data:`_BOUNDARIES`) near the position that gives ``goal`` tokens."""
+
+    def count(p: int) -> int:
+        return len(tokenizer(text[p:], add_special_tokens=False)["input_ids"])
+
+    cpt = len(text) / max(n_tokens, 1)  # characters per token
+    p0 = max(1, len(text) - int(goal * cpt))
+    for _ in range(8):  # the character position whose tail holds about ``goal`` tokens
+        c = count(p0)
+        if goal <= c <= goal + max(4, goal // 100):
+            break
+        step = int((goal - c) * cpt * (1.05 if c < goal else 0.95)) or (1 if c < goal else -1)
+        p0 = min(max(1, p0 - step), len(text) - 1)
+    back = int(min(most - goal, goal // 4) * cpt)  # earlier starts give more tokens, up to ``most``
+    fwd = 0 if must_reach else int(goal // 4 * cpt)
+    lo, hi = max(1, p0 - back), min(len(text) - 1, p0 + fwd)
+    for name, pattern in _BOUNDARIES:
+        starts = [m.end() for m in pattern.finditer(text, max(0, lo - 8), hi + 1) if lo <= m.end() <= hi]
+        for p in sorted(starts, key=lambda s: (abs(s - p0), s)):  # the nearest first, then the earlier
+            c = count(p)
+            if c <= most and (c >= goal or not must_reach):
+                return p, c, name
+    c = count(p0)
+    while must_reach and c < goal and p0 > 1:  # no boundary fits: cut inside a word, still reaching the goal
+        p0 = max(1, p0 - max(1, int((goal - c) * cpt)))
+        c = count(p0)
+    return p0, c, "none"
+
+
 def holdout_split(
     documents: Sequence,
     tokenizer,
     fraction: float = HOLDOUT_FRACTION,
     min_tokens: int = HOLDOUT_MIN_TOKENS,
+    window: int | None = None,
+    stride: int | None = None,
+    block_start: str = "skip",
 ) -> tuple[list, list, dict[str, Any]]:
-    """``(kept, held_out, info)``: documents for the datastore, documents for calibration, and what was held out.
+    """``(kept, held_out, info)``: documents for the datastore, text for calibration, and what was held out.
 
-    Documents are taken in the order of :func:`_rank` until the slice holds ``max(fraction * total, min_tokens)``
-    tokens, without passing ``HOLDOUT_MAX_SHARE`` of the corpus and leaving at least one document; ``kept`` keeps the
-    corpus order. ``fraction = 0`` or fewer than two documents hold nothing out (``info["documents"] == 0`` and
-    ``info["reason"]`` says why). The same documents always give the same split, so an interrupted build resumes.
+    The slice's goal is ``max(fraction * T, min_tokens)`` scored tokens, ``T`` the corpus's tokens, never more than
+    ``HOLDOUT_MAX_SHARE * T`` (so a corpus under ``min_tokens / HOLDOUT_MAX_SHARE`` tokens holds out that share, fewer
+    than ``min_tokens``; ``info["short_of_minimum"]`` then says so). The rule (:data:`HOLDOUT_RULE`):
+
+    1. whole documents, in the order of :func:`_rank`, while they fit under the cap and leave one document;
+    2. if the slice is still short of its goal (a corpus of one document, or of a few long ones), the tails of the
+       longest remaining documents (ties in :func:`_rank` order), at most half of each: a document is cut where a
+       paragraph starts (else a line, a sentence, a word) near the point that completes the goal; its head stays in
+       the datastore (same id), its tail is held out (id ``ID#tail``).
+
+    "Scored tokens" are counted as the calibration scores them: the documents' tokens with an EOS after each, less
+    the first token of the stream (``window``/``stride``/``block_start`` as the build's; non-overlapping blocks skip
+    each block's first token). ``kept`` keeps the corpus order. ``fraction = 0`` (or no documents) holds nothing out
+    (``info["documents"] == 0``, ``info["reason"]`` says why). The same documents always give the same split, so an
+    interrupted build resumes; ``info["ids_sha256"]`` identifies the slice (documents and cut points).
     """
     if not 0.0 <= fraction < 1.0:
         raise MemlmError(f"--holdout must be in [0, 1), got {fraction}")
     docs = list(documents)
-    info: dict[str, Any] = {"fraction": fraction, "min_tokens": min_tokens, "selection": "sha256(id, text) order"}
-    if fraction == 0 or len(docs) < 2:
-        reason = "--holdout 0" if fraction == 0 else "fewer than two documents"
+    info: dict[str, Any] = {"fraction": fraction, "min_tokens": min_tokens, "rule": HOLDOUT_RULE}
+    if fraction == 0 or not docs:
+        reason = "--holdout 0" if fraction == 0 else "no documents"
         return docs, [], {**info, "documents": 0, "tokens": 0, "reason": reason}
     lengths = [len(ids) for ids in tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]]
     total = sum(lengths)
     want, cap = max(fraction * total, min_tokens), HOLDOUT_MAX_SHARE * total
+
+    def scored(stream: int) -> int:  # scored targets of a stream of ``stream`` tokens (windows.count_targets)
+        if window is not None and stride == window:
+            return stream if block_start == "bos" else stream - -(-stream // window)
+        return max(stream - 1, 0)
+
+    # 1. whole documents (unchanged since the first --holdout: the same slice whenever this reaches the goal)
     chosen: set[int] = set()
-    taken = 0
+    taken = 0  # text tokens held out (no EOS)
     for i in sorted(range(len(docs)), key=lambda i: _rank(docs[i])):
         if taken >= want or len(chosen) == len(docs) - 1:
             break
@@ -78,12 +167,108 @@ def holdout_split(
             continue  # too long for the slice: try a shorter one
         chosen.add(i)
         taken += lengths[i]
-    if not chosen:
-        return docs, [], {**info, "documents": 0, "tokens": 0, "reason": "every document is over the slice's cap"}
-    kept = [d for i, d in enumerate(docs) if i not in chosen]
-    held = [d for i, d in enumerate(docs) if i in chosen]
-    ids = hashlib.sha256("\n".join(sorted(d.id for d in held)).encode()).hexdigest()[:16]
-    return kept, held, {**info, "documents": len(held), "tokens": taken, "corpus_tokens": total, "ids_sha256": ids}
+    # 2. tails of the longest remaining documents
+    pieces = len(chosen)
+    cuts: dict[int, dict[str, Any]] = {}
+    for i in sorted(set(range(len(docs))) - chosen, key=lambda i: (-lengths[i], _rank(docs[i]))):
+        if scored(taken + pieces) >= want or taken >= cap:
+            break
+        need = max(1, int(math.ceil(want)) - scored(taken + pieces + 1))  # text tokens that complete the goal
+        while scored(taken + pieces + 1 + need) < want:
+            need += max(1, int(want) - scored(taken + pieces + 1 + need))
+        most = min(int(cap - taken), lengths[i] // 2)
+        if most < MIN_TAIL_TOKENS:
+            continue  # too short a tail to be worth a cut
+        goal = min(need, most)
+        p, n, boundary = _cut_tail(docs[i].text, lengths[i], goal, most, goal == need, tokenizer)
+        if not 0 < n <= most or not docs[i].text[:p].strip():
+            continue
+        cuts[i] = {"of": docs[i].id, "from_char": p, "tokens": n, "boundary": boundary}
+        taken += n
+        pieces += 1
+    if not pieces:
+        reason = "fewer than two documents" if len(docs) < 2 else "every document is over the slice's cap"
+        return docs, [], {**info, "documents": 0, "tokens": 0, "reason": reason}
+    kept, held, tails = [], [], []
+    for i, d in enumerate(docs):
+        if i in chosen:
+            held.append(d)
+        elif i in cuts:
+            p, meta = cuts[i]["from_char"], dict(getattr(d, "meta", None) or {})
+            kept.append(_with_text(d, d.id, d.text[:p].rstrip(), {**meta, "holdout_tail_from_char": p}))
+            tails.append(_with_text(d, f"{d.id}#tail", d.text[p:], {**meta, "holdout_tail_of": d.id, "from_char": p}))
+        else:
+            kept.append(d)
+    held += tails
+    key = "\n".join(sorted(d.id for d in held if d.id not in {t.id for t in tails}))
+    if cuts:  # the cut points are part of the slice's identity (a slice without tails hashes as before)
+        key += "".join(f"\n{c['of']}@{c['from_char']}" for c in sorted(cuts.values(), key=lambda c: c["of"]))
+    tokens = scored(taken + pieces)
+    out = {**info, "documents": len(held), "whole_documents": len(chosen), "tails": list(cuts.values()),
+           "tokens": tokens, "text_tokens": taken, "corpus_tokens": total,
+           "ids_sha256": hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]}  # fmt: skip
+    if tokens < want:
+        out["short_of_minimum"] = (
+            f"{tokens:,} held-out tokens, under the goal of {int(want):,}: the slice is capped at "
+            f"{HOLDOUT_MAX_SHARE:.0%} of this corpus's {total:,} tokens"
+        )
+    return kept, held, out
+
+
+def index_identity(datastore, index_path: str | Path | None = None) -> dict[str, Any] | None:
+    """What identifies the index a datastore is searched with: its file (a name inside the datastore's folder, else
+    the path), factory, metric and sampled checksum (from the sidecar ``index.faiss.json``); ``None`` if it has none."""
+    path = Path(index_path) if index_path is not None else Path(datastore.index_path)
+    try:
+        meta = json.loads((path.parent / f"{path.name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    inside = path.resolve().parent == Path(datastore.path).resolve()
+    return {
+        "file": path.name if inside else str(path.resolve()),
+        "factory": meta.get("factory"),
+        "metric": meta.get("metric"),
+        "sample_sha256": (meta.get("file") or {}).get("sample_sha256") if isinstance(meta.get("file"), dict) else None,
+    }
+
+
+def tune_widening(ts, max_widenings: int = 3) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(best, grid)``: :func:`memlm.knnlm.evaluate.tune` on ``ts``, the grid widened while the best value sits on
+    its edge: τ at the grid's lowest (highest) value adds τ/2, τ/5, τ/10 (2τ, 5τ, 10τ); λ at the smallest positive
+    value adds λ/5 and λ/2 (λ's grid already spans [0, 1]). ``grid`` records the final grids and ``on_edge``, the
+    parameters still at an open edge after ``max_widenings`` widenings (empty when the optimum is inside)."""
+    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, tune
+
+    lams, temps = sorted(DEFAULT_LAMBDAS), sorted(DEFAULT_TEMPERATURES)
+    widened = 0
+    while True:
+        best = tune(ts, lambdas=lams, temperatures=temps)["best"]
+        lam, t = best["lambda"], best["temperature"]
+        edge = []
+        if lam > 0 and t == temps[0]:
+            edge.append(("temperature", [t / 10, t / 5, t / 2]))
+        if lam > 0 and t == temps[-1]:
+            edge.append(("temperature", [t * 2, t * 5, t * 10]))
+        positive = [x for x in lams if x > 0]
+        if positive and lam == positive[0]:
+            edge.append(("lambda", [lam / 5, lam / 2]))
+        if not edge or widened == max_widenings:
+            break
+        for name, extra in edge:
+            if name == "temperature":
+                temps = sorted({*temps, *extra})
+            else:
+                lams = sorted({*lams, *extra})
+        widened += 1
+    grid = {
+        "lambdas": [float(x) for x in lams],
+        "temperatures": [float(x) for x in temps],
+        "widened": widened,
+        "on_edge": sorted({name for name, _ in edge}),
+    }
+    return best, grid
 
 
 def calibrate(
@@ -95,16 +280,30 @@ def calibrate(
     nprobe: int = 32,
     batch_size: int = 4,
     progress: bool = True,
+    text: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Score ``held_out`` with ``datastore`` and grid-search λ and τ on it (:func:`memlm.knnlm.evaluate.tune`).
+    """Score ``held_out`` with ``datastore`` and grid-search λ and τ on it (:func:`tune_widening`).
 
     The slice is read with the datastore's own windows (``window``, ``stride``); the datastore's index (or exact
-    search when it has none) gives ``k`` neighbours per token. Returns the record stored under ``calibration``.
+    search when it has none) gives ``k`` neighbours per token. Text whose documents are in the datastore (same id
+    and text) is refused. Returns the record stored under ``calibration``: λ, τ, and what they were measured with
+    (``k``, ``search``, ``scores``, ``nprobe``, ``index``: file, factory, metric, checksum; ``grid``; ``text``: the
+    held-out slice or the corpus a user named).
     """
-    from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities, tune
+    import numpy as np
+
+    from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
+    from memlm.windows import doc_hash
 
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
+    inside = np.isin(np.asarray([doc_hash(d.id, d.text) for d in held_out], dtype=np.int64),
+                     np.asarray(datastore.doc_hash[:]))  # fmt: skip
+    if inside.any():
+        raise MemlmError(
+            f"{int(inside.sum())} of the {len(held_out)} documents to calibrate on are in datastore "
+            f"{datastore.path} (same id and text): calibrate on text outside it"
+        )
     m = datastore.manifest
     t0 = time.perf_counter()
     window = int(m["window"])
@@ -116,7 +315,7 @@ def calibrate(
     search = "index" if problem is None or problem() is None else "exact"
     k = min(k, len(datastore))
     add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=nprobe, progress=progress)
-    best = tune(ts)["best"]
+    best, grid = tune_widening(ts)
     res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
     return {
         "lambda": float(best["lambda"]),
@@ -124,6 +323,9 @@ def calibrate(
         "k": int(k),
         "nprobe": int(nprobe),
         "search": search,
+        "scores": "index",
+        "index": index_identity(datastore) if search == "index" else None,
+        "grid": grid,
         "tokens": len(ts),
         "base_ppl": float(res["base_ppl"]),
         "knn_ppl": float(res["knn_ppl"]),
@@ -131,39 +333,126 @@ def calibrate(
         "stride": stride,
         "seconds": time.perf_counter() - t0,
         "count": len(datastore),
+        **({"text": text} if text is not None else {}),
     }
 
 
+def calibration_mismatch(datastore, calibration: dict[str, Any], setting: dict[str, Any]) -> list[str]:
+    """How ``setting`` (``k``, ``search``, ``scores``, ``nprobe``, ``index``: the index file searched, or ``None``)
+    differs from what ``calibration`` was measured with; empty when the same (or unknown: older records)."""
+    out = []
+    if "k" in setting and "k" in calibration:
+        k = min(int(setting["k"]), len(datastore))
+        if k != int(calibration["k"]):
+            out.append(f"k={k} (calibrated with k={calibration['k']})")
+    for name in ("search", "scores"):
+        if setting.get(name) is not None and calibration.get(name) is not None and setting[name] != calibration[name]:
+            out.append(f"--{name} {setting[name]} (calibrated with {calibration[name]})")
+    if setting.get("search", "index") == "index" and calibration.get("search") == "index" and "index" in calibration:
+        was, now = calibration.get("index") or {}, index_identity(datastore, setting.get("index")) or {}
+        if was.get("file") != now.get("file") or was.get("factory") != now.get("factory"):
+            out.append(f"index {now.get('file')} ({now.get('factory')}) (calibrated on {was.get('file')} "
+                       f"({was.get('factory')}))")  # fmt: skip
+        elif was.get("sample_sha256") != now.get("sample_sha256"):
+            out.append(f"index {now.get('file')} rebuilt since the calibration")
+        elif (
+            "IVF" in str(now.get("factory"))
+            and setting.get("nprobe") is not None
+            and int(setting["nprobe"]) != int(calibration.get("nprobe", setting["nprobe"]))
+        ):
+            out.append(f"nprobe={setting['nprobe']} (calibrated with nprobe={calibration['nprobe']})")
+    return out
+
+
 def knn_parameters(
-    datastore, lam: float | None = None, temperature: float | None = None, announce: bool = True
+    datastore,
+    lam: float | None = None,
+    temperature: float | None = None,
+    announce: bool = True,
+    setting: dict[str, Any] | None = None,
 ) -> tuple[float, float, str]:
     """``(λ, τ, origin)``: the values given, else the datastore's calibrated ones, else λ = 0.25, τ = 1.
 
     A value given explicitly always wins. ``origin`` says where the values came from (printed on stderr when
     ``announce``): the command line, the datastore's calibration (held-out tokens, corpus, file), or the fallback.
+    ``setting`` (``k``, ``search``, ``scores``, ``nprobe``, ``index``) describes the run: when calibrated values are
+    used with another setting than they were measured with (:func:`calibration_mismatch`), one notice says so.
     """
     cal = (getattr(datastore, "manifest", None) or {}).get("calibration") if datastore is not None else None
     if cal is not None and int(cal.get("count", -1)) != len(datastore):
         cal = None  # recorded for another version of the datastore (e.g. before an --append)
     missing = [n for n, v in (("λ", lam), ("τ", temperature)) if v is None]
+    notice = None
     if not missing:
         origin = "given"
     elif cal is not None:
         lam = float(cal["lambda"]) if lam is None else lam
         temperature = float(cal["temperature"]) if temperature is None else temperature
-        origin = (
-            f"calibrated on {cal['tokens']:,} held-out tokens of the datastore's corpus "
-            f"(valid ppl {cal['base_ppl']:.3f} -> {cal['knn_ppl']:.3f}, k={cal['k']}), recorded in "
-            f"{datastore.path}/manifest.json"
+        text = cal.get("text") or {}
+        what = (
+            f"{cal['tokens']:,} tokens of {text.get('corpus')} (named with memlm datastore calibrate)"
+            if text.get("named")
+            else f"{cal['tokens']:,} held-out tokens of the datastore's corpus"
         )
+        origin = (
+            f"calibrated on {what} (held-out ppl {cal['base_ppl']:.3f} -> {cal['knn_ppl']:.3f}, k={cal['k']}), "
+            f"recorded in {datastore.path}/manifest.json"
+        )
+        differs = calibration_mismatch(datastore, cal, setting or {})
+        if differs:
+            notice = (
+                f"note: this run uses {', '.join(differs)}: the calibrated λ, τ may not be the best for it; tune for "
+                f"this setting with `memlm datastore calibrate {datastore.path} --corpus FILE` (text outside the "
+                "datastore) or `memlm eval --dump` + `memlm tune`, or give --lambda/--temperature"
+            )
     else:
         lam = DEFAULT_LAMBDA if lam is None else lam
         temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
         origin = (
-            "memlm's fallback defaults (this datastore records no calibration: rebuild it with this memlm, or tune "
-            "on your own valid text with `memlm eval --dump` + `memlm tune`)"
+            "memlm's fallback defaults (this datastore records no calibration: calibrate it on text outside it with "
+            "`memlm datastore calibrate DS --corpus FILE`, or tune on your own valid text with `memlm eval --dump` + "
+            "`memlm tune`)"
         )
     if announce and datastore is not None:
         which = f" ({missing[0]} from there)" if len(missing) == 1 else ""
         print(f"kNN-LM parameters: λ={lam:g}, τ={temperature:g}: {origin}{which}", file=sys.stderr, flush=True)
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
     return float(lam), float(temperature), origin
+
+
+OVERLAP_NGRAM = 16  # tokens per span compared by text_overlap
+OVERLAP_LIMIT = 0.01  # memlm datastore calibrate refuses text with more of its spans in the datastore
+
+
+def _ngram_hashes(tokens, n: int):
+    """64-bit rolling hashes of every ``n``-token span of ``tokens`` (wrapping arithmetic)."""
+    import numpy as np
+
+    t = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+    m = len(t) - n + 1
+    if m <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    h = np.zeros(m, dtype=np.uint64)
+    for j in range(n):
+        h = h * np.uint64(1_000_003) + t[j : j + m] + np.uint64(1)
+    return h
+
+
+def text_overlap(datastore, documents: Sequence, tokenizer, n: int = OVERLAP_NGRAM) -> tuple[int, int]:
+    """``(shared, spans)``: how many of the ``n``-token spans of ``documents`` (tokenized as the datastore's stream,
+    EOS after each document) also occur in the datastore's stream of stored next tokens (``values`` in row order, the
+    corpus's tokens for a datastore built from contiguous text). Text the datastore holds shares nearly all its spans;
+    unrelated text almost none. A pruned or subsampled datastore has gaps, so less is detected there."""
+    import numpy as np
+
+    from memlm.windows import tokenize_documents
+
+    stream = np.concatenate([c.tokens for c in tokenize_documents(list(documents), tokenizer)] or [np.zeros(0)])
+    query = np.unique(_ngram_hashes(stream, n))
+    found = np.zeros(len(query), dtype=bool)
+    values, step = datastore.values, 1 << 22
+    for s in range(0, len(values), step):
+        part = _ngram_hashes(np.asarray(values[s : min(len(values), s + step + n - 1)]), n)
+        found |= np.isin(query, part)
+    return int(found.sum()), len(query)

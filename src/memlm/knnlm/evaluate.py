@@ -314,6 +314,7 @@ def score_tokens(
         datastore.check_compatible(model, tokenizer)
         specs.append(datastore.key_spec)
         memory = DatastoreMemory(datastore, search, scores, nprobe, index_path=index_path, progress=progress)
+        config = config.replace(index=str(memory.index_path) if search == "index" else None)
     if cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
     pending: list[Future] = []

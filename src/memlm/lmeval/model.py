@@ -111,7 +111,8 @@ class MemlmLM(TemplateLM):
         self.cache = _as_bool(cache)
         self.parameters_from = None
         if self.datastore is not None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
-            lam, temperature, self.parameters_from = knn_parameters(self.datastore, lam, temperature)
+            setting = {"k": int(k), "nprobe": int(nprobe), "search": "index"}  # a notice if calibrated otherwise
+            lam, temperature, self.parameters_from = knn_parameters(self.datastore, lam, temperature, setting=setting)
         self.lam = float(lam) if lam is not None else 0.0
         temperature = 1.0 if temperature is None else temperature
         self.cache_lambda = float(cache_lambda) if self.cache else 0.0
