@@ -206,7 +206,12 @@ def value_logsumexp(logw: torch.Tensor, values: torch.Tensor, n_values: int) -> 
     vmax = vmax.scatter_reduce(-1, idx, flat, reduce="amax", include_self=True)
     shift = torch.where(torch.isfinite(vmax), vmax, torch.zeros_like(vmax))
     summed = torch.zeros_like(vmax).scatter_add(-1, idx, (flat - shift.gather(-1, idx)).exp())
-    return (summed.log() + shift).reshape(*lead, n_values)
+    # A value with no finite mass has summed = 0: log(0) = -inf is the right value, but its gradient 1/0 times the
+    # exp'(-inf) = 0 of its entries is NaN. Take the log of 1 there instead and put -inf back with where(), so the
+    # -inf entries get a zero gradient (they carry no mass, so nothing moves them).
+    has_mass = summed > 0
+    out = torch.where(has_mass, torch.where(has_mass, summed, torch.ones_like(summed)).log() + shift, _NINF)
+    return out.reshape(*lead, n_values)
 
 
 def knn_distribution(
@@ -300,6 +305,16 @@ def joint_target_logprob(
 
 
 def perplexity(logprob: torch.Tensor | np.ndarray) -> float:
-    """``exp(-mean log p)`` of per-token log-probabilities, in float64; ``inf`` when a token has probability 0."""
+    """``exp(-mean log p)`` of per-token log-probabilities, in float64.
+
+    ``inf`` when a token has probability 0 or when the mean log-probability is below about -709.78 (the perplexity
+    is then beyond float64's range, e.g. a kNN-only mixture, λ = 1, at a small τ); ``nan`` for no tokens.
+    """
     lp = torch.as_tensor(logprob)
-    return float(math.exp(-lp.double().mean().item())) if lp.numel() else float("nan")
+    if not lp.numel():
+        return float("nan")
+    nll = -lp.double().mean().item()
+    try:
+        return math.exp(nll)
+    except OverflowError:  # nll > log(float64 max) ~ 709.78
+        return float("inf")
