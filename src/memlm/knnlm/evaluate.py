@@ -48,6 +48,8 @@ __all__ = [
     "add_cache",
     "score_tokens",
     "perplexities",
+    "cache_mixture_ppl",
+    "CACHE_PPL_KEYS",
     "tune",
     "DEFAULT_LAMBDAS",
     "DEFAULT_TEMPERATURES",
@@ -379,6 +381,19 @@ def memory_logprob(
     )
 
 
+#: The key of the perplexity with the cache, by whether a kNN term is in the mixture (``LM + cache`` / ``LM + kNN +
+#: cache``); results written before issue 24 used ``cache_ppl`` for either (:func:`cache_mixture_ppl` reads both).
+CACHE_PPL_KEYS = {False: "lm_cache_ppl", True: "knn_cache_ppl"}
+
+
+def cache_mixture_ppl(result: dict[str, Any]) -> float | None:
+    """The perplexity with the cache of a :func:`perplexities` result, old (``cache_ppl``) or new; None without one."""
+    for key in (*CACHE_PPL_KEYS.values(), "cache_ppl"):
+        if key in result:
+            return result[key]
+    return None
+
+
 def perplexities(
     ts: TokenScores,
     lam: float = 0.25,
@@ -393,6 +408,15 @@ def perplexities(
     (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``. A dump with a per-token ``knn_lambda``
     (adaptive retrieval, :mod:`memlm.knnlm.adaptive`) interpolates with it instead of ``lam`` (``lambda`` is then
     reported as ``"adaptive"``) and reports ``searched_fraction``, the share of tokens whose datastore was searched.
+
+    With ``cache_lambda`` > 0 the continuous cache joins the mixture (Khandelwal et al. 2020, Table 1)::
+
+        p = (1 - λ_t - λc) p_LM + λ_t p_kNN + λc p_cache,   λ_t = min(λ(x_t), 1 - λc)
+
+    with ``λ_t = λ`` for a fixed λ, the gate's per-token ``λ(x_t)`` for an adaptive dump (capped at ``1 - λc``, as
+    ``memlm eval`` lowers a calibrated λ), and no kNN term for a dump without a datastore. Its perplexity is
+    ``knn_cache_ppl`` (LM + kNN + cache) or ``lm_cache_ppl`` (LM + cache, no datastore); files written before
+    issue 24 called either ``cache_ppl``.
     """
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
@@ -423,8 +447,16 @@ def perplexities(
         cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature)
         comps.append(cache)
         weights.append(cache_lambda)
+        if ts.knn_scores is not None and ts.knn_lambda is not None:  # the gate's λ_t, capped so λ_t + λc <= 1
+            lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache_lambda)
+            w = torch.stack([(1.0 - lam_t - cache_lambda).clamp(min=0.0), lam_t, torch.full_like(lam_t, cache_lambda)])
+            lp = torch.stack([c.double() for c in comps])
+            # a weight-0 component adds nothing, whatever it holds (a skipped token's -inf / garbage p_kNN)
+            with_cache = torch.logsumexp(torch.where(w > 0, lp + w.log(), float("-inf")), dim=0)
+        else:
+            with_cache = mix_logprobs(comps, weights)
         out.update(
-            cache_ppl=perplexity(mix_logprobs(comps, weights)),
+            **{CACHE_PPL_KEYS[ts.knn_scores is not None]: perplexity(with_cache)},
             cache_lambda=cache_lambda,
             cache_temperature=cache_temperature,
         )
