@@ -181,3 +181,35 @@ def test_value_logsumexp_gradient_of_a_value_with_no_finite_mass_is_zero_not_nan
     d = knn_distribution(sc, torch.tensor([[3, 1, 3]]), vocab_size=5, temperature=0.5)
     d[torch.isfinite(d)].sum().backward()
     assert torch.isfinite(sc.grad).all() and sc.grad[0, 1] == 0
+
+
+def test_mix_logprobs_per_token_against_numpy_and_bad_weights():
+    """log sum_j w_j(t) p_j(t) (Eq. 3 / Khandelwal et al. Table 1 with per-token weights); weight 0 ignores garbage."""
+    from memlm.core.distribution import mix_logprobs_per_token
+
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(3), size=6).T  # three components' target probabilities at 6 tokens
+    lam = np.array([0.0, 0.2, 0.5, 0.7, 0.9, 0.0])
+    w = [1 - lam - 0.1, lam, np.full(6, 0.1)]
+    w[0][-1], w[1][-1] = 0.9, 0.0
+    lps = [torch.from_numpy(np.log(x)) for x in p]
+    lps[1][0] = float("nan")  # a skipped token's p_kNN: weight 0 there
+    got = mix_logprobs_per_token(lps, [torch.from_numpy(w[0]), torch.from_numpy(w[1]), 0.1])
+    want = np.log(w[0] * p[0] + np.where(lam > 0, w[1] * p[1], 0) + 0.1 * p[2])
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
+    with pytest.raises(MemlmError, match="sum to 1"):
+        mix_logprobs_per_token(lps, [torch.from_numpy(1 - lam), torch.from_numpy(lam), 0.1])
+
+
+def test_joint_distribution_against_numpy():
+    """TRIME Eq. 5 as a full distribution: (exp(E_w f) + sum_{x_j = w} exp(s_j / τ)) / Z over the vocabulary."""
+    from memlm.core.distribution import joint_distribution, value_logsumexp
+
+    rng = np.random.default_rng(1)
+    logits, s, v = rng.normal(size=(2, 5)), rng.normal(size=(2, 4)), np.array([[0, 3, 3, -1], [1, 1, 1, 1]])
+    num = np.exp(logits) + np.stack([np.bincount(v[r][v[r] >= 0], np.exp(s[r] / 0.5)[v[r] >= 0], 5) for r in range(2)])
+    want = np.log(num / num.sum(1, keepdims=True))
+    mass = value_logsumexp(torch.from_numpy(s) / 0.5, torch.from_numpy(v), 5)
+    np.testing.assert_allclose(joint_distribution(torch.from_numpy(logits), [mass]).numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(joint_distribution(torch.from_numpy(logits), []).numpy(),
+                               torch.log_softmax(torch.from_numpy(logits), -1).numpy(), rtol=1e-12)  # fmt: skip

@@ -44,6 +44,7 @@ __all__ = [
     "check_temperature",
     "interpolate",
     "interpolate_per_token",
+    "joint_distribution",
     "joint_target_logprob",
     "knn_distribution",
     "knn_target_logprob",
@@ -51,6 +52,7 @@ __all__ = [
     "mask_to_k",
     "memory_lse",
     "mix_logprobs",
+    "mix_logprobs_per_token",
     "perplexity",
     "similarity",
     "value_logsumexp",
@@ -287,6 +289,37 @@ def mix_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> 
         for lp, w in zip(logprobs, weights, strict=True)
     ]
     return torch.logsumexp(torch.stack(terms), dim=0)
+
+
+def mix_logprobs_per_token(logprobs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | float]) -> torch.Tensor:
+    """:func:`mix_logprobs` with per-token weights: ``log sum_j w_j(t) p_j(t)``, computed in float64.
+
+    Each ``weights[j]`` is a scalar or a tensor broadcastable to the log-probabilities (e.g. an adaptive gate's
+    ``λ_t``, He et al. 2021); at every token the weights are >= 0 and sum to 1. A component with weight 0 at a token
+    contributes nothing there, whatever it holds (``-inf``, nan: a token whose search was skipped).
+    """
+    if len(logprobs) != len(weights) or not logprobs:
+        raise MemlmError("mix_logprobs_per_token needs one weight per distribution")
+    lp = torch.stack([torch.as_tensor(x).double() for x in torch.broadcast_tensors(*logprobs)])
+    w = torch.stack([torch.as_tensor(x, dtype=torch.float64).expand(lp.shape[1:]) for x in weights])
+    if torch.isnan(w).any() or (w < -1e-9).any() or not torch.allclose(w.sum(0), torch.ones(()).double(), atol=1e-6):
+        raise MemlmError("per-token interpolation weights must be >= 0 and sum to 1 at every token")
+    w = w.clamp(min=0.0)  # 1 - λ_t - λc can round to -1e-17
+    return torch.logsumexp(torch.where(w > 0, lp + w.log(), _NINF), dim=0)
+
+
+def joint_distribution(logits: torch.Tensor, value_masses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """TRIME's joint softmax over the vocabulary and the memories as a full distribution (Zhong et al. 2022, Eq. 5 /
+    App. A Eq. 6)::
+
+        log P(w | c) = log [exp(E_w f) + sum_m mass_m(w)] - log sum_v [exp(E_v f) + sum_m mass_m(v)]
+
+    ``logits [..., V]`` (``E f``); each ``value_masses[m]`` ``[..., V]`` is a memory's unnormalised per-value mass
+    ``log sum_{j: x_j = w} exp(s_j / τ_m)`` (:func:`value_logsumexp`). No memory gives ``log_softmax(E f)``.
+    :func:`joint_target_logprob` is the same for the target only.
+    """
+    joint = torch.logsumexp(torch.stack([logits, *value_masses]), 0)
+    return joint - torch.logsumexp(joint, -1, keepdim=True)
 
 
 def joint_target_logprob(

@@ -28,7 +28,13 @@ import torch
 from tqdm.auto import tqdm
 
 from memlm.core.config import RetrievalConfig
-from memlm.core.distribution import interpolate_per_token, knn_target_logprob, mix_logprobs, perplexity
+from memlm.core.distribution import (
+    interpolate_per_token,
+    knn_target_logprob,
+    mix_logprobs,
+    mix_logprobs_per_token,
+    perplexity,
+)
 from memlm.core.dumps import TokenDump
 from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
@@ -449,10 +455,7 @@ def perplexities(
         weights.append(cache_lambda)
         if ts.knn_scores is not None and ts.knn_lambda is not None:  # the gate's λ_t, capped so λ_t + λc <= 1
             lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache_lambda)
-            w = torch.stack([(1.0 - lam_t - cache_lambda).clamp(min=0.0), lam_t, torch.full_like(lam_t, cache_lambda)])
-            lp = torch.stack([c.double() for c in comps])
-            # a weight-0 component adds nothing, whatever it holds (a skipped token's -inf / garbage p_kNN)
-            with_cache = torch.logsumexp(torch.where(w > 0, lp + w.log(), float("-inf")), dim=0)
+            with_cache = mix_logprobs_per_token(comps, [1.0 - lam_t - cache_lambda, lam_t, cache_lambda])
         else:
             with_cache = mix_logprobs(comps, weights)
         out.update(
