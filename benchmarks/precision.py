@@ -12,6 +12,7 @@ Also scored: the bf16 body with the model's own bf16 logits (the behaviour befor
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -74,7 +75,7 @@ def main() -> None:
     atomic_write_json(
         args.out,
         {
-            "command": "OMP_NUM_THREADS=2 python benchmarks/precision.py --out " + args.out,
+            "command": "OMP_NUM_THREADS=2 python benchmarks/precision.py " + " ".join(sys.argv[1:]),
             "settings": {k: v for k, v in vars(args).items() if k != "out"},
             "runs": runs,
         },

@@ -122,8 +122,14 @@ def _by_seed(per_seed: dict[Any, Any]) -> dict[int, Any]:
 
 
 def _knnlm_ppl(test: dict[str, Any]) -> float:
-    """Test perplexity of a ``memlm tune`` result: with the cache when it has one, else the kNN-LM's (λ may be 0)."""
-    return test.get("cache_ppl", test.get("knn_ppl", test["base_ppl"]))
+    """Test perplexity of a ``memlm tune`` result: with the cache when it has one, else the kNN-LM's (λ may be 0).
+
+    The mixture with the cache is ``knn_cache_ppl`` / ``lm_cache_ppl``, or ``cache_ppl`` in files written before.
+    """
+    for key in ("knn_cache_ppl", "lm_cache_ppl", "cache_ppl", "knn_ppl"):
+        if key in test:
+            return test[key]
+    return test["base_ppl"]
 
 
 def _stats(xs: list[float]) -> dict[str, Any]:

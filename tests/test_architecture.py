@@ -121,3 +121,80 @@ def test_one_place_turns_retrieved_entries_into_distributions(pattern):
             if re.search(pattern, line) and not line.lstrip().startswith("#"):
                 hits.append(f"{path.relative_to(SRC)}:{n}: {line.strip()}")
     assert not hits, "retrieval -> distribution outside core.distribution:\n" + "\n".join(hits)
+
+
+# Every normaliser (logsumexp / (log_)softmax / logaddexp.reduce) outside core/distribution.py, by file and function,
+# with why it is not one over retrieved entries. Anything else that normalises fails the test below: a softmax over
+# retrieved (scores, values) belongs in memlm.core.distribution (issue 24 item 8: npm/inference.py's _group had its
+# own logsumexp over the retrieved spans, which the line patterns above did not see).
+NORMALISERS_OUTSIDE_CORE = {
+    ("forward.py", "forward_windows"): "the LM's log-softmax over its vocabulary (p_LM)",
+    ("knnlm/generate.py", "KNNLogitsProcessor.__call__"): "the LM's log-softmax over its vocabulary (p_LM)",
+    ("lmeval/model.py", "MemlmLM._loglikelihood_tokens"): "the LM's log-softmax over its vocabulary (p_LM)",
+    ("knnlm/adaptive.py", "gate_loss"): "He et al.'s gate loss: the two-term mixture of Eq. 3, differentiable in λ",
+    ("npm/mlm.py", "_mask_log_probs"): "the MLM baseline's log-softmax over its vocabulary (no retrieval)",
+    ("npm/mlm.py", "mlm_classify"): "the MLM baseline's label scores from its vocabulary log-probs (no retrieval)",
+    ("trime/inference.py", "_forward_segments"): "logsumexp_v E_v f, the LM's vocabulary normaliser (TRIME Eq. 5)",
+    ("trime/loss.py", "trime_logprob"): "logsumexp_v E_v f, the LM's vocabulary normaliser (TRIME Eq. 5)",
+    ("xu2023/generalized.py", "eq5_logprobs"): "the LM's log-softmax over its vocabulary (p_LM)",
+    ("xu2023/generalized.py", "eq5_target_logprob"): "the LM's log-softmax over its vocabulary (p_LM)",
+    ("xu2023/generalized.py", "LearnedWds._grouped"): "a trained output matrix's softmax over all its n V rows",
+    ("xu2023/generalized.py", "LearnedWds.log_probs"): "a trained output matrix's softmax over all its n V rows",
+    ("xu2023/generalized.py", "LearnedWds.target_logprob"): "a trained output matrix's softmax over all its n V rows",
+}
+
+
+def _normaliser_calls(tree: ast.AST) -> list[tuple[str, int]]:
+    """(enclosing function's qualified name, line) of each logsumexp / softmax / log_softmax / logaddexp.reduce call
+    (as a method, attribute or bare name) in ``tree``."""
+    found: list[tuple[str, int]] = []
+
+    def walk(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{where}.{child.name}" if where else child.name
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                reduce_of_logaddexp = (
+                    name == "reduce" and isinstance(f, ast.Attribute) and getattr(f.value, "attr", None) == "logaddexp"
+                )
+                if name in ("logsumexp", "softmax", "log_softmax") or reduce_of_logaddexp:
+                    found.append((where or "<module>", child.lineno))
+            walk(child, inner)
+
+    walk(tree, "")
+    return found
+
+
+def test_every_normaliser_outside_core_is_a_known_non_retrieval_one():
+    seen, bad = set(), []
+    for path in _modules().values():
+        rel = str(path.relative_to(SRC))
+        if rel == "core/distribution.py":
+            continue
+        for where, line in _normaliser_calls(ast.parse(path.read_text())):
+            seen.add((rel, where))
+            if (rel, where) not in NORMALISERS_OUTSIDE_CORE:
+                bad.append(f"{rel}:{line} in {where}")
+    assert not bad, (
+        "a normaliser outside core.distribution (move a softmax over retrieved entries into memlm.core.distribution, "
+        "or list a vocabulary one in NORMALISERS_OUTSIDE_CORE with why):\n" + "\n".join(bad)
+    )
+    stale = set(NORMALISERS_OUTSIDE_CORE) - seen
+    assert not stale, f"NORMALISERS_OUTSIDE_CORE lists functions with no normaliser any more: {sorted(stale)}"
+
+
+def test_the_normaliser_scan_sees_the_forms_it_claims():
+    src = """
+import numpy as np, torch
+from scipy.special import logsumexp
+def f(lv):
+    total = float(torch.logsumexp(lv[0], 0))
+    return np.logaddexp.reduce(lv), logsumexp(lv), lv.softmax(-1), np.logaddexp(lv, lv)
+class C:
+    def g(self, x):
+        return torch.nn.functional.log_softmax(x, -1)
+"""
+    assert _normaliser_calls(ast.parse(src)) == [("f", 5), ("f", 6), ("f", 6), ("f", 6), ("C.g", 9)]

@@ -94,8 +94,9 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     )
     assert r.returncode == 0, r.stderr
     res = strict_loads((tmp_path / "test.json").read_text())
-    for key in ("base_ppl", "knn_ppl", "oracle_ppl", "tokens", "lambda", "k", "temperature", "cache_ppl"):
+    for key in ("base_ppl", "knn_ppl", "oracle_ppl", "tokens", "lambda", "k", "temperature", "knn_cache_ppl"):
         assert key in res
+    assert "cache_ppl" not in res and "knn_cache_ppl" in r.stdout and "(LM + kNN + cache)" in r.stdout  # issue 24
     assert res["k"] == 16 and res["search"] == "exact"
     # the reported perplexities, recomputed with NumPy from the per-token dump (Eq. 2 and 3, λ = 0.25, τ = 1)
     from memlm.knnlm.evaluate import TokenScores
@@ -109,6 +110,13 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     assert res["tokens"] == len(d) and res["base_ppl"] == pytest.approx(np.exp(-lm.mean()), rel=1e-6)
     assert res["knn_ppl"] == pytest.approx(np.exp(-np.log(0.75 * np.exp(lm) + 0.25 * np.exp(knn)).mean()), rel=1e-5)
     assert res["oracle_ppl"] == pytest.approx(np.exp(-np.maximum(lm, knn).mean()), rel=1e-5)
+    # LM + kNN + cache (Khandelwal et al. Table 1) with the default λc = 0.1, τc = 1: p_cache from the dump's cache
+    cs = d.cache_scores.astype(np.float64)
+    cw = np.exp(cs - np.where(np.isfinite(cs).any(1), cs.max(1), 0.0)[:, None])  # exp(-inf) = 0 for empty slots
+    p_cache = np.divide((cw * (d.cache_values == d.targets[:, None])).sum(1), cw.sum(1), out=np.zeros(len(d)),
+                        where=cw.sum(1) > 0)  # fmt: skip
+    mix = 0.65 * np.exp(lm) + 0.25 * np.exp(knn) + 0.1 * p_cache
+    assert res["knn_cache_ppl"] == pytest.approx(np.exp(-np.log(mix).mean()), rel=1e-5)
     assert res["target_in_neighbours"] == pytest.approx(np.isfinite(knn).mean())
 
     # k = 1: most targets are never retrieved, so p_kNN = 0 for them and the memory-only perplexity is infinite

@@ -10,7 +10,7 @@ from test_datastore import build
 
 from memlm.index import build_index
 from memlm.knnlm.cache import continuous_cache
-from memlm.knnlm.evaluate import TokenScores, memory_logprob, perplexities, score_tokens, tune
+from memlm.knnlm.evaluate import TokenScores, perplexities, score_tokens, tune
 from memlm.knnlm.generate import KNNLogitsProcessor
 
 
@@ -187,28 +187,66 @@ def test_pointer_reuse_with_self_matches_dropped_searches_and_keeps_neighbours(t
     assert "pointer search" in err and re.search(r"(?<!pointer )search:", err) is None  # one bar, not one per round
 
 
+def _np_memory_prob(scores, values, targets, temperature):
+    """Eq. 2 in NumPy: softmax(s / τ) over the retrieved entries, summed where the value is the target; 0 if none."""
+    s = scores.astype(np.float64) / temperature
+    finite = np.isfinite(s)
+    m = np.where(finite.any(1), np.where(finite, s, -np.inf).max(1), 0.0)
+    w = np.where(finite, np.exp(s - m[:, None]), 0.0)
+    z = w.sum(1)
+    hit = (w * (values == targets[:, None])).sum(1)
+    return np.divide(hit, z, out=np.zeros_like(hit), where=z > 0)
+
+
 def test_adaptive_gate_in_eval_searches_the_requested_fraction_with_the_gate_lambda(tmp_path, tiny_lm, toy_docs):
-    from memlm.core.distribution import interpolate_per_token
-    from memlm.knnlm.adaptive import AdaptiveGate, gate_features
+    """He et al. (2021) Sec. 4: p = (1 - λ(x)) p_LM + λ(x) p_kNN with λ(x) = sigmoid(g(f(x))), λ = 0 where not searched;
+    with the cache (issue 24 item 7) p = (1 - λ'_t - λc) p_LM + λ'_t p_kNN + λc p_cache, λ'_t = min(λ(x_t), 1 - λc).
+
+    The gate is a logistic one with hand-set weights (λ from ~0.02 to ~0.98 on these tokens), and every expectation is
+    computed in NumPy from those formulas and the dump's raw scores, not with memlm's combiners.
+    """
+    from memlm.knnlm.adaptive import AdaptiveGate
 
     model, tok = tiny_lm
     ds = indexed(tmp_path, tiny_lm, toy_docs[:10])
-    torch.manual_seed(0)
-    AdaptiveGate().save(tmp_path / "gate.npz")
+    gate = AdaptiveGate(layers=0)  # λ = sigmoid(w . (f - mean) / std + b)
+    # the tiny LM is near uniform (entropy ~10.819, max log p ~ -10.35 +- 0.03): λ varies with confidence and position
+    mean, std, w, b = np.array([10.8, -10.35, 2.5]), np.array([1.0, 0.03, 1.0]), np.array([0.5, 1.0, 2.5]), 0.2
+    with torch.no_grad():
+        gate.mean.copy_(torch.from_numpy(mean)), gate.std.copy_(torch.from_numpy(std))
+        gate.mlp[0].weight.copy_(torch.from_numpy(w)[None]), gate.mlp[0].bias.fill_(b)
+    gate.save(tmp_path / "gate.npz")
     kw = dict(k=8, window=32, min_context=8, progress=False)
     plain = score_tokens(model, tok, toy_docs[3:5], ds, **kw)
-    ts = score_tokens(model, tok, toy_docs[3:5], ds, adaptive=tmp_path / "gate.npz", adaptive_fraction=0.5, **kw)
-    assert ts.searched.sum() == round(0.5 * len(ts))
+    ts = score_tokens(model, tok, toy_docs[3:5], ds, adaptive=tmp_path / "gate.npz", adaptive_fraction=0.5,
+                      cache=True, **kw)  # fmt: skip
+    # the gate's λ from the formula, on the features of the module docstring (entropy, max log p, log(1 + position))
+    f = np.stack([ts.lm_entropy, ts.lm_max_logprob, np.log1p(ts.position)], axis=1).astype(np.float64)
+    lam = 1.0 / (1.0 + np.exp(-(((f - mean) / std) @ w + b)))
+    assert lam.min() < 0.1 and lam.max() > 0.9 and np.unique(lam.round(3)).size > len(lam) // 2  # not a trivial gate
+    top = np.argsort(-lam, kind="stable")[: round(0.5 * len(ts))]  # the half with the largest λ is searched
+    want_searched = np.zeros(len(ts), bool)
+    want_searched[top] = True
+    np.testing.assert_array_equal(ts.searched, want_searched)
     np.testing.assert_array_equal(ts.knn_values[ts.searched], plain.knn_values[ts.searched])
-    assert (ts.knn_values[~ts.searched] == -1).all() and (ts.knn_lambda[~ts.searched] == 0).all()
-    gate = AdaptiveGate.load(tmp_path / "gate.npz")
-    lam = gate.lambdas(gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position))
-    np.testing.assert_allclose(ts.knn_lambda[ts.searched], lam[ts.searched], rtol=1e-6)
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0)
-    want = interpolate_per_token(torch.from_numpy(ts.lm_logprob), knn, torch.from_numpy(ts.knn_lambda))
-    got = perplexities(ts, temperature=1.0)
-    assert got["knn_ppl"] == pytest.approx(float(torch.exp(-want.double().mean())), rel=1e-6)
-    assert got["lambda"] == "adaptive"
+    assert (ts.knn_values[~ts.searched] == -1).all()
+    lam_t = np.where(want_searched, lam, 0.0)
+    np.testing.assert_allclose(ts.knn_lambda, lam_t, rtol=1e-5, atol=1e-7)
+
+    p_lm = np.exp(ts.lm_logprob.astype(np.float64))
+    p_knn = _np_memory_prob(ts.knn_scores, ts.knn_values, ts.targets, 2.0)
+    got = perplexities(ts, temperature=2.0)
+    want = np.exp(-np.log((1 - lam_t) * p_lm + lam_t * p_knn).mean())
+    assert got["knn_ppl"] == pytest.approx(want, rel=1e-5)
+    assert got["lambda"] == "adaptive" and got["searched_fraction"] == want_searched.mean()
+
+    lc = 0.3
+    p_cache = _np_memory_prob(ts.cache_scores, ts.cache_values, ts.targets, 1.5)
+    assert 0 < p_cache.mean() and (lam_t > 1 - lc).any()  # the cache matters and the cap on λ_t is exercised
+    capped = np.minimum(lam_t, 1 - lc)
+    want = np.exp(-np.log((1 - capped - lc) * p_lm + capped * p_knn + lc * p_cache).mean())
+    got = perplexities(ts, temperature=2.0, cache_lambda=lc, cache_temperature=1.5)
+    assert got["knn_cache_ppl"] == pytest.approx(want, rel=1e-5) and "lm_cache_ppl" not in got
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")

@@ -131,3 +131,85 @@ def test_distribution_of_no_retrieved_entry_is_all_minus_inf():
     empty = torch.zeros(2, 0)
     assert torch.equal(value_logsumexp(empty, torch.zeros(2, 0, dtype=torch.long), 5), torch.full((2, 5), -np.inf))
     assert torch.isneginf(knn_distribution(empty, torch.zeros(2, 0, dtype=torch.long), 5)).all()
+
+
+def test_perplexity_beyond_float64_is_inf_and_written_null():
+    """Issue 24 item 7: a mean log-probability below -log(float64 max) ~ -709.78 used to raise OverflowError.
+
+    Reached with λ = 1 at a small τ: the target is retrieved (so p_kNN > 0) but 10 score units behind the best entry,
+    so at τ = 0.01 its log-probability is about -1000. The perplexity is then inf, which result files write as null.
+    """
+    from memlm.core.distribution import perplexity
+    from memlm.fileio import dumps_json
+
+    scores = torch.tensor([[0.0, -10.0]] * 3)
+    values = torch.tensor([[1, 0]] * 3)
+    lp = knn_target_logprob(scores, values, torch.tensor([0, 0, 0]), temperature=0.01)
+    assert torch.isfinite(lp).all() and (lp < -709.8).all()
+    assert perplexity(interpolate(torch.full((3,), -2.0), lp, 1.0)) == float("inf")
+    assert perplexity(torch.tensor([-709.0])) == pytest.approx(np.exp(709.0))  # still finite just inside the range
+    assert perplexity(torch.tensor([])) != perplexity(torch.tensor([]))  # nan for no tokens
+    assert '"knn_ppl": null' in dumps_json({"knn_ppl": perplexity(lp)})
+
+
+def test_value_logsumexp_gradient_of_a_value_with_no_finite_mass_is_zero_not_nan():
+    """Issue 24 item 7: a -inf entry (probability 0) whose value has no finite entry gave a NaN gradient.
+
+    Reference from the definition: d/dx_i log sum_{j: v_j = v} exp(x_j) = softmax within value v; an entry that carries
+    no mass (-inf) gets gradient 0, whatever its value; the function itself stays -inf for such a value.
+    """
+    from memlm.core.distribution import value_logsumexp
+
+    ninf = float("-inf")
+    logw = torch.tensor([[0.5, ninf, 1.0, -0.3], [ninf, ninf, 2.0, 0.1]], dtype=torch.float64, requires_grad=True)
+    values = torch.tensor([[0, 1, 0, 2], [1, 1, 0, 2]])
+    out = value_logsumexp(logw, values, 3)
+    assert torch.isneginf(out[:, 1]).all()  # value 1 has no finite entry in either row
+    out[torch.isfinite(out)].sum().backward()
+    grad = logw.grad.numpy()
+    assert np.isfinite(grad).all()
+    x = logw.detach().numpy()
+    want = np.zeros_like(x)
+    for r in range(2):
+        for v in range(3):
+            m = (values[r].numpy() == v) & np.isfinite(x[r])
+            if m.any():
+                want[r, m] = np.exp(x[r, m]) / np.exp(x[r, m]).sum()
+    np.testing.assert_allclose(grad, want, atol=1e-12)
+    # and through knn_distribution (Eq. 2) with a -inf score (a padded / skipped neighbour)
+    sc = torch.tensor([[0.2, ninf, -1.0]], requires_grad=True)
+    d = knn_distribution(sc, torch.tensor([[3, 1, 3]]), vocab_size=5, temperature=0.5)
+    d[torch.isfinite(d)].sum().backward()
+    assert torch.isfinite(sc.grad).all() and sc.grad[0, 1] == 0
+
+
+def test_mix_logprobs_per_token_against_numpy_and_bad_weights():
+    """log sum_j w_j(t) p_j(t) (Eq. 3 / Khandelwal et al. Table 1 with per-token weights); weight 0 ignores garbage."""
+    from memlm.core.distribution import mix_logprobs_per_token
+
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(3), size=6).T  # three components' target probabilities at 6 tokens
+    lam = np.array([0.0, 0.2, 0.5, 0.7, 0.9, 0.0])
+    w = [1 - lam - 0.1, lam, np.full(6, 0.1)]
+    w[0][-1], w[1][-1] = 0.9, 0.0
+    lps = [torch.from_numpy(np.log(x)) for x in p]
+    lps[1][0] = float("nan")  # a skipped token's p_kNN: weight 0 there
+    got = mix_logprobs_per_token(lps, [torch.from_numpy(w[0]), torch.from_numpy(w[1]), 0.1])
+    want = np.log(w[0] * p[0] + np.where(lam > 0, w[1] * p[1], 0) + 0.1 * p[2])
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
+    with pytest.raises(MemlmError, match="sum to 1"):
+        mix_logprobs_per_token(lps, [torch.from_numpy(1 - lam), torch.from_numpy(lam), 0.1])
+
+
+def test_joint_distribution_against_numpy():
+    """TRIME Eq. 5 as a full distribution: (exp(E_w f) + sum_{x_j = w} exp(s_j / τ)) / Z over the vocabulary."""
+    from memlm.core.distribution import joint_distribution, value_logsumexp
+
+    rng = np.random.default_rng(1)
+    logits, s, v = rng.normal(size=(2, 5)), rng.normal(size=(2, 4)), np.array([[0, 3, 3, -1], [1, 1, 1, 1]])
+    num = np.exp(logits) + np.stack([np.bincount(v[r][v[r] >= 0], np.exp(s[r] / 0.5)[v[r] >= 0], 5) for r in range(2)])
+    want = np.log(num / num.sum(1, keepdims=True))
+    mass = value_logsumexp(torch.from_numpy(s) / 0.5, torch.from_numpy(v), 5)
+    np.testing.assert_allclose(joint_distribution(torch.from_numpy(logits), [mass]).numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(joint_distribution(torch.from_numpy(logits), []).numpy(),
+                               torch.log_softmax(torch.from_numpy(logits), -1).numpy(), rtol=1e-12)  # fmt: skip

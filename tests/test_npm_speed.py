@@ -113,16 +113,50 @@ def _old_search_rows(pi, q, rows, k):
     return out_s, out_i
 
 
-def old_predict_phrases(pi, tok, q_s, q_e, k, l_max, rows=None, top=None, contexts=True):
-    """predict_phrases before issue 14: two searches, the span loop, the plain tokenizer."""
+def reference_group(pi, tok, spans, log_scores, top):
+    """NPM's open-set output written from the paper (Min et al. 2023, Sec. 3.1 / App. A.1), one span at a time: a
+    candidate span's phrase is the text of its tokens; a phrase's score is the sum of exp(score) over its spans, its
+    probability that score over the sum for all candidates; phrases ranked by score (ties by text), each with its spans
+    best first (stable in row order)."""
+    by_phrase: dict[str, list[tuple[int, int, float]]] = {}
+    for (i, j), ls in zip(np.asarray(spans).tolist(), np.asarray(log_scores, dtype=np.float64).tolist(), strict=True):
+        text = tok.decode([int(t) for t in pi.token_ids[i : j + 1]]).strip()
+        by_phrase.setdefault(text, []).append((i, j, ls))
+    total = math.fsum(math.exp(ls) for rows in by_phrase.values() for _, _, ls in rows)
+    score = {text: math.fsum(math.exp(ls) for _, _, ls in rows) for text, rows in by_phrase.items()}
+    ranked = sorted(by_phrase, key=lambda text: (-score[text], text))
+    out = []
+    for text in ranked[:top] if top is not None else ranked:
+        hits = sorted(by_phrase[text], key=lambda h: -h[2])  # sorted() is stable: equal scores stay in row order
+        spans_of = [(i, j, pi.doc_ids[int(pi.doc[i])], int(pi.position[i]), math.exp(ls), pi.context(tok, i, j, 32))
+                    for i, j, ls in hits]  # fmt: skip
+        out.append((text, score[text], score[text] / total, spans_of))
+    return out
+
+
+def assert_same_predictions(got, want, rel=1e-5):
+    """Same phrases, order, spans and contexts; scores equal to float32's precision (memlm scores in float32, the
+    reference in float64)."""
+    assert [p.phrase for p in got] == [w[0] for w in want]
+    for p, (_, score, prob, hits) in zip(got, want, strict=True):
+        assert p.score == pytest.approx(score, rel=rel) and p.prob == pytest.approx(prob, rel=rel)
+        assert p.log_score == pytest.approx(math.log(score), rel=rel, abs=rel)
+        assert [(h.start, h.end, h.doc_id, h.position, h.context) for h in p.spans] == [h[:4] + h[5:] for h in hits]
+        assert [h.score for h in p.spans] == pytest.approx([h[4] for h in hits], rel=rel)
+
+
+def reference_predict_phrases(pi, tok, q_s, q_e, k, l_max, rows=None, top=None):
+    """App. A.1 with the loops the fast path replaced: two searches, the span loop, the per-span grouping above."""
     _, starts = inf.retrieve(pi, q_s, k, rows)
     _, ends = inf.retrieve(pi, q_e, k, rows)
     spans = loop_candidate_spans(pi, starts, ends, l_max)
     if rows is not None and len(spans):
-        allowed = np.zeros(len(pi), dtype=bool)
-        allowed[np.asarray(rows, dtype=np.int64)] = True
-        spans = spans[allowed[spans[:, 0]] & allowed[spans[:, 1]]]
-    return inf._group(pi, tok, spans, inf.span_log_scores(pi, spans, q_s, q_e), top, contexts, 32)
+        allowed = set(np.asarray(rows).tolist())
+        spans = np.array([s for s in spans.tolist() if s[0] in allowed and s[1] in allowed], dtype=np.int64)
+    scale = 1.0 / math.sqrt(D)  # sim = q . c / sqrt(h), span score = sim(q_start, c_i) + sim(q_end, c_j) (A.1)
+    vec, qs, qe = (np.asarray(a, dtype=np.float64) for a in (pi.vectors, q_s, q_e))
+    logs = [float(vec[i] @ qs) * scale + float(vec[j] @ qe) * scale for i, j in spans.tolist()]
+    return reference_group(pi, tok, spans.reshape(-1, 2), logs, top)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -132,13 +166,14 @@ def test_predict_phrases_equals_old_path(tok, seed):
     q_s, q_e = (rng.normal(scale=3.0, size=D).astype(np.float32) for _ in range(2))
     rows = pi.block_rows([1, 2, 5])
     for k, l_max, r, top in ((5, 3, None, None), (len(pi), 10, None, 3), (9, 4, rows, None), (4, 2, rows, 1)):
+        want = reference_predict_phrases(pi, tok, q_s, q_e, k, l_max, r, top)
+        assert want and (top is not None or sum(len(w[3]) for w in want) > len(want))  # some phrase has 2+ spans
         for _ in range(2):  # the second call reads the decode cache
-            got = inf.predict_phrases(pi, tok, q_s, q_e, k, l_max, rows=r, top=top)
-            assert got == old_predict_phrases(pi, tok, q_s, q_e, k, l_max, r, top)
-    # NPM SINGLE goes through the same grouping
-    got = inf.predict_tokens(pi, tok, q_s, k=11, top=None)
+            assert_same_predictions(inf.predict_phrases(pi, tok, q_s, q_e, k, l_max, rows=r, top=top), want)
+    # NPM SINGLE (App. A.3): each retrieved token is a one-token span scored by sim(q, c)
     sims, ids = inf.retrieve(pi, q_s, 11)
-    assert got == inf._group(pi, tok, np.stack([ids, ids], 1), sims.astype(np.float64), None, True, 32)
+    want = reference_group(pi, tok, np.stack([ids, ids], 1), sims.astype(np.float64), None)
+    assert_same_predictions(inf.predict_tokens(pi, tok, q_s, k=11, top=None), want)
 
 
 def old_closed_set_scores(pi, tok, verbalizers, q_s, q_e, k, l_max, tau, rows=None):

@@ -40,12 +40,13 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
         (runs / f"eval-vanilla{suffix}-knnlm").mkdir()
         test = {"base_ppl": 400.0, "knn_ppl": ppl, "lambda": 0.5}
         (runs / f"eval-vanilla{suffix}-knnlm" / "knnlm.json").write_text(json.dumps({"test": test}))
-        test = {**test, "cache_ppl": ppl - 20}
+        # LM + kNN + cache: knn_cache_ppl since issue 24, cache_ppl in files written before (both are read)
+        test = {**test, ("knn_cache_ppl" if suffix else "cache_ppl"): ppl - 20}
         (runs / f"eval-vanilla{suffix}-knnlm" / "knnlm-cache.json").write_text(json.dumps({"test": test}))
     res = trime_report.collect_issue12(runs, previous)
     knn = res["knnlm"]["knnlm"]["stats"]
     assert knn["values"] == [200.0, 220.0] and knn["sd"] == pytest.approx(200**0.5)
-    assert res["knnlm"]["knnlm-cache"]["stats"]["mean"] == pytest.approx(190.0)  # with the cache: its cache_ppl
+    assert res["knnlm"]["knnlm-cache"]["stats"]["mean"] == pytest.approx(190.0)  # with the cache
     st = res["seeds"]["trimelm"]["stats"]["test_none"]
     assert st["n"] == 3 and st["mean"] == pytest.approx(13.0)
     assert st["sd"] == pytest.approx(((9 + 1 + 16) / 2) ** 0.5)  # sample sd (n - 1), not population sd

@@ -289,7 +289,9 @@ class Datastore:
     def load_index(self, path: str | Path | None = None, nprobe: int = 32, verify: bool = False, **kw: Any):
         """:func:`memlm.index.load_index`, refusing an index not built from this datastore."""
         out = Path(path) if path is not None else self.index_path
-        return index_lib.load_index(out, nprobe=nprobe, expect=self.index_source(), verify=verify, **kw)
+        return index_lib.load_index(
+            out, nprobe=nprobe, expect=self.index_source(), verify=verify, expect_from=self.path, **kw
+        )
 
     def index_problem(self, path: str | Path | None = None) -> str | None:
         """Why the index at ``path`` (default ``index.faiss``) cannot serve this datastore, or ``None`` if it can.
@@ -305,7 +307,7 @@ class Datastore:
             return f"no index at {out}"
         diff = index_lib._source_diff(meta.get("source"), self.index_source())
         if diff or (meta["n"], meta["d"]) != (len(self), self.dim):
-            return f"index {out} was not built from this datastore ({'; '.join(diff) or 'size differs'})"
+            return f"index {out} was not built from the datastore {self.path} ({'; '.join(diff) or 'size differs'})"
         return None
 
     def check_compatible(self, model, tokenizer, key_spec: KeySpec | None = None) -> None:

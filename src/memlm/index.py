@@ -598,6 +598,7 @@ def load_index(
     hnsw_ef_search: int | None = None,
     expect: dict[str, Any] | None = None,
     verify: bool = False,
+    expect_from: str | os.PathLike[str] | None = None,
 ) -> faiss.Index:
     """Read an index saved by :func:`build_index`, check it, and set its search-time knobs.
 
@@ -605,7 +606,8 @@ def load_index(
     ignored for index types that lack them. A missing or corrupt file raises :class:`MemlmError`, and so does an
     index that does not match its sidecar (:func:`read_index_meta`; ``verify=True`` adds the full SHA-256), whose
     count, dimension or metric disagree with the sidecar, or whose recorded ``source`` is not ``expect`` (default:
-    :func:`expected_source`, the datastore or phrase index in the index's folder, if any).
+    :func:`expected_source`, the datastore or phrase index in the index's folder, if any). ``expect_from`` names the
+    folder ``expect`` describes in the messages (default: the index's folder).
     """
     if nprobe < 1:
         raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
@@ -618,11 +620,12 @@ def load_index(
     assert meta is not None
     if expect is None:
         expect = expected_source(path)
+    where = path.parent if expect_from is None else Path(expect_from)
     if expect is not None:
         diff = _source_diff(meta.get("source"), expect)
         if diff:
             raise MemlmError(
-                f"index {path} was not built from the {expect['kind']} in {path.parent} ({'; '.join(diff)}); {_REBUILD}"
+                f"index {path} was not built from the {expect['kind']} in {where} ({'; '.join(diff)}); {_REBUILD}"
             )
     try:
         index = faiss.read_index(str(path))
@@ -639,7 +642,7 @@ def load_index(
         )
     if expect is not None and (got[0], got[1]) != (expect["count"], expect["dim"]):
         raise MemlmError(
-            f"index {path} holds {got[0]} x {got[1]} vectors, the {expect['kind']} in {path.parent} has "
+            f"index {path} holds {got[0]} x {got[1]} vectors, the {expect['kind']} in {where} has "
             f"{expect['count']} x {expect['dim']}; {_REBUILD}"
         )
     ivf = faiss.try_extract_index_ivf(index)

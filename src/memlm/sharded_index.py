@@ -389,7 +389,9 @@ class ShardedSearcher:
 def open_index(datastore, index_path: str | Path | None = None, nprobe: int = 32):
     """The index a datastore is searched with: a FAISS index (one datastore) or a :class:`ShardedSearcher`.
 
-    A datastore opened with ``open_datastore(path, mmap_index=True)`` (``memlm eval --mmap-index``) gets its index
+    A single datastore's index is refused unless its sidecar records this datastore's identity
+    (:meth:`memlm.datastore.Datastore.load_index`), wherever the file lies (``memlm eval --index``). A datastore
+    opened with ``open_datastore(path, mmap_index=True)`` (``memlm eval --mmap-index``) gets its index
     memory-mapped (:func:`load_index_mmap`) instead of read into RAM; a sharded datastore's always is.
     """
     loader = getattr(datastore, "load_searcher", None)
@@ -397,8 +399,12 @@ def open_index(datastore, index_path: str | Path | None = None, nprobe: int = 32
         return loader(index_path, nprobe)
     path = index_path if index_path is not None else datastore.index_path
     if getattr(datastore, "mmap_index", False):
+        problem = datastore.index_problem(path)  # the sidecar against the datastore searched, as load_index does
+        if problem is not None:
+            raise MemlmError(f"{problem}; {index_lib._REBUILD}")
         return load_index_mmap(path, nprobe)
-    return index_lib.load_index(path, nprobe=nprobe)
+    # an index given with --index must have been built from this datastore, wherever it lies
+    return datastore.load_index(path, nprobe=nprobe)
 
 
 def search_index(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

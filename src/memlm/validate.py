@@ -368,6 +368,23 @@ def _pre_eval(args: argparse.Namespace) -> None:
         raise MemlmError("--adaptive-fraction needs --adaptive GATE (a gate from memlm gate train)")
     if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:
         raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
+    if args.index:
+        _index_of_datastore(args.index, args.datastore)
+
+
+def _index_of_datastore(index: str, datastore: str) -> None:
+    """``--index`` must have been built from ``--datastore``'s keys (its sidecar records the datastore's identity):
+    an index from another datastore returns ids of other entries (a wrong perplexity, or an IndexError when it has
+    more entries). Cheap: the sidecar and the manifest, not the FAISS file."""
+    from memlm.sharded import is_sharded, open_datastore
+
+    if is_sharded(datastore):  # a sharded index description: its searcher checks each shard's index
+        return
+    problem = open_datastore(datastore).index_problem(index)
+    if problem is not None:
+        raise MemlmError(
+            f"--index: {problem}; give an index built from it (`memlm index build {datastore} --out FILE`)"
+        )
 
 
 def _pre_train(args: argparse.Namespace) -> None:
@@ -385,6 +402,9 @@ def _pre_analyze(args: argparse.Namespace) -> None:
     float_list(args.fig5_temperatures, "--fig5-temperatures", lambda x: x > 0, "> 0")
     float_list(args.learned_n, "--learned-n", lambda x: x >= 1 and _is_int(x), "a positive integer")
     check_factory(args.factory)
+    from memlm.xu2023.analysis import check_skip
+
+    check_skip(tuple(s.strip() for s in args.skip.split(",") if s.strip()), "--skip")
     for flag in ("datastore_att", "datastore_ffn"):
         value = getattr(args, flag)
         if value is not None:

@@ -95,10 +95,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
     write_json(args.json, res)
 
 
+#: What each printed perplexity mixes (knn_ppl is not the kNN alone, knn_cache_ppl not the cache alone).
+_PPL_LABELS = {
+    "base_ppl": "LM alone",
+    "knn_ppl": "LM + kNN",
+    "knn_only_ppl": "kNN alone",
+    "oracle_ppl": "per token the better of LM, kNN",
+    "knn_cache_ppl": "LM + kNN + cache",
+    "lm_cache_ppl": "LM + cache",
+}
+
+
 def _print_result(res: dict[str, Any]) -> None:
     fmt = {float: "{:.4g}"}
     for k, v in res.items():
-        print(f"{k:22s} {fmt.get(type(v), '{}').format(v)}")
+        label = f"  ({_PPL_LABELS[k]})" if k in _PPL_LABELS else ""
+        print(f"{k:22s} {fmt.get(type(v), '{}').format(v)}{label}")
 
 
 def cmd_tune(args: argparse.Namespace) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "check_temperature",
     "interpolate",
     "interpolate_per_token",
+    "joint_distribution",
     "joint_target_logprob",
     "knn_distribution",
     "knn_target_logprob",
@@ -51,6 +52,7 @@ __all__ = [
     "mask_to_k",
     "memory_lse",
     "mix_logprobs",
+    "mix_logprobs_per_token",
     "perplexity",
     "similarity",
     "value_logsumexp",
@@ -206,7 +208,12 @@ def value_logsumexp(logw: torch.Tensor, values: torch.Tensor, n_values: int) -> 
     vmax = vmax.scatter_reduce(-1, idx, flat, reduce="amax", include_self=True)
     shift = torch.where(torch.isfinite(vmax), vmax, torch.zeros_like(vmax))
     summed = torch.zeros_like(vmax).scatter_add(-1, idx, (flat - shift.gather(-1, idx)).exp())
-    return (summed.log() + shift).reshape(*lead, n_values)
+    # A value with no finite mass has summed = 0: log(0) = -inf is the right value, but its gradient 1/0 times the
+    # exp'(-inf) = 0 of its entries is NaN. Take the log of 1 there instead and put -inf back with where(), so the
+    # -inf entries get a zero gradient (they carry no mass, so nothing moves them).
+    has_mass = summed > 0
+    out = torch.where(has_mass, torch.where(has_mass, summed, torch.ones_like(summed)).log() + shift, _NINF)
+    return out.reshape(*lead, n_values)
 
 
 def knn_distribution(
@@ -284,6 +291,37 @@ def mix_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     return torch.logsumexp(torch.stack(terms), dim=0)
 
 
+def mix_logprobs_per_token(logprobs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | float]) -> torch.Tensor:
+    """:func:`mix_logprobs` with per-token weights: ``log sum_j w_j(t) p_j(t)``, computed in float64.
+
+    Each ``weights[j]`` is a scalar or a tensor broadcastable to the log-probabilities (e.g. an adaptive gate's
+    ``λ_t``, He et al. 2021); at every token the weights are >= 0 and sum to 1. A component with weight 0 at a token
+    contributes nothing there, whatever it holds (``-inf``, nan: a token whose search was skipped).
+    """
+    if len(logprobs) != len(weights) or not logprobs:
+        raise MemlmError("mix_logprobs_per_token needs one weight per distribution")
+    lp = torch.stack([torch.as_tensor(x).double() for x in torch.broadcast_tensors(*logprobs)])
+    w = torch.stack([torch.as_tensor(x, dtype=torch.float64).expand(lp.shape[1:]) for x in weights])
+    if torch.isnan(w).any() or (w < -1e-9).any() or not torch.allclose(w.sum(0), torch.ones(()).double(), atol=1e-6):
+        raise MemlmError("per-token interpolation weights must be >= 0 and sum to 1 at every token")
+    w = w.clamp(min=0.0)  # 1 - λ_t - λc can round to -1e-17
+    return torch.logsumexp(torch.where(w > 0, lp + w.log(), _NINF), dim=0)
+
+
+def joint_distribution(logits: torch.Tensor, value_masses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """TRIME's joint softmax over the vocabulary and the memories as a full distribution (Zhong et al. 2022, Eq. 5 /
+    App. A Eq. 6)::
+
+        log P(w | c) = log [exp(E_w f) + sum_m mass_m(w)] - log sum_v [exp(E_v f) + sum_m mass_m(v)]
+
+    ``logits [..., V]`` (``E f``); each ``value_masses[m]`` ``[..., V]`` is a memory's unnormalised per-value mass
+    ``log sum_{j: x_j = w} exp(s_j / τ_m)`` (:func:`value_logsumexp`). No memory gives ``log_softmax(E f)``.
+    :func:`joint_target_logprob` is the same for the target only.
+    """
+    joint = torch.logsumexp(torch.stack([logits, *value_masses]), 0)
+    return joint - torch.logsumexp(joint, -1, keepdim=True)
+
+
 def joint_target_logprob(
     target_logit: torch.Tensor, logit_lse: torch.Tensor, memories: Sequence[tuple[torch.Tensor, torch.Tensor]]
 ) -> torch.Tensor:
@@ -300,6 +338,16 @@ def joint_target_logprob(
 
 
 def perplexity(logprob: torch.Tensor | np.ndarray) -> float:
-    """``exp(-mean log p)`` of per-token log-probabilities, in float64; ``inf`` when a token has probability 0."""
+    """``exp(-mean log p)`` of per-token log-probabilities, in float64.
+
+    ``inf`` when a token has probability 0 or when the mean log-probability is below about -709.78 (the perplexity
+    is then beyond float64's range, e.g. a kNN-only mixture, λ = 1, at a small τ); ``nan`` for no tokens.
+    """
     lp = torch.as_tensor(logprob)
-    return float(math.exp(-lp.double().mean().item())) if lp.numel() else float("nan")
+    if not lp.numel():
+        return float("nan")
+    nll = -lp.double().mean().item()
+    try:
+        return math.exp(nll)
+    except OverflowError:  # nll > log(float64 max) ~ 709.78
+        return float("inf")

@@ -28,7 +28,13 @@ import torch
 from tqdm.auto import tqdm
 
 from memlm.core.config import RetrievalConfig
-from memlm.core.distribution import interpolate_per_token, knn_target_logprob, mix_logprobs, perplexity
+from memlm.core.distribution import (
+    interpolate_per_token,
+    knn_target_logprob,
+    mix_logprobs,
+    mix_logprobs_per_token,
+    perplexity,
+)
 from memlm.core.dumps import TokenDump
 from memlm.core.tuning import grid_search
 from memlm.datastore import Datastore
@@ -48,6 +54,8 @@ __all__ = [
     "add_cache",
     "score_tokens",
     "perplexities",
+    "cache_mixture_ppl",
+    "CACHE_PPL_KEYS",
     "tune",
     "DEFAULT_LAMBDAS",
     "DEFAULT_TEMPERATURES",
@@ -387,6 +395,19 @@ def memory_logprob(
     )
 
 
+#: The key of the perplexity with the cache, by whether a kNN term is in the mixture (``LM + cache`` / ``LM + kNN +
+#: cache``); results written before issue 24 used ``cache_ppl`` for either (:func:`cache_mixture_ppl` reads both).
+CACHE_PPL_KEYS = {False: "lm_cache_ppl", True: "knn_cache_ppl"}
+
+
+def cache_mixture_ppl(result: dict[str, Any]) -> float | None:
+    """The perplexity with the cache of a :func:`perplexities` result, old (``cache_ppl``) or new; None without one."""
+    for key in (*CACHE_PPL_KEYS.values(), "cache_ppl"):
+        if key in result:
+            return result[key]
+    return None
+
+
 def perplexities(
     ts: TokenScores,
     lam: float = 0.25,
@@ -401,6 +422,15 @@ def perplexities(
     (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``. A dump with a per-token ``knn_lambda``
     (adaptive retrieval, :mod:`memlm.knnlm.adaptive`) interpolates with it instead of ``lam`` (``lambda`` is then
     reported as ``"adaptive"``) and reports ``searched_fraction``, the share of tokens whose datastore was searched.
+
+    With ``cache_lambda`` > 0 the continuous cache joins the mixture (Khandelwal et al. 2020, Table 1)::
+
+        p = (1 - λ_t - λc) p_LM + λ_t p_kNN + λc p_cache,   λ_t = min(λ(x_t), 1 - λc)
+
+    with ``λ_t = λ`` for a fixed λ, the gate's per-token ``λ(x_t)`` for an adaptive dump (capped at ``1 - λc``, as
+    ``memlm eval`` lowers a calibrated λ), and no kNN term for a dump without a datastore. Its perplexity is
+    ``knn_cache_ppl`` (LM + kNN + cache) or ``lm_cache_ppl`` (LM + cache, no datastore); files written before
+    issue 24 called either ``cache_ppl``.
     """
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
@@ -431,8 +461,13 @@ def perplexities(
         cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature)
         comps.append(cache)
         weights.append(cache_lambda)
+        if ts.knn_scores is not None and ts.knn_lambda is not None:  # the gate's λ_t, capped so λ_t + λc <= 1
+            lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache_lambda)
+            with_cache = mix_logprobs_per_token(comps, [1.0 - lam_t - cache_lambda, lam_t, cache_lambda])
+        else:
+            with_cache = mix_logprobs(comps, weights)
         out.update(
-            cache_ppl=perplexity(mix_logprobs(comps, weights)),
+            **{CACHE_PPL_KEYS[ts.knn_scores is not None]: perplexity(with_cache)},
             cache_lambda=cache_lambda,
             cache_temperature=cache_temperature,
         )

@@ -317,7 +317,8 @@ def _group(
     context_window: int,
 ) -> list[PhrasePrediction]:
     """Ranked phrases from scored spans: a span's value is its phrase (the decoded text of its tokens), and M sums each
-    phrase's mass (:func:`memlm.core.distribution.value_logsumexp`). Vectorised: distinct token sequences by one
+    phrase's mass (:func:`memlm.core.distribution.value_logsumexp`) and its share of all candidates' mass
+    (:func:`memlm.core.distribution.knn_distribution`). Vectorised: distinct token sequences by one
     ``np.unique``, one decode per distinct sequence, one per-value logsumexp."""
     spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     if not len(spans):
@@ -333,9 +334,9 @@ def _group(
                            for row in seqs], dtype=np.int64)  # fmt: skip
     phrases = list(phrase_of)
     phrase_id = seq_phrase[inv.reshape(-1)]
-    lv = torch.from_numpy(log_scores)[None]
-    mass = value_logsumexp(lv, torch.from_numpy(phrase_id)[None], len(phrases))[0].numpy()
-    total = float(torch.logsumexp(lv[0], 0))
+    lv, pv = torch.from_numpy(log_scores)[None], torch.from_numpy(phrase_id)[None]
+    mass = value_logsumexp(lv, pv, len(phrases))[0].numpy()  # log sum of each phrase's span scores
+    logp = knn_distribution(lv, pv, len(phrases))[0].numpy()  # its share of all candidates' mass (Eq. 2, τ = 1)
     by_phrase = np.argsort(phrase_id, kind="stable")  # rows of each phrase, ascending
     bounds = np.searchsorted(phrase_id[by_phrase], np.arange(len(phrases) + 1))
     order = sorted(range(len(phrases)), key=lambda n: (-mass[n], phrases[n]))
@@ -349,7 +350,7 @@ def _group(
             doc = int(pi.doc[i])
             hits.append(SpanHit(i, j, pi.doc_ids[doc], int(pi.position[i]), math.exp(log_scores[r]), ctx))
         ls = float(mass[n])
-        out.append(PhrasePrediction(phrases[n], math.exp(ls), math.exp(ls - total), ls, tuple(hits)))
+        out.append(PhrasePrediction(phrases[n], math.exp(ls), math.exp(float(logp[n])), ls, tuple(hits)))
     return out
 
 

@@ -56,6 +56,7 @@ import torch
 from memlm import index as index_lib
 from memlm.core.config import RetrievalConfig
 from memlm.core.distribution import (
+    joint_distribution,
     joint_target_logprob,
     knn_distribution,
     knn_target_logprob,
@@ -717,8 +718,7 @@ def trime_log_distribution(
         if values.numel() and int(values.max()) >= v:
             raise MemlmError(f"memory value {int(values.max())} is out of range for a vocabulary of {v}")
         parts.append(value_logsumexp(scores.double() / t, values, v))  # each value's unnormalised memory mass
-    joint = torch.logsumexp(torch.stack(parts), 0)
-    joint = joint - torch.logsumexp(joint, -1, keepdim=True)
+    joint = joint_distribution(logits, parts[1:])
     if lam == 0:
         return joint
     if ext_scores is None:

@@ -122,7 +122,7 @@ class AnalysisSpec:
     learned_patience: int | None = None
     learned_log_every: int = 100
     seed: int = 0
-    skip: tuple[str, ...] = ()  # any of: table1, learned, approx, temperature
+    skip: tuple[str, ...] = ()  # any of ANALYSIS_PARTS: table1, approx, temperature, learned
 
     def tune_temperatures(self) -> tuple[float, ...]:
         return tuple(sorted(set(DEFAULT_TEMPERATURES) | set(self.temperatures)))
@@ -458,10 +458,25 @@ class _Run:
         return row
 
 
+#: The parts of the grid that ``skip`` (``memlm analyze --skip``) may leave out (Table 1, Fig. 2/4 and Table 3,
+#: Fig. 5, Fig. 3 / Table 2).
+ANALYSIS_PARTS = ("table1", "approx", "temperature", "learned")
+
+
+def check_skip(skip: Sequence[str], name: str = "skip") -> None:
+    """Refuse a part name that is not in :data:`ANALYSIS_PARTS` (a typo would silently run the part)."""
+    unknown = [s for s in skip if s not in ANALYSIS_PARTS]
+    if unknown:
+        raise MemlmError(
+            f"{name}: unknown part {', '.join(map(repr, unknown))}; the parts are {', '.join(ANALYSIS_PARTS)}"
+        )
+
+
 def run_analysis(
     spec: AnalysisSpec, out: str | os.PathLike, progress: bool = True, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Run the grid of the module docstring (resuming from ``out``) and write the JSON, tables and figures."""
+    check_skip(spec.skip)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(spec, out, progress, log)
