@@ -45,34 +45,8 @@ __all__ = [
 ]
 
 # fine below 0.1 (where WikiText-2-sized references put λ_dense) and up to 1 (sparse estimates can take most weight)
-NGRAM_LAMBDAS = (
-    0.0,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.04,
-    0.05,
-    0.06,
-    0.07,
-    0.08,
-    0.09,
-    0.1,
-    0.125,
-    0.15,
-    0.175,
-    0.2,
-    0.25,
-    0.3,
-    0.35,
-    0.4,
-    0.5,
-    0.6,
-    0.7,
-    0.8,
-    0.9,
-)
+NGRAM_LAMBDAS = (0.0, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175,
+                 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # fmt: skip
 DEFAULT_LAMBDA_SPARSE, DEFAULT_LAMBDA_DENSE = 0.1, 0.03  # the fallback when an index records no calibration
 
 
