@@ -64,9 +64,14 @@ def main() -> None:
     valid, test = TokenScores.load(args.valid), TokenScores.load(args.test)
     fmt = formatting_mask(test, args.corpus, "test", args.max_tokens, args.model)
     keep = ~fmt
-    out = {"paper": PAPER, "valid_tokens": len(valid), "test_tokens": len(test),
-           "formatting_tokens": int(fmt.sum()), "dumps": {"valid": args.valid, "test": args.test},
-           "meta": {k: test.meta.get(k) for k in ("model", "source", "ngram", "ngram_tokens", "datastore")}}  # fmt: skip
+    out = {
+        "paper": PAPER,
+        "valid_tokens": len(valid),
+        "test_tokens": len(test),
+        "formatting_tokens": int(fmt.sum()),
+        "dumps": {"valid": args.valid, "test": args.test},
+        "meta": {k: test.meta.get(k) for k in ("model", "source", "ngram", "ngram_tokens", "datastore")},
+    }
     lm = torch.from_numpy(test.lm_logprob)
     out["base"] = {"ppl": perplexity(lm), "ppl_without_formatting": perplexity(lm[torch.from_numpy(keep)])}
 
@@ -84,16 +89,23 @@ def main() -> None:
     out["ngram"] = {"tuned_on_valid": best, "test": rep, "test_without_formatting": rep_clean}
     if valid.knn_scores is not None:
         kbest = tune(strip(valid, True, False))["best"]
-        knn = memory_logprob(test.knn_scores, test.knn_values, test.targets, kbest["temperature"], None,
-                             test.knn_log_counts)  # fmt: skip
+        knn = memory_logprob(
+            test.knn_scores, test.knn_values, test.targets, kbest["temperature"], None, test.knn_log_counts
+        )
         mixed = mix_logprobs([lm, knn], [1 - kbest["lambda"], kbest["lambda"]])
-        out["knn"] = {"tuned_on_valid": kbest, "ppl": perplexity(mixed),
-                      "ppl_without_formatting": perplexity(mixed[torch.from_numpy(keep)])}  # fmt: skip
+        out["knn"] = {
+            "tuned_on_valid": kbest,
+            "ppl": perplexity(mixed),
+            "ppl_without_formatting": perplexity(mixed[torch.from_numpy(keep)]),
+        }
         jbest = tune_ngram(valid)["best"]
         args3 = (jbest["lambda_sparse"], jbest["lambda_dense"])
         kw = {"lam": jbest["lambda"], "temperature": jbest["temperature"]}
-        out["knn_ngram"] = {"tuned_on_valid": jbest, "test": ngram_report(test, *args3, **kw),
-                            "test_without_formatting": ngram_report(test, *args3, **kw, mask=keep)}  # fmt: skip
+        out["knn_ngram"] = {
+            "tuned_on_valid": jbest,
+            "test": ngram_report(test, *args3, **kw),
+            "test_without_formatting": ngram_report(test, *args3, **kw, mask=keep),
+        }
     atomic_write_json(args.out, out)
     json.dump({k: out[k] for k in out if k not in ("paper",)}, sys.stdout, indent=1, default=str)
 
