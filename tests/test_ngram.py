@@ -387,3 +387,50 @@ def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
     assert main(["tune", "--valid", str(dump), "--test", str(dump), "--json", str(tmp_path / "t.json")]) == 0
     assert json.loads((tmp_path / "t.json").read_text())["test"]["ngram_ppl"] > 0
     assert main(["ngram", "info", str(out), "--verify"]) == 0
+
+
+def test_token_sources_point_at_documents_holding_the_suffix(tok, corpus, index):
+    """Each token's longest matching suffix is the brute-force longest, and every document named holds it."""
+    from memlm.ngram.generate import token_sources
+
+    memory = NgramMemory(index)
+    ids = _ids(tok, "the dog ran") + _ids(tok, " " + corpus[5].text.split(" ", 3)[-1])[:12]
+    brute = Brute(tok, corpus)
+    texts = {d.id: [Brute.START, *_ids(tok, d.text)] for d in corpus}
+    for i, rec in zip(range(3, len(ids)), token_sources(memory, ids, 3, n_docs=3), strict=True):
+        ctx = [Brute.START, *ids[: i + 1]]
+        longest = max(n for n in range(0, len(ctx) + 1) if n == 0 or brute.follow(ctx[len(ctx) - n :]))
+        assert rec["suffix_len"] == longest and rec["token"] == ids[i]
+        suffix = ctx[len(ctx) - longest :]
+        assert rec["count"] == len(brute.follow(suffix)) and rec["documents"]
+        for d in rec["documents"]:
+            seq = texts[d["id"]]
+            assert any(seq[j : j + longest] == suffix for j in range(len(seq)))
+
+
+def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
+    from memlm.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_lm_dir),
+                "--ngram",
+                str(index.path),
+                "--prompt",
+                "the cat sat",
+                "--max-new-tokens",
+                "5",
+                "--greedy",
+                "--show-sources",
+                "1",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("the cat sat") and "occurrences" in out

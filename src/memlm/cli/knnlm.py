@@ -140,6 +140,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
     from memlm.sharded import open_datastore
 
+    if args.ngram or not args.datastore:
+        return ngram_cli.generate_with_ngram(args)
     ds = open_datastore(args.datastore, ray=args.ray)
     model, tok = common._load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
     ds.check_compatible(model, tok)
@@ -270,7 +272,7 @@ def add_parsers(sub) -> None:
 
     g = sub.add_parser("generate", help="sample from the kNN-LM, streaming tokens as they come")
     add_model(g)
-    g.add_argument("--datastore", type=V.existing_dir, required=True)
+    g.add_argument("--datastore", type=V.existing_dir, default=None, help="datastore folder (or give --ngram)")
     g.add_argument("--prompt", type=V.nonempty_text, required=True)
     g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
     g.add_argument("--k", type=V.neighbours, default=64)
@@ -285,6 +287,7 @@ def add_parsers(sub) -> None:
         help="print under each generated token the N nearest datastore entries with their source text",
     )
     add_ray(g, "search a sharded datastore with one Ray actor per shard")
+    ngram_cli.add_generate_args(g)
     g.set_defaults(func=cmd_generate)
 
     gate = sub.add_parser("gate", help="adaptive retrieval (He et al. 2021): train the gate that predicts λ per token")

@@ -213,6 +213,51 @@ def tune_with_ngram(args: argparse.Namespace, valid) -> None:
     write_json(args.json, out)
 
 
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    """``--ngram DIR`` (and its weights, ``--show-sources``) for ``memlm generate``."""
+    add_eval_args(p)
+    p.add_argument(
+        "--show-sources",
+        type=V.nonneg_int,
+        default=0,
+        metavar="N",
+        help="with --ngram: after the text, each generated token's longest matching suffix and N documents "
+        "of the index that hold it (document index, id, offset)",
+    )
+
+
+def generate_with_ngram(args: argparse.Namespace) -> None:
+    """``memlm generate --ngram DIR``: the LM interpolated with P∞ (NgramLogitsProcessor), optionally with sources."""
+    import torch
+
+    from memlm.knnlm.generate import generate_text
+    from memlm.ngram.generate import NgramLogitsProcessor, token_sources
+    from memlm.ngram.mixture import ngram_parameters
+
+    if not args.ngram:
+        raise MemlmError("memlm generate needs --datastore DS or --ngram DIR")
+    if args.datastore:
+        raise MemlmError("memlm generate takes --datastore or --ngram, not both yet (memlm eval mixes the three)")
+    model, tok = common._load_model(args.model or common.DEFAULT_MODEL, args.dtype)
+    memory = open_ngram(args, tok)
+    ls, ld, _ = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+    torch.manual_seed(args.seed)
+    proc = NgramLogitsProcessor(memory, ls, ld)
+    prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
+    text = generate_text(
+        model, tok, [prompt], max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, processor=proc
+    )[0]
+    print(args.prompt + text, flush=True)
+    if args.show_sources:
+        full = prompt + list(tok(text, add_special_tokens=False)["input_ids"])
+        for rec in token_sources(memory, full, len(prompt), args.show_sources):
+            docs = ", ".join(f"doc {d['doc_ix']} ({d['id']}) @ {d['offset']}" for d in rec["documents"]) or "-"
+            print(
+                f"{tok.decode([rec['token']])!r:>16}  suffix {rec['suffix_len']:3d} tokens, "
+                f"{rec['count']:,} occurrences: {docs}"
+            )
+
+
 def add_parsers(sub) -> None:
     ng = sub.add_parser("ngram", help="∞-gram indexes (infini-gram): a memory built by sorting, no forward pass")
     nsub = ng.add_subparsers(dest="ngram_cmd", required=True)
