@@ -434,3 +434,27 @@ def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
     )
     out = capsys.readouterr().out
     assert out.startswith("the cat sat") and "occurrences" in out
+
+
+def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, index, toy_docs, tmp_path):
+    """LM + kNN + ∞-gram in one eval, even when the separately set weights sum past 1; tune then mixes all four."""
+    from memlm.cli import main
+    from memlm.datastore import build_datastore
+
+    model, tok = tiny_lm
+    ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
+    ds.build_index(factory="Flat", metric="l2", progress=False)
+    docs = tmp_path / "e.jsonl"
+    docs.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(6, seed=31)))
+    dump, res = tmp_path / "d.npz", tmp_path / "r.json"
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--datastore", str(ds.path), "--k", "8",
+            "--ngram", str(index.path), "--lambda", "0.5", "--temperature", "1", "--ngram-lambda-sparse", "0.9",
+            "--ngram-lambda-dense", "0.2", "--window", "64", "--min-context", "32", "--dump", str(dump),
+            "--json", str(res)]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads(res.read_text())
+    assert r["knn_ngram_weights"]["lambda_sparse"] == pytest.approx(0.45) and r["knn_ngram_ppl"] > 0
+    assert main(["tune", "--valid", str(dump), "--lambdas", "0", "0.3", "--temperatures", "1", "10",
+                 "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
+    best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
+    assert {"lambda", "temperature", "lambda_sparse", "lambda_dense"} <= set(best)

@@ -146,7 +146,18 @@ def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temper
     from memlm.ngram.mixture import ngram_parameters, ngram_report
 
     ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
-    rep = ngram_report(ts, ls, ld, lam=lam if ts.knn_scores is not None else None, temperature=temperature)
+    rep = ngram_report(ts, ls, ld)
+    if ts.knn_scores is not None and lam is not None:
+        # weights tuned apart (datastore and index calibrations) can sum past 1: the ∞-gram's then share 1 - λ
+        scale = 1.0 if lam + max(ls, ld) <= 1.0 else 1.0 - lam
+        three = ngram_report(ts, ls * scale, ld * scale, lam=lam, temperature=temperature)
+        rep["knn_ngram_ppl"] = three["knn_ngram_ppl"]
+        rep["knn_ngram_weights"] = {
+            "lambda": lam,
+            "lambda_sparse": ls * scale,
+            "lambda_dense": ld * scale,
+            "note": "tune all four jointly on a valid dump with memlm tune",
+        }
     drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
     return {**{k: v for k, v in rep.items() if k not in drop}, "ngram_parameters_from": origin, **memory.describe()}
 
