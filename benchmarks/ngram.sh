@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # docs/NGRAM.md's measurements (issue 26): SmolLM2-135M, an ∞-gram over WikiText-2 train, λ's tuned on the first
-# ~15k WikiText-2 valid tokens, applied to the first ~20k test tokens (windows 1024, min-context 512, float32).
+# ~10k WikiText-2 valid tokens, applied to the first ~20k test tokens (windows 1024, min-context 512, float32).
 # With DS=/path/to/datastore (complete, with its index) the dumps also hold its neighbours: kNN-LM and the three-way
 # mixture come from the same forward pass. Run from the repository root; heavy (an LM pass over ~35k tokens).
 set -euo pipefail
@@ -16,7 +16,7 @@ if [ -n "${DS:-}" ] && [ -f "$DS/manifest.json" ] && [ ! -f "$DS/progress.json" 
   DSARG=(--datastore "$DS")
 fi
 for split in valid test; do
-  n=$([ $split = valid ] && echo 15000 || echo 20000)
+  n=$([ $split = valid ] && echo 10000 || echo 20000)
   $MEMLM eval --model $M --dtype float32 --corpus wikitext2 --split $split --max-tokens $n --ngram "$DATA/wt2-train" \
     ${DSARG[@]+"${DSARG[@]}"} --dump "$DATA/$split.npz" --json "$RES/eval_$split.json"
 done

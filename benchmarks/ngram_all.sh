@@ -9,7 +9,7 @@ PY=${PYTHON:-python}
 $MEMLM ngram build --model smollm2-135m --corpus wiki,news,brown,bbc,wikitext2,imdb --out "$DATA/all-train" \
   --holdout 0 2>&1 | grep -v $'\r'
 $MEMLM ngram info "$DATA/all-train" > "$RES/index_all_train.json"
-$PY benchmarks/ngram_swap.py --dump "$DATA/valid.npz" --index "$DATA/all-train" --split valid --max-tokens 15000 \
+$PY benchmarks/ngram_swap.py --dump "$DATA/valid.npz" --index "$DATA/all-train" --split valid --max-tokens 10000 \
   --out "$DATA/valid_all.npz"
 $PY benchmarks/ngram_swap.py --dump "$DATA/test.npz" --index "$DATA/all-train" --split test --max-tokens 20000 \
   --out "$DATA/test_all.npz"
