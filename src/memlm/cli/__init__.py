@@ -14,7 +14,7 @@ import argparse
 import os
 
 from memlm import validate as V
-from memlm.cli import analysis, data, datastore, demo, knnlm, lmeval, npm, train, trime
+from memlm.cli import analysis, data, datastore, demo, knnlm, lmeval, ngram, npm, train, trime
 from memlm.cli.analysis import cmd_analyze
 from memlm.cli.common import DEFAULT_MODEL, resolve_dtype, run_command
 from memlm.cli.data import cmd_corpora, cmd_models
@@ -51,7 +51,7 @@ __all__ = [
     "main",
 ]
 
-_AREAS = (data, datastore, knnlm, lmeval, train, analysis, npm, trime, demo)  # the order of `memlm --help`
+_AREAS = (data, datastore, ngram, knnlm, lmeval, train, analysis, npm, trime, demo)  # the order of `memlm --help`
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from typing import Any
 
 from memlm import validate as V
 from memlm.cli import common
+from memlm.cli import ngram as ngram_cli
 from memlm.cli.common import (
     DEFAULT_MODEL,
     add_corpus,
@@ -36,6 +37,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model, tok = common._load_model(model_name, args.dtype)
     if ds is not None:
         ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
+    ngram = ngram_cli.open_ngram(args, tok)
     V.check_against_model(args, model)
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
     ts = score_tokens(
@@ -58,6 +60,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         pointer_rule=args.pointer_rule or "retomaton",
         pipeline=args.pipeline,
         index_path=args.index,
+        ngram=ngram,
     )
     if args.dump:
         ts.save(args.dump)
@@ -91,6 +94,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
             "cache_temperature": args.cache_temperature,
         },
     )
+    if ngram is not None:
+        res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature))
     _print_result(res)
     write_json(args.json, res)
 
@@ -117,6 +122,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, perplexities, tune
 
     valid = TokenScores.load(args.valid)
+    if valid.ngram_logprob is not None:
+        return ngram_cli.tune_with_ngram(args, valid)
     result = tune(
         valid,
         lambdas=args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS),
@@ -152,6 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
     from memlm.sharded import open_datastore
 
+    if args.ngram or not args.datastore:
+        return ngram_cli.generate_with_ngram(args)
     ds = open_datastore(args.datastore, ray=args.ray)
     model, tok = common._load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
     ds.check_compatible(model, tok)
@@ -272,6 +281,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="search each forward batch in a background thread while the model computes the next",
     )
+    ngram_cli.add_eval_args(e)
     e.set_defaults(func=cmd_eval)  # looked up when the parser is built (tests replace it first)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
@@ -283,11 +293,12 @@ def add_parsers(sub) -> None:
     t.add_argument("--cache-temperatures", type=V.positive_float, nargs="+", default=[1.0])
     t.add_argument("--k", type=V.neighbours, default=None, help="use only the k best of the dumped neighbours")
     t.add_argument("--json", type=V.output_file, default=None)
+    ngram_cli.add_tune_args(t)
     t.set_defaults(func=cmd_tune)
 
     g = sub.add_parser("generate", help="sample from the kNN-LM, streaming tokens as they come")
     add_model(g)
-    g.add_argument("--datastore", type=V.existing_dir, required=True)
+    g.add_argument("--datastore", type=V.existing_dir, default=None, help="datastore folder (or give --ngram)")
     g.add_argument("--prompt", type=V.nonempty_text, required=True)
     g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
     g.add_argument("--k", type=V.neighbours, default=64)
@@ -302,6 +313,7 @@ def add_parsers(sub) -> None:
         help="print under each generated token the N nearest datastore entries with their source text",
     )
     add_ray(g, "search a sharded datastore with one Ray actor per shard")
+    ngram_cli.add_generate_args(g)
     g.set_defaults(func=cmd_generate)
 
     gate = sub.add_parser("gate", help="adaptive retrieval (He et al. 2021): train the gate that predicts λ per token")

@@ -102,7 +102,8 @@ class TokenScores(TokenDump):
     REQUIRED: ClassVar[dict[str, int]] = {"targets": 1, "lm_logprob": 1, "doc_index": 1}
     OPTIONAL: ClassVar[dict[str, int]] = {"knn_scores": 2, "knn_values": 2, "cache_scores": 2, "cache_values": 2,
                                           "knn_log_counts": 2, "lm_entropy": 1, "lm_max_logprob": 1, "position": 1,
-                                          "knn_lambda": 1, "searched": 1}  # fmt: skip
+                                          "knn_lambda": 1, "searched": 1, "ngram_logprob": 1, "ngram_count": 1,
+                                          "ngram_n": 1, "ngram_sparse": 1}  # fmt: skip
     PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"))
     HINT: ClassVar[str] = "rerun memlm eval --dump {path}"
 
@@ -119,6 +120,11 @@ class TokenScores(TokenDump):
     position: np.ndarray | None = None  # [N] int32: the target's offset in its document
     knn_lambda: np.ndarray | None = None  # [N] float32: per-token λ of an adaptive gate (0 where not searched)
     searched: np.ndarray | None = None  # [N] bool: where the datastore was searched (adaptive, pointer reuse)
+    # the ∞-gram (memlm.ngram): log P∞(target), cnt(suffix), effective n, sparse flag
+    ngram_logprob: np.ndarray | None = None  # [N] float32, -inf where P∞(target) = 0
+    ngram_count: np.ndarray | None = None  # [N] int64
+    ngram_n: np.ndarray | None = None  # [N] int32
+    ngram_sparse: np.ndarray | None = None  # [N] bool
     meta: dict[str, Any] = field(default_factory=dict)
 
     def lm_only(self) -> TokenScores:
@@ -284,8 +290,12 @@ def score_tokens(
     pipeline: bool = False,
     index_path: str | Path | None = None,
     pointer_rule: str = "retomaton",
+    ngram: Any | None = None,
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
+
+    ``ngram`` (a :class:`memlm.ngram.memory.NgramMemory`) adds the ∞-gram's per-target statistics
+    (:func:`memlm.ngram.mixture.add_ngram`), alone or beside the datastore's neighbours.
 
     Windows as in :func:`lm_scores` (``stride = window`` for non-overlapping blocks, ``block_start`` skip or bos).
 
@@ -369,6 +379,10 @@ def score_tokens(
     ts.meta["retrieval"] = config.to_dict()
     if cache:
         add_cache(ts, queries[specs[-1]], cache_k, cache_max_len, cache_metric)
+    if ngram is not None:
+        from memlm.ngram.mixture import add_ngram
+
+        add_ngram(ts, documents, tokenizer, ngram)
     return ts
 
 

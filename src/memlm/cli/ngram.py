@@ -1,0 +1,309 @@
+"""``memlm ngram build|info``: ∞-gram indexes (memlm.ngram); the ``--ngram`` options of ``memlm eval`` and ``tune``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from memlm import validate as V
+from memlm.cli import common
+from memlm.cli.common import add_corpus, add_model, load_documents, write_json
+from memlm.errors import MemlmError
+from memlm.knnlm.calibration import holdout_split
+from memlm.locking import folder_lock
+
+EXCLUDED = (
+    "the valid and test documents of every named corpus (memlm.corpora's document-level splits: a document "
+    "is in one split only), so any of their test or valid splits can be evaluated against this index"
+)
+
+
+def cmd_ngram_build(args: argparse.Namespace) -> None:
+    from memlm.ngram.index import build_ngram_index
+
+    model, tok = common._load_model(args.model, args.dtype)
+    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    source["excluded"] = EXCLUDED if args.split == "train" else "nothing: --split all (eval text may be indexed)"
+    docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
+    with folder_lock(args.out, "build an ∞-gram index"):
+        index = build_ngram_index(
+            tok,
+            docs,
+            args.out,
+            source=source,
+            shard_tokens=args.shard_tokens,
+            memory_gb=args.memory_gb,
+            overwrite=args.overwrite,
+        )
+        m = index.manifest
+        print(
+            f"∞-gram index {index.path}: {m['tokens']:,} tokens, {m['documents']:,} documents, "
+            f"{len(m['shards'])} shard(s), {m['token_dtype']}, {m['bytes_per_token']:.2f} bytes/token"
+        )
+        if args.no_calibrate or not held_out:
+            why = "--no-calibrate" if args.no_calibrate else source["holdout"].get("reason")
+            print(f"no calibration ({why}): eval falls back to λ_sparse=0.1, λ_dense=0.03", file=sys.stderr)
+            return
+        cal = m.get("calibration")
+        if cal is not None and cal.get("holdout_ids") == source["holdout"].get("ids_sha256"):
+            print(
+                f"calibration already recorded: λ_sparse={cal['lambda_sparse']:g}, λ_dense={cal['lambda_dense']:g}",
+                file=sys.stderr,
+            )
+            return
+        from memlm.ngram.memory import NgramMemory
+        from memlm.ngram.mixture import calibrate_ngram
+
+        print(f"calibrating λ_sparse and λ_dense on {source['holdout']['tokens']:,} held-out tokens", file=sys.stderr)
+        cal = calibrate_ngram(
+            model, tok, NgramMemory(index), held_out, window=args.window, stride=args.stride, batch_size=args.batch_size
+        )
+        cal["holdout_ids"] = source["holdout"].get("ids_sha256")
+        index.record_calibration(cal)
+        print(
+            f"calibrated: λ_sparse={cal['lambda_sparse']:g}, λ_dense={cal['lambda_dense']:g} (held-out ppl "
+            f"{cal['base_ppl']:.3f} -> {cal['ngram_ppl']:.3f}); recorded in {index.path}",
+            file=sys.stderr,
+        )
+
+
+def cmd_ngram_info(args: argparse.Namespace) -> None:
+    from memlm.ngram.index import NgramIndex
+
+    index = NgramIndex.open(args.index, verify=args.verify)
+    m = index.manifest
+    keys = (
+        "tokens",
+        "documents",
+        "token_dtype",
+        "bytes",
+        "bytes_per_token",
+        "shards",
+        "tokenizer",
+        "sources",
+        "calibration",
+        "build_seconds",
+        "infini_gram_version",
+        "created",
+    )
+    print(json.dumps({k: m.get(k) for k in keys}, indent=2, ensure_ascii=False))
+    if args.verify:
+        print("every file matches its SHA-256", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------ memlm eval / tune --ngram
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """``--ngram DIR`` and its weights for ``memlm eval``."""
+    g = p.add_argument_group("∞-gram (docs/NGRAM.md)")
+    g.add_argument(
+        "--ngram",
+        type=V.existing_dir,
+        default=None,
+        metavar="DIR",
+        help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore",
+    )
+    g.add_argument(
+        "--ngram-lambda-sparse",
+        type=V.probability,
+        default=None,
+        metavar="λ",
+        help="weight of P∞ where it is sparse (default: the index's calibration, else 0.1)",
+    )
+    g.add_argument(
+        "--ngram-lambda-dense",
+        type=V.probability,
+        default=None,
+        metavar="λ",
+        help="weight of P∞ elsewhere (default: the index's calibration, else 0.03)",
+    )
+    g.add_argument(
+        "--ngram-max-n",
+        type=V.positive_int,
+        default=None,
+        metavar="N",
+        help="a fixed-n n-gram (back-off included) instead of the ∞-gram: effective n <= N",
+    )
+
+
+def open_ngram(args: argparse.Namespace, tokenizer):
+    """The ``--ngram`` memory of ``memlm eval``, checked against the model's tokenizer, or None."""
+    if not getattr(args, "ngram", None):
+        return None
+    from memlm.ngram.index import NgramIndex
+    from memlm.ngram.memory import NgramMemory
+
+    index = NgramIndex.open(args.ngram)
+    index.check_tokenizer(tokenizer)
+    return NgramMemory(index, max_n=args.ngram_max_n)
+
+
+def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temperature: float) -> dict[str, Any]:
+    """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one)."""
+    from memlm.ngram.mixture import ngram_parameters, ngram_report
+
+    ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+    rep = ngram_report(ts, ls, ld)
+    if ts.knn_scores is not None and lam is not None:
+        # weights tuned apart (datastore and index calibrations) can sum past 1: the ∞-gram's then share 1 - λ
+        scale = 1.0 if lam + max(ls, ld) <= 1.0 else 1.0 - lam
+        three = ngram_report(ts, ls * scale, ld * scale, lam=lam, temperature=temperature)
+        rep["knn_ngram_ppl"] = three["knn_ngram_ppl"]
+        rep["knn_ngram_weights"] = {
+            "lambda": lam,
+            "lambda_sparse": ls * scale,
+            "lambda_dense": ld * scale,
+            "note": "tune all four jointly on a valid dump with memlm tune",
+        }
+    drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
+    return {**{k: v for k, v in rep.items() if k not in drop}, "ngram_parameters_from": origin, **memory.describe()}
+
+
+def add_tune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ngram-lambdas",
+        type=V.probability,
+        nargs="+",
+        default=None,
+        help="λ_sparse / λ_dense candidates for a dump with ∞-gram scores (default: a grid fine below 0.1)",
+    )
+
+
+def tune_with_ngram(args: argparse.Namespace, valid) -> None:
+    """``memlm tune`` on a dump with ∞-gram scores: λ_sparse, λ_dense (and λ, τ of its kNN term) tuned jointly."""
+    from memlm.knnlm.evaluate import TokenScores
+    from memlm.ngram.mixture import NGRAM_LAMBDAS, ngram_report, tune_ngram
+
+    if any(args.cache_lambdas):
+        raise MemlmError("--cache-lambdas is not tuned together with the ∞-gram; drop it")
+    result = tune_ngram(
+        valid,
+        lambdas=args.ngram_lambdas or NGRAM_LAMBDAS,
+        knn_lambdas=args.lambdas,
+        temperatures=args.temperatures,
+        k=args.k,
+    )
+    best = result["best"]
+    has_knn = valid.knn_scores is not None
+    print(
+        f"best on valid: lambda_sparse={best['lambda_sparse']} lambda_dense={best['lambda_dense']}"
+        + (f" lambda={best['lambda']} temperature={best['temperature']}" if has_knn else "")
+        + f" ppl={best['ppl']:.4f}"
+    )
+    out: dict[str, Any] = {
+        "valid": {
+            "best": best,
+            "grid_points": len(result["grid"]),
+            "report": ngram_report(
+                valid,
+                best["lambda_sparse"],
+                best["lambda_dense"],
+                lam=best["lambda"] if has_knn else None,
+                temperature=best["temperature"],
+                k=args.k,
+            ),
+        }
+    }
+    if args.test:
+        test = TokenScores.load(args.test)
+        res = ngram_report(
+            test,
+            best["lambda_sparse"],
+            best["lambda_dense"],
+            lam=best["lambda"] if has_knn else None,
+            temperature=best["temperature"],
+            k=args.k,
+        )
+        out["test"] = res
+        for k, v in res.items():
+            print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
+    out["grid"] = result["grid"]
+    write_json(args.json, out)
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    """``--ngram DIR`` (and its weights, ``--show-sources``) for ``memlm generate``."""
+    add_eval_args(p)
+    p.add_argument(
+        "--show-sources",
+        type=V.nonneg_int,
+        default=0,
+        metavar="N",
+        help="with --ngram: after the text, each generated token's longest matching suffix and N documents "
+        "of the index that hold it (document index, id, offset)",
+    )
+
+
+def generate_with_ngram(args: argparse.Namespace) -> None:
+    """``memlm generate --ngram DIR``: the LM interpolated with P∞ (NgramLogitsProcessor), optionally with sources."""
+    import torch
+
+    from memlm.knnlm.generate import generate_text
+    from memlm.ngram.generate import NgramLogitsProcessor, token_sources
+    from memlm.ngram.mixture import ngram_parameters
+
+    if not args.ngram:
+        raise MemlmError("memlm generate needs --datastore DS or --ngram DIR")
+    if args.datastore:
+        raise MemlmError("memlm generate takes --datastore or --ngram, not both yet (memlm eval mixes the three)")
+    model, tok = common._load_model(args.model or common.DEFAULT_MODEL, args.dtype)
+    memory = open_ngram(args, tok)
+    ls, ld, _ = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+    torch.manual_seed(args.seed)
+    proc = NgramLogitsProcessor(memory, ls, ld)
+    prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
+    text = generate_text(
+        model, tok, [prompt], max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, processor=proc
+    )[0]
+    print(args.prompt + text, flush=True)
+    if args.show_sources:
+        full = prompt + list(tok(text, add_special_tokens=False)["input_ids"])
+        for rec in token_sources(memory, full, len(prompt), args.show_sources):
+            docs = ", ".join(f"doc {d['doc_ix']} ({d['id']}) @ {d['offset']}" for d in rec["documents"]) or "-"
+            print(
+                f"{tok.decode([rec['token']])!r:>16}  suffix {rec['suffix_len']:3d} tokens, "
+                f"{rec['count']:,} occurrences: {docs}"
+            )
+
+
+def add_parsers(sub) -> None:
+    ng = sub.add_parser("ngram", help="∞-gram indexes (infini-gram): a memory built by sorting, no forward pass")
+    nsub = ng.add_subparsers(dest="ngram_cmd", required=True)
+    b = nsub.add_parser("build", help="index a corpus with the model's tokenizer (suffix array) and calibrate λ's")
+    add_model(b, required=True)
+    add_corpus(b, "train")
+    b.set_defaults(split="train")
+    for action in b._actions:
+        if action.dest == "split":
+            action.choices = ["train", "all"]
+            action.help = (
+                "train (default: the valid and test documents of each named corpus stay out) or all "
+                "(files are always read whole)"
+            )
+    b.add_argument("--out", type=V.output_dir, required=True, help="index folder")
+    b.add_argument(
+        "--holdout",
+        type=float,
+        default=0.02,
+        help="share of the corpus's tokens held out to calibrate λ_sparse / λ_dense (0: none)",
+    )
+    b.add_argument("--no-calibrate", action="store_true", help="hold out the slice but do not calibrate (no LM pass)")
+    b.add_argument(
+        "--shard-tokens",
+        type=V.positive_int,
+        default=None,
+        help="start a new shard (its own suffix array) after this many tokens",
+    )
+    b.add_argument("--memory-gb", type=float, default=4.0, help="RAM the suffix-array sort may use (default 4)")
+    b.add_argument("--overwrite", action="store_true", help="replace the folder's index")
+    b.add_argument("--window", type=V.positive_int, default=1024, help="LM window of the calibration pass")
+    b.add_argument("--stride", type=V.positive_int, default=512, help="LM stride of the calibration pass")
+    b.add_argument("--batch-size", type=V.positive_int, default=4)
+    b.set_defaults(func=cmd_ngram_build)
+    i = nsub.add_parser("info", help="describe an ∞-gram index (and check every byte with --verify)")
+    i.add_argument("index", type=V.existing_dir)
+    i.add_argument("--verify", action="store_true", help="compare the full SHA-256 of every file")
+    i.set_defaults(func=cmd_ngram_info)

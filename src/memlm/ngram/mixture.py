@@ -1,0 +1,291 @@
+"""The ∞-gram beside the LM (and the kNN-LM): per-token statistics in the dump, the interpolation, tuning, calibration.
+
+Liu et al. (2024, Sec. 5) interpolate the ∞-gram with a neural LM with one weight for sparse estimates (P∞ puts all
+its mass on one token) and one for the rest, both tuned on validation data::
+
+    P(w | c) = λ_∞(c) P∞(w | c) + (1 - λ_∞(c)) P_LM(w | c),     λ_∞(c) = λ_sparse if P∞(· | c) is sparse else λ_dense
+
+With a kNN-LM datastore too, memlm mixes the three with one weight per memory (Khandelwal et al.'s Eq. 3 extended the
+way the continuous cache is, Table 1)::
+
+    P(w | c) = (1 - λ - λ_∞(c)) P_LM(w | c) + λ P_kNN(w | c) + λ_∞(c) P∞(w | c)
+
+and tunes λ, τ, λ_sparse and λ_dense jointly on a dump: for every (λ, τ) of the kNN grid, sparse and dense tokens are
+separate sums of the log-likelihood, so the best λ_sparse and λ_dense are found on each subset alone (exactly the
+optimum of the full four-dimensional grid, at the cost of two one-dimensional ones). With λ_∞ = 0 every token's
+probability is the LM's (or the kNN-LM's) exactly: a component with weight 0 is left out
+(:func:`memlm.core.distribution.mix_logprobs`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from memlm.core.distribution import mix_logprobs, perplexity
+from memlm.core.tuning import grid_search
+from memlm.errors import MemlmError
+
+__all__ = [
+    "NGRAM_LAMBDAS",
+    "DEFAULT_LAMBDA_SPARSE",
+    "DEFAULT_LAMBDA_DENSE",
+    "add_ngram",
+    "calibrate_ngram",
+    "ngram_mixture",
+    "ngram_parameters",
+    "ngram_report",
+    "tune_ngram",
+]
+
+# fine below 0.1 (where WikiText-2-sized references put λ_dense) and up to 1 (sparse estimates can take most weight)
+NGRAM_LAMBDAS = (0.0, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175,
+                 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # fmt: skip
+DEFAULT_LAMBDA_SPARSE, DEFAULT_LAMBDA_DENSE = 0.1, 0.03  # the fallback when an index records no calibration
+
+
+def add_ngram(ts, documents: Sequence, tokenizer, memory) -> Any:
+    """Attach the ∞-gram statistics of every target of ``ts`` (a :class:`memlm.knnlm.evaluate.TokenScores` from
+    ``documents``): ``ngram_logprob``, ``ngram_count``, ``ngram_n``, ``ngram_sparse``. The context of a target is its
+    document up to it (the ∞-gram never matches across documents), whatever window the LM read it in."""
+    from memlm.windows import tokenize_documents
+
+    if ts.position is None:
+        raise MemlmError("this dump has no target positions; rerun memlm eval with this memlm")
+    t0 = time.perf_counter()
+    chunks = {c.doc_index: c.tokens for c in tokenize_documents(documents, tokenizer)}
+    order = np.lexsort((ts.position, ts.doc_index))
+    doc_sorted, pos_sorted = ts.doc_index[order], ts.position[order]
+    bounds = np.flatnonzero(np.diff(doc_sorted)) + 1
+    starts, ends = np.r_[0, bounds], np.r_[bounds, len(order)]
+    docs, positions = [], []
+    for a, b in zip(starts, ends, strict=True):
+        tokens = chunks[int(doc_sorted[a])]
+        pos = pos_sorted[a:b]
+        if not np.array_equal(tokens[pos], ts.targets[order[a:b]]):
+            raise MemlmError("the dump's targets are not these documents' tokens: score the same corpus")
+        docs.append(tokens)
+        positions.append(pos)
+    scores = memory.score_documents(docs, positions)
+    n = len(ts)
+    ts.ngram_logprob = np.empty(n, np.float32)
+    ts.ngram_count = np.empty(n, np.int64)
+    ts.ngram_n = np.empty(n, np.int32)
+    ts.ngram_sparse = np.empty(n, bool)
+    ts.ngram_logprob[order], ts.ngram_count[order] = scores.logprob, scores.count
+    ts.ngram_n[order], ts.ngram_sparse[order] = scores.n, scores.sparse
+    ts.meta.update(**memory.describe(), seconds_ngram=time.perf_counter() - t0)
+    return ts
+
+
+def ngram_mixture(
+    lm: torch.Tensor,
+    ngram: torch.Tensor,
+    sparse: torch.Tensor,
+    lambda_sparse: float,
+    lambda_dense: float,
+    knn: torch.Tensor | None = None,
+    lam: float = 0.0,
+) -> torch.Tensor:
+    """``log P(target)`` of the mixture in the module docstring, per token (log-probabilities in, ``-inf`` = 0)."""
+    sparse = torch.as_tensor(sparse, dtype=torch.bool)
+    out = torch.empty_like(lm)
+    for mask, weight in ((sparse, lambda_sparse), (~sparse, lambda_dense)):
+        if not bool(mask.any()):
+            continue
+        comps, weights = [lm[mask], ngram[mask]], [1.0 - lam - weight, weight]
+        if knn is not None:
+            comps.append(knn[mask])
+            weights.append(lam)
+        out[mask] = mix_logprobs(comps, weights).to(out.dtype)
+    return out
+
+
+def _arrays(ts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if ts.ngram_logprob is None:
+        raise MemlmError("this dump has no ∞-gram scores; rerun memlm eval with --ngram DIR --dump")
+    return torch.from_numpy(ts.lm_logprob), torch.from_numpy(ts.ngram_logprob), torch.from_numpy(ts.ngram_sparse)
+
+
+def _knn(ts, temperature: float, k: int | None) -> torch.Tensor:
+    from memlm.knnlm.evaluate import memory_logprob
+
+    return memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
+
+
+def ngram_report(
+    ts,
+    lambda_sparse: float,
+    lambda_dense: float,
+    lam: float | None = None,
+    temperature: float = 1.0,
+    k: int | None = None,
+    mask: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """Perplexities with the ∞-gram (and, when the dump has neighbours and ``lam`` is given, the three-way mixture)
+    and the ∞-gram's own statistics beside the paper's (sparse share, effective n); ``mask`` keeps only some tokens
+    (e.g. without WikiText's formatting tokens)."""
+    lm, ng, sp = _arrays(ts)
+    keep = torch.ones(len(lm), dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
+    mixed = ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense)
+    n = ts.ngram_n[keep.numpy()]
+    sparse = sp[keep]
+    hits = torch.isfinite(ng[keep])
+    out: dict[str, Any] = {
+        "tokens": int(keep.sum()),
+        "base_ppl": perplexity(lm[keep]),
+        "ngram_ppl": perplexity(mixed[keep]),
+        "lambda_sparse": lambda_sparse,
+        "lambda_dense": lambda_dense,
+        "ngram_only_ppl": perplexity(ng[keep]),  # infinite when some target never follows its suffix
+        "ngram_target_nonzero": float(hits.float().mean()),
+        "sparse_share": float(sparse.float().mean()),
+        "sparse_correct": float(torch.isfinite(ng[keep][sparse]).float().mean()) if bool(sparse.any()) else None,
+        "effective_n": {
+            "median": float(statistics.median(n.tolist())) if len(n) else None,
+            "mean": float(n.mean()) if len(n) else None,
+            "histogram": {
+                str(v): int(c) for v, c in zip(*np.unique(np.minimum(n, 16), return_counts=True), strict=True)
+            },
+            "histogram_note": "16 = 16 or more",
+        },
+        "ngram_beats_lm": float((ng[keep] > lm[keep]).float().mean()),
+    }
+    if ts.knn_scores is not None and lam is not None:
+        knn = _knn(ts, temperature, k)
+        three = ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense, knn=knn, lam=lam)
+        out.update(
+            knn_ngram_ppl=perplexity(three[keep]),
+            knn_ppl=perplexity(mix_logprobs([lm, knn], [1 - lam, lam])[keep]),
+            **{"lambda": lam, "temperature": temperature},
+        )
+    return out
+
+
+def _subset_nll(lm, ng, knn, lam: float, weight: float) -> float:
+    comps, weights = [lm, ng], [1.0 - lam - weight, weight]
+    if knn is not None:
+        comps.append(knn)
+        weights.append(lam)
+    return float(-mix_logprobs(comps, weights).double().sum())
+
+
+def tune_ngram(
+    ts,
+    lambdas: Sequence[float] = NGRAM_LAMBDAS,
+    knn_lambdas: Sequence[float] | None = None,
+    temperatures: Sequence[float] | None = None,
+    k: int | None = None,
+) -> dict[str, Any]:
+    """Grid-search λ_sparse and λ_dense (and, when the dump has kNN neighbours, λ and τ jointly with them) for the
+    lowest perplexity of the mixture on a dump (see the module docstring). Returns ``{"best", "grid"}`` as
+    :func:`memlm.core.tuning.grid_search` (the grid over (λ, τ), each point with its best λ_sparse, λ_dense)."""
+    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+
+    lm, ng, sp = _arrays(ts)
+    has_knn = ts.knn_scores is not None
+    knn_lambdas = (DEFAULT_LAMBDAS if knn_lambdas is None else knn_lambdas) if has_knn else (0.0,)
+    temperatures = (DEFAULT_TEMPERATURES if temperatures is None else temperatures) if has_knn else (1.0,)
+    cache: dict[float, torch.Tensor] = {}
+    inner: dict[tuple[float, float], dict[str, float]] = {}
+    n = len(lm)
+
+    def best_for(lam: float, temperature: float) -> float:
+        knn = None
+        if has_knn:
+            if temperature not in cache:
+                cache[temperature] = _knn(ts, temperature, k)
+            knn = cache[temperature]
+        total, point = 0.0, {}
+        for name, mask in (("lambda_sparse", sp), ("lambda_dense", ~sp)):
+            if not bool(mask.any()):
+                point[name] = 0.0
+                continue
+            sub_knn = None if knn is None else knn[mask]
+            res = grid_search(
+                lambda weight, m=mask, kk=sub_knn: math.exp(_subset_nll(lm[m], ng[m], kk, lam, weight) / int(m.sum())),
+                {"weight": [w for w in lambdas if lam + w <= 1.0 + 1e-9]},
+            )
+            point[name] = float(res["best"]["weight"])
+            total += math.log(res["best"]["ppl"]) * int(mask.sum())
+        inner[(lam, temperature)] = point
+        return math.exp(total / n)
+
+    res = grid_search(
+        lambda **p: best_for(p["lambda"], p["temperature"]),
+        {"lambda": list(knn_lambdas), "temperature": list(temperatures)},
+    )
+    for p in [res["best"], *res["grid"]]:
+        p.update(inner[(p["lambda"], p["temperature"])])
+    return res
+
+
+def ngram_parameters(
+    index, lambda_sparse: float | None = None, lambda_dense: float | None = None, announce: bool = True
+) -> tuple[float, float, str]:
+    """``(λ_sparse, λ_dense, origin)``: the values given, else the index's calibration, else the fallback."""
+    import sys
+
+    cal = index.manifest.get("calibration")
+    if lambda_sparse is not None and lambda_dense is not None:
+        origin = "given"
+    elif cal is not None:
+        lambda_sparse = float(cal["lambda_sparse"]) if lambda_sparse is None else lambda_sparse
+        lambda_dense = float(cal["lambda_dense"]) if lambda_dense is None else lambda_dense
+        origin = (
+            f"calibrated on {cal['tokens']:,} held-out tokens of the index's corpus (ppl {cal['base_ppl']:.3f} "
+            f"-> {cal['ngram_ppl']:.3f}), recorded in {index.path}/manifest.json"
+        )
+    else:
+        lambda_sparse = DEFAULT_LAMBDA_SPARSE if lambda_sparse is None else lambda_sparse
+        lambda_dense = DEFAULT_LAMBDA_DENSE if lambda_dense is None else lambda_dense
+        origin = (
+            "memlm's fallback defaults (the index records no calibration: tune on your valid text with "
+            "`memlm eval --ngram DIR --dump` + `memlm tune`)"
+        )
+    if announce:
+        print(f"∞-gram parameters: λ_sparse={lambda_sparse:g}, λ_dense={lambda_dense:g}: {origin}", file=sys.stderr)
+    return float(lambda_sparse), float(lambda_dense), origin
+
+
+def calibrate_ngram(
+    model,
+    tokenizer,
+    memory,
+    held_out: Sequence,
+    window: int = 1024,
+    stride: int = 512,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score ``held_out`` with the LM and the ∞-gram and tune λ_sparse, λ_dense on it (the record stored under the
+    index's ``calibration``)."""
+    from memlm.knnlm.evaluate import lm_scores
+
+    if not held_out:
+        raise MemlmError("nothing to calibrate on: the held-out slice is empty")
+    t0 = time.perf_counter()
+    ts, _, _ = lm_scores(
+        model, tokenizer, held_out, window=window, stride=stride, batch_size=batch_size, progress=progress
+    )
+    add_ngram(ts, held_out, tokenizer, memory)
+    best = tune_ngram(ts)["best"]
+    rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
+    return {
+        "lambda_sparse": best["lambda_sparse"],
+        "lambda_dense": best["lambda_dense"],
+        "tokens": len(ts),
+        "base_ppl": rep["base_ppl"],
+        "ngram_ppl": rep["ngram_ppl"],
+        "sparse_share": rep["sparse_share"],
+        "effective_n_median": rep["effective_n"]["median"],
+        "window": window,
+        "stride": stride,
+        "seconds": time.perf_counter() - t0,
+    }

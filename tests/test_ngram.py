@@ -1,0 +1,460 @@
+"""The ∞-gram memory (memlm.ngram): P∞ against a brute-force scan of the token stream (Liu et al. 2024, Sec. 3's
+definition, written here from the paper), the sparse flag, tokenizer refusal, resume after kill -9, and the mixture at
+λ = 0 equal to the LM."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("infini_gram")
+
+from conftest import Doc, gpt2_tokenizer, make_toy_docs  # noqa: E402
+
+from memlm.errors import MemlmError  # noqa: E402
+from memlm.ngram.index import KINDS, NgramIndex, build_ngram_index  # noqa: E402
+from memlm.ngram.memory import NgramMemory  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return gpt2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    # toy documents over 20 words, plus a few repeated documents (long matches, sparse estimates)
+    docs = make_toy_docs(60, seed=3)
+    docs += [Doc("rep1", "the old river ran over the park while a bird sang"), Doc("rep2", docs[5].text)]
+    return docs
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory, tok, corpus):
+    return build_ngram_index(
+        tok, corpus, tmp_path_factory.mktemp("ng") / "ix", source={"corpus": "toy"}, progress=False
+    )
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+class Brute:
+    """The reference corpus as one list: each document is (START, its tokens); the token after an occurrence is the
+    next list item, with START or the end of the list read as EOS (a document ends there)."""
+
+    START = -7
+
+    def __init__(self, tok, docs):
+        self.eos = tok.eos_token_id
+        self.seq: list[int] = []
+        for d in docs:
+            self.seq += [self.START, *_ids(tok, d.text)]
+
+    def follow(self, suffix: list[int]) -> list[int]:
+        """The next token (EOS at a document end) after every occurrence of ``suffix``."""
+        k, out = len(suffix), []
+        for i in range(len(self.seq) - k + 1):
+            if self.seq[i : i + k] == suffix:
+                j = i + k
+                out.append(self.eos if j == len(self.seq) or self.seq[j] == self.START else self.seq[j])
+        return out
+
+    def infgram(self, context: list[int], target: int, max_n: int | None = None):
+        """(P∞(target), cnt(suffix), effective n, sparse) with the context after a document START."""
+        ctx = [self.START, *context]
+        longest = len(ctx) if max_n is None else min(len(ctx), max_n - 1)
+        for length in range(longest, -1, -1):
+            nxt = self.follow(ctx[len(ctx) - length :]) if length else self.follow_all()
+            if nxt:
+                return nxt.count(target) / len(nxt), len(nxt), length + 1, len(set(nxt)) == 1
+        raise AssertionError("the empty suffix always occurs")
+
+    def follow_all(self) -> list[int]:
+        return [self.eos if t == self.START else t for t in self.seq]
+
+
+def _check(memory, brute, docs_tokens, max_n=None):
+    positions = [np.arange(len(d)) for d in docs_tokens]
+    got = memory.score_documents(docs_tokens, positions)
+    i = 0
+    for d in docs_tokens:
+        for p in range(len(d)):
+            prob, count, n, sparse = brute.infgram(list(map(int, d[:p])), int(d[p]), max_n)
+            assert got.count[i] == count, (p, d[: p + 1])
+            assert got.n[i] == n
+            assert bool(got.sparse[i]) == sparse
+            assert math.isclose(math.exp(got.logprob[i]), prob, rel_tol=1e-5, abs_tol=0.0), (prob, got.logprob[i])
+            i += 1
+    return got
+
+
+def test_infgram_matches_brute_force(tok, corpus, index):
+    brute = Brute(tok, corpus)
+    memory = NgramMemory(index)
+    eos = tok.eos_token_id
+    evals = [d.text for d in make_toy_docs(6, seed=11)] + [corpus[5].text, corpus[-2].text[:30]]
+    docs = [np.array([*_ids(tok, t), eos]) for t in evals]
+    got = _check(memory, brute, docs)
+    assert got.sparse.any() and not got.sparse.all()  # both kinds occur
+    assert got.n.max() > 10  # the repeated document gives long suffixes
+    assert np.isneginf(got.logprob).any()  # and some targets never follow their suffix
+
+
+def test_fixed_n_matches_brute_force(tok, corpus, index):
+    brute = Brute(tok, corpus)
+    docs = [np.array([*_ids(tok, corpus[5].text), tok.eos_token_id])]
+    got = _check(NgramMemory(index, max_n=3), brute, docs, max_n=3)
+    assert got.n.max() == 3
+
+
+def test_positions_subset_and_search_distribution(tok, corpus, index):
+    """Scoring some positions gives what scoring all gives there; search() returns P∞ as (log count, token) pairs."""
+    from memlm.core.distribution import knn_distribution
+
+    memory = NgramMemory(index)
+    d = np.array([*_ids(tok, corpus[7].text), tok.eos_token_id])
+    full = memory.score_documents([d], [np.arange(len(d))])
+    some = np.array([0, 3, 4, 9, len(d) - 1])
+    part = memory.score_documents([d], [some])
+    np.testing.assert_array_equal(part.count, full.count[some])
+    np.testing.assert_array_equal(part.n, full.n[some])
+    np.testing.assert_array_equal(part.logprob, full.logprob[some])
+    brute = Brute(tok, corpus)
+    ctx = list(map(int, d[:6]))
+    r = memory.search([ctx], k=64)
+    dist = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), len(tok), 1.0)[0].exp()
+    nxt = None
+    for length in range(len(ctx) + 1, 0, -1):
+        nxt = brute.follow([Brute.START, *ctx][-length:])
+        if nxt:
+            break
+    for w in set(nxt):
+        assert math.isclose(float(dist[w]), nxt.count(w) / len(nxt), rel_tol=1e-5)
+    assert int(r.ids[0, 0]) == full.n[6]
+
+
+def test_sparse_flag_on_a_unique_continuation(tok, tmp_path):
+    docs = [Doc("a", "alpha beta gamma delta"), Doc("b", "alpha beta gamma delta"), Doc("c", "alpha beta zeta")]
+    ix = build_ngram_index(tok, docs, tmp_path / "ix", progress=False)
+    memory = NgramMemory(ix)
+    ids = _ids(tok, "alpha beta gamma delta")
+    got = memory.score_documents([np.array([*ids, tok.eos_token_id])], [np.arange(len(ids) + 1)])
+    # after "alpha beta" two continuations (gamma twice, zeta once): dense, P∞(gamma) = 2/3
+    k = len(_ids(tok, "alpha beta"))
+    assert not got.sparse[k] and math.isclose(math.exp(got.logprob[k]), 2 / 3, rel_tol=1e-6)
+    # after "alpha beta gamma" only "delta": sparse, P∞ = 1; at the end only EOS follows (document ends)
+    assert got.sparse[k + 1] and got.logprob[k + 1] == 0.0
+    assert got.sparse[-1] and got.logprob[-1] == 0.0
+
+
+def test_refuses_another_tokenizer(index):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"a": 0, "b": 1, "<eos>": 2}
+    small = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="a")), eos_token="<eos>")
+    NgramIndex.open(index.path).check_tokenizer(gpt2_tokenizer())
+    with pytest.raises(MemlmError, match="another tokenizer"):
+        NgramIndex.open(index.path).check_tokenizer(small)
+
+
+def test_manifest_records_and_refuses_edits(index, tmp_path):
+    import shutil
+
+    m = index.manifest
+    assert m["token_dtype"] == "u16" and m["tokens"] > 0 and m["sources"][0]["corpus"] == "toy"
+    assert set(m["files"]) == {f"{k}.0" for k in KINDS}
+    copy = tmp_path / "copy"
+    shutil.copytree(index.path, copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    data["tokens"] += 1
+    (copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(MemlmError, match="changed after the build"):
+        NgramIndex.open(copy)
+
+
+def test_u32_for_large_vocabularies():
+    from memlm.ngram.index import token_dtype_for
+
+    assert token_dtype_for(50257)[0] == "u16" and token_dtype_for(65535)[0] == "u32"
+
+
+def test_shards_give_the_same_probabilities(tok, corpus, index, tmp_path):
+    sharded = build_ngram_index(tok, corpus, tmp_path / "sh", shard_tokens=300, progress=False)
+    assert len(sharded.manifest["shards"]) > 2
+    d = [np.array([*_ids(tok, t.text), tok.eos_token_id]) for t in (corpus[5], make_toy_docs(2, seed=5)[1])]
+    pos = [np.arange(len(x)) for x in d]
+    a, b = NgramMemory(index).score_documents(d, pos), NgramMemory(sharded).score_documents(d, pos)
+    np.testing.assert_array_equal(a.count, b.count)
+    np.testing.assert_array_equal(a.n, b.n)
+    np.testing.assert_array_equal(a.sparse, b.sparse)
+    np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-6)
+
+
+_BUILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from conftest import gpt2_tokenizer, make_toy_docs
+from memlm.ngram import index as ix
+docs = make_toy_docs(3000, seed=4)
+if {slow}:
+    real = ix._suffix_array
+    def slow(*a, **k):
+        print("SORTING", flush=True)
+        time.sleep(30)
+    ix._suffix_array = slow
+    orig = ix._tokenize
+    def tok_slow(tokenizer, documents, out, state, *a):
+        class Slow(list):
+            def __getitem__(self, s):
+                time.sleep(0.05)
+                return list.__getitem__(self, s)
+        return orig(tokenizer, Slow(documents), out, state, *a)
+    ix._tokenize = tok_slow
+ix.build_ngram_index(gpt2_tokenizer(), docs, {out!r}, progress=False, batch_docs=64)
+print("DONE", flush=True)
+"""
+
+
+def _run_build(out: Path, slow: bool) -> subprocess.Popen:
+    code = _BUILD.format(tests=str(Path(__file__).parent), out=str(out), slow=slow)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def test_resume_after_kill_gives_identical_index(tok, tmp_path):
+    """kill -9 mid-tokenizing, rerun and kill -9 mid-sort, rerun: the same bytes as an uninterrupted build."""
+    killed = tmp_path / "killed"
+    p = _run_build(killed, slow=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        prog = killed / "progress.json"
+        if prog.exists() and json.loads(prog.read_text())["docs_done"] >= 640:
+            break
+        time.sleep(0.1)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    state = json.loads((killed / "progress.json").read_text())
+    assert 0 < state["docs_done"] < 3000 and not (killed / "manifest.json").exists()
+    with open(killed / "tokenized.0", "ab") as f:  # a batch written after the last record: the rerun truncates it
+        f.write(b"\x01\x02" * 7)
+    p = _run_build(killed, slow=True)  # resumes tokenizing, then is killed while sorting
+    for line in p.stdout:
+        if "SORTING" in line:
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert json.loads((killed / "progress.json").read_text())["docs_done"] == 3000
+    assert _run_build(killed, slow=False).wait(timeout=120) == 0
+    clean = build_ngram_index(tok, make_toy_docs(3000, seed=4), tmp_path / "clean", progress=False, batch_docs=64)
+    a = NgramIndex.open(killed, verify=True)
+    assert set(a.manifest["files"]) == set(clean.manifest["files"])
+    for name in a.manifest["files"]:
+        assert a.manifest["files"][name]["sha256"] == clean.manifest["files"][name]["sha256"], name
+
+
+def test_rerun_with_other_corpus_is_refused(tok, corpus, index):
+    with pytest.raises(MemlmError, match="other settings"):
+        build_ngram_index(tok, corpus, index.path, source={"corpus": "other"}, progress=False)
+    again = build_ngram_index(tok, corpus, index.path, source={"corpus": "toy"}, progress=False)
+    assert again.manifest["build_id"] == index.manifest["build_id"]
+
+
+def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
+    from memlm.knnlm.evaluate import score_tokens
+    from memlm.ngram.mixture import ngram_mixture, ngram_report, tune_ngram
+
+    model, tok = tiny_lm
+    evals = make_toy_docs(5, seed=21)
+    ts = score_tokens(model, tok, evals, window=64, min_context=32, progress=False, ngram=NgramMemory(index))
+    lm = torch.from_numpy(ts.lm_logprob)
+    mixed = ngram_mixture(lm, torch.from_numpy(ts.ngram_logprob), torch.from_numpy(ts.ngram_sparse), 0.0, 0.0)
+    assert torch.equal(mixed, lm)
+    rep = ngram_report(ts, 0.0, 0.0)
+    assert rep["ngram_ppl"] == rep["base_ppl"]
+    # the dump's statistics are those of a direct query; tuning never does worse than λ = 0
+    brute = Brute(tok, corpus)
+    for i in [0, 5, 17, len(ts) - 1]:
+        d = [t for t in _ids(tok, evals[int(ts.doc_index[i])].text)] + [tok.eos_token_id]
+        prob, count, n, sparse = brute.infgram(d[: int(ts.position[i])], int(ts.targets[i]))
+        assert (ts.ngram_count[i], ts.ngram_n[i], bool(ts.ngram_sparse[i])) == (count, n, sparse)
+    best = tune_ngram(ts)["best"]
+    assert best["ppl"] <= rep["base_ppl"] + 1e-9
+    assert math.isclose(
+        ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])["ngram_ppl"], best["ppl"], rel_tol=1e-6
+    )
+
+
+def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_docs, tmp_path):
+    """Tuning λ_sparse, λ_dense per subset for each (λ, τ) finds the optimum of the full product grid."""
+    import itertools
+
+    from memlm.core.distribution import perplexity
+    from memlm.datastore import build_datastore
+    from memlm.knnlm.evaluate import memory_logprob, score_tokens
+    from memlm.ngram.mixture import ngram_mixture, tune_ngram
+
+    model, tok = tiny_lm
+    ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
+    ts = score_tokens(
+        model,
+        tok,
+        make_toy_docs(4, seed=9),
+        ds,
+        k=16,
+        window=64,
+        min_context=32,
+        search="exact",
+        progress=False,
+        ngram=NgramMemory(index),
+    )
+    lams, taus, ngl = (0.0, 0.2, 0.5), (1.0, 10.0), (0.0, 0.1, 0.3, 0.6)
+    res = tune_ngram(ts, lambdas=ngl, knn_lambdas=lams, temperatures=taus)["best"]
+    lm, ng, sp = (torch.from_numpy(a) for a in (ts.lm_logprob, ts.ngram_logprob, ts.ngram_sparse))
+    full = min(
+        perplexity(
+            ngram_mixture(lm, ng, sp, a, b, knn=memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t), lam=lam)
+        )
+        for lam, t, a, b in itertools.product(lams, taus, ngl, ngl)
+        if lam + max(a, b) <= 1
+    )
+    assert math.isclose(res["ppl"], full, rel_tol=1e-6)
+
+
+def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
+    from memlm.cli import main
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(80, seed=2)))
+    out = tmp_path / "ix"
+    assert (
+        main(
+            [
+                "ngram",
+                "build",
+                "--model",
+                str(tiny_lm_dir),
+                "--corpus",
+                str(docs),
+                "--out",
+                str(out),
+                "--holdout",
+                "0.1",
+                "--window",
+                "64",
+                "--stride",
+                "32",
+            ]
+        )
+        == 0
+    )
+    cal = NgramIndex.open(out).manifest["calibration"]
+    assert cal["tokens"] > 0 and 0 <= cal["lambda_sparse"] <= 1
+    dump = tmp_path / "valid.npz"
+    args = [
+        "eval",
+        "--model",
+        str(tiny_lm_dir),
+        "--corpus",
+        str(docs),
+        "--ngram",
+        str(out),
+        "--window",
+        "64",
+        "--min-context",
+        "32",
+        "--max-tokens",
+        "400",
+    ]
+    assert main([*args, "--dump", str(dump), "--json", str(tmp_path / "r.json")]) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["lambda_sparse"] == cal["lambda_sparse"] and "effective_n" in res
+    assert main(["tune", "--valid", str(dump), "--test", str(dump), "--json", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["test"]["ngram_ppl"] > 0
+    assert main(["ngram", "info", str(out), "--verify"]) == 0
+
+
+def test_token_sources_point_at_documents_holding_the_suffix(tok, corpus, index):
+    """Each token's longest matching suffix is the brute-force longest, and every document named holds it."""
+    from memlm.ngram.generate import token_sources
+
+    memory = NgramMemory(index)
+    ids = _ids(tok, "the dog ran") + _ids(tok, " " + corpus[5].text.split(" ", 3)[-1])[:12]
+    brute = Brute(tok, corpus)
+    texts = {d.id: [Brute.START, *_ids(tok, d.text)] for d in corpus}
+    for i, rec in zip(range(3, len(ids)), token_sources(memory, ids, 3, n_docs=3), strict=True):
+        ctx = [Brute.START, *ids[: i + 1]]
+        longest = max(n for n in range(0, len(ctx) + 1) if n == 0 or brute.follow(ctx[len(ctx) - n :]))
+        assert rec["suffix_len"] == longest and rec["token"] == ids[i]
+        suffix = ctx[len(ctx) - longest :]
+        assert rec["count"] == len(brute.follow(suffix)) and rec["documents"]
+        for d in rec["documents"]:
+            seq = texts[d["id"]]
+            assert any(seq[j : j + longest] == suffix for j in range(len(seq)))
+
+
+def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
+    from memlm.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_lm_dir),
+                "--ngram",
+                str(index.path),
+                "--prompt",
+                "the cat sat",
+                "--max-new-tokens",
+                "5",
+                "--greedy",
+                "--show-sources",
+                "1",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("the cat sat") and "occurrences" in out
+
+
+def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, index, toy_docs, tmp_path):
+    """LM + kNN + ∞-gram in one eval, even when the separately set weights sum past 1; tune then mixes all four."""
+    from memlm.cli import main
+    from memlm.datastore import build_datastore
+
+    model, tok = tiny_lm
+    ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
+    ds.build_index(factory="Flat", metric="l2", progress=False)
+    docs = tmp_path / "e.jsonl"
+    docs.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(6, seed=31)))
+    dump, res = tmp_path / "d.npz", tmp_path / "r.json"
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--datastore", str(ds.path), "--k", "8",
+            "--ngram", str(index.path), "--lambda", "0.5", "--temperature", "1", "--ngram-lambda-sparse", "0.9",
+            "--ngram-lambda-dense", "0.2", "--window", "64", "--min-context", "32", "--dump", str(dump),
+            "--json", str(res)]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads(res.read_text())
+    assert r["knn_ngram_weights"]["lambda_sparse"] == pytest.approx(0.45) and r["knn_ngram_ppl"] > 0
+    assert main(["tune", "--valid", str(dump), "--lambdas", "0", "0.3", "--temperatures", "1", "10",
+                 "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
+    best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
+    assert {"lambda", "temperature", "lambda_sparse", "lambda_dense"} <= set(best)
