@@ -133,6 +133,15 @@ CASES: list[tuple[str, list[str]]] = [
     ("bad-command", ["bogus"]),
     ("models-extra", ["models", "--x"]),
     ("corpora-extra", ["corpora", "--x"]),
+    # ngram build / info (the ∞-gram memory)
+    ("ngram-build-missing-corpus", ["ngram", "build", "--model", M, "--corpus", NO, "--out", "{root}/ng"]),
+    ("ngram-build-empty-corpus", ["ngram", "build", "--model", M, "--corpus", D, "--out", "{root}/ng"]),
+    ("ngram-build-no-out", ["ngram", "build", "--model", M, "--corpus", C]),
+    ("ngram-build-into-datastore", ["ngram", "build", "--model", M, "--corpus", C, "--out", DS]),
+    ("ngram-info-missing", ["ngram", "info", NO]),
+    ("ngram-info-datastore", ["ngram", "info", DS]),
+    ("eval-ngram-missing", [*EVAL, "--ngram", NO]),
+    ("eval-ngram-datastore-folder", [*EVAL, "--ngram", DS]),
     ("lm-eval-k-0", ["lm-eval", "--tasks", "memlm_wikitext2", "--k", "0"]),
     # datastore build
     ("build-out-file", [*BUILD, "--out", F]),
