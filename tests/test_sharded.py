@@ -298,6 +298,8 @@ def test_cli_sharded_build_with_default_windows_equals_one_process_build(tmp_pat
     assert one.manifest["min_context"] == 512 and one.manifest["window"] == 1024
     np.testing.assert_array_equal(np.asarray(one.values[:]), np.asarray(two.values[:]))
     np.testing.assert_allclose(np.asarray(one.keys[:], np.float32), np.asarray(two.keys[:], np.float32), atol=1e-5)
+    assert main(["index", "build", str(tmp_path / "two"), "--factory", "IVF8,Flat"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "two" / "index.faiss.json").read_text())["factory"] == "IVF8,Flat"  # README's rebuild
     capsys.readouterr()
     assert main([*common, "--out", str(tmp_path / "blocks"), "--shards", "2", "--stride", "1024"]) == 2
     assert "non-overlapping blocks" in capsys.readouterr().err
