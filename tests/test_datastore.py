@@ -186,3 +186,22 @@ def test_disk_full_while_writing_progress(tmp_path, tiny_lm, toy_docs, monkeypat
     monkeypatch.undo()
     assert not [p for p in (tmp_path / "full").iterdir() if p.name.startswith(".")]
     assert build(tmp_path, tiny_lm, toy_docs, name="full").manifest["files"] == lone.manifest["files"]
+
+
+def test_rebuild_with_other_settings_names_the_api_arguments_in_python(tmp_path, tiny_lm, toy_docs):
+    """From Python, a datastore folder holding other settings is refused with the function's arguments (overwrite=True,
+    append=True), not the command's flags; under the `memlm` command (memlm.errors.command_line) with the flags."""
+    from memlm.errors import command_line
+
+    build(tmp_path, tiny_lm, toy_docs[:10], source={"corpus": "part1"})
+    with pytest.raises(MemlmError, match="other settings") as refused:
+        build(tmp_path, tiny_lm, toy_docs[10:], source={"corpus": "part2"})
+    assert "overwrite=True" in str(refused.value) and "append=True" in str(refused.value)
+    assert "--overwrite" not in str(refused.value) and "--append" not in str(refused.value)
+    with command_line(), pytest.raises(MemlmError, match="other settings") as refused:
+        build(tmp_path, tiny_lm, toy_docs[10:], source={"corpus": "part2"})
+    assert "--overwrite" in str(refused.value) and "--append" in str(refused.value)
+    with pytest.raises(MemlmError, match="append=True needs an existing datastore"):
+        build(tmp_path, tiny_lm, toy_docs, name="new", append=True)
+    rebuilt = build(tmp_path, tiny_lm, toy_docs[10:], source={"corpus": "part2"}, overwrite=True)  # the fix named
+    assert rebuilt.manifest["sources"][0]["corpus"] == "part2"

@@ -209,8 +209,10 @@ def test_bad_arguments(tiny_lm, ds):
         MemlmLM(model=model)
 
 
-def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, capsys):
-    """`memlm lm-eval` runs lm_eval.simple_evaluate on a MemlmLM; word perplexity is lm_eval's definition."""
+def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, capfd, monkeypatch):
+    """`memlm lm-eval` runs lm_eval.simple_evaluate on a MemlmLM; word perplexity is lm_eval's definition. Run outside
+    a git checkout, it prints neither git's `fatal: not a git repository` (lm_eval records a git hash) nor lm_eval's
+    hint about its `--metadata` flag, which memlm does not have."""
     import json
 
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
@@ -221,11 +223,14 @@ def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, c
     out = tmp_path / "r.json"
     args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_wikitext2", "--window", "256"]
     args += ["--min-context", "64", "--samples", '{"memlm_wikitext2": [14]}', "--out", str(out)]
+    monkeypatch.chdir(tmp_path)  # not a git checkout
     assert main(args) == 0
     record = json.loads(out.read_text())
     got = record["results"]["memlm_wikitext2"]["word_perplexity,none"]
     assert record["memlm"]["window"] == 256 and record["memlm"]["lambda"] == 0.0
-    assert "word_perplexity" in capsys.readouterr().out
+    printed = capfd.readouterr()
+    assert "word_perplexity" in printed.out
+    assert "not a git repository" not in printed.err and "--metadata" not in printed.out + printed.err
     model, tok = tiny_lm
     lm = MemlmLM(model=model, tokenizer=tok, window=256, min_context=64)
     page = load_documents("wikitext2", "test")[14].text

@@ -271,3 +271,35 @@ def test_cli_eval_takes_a_sharded_datastore(tiny_lm_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--k", str(n + 1025)]) == 2  # --k beyond all shards' entries: refused
     assert f"exceeds the {n} entries" in capsys.readouterr().err
+
+
+def test_cli_sharded_build_with_default_windows_equals_one_process_build(tmp_path, capsys):
+    """README's `memlm datastore build ... --shards 8` gives no --window / --min-context: the defaults (1024, 512)
+    reach the shard plan resolved, as for a one-process build (before: min_context None, a TypeError in plan_shards).
+    A --stride equal to --window (blocks, which shards do not build) is refused with one line."""
+    import torch
+    from conftest import gpt2_tokenizer
+    from test_train_lm import write_jsonl
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from memlm.cli import main
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=1024, vocab_size=50257)
+    lm = tmp_path / "lm1024"
+    AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(lm)
+    gpt2_tokenizer().save_pretrained(lm)
+    train = write_jsonl(tmp_path / "train.jsonl", make_toy_docs(80, seed=5))
+    common = ["datastore", "build", "--model", str(lm), "--corpus", str(train), "--factory", "Flat", "--holdout", "0"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0, capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "two"), "--shards", "2"]) == 0, capsys.readouterr().err
+    one, two = open_datastore(tmp_path / "one"), open_datastore(tmp_path / "two")
+    assert len(two.shards) == 2 and len(one) == len(two) > 1024  # more than one window
+    assert one.manifest["min_context"] == 512 and one.manifest["window"] == 1024
+    np.testing.assert_array_equal(np.asarray(one.values[:]), np.asarray(two.values[:]))
+    np.testing.assert_allclose(np.asarray(one.keys[:], np.float32), np.asarray(two.keys[:], np.float32), atol=1e-5)
+    assert main(["index", "build", str(tmp_path / "two"), "--factory", "IVF8,Flat"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "two" / "index.faiss.json").read_text())["factory"] == "IVF8,Flat"  # README's rebuild
+    capsys.readouterr()
+    assert main([*common, "--out", str(tmp_path / "blocks"), "--shards", "2", "--stride", "1024"]) == 2
+    assert "non-overlapping blocks" in capsys.readouterr().err

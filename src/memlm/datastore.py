@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from memlm import __version__, schema
 from memlm import index as index_lib
-from memlm.errors import MemlmError
+from memlm.errors import MemlmError, option
 from memlm.fileio import disk_full_error, is_disk_full, unique_tmp
 from memlm.folder import FolderFormat
 from memlm.folder import manifest_digest as _manifest_digest  # noqa: F401 (the name older callers import)
@@ -415,7 +415,9 @@ def build_datastore(
     skipped or scored from BOS (``block_start``, see :func:`memlm.windows.sliding_windows`).
     """
     if append and overwrite:
-        raise MemlmError("give --append (add to the datastore) or --overwrite (replace it), not both")
+        raise MemlmError(
+            f"give {option('--append')} (add to the datastore) or {option('--overwrite')} (replace it), not both"
+        )
     key = (key or KeySpec()).normalized(num_layers(model))
     stride, min_context = resolve_stride(window, None if stride is not None else min_context, stride)
     block = block_start if stride == window else None  # only blocks have a first token to skip or score
@@ -454,7 +456,7 @@ def _build_locked(
         "tokenizer_fingerprint": ident["tokenizer"]["fingerprint"],
         "dtype": dtype,
     }
-    how = "rerun with the same settings, use a new --out, or --overwrite to replace it"
+    how = f"rerun with the same settings, use a new {option('--out')}, or {option('--overwrite')} to replace it"
 
     if progress_path.exists():
         state = FOLDER.read_progress(out)
@@ -462,7 +464,7 @@ def _build_locked(
             diff = _diff(_settings(state["config"]), _settings(config)) or ["the recorded settings differ"]
             raise MemlmError(
                 f"{out} holds an interrupted build with other settings ({'; '.join(diff)}): rerun it with its "
-                "settings to resume, use a new --out, or --overwrite to discard it"
+                f"settings to resume, use a new {option('--out')}, or {option('--overwrite')} to discard it"
             )
         base = state["base"]
         if base["manifest"] is not None:
@@ -480,7 +482,7 @@ def _build_locked(
                     fix = (f"{how} (the entries hold the text this slice would calibrate on); to calibrate it as it "
                            f"is, name text outside it: `memlm datastore calibrate {out} --corpus FILE`")  # fmt: skip
                 else:
-                    fix = f"{how}, or --append to add this corpus to it"
+                    fix = f"{how}, or {option('--append')} to add this corpus to it"
                 raise MemlmError(
                     f"{out} already holds a datastore built with other settings ({'; '.join(diff)}): {fix}"
                 )
@@ -489,7 +491,7 @@ def _build_locked(
         if diff:
             raise MemlmError(
                 f"cannot append to {out}: it was built with other settings ({'; '.join(diff)}); append with the "
-                "datastore's own model, key, window and min-context, or use a new --out"
+                f"datastore's own model, key, window and min-context, or use a new {option('--out')}"
             )
         existing.check_compatible(model, tokenizer, key)
         if any(_same_corpus(s, source) for s in existing.manifest["sources"]):
@@ -503,7 +505,8 @@ def _build_locked(
         FOLDER.start(out, state)
     else:
         if append:
-            raise MemlmError(f"--append needs an existing datastore in {out}; build it first without --append")
+            flag = option("--append")
+            raise MemlmError(f"{flag} needs an existing datastore in {out}; build it first without {flag}")
         base = {"count": 0, "manifest": None}
         state = {"config": config, "base": base, "windows_done": 0, "count": 0, "seconds": 0.0}
         FOLDER.start(out, state)

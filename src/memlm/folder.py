@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from memlm import schema
-from memlm.errors import MemlmError
+from memlm.errors import MemlmError, option
 from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full, sample_sha256, sha256_file, strict_jsonable
 from memlm.locking import folder_lock, lock_holder
 
@@ -149,7 +149,8 @@ class FolderFormat:
         file. Refuses array files that belong to no manifest or build."""
         if int(state["count"]) == 0 and self.has_stray_arrays(folder):
             raise MemlmError(
-                f"{folder} holds {self.kind} files but no manifest or progress file; use an empty folder or --overwrite"
+                f"{folder} holds {self.kind} files but no manifest or progress file; use an empty folder or "
+                f"{option('--overwrite')}"
             )
         atomic_write_json(self.progress_path(folder), state)
 

@@ -199,8 +199,12 @@ class ShardActorPool:
     def __init__(self, address: str, paths: Sequence[str], offsets: Sequence[int], nprobe: int, cpus: float = 1):
         ray = connect(address)
         self.ray = ray
-        cls = ray.remote(_ShardActor).options(num_cpus=cpus, scheduling_strategy="SPREAD")
         threads = max(1, int(cpus))
+        # every actor must fit at once (search waits on all of them): with more shards than CPUs each asks for a share
+        cluster = float(ray.cluster_resources().get("CPU", 0) or 0)
+        if cluster > 0 and len(paths) * cpus > cluster:
+            cpus = cluster / len(paths)
+        cls = ray.remote(_ShardActor).options(num_cpus=cpus, scheduling_strategy="SPREAD")
         self.actors = [cls.remote(p, nprobe, int(o), threads) for p, o in zip(paths, offsets, strict=True)]
 
     def search(self, queries, k: int) -> list:

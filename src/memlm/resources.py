@@ -251,9 +251,12 @@ def _record_name(name_or_path: str) -> str:
 
 
 def load_causal_lm(
-    name_or_path: str, dtype: str | torch.dtype = "float32"
+    name_or_path: str, dtype: str | torch.dtype = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal language model and its tokenizer, in eval mode and the given dtype.
+
+    ``dtype="auto"`` (the default, as every ``memlm`` command's ``--dtype auto``) is :func:`default_dtype`:
+    bfloat16 on a GPU or CPU that computes it natively, else float32; pass ``dtype="float32"`` for float32 anywhere.
 
     ``name_or_path`` is a named model (``smollm2-135m``: converted from GGUF on first use and cached under
     ``memlm_home()/models/``), a local folder written by ``save_pretrained``, or a Hugging Face hub id. The tokenizer

@@ -346,9 +346,9 @@ def _pre_datastore_build(args: argparse.Namespace) -> None:
 
 
 def _pre_index_build(args: argparse.Namespace) -> None:
-    from memlm.datastore import Datastore
+    from memlm.sharded import open_datastore
 
-    ds = Datastore.open(args.dir)
+    ds = open_datastore(args.dir)  # a single or a sharded datastore (README: `memlm index build ds/wiki-8`)
     check_factory(args.factory, args.metric, ds.dim)
 
 

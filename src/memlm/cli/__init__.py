@@ -26,6 +26,7 @@ from memlm.cli.npm import _parse_labels as _parse_labels  # for memlm.validate
 from memlm.cli.npm import cmd_npm_classify, cmd_npm_eval, cmd_npm_index, cmd_npm_predict
 from memlm.cli.train import cmd_train
 from memlm.cli.trime import cmd_trime_eval, cmd_trime_tune
+from memlm.errors import command_line
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -69,5 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train" and args.objective == "lm" and not (args.from_scratch or args.model):
         args.train_parser.error("one of the arguments --from-scratch --model is required")  # as before --objective
-    resolve_dtype(args)
-    return run_command(args)
+    with command_line():  # errors name --flags, not the Python arguments (memlm.errors.option)
+        resolve_dtype(args)
+        return run_command(args)

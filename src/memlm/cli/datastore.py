@@ -162,7 +162,16 @@ def _build_sharded(args: argparse.Namespace) -> None:
     """``datastore build --shards N [--ray ADDRESS|local]``: memlm.sharded.build_sharded (+ the sharded index)."""
     from memlm.keys import KeySpec
     from memlm.sharded import build_sharded
+    from memlm.windows import resolve_stride
 
+    wk = window_kwargs(args)  # --min-context's default (512) and --stride resolved as for a one-process build
+    stride, min_context = resolve_stride(wk["window"], None if wk["stride"] is not None else wk["min_context"],
+                                         wk["stride"])  # fmt: skip
+    if stride == args.window:
+        raise MemlmError(
+            f"--stride {stride} equal to --window gives non-overlapping blocks, which --shards does not build: "
+            "give --min-context (or a --stride below --window), or build without --shards"
+        )
     model, tok = common._load_model(args.model, "float32" if args.ray else args.dtype)  # Ray workers load their own
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
     docs, held_out, source["holdout"] = _holdout(docs, tok, args)
@@ -174,7 +183,7 @@ def _build_sharded(args: argparse.Namespace) -> None:
         tokenizer=tok,
         key=KeySpec.parse(args.key),
         window=args.window,
-        min_context=args.min_context,
+        min_context=min_context,
         batch_size=args.batch_size,
         source=source,
         ray=args.ray,

@@ -19,9 +19,12 @@ Example::
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
 from pathlib import Path
 
-__all__ = ["TASKS_DIR", "TASKS", "task_manager"]
+__all__ = ["TASKS_DIR", "TASKS", "quiet_harness", "task_manager"]
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 TASKS = ("memlm_wikitext2", "memlm_imdb", "memlm_bbc_topic")
@@ -32,4 +35,40 @@ def task_manager(include_defaults: bool = True, **kwargs):
     ``include_defaults=False``, which is much faster to index: lm_eval ships thousands of task files)."""
     from lm_eval.tasks import TaskManager
 
+    quiet_harness()
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=include_defaults, **kwargs)
+
+
+class _NoMetadataHint(logging.Filter):
+    """Drops lm_eval's hint to pass ``--metadata`` (an ``lm_eval`` flag, not memlm's) for memlm's tasks, which take
+    no task arguments: they read memlm's named corpora as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("--metadata" in message and message.startswith(TASKS))
+
+
+_METADATA_FILTER = _NoMetadataHint()
+
+
+def _git_hash_quietly() -> str | None:
+    """lm_eval's ``get_git_commit_hash`` (``git describe --always``, else the checkout in the working folder) with
+    git's stderr discarded: outside a git checkout git prints ``fatal: not a git repository``, which is no error."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError, OSError):
+        return get_commit_from_path(os.getcwd())
+
+
+def quiet_harness() -> None:
+    """Silence two lm_eval messages that do not apply to memlm runs (idempotent; :func:`task_manager` calls it): git's
+    ``fatal: not a git repository`` when lm_eval records the git hash outside a checkout, and the ``--metadata``
+    hint for memlm's own tasks."""
+    import lm_eval.evaluator
+
+    lm_eval.evaluator.get_git_commit_hash = _git_hash_quietly
+    task_logger = logging.getLogger("lm_eval.api.task")
+    if _METADATA_FILTER not in task_logger.filters:
+        task_logger.addFilter(_METADATA_FILTER)

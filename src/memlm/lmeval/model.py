@@ -86,7 +86,7 @@ class MemlmLM(TemplateLM):
         min_context: int = 512,
         max_length: int | None = None,
         batch_size: int | str = 4,
-        dtype: str = "float32",
+        dtype: str = "auto",
         prefix_token_id: int | None = None,
         max_gen_toks: int = 256,
         progress: bool = False,
