@@ -73,7 +73,7 @@ def shrink(argv: list[str]) -> list[str]:
     """The same command on small data: only sizes change (tokens read, optimizer steps, documents, queries)."""
     cmd = " ".join(a for a in argv[:2] if not a.startswith("-"))
     out = argv[argv.index("--out") + 1] if "--out" in argv else None
-    if cmd in ("datastore build", "npm index") or argv[0] == "analyze":
+    if cmd in ("datastore build", "datastore calibrate", "npm index", "ngram build") or argv[0] == "analyze":
         argv = _set(argv, "--max-tokens", str(MAX_TOKENS.get(out, 2000)))
     elif argv[0] == "eval":
         argv = _set(argv, "--max-tokens", "1000")
