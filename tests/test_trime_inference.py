@@ -129,7 +129,10 @@ def test_fifo_and_batching_do_not_change_results(small_lm, dump):
     other = score_trime(small_lm, None, token_docs(), SEQ, max_segments=2, batch_size=1)
     for m in (None, 0, 1, 2):
         np.testing.assert_allclose(
-            trime_target_logprobs(other, segments=m).numpy(), trime_target_logprobs(dump, segments=m).numpy(), atol=1e-5
+            trime_target_logprobs(other, segments=m).numpy(),
+            trime_target_logprobs(dump, segments=m).numpy(),
+            rtol=2e-6,  # float32 sums in another order (batch 1 vs batched): ~1e-6 relative on this CPU
+            atol=1e-5,
         )
     with pytest.raises(MemlmError, match="max_segments >= 3"):
         trime_target_logprobs(other, segments=3)
