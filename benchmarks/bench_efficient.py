@@ -7,7 +7,7 @@ efficiency option on the same test text, back to back, for contiguous-prefix dat
     # untimed setup (resumable, may run on a busy machine: it only computes perplexities)
     python benchmarks/bench_efficient.py run --datastore ds/wt2-100k --datastore ds/wt2-300k --datastore ds/wt2-1m \\
         --setup-only --out docs/results/efficient
-    # timed rows, one process at a time, each started only when the 1-minute load average is below --idle-load
+    # timed rows, one process at a time, each started only when nothing else uses the CPU
     python benchmarks/bench_efficient.py run --datastore ... --out docs/results/efficient
 
 For every datastore ``DS`` (a memlm datastore folder with its IVF-PQ index; k = 1024, nprobe 32):
@@ -15,12 +15,14 @@ For every datastore ``DS`` (a memlm datastore folder with its IVF-PQ index; k = 
 1. setup, untimed and cached under ``$MEMLM_BENCH_WORK/<DS name>``: the datastore pruned by greedy merging (He et
    al. 2021, ``--k-merge``, seeded random visiting order), a compressed index (``--compressed-factory``, OPQ + PQ32
    over the same IVF), and one valid dump per retrieval variant (plain, pointer reuse, pruned, compressed, pointer
-   over the pruned datastore) on which λ and τ are tuned **per variant**; the plain variant's dump holds
-   ``--gate-tokens`` (>= 50,000) held-out tokens and trains the adaptive gate, the others ``--valid-tokens``;
+   over the pruned datastore) on which λ and τ are tuned **per variant**: one forward pass over ``--gate-tokens``
+   (>= 50,000) WikiText-2 valid tokens, shared by every variant and datastore, then each variant's retrieval; the
+   plain variant's dump also trains the adaptive gate;
 2. timed, each configuration in a fresh process (so its peak RSS is its own) on the same ``--max-tokens`` test text
    (>= 20,000 scored tokens): ``base``, ``knn``, ``adaptive``, ``pointer``, ``pipeline``, ``pruned``,
-   ``compressed`` and the combinations in ``CONFIGS``. Before each row the script waits for the 1-minute load average
-   to fall below ``--idle-load`` and records the load before and after.
+   ``compressed`` and the combinations in ``CONFIGS``. Before each row the script waits until at most
+   ``--idle-busy`` of the CPU was busy over 5 s (nothing else running) and records the 1-minute load average before
+   and after and the CPU share used by other processes while the row ran (``other_cpu_share``).
 
 Each row: perplexity with its variant's tuned λ, τ (``adaptive``: the gate's λ per token, the variant's τ),
 tokens/s of ``score_tokens`` (forward + queries + search + scores; the model is loaded before the clock starts),
@@ -137,13 +139,11 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
     import torch
 
     from memlm.core.distribution import knn_target_logprob
-    from memlm.corpora import load_documents
     from memlm.datastore import Datastore
     from memlm.knnlm.adaptive import gate_features, train_gate
-    from memlm.knnlm.evaluate import TokenScores, score_tokens, tune
+    from memlm.knnlm.evaluate import TokenScores, attach_neighbours, tune
     from memlm.knnlm.prune import prune_datastore
-    from memlm.resources import load_causal_lm
-    from memlm.windows import limit_documents
+    from memlm.retrieval import DatastoreMemory
 
     path = work / "setup.json"
     st = json.loads(path.read_text()) if path.exists() else {}
@@ -173,20 +173,20 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
                   compressed_seconds=time.perf_counter() - t0)  # fmt: skip
         save()
     st.update(datastore=str(ds_path), entries=len(ds), factory=ds_factory(ds))
-    model = tok = None
+    valid_lm = queries = provenance = None
     for name, opts in VARIANTS.items():
         dump = work / f"valid-{name}.npz"
         if name in st["tuned"]:
             continue
-        if model is None:
-            model, tok = load_causal_lm(args.model, dtype=args.dtype)
-        budget = args.gate_tokens if name == "knn" else args.valid_tokens
         if dump.exists():
             valid = TokenScores.load(dump)
         else:
-            docs = limit_documents(load_documents(args.corpus, "valid"), tok, budget)
+            if valid_lm is None:
+                valid_lm, queries, provenance = valid_forward(args, ds, work.parent / "valid-forward")
             use = Datastore.open(st["pruned"]) if opts.get("pruned") else ds
-            valid = score_tokens(model, tok, docs, use, progress=True, **score_kwargs(opts, args, st))
+            kw = score_kwargs(opts, args, st)
+            memory = DatastoreMemory(use, nprobe=args.nprobe, index_path=kw["index_path"], progress=True)
+            valid = attach_neighbours(valid_lm.lm_only(), queries, memory, args.k, pointer_min=kw["pointer_min"])
             valid.save(dump)
         best = tune(valid)["best"]
         st["tuned"][name] = {"lambda": best["lambda"], "temperature": best["temperature"], "valid_ppl": best["ppl"],
@@ -205,6 +205,32 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
         st.update(gate=str(work / "gate.npz"), gate_tokens=len(valid), gate_temperature=tau)
         save()
     return st
+
+
+def valid_forward(args: argparse.Namespace, ds, cache: Path):
+    """One forward pass over ``--gate-tokens`` WikiText-2 valid tokens (cached in ``cache``): the LM scores, the
+    queries of the datastore's key and the provenance, shared by every variant and datastore (same model and key)."""
+    import numpy as np
+
+    from memlm.corpora import load_documents
+    from memlm.knnlm.evaluate import TokenScores, lm_scores
+    from memlm.resources import load_causal_lm
+    from memlm.windows import limit_documents
+
+    spec = ds.key_spec
+    tag = f"{args.model}-{spec.describe()}-{args.gate_tokens}".replace("/", "_").replace("@", "_")
+    cache.mkdir(parents=True, exist_ok=True)
+    lm_path, q_path, p_path = cache / f"{tag}-lm.npz", cache / f"{tag}-queries.npy", cache / f"{tag}-prov.npz"
+    if not (lm_path.exists() and q_path.exists() and p_path.exists()):
+        model, tok = load_causal_lm(args.model, dtype=args.dtype)
+        ds.check_compatible(model, tok)
+        docs = limit_documents(load_documents(args.corpus, "valid"), tok, args.gate_tokens)
+        ts, queries, prov = lm_scores(model, tok, docs, [spec], progress=True)
+        np.savez(p_path, **prov)
+        np.save(q_path, queries[spec])
+        ts.save(lm_path)  # last: its presence marks the cache complete
+    prov = dict(np.load(p_path))
+    return TokenScores.load(lm_path), np.load(q_path, mmap_mode="r"), prov
 
 
 def compressed_factory(template: str, base: str) -> str:
@@ -239,12 +265,31 @@ def prefix(args: argparse.Namespace) -> None:
     print(f"{out}: {len(ds):,} entries, index {ds_factory(ds)}")
 
 
-def wait_for_idle(limit: float, max_wait: float = 900.0) -> float:
-    """Sleep until the 1-minute load average is below ``limit`` (at most ``max_wait`` s); the load at the start."""
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
+    hz = os.sysconf("SC_CLK_TCK")
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / hz, sum(fields[:8]) / hz
+
+
+def wait_for_idle(busy_limit: float, load_limit: float | None, sample: float = 5.0, max_wait: float = 900.0) -> dict:
+    """Sleep until the machine is idle: over a ``sample``-second window at most ``busy_limit`` of the CPU was busy
+    (and, with ``load_limit``, the 1-minute load average is below it); at most ``max_wait`` s. Returns what was seen.
+
+    The 1-minute load average lags: right after a row it still counts that row's own threads (it decays with a
+    one-minute time constant), so a CPU sample is the check that nothing else runs; the load is recorded beside it.
+    """
     t0 = time.time()
-    while os.getloadavg()[0] >= limit and time.time() - t0 < max_wait:
-        time.sleep(10)
-    return os.getloadavg()[0]
+    while True:
+        b0, t0_ = cpu_times()
+        time.sleep(sample)
+        b1, t1_ = cpu_times()
+        busy = (b1 - b0) / max(t1_ - t0_, 1e-9)
+        load = os.getloadavg()[0]
+        ok = busy <= busy_limit and (load_limit is None or load < load_limit)
+        if ok or time.time() - t0 > max_wait:
+            return {"busy_before": busy, "load_avg_before": load, "waited_s": time.time() - t0, "idle": ok}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -253,7 +298,7 @@ def run(args: argparse.Namespace) -> None:
     results_path = out / "efficient.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"runs": {}}
     results["command"] = " ".join([Path(sys.executable).name, *sys.argv])
-    results["machine"] = {"cpus": os.cpu_count(), "idle_load_limit": args.idle_load}
+    results["machine"] = {"cpus": os.cpu_count(), "idle_busy_limit": args.idle_busy, "idle_load_limit": args.idle_load}
     for ds_path in map(Path, args.datastore):
         work = Path(os.environ.get("MEMLM_BENCH_WORK", "/tmp/memlm-bench")) / ds_path.name
         work.mkdir(parents=True, exist_ok=True)
@@ -271,21 +316,31 @@ def run(args: argparse.Namespace) -> None:
                    args.corpus, "--max-tokens", str(args.max_tokens), "--k", str(args.k), "--nprobe", str(args.nprobe),
                    "--adaptive-fraction", str(args.adaptive_fraction),
                    "--pointer-min", str(args.pointer_min)]  # fmt: skip
-            load_before = wait_for_idle(args.idle_load)
+            idle = wait_for_idle(args.idle_busy, args.idle_load)
+            busy0, _ = cpu_times()
+            child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            w0 = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True)
+            wall = time.time() - w0
+            child1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            busy1, _ = cpu_times()
+            child_cpu = (child1.ru_utime + child1.ru_stime) - (child0.ru_utime + child0.ru_stime)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
             if line is None:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{name} on {ds_path} failed")
             row = json.loads(line[4:])
-            row["load_avg_before"] = load_before
+            row.update(idle)
             row["load_avg_after"] = os.getloadavg()
+            # CPU used by anything but this row's process while it ran, as a share of all cores
+            row["other_cpu_share"] = max(0.0, (busy1 - busy0) - child_cpu) / (wall * (os.cpu_count() or 1))
             rows[name] = row
             base = rows.get("base")
             if base:
                 row["ratio_to_base"] = row["tok_per_s"] / base["tok_per_s"]
             print(f"{ds_path.name} {name}: {row['tok_per_s']:.1f} tok/s ppl {row['ppl']:.3f} "
-                  f"searched {row['searched_fraction']:.2f} load {load_before:.2f}", flush=True)  # fmt: skip
+                  f"searched {row['searched_fraction']:.2f} load {idle['load_avg_before']:.2f} "
+                  f"other CPU {row['other_cpu_share']:.1%}", flush=True)  # fmt: skip
             results_path.write_text(json.dumps(results, indent=1))
     if not args.setup_only:
         report(results, out)
@@ -294,8 +349,8 @@ def run(args: argparse.Namespace) -> None:
 def report(results: dict, out: Path) -> None:
     """Markdown table and the plot of tok/s ratio and perplexity against datastore size."""
     lines = ["| datastore | entries | config | λ | τ | ppl | vs kNN-LM | tok/s | ratio to base | searched | "
-             "peak RSS MiB | load before |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "peak RSS MiB | load before | other CPU |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, run_ in results["runs"].items():
         knn = run_["rows"].get("knn", {}).get("ppl")
         for cfg, r in run_["rows"].items():
@@ -307,7 +362,8 @@ def report(results: dict, out: Path) -> None:
             lines.append(f"| {name} | {entries:,} | {cfg} | {lam_s} | {tau} | {r['ppl']:.3f} | {rel} | "
                          f"{r['tok_per_s']:.1f} | {r.get('ratio_to_base', float('nan')):.2f} | "
                          f"{r['searched_fraction']:.2f} | {r['peak_rss_mib']:.0f} | "
-                         f"{r.get('load_avg_before', float('nan')):.2f} |")  # fmt: skip
+                         f"{r.get('load_avg_before', float('nan')):.2f} | "
+                         f"{100 * r.get('other_cpu_share', float('nan')):.1f}% |")  # fmt: skip
     (out / "efficient.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -353,8 +409,12 @@ def main() -> None:
     r.add_argument("--dtype", default="auto")
     r.add_argument("--corpus", default="wikitext2")
     r.add_argument("--max-tokens", type=int, default=24000, help="test token budget (>= 20,000 scored tokens)")
-    r.add_argument("--valid-tokens", type=int, default=20000, help="valid tokens per variant for tuning λ, τ")
-    r.add_argument("--gate-tokens", type=int, default=52000, help="valid tokens of the plain dump (trains the gate)")
+    r.add_argument(
+        "--gate-tokens",
+        type=int,
+        default=52000,
+        help="valid tokens (one forward pass) on which every variant's λ, τ are tuned and the gate trained",
+    )
     r.add_argument("--k", type=int, default=1024)
     r.add_argument("--nprobe", type=int, default=32)
     r.add_argument("--k-merge", type=int, default=8)
@@ -364,7 +424,18 @@ def main() -> None:
     r.add_argument("--compressed-factory", default="OPQ32_128,{ivf},PQ32")
     r.add_argument("--configs", default=",".join(CONFIGS))
     r.add_argument("--out", default="docs/results/efficient")
-    r.add_argument("--idle-load", type=float, default=0.5, help="wait for this 1-minute load average before a row")
+    r.add_argument(
+        "--idle-busy",
+        type=float,
+        default=0.05,
+        help="before a row, wait until at most this share of the CPU was busy over 5 s (nothing else runs)",
+    )
+    r.add_argument(
+        "--idle-load",
+        type=float,
+        default=None,
+        help="also wait for the 1-minute load average to fall below this (it lags: see wait_for_idle)",
+    )
     r.add_argument("--rerun", action="store_true", help="rerun rows already in the JSON")
     r.add_argument("--setup-only", action="store_true", help="only the untimed setup")
     r.add_argument("--one", help=argparse.SUPPRESS)

@@ -458,3 +458,51 @@ def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, index, toy_docs
                  "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
     best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
     assert {"lambda", "temperature", "lambda_sparse", "lambda_dense"} <= set(best)
+
+
+def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tiny_lm_dir, toy_docs, corpus, index,
+                                                                    tmp_path, capsys):  # fmt: skip
+    """One generation step with both memories: (1 - λ - λ_∞) p_LM + λ p_kNN + λ_∞ P∞, with p_kNN from an exact
+    NumPy search (Khandelwal et al. Eq. 2) and P∞ from a scan of the reference tokens (Liu et al. 2024 Sec. 3)."""
+    from memlm.cli import main
+    from memlm.datastore import build_datastore
+    from memlm.keys import KeyCapture
+    from memlm.knnlm.generate import KNNLogitsProcessor
+    from memlm.ngram.generate import NgramLogitsProcessor
+
+    model, tok = tiny_lm
+    ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
+    ds.build_index(factory="Flat", metric="l2", progress=False)
+    lam, ls, ld, k, tau = 0.3, 0.5, 0.2, 8, 2.0
+    seq = _ids(tok, "the old river ran over the")
+    ngram = NgramLogitsProcessor(NgramMemory(index), ls, ld)
+    with torch.no_grad(), KNNLogitsProcessor(model, ds, k=k, lam=lam, temperature=tau, ngram=ngram) as proc:
+        logits = model(input_ids=torch.tensor([seq])).logits[:, -1]
+        got = torch.exp(proc(torch.tensor([seq]), logits)[0].double()).numpy()
+    # the reference, by hand
+    with torch.no_grad(), KeyCapture(model, [ds.key_spec]) as cap:
+        model(input_ids=torch.tensor([seq]))
+        q = cap.keys_by_spec[ds.key_spec][0, -1].double().numpy()
+    p_lm = torch.softmax(logits[0].double(), -1).numpy()
+    d = -((np.asarray(ds.keys, dtype=np.float64) - q) ** 2).sum(1)
+    top = np.argsort(-d, kind="stable")[:k]
+    w = np.exp((d[top] - d[top].max()) / tau)
+    p_knn = np.zeros_like(p_lm)
+    np.add.at(p_knn, np.asarray(ds.values)[top], w / w.sum())
+    brute = Brute(tok, corpus)
+    ctx = [Brute.START, *seq]
+    nxt = next((f for n in range(len(ctx), 0, -1) if (f := brute.follow(ctx[len(ctx) - n :]))), brute.follow_all())
+    p_inf = np.zeros_like(p_lm)
+    for t in nxt:
+        p_inf[t] += 1 / len(nxt)
+    lam_inf = ls if len(set(nxt)) == 1 else ld
+    want = (1 - lam - lam_inf) * p_lm + lam * p_knn + lam_inf * p_inf
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    assert p_inf.max() > 0 and p_knn.max() > 0  # both memories contributed
+    # the CLI takes both memories at once and still lists the ∞-gram's sources
+    argv = ["generate", "--model", str(tiny_lm_dir), "--datastore", str(ds.path), "--ngram", str(index.path),
+            "--prompt", "the cat sat", "--max-new-tokens", "4", "--greedy", "--show-sources", "1", "--dtype",
+            "float32", "--lambda", "0.9", "--ngram-lambda-sparse", "0.5"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the cat sat") and "occurrences" in out

@@ -159,18 +159,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
     from memlm.sharded import open_datastore
 
-    if args.ngram or not args.datastore:
+    if not args.datastore:
         return ngram_cli.generate_with_ngram(args)
     ds = open_datastore(args.datastore, ray=args.ray)
     model, tok = common._load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
     ds.check_compatible(model, tok)
     lam, temperature, _ = knn_parameters(ds, args.lam, args.temperature, setting={"k": args.k, "search": "index"})
+    ngram = ngram_cli.ngram_processor(args, tok, lam) if args.ngram else None  # LM + kNN + ∞-gram, as eval mixes
     torch.manual_seed(args.seed)
-    knn = KNNLogitsProcessor(model, ds, k=args.k, lam=lam, temperature=temperature, record=args.show_neighbours > 0)
+    knn = KNNLogitsProcessor(model, ds, k=args.k, lam=lam, temperature=temperature, record=args.show_neighbours > 0,
+                             ngram=ngram)  # fmt: skip
     lookup = SourceLookup(ds, tok) if args.show_neighbours > 0 else None
     streamer = NeighbourStreamer(tok, knn, lookup, n_neighbours=args.show_neighbours)
     print(args.prompt, end="" if lookup is None else "\n", flush=True)
-    generate_text(
+    text = generate_text(
         model,
         tok,
         [args.prompt],
@@ -178,7 +180,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         do_sample=not args.greedy,
         streamer=streamer,
         processor=knn,
-    )
+    )[0]
+    if ngram is not None:
+        prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
+        ngram_cli.print_sources(args, ngram.memory, tok, prompt, text)
 
 
 def cmd_gate_train(args: argparse.Namespace) -> None:

@@ -143,19 +143,18 @@ def open_ngram(args: argparse.Namespace, tokenizer):
 
 def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temperature: float) -> dict[str, Any]:
     """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one)."""
-    from memlm.ngram.mixture import ngram_parameters, ngram_report
+    from memlm.ngram.mixture import ngram_parameters, ngram_report, three_way_weights
 
     ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
     rep = ngram_report(ts, ls, ld)
     if ts.knn_scores is not None and lam is not None:
-        # weights tuned apart (datastore and index calibrations) can sum past 1: the ∞-gram's then share 1 - λ
-        scale = 1.0 if lam + max(ls, ld) <= 1.0 else 1.0 - lam
-        three = ngram_report(ts, ls * scale, ld * scale, lam=lam, temperature=temperature)
+        s3, d3 = three_way_weights(lam, ls, ld)  # weights tuned apart can sum past 1
+        three = ngram_report(ts, s3, d3, lam=lam, temperature=temperature)
         rep["knn_ngram_ppl"] = three["knn_ngram_ppl"]
         rep["knn_ngram_weights"] = {
             "lambda": lam,
-            "lambda_sparse": ls * scale,
-            "lambda_dense": ld * scale,
+            "lambda_sparse": s3,
+            "lambda_dense": d3,
             "note": "tune all four jointly on a valid dump with memlm tune",
         }
     drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
@@ -242,23 +241,36 @@ def generate_with_ngram(args: argparse.Namespace) -> None:
     import torch
 
     from memlm.knnlm.generate import generate_text
-    from memlm.ngram.generate import NgramLogitsProcessor, token_sources
-    from memlm.ngram.mixture import ngram_parameters
 
     if not args.ngram:
         raise MemlmError("memlm generate needs --datastore DS or --ngram DIR")
-    if args.datastore:
-        raise MemlmError("memlm generate takes --datastore or --ngram, not both yet (memlm eval mixes the three)")
     model, tok = common._load_model(args.model or common.DEFAULT_MODEL, args.dtype)
-    memory = open_ngram(args, tok)
-    ls, ld, _ = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+    proc = ngram_processor(args, tok)
     torch.manual_seed(args.seed)
-    proc = NgramLogitsProcessor(memory, ls, ld)
     prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
     text = generate_text(
         model, tok, [prompt], max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, processor=proc
     )[0]
     print(args.prompt + text, flush=True)
+    print_sources(args, proc.memory, tok, prompt, text)
+
+
+def ngram_processor(args: argparse.Namespace, tok, lam: float = 0.0):
+    """The ∞-gram step of ``memlm generate`` (its λ_sparse / λ_dense: the flags, else the index's calibration;
+    beside a kNN weight ``lam``, shared as ``memlm eval`` shares them: :func:`~memlm.ngram.mixture.three_way_weights`)
+    """
+    from memlm.ngram.generate import NgramLogitsProcessor
+    from memlm.ngram.mixture import ngram_parameters, three_way_weights
+
+    memory = open_ngram(args, tok)
+    ls, ld, _ = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+    return NgramLogitsProcessor(memory, *three_way_weights(lam, ls, ld))
+
+
+def print_sources(args: argparse.Namespace, memory, tok, prompt: list[int], text: str) -> None:
+    """``--show-sources N``: under the generated text, each token's longest matched suffix and up to N documents."""
+    from memlm.ngram.generate import token_sources
+
     if args.show_sources:
         full = prompt + list(tok(text, add_special_tokens=False)["input_ids"])
         for rec in token_sources(memory, full, len(prompt), args.show_sources):

@@ -52,6 +52,7 @@ __all__ = [
     "lm_scores",
     "add_neighbours",
     "add_cache",
+    "attach_neighbours",
     "score_tokens",
     "perplexities",
     "cache_mixture_ppl",
@@ -263,6 +264,54 @@ def add_cache(
 CACHE_KEY = KeySpec("final", -1)  # Grave et al.'s cache reads the hidden state the softmax reads
 
 
+def attach_neighbours(
+    ts: TokenScores,
+    queries: np.ndarray,
+    memory: DatastoreMemory,
+    k: int,
+    provenance: dict[str, np.ndarray] | None = None,
+    adaptive: str | Path | None = None,
+    adaptive_fraction: float | None = None,
+    pointer_min: int = 0,
+    pointer_rule: str = "retomaton",
+    found: tuple[np.ndarray, np.ndarray] | None = None,
+    progress: bool = True,
+) -> TokenScores:
+    """Retrieve for the queries of one forward pass (:func:`lm_scores`) with the efficiency option chosen, into ``ts``.
+
+    One of: ``found`` (scores and ids already searched, e.g. pipelined), ``pointer_min`` (RetoMaton's pointer reuse),
+    ``adaptive`` (the gate decides which tokens search and their λ), or a plain search of every query; see
+    :func:`score_tokens`. ``provenance`` drops self-matches (before pointer survivors are counted). Keeping this apart
+    from the forward pass lets one forward pass serve several memories and options (e.g. benchmarks/bench_efficient.py).
+    """
+    if found is not None:
+        sc, ids = found
+    elif pointer_min:
+        ds = memory.datastore
+        sc, ids, ts.searched = pointer_retrieve(
+            queries, ts.targets, ts.doc_index, lambda x: memory.search_ids(x, k, progress=False), ds.keys, ds.values,
+            ds.doc_hash, ds.offset, k, pointer_min, memory.metric, rule=pointer_rule, provenance=provenance,
+            progress=progress,
+        )  # fmt: skip
+    elif adaptive is not None:
+        gate = AdaptiveGate.load(adaptive)
+        features = gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position)
+        threshold = 0.0 if adaptive_fraction is None else threshold_for_fraction(gate, features, adaptive_fraction)
+        ts.knn_lambda, ts.searched = gate_lambdas(gate, features, threshold)
+        sc = np.full((len(queries), k), -np.inf, dtype=np.float32)
+        ids = np.full((len(queries), k), -1, dtype=np.int64)
+        if ts.searched.any():
+            sc[ts.searched], ids[ts.searched] = memory.search_ids(queries[ts.searched], k)
+    else:
+        sc, ids = memory.search_ids(queries, k)
+    r = memory.retrieved(sc, ids, provenance)
+    ts.knn_scores, ts.knn_values, ts.knn_log_counts = r.scores, r.values.astype(np.int32), r.log_counts
+    ts.meta.update(**memory.describe(), k=k, drop_self_matches=provenance is not None)
+    if pointer_min:
+        ts.meta["scores"] = "exact"  # pointer reuse scores every row from the stored keys
+    return ts
+
+
 def score_tokens(
     model,
     tokenizer,
@@ -348,33 +397,13 @@ def score_tokens(
         if memory is not None:
             q = queries[datastore.key_spec]
             prov = provenance if drop_self_matches else None
+            found = None
             if pending:
                 parts = [f.result() for f in pending]
-                sc, ids = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-            elif pointer_min:
-                sc, ids, ts.searched = pointer_retrieve(
-                    q, ts.targets, ts.doc_index, lambda x: memory.search_ids(x, k, progress=False), datastore.keys,
-                    datastore.values, datastore.doc_hash, datastore.offset, k, pointer_min, memory.metric,
-                    rule=pointer_rule, provenance=prov, progress=progress,
-                )  # fmt: skip
-            elif adaptive is not None:
-                gate = AdaptiveGate.load(adaptive)
-                features = gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position)
-                threshold = (
-                    0.0 if adaptive_fraction is None else threshold_for_fraction(gate, features, adaptive_fraction)
-                )
-                ts.knn_lambda, ts.searched = gate_lambdas(gate, features, threshold)
-                sc = np.full((len(q), k), -np.inf, dtype=np.float32)
-                ids = np.full((len(q), k), -1, dtype=np.int64)
-                if ts.searched.any():
-                    sc[ts.searched], ids[ts.searched] = memory.search_ids(q[ts.searched], k)
-            else:
-                sc, ids = memory.search_ids(q, k)
-            r = memory.retrieved(sc, ids, prov)
-            ts.knn_scores, ts.knn_values, ts.knn_log_counts = r.scores, r.values.astype(np.int32), r.log_counts
-            ts.meta.update(**memory.describe(), k=k, drop_self_matches=drop_self_matches)
-            if pointer_min:
-                ts.meta["scores"] = "exact"  # pointer reuse scores every row from the stored keys
+                found = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+            attach_neighbours(ts, q, memory, k, prov, adaptive=adaptive, adaptive_fraction=adaptive_fraction,
+                              pointer_min=pointer_min, pointer_rule=pointer_rule, found=found,
+                              progress=progress)  # fmt: skip
             ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
     ts.meta["retrieval"] = config.to_dict()
     if cache:

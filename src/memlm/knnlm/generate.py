@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from memlm.core.distribution import interpolate, knn_distribution
+from memlm.core.distribution import interpolate, knn_distribution, mix_logprobs_per_token
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture
@@ -51,6 +51,8 @@ class KNNLogitsProcessor(LogitsProcessor):
 
     ``record=True`` keeps, for every call, the ``(scores, ids)`` of the retrieved entries (``[rows, k]``) in
     ``history`` (used to show where a generated token came from). ``index`` reuses an already loaded FAISS index.
+    ``ngram`` (a :class:`memlm.ngram.generate.NgramLogitsProcessor`) adds the ∞-gram as a third component, as
+    ``memlm eval`` mixes them: ``(1 - λ - λ_∞(c)) p_LM + λ p_kNN + λ_∞(c) P∞`` (λ_∞ = λ_sparse or λ_dense per step).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         nprobe: int = 32,
         index=None,
         record: bool = False,
+        ngram=None,
     ) -> None:
         from memlm.knnlm.calibration import knn_parameters
 
@@ -75,6 +78,12 @@ class KNNLogitsProcessor(LogitsProcessor):
         self._capture = KeyCapture(model, [datastore.key_spec])
         self.record = record
         self.history: list[tuple[np.ndarray, np.ndarray]] = []
+        self.ngram = ngram
+        if ngram is not None and lam + max(ngram.lambda_sparse, ngram.lambda_dense) > 1:
+            raise MemlmError(
+                f"λ {lam} + λ_∞ {max(ngram.lambda_sparse, ngram.lambda_dense)} exceed 1: the LM's weight "
+                "1 - λ - λ_∞ would be negative; give smaller weights"
+            )
 
     def __enter__(self) -> KNNLogitsProcessor:
         self._capture.__enter__()
@@ -100,7 +109,12 @@ class KNNLogitsProcessor(LogitsProcessor):
             torch.from_numpy(r.scores).to(lm.device), torch.from_numpy(r.values).to(lm.device), lm.shape[-1],
             self.temperature, counts,
         )  # fmt: skip
-        return interpolate(lm, knn, self.lam).to(scores.dtype)
+        if self.ngram is None:
+            return interpolate(lm, knn, self.lam).to(scores.dtype)
+        p_inf, lam_inf = self.ngram.step(input_ids, lm.shape[-1])
+        lam_inf = lam_inf.unsqueeze(-1).to(lm.device)
+        mixed = mix_logprobs_per_token([lm, knn, p_inf.to(lm.device)], [1.0 - self.lam - lam_inf, self.lam, lam_inf])
+        return mixed.to(scores.dtype)
 
 
 class _Temperature(LogitsProcessor):

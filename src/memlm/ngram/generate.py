@@ -6,6 +6,9 @@ it), and the LM's distribution becomes::
 
     p(w | c) = λ_∞(c) P∞(w | c) + (1 - λ_∞(c)) p_LM(w | c),   λ_∞ = λ_sparse when one token follows every occurrence
 
+With a datastore too (:class:`memlm.knnlm.generate.KNNLogitsProcessor` given ``ngram=``), the three-way mixture of
+``memlm eval``: ``(1 - λ - λ_∞(c)) p_LM + λ p_kNN + λ_∞(c) P∞``.
+
 :func:`token_sources` answers, for each generated token, which reference documents hold the longest suffix of the
 text that ends with it (document index, the document's id from the build, token offset), through the engine's
 document search.
@@ -40,15 +43,21 @@ class NgramLogitsProcessor(LogitsProcessor):
     def __exit__(self, *exc) -> None:
         return None
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        lm = torch.log_softmax(scores.float(), dim=-1)
+    def step(self, input_ids: torch.LongTensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log P∞ [rows, vocab], λ_∞ [rows])`` of each row's next token: λ_sparse where one token follows every
+        occurrence of the row's longest matching suffix, λ_dense elsewhere (recorded for row 0 in ``history``)."""
         r = self.memory.search([row.tolist() for row in input_ids.cpu()], self.k)
         filled = (torch.as_tensor(r.values) >= 0).sum(-1)
         sparse = filled == 1
-        p_inf = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), lm.shape[-1], 1.0)
-        lam = torch.where(sparse, self.lambda_sparse, self.lambda_dense).to(torch.float64).unsqueeze(-1)
+        p_inf = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), vocab, 1.0)
+        lam = torch.where(sparse, self.lambda_sparse, self.lambda_dense).to(torch.float64)
         self.history.append((bool(sparse[0]), int(r.ids[0, 0])))
-        return interpolate_per_token(lm, p_inf.to(lm.device), lam.to(lm.device)).to(scores.dtype)
+        return p_inf, lam
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        lm = torch.log_softmax(scores.float(), dim=-1)
+        p_inf, lam = self.step(input_ids, lm.shape[-1])
+        return interpolate_per_token(lm, p_inf.to(lm.device), lam.unsqueeze(-1).to(lm.device)).to(scores.dtype)
 
 
 def token_sources(memory, tokens: Sequence[int], start: int, n_docs: int = 1) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from memlm.core.tuning import grid_search
 from memlm.errors import MemlmError
 
 __all__ = [
+    "three_way_weights",
     "NGRAM_LAMBDAS",
     "DEFAULT_LAMBDA_SPARSE",
     "DEFAULT_LAMBDA_DENSE",
@@ -105,6 +106,13 @@ def ngram_mixture(
             weights.append(lam)
         out[mask] = mix_logprobs(comps, weights).to(out.dtype)
     return out
+
+
+def three_way_weights(lam: float, lambda_sparse: float, lambda_dense: float) -> tuple[float, float]:
+    """λ_sparse, λ_dense beside a kNN weight λ: as given, or, when weights set apart (the datastore's and the index's
+    calibrations) sum past 1, scaled by 1 - λ so that the ∞-gram shares what the kNN term leaves (LM weight >= 0)."""
+    scale = 1.0 if lam + max(lambda_sparse, lambda_dense) <= 1.0 else 1.0 - lam
+    return lambda_sparse * scale, lambda_dense * scale
 
 
 def _arrays(ts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
