@@ -143,6 +143,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-ngram-missing", [*EVAL, "--ngram", NO]),
     ("eval-ngram-datastore-folder", [*EVAL, "--ngram", DS]),
     ("lm-eval-k-0", ["lm-eval", "--tasks", "memlm_wikitext2", "--k", "0"]),
+    ("lm-eval-ngram-datastore-folder", ["lm-eval", "--model", M, "--tasks", "memlm_wikitext2", "--ngram", DS]),
+    ("generate-ngram-datastore-folder", ["generate", "--model", M, "--datastore", DS, "--ngram", DS, "--prompt", "a"]),
     # datastore build
     ("build-out-file", [*BUILD, "--out", F]),
     ("build-out-under-file", [*BUILD, "--out", F + "/ds"]),

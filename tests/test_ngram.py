@@ -506,3 +506,58 @@ def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tin
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("the cat sat") and "occurrences" in out
+
+
+def _brute_p_inf(brute, context: list[int], vocab: int) -> tuple[np.ndarray, bool]:
+    """P∞(. | context) over the vocabulary and its sparse flag, by scanning the reference tokens."""
+    ctx = [Brute.START, *context]
+    nxt = next((f for n in range(len(ctx), 0, -1) if (f := brute.follow(ctx[len(ctx) - n :]))), brute.follow_all())
+    p = np.zeros(vocab)
+    for t in nxt:
+        p[t] += 1 / len(nxt)
+    return p, len(set(nxt)) == 1
+
+
+def test_lm_eval_adapter_with_ngram_equals_brute_force(tiny_lm, corpus, index):
+    """lm-eval's rolling and loglikelihood requests with an ∞-gram: (1 - λ_∞(c)) p_LM + λ_∞(c) P∞ per token, P∞
+    and the sparse flag from a scan of the reference tokens; generation runs through the same mixture."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from memlm.lmeval.model import MemlmLM
+
+    model, tok = tiny_lm
+    ls, ld = 0.6, 0.3
+    lm = MemlmLM(model=model, tokenizer=tok, ngram=str(index.path), ngram_lambda_sparse=str(ls),
+                 ngram_lambda_dense=str(ld), window=64, min_context=32)  # fmt: skip
+    bare = MemlmLM(model=model, tokenizer=tok, window=64, min_context=32)
+    assert lm.memory_settings["ngram_lambda_sparse"] == ls
+    brute = Brute(tok, corpus)
+    tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
+    lm_lp = bare.rolling_token_logprobs(tokens)
+    got = lm.rolling_token_logprobs(tokens)
+    want = []
+    for t in range(len(tokens)):
+        p_inf, sparse = _brute_p_inf(brute, tokens[:t], lm.vocab_size)
+        lam = ls if sparse else ld
+        want.append(math.log((1 - lam) * math.exp(lm_lp[t]) + lam * p_inf[tokens[t]]))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert not np.allclose(got, lm_lp)  # the ∞-gram changed something
+    # loglikelihood: context + continuation, the greedy flag from the mixed distribution
+    ctx, cont = _ids(tok, "the old river"), _ids(tok, " ran over the park")
+    (ll, greedy), = lm._loglikelihood_tokens([(("a", "b"), ctx, cont)])  # fmt: skip
+    seq = ctx + cont
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0].double()
+    total, all_greedy = 0.0, True
+    for pos in range(len(ctx) - 1, len(seq) - 1):
+        p_lm = torch.softmax(logits[pos], -1).numpy()
+        p_inf, sparse = _brute_p_inf(brute, seq[: pos + 1], len(p_lm))
+        lam = ls if sparse else ld
+        p = (1 - lam) * p_lm + lam * p_inf
+        total += math.log(p[seq[pos + 1]])
+        all_greedy &= int(p.argmax()) == seq[pos + 1]
+    assert ll == pytest.approx(total, rel=1e-5) and greedy == all_greedy
+    out = lm.generate_until([Instance("generate_until", {}, ("the old river", {"until": ["\n"], "max_gen_toks": 4}),
+                                      0)])  # fmt: skip
+    assert isinstance(out[0], str) and out[0]

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from memlm import validate as V
+from memlm.cli import ngram as ngram_cli
 from memlm.cli.common import DEFAULT_MODEL, add_knn_weights, add_model
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
@@ -57,6 +58,10 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         dtype=args.dtype,
         progress=True,
+        ngram=args.ngram,
+        ngram_lambda_sparse=args.ngram_lambda_sparse,
+        ngram_lambda_dense=args.ngram_lambda_dense,
+        ngram_max_n=args.ngram_max_n,
     )
     print(f"memlm lm-eval: {json.dumps(lm.memory_settings)}", file=sys.stderr)
     t0 = time.perf_counter()
@@ -103,6 +108,7 @@ def add_parsers(sub) -> None:
         "--max-length", type=V.positive_int, default=None, help="tokens of a loglikelihood request (default window)"
     )
     le.add_argument("--batch-size", type=V.positive_int, default=4)
+    ngram_cli.add_eval_args(le)
     le.add_argument("--limit", type=float, default=None, help="first N documents per task (or a fraction)")
     le.add_argument("--samples", default=None, help="document indices per task, JSON: '{\"memlm_wikitext2\": [0, 9]}'")
     le.add_argument("--out", default=None, help="write the results and settings as JSON here")

@@ -20,7 +20,18 @@ The three lm_eval request types:
 - ``generate_until(context, gen_kwargs)``: greedy (or sampled) decoding from ``p`` through
   :class:`memlm.knnlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string.
 
-With ``lam=0`` and no cache, every score is the bare LM's: the memory term has weight 0 and adds exactly nothing.
+With an ∞-gram index (``ngram=DIR``, Liu et al. 2024; :mod:`memlm.ngram`) P∞ joins as one more component whose
+weight depends on the token: ``λ_∞(c) = λ_sparse`` where one token follows every occurrence of the context's longest
+matching suffix, ``λ_dense`` elsewhere (``memlm eval``'s mixture)::
+
+    p(w | c) = (1 - λ - λc - λ_∞(c)) p_LM + λ p_kNN + λc p_cache + λ_∞(c) P∞(w | c)
+
+A request's context starts the ∞-gram's document (the suffix can reach back to its first token). Target
+log-probabilities use the exact counts (:meth:`memlm.ngram.memory.NgramMemory.score_documents`); the greedy check of
+``loglikelihood`` reads P∞ over the vocabulary from the engine's next-token counts (sampled past 1,000 occurrences).
+
+With ``lam=0``, no cache and no ∞-gram, every score is the bare LM's: the memory term has weight 0 and adds exactly
+nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from memlm import index as index_lib
-from memlm.core.distribution import knn_distribution, mix_logprobs
+from memlm.core.distribution import knn_distribution, mix_logprobs, mix_logprobs_per_token
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.forward import rolling_forward
@@ -90,6 +101,10 @@ class MemlmLM(TemplateLM):
         prefix_token_id: int | None = None,
         max_gen_toks: int = 256,
         progress: bool = False,
+        ngram: Any = None,
+        ngram_lambda_sparse: float | None = None,
+        ngram_lambda_dense: float | None = None,
+        ngram_max_n: int | None = None,
         **unused: Any,
     ) -> None:
         super().__init__()
@@ -97,7 +112,8 @@ class MemlmLM(TemplateLM):
             raise MemlmError(
                 f"unknown MemlmLM argument(s) {sorted(unused)}: use model, datastore, lam, temperature, k, nprobe, "
                 "cache, cache_lambda, cache_temperature, cache_k, cache_max_len, window, min_context, max_length, "
-                "batch_size, dtype, prefix_token_id, max_gen_toks"
+                "batch_size, dtype, prefix_token_id, max_gen_toks, ngram, ngram_lambda_sparse, ngram_lambda_dense, "
+                "ngram_max_n"
             )
         if isinstance(model, str | Path):
             from memlm.resources import load_causal_lm
@@ -132,6 +148,25 @@ class MemlmLM(TemplateLM):
                 f"window={self.window} and min_context={self.min_context}: "
                 "need window >= 2 and 1 <= min_context < window"
             )
+        self.ngram = None
+        self.ngram_lambdas: tuple[float, float] = (0.0, 0.0)
+        if ngram is not None:
+            from memlm.ngram.memory import NgramMemory
+            from memlm.ngram.mixture import ngram_parameters, three_way_weights
+
+            self.ngram = (
+                ngram
+                if isinstance(ngram, NgramMemory)
+                else NgramMemory(ngram, max_n=None if ngram_max_n is None else int(ngram_max_n))
+            )
+            self.ngram.index.check_tokenizer(self.tokenizer)
+            ls, ld, _ = ngram_parameters(
+                self.ngram.index,
+                None if ngram_lambda_sparse is None else float(ngram_lambda_sparse),
+                None if ngram_lambda_dense is None else float(ngram_lambda_dense),
+                announce=False,
+            )
+            self.ngram_lambdas = three_way_weights(self.lam + self.cache_lambda, float(ls), float(ld))
         self._max_length = int(max_length) if max_length is not None else self.window
         self.batch_size = 4 if str(batch_size).startswith("auto") else int(batch_size)
         self._max_gen_toks = int(max_gen_toks)
@@ -203,17 +238,40 @@ class MemlmLM(TemplateLM):
             "min_context": self.min_context,
             "max_length": self.max_length,
             "prefix_token_id": self.prefix_token_id,
+            "ngram": None if self.ngram is None else str(self.ngram.index.path),
+            "ngram_lambda_sparse": self.ngram_lambdas[0],
+            "ngram_lambda_dense": self.ngram_lambdas[1],
         }
 
     # ------------------------------------------------------------------------------------------- memories
 
-    def _weights(self) -> list[float]:
-        weights = [1.0 - self.lam - self.cache_lambda]
+    def _weights(self, lam_inf: torch.Tensor | None = None) -> list:
+        """The mixture weights, LM first: scalars, plus the per-token ``λ_∞`` (``[n, 1]`` or ``[n]``) last."""
+        lm = 1.0 - self.lam - self.cache_lambda
+        weights: list = [lm if lam_inf is None else lm - lam_inf]  # λ_∞ is appended last
         if self.datastore is not None:
             weights.append(self.lam)
         if self.cache:
             weights.append(self.cache_lambda)
+        if lam_inf is not None:
+            weights.append(lam_inf)
         return weights
+
+    def _ngram_lambda(self, sparse: np.ndarray | torch.Tensor) -> torch.Tensor:
+        ls, ld = self.ngram_lambdas
+        return torch.where(torch.as_tensor(sparse, dtype=torch.bool), ls, ld).to(torch.float64)
+
+    def _ngram_targets(self, doc: Sequence[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log P∞(doc[p] | doc[:p]), λ_∞)`` for each ``p`` in ``positions`` (exact counts)."""
+        r = self.ngram.score_documents([np.asarray(doc, dtype=np.int64)], [positions])
+        return torch.from_numpy(r.logprob), self._ngram_lambda(r.sparse)
+
+    def _ngram_full(self, seq: Sequence[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log P∞(. | seq[:p + 1]) [n, V], λ_∞ [n])`` for each position ``p``."""
+        r = self.ngram.search([list(seq[: p + 1]) for p in positions.tolist()], k=1000)
+        sparse = (torch.as_tensor(r.values) >= 0).sum(-1) == 1
+        dist = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), self.vocab_size, 1.0)
+        return dist, self._ngram_lambda(sparse)
 
     def _memories(self, keys: dict[KeySpec, np.ndarray], targets: np.ndarray, rows: np.ndarray) -> list[tuple]:
         """(scores, values, τ, log counts or None) of each memory for the positions ``rows`` of one sequence.
@@ -232,20 +290,24 @@ class MemlmLM(TemplateLM):
             out.append((cs[rows], cv[rows], self.cache_temperature, None))
         return out
 
-    def _mixed_target_logprob(self, lm: np.ndarray, targets: np.ndarray, memories) -> torch.Tensor:
-        """``log p(target)`` per position under the interpolation (Eq. 3; + cache)."""
+    def _mixed_target_logprob(self, lm: np.ndarray, targets: np.ndarray, memories, ngram=None) -> torch.Tensor:
+        """``log p(target)`` per position under the interpolation (Eq. 3; + cache; + ∞-gram ``(log P∞, λ_∞)``)."""
         comps = [torch.from_numpy(np.asarray(lm, dtype=np.float32))]
         for sc, val, tau, counts in memories:
             comps.append(memory_logprob(sc, val, np.asarray(targets, dtype=np.int64), tau, None, counts))
-        return mix_logprobs(comps, self._weights())
+        if ngram is None:
+            return mix_logprobs(comps, self._weights())
+        return mix_logprobs_per_token([*comps, ngram[0]], self._weights(ngram[1]))
 
-    def _mixed_distribution(self, lm_full: torch.Tensor, memories) -> torch.Tensor:
+    def _mixed_distribution(self, lm_full: torch.Tensor, memories, ngram=None) -> torch.Tensor:
         """``log p(. | c)`` over the vocabulary, ``[n, V]`` (for greedy checks)."""
         comps = [lm_full]
         for sc, val, tau, counts in memories:
             counts = None if counts is None else torch.from_numpy(counts)
             comps.append(knn_distribution(torch.from_numpy(sc), torch.from_numpy(val), lm_full.shape[-1], tau, counts))
-        return mix_logprobs(comps, self._weights())
+        if ngram is None:
+            return mix_logprobs(comps, self._weights())
+        return mix_logprobs_per_token([*comps, ngram[0]], self._weights(ngram[1][:, None]))
 
     # ------------------------------------------------------------------------------------------- loglikelihood
 
@@ -285,9 +347,18 @@ class MemlmLM(TemplateLM):
                 targets = np.asarray(seq[1:], dtype=np.int64)  # target of every position 0 .. len-2
                 lm_full = torch.log_softmax(out.logits[b, torch.from_numpy(positions)].float(), dim=-1).cpu()
                 keys = {s: captured[s][b, : len(seq) - 1].float().cpu().numpy() for s in self.specs}
-                mixed = self._mixed_distribution(lm_full, self._memories(keys, targets, positions))
+                memories = self._memories(keys, targets, positions)
+                full = target = None
+                if self.ngram is not None:
+                    full = self._ngram_full(seq, positions)
+                    target = self._ngram_targets(seq, positions + 1)
+                mixed = self._mixed_distribution(lm_full, memories, full)
                 tgt = torch.from_numpy(targets[positions])
-                logp = mixed.gather(-1, tgt[:, None]).squeeze(-1)
+                if target is None:
+                    logp = mixed.gather(-1, tgt[:, None]).squeeze(-1)
+                else:  # the target's P∞ from exact counts (the vocabulary-wide one may be sampled)
+                    lm_t = lm_full.gather(-1, tgt[:, None]).squeeze(-1).numpy()
+                    logp = self._mixed_target_logprob(lm_t, targets[positions], memories, target)
                 greedy = bool((mixed.argmax(-1) == tgt).all())
                 results[i] = (float(logp.double().sum()), greedy)
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
@@ -312,10 +383,11 @@ class MemlmLM(TemplateLM):
         )  # fmt: skip
         if len(tgt) != len(tokens):
             raise MemlmError(f"internal error: {len(tgt)} scored targets for {len(tokens)} tokens")
-        if not self.specs:
+        if not self.specs and self.ngram is None:
             return lm_lp.astype(np.float64)
-        memories = self._memories(all_keys, tgt, np.arange(len(tgt)))
-        return self._mixed_target_logprob(lm_lp, tgt, memories).double().numpy()
+        memories = self._memories(all_keys, tgt, np.arange(len(tgt))) if self.specs else []
+        ngram = self._ngram_targets(tokens, np.arange(len(tokens))) if self.ngram is not None else None
+        return self._mixed_target_logprob(lm_lp, tgt, memories, ngram).double().numpy()
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Total log-likelihood of each request's text (``Instance.args == (text,)``), see
@@ -329,6 +401,17 @@ class MemlmLM(TemplateLM):
         return out
 
     # ------------------------------------------------------------------------------------------- generation
+
+    def _ngram_processor(self):
+        """The generation step with the ∞-gram (and the datastore when there is one), as ``memlm generate``'s."""
+        from memlm.knnlm.generate import KNNLogitsProcessor
+        from memlm.ngram.generate import NgramLogitsProcessor
+
+        ngram = NgramLogitsProcessor(self.ngram, *self.ngram_lambdas)
+        if self.datastore is None or not self.lam:
+            return ngram
+        return KNNLogitsProcessor(self.model, self.datastore, k=self.k, lam=self.lam, temperature=self.temperature,
+                                  nprobe=self.nprobe, index=self.index, ngram=ngram)  # fmt: skip
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
@@ -347,20 +430,33 @@ class MemlmLM(TemplateLM):
             if temperature > 0:
                 do_sample = True
             ctx = self.tok_encode(context)[-max(1, self.max_length - max_new) :] or [self.prefix_token_id]
-            text = generate_text(
-                self.model,
-                self.tokenizer,
-                [ctx],
-                datastore=self.datastore,
-                index=self.index,
-                k=self.k,
-                lam=self.lam,
-                temperature=self.temperature,
-                max_new_tokens=max_new,
-                do_sample=do_sample,
-                sampling_temperature=temperature if do_sample else None,
-                stop=[*until, eos_text] if eos_text else until,
-            )[0]
+            text = (
+                generate_text(
+                    self.model,
+                    self.tokenizer,
+                    [ctx],
+                    max_new_tokens=max_new,
+                    do_sample=do_sample,
+                    sampling_temperature=temperature if do_sample else None,
+                    stop=[*until, eos_text] if eos_text else until,
+                    processor=self._ngram_processor(),
+                )[0]
+                if self.ngram is not None
+                else generate_text(
+                    self.model,
+                    self.tokenizer,
+                    [ctx],
+                    datastore=self.datastore,
+                    index=self.index,
+                    k=self.k,
+                    lam=self.lam,
+                    temperature=self.temperature,
+                    max_new_tokens=max_new,
+                    do_sample=do_sample,
+                    sampling_temperature=temperature if do_sample else None,
+                    stop=[*until, eos_text] if eos_text else until,
+                )[0]
+            )
             for stop in until:
                 if stop and stop in text:
                     text = text.split(stop, 1)[0]
