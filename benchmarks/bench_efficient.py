@@ -130,6 +130,8 @@ def one(args: argparse.Namespace) -> None:
         "retrieval": ts.meta.get("retrieval"),
         "datastore_entries": len(ds) if ds is not None else None,
     }
+    if args.one == "knn":  # after the clock: the test dump, for mixing other memories in later (docs/NGRAM.md)
+        ts.save(Path(args.setup).parent / "test-knn.npz")
     print("ROW " + json.dumps(row))
 
 

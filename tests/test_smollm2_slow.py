@@ -66,6 +66,14 @@ def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
             np.exp(-np.log((1 - lam) * np.exp(lm) + lam * np.exp(knn)).mean()), rel=1e-5
         )
         assert r["oracle_ppl"] == pytest.approx(np.exp(-np.maximum(lm, knn).mean()), rel=1e-5)
+        # the ∞-gram columns (Liu et al. 2024): λ_∞ = λ_sparse where P∞ is one-hot, else λ_dense
+        w3 = r["knn_ngram_weights"]
+        lam_inf = np.where(d.ngram_sparse, w3["lambda_sparse"], w3["lambda_dense"])
+        sc3 = d.knn_scores.astype(np.float64) / w3["temperature"]
+        w = np.exp(sc3 - sc3.max(1, keepdims=True))
+        p_knn = (w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1)
+        p = (1 - w3["lambda"] - lam_inf) * np.exp(lm) + w3["lambda"] * p_knn + lam_inf * np.exp(d.ngram_logprob)
+        assert r["knn_ngram_ppl"] == pytest.approx(np.exp(-np.log(p).mean()), rel=1e-5)
     assert (out / "ppl_vs_lambda.png").stat().st_size > 10_000
     assert json.loads((out / "results.json").read_text())["rows"]
     assert "kNN-LM" in capsys.readouterr().out

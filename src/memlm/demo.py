@@ -1,11 +1,14 @@
-"""``memlm demo``: SmolLM2-135M with a Wikipedia datastore, then domain adaptation to news by swapping datastores.
+"""``memlm demo``: SmolLM2-135M with a Wikipedia datastore, then domain adaptation to news by swapping datastores,
+each beside an ∞-gram over the same corpus's whole training split.
 
 The user story of Khandelwal et al. (2020) on the offline defaults, with no training:
 
-1. build a datastore from Wikipedia training articles and one from news training articles (``ffn_in`` keys);
-2. score held-out Wikipedia and held-out news once each (valid and test splits), retrieving from each datastore;
-3. tune λ and the temperature on valid, apply them to test (``memlm tune``), print a table, write JSON and a PNG of
-   perplexity vs λ (the paper's Fig. 5).
+1. build a datastore from Wikipedia training articles and one from news training articles (``ffn_in`` keys; one
+   forward pass per entry, so a slice of each); index **all** of each corpus's training text as an ∞-gram (Liu et
+   al. 2024: a suffix array, no forward pass; :mod:`memlm.ngram`, when the ``ngram`` extra is installed);
+2. score held-out Wikipedia and held-out news once each (valid and test splits), retrieving from each memory;
+3. tune on valid and apply to test: λ, τ of the kNN-LM (``memlm tune``), λ_sparse / λ_dense of LM + ∞-gram, and the
+   four jointly for LM + kNN + ∞-gram; print a table, write JSON and a PNG of perplexity vs λ (the paper's Fig. 5).
 
 Everything is cached under ``$MEMLM_HOME/demo`` (model conversion, datastores, indexes, per-token dumps), so a rerun
 only reloads and re-tunes. Each step is a public API call; read this file as a worked example.
@@ -28,6 +31,7 @@ from memlm.fileio import atomic_write_json
 from memlm.keys import KeySpec
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.locking import folder_lock
+from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
 from memlm.resources import default_dtype, load_causal_lm, memlm_home
 from memlm.windows import limit_documents
 
@@ -46,10 +50,13 @@ class DemoConfig:
     min_context: int = 128
     batch_size: int = 4
     k: int = 256
+    ngram: bool = True  # an ∞-gram over each corpus's whole train split beside its datastore (needs memlm[ngram])
+    ngram_tokens: int | None = None  # cap on the ∞-gram's training tokens (None: all of them)
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(datastore_tokens=12_000, eval_tokens=1_500, valid_tokens=1_000, window=256, min_context=64, k=64)
+        return cls(datastore_tokens=12_000, eval_tokens=1_500, valid_tokens=1_000, window=256, min_context=64, k=64,
+                   ngram_tokens=200_000)  # fmt: skip
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -86,10 +93,37 @@ def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path) -> Datastore
     return ds
 
 
+def _ngram_memory(cfg: DemoConfig, tok, corpus: str, out: Path):
+    """An ∞-gram memory over all of ``corpus``'s training split (cached), or None without the ``ngram`` extra."""
+    if not cfg.ngram:
+        return None
+    from memlm.ngram.index import NgramIndex, build_ngram_index
+    from memlm.ngram.memory import NgramMemory
+
+    path = out / f"{corpus}-ngram"
+    try:
+        return NgramMemory(NgramIndex.open(path))
+    except MemlmError:
+        pass
+    try:
+        from infini_gram.engine import InfiniGramEngine  # noqa: F401
+    except ImportError:
+        _log("no ∞-gram rows: the infini-gram engine is not installed (pip install 'memlm[ngram]')")
+        return None
+    if tok is None:  # a rerun from cached dumps: they were scored without an ∞-gram
+        return None
+    docs = load_documents(corpus, "train")
+    if cfg.ngram_tokens is not None:
+        docs = limit_documents(docs, tok, cfg.ngram_tokens)
+    _log(f"indexing {corpus} train as an ∞-gram ({len(docs):,} documents, no forward pass)")
+    source = {"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs)}
+    return NgramMemory(build_ngram_index(tok, docs, path, source=source))
+
+
 def _dumps(
-    cfg: DemoConfig, model, tok, corpus: str, split: str, stores: dict[str, Datastore], out: Path
+    cfg: DemoConfig, model, tok, corpus: str, split: str, stores: dict[str, Datastore], out: Path, ngrams: dict
 ) -> dict[str, TokenScores]:
-    """One forward pass over ``corpus/split``; one dump per datastore (cached)."""
+    """One forward pass over ``corpus/split``; one dump per datastore (cached), with its corpus's ∞-gram."""
     paths = {name: out / f"{corpus}-{split}-{name}.npz" for name in stores}
     if all(p.exists() for p in paths.values()):
         return {name: TokenScores.load(p) for name, p in paths.items()}
@@ -104,6 +138,8 @@ def _dumps(
     for name, ds in stores.items():
         ts = base.lm_only()
         add_neighbours(ts, queries[ds.key_spec], ds, k=cfg.k)
+        if ngrams.get(name) is not None:
+            add_ngram(ts, docs, tok, ngrams[name])
         ts.save(paths[name])
         dumps[name] = ts
     return dumps
@@ -149,16 +185,20 @@ def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
         _log(f"loading {cfg.model} ({cfg.dtype})")
         model, tok = load_causal_lm(cfg.model, dtype=cfg.dtype)
         stores = {c: _datastore(cfg, model, tok, c, out / f"{c}-datastore") for c in ("wiki", "news")}
+    ngrams = {c: _ngram_memory(cfg, tok, c, out) for c in ("wiki", "news")}
     rows, curves = [], {}
     lams = [lam for lam in DEFAULT_LAMBDAS if lam < 1]  # λ = 1 is infinite: some targets are never retrieved
     for corpus, names in plan.items():
         sub = {n: stores[n] for n in names}
-        valid = _dumps(cfg, model, tok, corpus, "valid", sub, out)
-        test = _dumps(cfg, model, tok, corpus, "test", sub, out)
+        valid = _dumps(cfg, model, tok, corpus, "valid", sub, out, ngrams)
+        test = _dumps(cfg, model, tok, corpus, "test", sub, out, ngrams)
         for name in names:
             best = tune(valid[name])["best"]
             res = perplexities(test[name], lam=best["lambda"], temperature=best["temperature"])
-            rows.append({"eval": f"{corpus} test", "datastore": f"{name} train ({len(stores[name]):,} entries)", **res})
+            row = {"eval": f"{corpus} test", "datastore": f"{name} train ({len(stores[name]):,} entries)", **res}
+            if test[name].ngram_logprob is not None:
+                row.update(_ngram_columns(valid[name], test[name], ngrams[name]))
+            rows.append(row)
             curves[f"{corpus} test, {name} datastore"] = (
                 lams,
                 [perplexities(test[name], lam=lam, temperature=best["temperature"])["knn_ppl"] for lam in lams],
@@ -171,15 +211,50 @@ def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     return result
 
 
+def _ngram_columns(valid: TokenScores, test: TokenScores, memory) -> dict[str, Any]:
+    """LM + ∞-gram (λ_sparse, λ_dense tuned on valid) and LM + kNN + ∞-gram (the four weights tuned jointly)."""
+    alone = tune_ngram(_without_neighbours(valid))["best"]
+    joint = tune_ngram(valid)["best"]
+    three = ngram_report(test, joint["lambda_sparse"], joint["lambda_dense"], lam=joint["lambda"],
+                         temperature=joint["temperature"])  # fmt: skip
+    return {
+        "ngram": {**memory.describe(), "tokens_indexed": int(memory.index.manifest["tokens"])},
+        "ngram_ppl": ngram_report(test, alone["lambda_sparse"], alone["lambda_dense"])["ngram_ppl"],
+        "ngram_weights": {k: alone[k] for k in ("lambda_sparse", "lambda_dense")},
+        "knn_ngram_ppl": three["knn_ngram_ppl"],
+        "knn_ngram_weights": {k: joint[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")},
+        "ngram_sparse_share": three["sparse_share"],
+        "ngram_median_n": three["effective_n"]["median"],
+    }
+
+
+def _without_neighbours(ts: TokenScores) -> TokenScores:
+    """The dump's LM and ∞-gram columns only (to tune the ∞-gram alone)."""
+    out = ts.lm_only()
+    for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
+        setattr(out, f, getattr(ts, f))
+    return out
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
+    ngram = any("ngram_ppl" in r for r in rows)
     head = (
-        f"{'evaluated on':14s} {'datastore':28s} {'tokens':>7s} {'base ppl':>9s} {'kNN-LM':>8s} {'oracle':>8s}"
-        f" {'λ':>5s} {'τ':>5s}"
+        f"{'evaluated on':14s} {'datastore':28s} {'tokens':>7s} {'base ppl':>9s} {'kNN-LM':>8s}"
+        + (f" {'∞-gram':>8s} {'both':>8s}" if ngram else "")
+        + f" {'oracle':>8s} {'λ':>5s} {'τ':>5s}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
+        both = f" {r.get('ngram_ppl', float('nan')):8.2f} {r.get('knn_ngram_ppl', float('nan')):8.2f}" if ngram else ""
         print(
-            f"{r['eval']:14s} {r['datastore']:28s} {r['tokens']:7d} {r['base_ppl']:9.2f} {r['knn_ppl']:8.2f} "
+            f"{r['eval']:14s} {r['datastore']:28s} {r['tokens']:7d} {r['base_ppl']:9.2f} {r['knn_ppl']:8.2f}{both} "
             f"{r['oracle_ppl']:8.2f} {r['lambda']:5.2f} {r['temperature']:5.1f}"
+        )
+    if ngram:
+        ix = {r["datastore"].split()[0]: r["ngram"]["tokens_indexed"] for r in rows if "ngram" in r}
+        print(
+            "∞-gram: LM + an ∞-gram over the datastore corpus's whole train split ("
+            + ", ".join(f"{c} {n:,} tokens" for c, n in ix.items())
+            + "); both: LM + kNN + ∞-gram, the four weights tuned jointly on valid"
         )
