@@ -561,3 +561,47 @@ def test_lm_eval_adapter_with_ngram_equals_brute_force(tiny_lm, corpus, index):
     out = lm.generate_until([Instance("generate_until", {}, ("the old river", {"until": ["\n"], "max_gen_toks": 4}),
                                       0)])  # fmt: skip
     assert isinstance(out[0], str) and out[0]
+
+
+def test_several_references_mixture_and_tuning():
+    """Two ∞-gram references with their own weights: the mixture equals the formula computed in NumPy, and the tuned
+    weights are a coordinate-wise optimum of the grid, no worse than either reference alone (Liu et al. 2024's
+    interpolation, one (λ_sparse, λ_dense) pair per reference)."""
+    from memlm.ngram.mixture import multi_ngram_mixture, tune_multi_ngram
+
+    rng = np.random.default_rng(5)
+    n = 400
+    lm = np.log(rng.uniform(0.01, 0.5, n))
+    refs_np = []
+    for hit in (0.6, 0.3):
+        p = np.where(rng.uniform(size=n) < hit, rng.uniform(0.3, 1.0, n), 0.0)
+        sparse = (p == 1.0) | (rng.uniform(size=n) < 0.3)
+        with np.errstate(divide="ignore"):
+            refs_np.append((np.log(p), sparse))
+    refs = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in refs_np]
+    knn = np.log(rng.uniform(0.0, 0.6, n))
+    ws = [(0.3, 0.05), (0.1, 0.2)]
+    got = multi_ngram_mixture(torch.from_numpy(lm), refs, ws, knn=torch.from_numpy(knn), lam=0.2).numpy()
+    l1 = np.where(refs_np[0][1], 0.3, 0.05)
+    l2 = np.where(refs_np[1][1], 0.1, 0.2)
+    want = np.log((1 - 0.2 - l1 - l2) * np.exp(lm) + 0.2 * np.exp(knn) + l1 * np.exp(refs_np[0][0])
+                  + l2 * np.exp(refs_np[1][0]))  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    grid = (0.0, 0.05, 0.1, 0.2, 0.4)
+    res = tune_multi_ngram(torch.from_numpy(lm), refs, lambdas=grid)
+
+    def ppl(w):
+        return float(np.exp(-multi_ngram_mixture(torch.from_numpy(lm), refs, w).numpy().mean()))
+
+    assert res["ppl"] == pytest.approx(ppl(res["weights"]), rel=1e-9)
+    for r in range(2):  # each reference alone, its best pair over the full grid
+        alone = min(ppl([(a, b) if i == r else (0.0, 0.0) for i in range(2)]) for a in grid for b in grid)
+        assert res["ppl"] <= alone + 1e-9
+    for r in range(2):  # no single weight change on the grid improves the result
+        for j in (0, 1):
+            for w in grid:
+                cand = [list(x) for x in res["weights"]]
+                cand[r][j] = w
+                if sum(max(x) for x in cand) <= 1:
+                    assert ppl([tuple(x) for x in cand]) >= res["ppl"] - 1e-9
+    assert all(max(w) > 0 for w in res["weights"])  # both references used on this data

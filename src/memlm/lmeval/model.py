@@ -258,8 +258,10 @@ class MemlmLM(TemplateLM):
         return weights
 
     def _ngram_lambda(self, sparse: np.ndarray | torch.Tensor) -> torch.Tensor:
+        from memlm.ngram.mixture import per_token_lambda
+
         ls, ld = self.ngram_lambdas
-        return torch.where(torch.as_tensor(sparse, dtype=torch.bool), ls, ld).to(torch.float64)
+        return per_token_lambda(sparse, ls, ld)
 
     def _ngram_targets(self, doc: Sequence[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log P∞(doc[p] | doc[:p]), λ_∞)`` for each ``p`` in ``positions`` (exact counts)."""

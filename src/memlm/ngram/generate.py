@@ -25,6 +25,7 @@ from transformers import LogitsProcessor
 
 from memlm.core.distribution import interpolate_per_token, knn_distribution
 from memlm.errors import MemlmError
+from memlm.ngram.mixture import per_token_lambda
 
 __all__ = ["NgramLogitsProcessor", "token_sources"]
 
@@ -50,7 +51,7 @@ class NgramLogitsProcessor(LogitsProcessor):
         filled = (torch.as_tensor(r.values) >= 0).sum(-1)
         sparse = filled == 1
         p_inf = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), vocab, 1.0)
-        lam = torch.where(sparse, self.lambda_sparse, self.lambda_dense).to(torch.float64)
+        lam = per_token_lambda(sparse, self.lambda_sparse, self.lambda_dense)
         self.history.append((bool(sparse[0]), int(r.ids[0, 0])))
         return p_inf, lam
 

@@ -34,6 +34,9 @@ from memlm.errors import MemlmError
 
 __all__ = [
     "three_way_weights",
+    "per_token_lambda",
+    "multi_ngram_mixture",
+    "tune_multi_ngram",
     "NGRAM_LAMBDAS",
     "DEFAULT_LAMBDA_SPARSE",
     "DEFAULT_LAMBDA_DENSE",
@@ -106,6 +109,14 @@ def ngram_mixture(
             weights.append(lam)
         out[mask] = mix_logprobs(comps, weights).to(out.dtype)
     return out
+
+
+def per_token_lambda(sparse, lambda_sparse: float, lambda_dense: float) -> torch.Tensor:
+    """λ_∞(c) per token, float64: ``lambda_sparse`` where ``sparse``, else ``lambda_dense`` (exact: never through
+    float32)."""
+    sparse = torch.as_tensor(sparse, dtype=torch.bool)
+    return torch.where(sparse, torch.tensor(float(lambda_sparse), dtype=torch.float64),
+                       torch.tensor(float(lambda_dense), dtype=torch.float64))  # fmt: skip
 
 
 def three_way_weights(lam: float, lambda_sparse: float, lambda_dense: float) -> tuple[float, float]:
@@ -297,3 +308,86 @@ def calibrate_ngram(
         "stride": stride,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def multi_ngram_mixture(
+    lm: torch.Tensor,
+    refs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    weights: Sequence[tuple[float, float]],
+    knn: torch.Tensor | None = None,
+    lam: float = 0.0,
+) -> torch.Tensor:
+    """``log P(target)`` with several ∞-gram references (e.g. an in-domain corpus and all the text a user has), each
+    with its own pair of weights::
+
+        P = (1 - λ - Σ_r λ_r(c)) P_LM + λ P_kNN + Σ_r λ_r(c) P∞_r
+        λ_r(c) = λ_sparse,r if P∞_r(· | c) is sparse else λ_dense,r
+
+    ``refs`` are ``(log P∞_r(target), sparse_r)`` per reference; ``weights`` their ``(λ_sparse, λ_dense)``.
+    """
+    from memlm.core.distribution import mix_logprobs_per_token
+
+    if len(refs) != len(weights) or not refs:
+        raise MemlmError("multi_ngram_mixture needs one (λ_sparse, λ_dense) per reference")
+    lam_r = [per_token_lambda(sp, ls, ld) for (_, sp), (ls, ld) in zip(refs, weights, strict=True)]
+    comps, ws = [lm], [1.0 - lam - torch.stack(lam_r).sum(0)]
+    if knn is not None:
+        comps.append(knn)
+        ws.append(lam)
+    for (ng, _), w in zip(refs, lam_r, strict=True):
+        comps.append(ng)
+        ws.append(w)
+    return mix_logprobs_per_token(comps, ws)
+
+
+def tune_multi_ngram(
+    lm: torch.Tensor,
+    refs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    knn: torch.Tensor | None = None,
+    lam: float = 0.0,
+    lambdas: Sequence[float] = NGRAM_LAMBDAS,
+    sweeps: int = 10,
+) -> dict[str, Any]:
+    """Each reference's ``(λ_sparse, λ_dense)`` for the lowest perplexity of :func:`multi_ngram_mixture` (a kNN term,
+    when given, keeps its λ): coordinate descent over the grid ``lambdas``, one weight at a time, started from every
+    reference's own best weights with the others at 0 (so the result on the tuning text is never worse than the best
+    single reference), until a sweep changes nothing. Returns ``{"weights", "ppl", "starts"}``."""
+
+    def ppl(ws: list[tuple[float, float]]) -> float:
+        if lam + sum(max(w) for w in ws) > 1.0 + 1e-9:
+            return math.inf
+        return perplexity(multi_ngram_mixture(lm, refs, ws, knn, lam))
+
+    starts = []
+    for r, (ng, sp) in enumerate(refs):
+        best_w = (0.0, 0.0)
+        for j, mask in enumerate((sp, ~torch.as_tensor(sp, dtype=torch.bool))):
+            mask = torch.as_tensor(mask, dtype=torch.bool)
+            if not bool(mask.any()):
+                continue
+            sub_knn = None if knn is None else knn[mask]
+            scores = {w: _subset_nll(lm[mask], ng[mask], sub_knn, lam, w) for w in lambdas if lam + w <= 1.0 + 1e-9}
+            pick = min(scores, key=scores.__getitem__)
+            best_w = (pick, best_w[1]) if j == 0 else (best_w[0], pick)
+        ws = [(0.0, 0.0)] * len(refs)
+        ws[r] = best_w
+        starts.append(ws)
+    best_ws, best_ppl, tried = None, math.inf, []
+    for start in starts:
+        ws, cur = list(start), ppl(list(start))
+        for _ in range(sweeps):
+            changed = False
+            for r in range(len(refs)):
+                for j in (0, 1):
+                    for w in lambdas:
+                        cand = list(ws)
+                        cand[r] = (w, cand[r][1]) if j == 0 else (cand[r][0], w)
+                        p = ppl(cand)
+                        if p < cur - 1e-12:
+                            ws, cur, changed = cand, p, True
+            if not changed:
+                break
+        tried.append({"start": [list(w) for w in start], "weights": [list(w) for w in ws], "ppl": cur})
+        if cur < best_ppl:
+            best_ws, best_ppl = ws, cur
+    return {"weights": [list(w) for w in best_ws], "ppl": best_ppl, "starts": tried}
