@@ -10,8 +10,7 @@
 Example::
 
     import lm_eval
-    from memlm.lmeval import task_manager
-    from memlm.lmeval.model import MemlmLM
+    from memlm.lmeval import MemlmLM, task_manager
 
     lm = MemlmLM(model="smollm2-135m", datastore="ds/", lam=0.25)
     lm_eval.simple_evaluate(model=lm, tasks=["memlm_wikitext2"], task_manager=task_manager())
@@ -24,7 +23,16 @@ import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["TASKS_DIR", "TASKS", "quiet_harness", "task_manager"]
+__all__ = ["MemlmLM", "TASKS_DIR", "TASKS", "quiet_harness", "task_manager"]
+
+
+def __getattr__(name: str):
+    if name == "MemlmLM":  # imports lm_eval (an optional dependency) and torch: only when asked for
+        from memlm.lmeval.model import MemlmLM
+
+        return MemlmLM
+    raise AttributeError(f"module 'memlm.lmeval' has no attribute {name!r}")
+
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 TASKS = ("memlm_wikitext2", "memlm_imdb", "memlm_bbc_topic")
