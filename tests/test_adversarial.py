@@ -513,7 +513,7 @@ def test_missing_data_package_in_corpora_is_one_error(monkeypatch, capsys):
 
 
 def test_output_path_checks(tmp_path):
-    from memlm import validate as V
+    from memlm.cli import validate as V
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(MemlmError, match="is a folder"):

@@ -18,7 +18,7 @@ memlm (and the model, for builds) installed; a local cluster inherits this proce
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +73,14 @@ def _worker_model(name: str, dtype: str, device: str):
 
 
 def _build_shard_task(
-    name: str, dtype: str, device: str, threads: int, docs: Sequence, out: str, plan: dict, kw: dict
-) -> int:
+    build_shard: Callable, plan_cls: type, name: str, dtype: str, device: str, threads: int, docs: Sequence, out: str,
+    plan: dict, kw: dict,
+) -> int:  # fmt: skip
     import torch
-
-    from memlm.sharded import ShardPlan, build_shard
 
     torch.set_num_threads(max(1, threads))
     model, tok = _worker_model(name, dtype, device)
-    p = ShardPlan(**plan)
+    p = plan_cls(**plan)
     # ``docs`` holds documents [read_doc, doc_hi): shift the plan to that slice, then back for the provenance
     return len(build_shard(model, tok, _Shifted(docs, p.read_doc), out, p, progress=False, **kw))
 
@@ -104,6 +103,8 @@ class _Shifted(Sequence):
 
 def build_shards_on_ray(
     address: str,
+    build_shard: Callable,
+    plan_cls: type,
     model_name: str,
     dtype: str,
     device: str,
@@ -119,7 +120,10 @@ def build_shards_on_ray(
     gpus_per_worker: float = 0.0,
     max_retries: int = 3,
 ) -> list[int]:
-    """Build the shards of ``plans`` as Ray tasks (each gets only the documents it reads); returns their counts."""
+    """Build the shards of ``plans`` as Ray tasks (each gets only the documents it reads); returns their counts.
+
+    ``build_shard`` / ``plan_cls`` are :func:`memlm.sharded.build_shard` and its ``ShardPlan``, passed in by the caller
+    (Ray pickles them by reference): this module runs work, it does not import what it runs."""
     ray = connect(address)
     if device.startswith("cuda") and not gpus_per_worker:
         gpus_per_worker = 1.0
@@ -134,6 +138,8 @@ def build_shards_on_ray(
     kw = {"key": key, "window": window, "min_context": min_context, "batch_size": batch_size, "source": source}
     refs = [
         task.remote(
+            build_shard,
+            plan_cls,
             model_name,
             dtype,
             device,
@@ -154,49 +160,49 @@ def build_shards_on_ray(
         raise MemlmError(f"a shard build failed on Ray ({type(e).__name__}: {e}); rerun the command to resume") from e
 
 
-def _add_index_task(trained: str, keys_path: str, n: int, d: int, out: str, meta: dict, threads: int) -> int:
+def _add_index_task(
+    add_shard_index: Callable, trained: str, keys_path: str, n: int, d: int, out: str, meta: dict, threads: int
+) -> int:
     import faiss
-
-    from memlm.sharded_index import add_shard_index
 
     faiss.omp_set_num_threads(max(1, threads))
     return add_shard_index(trained, keys_path, n, d, out, meta)
 
 
-def add_shard_indexes_on_ray(address: str, jobs: Sequence[tuple], threads: int = 1) -> list[int]:
-    """Run :func:`memlm.sharded_index.add_shard_index` for each job tuple as a Ray task."""
+def add_shard_indexes_on_ray(
+    address: str, jobs: Sequence[tuple], add_shard_index: Callable, threads: int = 1
+) -> list[int]:
+    """Run ``add_shard_index`` (:func:`memlm.sharded_index.add_shard_index`) for each job tuple as a Ray task."""
     ray = connect(address)
     task = ray.remote(_add_index_task).options(num_cpus=threads, max_retries=3)
-    return ray.get([task.remote(*job, threads) for job in jobs])
+    return ray.get([task.remote(add_shard_index, *job, threads) for job in jobs])
 
 
 class _ShardActor:
-    """Holds one shard's index (memory-mapped) and answers top-k queries with global ids."""
+    """Holds one shard's index (memory-mapped) and answers top-k queries with global ids; ``ops`` are
+    :mod:`memlm.sharded_index`'s ``(load_index_mmap, search_with_offset, set_nprobe)``."""
 
-    def __init__(self, path: str, nprobe: int, offset: int, threads: int) -> None:
+    def __init__(self, path: str, nprobe: int, offset: int, threads: int, ops: tuple) -> None:
         import faiss
 
-        from memlm.sharded_index import load_index_mmap
-
         faiss.omp_set_num_threads(max(1, threads))
-        self.index = load_index_mmap(path, nprobe)
+        self.load, self.search_fn, self.set_nprobe_fn = ops
+        self.index = self.load(path, nprobe)
         self.offset = offset
 
     def search(self, queries, k: int):
-        from memlm.sharded_index import search_with_offset
-
-        return search_with_offset(self.index, queries, k, self.offset)
+        return self.search_fn(self.index, queries, k, self.offset)
 
     def set_nprobe(self, nprobe: int) -> None:
-        from memlm.sharded_index import set_nprobe
-
-        set_nprobe(self.index, nprobe)
+        self.set_nprobe_fn(self.index, nprobe)
 
 
 class ShardActorPool:
     """One Ray actor per shard index; :meth:`search` fans out and returns each shard's (scores, global ids)."""
 
-    def __init__(self, address: str, paths: Sequence[str], offsets: Sequence[int], nprobe: int, cpus: float = 1):
+    def __init__(
+        self, address: str, paths: Sequence[str], offsets: Sequence[int], nprobe: int, ops: tuple, cpus: float = 1
+    ):
         ray = connect(address)
         self.ray = ray
         threads = max(1, int(cpus))
@@ -205,7 +211,7 @@ class ShardActorPool:
         if cluster > 0 and len(paths) * cpus > cluster:
             cpus = cluster / len(paths)
         cls = ray.remote(_ShardActor).options(num_cpus=cpus, scheduling_strategy="SPREAD")
-        self.actors = [cls.remote(p, nprobe, int(o), threads) for p, o in zip(paths, offsets, strict=True)]
+        self.actors = [cls.remote(p, nprobe, int(o), threads, ops) for p, o in zip(paths, offsets, strict=True)]
 
     def search(self, queries, k: int) -> list:
         ref = self.ray.put(queries)

@@ -318,8 +318,8 @@ def build_sharded(
             from memlm.ray_backend import build_shards_on_ray
 
             build_shards_on_ray(
-                ray, model, dtype, device, documents, out, todo, key, window, min_context, batch_size, source,
-                cpus_per_worker, gpus_per_worker,
+                ray, build_shard, ShardPlan, model, dtype, device, documents, out, todo, key, window, min_context,
+                batch_size, source, cpus_per_worker, gpus_per_worker,
             )  # fmt: skip
     counts = [len(Datastore.open(out / shard_name(p.index))) for p in plans]
     if counts != [p.count for p in plans]:

@@ -180,7 +180,7 @@ def build_sharded_index(
     if jobs and ray is not None:
         from memlm.ray_backend import add_shard_indexes_on_ray
 
-        add_shard_indexes_on_ray(ray, jobs)
+        add_shard_indexes_on_ray(ray, jobs, add_shard_index)
     elif jobs:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             list(pool.map(lambda j: add_shard_index(*j, chunk_size=chunk_size), jobs))
@@ -306,7 +306,8 @@ class ShardedSearcher:
         if ray is not None:
             from memlm.ray_backend import ShardActorPool
 
-            self.pool = ShardActorPool(ray, self.paths, self.offsets, nprobe)
+            ops = (load_index_mmap, search_with_offset, set_nprobe)  # what the actors run, passed in (no import)
+            self.pool = ShardActorPool(ray, self.paths, self.offsets, nprobe, ops)
         else:
             self.indexes = [to_gpu_if_available(load_index_mmap(p, nprobe), device) for p in self.paths]
             self.executor = ThreadPoolExecutor(max_workers=max(1, workers)) if workers > 1 else None

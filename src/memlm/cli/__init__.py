@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from memlm import validate as V
 from memlm.cli import analysis, data, datastore, demo, knnlm, lmeval, ngram, npm, train, trime
+from memlm.cli import validate as V
 from memlm.cli.analysis import cmd_analyze
 from memlm.cli.common import DEFAULT_MODEL, resolve_dtype, run_command
 from memlm.cli.data import cmd_corpora, cmd_models
@@ -22,7 +22,6 @@ from memlm.cli.datastore import cmd_datastore_build, cmd_datastore_info, cmd_ind
 from memlm.cli.demo import cmd_demo
 from memlm.cli.knnlm import cmd_eval, cmd_generate, cmd_tune
 from memlm.cli.lmeval import cmd_lm_eval
-from memlm.cli.npm import _parse_labels as _parse_labels  # for memlm.validate
 from memlm.cli.npm import cmd_npm_classify, cmd_npm_eval, cmd_npm_index, cmd_npm_predict
 from memlm.cli.train import cmd_train
 from memlm.cli.trime import cmd_trime_eval, cmd_trime_tune

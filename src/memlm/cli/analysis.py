@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from memlm import validate as V
+from memlm.cli import validate as V
 from memlm.cli.common import add_model, floats
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memlm import resources
-from memlm import validate as V
+from memlm.cli import validate as V
 from memlm.corpora import corpus_fingerprint
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json

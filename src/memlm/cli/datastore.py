@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from memlm import validate as V
 from memlm.cli import common
+from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import OVERLAP_LIMIT, OVERLAP_NGRAM, calibrate, holdout_split, text_overlap

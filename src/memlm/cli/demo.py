@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memlm import validate as V
+from memlm.cli import validate as V
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -7,9 +7,9 @@ import argparse
 import sys
 from typing import Any
 
-from memlm import validate as V
 from memlm.cli import common
 from memlm.cli import ngram as ngram_cli
+from memlm.cli import validate as V
 from memlm.cli.common import (
     DEFAULT_MODEL,
     add_corpus,

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from memlm import validate as V
 from memlm.cli import ngram as ngram_cli
+from memlm.cli import validate as V
 from memlm.cli.common import DEFAULT_MODEL, add_knn_weights, add_model
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from memlm import validate as V
 from memlm.cli import common
+from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, load_documents, write_json
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import holdout_split

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from memlm import validate as V
+from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, write_json
 from memlm.errors import MemlmError
 from memlm.fileio import dumps_json
@@ -105,29 +105,10 @@ def cmd_npm_predict(args: argparse.Namespace) -> None:
             print(f"     [{h.doc_id} @ {h.position}] {h.context}")
 
 
-def _parse_labels(text: str) -> dict[str, list[str]]:
-    """``'business=business,finance;sport=sports,football'`` -> label -> verbalizers."""
-    labels: dict[str, list[str]] = {}
-    for part in text.split(";"):
-        if not part.strip():
-            continue
-        name, sep, words = part.partition("=")
-        name = name.strip()
-        verbal = [w.strip() for w in words.split(",") if w.strip()] if sep else [name]
-        if not name or not verbal:
-            raise MemlmError(f"bad --labels entry {part!r}: write label=word,word;label=word")
-        if name in labels:
-            raise MemlmError(f"label {name!r} is given twice in --labels")
-        labels[name] = verbal
-    if len(labels) < 2:
-        raise MemlmError(f"--labels needs at least two labels (label=word,word;label=word), got {text!r}")
-    return labels
-
-
 def cmd_npm_classify(args: argparse.Namespace) -> None:
     from memlm.npm.inference import npm_classify
 
-    labels = _parse_labels(args.labels)
+    labels = V.parse_labels(args.labels)
     pi, model, tok = _open_phrase_index(args)
     results = []
     for query in args.query:

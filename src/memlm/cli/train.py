@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memlm import validate as V
+from memlm.cli import validate as V
 from memlm.errors import MemlmError
 
 # memlm.train, .train_lm, .trime and .npm import torch: imported in the commands (see common.py)

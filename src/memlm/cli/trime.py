@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from memlm import validate as V
+from memlm.cli import validate as V
 from memlm.cli.common import DEFAULT_MODEL, add_corpus, add_model, floats, write_json
 from memlm.errors import MemlmError
 

@@ -409,9 +409,7 @@ def score_tokens(
     if cache:
         add_cache(ts, queries[specs[-1]], cache_k, cache_max_len, cache_metric)
     if ngram is not None:
-        from memlm.ngram.mixture import add_ngram
-
-        add_ngram(ts, documents, tokenizer, ngram)
+        ngram.attach(ts, documents, tokenizer)  # the memory adds its own per-target statistics
     return ts
 
 

@@ -24,9 +24,11 @@ values ``w``), which :func:`memlm.core.distribution.knn_distribution` at tempera
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -184,6 +186,40 @@ class NgramMemory:
             n=np.asarray(out_n, dtype=np.int32),
             sparse=np.asarray(out_sp, dtype=bool),
         )
+
+    def attach(self, ts, documents: Sequence, tokenizer) -> Any:
+        """Attach the ∞-gram statistics of every target of ``ts`` (a :class:`memlm.knnlm.evaluate.TokenScores`
+        from ``documents``): ``ngram_logprob``, ``ngram_count``, ``ngram_n``, ``ngram_sparse``. The context of a
+        target is its document up to it (the ∞-gram never matches across documents), whatever window the LM read
+        it in."""
+        from memlm.windows import tokenize_documents
+
+        if ts.position is None:
+            raise MemlmError("this dump has no target positions; rerun memlm eval with this memlm")
+        t0 = time.perf_counter()
+        chunks = {c.doc_index: c.tokens for c in tokenize_documents(documents, tokenizer)}
+        order = np.lexsort((ts.position, ts.doc_index))
+        doc_sorted, pos_sorted = ts.doc_index[order], ts.position[order]
+        bounds = np.flatnonzero(np.diff(doc_sorted)) + 1
+        starts, ends = np.r_[0, bounds], np.r_[bounds, len(order)]
+        docs, positions = [], []
+        for a, b in zip(starts, ends, strict=True):
+            tokens = chunks[int(doc_sorted[a])]
+            pos = pos_sorted[a:b]
+            if not np.array_equal(tokens[pos], ts.targets[order[a:b]]):
+                raise MemlmError("the dump's targets are not these documents' tokens: score the same corpus")
+            docs.append(tokens)
+            positions.append(pos)
+        scores = self.score_documents(docs, positions)
+        n = len(ts)
+        ts.ngram_logprob = np.empty(n, np.float32)
+        ts.ngram_count = np.empty(n, np.int64)
+        ts.ngram_n = np.empty(n, np.int32)
+        ts.ngram_sparse = np.empty(n, bool)
+        ts.ngram_logprob[order], ts.ngram_count[order] = scores.logprob, scores.count
+        ts.ngram_n[order], ts.ngram_sparse[order] = scores.n, scores.sparse
+        ts.meta.update(**self.describe(), seconds_ngram=time.perf_counter() - t0)
+        return ts
 
     def search(self, contexts: Sequence[Sequence[int]], k: int, max_support: int = 1000) -> Retrieved:
         """The memory protocol: for each context (token ids, EOS = document start), the ``k`` most frequent next

@@ -55,37 +55,8 @@ DEFAULT_LAMBDA_SPARSE, DEFAULT_LAMBDA_DENSE = 0.1, 0.03  # the fallback when an 
 
 
 def add_ngram(ts, documents: Sequence, tokenizer, memory) -> Any:
-    """Attach the ∞-gram statistics of every target of ``ts`` (a :class:`memlm.knnlm.evaluate.TokenScores` from
-    ``documents``): ``ngram_logprob``, ``ngram_count``, ``ngram_n``, ``ngram_sparse``. The context of a target is its
-    document up to it (the ∞-gram never matches across documents), whatever window the LM read it in."""
-    from memlm.windows import tokenize_documents
-
-    if ts.position is None:
-        raise MemlmError("this dump has no target positions; rerun memlm eval with this memlm")
-    t0 = time.perf_counter()
-    chunks = {c.doc_index: c.tokens for c in tokenize_documents(documents, tokenizer)}
-    order = np.lexsort((ts.position, ts.doc_index))
-    doc_sorted, pos_sorted = ts.doc_index[order], ts.position[order]
-    bounds = np.flatnonzero(np.diff(doc_sorted)) + 1
-    starts, ends = np.r_[0, bounds], np.r_[bounds, len(order)]
-    docs, positions = [], []
-    for a, b in zip(starts, ends, strict=True):
-        tokens = chunks[int(doc_sorted[a])]
-        pos = pos_sorted[a:b]
-        if not np.array_equal(tokens[pos], ts.targets[order[a:b]]):
-            raise MemlmError("the dump's targets are not these documents' tokens: score the same corpus")
-        docs.append(tokens)
-        positions.append(pos)
-    scores = memory.score_documents(docs, positions)
-    n = len(ts)
-    ts.ngram_logprob = np.empty(n, np.float32)
-    ts.ngram_count = np.empty(n, np.int64)
-    ts.ngram_n = np.empty(n, np.int32)
-    ts.ngram_sparse = np.empty(n, bool)
-    ts.ngram_logprob[order], ts.ngram_count[order] = scores.logprob, scores.count
-    ts.ngram_n[order], ts.ngram_sparse[order] = scores.n, scores.sparse
-    ts.meta.update(**memory.describe(), seconds_ngram=time.perf_counter() - t0)
-    return ts
+    """Attach the ∞-gram statistics of every target of ``ts`` (see :meth:`memlm.ngram.memory.NgramMemory.attach`)."""
+    return memory.attach(ts, documents, tokenizer)
 
 
 def ngram_mixture(
