@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ngram_report import FORMAT  # noqa: E402
+from ngram_report import formatting_mask_of  # noqa: E402
 
 from memlm.core.distribution import mix_logprobs, perplexity  # noqa: E402
 from memlm.corpora import load_documents  # noqa: E402
@@ -35,22 +35,6 @@ from memlm.ngram.memory import NgramMemory  # noqa: E402
 from memlm.ngram.mixture import add_ngram, multi_ngram_mixture, tune_multi_ngram, tune_ngram  # noqa: E402
 from memlm.resources import load_causal_lm  # noqa: E402
 from memlm.windows import limit_documents  # noqa: E402
-
-
-def _mask(ts: TokenScores, docs, tok) -> np.ndarray:
-    """True for targets inside ` @-@ ` / ` @,@ ` / ` @.@ ` (the @ and the middle character)."""
-    flags_by_doc = {}
-    for i, d in enumerate(docs):
-        enc = tok(d.text, add_special_tokens=False, return_offsets_mapping=True)
-        spans = [(m.start() + 1, m.end() - 1) for m in FORMAT.finditer(d.text)]
-        flags = np.zeros(len(enc["input_ids"]) + 1, bool)
-        j = 0
-        for t, (a, b) in enumerate(enc["offset_mapping"]):
-            while j < len(spans) and spans[j][1] <= a:
-                j += 1
-            flags[t] = j < len(spans) and a < spans[j][1] and b > spans[j][0]
-        flags_by_doc[i] = flags
-    return np.array([flags_by_doc[int(d)][int(p)] for d, p in zip(ts.doc_index, ts.position, strict=True)])
 
 
 def _with_ngram(ts: TokenScores, docs, tok, memory) -> TokenScores:
@@ -85,7 +69,7 @@ def main() -> None:
     with_ng = {name: {s: _with_ngram(dumps[s], docs[s], tok, NgramMemory(p)) for s in dumps}
                for name, p in indexes.items()}  # fmt: skip
     test = dumps["test"]
-    keep = torch.from_numpy(~_mask(test, docs["test"], tok))
+    keep = torch.from_numpy(~formatting_mask_of(test, docs["test"], tok))
     lm = torch.from_numpy(test.lm_logprob)
 
     def row(logp: torch.Tensor, **params) -> dict:

@@ -38,6 +38,11 @@ def formatting_mask(ts: TokenScores, corpus: str, split: str, max_tokens: int | 
 
     _, tok = load_causal_lm(model, dtype="float32")
     docs, _ = load_documents(corpus, split, tok, max_tokens)
+    return formatting_mask_of(ts, docs, tok)
+
+
+def formatting_mask_of(ts: TokenScores, docs, tok) -> np.ndarray:
+    """:func:`formatting_mask` for the documents ``docs`` the dump ``ts`` was scored on."""
     fmt_by_doc = {}
     for i, d in enumerate(docs):
         enc = tok(d.text, add_special_tokens=False, return_offsets_mapping=True)

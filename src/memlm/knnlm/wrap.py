@@ -74,6 +74,8 @@ class KNNLM:
         """The model's output with ``logits`` = log p_kNN-LM at every position ``[B, T, V]`` (float32) and, with
         ``labels`` (as Hugging Face's: shifted inside, -100 ignored), ``loss`` = their mean negative log-likelihood.
         Every position of every row is searched (padding too: mask it out of what you read)."""
+        if self.ngram is not None:
+            raise MemlmError("wrap(..., ngram=) mixes the ∞-gram in generate only; forward is the kNN-LM's")
         spec = self.datastore.key_spec
         with KeyCapture(self.model, [spec]) as cap:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -85,8 +87,6 @@ class KNNLM:
         knn = knn_distribution(torch.from_numpy(r.scores), torch.from_numpy(r.values.astype(np.int64)), v,
                                self.temperature, counts)  # fmt: skip
         mixed = interpolate(lm.reshape(b * t, v), knn.to(lm.device), self.lam).reshape(b, t, v).float()
-        if self.ngram is not None:
-            raise MemlmError("wrap(..., ngram=) mixes the ∞-gram in generate only; forward is the kNN-LM's")
         out.logits = mixed
         if labels is not None:
             target = labels[:, 1:].to(mixed.device)

@@ -432,33 +432,21 @@ class MemlmLM(TemplateLM):
             if temperature > 0:
                 do_sample = True
             ctx = self.tok_encode(context)[-max(1, self.max_length - max_new) :] or [self.prefix_token_id]
-            text = (
-                generate_text(
-                    self.model,
-                    self.tokenizer,
-                    [ctx],
-                    max_new_tokens=max_new,
-                    do_sample=do_sample,
-                    sampling_temperature=temperature if do_sample else None,
-                    stop=[*until, eos_text] if eos_text else until,
-                    processor=self._ngram_processor(),
-                )[0]
-                if self.ngram is not None
-                else generate_text(
-                    self.model,
-                    self.tokenizer,
-                    [ctx],
-                    datastore=self.datastore,
-                    index=self.index,
-                    k=self.k,
-                    lam=self.lam,
-                    temperature=self.temperature,
-                    max_new_tokens=max_new,
-                    do_sample=do_sample,
-                    sampling_temperature=temperature if do_sample else None,
-                    stop=[*until, eos_text] if eos_text else until,
-                )[0]
-            )
+            text = generate_text(
+                self.model,
+                self.tokenizer,
+                [ctx],
+                datastore=self.datastore,
+                index=self.index,
+                k=self.k,
+                lam=self.lam,
+                temperature=self.temperature,
+                max_new_tokens=max_new,
+                do_sample=do_sample,
+                sampling_temperature=temperature if do_sample else None,
+                stop=[*until, eos_text] if eos_text else until,
+                processor=self._ngram_processor() if self.ngram is not None else None,  # else the datastore's
+            )[0]
             for stop in until:
                 if stop and stop in text:
                     text = text.split(stop, 1)[0]
