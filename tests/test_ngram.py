@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +146,22 @@ def test_positions_subset_and_search_distribution(tok, corpus, index):
     for w in set(nxt):
         assert math.isclose(float(dist[w]), nxt.count(w) / len(nxt), rel_tol=1e-5)
     assert int(r.ids[0, 0]) == full.n[6]
+
+
+def test_index_under_a_folder_named_like_an_engine_file(tok, corpus, index, tmp_path):
+    # the engine sorts files by words in their whole path: under ".../writes_table_0/" every file looked like a suffix
+    # array and the engine crashed (segmentation fault), so the check runs in a child process
+    moved = tmp_path / "test_writes_table_0" / "offsets" / "ix"
+    shutil.copytree(index.path, moved)
+    code = (
+        "import sys, json; from memlm.ngram.memory import NgramMemory; r = NgramMemory(sys.argv[1]).search([[1, 2]], 16); "
+        "print(json.dumps([r.scores.tolist(), r.values.tolist()]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", code, str(moved)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = NgramMemory(index).search([[1, 2]], 16)
+    assert json.loads(out.stdout) == [r.scores.tolist(), r.values.tolist()]
 
 
 def test_sparse_flag_on_a_unique_continuation(tok, tmp_path):

@@ -24,7 +24,10 @@ values ``w``), which :func:`memlm.core.distribution.knn_distribution` at tempera
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,33 @@ from memlm.errors import MemlmError
 from memlm.ngram.index import INSTALL, NgramIndex
 
 __all__ = ["NgramMemory", "NgramScores"]
+
+# infini-gram's engine (cpp_engine.h, ``Engine::Engine``) sorts a folder's files into token / suffix-array / offset /
+# metadata files by whether the file's *whole path* contains one of these words, in this order.
+_ENGINE_FILE_WORDS = ("tokenized", "table", "offset", "metadata", "metaoff", "unigram")
+
+
+def engine_folder(path: Path) -> tuple[str, str | None]:
+    """The folder name to hand to the infini-gram engine for the index at ``path``, and a temporary folder to remove
+    when the engine is gone (None when ``path`` is used as it is).
+
+    The engine classifies ``path/table.0`` as a suffix array because the string contains "table", so an index under
+    a folder named e.g. ``test_writes_table_0`` (pytest) or ``~/offsets`` makes every file a suffix array and the
+    engine crashes with a segmentation fault. Such an index is opened through a symlink with a neutral name in a
+    fresh temporary folder."""
+    if not any(w in str(path.resolve()) for w in _ENGINE_FILE_WORDS):
+        return str(path), None
+    tmp = tempfile.mkdtemp(prefix="memlm-ngram-")
+    link = Path(tmp) / "index"
+    if any(w in str(link) for w in _ENGINE_FILE_WORDS):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MemlmError(
+            f"cannot open the ∞-gram index {path}: the infini-gram engine misreads folders whose path contains any "
+            f"of {', '.join(_ENGINE_FILE_WORDS)}, and so does the temporary folder {tmp}; move the index or set "
+            "TMPDIR to a folder without those words"
+        )
+    link.symlink_to(path.resolve(), target_is_directory=True)
+    return str(link), tmp
 
 
 @dataclass
@@ -64,8 +94,11 @@ class NgramMemory:
         self.max_n = max_n
         ix = self.index
         vocab = ix.manifest["tokenizer"]["vocab_size"]
+        folder, tmp = engine_folder(ix.path)
+        if tmp is not None:
+            weakref.finalize(self, shutil.rmtree, tmp, True)
         self.engine = InfiniGramEngine(
-            str(ix.path),
+            folder,
             eos_token_id=ix.eos_id,
             vocab_size=min(vocab, ix.separator),
             token_dtype=ix.token_dtype,
