@@ -154,7 +154,8 @@ def test_index_under_a_folder_named_like_an_engine_file(tok, corpus, index, tmp_
     moved = tmp_path / "test_writes_table_0" / "offsets" / "ix"
     shutil.copytree(index.path, moved)
     code = (
-        "import sys, json; from memlm.ngram.memory import NgramMemory; r = NgramMemory(sys.argv[1]).search([[1, 2]], 16); "
+        "import sys, json; from memlm.ngram.memory import NgramMemory; "
+        "r = NgramMemory(sys.argv[1]).search([[1, 2]], 16); "
         "print(json.dumps([r.scores.tolist(), r.values.tolist()]))"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC)}
