@@ -36,6 +36,8 @@ def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32):
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=2, n_positions=512, vocab_size=50257)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     model.config.memlm_name = f"tiny-gpt2-seed{seed}"
+    # as save_pretrained writes it: saving (tiny_lm_dir) must not change the fingerprint of datastores built earlier
+    model.config.architectures = [type(model).__name__]
     return model
 
 

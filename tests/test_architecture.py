@@ -16,7 +16,7 @@ LAYERS = [
     {"errors", "fileio", "locking", "schema"},
     {"core"},
     {"resources", "corpora", "windows", "tokenizer", "keys", "forward", "plots"},
-    {"folder", "datastore", "index", "sharded", "sharded_index", "ray_backend", "retrieval"},
+    {"folder", "datastore", "index", "searcher", "sharded", "sharded_index", "ray_backend", "retrieval"},
     {"train", "train_lm", "knnlm", "xu2023", "trime", "npm", "ngram"},
     {"lmeval", "demo", "validate", "cli"},
 ]
@@ -79,6 +79,36 @@ def test_no_upward_imports():
             if target is not None and _layer(target) > _layer(module):
                 bad.append(f"{module} imports {target}")
     assert not bad, "upward imports:\n" + "\n".join(sorted(set(bad)))
+
+
+FAISS_MODULES = {"memlm.index", "memlm.searcher", "memlm.sharded_index"}  # the index and searcher modules
+SHIMS = {"memlm.validate"}  # old import paths kept for one release (deprecation warning)
+
+
+def test_faiss_is_imported_only_by_the_index_and_searcher_modules():
+    bad = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            if any(n.split(".")[0] == "faiss" for n in names) and module not in FAISS_MODULES:
+                bad.append(f"{module}:{node.lineno}")
+    assert not bad, "FAISS imported outside " + ", ".join(sorted(FAISS_MODULES)) + ":\n" + "\n".join(bad)
+
+
+def test_nothing_below_the_command_line_imports_it():
+    bad = [
+        f"{module} imports {imp}"
+        for module, path in _modules().items()
+        if not module.startswith("memlm.cli") and module not in SHIMS
+        for imp in _imports(path, module, top_level_only=False)
+        if imp == "memlm.cli" or imp.startswith("memlm.cli.")
+    ]
+    assert not bad, "\n".join(bad)
 
 
 def test_no_import_cycles():

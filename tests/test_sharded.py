@@ -202,7 +202,7 @@ def test_eval_takes_a_sharded_datastore_like_a_single_one(tiny_lm, sharded, sing
 
 
 def test_mmap_index_searches_like_the_loaded_one(tiny_lm, single, tmp_path):
-    from memlm.sharded_index import load_index_mmap, open_index
+    from memlm.sharded_index import load_index_mmap
 
     build_index(single.keys, tmp_path / "ivf.faiss", factory="IVF4,Flat", progress=False)
     mapped = load_index_mmap(tmp_path / "ivf.faiss", nprobe=2)
@@ -213,8 +213,8 @@ def test_mmap_index_searches_like_the_loaded_one(tiny_lm, single, tmp_path):
     ds = open_datastore(single.path, mmap_index=True)
     if not ds.index_path.exists():
         build_index(single.keys, single.index_path, factory="Flat", progress=False)
-    flat = open_index(ds)
-    np.testing.assert_array_equal(search(flat, q, 5)[1], search(load_index(single.index_path), q, 5)[1])
+    flat = ds.searcher()
+    np.testing.assert_array_equal(flat.search(q, 5)[1], search(load_index(single.index_path), q, 5)[1])
 
 
 def test_faiss_gpu_detection_on_a_cpu_build():
@@ -303,3 +303,91 @@ def test_cli_sharded_build_with_default_windows_equals_one_process_build(tmp_pat
     capsys.readouterr()
     assert main([*common, "--out", str(tmp_path / "blocks"), "--shards", "2", "--stride", "1024"]) == 2
     assert "non-overlapping blocks" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- every consumer takes a sharded datastore through its searcher
+
+
+@pytest.fixture(scope="module")
+def sharded_and_copy(sharded, tmp_path_factory):
+    """The sharded datastore with a Flat sharded index, and its rows written as one folder (identical keys) with a
+    Flat index: each consumer must give the same result on both."""
+    build_sharded_index(sharded, factory="Flat", progress=False)
+    copy = sharded.write_rows(tmp_path_factory.mktemp("copy") / "ds", np.arange(len(sharded)), {})
+    build_index(copy.keys, copy.index_path, factory="Flat", progress=False)
+    return open_datastore(sharded.path), Datastore.open(copy.path)
+
+
+def test_one_searcher_per_datastore_kind(sharded_and_copy):
+    from memlm.searcher import ExactSearcher, FaissSearcher, RescoredSearcher, Searcher, open_searcher
+
+    shard, one = sharded_and_copy
+    assert isinstance(shard.searcher(), ShardedSearcher) and isinstance(one.searcher(), FaissSearcher)
+    q = np.asarray(one.keys[:20], np.float32) + 0.01
+    want = exact_search(one.keys, q, 6, "l2")
+    for ds in (shard, one):
+        for mode, scores, kind in (("index", "index", None), ("exact", "exact", ExactSearcher),
+                                   ("index", "exact", RescoredSearcher)):  # fmt: skip
+            s = open_searcher(ds, mode, scores)
+            assert isinstance(s, Searcher) and (kind is None or isinstance(s, kind))
+            sc, ids = s.search(q, 6)
+            np.testing.assert_array_equal(ids, want[1])
+            np.testing.assert_allclose(sc, want[0], rtol=1e-4, atol=1e-3)
+            assert s.describe()["metric"] == "l2"
+
+
+def test_prune_takes_a_sharded_datastore(sharded_and_copy, tmp_path):
+    from memlm.knnlm.prune import load_counts, prune_datastore
+
+    shard, one = sharded_and_copy
+    a = prune_datastore(shard, tmp_path / "a", k_merge=4, progress=False)
+    b = prune_datastore(one, tmp_path / "b", k_merge=4, progress=False)
+    assert len(a) < len(shard)
+    np.testing.assert_array_equal(np.asarray(a.values), np.asarray(b.values))
+    np.testing.assert_array_equal(np.asarray(a.doc_hash), np.asarray(b.doc_hash))
+    np.testing.assert_array_equal(load_counts(a), load_counts(b))
+
+
+def test_pointer_reuse_takes_a_sharded_datastore(tiny_lm, sharded_and_copy):
+    from memlm.knnlm.evaluate import lm_scores
+    from memlm.knnlm.pointer import retrieve_with_pointers
+
+    model, tok = tiny_lm
+    shard, one = sharded_and_copy
+    ts, queries, _ = lm_scores(model, tok, make_toy_docs(3, seed=11), [one.key_spec], W, C, progress=False)
+    q = queries[one.key_spec]
+    a = retrieve_with_pointers(shard, q, ts.targets, ts.doc_index, 8, min_survivors=2)
+    b = retrieve_with_pointers(one, q, ts.targets, ts.doc_index, 8, min_survivors=2)
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[2], b[2])
+    assert 0 < a[2].mean() < 1  # some tokens reused pointers, some searched
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-5)
+
+
+def test_lm_eval_adapter_takes_a_sharded_datastore(tiny_lm, sharded_and_copy):
+    from memlm.lmeval.model import MemlmLM
+
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    model, tok = tiny_lm
+    shard, one = sharded_and_copy
+    pairs = [("the cat sat on", " the mat"), ("a dog ran", " in the park")]
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    kw = {"lam": 0.5, "k": 8, "temperature": 3.0}
+    got = [MemlmLM(model=model, tokenizer=tok, datastore=str(ds.path), **kw).loglikelihood(reqs) for ds in (shard, one)]
+    bare = MemlmLM(model=model, tokenizer=tok).loglikelihood(reqs)
+    for a, b, c in zip(*got, bare, strict=True):
+        assert a[0] == pytest.approx(b[0], rel=1e-5) and a[0] != pytest.approx(c[0], rel=1e-3)
+
+
+def test_trime_external_memory_takes_a_sharded_datastore(tiny_lm, sharded_and_copy):
+    from memlm.trime.inference import score_trime
+
+    model, tok = tiny_lm
+    shard, one = sharded_and_copy
+    docs = make_toy_docs(3, seed=12)
+    a, b = (score_trime(model, tok, docs, 16, max_segments=1, datastore=ds, k=8, batch_size=4) for ds in (shard, one))
+    np.testing.assert_array_equal(a.ext_values, b.ext_values)
+    np.testing.assert_allclose(a.ext_scores, b.ext_scores, rtol=1e-5)
+    assert (a.ext_values >= 0).any()

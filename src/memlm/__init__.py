@@ -32,6 +32,8 @@ _API = {
     "open_datastore": "memlm.sharded",
     "build_index": "memlm.index",
     "DatastoreMemory": "memlm.retrieval",
+    "Retrieved": "memlm.core.memory",
+    "open_searcher": "memlm.searcher",
     "holdout_split": "memlm.knnlm.calibration",
     "calibrate": "memlm.knnlm.calibration",
     "knn_parameters": "memlm.knnlm.calibration",

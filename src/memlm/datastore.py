@@ -55,6 +55,7 @@ from memlm.forward import forward_windows
 from memlm.index import meta_path
 from memlm.keys import KeySpec, key_dim, num_layers
 from memlm.resources import model_fingerprint, tokenizer_fingerprint
+from memlm.searcher import FaissSearcher, Searcher
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
 __all__ = ["Datastore", "build_datastore", "FORMAT_VERSION", "model_identity"]
@@ -213,16 +214,17 @@ def _check_values(path: Path, manifest: dict[str, Any], values: np.ndarray) -> N
         )
 
 
-@dataclass
-class Datastore:
-    """An opened datastore: memory-mapped arrays plus the manifest that describes them."""
+class DatastoreBase:
+    """What every datastore (one folder, :class:`Datastore`, or shards, :class:`memlm.sharded.ShardedDatastore`)
+    offers its consumers: ``path``, ``manifest``, the entry arrays ``keys [N, D]`` / ``values`` / ``doc_hash`` /
+    ``offset``, the key spec, the model check, and :meth:`searcher` -- the one way to its index."""
 
     path: Path
     manifest: dict[str, Any]
-    keys: np.ndarray  # [N, D] float16 memmap
-    values: np.ndarray  # [N] int32 memmap
-    doc_hash: np.ndarray  # [N] int64 memmap
-    offset: np.ndarray  # [N] int32 memmap
+    keys: Any
+    values: Any
+    doc_hash: Any
+    offset: Any
 
     def __len__(self) -> int:
         return int(self.manifest["count"])
@@ -241,10 +243,90 @@ class Datastore:
 
     @property
     def index_path(self) -> Path:
+        """The default index: ``index.faiss`` in the folder (for a sharded datastore, the sharded index's name)."""
         return self.path / "index.faiss"
 
+    def searcher(self, index_path: str | Path | None = None, nprobe: int = 32) -> Searcher:
+        """The :class:`memlm.searcher.Searcher` over the index at ``index_path`` (default :attr:`index_path`),
+        refused unless that index was built from this datastore."""
+        raise NotImplementedError
+
+    def checksum(self) -> str:
+        raise NotImplementedError
+
+    def record_calibration(self, calibration: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def write_rows(
+        self, out: str | Path, rows: np.ndarray, record: dict[str, Any], what: str = "write a datastore subset"
+    ) -> Datastore:
+        """The entries at ``rows`` (sorted row numbers) written to ``out`` as a new datastore, ``record`` (e.g.
+        ``{"subsample": {...}}``) added to its manifest; used by :meth:`Datastore.subsample` and
+        :mod:`memlm.knnlm.prune` (from a sharded datastore too: the result is one folder)."""
+        out = Path(out)
+        keep = np.asarray(rows, dtype=np.int64)
+        with FOLDER.writing(out, what):
+            (out / "manifest.json").unlink(missing_ok=True)  # the folder is not a datastore until it is complete
+            for name in FILES:
+                src = getattr(self, name)
+                tmp = unique_tmp(out / f"{name}.bin")
+                try:
+                    with open(tmp, "wb") as f:
+                        for s in range(0, len(keep), 65536):
+                            f.write(np.ascontiguousarray(src[keep[s : s + 65536]]).tobytes())
+                    os.replace(tmp, out / f"{name}.bin")
+                except OSError as e:
+                    if is_disk_full(e):
+                        raise disk_full_error(out / f"{name}.bin", resume=False) from None
+                    raise
+                finally:
+                    tmp.unlink(missing_ok=True)
+            manifest = json.loads(json.dumps(self.manifest))
+            for stale in ("manifest_sha256", "build_id", "values_range", "files", "sharded"):
+                manifest.pop(stale, None)
+            manifest.update(count=len(keep), **record)
+            _publish(manifest, out)
+            return Datastore.open(out)
+
+    def check_compatible(self, model, tokenizer, key_spec: KeySpec | None = None) -> None:
+        """Refuse a model, tokenizer or key role other than the ones the datastore was built with."""
+        ident = model_identity(model, tokenizer)
+        if ident["tokenizer"]["fingerprint"] != self.manifest["tokenizer"]["fingerprint"]:
+            raise MemlmError(
+                f"datastore {self.path} was built with a different tokenizer "
+                f"(vocab {self.manifest['tokenizer']['vocab_size']}"
+                f" vs {ident['tokenizer']['vocab_size']}): use the model it was built with "
+                f"({self.model_name}) or build a new datastore for this model"
+            )
+        if ident["model"]["fingerprint"] != self.manifest["model"]["fingerprint"]:
+            raise MemlmError(
+                f"datastore {self.path} was built with model {self.model_name} "
+                f"({self.manifest['model']['fingerprint'][:12]}), not this one "
+                f"({ident['model']['name']}, {ident['model']['fingerprint'][:12]}): keys from different models are not "
+                "comparable; pass --model to match the datastore or build a new datastore"
+            )
+        if key_spec is not None and key_spec.normalized(num_layers(model)) != self.key_spec:
+            raise MemlmError(
+                f"datastore {self.path} holds {self.key_spec.describe()} keys, but {key_spec.describe()} was asked: "
+                "omit --key to use the datastore's, or build a datastore with that key"
+            )
+
+
+@dataclass
+class Datastore(DatastoreBase):
+    """An opened datastore: memory-mapped arrays plus the manifest that describes them. ``mmap_index``: its index
+    is searched memory-mapped (:func:`memlm.index.load_index_mmap`) instead of read into RAM."""
+
+    path: Path
+    manifest: dict[str, Any]
+    keys: np.ndarray  # [N, D] float16 memmap
+    values: np.ndarray  # [N] int32 memmap
+    doc_hash: np.ndarray  # [N] int64 memmap
+    offset: np.ndarray  # [N] int32 memmap
+    mmap_index: bool = False
+
     @classmethod
-    def open(cls, path: str | Path, verify: bool = False) -> Datastore:
+    def open(cls, path: str | Path, verify: bool = False, mmap_index: bool = False) -> Datastore:
         """Open a datastore folder; see the module docstring for what is checked (``verify``: full checksums)."""
         path = Path(path)
         manifest = FOLDER.read_manifest(path)
@@ -255,7 +337,7 @@ class Datastore:
         arrays = FOLDER.open_arrays(path, manifest, verify)
         if manifest["count"]:
             _check_values(path, manifest, arrays["values"])
-        return cls(path, manifest, **arrays)
+        return cls(path, manifest, **arrays, mmap_index=mmap_index)
 
     def index_source(self) -> dict[str, Any]:
         """The identity an index over these keys records (:func:`memlm.index.build_index`'s ``source``)."""
@@ -310,28 +392,14 @@ class Datastore:
             return f"index {out} was not built from the datastore {self.path} ({'; '.join(diff) or 'size differs'})"
         return None
 
-    def check_compatible(self, model, tokenizer, key_spec: KeySpec | None = None) -> None:
-        """Refuse a model, tokenizer or key role other than the ones the datastore was built with."""
-        ident = model_identity(model, tokenizer)
-        if ident["tokenizer"]["fingerprint"] != self.manifest["tokenizer"]["fingerprint"]:
-            raise MemlmError(
-                f"datastore {self.path} was built with a different tokenizer "
-                f"(vocab {self.manifest['tokenizer']['vocab_size']}"
-                f" vs {ident['tokenizer']['vocab_size']}): use the model it was built with "
-                f"({self.model_name}) or build a new datastore for this model"
-            )
-        if ident["model"]["fingerprint"] != self.manifest["model"]["fingerprint"]:
-            raise MemlmError(
-                f"datastore {self.path} was built with model {self.model_name} "
-                f"({self.manifest['model']['fingerprint'][:12]}), not this one "
-                f"({ident['model']['name']}, {ident['model']['fingerprint'][:12]}): keys from different models are not "
-                "comparable; pass --model to match the datastore or build a new datastore"
-            )
-        if key_spec is not None and key_spec.normalized(num_layers(model)) != self.key_spec:
-            raise MemlmError(
-                f"datastore {self.path} holds {self.key_spec.describe()} keys, but {key_spec.describe()} was asked: "
-                "omit --key to use the datastore's, or build a datastore with that key"
-            )
+    def searcher(self, index_path: str | Path | None = None, nprobe: int = 32) -> Searcher:
+        path = Path(index_path) if index_path is not None else self.index_path
+        if not self.mmap_index:  # an index given with --index must have been built from this datastore
+            return FaissSearcher(self.load_index(path, nprobe=nprobe), path)
+        problem = self.index_problem(path)  # the sidecar against the datastore searched, as load_index does
+        if problem is not None:
+            raise MemlmError(f"{problem}; {index_lib._REBUILD}")
+        return FaissSearcher(index_lib.load_index_mmap(path, nprobe), path)
 
     def checksum(self) -> str:
         """One SHA-256 over all files' checksums, as recorded in the manifest."""
@@ -354,36 +422,6 @@ class Datastore:
         keep = np.sort(np.random.default_rng(seed).choice(n, size=max(1, round(n * fraction)), replace=False))
         record = {"subsample": {"of": str(self.path), "fraction": fraction, "seed": seed}}
         return self.write_rows(out, keep, record, "write a subsampled datastore")
-
-    def write_rows(
-        self, out: str | Path, rows: np.ndarray, record: dict[str, Any], what: str = "write a datastore subset"
-    ) -> Datastore:
-        """The entries at ``rows`` (sorted row numbers) written to ``out`` as a new datastore, ``record`` (e.g.
-        ``{"subsample": {...}}``) added to its manifest; used by :meth:`subsample` and :mod:`memlm.knnlm.prune`."""
-        out = Path(out)
-        keep = np.asarray(rows, dtype=np.int64)
-        with FOLDER.writing(out, what):
-            (out / "manifest.json").unlink(missing_ok=True)  # the folder is not a datastore until it is complete
-            for name in FILES:
-                src = getattr(self, name)
-                tmp = unique_tmp(out / f"{name}.bin")
-                try:
-                    with open(tmp, "wb") as f:
-                        for s in range(0, len(keep), 65536):
-                            f.write(np.ascontiguousarray(src[keep[s : s + 65536]]).tobytes())
-                    os.replace(tmp, out / f"{name}.bin")
-                except OSError as e:
-                    if is_disk_full(e):
-                        raise disk_full_error(out / f"{name}.bin", resume=False) from None
-                    raise
-                finally:
-                    tmp.unlink(missing_ok=True)
-            manifest = json.loads(json.dumps(self.manifest))
-            for stale in ("manifest_sha256", "build_id", "values_range", "files"):
-                manifest.pop(stale, None)
-            manifest.update(count=len(keep), **record)
-            _publish(manifest, out)
-            return Datastore.open(out)
 
 
 def build_datastore(

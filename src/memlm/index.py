@@ -655,6 +655,70 @@ def load_index(
     return index
 
 
+def set_nprobe(index: faiss.Index, nprobe: int) -> None:
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.nprobe = min(int(nprobe), int(ivf.nlist))
+
+
+def _sidecar_factory(path: Path) -> str:
+    """The factory string in an index's (or shard index's) sidecar, "IVF" when it cannot be read (both mappings are
+    then tried)."""
+    try:
+        meta = json.loads(meta_path(path).read_text())
+        return str(meta.get("factory", "IVF")) if isinstance(meta, dict) else "IVF"
+    except (OSError, ValueError):
+        return "IVF"
+
+
+def set_threads(n: int) -> None:
+    """The number of OpenMP threads FAISS searches and builds with (at least 1)."""
+    faiss.omp_set_num_threads(max(1, int(n)))
+
+
+def blas_threshold() -> int:
+    """FAISS's ``distance_compute_blas_threshold``: below this many queries it scores one query at a time."""
+    return int(faiss.cvar.distance_compute_blas_threshold)
+
+
+def flat_ip_index(vectors: np.ndarray) -> faiss.Index:
+    """An exact inner-product index over ``vectors [N, D]`` (float32), in memory."""
+    index = faiss.IndexFlatIP(int(vectors.shape[1]))
+    index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+    return index
+
+
+def has_exact_distances(index: faiss.Index) -> bool:
+    """True for an index whose distances are exact (``Flat``, ``IVF...,Flat``), False when it compresses the keys."""
+    base = faiss.downcast_index(index)
+    ivf = faiss.try_extract_index_ivf(index)
+    ivf = faiss.downcast_index(ivf) if ivf is not None else None
+    return isinstance(base, faiss.IndexFlat) or isinstance(ivf, faiss.IndexIVFFlat)
+
+
+def load_index_mmap(path: str | os.PathLike[str], nprobe: int = 32) -> faiss.Index:
+    """Read an index memory-mapped: IVF inverted lists (``IO_FLAG_MMAP``) or flat codes (``IO_FLAG_MMAP_IFC``) stay
+    in the file and reach RAM through the page cache, so the resident part is the quantizer (+ tables)."""
+    if nprobe < 1:
+        raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
+    path = Path(path)
+    if not path.is_file():
+        raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
+    ivf = "IVF" in _sidecar_factory(path)
+    flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if ivf else faiss.IO_FLAG_MMAP_IFC
+    try:
+        index = faiss.read_index(str(path), flags)
+    except RuntimeError:
+        try:  # the sidecar guessed wrong: the other kind of mapping, then a plain read
+            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if ivf else faiss.IO_FLAG_MMAP)
+        except RuntimeError as err:
+            raise MemlmError(
+                f"index file {path} is corrupt or truncated ({_faiss_reason(err)}); rebuild the index"
+            ) from None
+    set_nprobe(index, nprobe)
+    return index
+
+
 # ----------------------------------------------------------------------------------------------- search
 
 

@@ -163,9 +163,9 @@ def build_shards_on_ray(
 def _add_index_task(
     add_shard_index: Callable, trained: str, keys_path: str, n: int, d: int, out: str, meta: dict, threads: int
 ) -> int:
-    import faiss
+    from memlm.index import set_threads
 
-    faiss.omp_set_num_threads(max(1, threads))
+    set_threads(threads)
     return add_shard_index(trained, keys_path, n, d, out, meta)
 
 
@@ -183,9 +183,9 @@ class _ShardActor:
     :mod:`memlm.sharded_index`'s ``(load_index_mmap, search_with_offset, set_nprobe)``."""
 
     def __init__(self, path: str, nprobe: int, offset: int, threads: int, ops: tuple) -> None:
-        import faiss
+        from memlm.index import set_threads
 
-        faiss.omp_set_num_threads(max(1, threads))
+        set_threads(threads)
         self.load, self.search_fn, self.set_nprobe_fn = ops
         self.index = self.load(path, nprobe)
         self.offset = offset

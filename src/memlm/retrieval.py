@@ -11,22 +11,39 @@ text is in the datastore) and carries the merged counts of a pruned datastore (H
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from memlm import index as index_lib
 from memlm import schema
-from memlm.core.memory import Retrieved
-from memlm.datastore import Datastore
+from memlm.core.memory import Memory, Retrieved
+from memlm.datastore import Datastore, DatastoreBase
 from memlm.errors import MemlmError
 from memlm.fileio import sample_sha256, sha256_file
-from memlm.folder import advise_random
-from memlm.sharded_index import index_metric_of, open_index, search_index
+from memlm.keys import KeySpec
+from memlm.searcher import (
+    SEARCH_MODES,
+    ExactSearcher,
+    FaissSearcher,
+    RescoredSearcher,
+    Searcher,
+    as_searcher,
+    datastore_metric,
+    open_searcher,
+)
+from memlm.sharded_index import ShardedSearcher
 
-__all__ = ["DatastoreMemory", "datastore_metric", "entry_values", "load_absorbed", "load_counts"]
+__all__ = [
+    "DatastoreMemory",
+    "as_memory",
+    "describe_memory",
+    "datastore_metric",
+    "entry_values",
+    "load_absorbed",
+    "load_counts",
+]
 
-SEARCH_MODES = ("index", "exact")
 COUNTS_FILE = "counts.npy"
 COUNTS_SIDECAR = "counts.json"
 COUNTS_FORMAT = "memlm-datastore-counts"
@@ -122,14 +139,6 @@ def _holders(absorbed: np.ndarray, provenance: dict[str, np.ndarray]) -> np.ndar
     return np.where(hit, absorbed["row"][pos], -1)
 
 
-def datastore_metric(datastore: Datastore, index=None, index_path: str | Path | None = None) -> str:
-    """The similarity of a datastore's index (``l2`` when it has no index yet)."""
-    if index is not None:
-        return index_metric_of(index)
-    meta = index_lib.read_index_meta(index_path if index_path is not None else datastore.index_path)
-    return meta["metric"] if meta else "l2"
-
-
 def entry_values(datastore: Datastore, ids: np.ndarray, provenance: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """The values of entries ``ids [Q, k]`` (``-1`` where ``ids < 0``); with ``provenance`` (each query's
     ``doc_hash`` and ``offset``) an entry that is the query's own token is emptied too (self-match)."""
@@ -149,15 +158,17 @@ def entry_values(datastore: Datastore, ids: np.ndarray, provenance: dict[str, np
 class DatastoreMemory:
     """A datastore as a memory: ``search(queries, k) -> Retrieved`` (module docstring).
 
-    ``search``: ``"index"`` (the FAISS index at ``index_path``, default the datastore's own, or a sharded
-    datastore's searcher) or ``"exact"`` (all keys); ``scores``: ``"index"`` or ``"exact"`` (recomputed from the
-    stored keys with ``metric``, default the index's). ``counts`` (merged counts ``[N]``; ``"auto"``: those of a
-    pruned datastore, :func:`load_counts`) enter as ``log_counts``. ``chunk`` queries are searched at a time.
+    The search itself is the ``searcher``'s (:class:`memlm.searcher.Searcher`; default: :func:`open_searcher` with
+    ``search`` -- ``"index"``, the index at ``index_path`` (default the datastore's own; a sharded datastore's
+    searcher) or ``"exact"``, all keys --, ``scores`` -- ``"index"`` or ``"exact"``, recomputed from the stored keys --,
+    ``nprobe`` and ``metric``, default the index's). ``index`` (a FAISS index already read, or a searcher) is the
+    older spelling of ``searcher``. ``counts`` (merged counts ``[N]``; ``"auto"``: those of a pruned datastore,
+    :func:`load_counts`) enter as ``log_counts``. ``chunk`` queries are searched at a time.
     """
 
     def __init__(
         self,
-        datastore: Datastore,
+        datastore: DatastoreBase,
         search: str = "index",
         scores: str = "index",
         nprobe: int = 32,
@@ -167,22 +178,26 @@ class DatastoreMemory:
         counts: np.ndarray | None | str = "auto",
         chunk: int = 4096,
         progress: bool = False,
+        searcher: Searcher | None = None,
     ) -> None:
         if search not in SEARCH_MODES or scores not in SEARCH_MODES:
             raise MemlmError("search and scores must each be 'index' or 'exact'")
         self.datastore, self.search_mode, self.scores_mode = datastore, search, scores
-        self.nprobe, self.chunk, self.progress = nprobe, chunk, progress
+        self.chunk, self.progress = chunk, progress
         self.index_path = Path(index_path) if index_path is not None else datastore.index_path
-        if index is None and search == "index":
-            index = open_index(datastore, self.index_path, nprobe=nprobe)
-        self.index = index
-        if scores == "exact" and search == "index":  # rescoring reads the keys of scattered ids: no read-ahead
-            advise_random(datastore.keys)
-        if index is not None and metric is not None and metric != index_metric_of(index):
-            raise MemlmError(
-                f"index {self.index_path} uses {index_metric_of(index)}, not {metric}: build an {metric} index"
-            )
-        self.metric = metric or datastore_metric(datastore, index, self.index_path)
+        if searcher is None and index is not None and search == "index":
+            searcher = as_searcher(index, self.index_path)
+            if metric is not None and metric != searcher.metric:
+                raise MemlmError(
+                    f"index {self.index_path} uses {searcher.metric}, not {metric}: build an {metric} index"
+                )
+            if scores == "exact":
+                searcher = RescoredSearcher(searcher, datastore.keys)
+        if searcher is None:
+            searcher = open_searcher(datastore, search, scores, index_path, nprobe, metric)
+        self.searcher = searcher
+        self.metric = searcher.metric
+        self.nprobe = nprobe
         if isinstance(counts, str):  # "auto": a pruned datastore's own counts, None for an unpruned one
             counts = load_counts(datastore)
         self.pruned = counts is not None and datastore.manifest.get("pruned") is not None
@@ -198,20 +213,12 @@ class DatastoreMemory:
         progress = self.progress if progress is None else progress
         out_s = np.empty((len(queries), k), dtype=np.float32)
         out_i = np.empty((len(queries), k), dtype=np.int64)
-        chunk = self.chunk if self.search_mode == "index" else max(self.chunk, len(queries))  # exact: one key pass
-        keys = self.datastore.keys
+        exact = isinstance(self.searcher, ExactSearcher)
+        chunk = max(self.chunk, len(queries)) if exact else self.chunk  # exact: one pass over the keys
         for s in tqdm(range(0, len(queries), chunk), desc="search", unit="chunk", disable=not progress,
                       leave=False):  # fmt: skip
             q = np.ascontiguousarray(queries[s : s + chunk], dtype=np.float32)
-            if self.search_mode == "index":
-                sc, ids = search_index(self.index, q, k)  # a FAISS index, or a sharded datastore's searcher
-            else:
-                sc, ids = index_lib.exact_search(keys, q, k, self.metric)
-            if self.scores_mode == "exact" and self.search_mode == "index":
-                sc = index_lib.exact_scores(keys, ids, q, self.metric)
-                order = np.argsort(-sc, axis=1, kind="stable")
-                sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
-            out_s[s : s + len(q)], out_i[s : s + len(q)] = sc, ids
+            out_s[s : s + len(q)], out_i[s : s + len(q)] = self.searcher.search(q, k)
         return out_s, out_i
 
     def retrieved(
@@ -250,6 +257,14 @@ class DatastoreMemory:
     def search(self, queries: np.ndarray, k: int, provenance: dict[str, np.ndarray] | None = None) -> Retrieved:
         return self.retrieved(*self.search_ids(queries, k), provenance)
 
+    @property
+    def key_spec(self) -> KeySpec:
+        """The hidden state its queries come from (the datastore's key)."""
+        return self.datastore.key_spec
+
+    def check_compatible(self, model, tokenizer) -> None:
+        self.datastore.check_compatible(model, tokenizer)
+
     def describe(self) -> dict:
         """What this memory is, for result files."""
         return {
@@ -262,4 +277,30 @@ class DatastoreMemory:
             "index": str(self.index_path) if self.search_mode == "index" else None,
             "nprobe": self.nprobe,
             "pruned": self.log_counts is not None,
+            **({} if isinstance(self.searcher, _BUILT_IN) else {"searcher": self.searcher.describe()}),
         }
+
+
+_BUILT_IN = (FaissSearcher, ExactSearcher, RescoredSearcher, ShardedSearcher)  # described by the fields above
+
+
+def as_memory(source: Any, nprobe: int = 32, index: Any = None) -> Any:
+    """What the kNN-LM's consumers (:func:`memlm.knnlm.evaluate.score_tokens`, generation, the lm-eval adapter,
+    :func:`memlm.wrap`) search: a datastore (plain or sharded) becomes a :class:`DatastoreMemory` over its own index
+    (``index``: a FAISS index or searcher already open); a memory -- anything with ``search(queries, k) ->
+    Retrieved`` and the ``key_spec`` (:class:`memlm.keys.KeySpec`) of the hidden state that queries it, optionally
+    ``describe()`` and ``check_compatible(model, tokenizer)`` -- is used as it is."""
+    if isinstance(source, DatastoreBase):
+        return DatastoreMemory(source, nprobe=nprobe, index=index)
+    if isinstance(source, Memory) and isinstance(getattr(source, "key_spec", None), KeySpec):
+        return source
+    raise MemlmError(
+        f"expected a datastore or a memory (search(queries, k) -> Retrieved and a key_spec), got "
+        f"{type(source).__name__}"
+    )
+
+
+def describe_memory(memory: Any) -> dict[str, Any]:
+    """A memory's own description for result files (its class name when it has no ``describe()``)."""
+    describe = getattr(memory, "describe", None)
+    return describe() if describe is not None else {"memory": type(memory).__name__}

@@ -46,10 +46,11 @@ from typing import Any
 import numpy as np
 
 from memlm import __version__, schema
-from memlm.datastore import FOLDER, Datastore, build_datastore
+from memlm.datastore import FOLDER, Datastore, DatastoreBase, build_datastore
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
 from memlm.keys import KeySpec
+from memlm.sharded_index import ShardedSearcher
 from memlm.windows import TokenChunk, Window, sliding_windows, tokenize_documents
 
 __all__ = [
@@ -399,7 +400,7 @@ class ShardedArray:
 
 
 @dataclass
-class ShardedDatastore:
+class ShardedDatastore(DatastoreBase):
     """A sharded datastore opened for reading: the interface of :class:`~memlm.datastore.Datastore` over all shards.
 
     ``manifest`` is shard 0's with the total ``count`` and a ``sharded`` entry; ``shards`` are the opened shards in
@@ -459,29 +460,6 @@ class ShardedDatastore:
         arrays = {n: ShardedArray([getattr(s, n) for s in shards]) for n in ("keys", "values", "doc_hash", "offset")}
         return cls(path, manifest, shards, offsets, ray=ray, **arrays)
 
-    def __len__(self) -> int:
-        return int(self.manifest["count"])
-
-    @property
-    def dim(self) -> int:
-        return int(self.manifest["key"]["dim"])
-
-    @property
-    def key_spec(self) -> KeySpec:
-        return self.shards[0].key_spec
-
-    @property
-    def model_name(self) -> str | None:
-        return self.manifest["model"]["name"]
-
-    @property
-    def index_path(self) -> Path:
-        """The sharded index's name: its description is ``index.faiss.json`` here, its parts ``shard-*/index.faiss``."""
-        return self.path / "index.faiss"
-
-    def check_compatible(self, model, tokenizer, key_spec: KeySpec | None = None) -> None:
-        self.shards[0].check_compatible(model, tokenizer, key_spec)
-
     def checksum(self) -> str:
         import hashlib
 
@@ -495,10 +473,9 @@ class ShardedDatastore:
         atomic_write_json(sp, state)
         self.manifest["calibration"] = calibration
 
-    def load_searcher(self, index_path: str | Path | None = None, nprobe: int = 32):
-        """A :class:`memlm.sharded_index.ShardedSearcher` over the shards' indexes (Ray actors when ``self.ray``)."""
-        from memlm.sharded_index import ShardedSearcher
-
+    def searcher(self, index_path: str | Path | None = None, nprobe: int = 32) -> ShardedSearcher:
+        """A :class:`memlm.sharded_index.ShardedSearcher` over the shards' indexes (Ray actors when ``self.ray``;
+        the sharded index's description is ``index_path``, default ``index.faiss.json``)."""
         return ShardedSearcher.open(self, index_path, nprobe=nprobe, ray=self.ray)
 
 
@@ -508,10 +485,8 @@ def open_datastore(
     """Open a datastore folder of either kind: :class:`ShardedDatastore` when it holds ``shards.json``.
 
     ``ray``: search a sharded datastore with Ray actors. ``mmap_index``: memory-map a single datastore's index when
-    evaluating (:func:`memlm.sharded_index.open_index`; sharded indexes always are).
+    searching (:meth:`memlm.datastore.Datastore.searcher`; sharded indexes always are).
     """
     if is_sharded(path):
         return ShardedDatastore.open(path, verify=verify, ray=ray)
-    ds = Datastore.open(path, verify=verify)
-    ds.mmap_index = mmap_index  # type: ignore[attr-defined]  # read by memlm.sharded_index.open_index
-    return ds
+    return Datastore.open(path, verify=verify, mmap_index=mmap_index)

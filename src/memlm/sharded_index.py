@@ -39,17 +39,15 @@ import numpy as np
 from memlm import index as index_lib
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json, sha256_file, unique_tmp
+from memlm.index import load_index_mmap, set_nprobe
 
 __all__ = [
     "ShardedSearcher",
     "faiss_gpus",
     "to_gpu_if_available",
     "build_sharded_index",
-    "index_metric_of",
     "load_index_mmap",
     "merge_topk",
-    "open_index",
-    "search_index",
     "search_with_offset",
 ]
 
@@ -226,36 +224,6 @@ def to_gpu_if_available(index: faiss.Index, device: str = "auto") -> faiss.Index
     return faiss.index_cpu_to_all_gpus(index)
 
 
-def set_nprobe(index: faiss.Index, nprobe: int) -> None:
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        ivf.nprobe = min(int(nprobe), int(ivf.nlist))
-
-
-def load_index_mmap(path: str | os.PathLike[str], nprobe: int = 32) -> faiss.Index:
-    """Read an index memory-mapped: IVF inverted lists (``IO_FLAG_MMAP``) or flat codes (``IO_FLAG_MMAP_IFC``) stay
-    in the file and reach RAM through the page cache, so the resident part is the quantizer (+ tables)."""
-    if nprobe < 1:
-        raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
-    path = Path(path)
-    if not path.is_file():
-        raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
-    meta = _read_sidecar(path) or {}
-    ivf = "IVF" in str(meta.get("factory", "IVF"))
-    flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if ivf else faiss.IO_FLAG_MMAP_IFC
-    try:
-        index = faiss.read_index(str(path), flags)
-    except RuntimeError:
-        try:  # the sidecar guessed wrong: the other kind of mapping, then a plain read
-            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if ivf else faiss.IO_FLAG_MMAP)
-        except RuntimeError as err:
-            raise MemlmError(
-                f"index file {path} is corrupt or truncated ({index_lib._faiss_reason(err)}); rebuild the index"
-            ) from None
-    set_nprobe(index, nprobe)
-    return index
-
-
 def search_with_offset(index: faiss.Index, queries: np.ndarray, k: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`memlm.index.search` with valid ids shifted by ``offset`` (a shard's first global id)."""
     scores, ids = index_lib.search(index, queries, k)
@@ -293,14 +261,23 @@ class ShardedSearcher:
     """
 
     def __init__(
-        self, description: dict[str, Any], folder: Path, nprobe: int, ray: str | None, workers: int, device: str = "cpu"
+        self,
+        description: dict[str, Any],
+        folder: Path,
+        nprobe: int,
+        ray: str | None,
+        workers: int,
+        device: str = "cpu",
+        path: Path | None = None,
     ):
         self.description = description
         self.metric: str = description["metric"]
         self.ntotal = int(description["n"])
         self.d = int(description["d"])
+        self.path = path if path is not None else folder / "index.faiss"  # the description's index name
         self.paths = [str(folder / p) for p in description["shards"]]
         self.offsets = [int(o) for o in description["offsets"]]
+        self.nprobe = int(nprobe)
         self.pool = None
         self.indexes: list[faiss.Index] = []
         if ray is not None:
@@ -334,9 +311,15 @@ class ShardedSearcher:
             )
         if description["n"] != len(datastore) or description["offsets"] != [int(o) for o in datastore.offsets]:
             raise MemlmError(f"sharded index {path} does not match {datastore.path}'s shards; rebuild it")
-        return cls(description, path.parent, nprobe, ray, workers, device)
+        return cls(description, path.parent, nprobe, ray, workers, device, path)
+
+    def describe(self) -> dict[str, Any]:
+        """What a result file records (the :class:`memlm.searcher.Searcher` protocol)."""
+        return {"search": "index", "index": str(self.path), "nprobe": self.nprobe,
+                "metric": self.metric, "shards": len(self.paths), "ray": self.pool is not None}  # fmt: skip
 
     def set_nprobe(self, nprobe: int) -> None:
+        self.nprobe = int(nprobe)
         if self.pool is not None:
             self.pool.set_nprobe(nprobe)
         for index in self.indexes:
@@ -382,39 +365,3 @@ class ShardedSearcher:
             self.close()
         except Exception:
             pass
-
-
-# ------------------------------------------------------------------------------------ hooks for evaluate/generate
-
-
-def open_index(datastore, index_path: str | Path | None = None, nprobe: int = 32):
-    """The index a datastore is searched with: a FAISS index (one datastore) or a :class:`ShardedSearcher`.
-
-    A single datastore's index is refused unless its sidecar records this datastore's identity
-    (:meth:`memlm.datastore.Datastore.load_index`), wherever the file lies (``memlm eval --index``). A datastore
-    opened with ``open_datastore(path, mmap_index=True)`` (``memlm eval --mmap-index``) gets its index
-    memory-mapped (:func:`load_index_mmap`) instead of read into RAM; a sharded datastore's always is.
-    """
-    loader = getattr(datastore, "load_searcher", None)
-    if loader is not None:
-        return loader(index_path, nprobe)
-    path = index_path if index_path is not None else datastore.index_path
-    if getattr(datastore, "mmap_index", False):
-        problem = datastore.index_problem(path)  # the sidecar against the datastore searched, as load_index does
-        if problem is not None:
-            raise MemlmError(f"{problem}; {index_lib._REBUILD}")
-        return load_index_mmap(path, nprobe)
-    # an index given with --index must have been built from this datastore, wherever it lies
-    return datastore.load_index(path, nprobe=nprobe)
-
-
-def search_index(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`memlm.index.search` for a FAISS index; ``index.search(queries, k)`` for a searcher (memlm scores)."""
-    if isinstance(index, faiss.Index):
-        return index_lib.search(index, queries, k)
-    return index.search(queries, k)
-
-
-def index_metric_of(index) -> str:
-    """``l2`` / ``ip`` of a FAISS index or of a searcher (its ``metric``)."""
-    return index_lib.index_metric(index) if isinstance(index, faiss.Index) else index.metric

@@ -21,6 +21,7 @@ from memlm.cli.common import (
     window_kwargs,
     write_json,
 )
+from memlm.core.config import RetrievalConfig
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import knn_parameters
 
@@ -40,28 +41,23 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ngram = ngram_cli.open_ngram(args, tok)
     V.check_against_model(args, model)
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
-    ts = score_tokens(
-        model,
-        tok,
-        docs,
-        ds,
+    config = RetrievalConfig.with_options(  # built once here, passed down (recorded in the result's retrieval)
         k=args.k,
         **window_kwargs(args),
-        batch_size=args.batch_size,
         search=args.search,
         scores=args.scores,
         nprobe=args.nprobe,
         drop_self_matches=args.drop_self_matches,
         cache=args.cache,
-        meta={"model": model_name, "source": source},
         adaptive=args.adaptive,
         adaptive_fraction=args.adaptive_fraction,
         pointer_min=args.pointer_min,
         pointer_rule=args.pointer_rule or "retomaton",
         pipeline=args.pipeline,
         index_path=args.index,
-        ngram=ngram,
     )
+    meta = {"model": model_name, "source": source}
+    ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram)
     if args.dump:
         ts.save(args.dump)
         print(f"wrote {args.dump}", file=sys.stderr)

@@ -40,9 +40,13 @@ class RetrievalConfig:
     window: int | None = None
     stride: int | None = None
     min_context: int | None = None
+    block_start: str = "skip"  # non-overlapping blocks (stride = window): first token "skip"ped or scored after "bos"
     cache: bool = False
     cache_lambda: float = 0.0
     cache_temperature: float = 1.0
+    cache_k: int = 256
+    cache_max_len: int = 2048
+    cache_metric: str = "ip"
     adaptive: str | None = None
     adaptive_fraction: float | None = None
     pointer_min: int = 0
@@ -58,8 +62,35 @@ class RetrievalConfig:
             raise MemlmError(f"adaptive_fraction must be in [0, 1], got {self.adaptive_fraction}")
         if self.pointer_min < 0:
             raise MemlmError(f"pointer_min must be >= 0, got {self.pointer_min}")
+        if self.pipeline and (self.adaptive is not None or self.pointer_min):
+            raise MemlmError("--pipeline searches each batch as it comes; adaptive retrieval and pointer reuse need "
+                             "every query first: use one or the other")  # fmt: skip
         if self.pointer_rule not in ("retomaton", "replace"):
             raise MemlmError(f"pointer_rule must be 'retomaton' or 'replace', got {self.pointer_rule!r}")
+
+    @property
+    def efficiency(self) -> str:
+        """The kNN-LM's efficiency strategy these settings choose: "pointer", "adaptive", "pipeline" or "none"."""
+        if self.pointer_min:
+            return "pointer"
+        if self.adaptive is not None:
+            return "adaptive"
+        return "pipeline" if self.pipeline else "none"
+
+    @classmethod
+    def with_options(cls, config: RetrievalConfig | None = None, **options: Any) -> RetrievalConfig:
+        """``config`` (default: all defaults) with ``options`` set by field name; ``index_path`` is ``index`` (the
+        older keyword of the scorer). Unknown names are refused with the known ones."""
+        if "index_path" in options:
+            path = options.pop("index_path")
+            options["index"] = None if path is None else str(path)
+        if "adaptive" in options and options["adaptive"] is not None:
+            options["adaptive"] = str(options["adaptive"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise MemlmError(f"unknown retrieval settings {unknown}; known: {sorted(names)}")
+        return dataclasses.replace(config or cls(), **options)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (recorded in dumps and result files)."""

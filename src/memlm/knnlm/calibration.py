@@ -378,6 +378,7 @@ def knn_parameters(
     ``setting`` (``k``, ``search``, ``scores``, ``nprobe``, ``index``) describes the run: when calibrated values are
     used with another setting than they were measured with (:func:`calibration_mismatch`), one notice says so.
     """
+    datastore = getattr(datastore, "datastore", datastore)  # a DatastoreMemory: its datastore's calibration
     cal = (getattr(datastore, "manifest", None) or {}).get("calibration") if datastore is not None else None
     if cal is not None and int(cal.get("count", -1)) != len(datastore):
         cal = None  # recorded for another version of the datastore (e.g. before an --append)

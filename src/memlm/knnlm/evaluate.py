@@ -36,15 +36,16 @@ from memlm.core.distribution import (
     perplexity,
 )
 from memlm.core.dumps import TokenDump
+from memlm.core.memory import Memory
 from memlm.core.tuning import grid_search
-from memlm.datastore import Datastore
+from memlm.datastore import Datastore, DatastoreBase
 from memlm.errors import MemlmError
 from memlm.forward import forward_windows
 from memlm.keys import KeySpec, num_layers
 from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.pointer import pointer_retrieve
-from memlm.retrieval import DatastoreMemory
+from memlm.retrieval import DatastoreMemory, as_memory, describe_memory
 from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 
 __all__ = [
@@ -264,96 +265,145 @@ def add_cache(
 CACHE_KEY = KeySpec("final", -1)  # Grave et al.'s cache reads the hidden state the softmax reads
 
 
+def _search_every_query(ts, queries, memory, config, provenance, progress) -> tuple[np.ndarray, np.ndarray]:
+    """No efficiency option: one search per token."""
+    return memory.search_ids(queries, config.k)
+
+
+def _pointer_reuse(ts, queries, memory, config, provenance, progress) -> tuple[np.ndarray, np.ndarray]:
+    """RetoMaton (Alon et al. 2022): search only where fewer than ``pointer_min`` pointers survive
+    (:func:`memlm.knnlm.pointer.pointer_retrieve`); ``ts.searched`` records where it searched."""
+    ds, k = memory.datastore, config.k
+    sc, ids, ts.searched = pointer_retrieve(
+        queries, ts.targets, ts.doc_index, lambda x: memory.search_ids(x, k, progress=False), ds.keys, ds.values,
+        ds.doc_hash, ds.offset, k, config.pointer_min, memory.metric, rule=config.pointer_rule, provenance=provenance,
+        progress=progress,
+    )  # fmt: skip
+    return sc, ids
+
+
+def _adaptive_gate(ts, queries, memory, config, provenance, progress) -> tuple[np.ndarray, np.ndarray]:
+    """He et al. (2021): the gate gives each token its λ (``ts.knn_lambda``); tokens under its threshold are not
+    searched (``ts.searched``)."""
+    gate = AdaptiveGate.load(config.adaptive)
+    features = gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position)
+    fraction = config.adaptive_fraction
+    threshold = 0.0 if fraction is None else threshold_for_fraction(gate, features, fraction)
+    ts.knn_lambda, ts.searched = gate_lambdas(gate, features, threshold)
+    sc = np.full((len(queries), config.k), -np.inf, dtype=np.float32)
+    ids = np.full((len(queries), config.k), -1, dtype=np.int64)
+    if ts.searched.any():
+        sc[ts.searched], ids[ts.searched] = memory.search_ids(queries[ts.searched], config.k)
+    return sc, ids
+
+
+#: ``RetrievalConfig.efficiency`` -> how the neighbours of a forward pass's queries are found (pipelining searches
+#: during the forward pass: its results arrive as ``found``)
+EFFICIENCY_STRATEGIES: dict[str, Callable[..., tuple[np.ndarray, np.ndarray]]] = {
+    "none": _search_every_query,
+    "pipeline": _search_every_query,
+    "pointer": _pointer_reuse,
+    "adaptive": _adaptive_gate,
+}
+
+
 def attach_neighbours(
     ts: TokenScores,
     queries: np.ndarray,
-    memory: DatastoreMemory,
-    k: int,
+    memory: Any,
+    config: RetrievalConfig | int,
     provenance: dict[str, np.ndarray] | None = None,
-    adaptive: str | Path | None = None,
-    adaptive_fraction: float | None = None,
-    pointer_min: int = 0,
-    pointer_rule: str = "retomaton",
     found: tuple[np.ndarray, np.ndarray] | None = None,
     progress: bool = True,
+    **options: Any,
 ) -> TokenScores:
-    """Retrieve for the queries of one forward pass (:func:`lm_scores`) with the efficiency option chosen, into ``ts``.
+    """Retrieve for the queries of one forward pass (:func:`lm_scores`) with the efficiency strategy ``config``
+    chooses (:data:`EFFICIENCY_STRATEGIES`), into ``ts``.
 
-    One of: ``found`` (scores and ids already searched, e.g. pipelined), ``pointer_min`` (RetoMaton's pointer reuse),
-    ``adaptive`` (the gate decides which tokens search and their λ), or a plain search of every query; see
-    :func:`score_tokens`. ``provenance`` drops self-matches (before pointer survivors are counted). Keeping this apart
-    from the forward pass lets one forward pass serve several memories and options (e.g. benchmarks/bench_efficient.py).
+    ``config``: a :class:`RetrievalConfig` (or ``k``, with its other fields as ``options``: ``pointer_min=16``...).
+    ``found``: scores and ids already searched (pipelined). ``provenance`` drops self-matches (before pointer
+    survivors are counted). ``memory``: a :class:`DatastoreMemory` (every strategy) or any memory (one plain search).
+    Keeping this apart from the forward pass lets one forward pass serve several memories and options (e.g.
+    benchmarks/bench_efficient.py).
     """
+    if not isinstance(config, RetrievalConfig):
+        config = RetrievalConfig.with_options(k=int(config), **options)
+    k = config.k
+    if not isinstance(memory, DatastoreMemory):  # any memory: one plain search, its own description
+        scores, values, log_counts = memory.search(queries, k).tensors()
+        ts.knn_scores, ts.knn_values = scores.float().numpy(), values.numpy().astype(np.int32)
+        ts.knn_log_counts = None if log_counts is None else log_counts.float().numpy()
+        ts.meta.update(**describe_memory(memory), k=k, drop_self_matches=False)
+        return ts
     if found is not None:
         sc, ids = found
-    elif pointer_min:
-        ds = memory.datastore
-        sc, ids, ts.searched = pointer_retrieve(
-            queries, ts.targets, ts.doc_index, lambda x: memory.search_ids(x, k, progress=False), ds.keys, ds.values,
-            ds.doc_hash, ds.offset, k, pointer_min, memory.metric, rule=pointer_rule, provenance=provenance,
-            progress=progress,
-        )  # fmt: skip
-    elif adaptive is not None:
-        gate = AdaptiveGate.load(adaptive)
-        features = gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position)
-        threshold = 0.0 if adaptive_fraction is None else threshold_for_fraction(gate, features, adaptive_fraction)
-        ts.knn_lambda, ts.searched = gate_lambdas(gate, features, threshold)
-        sc = np.full((len(queries), k), -np.inf, dtype=np.float32)
-        ids = np.full((len(queries), k), -1, dtype=np.int64)
-        if ts.searched.any():
-            sc[ts.searched], ids[ts.searched] = memory.search_ids(queries[ts.searched], k)
     else:
-        sc, ids = memory.search_ids(queries, k)
+        sc, ids = EFFICIENCY_STRATEGIES[config.efficiency](ts, queries, memory, config, provenance, progress)
     r = memory.retrieved(sc, ids, provenance)
     ts.knn_scores, ts.knn_values, ts.knn_log_counts = r.scores, r.values.astype(np.int32), r.log_counts
     ts.meta.update(**memory.describe(), k=k, drop_self_matches=provenance is not None)
-    if pointer_min:
+    if config.pointer_min:
         ts.meta["scores"] = "exact"  # pointer reuse scores every row from the stored keys
     return ts
+
+
+def _plain_search_only(memory: Any, config: RetrievalConfig) -> None:
+    """A memory other than a datastore is searched as it is: refuse the options that need a datastore's index, keys
+    or provenance."""
+    asked = [name for name, on in (("search", config.search != "index"), ("scores", config.scores != "index"),
+                                   ("index", config.index is not None), ("drop_self_matches", config.drop_self_matches),
+                                   ("adaptive", config.adaptive is not None), ("pointer_min", bool(config.pointer_min)),
+                                   ("pipeline", config.pipeline)) if on]  # fmt: skip
+    if asked:
+        raise MemlmError(
+            f"{', '.join(asked)} need a datastore (its index, keys and entry provenance); "
+            f"{type(memory).__name__} is searched as it is: leave them at their defaults"
+        )
+
+
+def _scoring_memory(datastore: Any, config: RetrievalConfig, progress: bool) -> tuple[Any, RetrievalConfig]:
+    """The memory ``score_tokens`` searches and the config it records (the index file searched filled in)."""
+    if isinstance(datastore, DatastoreBase):
+        memory = DatastoreMemory(datastore, config.search, config.scores, config.nprobe, index_path=config.index,
+                                 progress=progress)  # fmt: skip
+        return memory, config.replace(index=str(memory.index_path) if config.search == "index" else None)
+    memory = as_memory(datastore)  # any memory: searched as it is
+    _plain_search_only(memory, config)
+    return memory, config
 
 
 def score_tokens(
     model,
     tokenizer,
     documents: Sequence,
-    datastore: Datastore | None = None,
-    k: int = 1024,
-    window: int = 1024,
-    min_context: int = 512,
+    datastore: DatastoreBase | Memory | None = None,
+    config: RetrievalConfig | None = None,
+    *,
     batch_size: int = 4,
-    search: str = "index",
-    scores: str = "index",
-    nprobe: int = 32,
-    drop_self_matches: bool = False,
-    cache: bool = False,
-    cache_k: int = 256,
-    cache_max_len: int = 2048,
-    cache_metric: str = "ip",
     progress: bool = True,
     meta: dict[str, Any] | None = None,
-    stride: int | None = None,
-    block_start: str = "skip",
-    adaptive: str | Path | None = None,
-    adaptive_fraction: float | None = None,
-    pointer_min: int = 0,
-    pipeline: bool = False,
-    index_path: str | Path | None = None,
-    pointer_rule: str = "retomaton",
     ngram: Any | None = None,
+    **options: Any,
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
 
+    ``config`` (:class:`memlm.core.config.RetrievalConfig`) holds every retrieval and windowing setting: ``k``,
+    ``search`` / ``scores`` / ``nprobe`` / ``index`` (another index of the datastore, e.g. a compressed ``OPQ``/``PCA``
+    one), ``drop_self_matches``, the windows (``window`` 1024 and ``min_context`` 512 when not set; ``stride`` replaces
+    ``min_context``; ``stride = window`` gives non-overlapping blocks, ``block_start`` skip or bos, as in
+    :func:`lm_scores`), the continuous cache (``cache``, ``cache_k``, ``cache_max_len``, ``cache_metric``) and the
+    efficiency options. ``options`` set its fields by name on top of ``config`` (``k=16, window=64``; ``index_path``
+    is ``index``), the older keyword spelling. The config is recorded in ``meta["retrieval"]``.
+
+    With a ``datastore`` (plain or sharded), its key role is used for the queries and the model must be the one that
+    built it. ``datastore`` may also be any memory with a ``key_spec`` (:func:`memlm.retrieval.as_memory`): it is
+    searched once per token as it is (the options below that need an index, keys or provenance are refused).
+    ``drop_self_matches`` removes neighbours that are the very token being scored (same document, same offset), for
+    when the evaluated text is also in the datastore. A pruned datastore's merged counts enter the scores.
     ``ngram`` (a :class:`memlm.ngram.memory.NgramMemory`) adds the ∞-gram's per-target statistics
     (:func:`memlm.ngram.mixture.add_ngram`), alone or beside the datastore's neighbours.
 
-    Windows as in :func:`lm_scores` (``stride = window`` for non-overlapping blocks, ``block_start`` skip or bos).
-
-    With a ``datastore``, its key role is used for the queries and the model must be the one that built it.
-    ``drop_self_matches`` removes neighbours that are the very token being scored (same document, same offset), for
-    when the evaluated text is also in the datastore. A pruned datastore's merged counts enter the scores.
-    ``index_path`` searches another index of the datastore (e.g. a compressed ``OPQ``/``PCA`` one).
-
-    Efficiency options (:mod:`memlm.knnlm`; each recorded in ``meta["retrieval"]``):
+    Efficiency options (:mod:`memlm.knnlm`; :data:`EFFICIENCY_STRATEGIES`, chosen by ``config.efficiency``):
 
     * ``adaptive``: a trained gate file (:class:`memlm.knnlm.adaptive.AdaptiveGate`, He et al. 2021) gives each
       token its λ; tokens below the gate's threshold (set so that ``adaptive_fraction`` of the tokens are searched,
@@ -366,48 +416,41 @@ def score_tokens(
     * ``pipeline``: each forward batch's queries are searched in a background thread while the model computes the
       next batch (FAISS releases the GIL). Not combinable with the two above, which need every query first.
     """
-    config = RetrievalConfig(
-        k=k, search=search, scores=scores, nprobe=nprobe, drop_self_matches=drop_self_matches, window=window,
-        stride=stride, min_context=None if stride is not None else min_context, cache=cache,
-        adaptive=None if adaptive is None else str(adaptive), adaptive_fraction=adaptive_fraction,
-        pointer_min=pointer_min, pointer_rule=pointer_rule, pipeline=pipeline,
-    )  # fmt: skip
-    if pipeline and (adaptive is not None or pointer_min):
-        raise MemlmError("--pipeline searches each batch as it comes; adaptive retrieval and pointer reuse need every "
-                         "query first: use one or the other")  # fmt: skip
+    config = RetrievalConfig.with_options(config, **options)
+    window = config.window or 1024
+    min_context = config.min_context if config.min_context is not None else 512
+    config = config.replace(window=window, min_context=None if config.stride is not None else min_context)
     specs: list[KeySpec] = []
     memory = None
     if datastore is not None:
-        datastore.check_compatible(model, tokenizer)
-        specs.append(datastore.key_spec)
-        memory = DatastoreMemory(datastore, search, scores, nprobe, index_path=index_path, progress=progress)
-        config = config.replace(index=str(memory.index_path) if search == "index" else None)
-    if cache:
+        memory, config = _scoring_memory(datastore, config, progress)
+        check = getattr(memory, "check_compatible", None)
+        if check is not None:
+            check(model, tokenizer)
+        specs.append(memory.key_spec)
+    if config.cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
     pending: list[Future] = []
-    pipelined = pipeline and memory is not None
+    pipelined = config.pipeline and memory is not None
     with ThreadPoolExecutor(max_workers=1) if pipelined else contextlib.nullcontext() as pool:
         on_batch = None
         if pipelined:
-            spec = datastore.key_spec
-            on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], k))  # noqa: E731
+            spec = memory.key_spec
+            on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], config.k))  # noqa: E731
         ts, queries, provenance = lm_scores(model, tokenizer, documents, specs, window, min_context, batch_size,
-                                            progress, meta, stride, block_start, on_batch)  # fmt: skip
+                                            progress, meta, config.stride, config.block_start, on_batch)  # fmt: skip
         t1 = time.perf_counter()
         if memory is not None:
-            q = queries[datastore.key_spec]
-            prov = provenance if drop_self_matches else None
             found = None
             if pending:
                 parts = [f.result() for f in pending]
                 found = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-            attach_neighbours(ts, q, memory, k, prov, adaptive=adaptive, adaptive_fraction=adaptive_fraction,
-                              pointer_min=pointer_min, pointer_rule=pointer_rule, found=found,
-                              progress=progress)  # fmt: skip
+            prov = provenance if config.drop_self_matches else None
+            attach_neighbours(ts, queries[memory.key_spec], memory, config, prov, found, progress)
             ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
     ts.meta["retrieval"] = config.to_dict()
-    if cache:
-        add_cache(ts, queries[specs[-1]], cache_k, cache_max_len, cache_metric)
+    if config.cache:
+        add_cache(ts, queries[specs[-1]], config.cache_k, config.cache_max_len, config.cache_metric)
     if ngram is not None:
         ngram.attach(ts, documents, tokenizer)  # the memory adds its own per-target statistics
     return ts

@@ -31,11 +31,11 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from memlm.core.distribution import interpolate, knn_distribution, mix_logprobs_per_token
-from memlm.datastore import Datastore
+from memlm.core.memory import Memory
+from memlm.datastore import Datastore, DatastoreBase
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture
-from memlm.retrieval import DatastoreMemory
-from memlm.sharded_index import open_index
+from memlm.retrieval import as_memory
 
 __all__ = [
     "KNNLogitsProcessor",
@@ -47,7 +47,9 @@ __all__ = [
 
 
 class KNNLogitsProcessor(LogitsProcessor):
-    """Interpolate each generation step's distribution with the kNN distribution from ``datastore`` (Eq. 2-3).
+    """Interpolate each generation step's distribution with the kNN distribution from ``datastore`` (Eq. 2-3): a
+    datastore (plain or sharded, searched with its own index) or any memory with a ``key_spec``
+    (:func:`memlm.retrieval.as_memory`; λ, τ then given or the defaults).
 
     ``record=True`` keeps, for every call, the ``(scores, ids)`` of the retrieved entries (``[rows, k]``) in
     ``history`` (used to show where a generated token came from). ``index`` reuses an already loaded FAISS index.
@@ -58,7 +60,7 @@ class KNNLogitsProcessor(LogitsProcessor):
     def __init__(
         self,
         model,
-        datastore: Datastore,
+        datastore: DatastoreBase | Memory,
         k: int = 64,
         lam: float | None = None,
         temperature: float | None = None,
@@ -70,12 +72,11 @@ class KNNLogitsProcessor(LogitsProcessor):
         from memlm.knnlm.calibration import knn_parameters
 
         self.model = model
-        self.datastore = datastore
-        lam, temperature, _ = knn_parameters(datastore, lam, temperature, announce=False)  # calibrated by default
+        self.memory = as_memory(datastore, nprobe, index)  # a datastore (its own index) or any memory
+        self.datastore = getattr(self.memory, "datastore", None)  # where calibrated λ, τ are recorded
+        lam, temperature, _ = knn_parameters(self.memory, lam, temperature, announce=False)  # calibrated by default
         self.k, self.lam, self.temperature = k, lam, temperature
-        self.index = index if index is not None else open_index(datastore, nprobe=nprobe)  # FAISS or sharded
-        self.memory = DatastoreMemory(datastore, nprobe=nprobe, index=self.index)
-        self._capture = KeyCapture(model, [datastore.key_spec])
+        self._capture = KeyCapture(model, [self.memory.key_spec])
         self.record = record
         self.history: list[tuple[np.ndarray, np.ndarray]] = []
         self.ngram = ngram
@@ -93,21 +94,20 @@ class KNNLogitsProcessor(LogitsProcessor):
         self._capture.__exit__(*exc)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        keys = self._capture.keys_by_spec[self.datastore.key_spec]
+        keys = self._capture.keys_by_spec[self.memory.key_spec]
         if keys is None:
             raise RuntimeError("KNNLogitsProcessor must be used inside its `with` block")
         if keys.shape[0] != scores.shape[0]:
             raise RuntimeError(f"hooked {keys.shape[0]} rows but got scores for {scores.shape[0]}")
         query = keys[:, -1].float().cpu().numpy()  # [rows, D]: each row's newest position (left padding)
-        sc, ids = self.memory.search_ids(query, self.k)
+        r = self.memory.search(query, self.k)
+        r_scores, r_values, counts = r.tensors()
         if self.record:
-            self.history.append((sc.copy(), ids.copy()))
-        r = self.memory.retrieved(sc, ids)
+            self.history.append((r_scores.numpy().copy(), torch.as_tensor(r.ids).numpy().copy()))
         lm = torch.log_softmax(scores.float(), dim=-1)
-        counts = None if r.log_counts is None else torch.from_numpy(r.log_counts).to(lm.device)
         knn = knn_distribution(
-            torch.from_numpy(r.scores).to(lm.device), torch.from_numpy(r.values).to(lm.device), lm.shape[-1],
-            self.temperature, counts,
+            r_scores.to(lm.device), r_values.to(lm.device), lm.shape[-1], self.temperature,
+            None if counts is None else counts.to(lm.device),
         )  # fmt: skip
         if self.ngram is None:
             return interpolate(lm, knn, self.lam).to(scores.dtype)
@@ -156,7 +156,7 @@ def generate_text(
     model,
     tokenizer,
     prompts: Sequence[str] | Sequence[Sequence[int]],
-    datastore: Datastore | None = None,
+    datastore: DatastoreBase | Memory | None = None,
     index=None,
     k: int = 64,
     lam: float | None = None,

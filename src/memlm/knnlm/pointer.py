@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 
 from memlm import index as index_lib
 from memlm.errors import MemlmError
+from memlm.searcher import as_searcher
 
 __all__ = ["POINTER_RULES", "pointer_retrieve", "pointer_width", "retrieve_with_pointers", "successor_ok"]
 
@@ -224,13 +225,10 @@ def retrieve_with_pointers(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`pointer_retrieve` over a :class:`memlm.datastore.Datastore`, searching its index (default
     ``index.faiss``, or ``index`` / ``index_path``) with the index's metric for the exact scores."""
-    from memlm.sharded_index import index_metric_of, open_index, search_index
-
-    if index is None:
-        index = open_index(datastore, index_path, nprobe=nprobe)
+    searcher = as_searcher(index) if index is not None else datastore.searcher(index_path, nprobe)
     return pointer_retrieve(
-        queries, targets, doc_index, lambda q: search_index(index, q, k), datastore.keys, datastore.values,
-        datastore.doc_hash, datastore.offset, k, min_survivors, index_metric_of(index), lookahead, rule, provenance,
+        queries, targets, doc_index, lambda q: searcher.search(q, k), datastore.keys, datastore.values,
+        datastore.doc_hash, datastore.offset, k, min_survivors, searcher.metric, lookahead, rule, provenance,
     )  # fmt: skip
 
 

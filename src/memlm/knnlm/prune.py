@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from memlm import index as index_lib
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
@@ -59,6 +58,7 @@ from memlm.retrieval import (  # noqa: F401 - load_counts, load_absorbed re-expo
     load_absorbed,
     load_counts,
 )
+from memlm.searcher import open_searcher
 
 __all__ = [
     "greedy_merge",
@@ -225,15 +225,7 @@ def prune_datastore(
     n = len(datastore)
     if n == 0:
         raise MemlmError(f"datastore {datastore.path} is empty; nothing to prune")
-    index = None
-    if search == "index":
-        from memlm.sharded_index import index_metric_of, open_index
-
-        index = open_index(datastore, index_path, nprobe=nprobe)
-        metric = metric or index_metric_of(index)
-    elif metric is None:
-        meta = index_lib.read_index_meta(datastore.index_path)
-        metric = meta["metric"] if meta else "l2"
+    searcher = open_searcher(datastore, search, "index", index_path, nprobe, metric)  # plain or sharded
     old_counts = load_counts(datastore)
     old_absorbed = load_absorbed(datastore) if old_counts is not None else None
     rank = _visit_rank(n, None if seed is None else np.random.default_rng(seed).permutation(n))
@@ -243,12 +235,7 @@ def prune_datastore(
     for s in tqdm(range(0, n, chunk), desc="merge neighbours", unit="chunk", disable=not progress, leave=False):
         e = min(s + chunk, n)
         q = np.ascontiguousarray(datastore.keys[s:e], dtype=np.float32)
-        if index is not None:
-            from memlm.sharded_index import search_index
-
-            _, ids = search_index(index, q, k)
-        else:
-            _, ids = index_lib.exact_search(datastore.keys, q, k, metric)
+        _, ids = searcher.search(q, k)
         src, dst = merge_candidates(values, np.arange(s, e, dtype=np.int64), ids)
         srcs.append(src)
         dsts.append(dst)
@@ -260,7 +247,7 @@ def prune_datastore(
         "k_merge": k_merge,
         "neighbours": k,
         "search": search,
-        "metric": metric,
+        "metric": searcher.metric,
         "order": "rows" if seed is None else f"random (seed {seed})",
         "seed": seed,
         "rule": "He et al. 2021: merge a same-valued neighbour that is not merged and has absorbed nothing",

@@ -17,14 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from memlm.core.distribution import interpolate, knn_distribution
+from memlm.datastore import DatastoreBase
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture
 from memlm.knnlm.calibration import knn_parameters
-from memlm.retrieval import DatastoreMemory
+from memlm.retrieval import as_memory
 from memlm.sharded import open_datastore
 
 __all__ = ["KNNLM", "wrap"]
@@ -46,11 +46,12 @@ class KNNLM:
     ) -> None:
         if isinstance(datastore, str | Path):
             datastore = open_datastore(datastore)
-        self.model, self.datastore, self.k, self.nprobe = model, datastore, int(k), int(nprobe)
+        self.model, self.k, self.nprobe = model, int(k), int(nprobe)
         self.lam, self.temperature, self.parameters_from = knn_parameters(
             datastore, lam, temperature, setting={"k": self.k, "nprobe": self.nprobe, "search": "index"}
         )
-        self.memory = DatastoreMemory(datastore, nprobe=self.nprobe)
+        self.memory = as_memory(datastore, self.nprobe)  # a datastore (plain or sharded) on its own index, or a memory
+        self.datastore = getattr(self.memory, "datastore", None)
         self.ngram = None
         if ngram is not None:
             from memlm.ngram.generate import NgramLogitsProcessor
@@ -76,16 +77,14 @@ class KNNLM:
         Every position of every row is searched (padding too: mask it out of what you read)."""
         if self.ngram is not None:
             raise MemlmError("wrap(..., ngram=) mixes the ∞-gram in generate only; forward is the kNN-LM's")
-        spec = self.datastore.key_spec
+        spec = self.memory.key_spec
         with KeyCapture(self.model, [spec]) as cap:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             keys = cap.keys_by_spec[spec]
         lm = torch.log_softmax(out.logits.float(), dim=-1)
         b, t, v = lm.shape
-        r = self.memory.search(keys.reshape(b * t, -1).float().cpu().numpy(), self.k)
-        counts = None if r.log_counts is None else torch.from_numpy(r.log_counts)
-        knn = knn_distribution(torch.from_numpy(r.scores), torch.from_numpy(r.values.astype(np.int64)), v,
-                               self.temperature, counts)  # fmt: skip
+        scores, values, counts = self.memory.search(keys.reshape(b * t, -1).float().cpu().numpy(), self.k).tensors()
+        knn = knn_distribution(scores, values, v, self.temperature, counts)
         mixed = interpolate(lm.reshape(b * t, v), knn.to(lm.device), self.lam).reshape(b, t, v).float()
         out.logits = mixed
         if labels is not None:
@@ -106,8 +105,8 @@ class KNNLM:
         for name, off in (("temperature", 1.0), ("top_k", None), ("top_p", None), ("min_p", None)):
             kwargs.setdefault(name, off)
         extra = list(kwargs.pop("logits_processor", None) or [])
-        with KNNLogitsProcessor(self.model, self.datastore, k=self.k, lam=self.lam, temperature=self.temperature,
-                                nprobe=self.nprobe, index=self.memory.index, ngram=self.ngram) as proc:  # fmt: skip
+        with KNNLogitsProcessor(self.model, self.memory, k=self.k, lam=self.lam, temperature=self.temperature,
+                                ngram=self.ngram) as proc:  # fmt: skip
             return self.model.generate(*args, logits_processor=LogitsProcessorList([proc, *extra]), **kwargs)
 
 
@@ -120,7 +119,11 @@ def wrap(model, datastore, **options: Any) -> KNNLM:
     if isinstance(datastore, str | Path):
         datastore = open_datastore(datastore)
     tokenizer = options.pop("tokenizer", None)
-    if tokenizer is not None:
+    if not isinstance(datastore, DatastoreBase):  # any memory (memlm.retrieval.as_memory): its own check, if any
+        check = getattr(datastore, "check_compatible", None)
+        if check is not None and tokenizer is not None:
+            check(model, tokenizer)
+    elif tokenizer is not None:
         datastore.check_compatible(model, tokenizer)
     else:
         from memlm.resources import model_fingerprint

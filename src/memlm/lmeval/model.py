@@ -46,16 +46,17 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
-from memlm import index as index_lib
 from memlm.core.distribution import knn_distribution, mix_logprobs, mix_logprobs_per_token
-from memlm.datastore import Datastore
+from memlm.core.memory import Memory
+from memlm.datastore import DatastoreBase
 from memlm.errors import MemlmError
 from memlm.forward import rolling_forward
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.calibration import knn_parameters
 from memlm.knnlm.evaluate import CACHE_KEY, memory_logprob
-from memlm.retrieval import DatastoreMemory
+from memlm.retrieval import as_memory
+from memlm.sharded import open_datastore
 
 __all__ = ["MemlmLM"]
 
@@ -83,7 +84,7 @@ class MemlmLM(TemplateLM):
         self,
         model: Any = "smollm2-135m",
         tokenizer: Any = None,
-        datastore: str | Path | Datastore | None = None,
+        datastore: str | Path | DatastoreBase | Memory | None = None,
         lam: float | None = None,
         temperature: float | None = None,
         k: int = 1024,
@@ -123,16 +124,17 @@ class MemlmLM(TemplateLM):
             raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.datastore = Datastore.open(datastore) if isinstance(datastore, str | Path) else datastore
+        source = open_datastore(datastore) if isinstance(datastore, str | Path) else datastore  # or any memory
+        self.datastore = source if isinstance(source, DatastoreBase) else getattr(source, "datastore", None)
         self.cache = _as_bool(cache)
         self.parameters_from = None
-        if self.datastore is not None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
+        if source is not None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
             setting = {"k": int(k), "nprobe": int(nprobe), "search": "index"}  # a notice if calibrated otherwise
-            lam, temperature, self.parameters_from = knn_parameters(self.datastore, lam, temperature, setting=setting)
+            lam, temperature, self.parameters_from = knn_parameters(source, lam, temperature, setting=setting)
         self.lam = float(lam) if lam is not None else 0.0
         temperature = 1.0 if temperature is None else temperature
         self.cache_lambda = float(cache_lambda) if self.cache else 0.0
-        if self.datastore is None and self.lam:
+        if source is None and self.lam:
             raise MemlmError(f"lam={self.lam} needs a datastore: pass datastore=DIR (or lam=0)")
         if not 0.0 <= self.lam + self.cache_lambda <= 1.0 or self.lam < 0 or self.cache_lambda < 0:
             raise MemlmError(f"lam={self.lam} and cache_lambda={self.cache_lambda} must be >= 0 and sum to at most 1")
@@ -173,11 +175,13 @@ class MemlmLM(TemplateLM):
         self.progress = _as_bool(progress)
         self.specs: list[KeySpec] = []
         self.index = self.memory = None
-        if self.datastore is not None:
-            self.datastore.check_compatible(self.model, self.tokenizer)
-            self.index = index_lib.load_index(self.datastore.index_path, nprobe=self.nprobe)
-            self.memory = DatastoreMemory(self.datastore, nprobe=self.nprobe, index=self.index)
-            self.specs.append(self.datastore.key_spec)
+        if source is not None:
+            check = getattr(source, "check_compatible", None)  # a datastore's: before its index is read
+            if check is not None:
+                check(self.model, self.tokenizer)
+            self.memory = as_memory(source, self.nprobe)  # a datastore (plain or sharded) on its own index, or a memory
+            self.index = getattr(self.memory, "searcher", None)
+            self.specs.append(self.memory.key_spec)
         self.cache_spec = CACHE_KEY.normalized(num_layers(self.model)) if self.cache else None
         if self.cache_spec is not None and self.cache_spec not in self.specs:
             self.specs.append(self.cache_spec)
@@ -249,7 +253,7 @@ class MemlmLM(TemplateLM):
         """The mixture weights, LM first: scalars, plus the per-token ``λ_∞`` (``[n, 1]`` or ``[n]``) last."""
         lm = 1.0 - self.lam - self.cache_lambda
         weights: list = [lm if lam_inf is None else lm - lam_inf]  # λ_∞ is appended last
-        if self.datastore is not None:
+        if self.memory is not None:
             weights.append(self.lam)
         if self.cache:
             weights.append(self.cache_lambda)
@@ -283,7 +287,7 @@ class MemlmLM(TemplateLM):
         """
         out = []
         if self.memory is not None:
-            r = self.memory.search(keys[self.datastore.key_spec][rows], self.k)
+            r = self.memory.search(keys[self.memory.key_spec][rows], self.k)
             out.append((r.scores, r.values, self.temperature, r.log_counts))
         if self.cache_spec is not None:
             cs, cv = continuous_cache(
@@ -410,10 +414,10 @@ class MemlmLM(TemplateLM):
         from memlm.ngram.generate import NgramLogitsProcessor
 
         ngram = NgramLogitsProcessor(self.ngram, *self.ngram_lambdas)
-        if self.datastore is None or not self.lam:
+        if self.memory is None or not self.lam:
             return ngram
-        return KNNLogitsProcessor(self.model, self.datastore, k=self.k, lam=self.lam, temperature=self.temperature,
-                                  nprobe=self.nprobe, index=self.index, ngram=ngram)  # fmt: skip
+        return KNNLogitsProcessor(self.model, self.memory, k=self.k, lam=self.lam, temperature=self.temperature,
+                                  nprobe=self.nprobe, ngram=ngram)  # fmt: skip
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
@@ -436,8 +440,7 @@ class MemlmLM(TemplateLM):
                 self.model,
                 self.tokenizer,
                 [ctx],
-                datastore=self.datastore,
-                index=self.index,
+                datastore=self.memory,
                 k=self.k,
                 lam=self.lam,
                 temperature=self.temperature,

@@ -45,13 +45,13 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import faiss
 import numpy as np
 import torch
 
 from memlm.core.distribution import knn_distribution, value_logsumexp
 from memlm.core.memory import Retrieved
 from memlm.errors import MemlmError
+from memlm.index import blas_threshold
 from memlm.npm.encoder import encode_query
 from memlm.npm.phrase_index import PhraseIndex
 
@@ -198,7 +198,7 @@ class PhraseMemory:
     def search(self, queries: np.ndarray, k: int) -> Retrieved:
         q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
         if self.rows is None:
-            step = max(1, int(faiss.cvar.distance_compute_blas_threshold) - 1)
+            step = max(1, blas_threshold() - 1)
             found = [self.pi.search(q[s : s + step], k) for s in range(0, len(q), step)]
             scores, ids = np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
         else:

@@ -48,7 +48,7 @@ from memlm.datastore import model_identity
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_json
 from memlm.folder import FolderFormat
-from memlm.index import FLAT_MAX_N, build_index, load_index, search
+from memlm.index import FLAT_MAX_N, build_index, flat_ip_index, load_index, search
 from memlm.npm.encoder import _cls_sep_pad, encode_sequences, max_block_tokens
 from memlm.windows import doc_hash
 
@@ -163,8 +163,6 @@ class PhraseIndex:
         ``block`` defaults to ``doc`` (one block per document) and ``doc`` to ``block`` (one document per block); with
         neither, everything is one block of one document.
         """
-        import faiss
-
         vec = np.ascontiguousarray(vectors, dtype=np.float32)
         if vec.ndim != 2:
             raise MemlmError(f"vectors must be [N, D], got shape {vec.shape}")
@@ -188,8 +186,7 @@ class PhraseIndex:
         ids = [str(i) for i in range(n_docs)] if doc_ids is None else list(doc_ids)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "count": n, "dim": d,
                     "n_blocks": int(blk.max()) + 1 if n else 0, "encoder": None}  # fmt: skip
-        index = faiss.IndexFlatIP(d)
-        index.add(vec)
+        index = flat_ip_index(vec)
         return cls(Path("."), manifest, vec, tok, doc_a, pos, blk, ids, _faiss=index)
 
     @property

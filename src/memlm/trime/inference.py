@@ -43,13 +43,13 @@ import functools
 import itertools
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import faiss
 import numpy as np
 import torch
 
@@ -67,10 +67,12 @@ from memlm.core.distribution import (
 )
 from memlm.core.dumps import TokenDump
 from memlm.core.tuning import grid_search
-from memlm.datastore import Datastore
+from memlm.datastore import Datastore, DatastoreBase
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
+from memlm.searcher import as_searcher
+from memlm.sharded import open_datastore
 from memlm.trime.batching import Segment, TokenWindow
 from memlm.trime.training import G_SPEC, tokenize_for_trime
 from memlm.windows import doc_hash
@@ -277,29 +279,32 @@ def _memory_terms(
     return out_all, out_hit
 
 
-def _key_sqnorms(datastore: Datastore, chunk: int = 65536) -> np.ndarray:
+_KEY_SQNORMS: dict[int, np.ndarray] = {}  # id(datastore) -> its keys' squared norms, dropped with the datastore
+
+
+def _key_sqnorms(datastore: DatastoreBase, chunk: int = 65536) -> np.ndarray:
     """``[N]`` float64 ``||k||^2`` of the datastore's keys (as float32 values), computed once per datastore object
-    (kept on it, 8 bytes per entry)."""
-    out = getattr(datastore, "_trime_key_sqnorms", None)
+    (8 bytes per entry, kept while the datastore object lives)."""
+    out = _KEY_SQNORMS.get(id(datastore))
     if out is None or len(out) != len(datastore.keys):
         keys = datastore.keys
         out = np.empty(len(keys), dtype=np.float64)
         for s in range(0, len(keys), chunk):
             kc = np.asarray(keys[s : s + chunk], dtype=np.float32).astype(np.float64)
             out[s : s + chunk] = np.einsum("nd,nd->n", kc, kc)
-        datastore._trime_key_sqnorms = out
+        _KEY_SQNORMS[id(datastore)] = out
+        weakref.finalize(datastore, _KEY_SQNORMS.pop, id(datastore), None)
     return out
 
 
-def _dot_from_index(datastore: Datastore, index, queries: np.ndarray, sc: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def _dot_from_index(
+    datastore: DatastoreBase, index, queries: np.ndarray, sc: np.ndarray, ids: np.ndarray
+) -> np.ndarray:
     """``q . k`` of the retrieved entries from the index's own exact distances (``ext_scores="dot-index"``): the
     inner product itself for an ``ip`` index; ``(||q||^2 + ||k||^2 - ||q - k||^2) / 2`` (float64, with the stored keys'
     norms) for an ``l2`` one. Only for indexes whose distances are exact (``Flat``, ``IVF...,Flat``): the result is
     q.k up to float32 rounding (the index's float32 distance), without reading the neighbours' keys again."""
-    base = faiss.downcast_index(index) if isinstance(index, faiss.Index) else None
-    ivf = faiss.try_extract_index_ivf(index) if base is not None else None
-    ivf = faiss.downcast_index(ivf) if ivf is not None else None
-    if not (isinstance(base, faiss.IndexFlat) or isinstance(ivf, faiss.IndexIVFFlat)):
+    if index is None or not index_lib.has_exact_distances(index):
         raise MemlmError(
             "ext_scores='dot-index' needs an index with exact distances (Flat or IVF...,Flat); this one compresses "
             "the keys: use ext_scores='dot' (recomputed from the stored keys)"
@@ -330,7 +335,8 @@ def _retrieve_external(
         if ext_scores == "dot":
             sc = index_lib.exact_scores(memory.datastore.keys, ids, queries, "ip") * np.float32(scale)
         else:
-            sc = _dot_from_index(memory.datastore, memory.index, queries, sc, ids) * np.float32(scale)
+            index = getattr(memory.searcher, "index", None)  # the FAISS index of a one-folder datastore
+            sc = _dot_from_index(memory.datastore, index, queries, sc, ids) * np.float32(scale)
         order = np.argsort(-sc, axis=1, kind="stable")
         sc, ids = np.take_along_axis(sc, order, 1), np.take_along_axis(ids, order, 1)
     prov = None if provenance is None else {"doc_hash": provenance[0], "offset": provenance[1]}
@@ -338,12 +344,10 @@ def _retrieve_external(
     return r.scores, r.values.astype(np.int32)
 
 
-def _nprobe_of(index, default: int) -> int:
+def _nprobe_of(searcher, default: int) -> int:
     """The nprobe an IVF index searches with (``default`` when no index or no IVF index is used)."""
-    if index is None:
-        return default
-    ivf = faiss.try_extract_index_ivf(index) if isinstance(index, faiss.Index) else None
-    return default if ivf is None else int(ivf.nprobe)
+    nprobe = None if searcher is None else getattr(searcher, "nprobe", None)
+    return default if nprobe is None else int(nprobe)
 
 
 @torch.inference_mode()
@@ -433,13 +437,15 @@ def score_trime(
         if search != "index":
             index = None
         elif index is None:
-            index = index_lib.load_index(datastore.index_path, nprobe=nprobe)
-        elif int(index.ntotal) != len(datastore) or int(index.d) != int(datastore.keys.shape[1]):
-            raise MemlmError(
-                f"the index passed holds {int(index.ntotal):,} x {int(index.d)} keys, the datastore {datastore.path} "
-                f"{len(datastore):,} x {int(datastore.keys.shape[1])}: pass its own index"
-            )
-        memory = DatastoreMemory(datastore, search, "index", nprobe, index=index)
+            index = datastore.searcher(nprobe=nprobe)  # plain or sharded
+        else:
+            index = as_searcher(index)
+            if int(index.ntotal) != len(datastore) or int(index.d) != int(datastore.keys.shape[1]):
+                raise MemlmError(
+                    f"the index passed holds {int(index.ntotal):,} x {int(index.d)} keys, the datastore "
+                    f"{datastore.path} {len(datastore):,} x {int(datastore.keys.shape[1])}: pass its own index"
+                )
+        memory = DatastoreMemory(datastore, search, "index", nprobe, searcher=index)
     docs = list(documents)
     if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
         raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
@@ -908,7 +914,7 @@ def run_trime_eval(
     from memlm.train_lm import load_corpora
     from memlm.windows import limit_documents
 
-    ds = Datastore.open(datastore) if datastore else None
+    ds = open_datastore(datastore) if datastore else None
     lm, tok = load_causal_lm(model, dtype=dtype)
     if ds is not None:
         want = G_SPEC.normalized(num_layers(lm))
