@@ -123,7 +123,7 @@ def one(args: argparse.Namespace) -> None:
         "temperature": res.get("temperature"),
         "tuned_on": variant_of(args.one) if ds is not None else None,
         "searched_fraction": (float(ts.searched.mean()) if ts.searched is not None else (1.0 if ds else 0.0)),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_mib(),
         "seconds_forward": ts.meta.get("seconds_forward"),
         "seconds_search_after_forward": ts.meta.get("seconds_search"),
         "torch_threads": torch.get_num_threads(),
@@ -273,6 +273,19 @@ def cpu_times() -> tuple[float, float]:
     fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
     return (sum(fields[:8]) - idle) / hz, sum(fields[:8]) / hz
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak RSS (VmHWM of /proc/self/status). Not ``getrusage``'s ``ru_maxrss``: on Linux it keeps
+    the high-water mark of the parent at fork across exec, so a row started by a parent that had run the setup (and
+    grown to ~3.8 GB) reported the parent's peak (the 300k / 100k rows of the issue 24 rerun)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def wait_for_idle(busy_limit: float, load_limit: float | None, sample: float = 5.0, max_wait: float = 900.0) -> dict:
