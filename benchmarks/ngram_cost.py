@@ -27,9 +27,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_efficient import wait_for_idle  # noqa: E402
+from bench_efficient import peak_rss_mib, wait_for_idle  # noqa: E402
 
 CORPORA = {"wikitext2-train": "wikitext2", "all-offline-train": "wiki,news,brown,bbc,wikitext2,imdb"}
+
+
+def _rss_mib() -> float:
+    """This process's resident set now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _write(path: Path, data: dict) -> None:
@@ -86,7 +94,8 @@ def query(args: argparse.Namespace) -> None:
     chunks = [c.tokens for c in tokenize_documents(docs, tok)]
     n_tokens = sum(len(c) for c in chunks)
     rng = np.random.default_rng(0)
-    out: dict = {"machine": {"cpus": os.cpu_count()}, "eval_tokens": n_tokens, "indexes": {}}
+    out: dict = {"machine": {"cpus": os.cpu_count()}, "eval_tokens": n_tokens, "indexes": {},
+                 "rss_before_any_index_mib": _rss_mib(), "peak_rss_before_any_index_mib": peak_rss_mib()}  # fmt: skip
     for path in args.index:
         memory = NgramMemory(path)
         rec: dict = {"index": path, "index_tokens": int(memory.index.manifest["tokens"])}
@@ -117,7 +126,8 @@ def query(args: argparse.Namespace) -> None:
             ms = 1000 * np.asarray(xs)
             rec[name] = {"queries": len(ms), "p50_ms": float(np.percentile(ms, 50)),
                          "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean())}  # fmt: skip
-        rec["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rec["peak_rss_mib"] = peak_rss_mib()  # the process: tokenizer + model loaded before, then the index's pages
+        rec["rss_after_mib"] = _rss_mib()
         rec["load_avg_after"] = os.getloadavg()
         out["indexes"][Path(path).name] = rec
         print(Path(path).name, json.dumps(rec), flush=True)
