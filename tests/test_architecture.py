@@ -232,3 +232,21 @@ class C:
         return torch.nn.functional.log_softmax(x, -1)
 """
     assert _normaliser_calls(ast.parse(src)) == [("f", 5), ("f", 6), ("f", 6), ("f", 6), ("C.g", 9)]
+
+
+RETRIEVAL_PATH = ["searcher.py", "retrieval.py", "core", "knnlm/evaluate.py", "knnlm/generate.py", "knnlm/pointer.py",
+                  "knnlm/prune.py", "knnlm/wrap.py", "lmeval/model.py", "trime/inference.py", "ngram/memory.py",
+                  "ngram/mixture.py"]  # fmt: skip
+
+
+def test_no_function_on_the_retrieval_path_over_80_lines():
+    long = []
+    for part in RETRIEVAL_PATH:
+        target = SRC / part
+        for path in sorted(target.rglob("*.py") if target.is_dir() else [target]):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 80:
+                        long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)

@@ -148,6 +148,19 @@ def test_positions_subset_and_search_distribution(tok, corpus, index):
     assert int(r.ids[0, 0]) == full.n[6]
 
 
+def test_cold_positions_equal_the_walk(tok, corpus, index):
+    """Each position scored alone (its longest suffix found from scratch: a few steps down, then a binary search over
+    the length) gives what the left-to-right walk gives there, deep into contexts far longer than any match."""
+    memory = NgramMemory(index)
+    d = np.array([*_ids(tok, " ".join(doc.text for doc in corpus[3:7])), tok.eos_token_id])
+    full = memory.score_documents([d], [np.arange(len(d))])
+    checked = range(0, len(d), max(1, len(d) // 40))
+    assert sum(full.n[p] + 5 < p + 1 for p in checked) > 5  # cold starts that drop past the linear steps
+    for p in checked:
+        one = memory.score_documents([d], [np.array([p])])
+        assert (one.count[0], one.n[0], one.logprob[0]) == (full.count[p], full.n[p], full.logprob[p]), p
+
+
 def test_index_under_a_folder_named_like_an_engine_file(tok, corpus, index, tmp_path):
     # the engine sorts files by words in their whole path: under ".../writes_table_0/" every file looked like a suffix
     # array and the engine crashed (segmentation fault), so the check runs in a child process

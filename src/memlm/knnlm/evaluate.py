@@ -172,13 +172,8 @@ def lm_scores(
                                           "max": []}  # fmt: skip
     queries: dict[KeySpec, list[np.ndarray]] = {s: [] for s in specs}
     bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    windows = sliding_windows(
-        tokenize_documents(documents, tokenizer),
-        window,
-        stride=stride,
-        block_start=block_start,
-        bos_id=bos_id,
-    )
+    tokens = tokenize_documents(documents, tokenizer)
+    windows = sliding_windows(tokens, window, stride=stride, block_start=block_start, bos_id=bos_id)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t0 = time.perf_counter()
     with tqdm(total=n_total, unit="tok", desc="forward", disable=not progress, dynamic_ncols=True) as bar:
@@ -372,6 +367,33 @@ def _scoring_memory(datastore: Any, config: RetrievalConfig, progress: bool) -> 
     return memory, config
 
 
+def _forward_and_search(
+    model, tokenizer, documents, memory, config: RetrievalConfig, specs, batch_size: int, progress: bool, meta
+) -> tuple[TokenScores, dict[KeySpec, np.ndarray]]:
+    """:func:`lm_scores` and, with a memory, :func:`attach_neighbours` (pipelined: each forward batch's queries are
+    searched in a background thread while the model computes the next)."""
+    pending: list[Future] = []
+    pipelined = config.pipeline and memory is not None
+    window, min_context = config.window, config.min_context if config.min_context is not None else 512
+    with ThreadPoolExecutor(max_workers=1) if pipelined else contextlib.nullcontext() as pool:
+        on_batch = None
+        if pipelined:
+            spec = memory.key_spec
+            on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], config.k))  # noqa: E731
+        ts, queries, provenance = lm_scores(model, tokenizer, documents, specs, window, min_context, batch_size,
+                                            progress, meta, config.stride, config.block_start, on_batch)  # fmt: skip
+        t1 = time.perf_counter()
+        if memory is not None:
+            found = None
+            if pending:
+                parts = [f.result() for f in pending]
+                found = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+            prov = provenance if config.drop_self_matches else None
+            attach_neighbours(ts, queries[memory.key_spec], memory, config, prov, found, progress)
+            ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
+    return ts, queries
+
+
 def score_tokens(
     model,
     tokenizer,
@@ -417,9 +439,8 @@ def score_tokens(
       next batch (FAISS releases the GIL). Not combinable with the two above, which need every query first.
     """
     config = RetrievalConfig.with_options(config, **options)
-    window = config.window or 1024
-    min_context = config.min_context if config.min_context is not None else 512
-    config = config.replace(window=window, min_context=None if config.stride is not None else min_context)
+    min_context = None if config.stride is not None else (config.min_context if config.min_context is not None else 512)
+    config = config.replace(window=config.window or 1024, min_context=min_context)
     specs: list[KeySpec] = []
     memory = None
     if datastore is not None:
@@ -430,24 +451,7 @@ def score_tokens(
         specs.append(memory.key_spec)
     if config.cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
-    pending: list[Future] = []
-    pipelined = config.pipeline and memory is not None
-    with ThreadPoolExecutor(max_workers=1) if pipelined else contextlib.nullcontext() as pool:
-        on_batch = None
-        if pipelined:
-            spec = memory.key_spec
-            on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], config.k))  # noqa: E731
-        ts, queries, provenance = lm_scores(model, tokenizer, documents, specs, window, min_context, batch_size,
-                                            progress, meta, config.stride, config.block_start, on_batch)  # fmt: skip
-        t1 = time.perf_counter()
-        if memory is not None:
-            found = None
-            if pending:
-                parts = [f.result() for f in pending]
-                found = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-            prov = provenance if config.drop_self_matches else None
-            attach_neighbours(ts, queries[memory.key_spec], memory, config, prov, found, progress)
-            ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
+    ts, queries = _forward_and_search(model, tokenizer, documents, memory, config, specs, batch_size, progress, meta)
     ts.meta["retrieval"] = config.to_dict()
     if config.cache:
         add_cache(ts, queries[specs[-1]], config.cache_k, config.cache_max_len, config.cache_metric)

@@ -108,6 +108,39 @@ def _sort_rows(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
 
 
+def _check_inputs(q, targets, doc_index, store: tuple, sizes: tuple[int, int, int], provenance) -> None:
+    """Shapes of :func:`pointer_retrieve`'s inputs: one query, target and document per token, one datastore."""
+    n = len(targets)
+    if q.ndim != 2 or len(q) != n or len(doc_index) != n:
+        raise MemlmError(
+            f"pointer_retrieve needs queries [N, D], targets [N] and doc_index [N], got {q.shape}, "
+            f"{targets.shape}, {doc_index.shape}"
+        )
+    k, min_survivors, lookahead = sizes
+    if k < 1 or min_survivors < 1 or lookahead < 1:
+        raise MemlmError(f"k, min_survivors and lookahead must be >= 1, got {k}, {min_survivors}, {lookahead}")
+    keys, values, doc_hash, offset = store
+    if not (len(doc_hash) == len(offset) == len(values) == len(keys)):
+        raise MemlmError("keys, values, doc_hash and offset must describe the same datastore entries")
+    if provenance is not None and not (len(provenance["doc_hash"]) == len(provenance["offset"]) == n):
+        raise MemlmError(f"provenance must give the doc_hash and offset of each of the {n} evaluated tokens")
+
+
+def _searched_set(search_fn: SearchFn, qs: np.ndarray, k: int, carry: np.ndarray, todo: np.ndarray, rule: str):
+    """The ids of a searched row's set: the ``k`` search results and, by the authors' rule, the pointers that
+    survived into it (``carry``, then cleared; an entry in both counts once)."""
+    s, i = search_fn(qs)
+    i = np.asarray(i, dtype=np.int64)
+    if np.shape(s) != (len(qs), k) or i.shape != (len(qs), k):
+        raise MemlmError(f"search_fn must return scores and ids of shape [{len(qs)}, {k}], got {np.shape(s)}")
+    if rule == "retomaton":
+        ptr = carry[todo]
+        ptr = np.where((ptr[:, :, None] == i[:, None, :]).any(2), -1, ptr)  # in both: once
+        i = np.concatenate([i, ptr], axis=1)
+        carry[todo] = -1
+    return i
+
+
 def pointer_retrieve(
     queries: np.ndarray,
     targets: np.ndarray,
@@ -145,18 +178,7 @@ def pointer_retrieve(
     targets = np.asarray(targets, dtype=np.int64).reshape(-1)
     doc_index = np.asarray(doc_index).reshape(-1)
     n = len(targets)
-    if q.ndim != 2 or len(q) != n or len(doc_index) != n:
-        raise MemlmError(
-            f"pointer_retrieve needs queries [N, D], targets [N] and doc_index [N], got {q.shape}, "
-            f"{targets.shape}, {doc_index.shape}"
-        )
-    if k < 1 or min_survivors < 1 or lookahead < 1:
-        raise MemlmError(f"k, min_survivors and lookahead must be >= 1, got {k}, {min_survivors}, {lookahead}")
-    nds = len(values)
-    if not (len(doc_hash) == len(offset) == nds == len(keys)):
-        raise MemlmError("keys, values, doc_hash and offset must describe the same datastore entries")
-    if provenance is not None and not (len(provenance["doc_hash"]) == len(provenance["offset"]) == n):
-        raise MemlmError(f"provenance must give the doc_hash and offset of each of the {n} evaluated tokens")
+    _check_inputs(q, targets, doc_index, (keys, values, doc_hash, offset), (k, min_survivors, lookahead), provenance)
     out_s = np.full((n, width), -np.inf, dtype=np.float32)
     out_i = np.full((n, width), -1, dtype=np.int64)
     searched = np.zeros(n, dtype=bool)
@@ -177,16 +199,7 @@ def pointer_retrieve(
             if len(todo):
                 rows = pos[todo]
                 qs = np.ascontiguousarray(q[rows], dtype=np.float32)
-                s, i = search_fn(qs)
-                i = np.asarray(i, dtype=np.int64)
-                if np.shape(s) != (len(rows), k) or i.shape != (len(rows), k):
-                    raise MemlmError(f"search_fn must return scores and ids of shape [{len(rows)}, {k}], got "
-                                     f"{np.shape(s)}")  # fmt: skip
-                if rule == "retomaton":
-                    ptr = carry[todo]
-                    ptr = np.where((ptr[:, :, None] == i[:, None, :]).any(2), -1, ptr)  # in both: once
-                    i = np.concatenate([i, ptr], axis=1)
-                    carry[todo] = -1
+                i = _searched_set(search_fn, qs, k, carry, todo, rule)
                 ids, sc = _sort_rows(i, index_lib.exact_scores(keys, i, qs, metric))
                 out_i[rows], out_s[rows] = ids[:, :width], sc[:, :width]
                 searched[rows] = True

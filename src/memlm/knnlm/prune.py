@@ -190,6 +190,33 @@ def _absorbed_map(datastore: Datastore, keep: np.ndarray, into: np.ndarray, old:
     return np.sort(out, order=["doc_hash", "offset"])
 
 
+def _write_pruned(datastore, out: Path, keep: np.ndarray, counts: np.ndarray, absorbed: np.ndarray, record: dict):
+    """The kept rows as a datastore at ``out`` with ``counts.npy``, ``absorbed.npy`` and the sidecar that ties them to
+    it (written last: the counts are trusted only once the datastore is complete)."""
+    with folder_lock(out, "write a pruned datastore"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / COUNTS_SIDECAR).unlink(missing_ok=True)  # the counts are trusted only once the datastore is complete
+        files = {}
+        for name, arr in ((COUNTS_FILE, counts.astype(np.int64)), (ABSORBED_FILE, absorbed)):
+            buf = io.BytesIO()
+            np.save(buf, arr, allow_pickle=False)
+            atomic_write_bytes(out / name, buf.getvalue())
+            files[name] = out / name
+        pruned = datastore.write_rows(out, keep, {"pruned": record}, "write a pruned datastore")
+        f, fa = files[COUNTS_FILE], files[ABSORBED_FILE]
+        sidecar = {
+            "format": COUNTS_FORMAT,
+            "count": len(keep),
+            "total": int(counts.sum()),
+            "build_id": pruned.manifest["build_id"],
+            "file": {"bytes": f.stat().st_size, "sample_sha256": sample_sha256(f), "sha256": sha256_file(f)},
+            "absorbed": {"count": len(absorbed), "bytes": fa.stat().st_size, "sample_sha256": sample_sha256(fa),
+                         "sha256": sha256_file(fa)},
+        }  # fmt: skip
+        atomic_write_json(out / COUNTS_SIDECAR, sidecar)
+    return pruned
+
+
 def prune_datastore(
     datastore: Datastore,
     out: str | Path,
@@ -257,27 +284,7 @@ def prune_datastore(
     }
     if search == "index":
         record.update(index=str(index_path or datastore.index_path), nprobe=nprobe)
-    with folder_lock(out, "write a pruned datastore"):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / COUNTS_SIDECAR).unlink(missing_ok=True)  # the counts are trusted only once the datastore is complete
-        files = {}
-        for name, arr in ((COUNTS_FILE, counts.astype(np.int64)), (ABSORBED_FILE, absorbed)):
-            buf = io.BytesIO()
-            np.save(buf, arr, allow_pickle=False)
-            atomic_write_bytes(out / name, buf.getvalue())
-            files[name] = out / name
-        pruned = datastore.write_rows(out, keep, {"pruned": record}, "write a pruned datastore")
-        f, fa = files[COUNTS_FILE], files[ABSORBED_FILE]
-        sidecar = {
-            "format": COUNTS_FORMAT,
-            "count": len(keep),
-            "total": int(counts.sum()),
-            "build_id": pruned.manifest["build_id"],
-            "file": {"bytes": f.stat().st_size, "sample_sha256": sample_sha256(f), "sha256": sha256_file(f)},
-            "absorbed": {"count": len(absorbed), "bytes": fa.stat().st_size, "sample_sha256": sample_sha256(fa),
-                         "sha256": sha256_file(fa)},
-        }  # fmt: skip
-        atomic_write_json(out / COUNTS_SIDECAR, sidecar)
+    pruned = _write_pruned(datastore, out, keep, counts, absorbed, record)
     if progress:
         print(f"pruned {datastore.path}: {n:,} -> {len(keep):,} entries ({len(keep) / n:.1%}) with k_merge={k_merge} "
               f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)  # fmt: skip

@@ -67,6 +67,12 @@ def _as_bool(value: Any) -> bool:
     return bool(value)
 
 
+_ARGUMENTS = ("model", "datastore", "lam", "temperature", "k", "nprobe", "cache", "cache_lambda", "cache_temperature",
+              "cache_k", "cache_max_len", "window", "min_context", "max_length", "batch_size", "dtype",
+              "prefix_token_id", "max_gen_toks", "ngram", "ngram_lambda_sparse", "ngram_lambda_dense",
+              "ngram_max_n")  # fmt: skip
+
+
 @register_model("memlm")
 class MemlmLM(TemplateLM):
     """An lm_eval ``LM`` over a memlm model with a kNN-LM datastore and/or a continuous cache.
@@ -110,12 +116,7 @@ class MemlmLM(TemplateLM):
     ) -> None:
         super().__init__()
         if unused:
-            raise MemlmError(
-                f"unknown MemlmLM argument(s) {sorted(unused)}: use model, datastore, lam, temperature, k, nprobe, "
-                "cache, cache_lambda, cache_temperature, cache_k, cache_max_len, window, min_context, max_length, "
-                "batch_size, dtype, prefix_token_id, max_gen_toks, ngram, ngram_lambda_sparse, ngram_lambda_dense, "
-                "ngram_max_n"
-            )
+            raise MemlmError(f"unknown MemlmLM argument(s) {sorted(unused)}: use {', '.join(_ARGUMENTS)}")
         if isinstance(model, str | Path):
             from memlm.resources import load_causal_lm
 
@@ -150,49 +151,48 @@ class MemlmLM(TemplateLM):
                 f"window={self.window} and min_context={self.min_context}: "
                 "need window >= 2 and 1 <= min_context < window"
             )
-        self.ngram = None
-        self.ngram_lambdas: tuple[float, float] = (0.0, 0.0)
+        self.ngram, self.ngram_lambdas = None, (0.0, 0.0)
         if ngram is not None:
-            from memlm.ngram.memory import NgramMemory
-            from memlm.ngram.mixture import ngram_parameters, three_way_weights
-
-            self.ngram = (
-                ngram
-                if isinstance(ngram, NgramMemory)
-                else NgramMemory(ngram, max_n=None if ngram_max_n is None else int(ngram_max_n))
+            self.ngram, self.ngram_lambdas = self._open_ngram(
+                ngram, ngram_max_n, ngram_lambda_sparse, ngram_lambda_dense
             )
-            self.ngram.index.check_tokenizer(self.tokenizer)
-            ls, ld, _ = ngram_parameters(
-                self.ngram.index,
-                None if ngram_lambda_sparse is None else float(ngram_lambda_sparse),
-                None if ngram_lambda_dense is None else float(ngram_lambda_dense),
-                announce=False,
-            )
-            self.ngram_lambdas = three_way_weights(self.lam + self.cache_lambda, float(ls), float(ld))
         self._max_length = int(max_length) if max_length is not None else self.window
         self.batch_size = 4 if str(batch_size).startswith("auto") else int(batch_size)
         self._max_gen_toks = int(max_gen_toks)
         self.progress = _as_bool(progress)
+        self._open_memories(source)
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eot_token_id
+        self._prefix = int(prefix_token_id if prefix_token_id is not None else bos)  # an empty context's prefix
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else int(self.eot_token_id)
+
+    def _open_ngram(self, ngram, max_n, lambda_sparse, lambda_dense) -> tuple[Any, tuple[float, float]]:
+        """The ∞-gram memory (an index folder or an open :class:`NgramMemory`) checked against the tokenizer, and
+        its (λ_sparse, λ_dense) as the three-way mixture shares the weights."""
+        from memlm.ngram.memory import NgramMemory
+        from memlm.ngram.mixture import ngram_parameters, three_way_weights
+
+        memory = ngram if isinstance(ngram, NgramMemory) else NgramMemory(ngram, None if max_n is None else int(max_n))
+        memory.index.check_tokenizer(self.tokenizer)
+        ls, ld, _ = ngram_parameters(memory.index, None if lambda_sparse is None else float(lambda_sparse),
+                                     None if lambda_dense is None else float(lambda_dense), announce=False)  # fmt: skip
+        return memory, three_way_weights(self.lam + self.cache_lambda, float(ls), float(ld))
+
+    def _open_memories(self, source) -> None:
+        """The datastore (plain or sharded, on its own index) or memory searched, and the continuous cache: the key
+        specs one forward pass must capture."""
         self.specs: list[KeySpec] = []
         self.index = self.memory = None
         if source is not None:
             check = getattr(source, "check_compatible", None)  # a datastore's: before its index is read
             if check is not None:
                 check(self.model, self.tokenizer)
-            self.memory = as_memory(source, self.nprobe)  # a datastore (plain or sharded) on its own index, or a memory
+            self.memory = as_memory(source, self.nprobe)
             self.index = getattr(self.memory, "searcher", None)
             self.specs.append(self.memory.key_spec)
         self.cache_spec = CACHE_KEY.normalized(num_layers(self.model)) if self.cache else None
         if self.cache_spec is not None and self.cache_spec not in self.specs:
             self.specs.append(self.cache_spec)
-        if prefix_token_id is not None:
-            self._prefix = int(prefix_token_id)
-        elif tokenizer.bos_token_id is not None:
-            self._prefix = int(tokenizer.bos_token_id)
-        else:
-            self._prefix = int(self.eot_token_id)
-        pad = tokenizer.pad_token_id
-        self.pad_id = int(pad) if pad is not None else int(self.eot_token_id)
 
     # ------------------------------------------------------------------------------------------- lm_eval plumbing
 

@@ -181,6 +181,28 @@ class NgramMemory:
 
     # ------------------------------------------------------------------------------------------------ scoring
 
+    def _longest_suffix(self, q: list[int], end: int, length: int) -> tuple[int, int, list]:
+        """``(L, cnt, segments)`` of the longest suffix of ``q[:end]`` of at most ``length`` tokens that occurs in the
+        index. Counts can only fall as a suffix grows, so the lengths that occur are ``0 .. L``: a few steps down
+        first (at the next position of a walk the longest suffix rarely shrinks by more), then a binary search, so a
+        context seen cold costs ``O(log length)`` finds instead of one per token of its document."""
+        for _ in range(4):
+            count, segs = self._find(q[end - length : end])
+            if count > 0 or length == 0:
+                return length, count, segs
+            length -= 1
+        lo, hi, best = 0, length + 1, None  # cnt(lo) > 0 (the empty suffix), cnt(hi) == 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            count, segs = self._find(q[end - mid : end])
+            if count > 0:
+                lo, best = mid, (count, segs)
+            else:
+                hi = mid
+        if best is None:
+            best = self._find([])
+        return lo, best[0], best[1]
+
     def score_documents(self, documents: Sequence[np.ndarray], positions: Sequence[np.ndarray]) -> NgramScores:
         """Statistics of every target ``documents[j][p]`` for ``p`` in ``positions[j]`` (increasing), the context
         being the document-start marker and ``documents[j][:p]``; results in the order given."""
@@ -200,12 +222,8 @@ class NgramMemory:
                     length = min(length, cap)
                 if p == prev_pos + 1 and length == prev_len + 1 and prev_cont == 0:
                     length -= 1  # cnt(previous suffix · previous target) = 0: that candidate is known to fail
-                while True:
-                    suffix = q[end - length : end]
-                    count, segs = self._find(suffix)
-                    if count > 0 or length == 0:
-                        break
-                    length -= 1
+                length, count, segs = self._longest_suffix(q, end, length)
+                suffix = q[end - length : end]
                 target = int(doc[p])
                 cont = self._cont_count(suffix, target) if count else 0
                 out_lp.append(math.log(cont / count) if cont > 0 else -math.inf)

@@ -350,6 +350,148 @@ def _nprobe_of(searcher, default: int) -> int:
     return default if nprobe is None else int(nprobe)
 
 
+@dataclass
+class _Run:
+    """:func:`score_trime`'s settings for the segment loop."""
+
+    key: KeySpec
+    max_segments: int
+    temps: list[float]
+    scale: float | None
+    k: int
+    ext_scores: str
+    memory: Any
+    provenance: Any
+
+
+def _trime_windows(documents, tokenizer, seq_len: int, context: int, stream: bool, drop_self_matches: bool):
+    """``(token documents, provenance or None, evaluation windows)`` of :func:`score_trime`."""
+    docs = list(documents)
+    if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
+        raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
+    token_docs = tokenize_for_trime(docs, tokenizer)
+    provenance = token_provenance(docs, token_docs, stream) if drop_self_matches else None
+    if stream and token_docs:
+        token_docs = [np.concatenate(token_docs)]
+    segments = evaluation_windows(token_docs, seq_len - 1, context)
+    if not segments:
+        raise MemlmError("the evaluation corpus has no targets (every document has fewer than 2 tokens)")
+    return token_docs, provenance, segments
+
+
+def _score_segments(model, segments, batch_size: int, pad_id: int, run: _Run) -> tuple[dict[str, list], float]:
+    """The forward passes over ``segments`` (``batch_size`` at a time) with the local / long-term memory terms of
+    each target and, with an external memory, its retrieved entries; returns the pieces and the search seconds."""
+    parts: dict[str, list] = {k_: [] for k_ in ("y", "doc", "seg", "tl", "lse", "all", "hit", "es", "ev")}
+    fifo: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(maxlen=max(run.max_segments, 1))
+    current_doc = -1
+    seconds_search = 0.0
+    device = _device(model)
+    for start in range(0, len(segments), batch_size):
+        batch = segments[start : start + batch_size]
+        outs = _forward_segments(model, batch, pad_id, run.key)
+        for s, (tl, lse, g) in zip(batch, outs, strict=True):
+            if s.doc_index != current_doc:
+                fifo.clear()
+                current_doc = s.doc_index
+            y = torch.from_numpy(s.targets).to(device)
+            d = g.shape[1]
+            sc = 1.0 / math.sqrt(d) if run.scale is None else float(run.scale)
+            f = s.score_from
+            positions = torch.from_numpy(s.scored_positions).to(device)
+            # earlier windows' entries whose input position (p - 1) is before this window's first input (a)
+            past = [(pg[pp <= s.start], py[pp <= s.start]) for pg, py, pp in reversed(fifo)]
+            mem_all, mem_hit = _memory_terms(g, y, past, run.max_segments, run.temps, sc, first=f)
+            tl, lse, g, y = tl[f:], lse[f:], g[f:], y[f:]
+            if run.max_segments > 0:
+                fifo.append((g, y, positions))
+            n = len(y)
+            for name, part in (("y", s.targets[f:]), ("doc", np.full(n, s.doc_index, dtype=np.int32)),
+                               ("seg", np.full(n, s.index, dtype=np.int32)), ("tl", tl.cpu().numpy()),
+                               ("lse", lse.cpu().numpy()), ("all", mem_all.cpu().numpy()),
+                               ("hit", mem_hit.cpu().numpy())):  # fmt: skip
+                parts[name].append(part)
+            if run.memory is not None:
+                t1 = time.perf_counter()
+                es, ev = _segment_external(run.memory, g, s, run.k, run.ext_scores, sc, run.provenance)
+                parts["es"].append(es)
+                parts["ev"].append(ev)
+                seconds_search += time.perf_counter() - t1
+    return parts, seconds_search
+
+
+def _segment_external(memory, g: torch.Tensor, s, k: int, ext_scores: str, scale: float, provenance):
+    """The external memory's ``(scores, values)`` for one segment's scored positions.
+
+    One search per segment: batching the segments of a forward batch into one FAISS call gained nothing measurable
+    (255 queries already fill the threads) and is not result-preserving (the IVF coarse quantizer ranks centroids
+    with BLAS, whose rounding depends on the batch: a near-tie at the nprobe-th list flipped for 1 query in 9,889 in
+    docs/results/speed)."""
+    prov = None
+    if provenance is not None:
+        doc_hashes, offsets = provenance[s.doc_index]
+        prov = (doc_hashes[s.scored_positions], offsets[s.scored_positions])
+    return _retrieve_external(memory, g.cpu().numpy(), k, ext_scores, scale, prov)
+
+
+def _trime_scores(parts: dict[str, list], external: bool, meta: dict[str, Any]) -> TrimeScores:
+    """The per-segment pieces of :func:`score_trime` joined into one dump."""
+
+    def cat(name: str, dtype=None) -> np.ndarray:
+        a = np.concatenate(parts[name])
+        return a if dtype is None else a.astype(dtype)
+
+    return TrimeScores(
+        targets=cat("y", np.int64), doc_index=cat("doc"), segment_index=cat("seg"),
+        target_logit=cat("tl", np.float32), logit_lse=cat("lse", np.float32), mem_all=cat("all", np.float32),
+        mem_hit=cat("hit", np.float32), ext_scores=cat("es") if external else None,
+        ext_values=cat("ev") if external else None, meta=meta,
+    )  # fmt: skip
+
+
+def _check_trime_args(model, seq_len, max_segments, local_temperatures, search, ext_scores, k) -> list[float]:
+    """:func:`score_trime`'s settings checked before any work; returns the local temperatures as floats."""
+    if seq_len < 2:
+        raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
+    n_pos = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if n_pos is not None and seq_len > n_pos:
+        raise MemlmError(f"seq_len {seq_len} is longer than the model's context ({n_pos}); use seq_len <= {n_pos}")
+    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 0:
+        raise MemlmError(f"max_segments must be an integer >= 0, got {max_segments!r}")
+    temps = [float(t) for t in local_temperatures]
+    if not temps or any(t <= 0 for t in temps):
+        raise MemlmError(f"local_temperatures must be a non-empty list of values > 0, got {list(local_temperatures)}")
+    if search not in ("index", "exact") or ext_scores not in ("dot", "index", "dot-index"):
+        raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot', 'index' or 'dot-index'")
+    if ext_scores == "dot-index" and search != "index":
+        raise MemlmError("ext_scores='dot-index' takes q.k from the FAISS index's distances: use search='index'")
+    if k < 1:
+        raise MemlmError(f"k must be >= 1, got {k}")
+    return temps
+
+
+def _external_memory(model, tokenizer, datastore, key: KeySpec, search: str, nprobe: int, index) -> Any:
+    """TRIME's external memory (Sec. 4.3): the datastore (plain or sharded) on its own searcher, or on ``index`` (a
+    FAISS index or searcher already open, checked against it); None without a datastore."""
+    if datastore is None:
+        return None
+    if tokenizer is None:
+        raise MemlmError("an external datastore needs the tokenizer to check that it was built for this model")
+    datastore.check_compatible(model, tokenizer, key)
+    if search != "index":
+        index = None
+    elif index is None:
+        index = datastore.searcher(nprobe=nprobe)
+    else:
+        index = as_searcher(index)
+        if int(index.ntotal) != len(datastore) or int(index.d) != int(datastore.keys.shape[1]):
+            raise MemlmError(
+                f"the index passed holds {int(index.ntotal):,} x {int(index.d)} keys, the datastore "
+                f"{datastore.path} {len(datastore):,} x {int(datastore.keys.shape[1])}: pass its own index"
+            )
+    return DatastoreMemory(datastore, search, "index", nprobe, searcher=index)
+
+
 @torch.inference_mode()
 def score_trime(
     model: torch.nn.Module,
@@ -397,163 +539,39 @@ def score_trime(
     applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
     Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
 
-    ``context``: 0 (default) scores non-overlapping segments; ``C > 0`` scores overlapping windows, each target with
-    at least ``C`` tokens of its document before it in the window (App. D; :func:`evaluation_windows`). The local
-    memory (lag 0) is then every earlier position of the window, context included; lag ``m`` holds the scored
-    entries of the ``m``-th previous window whose positions lie before the current window (so no position is in
-    two lags). ``segment_index`` numbers the windows.
-
-    ``stream``: join the documents (each with its EOS) into one token stream first, as the kNN-LM's evaluation does
-    (:mod:`memlm.windows`): context and the long-term memory then flow across documents, every token but the stream's
-    first is a target, and with ``context = C`` the targets and their contexts are exactly those of
-    :func:`memlm.knnlm.evaluate.lm_scores` with ``window = seq_len``, ``min_context = C + 1`` (the first target of a
-    window is predicted from ``C + 1`` tokens), so TRIME rows and kNN-LM rows share one protocol. ``doc_index`` is
-    then 0 for every target.
+    ``context``: 0 (default) scores non-overlapping segments, ``C > 0`` overlapping windows (App. D; the module
+    docstring and :func:`evaluation_windows`; ``segment_index`` numbers the windows). ``stream``: join the documents
+    (each with its EOS) into one token stream first, as the kNN-LM's evaluation does: with ``context = C`` the targets
+    and contexts are those of :func:`memlm.knnlm.evaluate.lm_scores` with ``window = seq_len``, ``min_context = C +
+    1``, so TRIME rows and kNN-LM rows share one protocol (``doc_index`` is then 0 for every target).
     """
-    if seq_len < 2:
-        raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
-    n_pos = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if n_pos is not None and seq_len > n_pos:
-        raise MemlmError(f"seq_len {seq_len} is longer than the model's context ({n_pos}); use seq_len <= {n_pos}")
-    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 0:
-        raise MemlmError(f"max_segments must be an integer >= 0, got {max_segments!r}")
-    temps = [float(t) for t in local_temperatures]
-    if not temps or any(t <= 0 for t in temps):
-        raise MemlmError(f"local_temperatures must be a non-empty list of values > 0, got {list(local_temperatures)}")
-    if search not in ("index", "exact") or ext_scores not in ("dot", "index", "dot-index"):
-        raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot', 'index' or 'dot-index'")
-    if ext_scores == "dot-index" and search != "index":
-        raise MemlmError("ext_scores='dot-index' takes q.k from the FAISS index's distances: use search='index'")
-    if k < 1:
-        raise MemlmError(f"k must be >= 1, got {k}")
+    temps = _check_trime_args(model, seq_len, max_segments, local_temperatures, search, ext_scores, k)
     key = key.normalized(num_layers(model))
-    memory = None
-    if datastore is None:
-        index = None
-    else:
-        if tokenizer is None:
-            raise MemlmError("an external datastore needs the tokenizer to check that it was built for this model")
-        datastore.check_compatible(model, tokenizer, key)
-        if search != "index":
-            index = None
-        elif index is None:
-            index = datastore.searcher(nprobe=nprobe)  # plain or sharded
-        else:
-            index = as_searcher(index)
-            if int(index.ntotal) != len(datastore) or int(index.d) != int(datastore.keys.shape[1]):
-                raise MemlmError(
-                    f"the index passed holds {int(index.ntotal):,} x {int(index.d)} keys, the datastore "
-                    f"{datastore.path} {len(datastore):,} x {int(datastore.keys.shape[1])}: pass its own index"
-                )
-        memory = DatastoreMemory(datastore, search, "index", nprobe, searcher=index)
-    docs = list(documents)
-    if drop_self_matches and not all(hasattr(d, "id") and hasattr(d, "text") for d in docs):
-        raise MemlmError("drop_self_matches needs documents with .id and .text (to match the datastore's doc_hash)")
-    token_docs = tokenize_for_trime(docs, tokenizer)
-    provenance = token_provenance(docs, token_docs, stream) if drop_self_matches else None
-    if stream and token_docs:
-        token_docs = [np.concatenate(token_docs)]
-    segments = evaluation_windows(token_docs, seq_len - 1, context)
-    if not segments:
-        raise MemlmError("the evaluation corpus has no targets (every document has fewer than 2 tokens)")
+    memory = _external_memory(model, tokenizer, datastore, key, search, nprobe, index)
+    index = None if memory is None or search != "index" else memory.searcher
+    token_docs, provenance, segments = _trime_windows(documents, tokenizer, seq_len, context, stream, drop_self_matches)
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad_id = 0 if pad_id is None else int(pad_id)
 
-    parts: dict[str, list] = {k_: [] for k_ in ("y", "doc", "seg", "tl", "lse", "all", "hit", "es", "ev")}
-    fifo: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(maxlen=max(max_segments, 1))
-    current_doc = -1
     t0 = time.perf_counter()
-    seconds_search = 0.0
-    device = _device(model)
-    for start in range(0, len(segments), batch_size):
-        batch = segments[start : start + batch_size]
-        outs = _forward_segments(model, batch, pad_id, key)
-        for s, (tl, lse, g) in zip(batch, outs, strict=True):
-            if s.doc_index != current_doc:
-                fifo.clear()
-                current_doc = s.doc_index
-            y = torch.from_numpy(s.targets).to(device)
-            d = g.shape[1]
-            sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
-            f = s.score_from
-            positions = torch.from_numpy(s.scored_positions).to(device)
-            # earlier windows' entries whose input position (p - 1) is before this window's first input (a)
-            past = [(pg[pp <= s.start], py[pp <= s.start]) for pg, py, pp in reversed(fifo)]
-            mem_all, mem_hit = _memory_terms(g, y, past, max_segments, temps, sc, first=f)
-            tl, lse, g, y = tl[f:], lse[f:], g[f:], y[f:]
-            if max_segments > 0:
-                fifo.append((g, y, positions))
-            n = len(y)
-            parts["y"].append(s.targets[f:])
-            parts["doc"].append(np.full(n, s.doc_index, dtype=np.int32))
-            parts["seg"].append(np.full(n, s.index, dtype=np.int32))
-            parts["tl"].append(tl.cpu().numpy())
-            parts["lse"].append(lse.cpu().numpy())
-            parts["all"].append(mem_all.cpu().numpy())
-            parts["hit"].append(mem_hit.cpu().numpy())
-            if datastore is not None:
-                # one search per segment, as before: batching the segments of a forward batch into one FAISS call
-                # gained nothing measurable (255 queries already fill the threads) and is not result-preserving (the
-                # IVF coarse quantizer ranks centroids with BLAS, whose rounding depends on the batch: a near-tie at
-                # the nprobe-th list flipped for 1 query in 9,889 in docs/results/speed)
-                t1 = time.perf_counter()
-                prov = None
-                if provenance is not None:
-                    doc_hashes, offsets = provenance[s.doc_index]
-                    prov = (doc_hashes[s.scored_positions], offsets[s.scored_positions])
-                es, ev = _retrieve_external(memory, g.cpu().numpy(), k, ext_scores, sc, prov)
-                parts["es"].append(es)
-                parts["ev"].append(ev)
-                seconds_search += time.perf_counter() - t1
-    out = TrimeScores(
-        targets=np.concatenate(parts["y"]).astype(np.int64),
-        doc_index=np.concatenate(parts["doc"]),
-        segment_index=np.concatenate(parts["seg"]),
-        target_logit=np.concatenate(parts["tl"]).astype(np.float32),
-        logit_lse=np.concatenate(parts["lse"]).astype(np.float32),
-        mem_all=np.concatenate(parts["all"]).astype(np.float32),
-        mem_hit=np.concatenate(parts["hit"]).astype(np.float32),
-        ext_scores=np.concatenate(parts["es"]) if datastore is not None else None,
-        ext_values=np.concatenate(parts["ev"]) if datastore is not None else None,
-        meta={
-            **(meta or {}),
-            "method": "trime",
-            "tokens": int(sum(len(p) for p in parts["y"])),
-            "documents": len(token_docs),
-            "segments": len(segments),
-            "seq_len": seq_len,
-            "context": context,
-            "stream": bool(stream),
-            "max_segments": max_segments,
-            "local_temperatures": temps,
-            "scale": scale,
-            "key": key.describe(),
-            "seconds": time.perf_counter() - t0,
-            "retrieval": RetrievalConfig(
-                k=k,
-                search=search,
-                scores="index" if ext_scores == "index" else "exact",
-                nprobe=_nprobe_of(index, nprobe),
-                metric=None if ext_scores == "index" else "ip",
-                drop_self_matches=drop_self_matches,
-                window=seq_len,
-                min_context=context or None,
-            ).to_dict()
-            if datastore is not None
-            else None,
-        },
-    )
+    run = _Run(key, max_segments, temps, scale, k, ext_scores, memory, provenance)
+    parts, seconds_search = _score_segments(model, segments, batch_size, pad_id, run)
+    nprobe_used = _nprobe_of(index, nprobe)
+    retrieval = None if datastore is None else RetrievalConfig(
+        k=k, search=search, scores="index" if ext_scores == "index" else "exact", nprobe=nprobe_used,
+        metric=None if ext_scores == "index" else "ip", drop_self_matches=drop_self_matches, window=seq_len,
+        min_context=context or None,
+    ).to_dict()  # fmt: skip
+    out = _trime_scores(parts, datastore is not None, {
+        **(meta or {}), "method": "trime", "tokens": int(sum(len(p) for p in parts["y"])),
+        "documents": len(token_docs), "segments": len(segments), "seq_len": seq_len, "context": context,
+        "stream": bool(stream), "max_segments": max_segments, "local_temperatures": temps, "scale": scale,
+        "key": key.describe(), "seconds": time.perf_counter() - t0, "retrieval": retrieval,
+    })  # fmt: skip
     if datastore is not None:
-        out.meta.update(
-            datastore=str(datastore.path),
-            datastore_entries=len(datastore),
-            k=k,
-            search=search,
-            ext_scores=ext_scores,
-            nprobe=_nprobe_of(index, nprobe),
-            drop_self_matches=drop_self_matches,
-            seconds_search=seconds_search,
-        )
+        out.meta.update(datastore=str(datastore.path), datastore_entries=len(datastore), k=k, search=search,
+                        ext_scores=ext_scores, nprobe=nprobe_used, drop_self_matches=drop_self_matches,
+                        seconds_search=seconds_search)  # fmt: skip
     return out
 
 
