@@ -463,6 +463,26 @@ def build_index(
         return _build_index_locked(keys, out_path, plan, chunk_size, seed, progress, source)
 
 
+def train_on_sample(index: faiss.Index, keys, plan: IndexPlan, seed: int, chunk_size: int) -> None:
+    """Train ``index`` on ``plan.train_size`` keys drawn without replacement with ``seed`` (sorted row ids, read
+    ``chunk_size`` at a time; all keys when there are no more): the same sample for one datastore and for the
+    concatenated keys of a sharded one."""
+    n, d = int(keys.shape[0]), int(keys.shape[1])
+    rng = np.random.default_rng(seed)
+    sample = np.sort(rng.choice(n, size=plan.train_size, replace=False)) if plan.train_size < n else None
+    train = np.empty((plan.train_size, d), dtype=np.float32)
+    for s in range(0, plan.train_size, chunk_size):
+        e = min(s + chunk_size, plan.train_size)
+        train[s:e] = keys[s:e] if sample is None else keys[sample[s:e]]
+    try:
+        index.train(train)
+    except RuntimeError as err:
+        raise MemlmError(
+            f"training index {plan.factory!r} failed ({_faiss_reason(err)}); "
+            "use a smaller nlist, a larger train size, or 'Flat'"
+        ) from None
+
+
 def _build_index_locked(
     keys: np.ndarray,
     out_path: Path,
@@ -487,22 +507,9 @@ def _build_index_locked(
             sub.do_polysemous_training = False  # 10x slower PQ training for a search mode memlm never uses
 
     if plan.train_size:
-        rng = np.random.default_rng(seed)
-        sample = np.sort(rng.choice(n, size=plan.train_size, replace=False)) if plan.train_size < n else None
-        train = np.empty((plan.train_size, d), dtype=np.float32)
-        for s in range(0, plan.train_size, chunk_size):
-            e = min(s + chunk_size, plan.train_size)
-            train[s:e] = keys[s:e] if sample is None else keys[sample[s:e]]
         if progress:
             print(f"training {plan.factory} on {plan.train_size:,} keys ...", file=sys.stderr, flush=True)
-        try:
-            index.train(train)
-        except RuntimeError as err:
-            raise MemlmError(
-                f"training index {plan.factory!r} failed ({_faiss_reason(err)}); "
-                "use a smaller nlist, a larger train size, or 'Flat'"
-            ) from None
-        del train
+        train_on_sample(index, keys, plan, seed, chunk_size)
 
     with tqdm(total=n, unit="key", unit_scale=True, desc="adding keys", disable=not progress) as bar:
         for s in range(0, n, chunk_size):

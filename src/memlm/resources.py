@@ -250,6 +250,30 @@ def _record_name(name_or_path: str) -> str:
     return str(Path(name_or_path).resolve())
 
 
+def _named_of_kind(name_or_path: str, kind: str, what: str, other: str) -> ModelSpec | None:
+    """The named resource ``name_or_path`` (None for a folder or hub id), refused when it is not a ``kind``."""
+    spec = MODELS.get(name_or_path)
+    if spec is not None and spec.kind != kind:
+        raise MemlmError(
+            f"'{name_or_path}' is a named {spec.kind}, not {what}: use one of {_named_list(kind)}, "
+            f"or load it with {other}."
+        )
+    return spec
+
+
+def _load_pair(tok_cls, model_cls, source: str, name: str, kind: str, dtype: torch.dtype, fix: tuple | None):
+    """Tokenizer and model from ``source``; a failure is one :class:`MemlmError`: ``fix`` = (what failed, what to
+    do) for a named resource, else :func:`_load_error`'s message for ``name``."""
+    try:
+        tok = _from_pretrained(tok_cls, source)
+        model = _from_pretrained(model_cls, source, dtype=dtype)
+    except Exception as error:
+        if fix is not None:
+            raise MemlmError(f"{fix[0]} ({_short_reason(error)}): {fix[1]}") from error
+        raise _load_error(name, kind, error) from error
+    return _finish(model, tok, _record_name(name), dtype)
+
+
 def load_causal_lm(
     name_or_path: str, dtype: str | torch.dtype = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -264,26 +288,13 @@ def load_causal_lm(
     (local folders as absolute paths) for datastore manifests.
     """
     torch_dtype = parse_dtype(dtype)
-    spec = MODELS.get(name_or_path)
-    if spec is not None and spec.kind != "causal-lm":
-        raise MemlmError(
-            f"'{name_or_path}' is a named {spec.kind}, not a causal LM: use one of {_named_list('causal-lm')}, "
-            f"or load it with load_encoder."
-        )
+    spec = _named_of_kind(name_or_path, "causal-lm", "a causal LM", "load_encoder")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(_converted_gguf(spec)) if spec is not None else name_or_path
-    try:
-        tok = _from_pretrained(AutoTokenizer, source)
-        model = _from_pretrained(AutoModelForCausalLM, source, dtype=torch_dtype)
-    except Exception as error:
-        if spec is not None:
-            raise MemlmError(
-                f"could not load the cached conversion of '{spec.name}' in {source} ({_short_reason(error)}): "
-                f"delete that folder and load '{spec.name}' again to reconvert it."
-            ) from error
-        raise _load_error(name_or_path, "model", error) from error
-    return _finish(model, tok, _record_name(name_or_path), torch_dtype)
+    fix = None if spec is None else (f"could not load the cached conversion of '{spec.name}' in {source}", "delete "
+                                     f"that folder and load '{spec.name}' again to reconvert it.")  # fmt: skip
+    return _load_pair(AutoTokenizer, AutoModelForCausalLM, source, name_or_path, "model", torch_dtype, fix)
 
 
 def load_encoder(
@@ -295,26 +306,13 @@ def load_encoder(
     ``model.config.memlm_name`` records the name it was loaded by.
     """
     torch_dtype = parse_dtype(dtype)
-    spec = MODELS.get(name_or_path)
-    if spec is not None and spec.kind != "encoder":
-        raise MemlmError(
-            f"'{name_or_path}' is a named {spec.kind}, not an encoder: use one of {_named_list('encoder')}, "
-            f"or load it with load_causal_lm."
-        )
+    spec = _named_of_kind(name_or_path, "encoder", "an encoder", "load_causal_lm")
     from transformers import AutoModel, AutoTokenizer
 
     source = str(_package_dir(spec) / spec.path) if spec is not None else name_or_path
-    try:
-        tok = _from_pretrained(AutoTokenizer, source)
-        model = _from_pretrained(AutoModel, source, dtype=torch_dtype)
-    except Exception as error:
-        if spec is not None:
-            raise MemlmError(
-                f"could not load named encoder '{spec.name}' from {source} ({_short_reason(error)}): reinstall it "
-                f"with `{spec.install} --force-reinstall`."
-            ) from error
-        raise _load_error(name_or_path, "encoder", error) from error
-    return _finish(model, tok, _record_name(name_or_path), torch_dtype)
+    fix = None if spec is None else (f"could not load named encoder '{spec.name}' from {source}", "reinstall it "
+                                     f"with `{spec.install} --force-reinstall`.")  # fmt: skip
+    return _load_pair(AutoTokenizer, AutoModel, source, name_or_path, "encoder", torch_dtype, fix)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -135,23 +135,9 @@ def build_sharded_index(
         if getattr(sub, "do_polysemous_training", False):
             sub.do_polysemous_training = False  # as build_index: memlm never uses polysemous search
     if plan.train_size:
-        # the same sample as build_index over the concatenated keys: global ids, seeded, sorted
-        rng = np.random.default_rng(seed)
-        sample = np.sort(rng.choice(n, size=plan.train_size, replace=False)) if plan.train_size < n else None
-        train = np.empty((plan.train_size, d), dtype=np.float32)
-        for s in range(0, plan.train_size, chunk_size):
-            e = min(s + chunk_size, plan.train_size)
-            train[s:e] = datastore.keys[s:e] if sample is None else datastore.keys[sample[s:e]]
         if progress:
             print(f"training {plan.factory} once on {plan.train_size:,} keys from all shards ...", file=sys.stderr)
-        try:
-            index.train(train)
-        except RuntimeError as err:
-            raise MemlmError(
-                f"training index {plan.factory!r} failed ({index_lib._faiss_reason(err)}); "
-                "use a smaller nlist, a larger train size, or 'Flat'"
-            ) from None
-        del train
+        index_lib.train_on_sample(index, datastore.keys, plan, seed, chunk_size)  # as build_index: global ids
     _write_index(index, trained_path)
     trained_sha = sha256_file(trained_path)
     common = {

@@ -310,7 +310,6 @@ def gpt2_config(size: str | int, vocab_size: int = 50257, n_positions: int = 102
     An integer ``size`` (a parameter count) picks the preset whose exact count for this ``vocab_size`` and
     ``n_positions`` is closest. ``dropout`` sets all three GPT-2 dropouts; ``kwargs`` go to ``GPT2Config``.
     """
-    from transformers import GPT2Config
 
     if isinstance(size, str):
         key = size.strip().lower()
@@ -323,18 +322,15 @@ def gpt2_config(size: str | int, vocab_size: int = 50257, n_positions: int = 102
         )
     else:
         raise MemlmError(f"GPT-2 size must be a name ({', '.join(GPT2_SIZES)}) or a positive count, got {size!r}")
-    n_layer, n_embd, n_head = GPT2_SIZES[key]
-    return GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        **kwargs,
-    )
+    return gpt2_shape_config(*GPT2_SIZES[key], vocab_size, n_positions, dropout, **kwargs)
+
+
+def gpt2_shape_config(n_layer: int, n_embd: int, n_head: int, vocab_size: int, n_positions: int, dropout: float, **kw):
+    """A ``GPT2Config`` of this shape with all three GPT-2 dropouts at ``dropout``; ``kw`` go to ``GPT2Config``."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **kw)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from memlm.train import (
     causal_lm_loss,
     check_run_identity,
     describe_callable,
+    gpt2_shape_config,
     lm_batches,
     train,
 )
@@ -55,23 +56,11 @@ def parse_arch(size: str) -> tuple[int, int, int]:
 
 def scratch_gpt2(size: str, tokenizer, n_positions: int = 1024, dropout: float = 0.1, seed: int = 0):
     """A randomly initialised ``GPT2LMHeadModel`` of ``size`` (:func:`parse_arch`) for ``tokenizer``'s vocabulary."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    n_layer, n_embd, n_head = parse_arch(size)
     eos = tokenizer.eos_token_id
-    cfg = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=n_positions,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-    )
+    cfg = gpt2_shape_config(*parse_arch(size), len(tokenizer), n_positions, dropout, bos_token_id=eos,
+                            eos_token_id=eos, pad_token_id=eos)  # fmt: skip
     torch.manual_seed(seed)
     return GPT2LMHeadModel(cfg)
 

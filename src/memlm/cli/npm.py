@@ -295,19 +295,13 @@ def add_parsers(sub) -> None:
     ne.add_argument(
         "--tau", type=V.positive_float, default=5.0, help="bbc: temperature of the candidate scores (default 5)"
     )
-    ne.add_argument(
-        "--max-queries",
-        type=V.positive_int,
-        default=None,
-        help="bbc: N test articles, a seeded sample (default all); cloze: N probes (500); update: N probes (50)",
-    )
-    ne.add_argument(
-        "--article-tokens",
-        type=V.positive_int,
-        default=256,
-        help="bbc: the query keeps at most this many article tokens before the template (default 256), so [MASK] "
-        "sits at about this position: keep it within the sequence length the encoder was trained at",
-    )
+    ne.add_argument("--max-queries", type=V.positive_int, default=None,
+                    help="bbc: N test articles, a seeded sample (default all); cloze: N probes (500); update: N "
+                    "probes (50)")  # fmt: skip
+    ne.add_argument("--article-tokens", type=V.positive_int, default=256,
+                    help="bbc: the query keeps at most this many article tokens before the template (default 256), "
+                    "so [MASK] sits at about this position: keep it within the sequence length the encoder was "
+                    "trained at")  # fmt: skip
     ne.add_argument("--corpus", default=None, help="documents to query (default: bbc; cloze: the index's corpus)")
     ne.add_argument("--split", default="test", help="split of --corpus (default test)")
     ne.add_argument(

@@ -5,36 +5,35 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
 
 from memlm.cli import validate as V
 from memlm.errors import MemlmError
 
 # memlm.train, .train_lm, .trime and .npm import torch: imported in the commands (see common.py)
+if TYPE_CHECKING:
+    from memlm.train import TrainConfig
+
+
+def _train_config(args: argparse.Namespace, **changes: Any) -> TrainConfig:
+    """The ``TrainConfig`` of ``memlm train``'s flags, one place for every objective (``changes`` override)."""
+    from memlm.train import TrainConfig
+
+    settings = {"lr": args.lr, "weight_decay": args.weight_decay, "warmup_steps": args.warmup, "max_steps": args.steps,
+                "batch_size": args.batch_size, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
+                "dtype": args.dtype, "eval_every": args.eval_every, "save_every": args.save_every, "seed": args.seed,
+                "device": args.device}  # fmt: skip
+    return TrainConfig(**{**settings, **changes})
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from memlm.train import TrainConfig
     from memlm.train_lm import train_lm
 
     if args.detach_memory and (args.objective != "lm" or args.loss == "ce"):
         raise MemlmError("--detach-memory is a TRIME ablation: use it with --loss trime, trime-long or trime-ext")
     if args.objective != "lm":
         return _train_npm(args)
-    config = TrainConfig(
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup,
-        max_steps=args.steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        seq_len=args.seq_len,
-        dtype=args.dtype,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        seed=args.seed,
-        warmup_loss_steps=args.ce_warmup if args.loss != "ce" else 0,
-        device=args.device,
-    )
+    config = _train_config(args, warmup_loss_steps=args.ce_warmup if args.loss != "ce" else 0)
     extra = {}
     if args.loss != "ce":
         from memlm.train import causal_lm_loss
@@ -73,7 +72,6 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _train_npm(args: argparse.Namespace) -> None:
     from memlm.npm.train_npm import DEFAULT_ENCODER, train_npm
-    from memlm.train import TrainConfig
 
     if args.loss != "ce":
         raise MemlmError(f"--loss {args.loss} is for causal LMs; --objective {args.objective} has its own loss")
@@ -87,20 +85,7 @@ def _train_npm(args: argparse.Namespace) -> None:
         encoder = args.tokenizer  # from scratch: the tokenizer of this encoder
     else:
         encoder = args.model or DEFAULT_ENCODER
-    config = TrainConfig(
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup,
-        max_steps=args.steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        seq_len=args.seq_len,
-        dtype=args.dtype,
-        eval_every=0,
-        save_every=args.save_every,
-        seed=args.seed,
-        device=args.device,
-    )
+    config = _train_config(args, eval_every=0)
     common = {"encoder": encoder, "scratch": args.from_scratch, "valid_corpus": args.valid_corpus,
               "valid_tokens": args.valid_tokens, "n_positions": args.n_positions, "dropout": args.dropout,
               "resume": not args.no_resume, "stop_after": args.stop_after}  # fmt: skip

@@ -606,6 +606,9 @@ def tau1_tables(results: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+_SCORE_COLUMNS = ("PPL", "λ", "τ", "Interp. PPL", "Oracle", "paper Interp.", "paper Oracle")  # Tables 1 and 3
+
+
 def write_report(results: dict[str, Any], out: Path) -> str:
     """``tables.md`` (Tables 1-3, the n sweep; the paper's numbers beside ours) and the PNG figures."""
     base = results["base"]["test_ppl"]
@@ -633,19 +636,7 @@ def write_report(results: dict[str, Any], out: Path) -> str:
                     _f(p[1]),
                 ]
             )
-        header = [
-            "",
-            "h_ds",
-            "⊗",
-            "+#params",
-            "PPL",
-            "λ",
-            "τ",
-            "Interp. PPL",
-            "Oracle",
-            "paper Interp.",
-            "paper Oracle",
-        ]
+        header = ["", "h_ds", "⊗", "+#params", *_SCORE_COLUMNS]
         parts.append("### Table 1: h_ds and similarity (FAISS mask and score)\n\n" + _table(header, rows))
     if "learned" in results:
         knn = {(r["h_ds"], r["sim"]): r for r in results.get("table1", [])}
@@ -701,19 +692,7 @@ def write_report(results: dict[str, Any], out: Path) -> str:
                  _f(r["memory_ppl"]), _f(r["lambda"]), _f(r["temperature"], 1), _f(r["interp_ppl"]),
                  _f(r["oracle_ppl"]), _f(p[1]) if p else "-", _f(p[2]) if p else "-"]
             )  # fmt: skip
-        header = [
-            "",
-            "datastore",
-            "h_ds",
-            "⊗",
-            "PPL",
-            "λ",
-            "τ",
-            "Interp. PPL",
-            "Oracle",
-            "paper Interp.",
-            "paper Oracle",
-        ]
+        header = ["", "datastore", "h_ds", "⊗", *_SCORE_COLUMNS]
         parts.append("### Table 3: approximate vs exact kNN (FAISS vs real mask and score)\n\n" + _table(header, rows))
     if "temperature" in results:
         best = {}
