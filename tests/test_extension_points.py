@@ -121,6 +121,9 @@ def test_new_searcher_through_score_tokens(tiny_lm, ds):
     got = perplexities(ts, lam=LAM, temperature=TAU)["knn_ppl"]
     ref = _brute_ppl(model, tok, docs, np.asarray(ds.keys, np.float32), np.asarray(ds.values), ds.key_spec)
     assert got == pytest.approx(ref, rel=1e-4)
+    # a memory over a datastore keeps every option: RetoMaton's pointers reuse the toy searcher's results
+    reuse = score_tokens(model, tok, docs, toy, k=K, window=W, min_context=C, progress=False, pointer_min=2)
+    assert reuse.searched is not None and 0 < reuse.searched.mean() < 1
 
 
 def _one_step(model, tok, mem, prompt):

@@ -28,7 +28,6 @@ from memlm.searcher import (
     FaissSearcher,
     RescoredSearcher,
     Searcher,
-    as_searcher,
     datastore_metric,
     open_searcher,
 )
@@ -185,16 +184,8 @@ class DatastoreMemory:
         self.datastore, self.search_mode, self.scores_mode = datastore, search, scores
         self.chunk, self.progress = chunk, progress
         self.index_path = Path(index_path) if index_path is not None else datastore.index_path
-        if searcher is None and index is not None and search == "index":
-            searcher = as_searcher(index, self.index_path)
-            if metric is not None and metric != searcher.metric:
-                raise MemlmError(
-                    f"index {self.index_path} uses {searcher.metric}, not {metric}: build an {metric} index"
-                )
-            if scores == "exact":
-                searcher = RescoredSearcher(searcher, datastore.keys)
-        if searcher is None:
-            searcher = open_searcher(datastore, search, scores, index_path, nprobe, metric)
+        if searcher is None:  # index: an index already open (the older spelling of searcher)
+            searcher = open_searcher(datastore, search, scores, index_path, nprobe, metric, base=index)
         self.searcher = searcher
         self.metric = searcher.metric
         self.nprobe = nprobe

@@ -143,17 +143,19 @@ def open_searcher(
     index_path: str | Path | None = None,
     nprobe: int = 32,
     metric: str | None = None,
+    base: Any = None,
 ) -> Searcher:
     """The searcher for ``datastore`` (plain or sharded); see the module docstring.
 
     ``index_path``: another index of the same datastore (``memlm eval --index``; refused unless built from it).
     ``metric``: the similarity of exact search (default: the index's, ``l2`` without one); with ``search="index"``
-    an index of another metric is refused."""
+    an index of another metric is refused. ``base``: an index already open (a FAISS index or a searcher) in place of
+    the datastore's own."""
     if search not in SEARCH_MODES or scores not in SEARCH_MODES:
         raise MemlmError("search and scores must each be 'index' or 'exact'")
     if search == "exact":
         return ExactSearcher(datastore.keys, metric or datastore_metric(datastore, index_path))
-    base = datastore.searcher(index_path, nprobe)
+    base = datastore.searcher(index_path, nprobe) if base is None else as_searcher(base, index_path)
     if metric is not None and metric != base.metric:
         where = index_path if index_path is not None else datastore.index_path
         raise MemlmError(f"index {where} uses {base.metric}, not {metric}: build an {metric} index")

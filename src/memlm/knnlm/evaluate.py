@@ -358,11 +358,13 @@ def _plain_search_only(memory: Any, config: RetrievalConfig) -> None:
 
 def _scoring_memory(datastore: Any, config: RetrievalConfig, progress: bool) -> tuple[Any, RetrievalConfig]:
     """The memory ``score_tokens`` searches and the config it records (the index file searched filled in)."""
-    if isinstance(datastore, DatastoreBase):
-        memory = DatastoreMemory(datastore, config.search, config.scores, config.nprobe, index_path=config.index,
-                                 progress=progress)  # fmt: skip
-        return memory, config.replace(index=str(memory.index_path) if config.search == "index" else None)
-    memory = as_memory(datastore)  # any memory: searched as it is
+    if isinstance(datastore, DatastoreBase | DatastoreMemory):  # a memory over a datastore: every option applies
+        memory = datastore
+        if isinstance(datastore, DatastoreBase):
+            memory = DatastoreMemory(datastore, config.search, config.scores, config.nprobe, index_path=config.index,
+                                     progress=progress)  # fmt: skip
+        return memory, config.replace(index=str(memory.index_path) if memory.search_mode == "index" else None)
+    memory = as_memory(datastore)  # any other memory: searched as it is
     _plain_search_only(memory, config)
     return memory, config
 
