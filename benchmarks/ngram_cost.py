@@ -98,40 +98,54 @@ def query(args: argparse.Namespace) -> None:
                  "rss_before_any_index_mib": _rss_mib(), "peak_rss_before_any_index_mib": peak_rss_mib()}  # fmt: skip
     for path in args.index:
         memory = NgramMemory(path)
-        rec: dict = {"index": path, "index_tokens": int(memory.index.manifest["tokens"])}
-        rec["idle_before_walk"] = wait_for_idle(0.05, None)
-        t0 = time.perf_counter()
-        memory.score_documents(chunks, [np.arange(len(c)) for c in chunks])
-        walk = time.perf_counter() - t0
-        rec["walk_seconds"] = walk
-        rec["walk_ms_per_token"] = 1000 * walk / n_tokens
-        picks = []  # about --queries positions, spread over the documents in proportion to their length
-        for d, c in enumerate(chunks):
-            size = min(len(c), max(1, args.queries * len(c) // n_tokens))
-            picks += [(d, int(p)) for p in rng.choice(len(c), size=size, replace=False)]
-        rec["idle_before_cold"] = wait_for_idle(0.05, None)
-        cold = []
-        for d, p in picks:
-            t0 = time.perf_counter()
-            memory.score_documents([chunks[d]], [np.array([p])])
-            cold.append(time.perf_counter() - t0)
-        rec["idle_before_search"] = wait_for_idle(0.05, None)
-        dist = []
-        for d, p in picks:
-            ctx = chunks[d][:p].tolist()
-            t0 = time.perf_counter()
-            memory.search([ctx], k=1000)
-            dist.append(time.perf_counter() - t0)
-        for name, xs in (("cold_query", cold), ("next_token_distribution", dist)):
-            ms = 1000 * np.asarray(xs)
-            rec[name] = {"queries": len(ms), "p50_ms": float(np.percentile(ms, 50)),
-                         "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean())}  # fmt: skip
-        rec["peak_rss_mib"] = peak_rss_mib()  # the process: tokenizer + model loaded before, then the index's pages
-        rec["rss_after_mib"] = _rss_mib()
-        rec["load_avg_after"] = os.getloadavg()
+        rec = time_memory(memory, chunks, args.queries, rng)
+        rec["index"] = path
         out["indexes"][Path(path).name] = rec
         print(Path(path).name, json.dumps(rec), flush=True)
         _write(Path(args.out), out)
+
+
+def time_memory(memory, chunks: list, queries: int, rng, idle_wait: float = 900.0) -> dict:
+    """(a) the walk over every target, per token (and its effective n, sparse share); (b) ~``queries`` cold queries;
+    (c) as many next-token distributions (p50 / p99 each), each part after an idle check (at most ``idle_wait`` s);
+    the peak RSS. Shared by ``query`` and ``ngram_scale.py``."""
+    import numpy as np
+
+    n_tokens = sum(len(c) for c in chunks)
+    rec: dict = {"index_tokens": int(memory.index.manifest["tokens"])}
+    rec["idle_before_walk"] = wait_for_idle(0.05, None, max_wait=idle_wait)
+    t0 = time.perf_counter()
+    scores = memory.score_documents(chunks, [np.arange(len(c)) for c in chunks])
+    walk = time.perf_counter() - t0
+    rec["walk_seconds"] = walk
+    rec["walk_ms_per_token"] = 1000 * walk / n_tokens
+    rec["effective_n"] = {"median": float(np.median(scores.n)), "mean": float(scores.n.mean()),
+                          "sparse_share": float(scores.sparse.mean())}  # fmt: skip
+    picks = []  # about ``queries`` positions, spread over the documents in proportion to their length
+    for d, c in enumerate(chunks):
+        size = min(len(c), max(1, queries * len(c) // n_tokens))
+        picks += [(d, int(p)) for p in rng.choice(len(c), size=size, replace=False)]
+    rec["idle_before_cold"] = wait_for_idle(0.05, None, max_wait=idle_wait)
+    cold = []
+    for d, p in picks:
+        t0 = time.perf_counter()
+        memory.score_documents([chunks[d]], [np.array([p])])
+        cold.append(time.perf_counter() - t0)
+    rec["idle_before_search"] = wait_for_idle(0.05, None, max_wait=idle_wait)
+    dist = []
+    for d, p in picks:
+        ctx = chunks[d][:p].tolist()
+        t0 = time.perf_counter()
+        memory.search([ctx], k=1000)
+        dist.append(time.perf_counter() - t0)
+    for name, xs in (("cold_query", cold), ("next_token_distribution", dist)):
+        ms = 1000 * np.asarray(xs)
+        rec[name] = {"queries": len(ms), "p50_ms": float(np.percentile(ms, 50)),
+                     "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean())}  # fmt: skip
+    rec["peak_rss_mib"] = peak_rss_mib()  # the process: what was loaded before, then the index's pages
+    rec["rss_after_mib"] = _rss_mib()
+    rec["load_avg_after"] = os.getloadavg()
+    return rec
 
 
 def dense(args: argparse.Namespace) -> None:
