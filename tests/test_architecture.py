@@ -250,3 +250,26 @@ def test_no_function_on_the_retrieval_path_over_80_lines():
                     if lines > 80:
                         long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, "\n".join(long)
+
+
+# Kernels whose positional signature their reference tests pin (raw arrays in, no memory or config): the forward pass
+# over windows and RetoMaton's pointer walk over a datastore's arrays. Every other function on the path takes a
+# memory and a config (RetrievalConfig / TrimeEvalConfig), the older keywords as ``**options``.
+PARAMETER_KERNELS = {"knnlm/evaluate.py:lm_scores", "knnlm/pointer.py:pointer_retrieve"}
+
+
+def test_no_function_on_the_retrieval_path_takes_over_10_parameters():
+    """Settings travel as one config (issue 25, "the config is the input"), not as keyword lists."""
+    wide = []
+    for part in RETRIEVAL_PATH:
+        target = SRC / part
+        for path in sorted(target.rglob("*.py") if target.is_dir() else [target]):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    a = node.args
+                    names = [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+                    n = len([x for x in names if x not in ("self", "cls")])
+                    where = f"{path.relative_to(SRC)}:{node.name}"
+                    if n > 10 and where not in PARAMETER_KERNELS:
+                        wide.append(f"{where} ({n} parameters)")
+    assert not wide, "\n".join(wide)

@@ -160,9 +160,10 @@ class DatastoreMemory:
     The search itself is the ``searcher``'s (:class:`memlm.searcher.Searcher`; default: :func:`open_searcher` with
     ``search`` -- ``"index"``, the index at ``index_path`` (default the datastore's own; a sharded datastore's
     searcher) or ``"exact"``, all keys --, ``scores`` -- ``"index"`` or ``"exact"``, recomputed from the stored keys --,
-    ``nprobe`` and ``metric``, default the index's). ``index`` (a FAISS index already read, or a searcher) is the
-    older spelling of ``searcher``. ``counts`` (merged counts ``[N]``; ``"auto"``: those of a pruned datastore,
-    :func:`load_counts`) enter as ``log_counts``. ``chunk`` queries are searched at a time.
+    ``nprobe`` and ``metric``, default the index's); a user's searcher is used as it is, a FAISS index already read
+    goes through :func:`open_searcher` as the datastore's index would. ``counts`` (merged counts ``[N]``;
+    ``"auto"``: those of a pruned datastore, :func:`load_counts`) enter as ``log_counts``. ``chunk`` queries are
+    searched at a time.
     """
 
     def __init__(
@@ -171,7 +172,6 @@ class DatastoreMemory:
         search: str = "index",
         scores: str = "index",
         nprobe: int = 32,
-        index=None,
         index_path: str | Path | None = None,
         metric: str | None = None,
         counts: np.ndarray | None | str = "auto",
@@ -184,8 +184,8 @@ class DatastoreMemory:
         self.datastore, self.search_mode, self.scores_mode = datastore, search, scores
         self.chunk, self.progress = chunk, progress
         self.index_path = Path(index_path) if index_path is not None else datastore.index_path
-        if searcher is None:  # index: an index already open (the older spelling of searcher)
-            searcher = open_searcher(datastore, search, scores, index_path, nprobe, metric, base=index)
+        if searcher is None or not isinstance(searcher, Searcher):  # None: the datastore's own; a FAISS index read
+            searcher = open_searcher(datastore, search, scores, index_path, nprobe, metric, base=searcher)
         self.searcher = searcher
         self.metric = searcher.metric
         self.nprobe = nprobe
@@ -282,7 +282,7 @@ def as_memory(source: Any, nprobe: int = 32, index: Any = None) -> Any:
     Retrieved`` and the ``key_spec`` (:class:`memlm.keys.KeySpec`) of the hidden state that queries it, optionally
     ``describe()`` and ``check_compatible(model, tokenizer)`` -- is used as it is."""
     if isinstance(source, DatastoreBase):
-        return DatastoreMemory(source, nprobe=nprobe, index=index)
+        return DatastoreMemory(source, nprobe=nprobe, searcher=index)
     if isinstance(source, Memory) and isinstance(getattr(source, "key_spec", None), KeySpec):
         return source
     raise MemlmError(

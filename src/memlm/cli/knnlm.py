@@ -21,7 +21,7 @@ from memlm.cli.common import (
     window_kwargs,
     write_json,
 )
-from memlm.core.config import RetrievalConfig
+from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import knn_parameters
 
@@ -163,8 +163,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     lam, temperature, _ = knn_parameters(ds, args.lam, args.temperature, setting={"k": args.k, "search": "index"})
     ngram = ngram_cli.ngram_processor(args, tok, lam) if args.ngram else None  # LM + kNN + ∞-gram, as eval mixes
     torch.manual_seed(args.seed)
-    knn = KNNLogitsProcessor(model, ds, k=args.k, lam=lam, temperature=temperature, record=args.show_neighbours > 0,
-                             ngram=ngram)  # fmt: skip
+    config = GENERATION_RETRIEVAL.replace(k=args.k, lam=lam, temperature=temperature)
+    knn = KNNLogitsProcessor(model, ds, config, record=args.show_neighbours > 0, ngram=ngram)
     lookup = SourceLookup(ds, tok) if args.show_neighbours > 0 else None
     streamer = NeighbourStreamer(tok, knn, lookup, n_neighbours=args.show_neighbours)
     print(args.prompt, end="" if lookup is None else "\n", flush=True)
@@ -209,7 +209,9 @@ def add_parsers(sub) -> None:
         "--datastore", type=V.existing_dir, default=None, help="datastore folder (its model and key are used)"
     )
     e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
-    e.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token (default 1024, as the paper)")
+    e.add_argument(
+        "--k", type=V.neighbours, default=RetrievalConfig.k, help="neighbours per token (default 1024, as the paper)"
+    )
     add_knn_weights(e)
     e.add_argument("--search", default="index", choices=["index", "exact"], help="neighbours from the index or exact")
     e.add_argument(
@@ -302,7 +304,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--datastore", type=V.existing_dir, default=None, help="datastore folder (or give --ngram)")
     g.add_argument("--prompt", type=V.nonempty_text, required=True)
     g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
-    g.add_argument("--k", type=V.neighbours, default=64)
+    g.add_argument("--k", type=V.neighbours, default=GENERATION_RETRIEVAL.k)
     add_knn_weights(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")

@@ -30,7 +30,7 @@ def _print_trime_rows(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any
 
 
 def cmd_trime_eval(args: argparse.Namespace) -> None:
-    from memlm.trime.inference import run_trime_eval
+    from memlm.trime.inference import TrimeEvalConfig, run_trime_eval
 
     if args.context >= args.seq_len - 1:
         raise MemlmError(
@@ -43,25 +43,15 @@ def cmd_trime_eval(args: argparse.Namespace) -> None:
 
         model = Datastore.open(args.datastore).model_name
     model = model or DEFAULT_MODEL
+    config = TrimeEvalConfig(
+        seq_len=args.seq_len, max_segments=args.max_segments, local_temperatures=floats(args.local_temperatures),
+        k=args.k, search=args.search, nprobe=args.nprobe, drop_self_matches=args.drop_self_matches,
+        context=args.context, stream=args.stream,
+    )  # fmt: skip
     ts, res = run_trime_eval(
-        model,
-        args.corpus,
-        args.split,
-        args.seq_len,
-        max_segments=args.max_segments,
-        local_temperatures=floats(args.local_temperatures),
-        datastore=args.datastore,
-        k=args.k,
-        search=args.search,
-        nprobe=args.nprobe,
-        drop_self_matches=args.drop_self_matches,
-        batch_size=args.batch_size,
-        max_tokens=args.max_tokens,
-        dtype=args.dtype,
-        dump=args.dump,
-        context=args.context,
-        stream=args.stream,
-    )
+        model, args.corpus, args.split, config=config, datastore=args.datastore, batch_size=args.batch_size,
+        max_tokens=args.max_tokens, dtype=args.dtype, dump=args.dump,
+    )  # fmt: skip
     if args.dump:
         print(f"wrote {args.dump}", file=sys.stderr)
     rows = [

@@ -21,7 +21,9 @@ from typing import Any
 
 from memlm.errors import MemlmError
 
-__all__ = ["RetrievalConfig"]
+__all__ = ["DEFAULT_MIN_CONTEXT", "DEFAULT_WINDOW", "GENERATION_RETRIEVAL", "RetrievalConfig"]
+
+DEFAULT_WINDOW, DEFAULT_MIN_CONTEXT = 1024, 512  # the evaluation windows when none are given (Khandelwal et al.)
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,8 @@ class RetrievalConfig:
 
     def replace(self, **changes: Any) -> RetrievalConfig:
         return dataclasses.replace(self, **changes)
+
+
+GENERATION_RETRIEVAL = RetrievalConfig(k=64)
+"""Generation's defaults (:func:`memlm.knnlm.generate.generate_text`, ``memlm generate``): fewer neighbours per step
+than scoring's 1024, since each generated token waits for its search."""

@@ -20,14 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memlm.core.config import RetrievalConfig
+from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import (
     interpolate_per_token,
     knn_target_logprob,
@@ -218,25 +217,26 @@ def add_neighbours(
     ts: TokenScores,
     queries: np.ndarray,
     datastore: Datastore,
-    k: int = 1024,
-    search: str = "index",
-    scores: str = "index",
-    nprobe: int = 32,
+    config: RetrievalConfig | None = None,
+    *,
     provenance: dict[str, np.ndarray] | None = None,
     progress: bool = True,
-    index_path: str | Path | None = None,
-    metric: str | None = None,
+    **options: Any,
 ) -> TokenScores:
     """Retrieve the k nearest datastore entries of every query and store their (score, value) in ``ts``.
 
     ``index_path`` picks another index of the same datastore than its default ``index.faiss`` (e.g. an IP or a PQ
     index built for an ablation). ``metric`` (``l2``/``ip``) sets the similarity of exact search and exact scores
-    (default: the index's).
+    (default: the index's). These and ``k``, ``search``, ``scores``, ``nprobe`` come from ``config``
+    (:class:`RetrievalConfig`) or ``options`` by name.
     With ``provenance`` (from :func:`lm_scores`), neighbours that are the evaluated token itself (same document hash
     and offset) are dropped: use it when the evaluated text is also in the datastore.
     """
+    c = RetrievalConfig.with_options(config, **options)
     t1 = time.perf_counter()
-    memory = DatastoreMemory(datastore, search, scores, nprobe, index_path=index_path, metric=metric, progress=progress)
+    memory = DatastoreMemory(datastore, c.search, c.scores, c.nprobe, index_path=c.index, metric=c.metric,
+                             progress=progress)  # fmt: skip
+    k = c.k
     r = memory.search(queries, k, provenance)
     ts.knn_scores, ts.knn_values = r.scores, r.values.astype(np.int32)
     ts.knn_log_counts = r.log_counts
@@ -376,7 +376,8 @@ def _forward_and_search(
     searched in a background thread while the model computes the next)."""
     pending: list[Future] = []
     pipelined = config.pipeline and memory is not None
-    window, min_context = config.window, config.min_context if config.min_context is not None else 512
+    window = config.window
+    min_context = config.min_context if config.min_context is not None else DEFAULT_MIN_CONTEXT
     with ThreadPoolExecutor(max_workers=1) if pipelined else contextlib.nullcontext() as pool:
         on_batch = None
         if pipelined:
@@ -441,8 +442,9 @@ def score_tokens(
       next batch (FAISS releases the GIL). Not combinable with the two above, which need every query first.
     """
     config = RetrievalConfig.with_options(config, **options)
-    min_context = None if config.stride is not None else (config.min_context if config.min_context is not None else 512)
-    config = config.replace(window=config.window or 1024, min_context=min_context)
+    min_context = config.min_context if config.min_context is not None else DEFAULT_MIN_CONTEXT
+    min_context = None if config.stride is not None else min_context
+    config = config.replace(window=config.window or DEFAULT_WINDOW, min_context=min_context)
     specs: list[KeySpec] = []
     memory = None
     if datastore is not None:

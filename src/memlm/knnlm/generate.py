@@ -21,6 +21,7 @@ retrieved for it, traced back to their source text (:class:`SourceLookup`).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
+from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
 from memlm.core.distribution import interpolate, knn_distribution, mix_logprobs_per_token
 from memlm.core.memory import Memory
 from memlm.datastore import Datastore, DatastoreBase
@@ -38,6 +40,7 @@ from memlm.keys import KeyCapture
 from memlm.retrieval import as_memory
 
 __all__ = [
+    "Decoding",
     "KNNLogitsProcessor",
     "generate_text",
     "NeighbourStreamer",
@@ -51,6 +54,8 @@ class KNNLogitsProcessor(LogitsProcessor):
     datastore (plain or sharded, searched with its own index) or any memory with a ``key_spec``
     (:func:`memlm.retrieval.as_memory`; λ, τ then given or the defaults).
 
+    ``config`` (:class:`memlm.core.config.RetrievalConfig`; default :data:`GENERATION_RETRIEVAL`, k = 64) gives k, λ, τ
+    and nprobe (λ, τ None: the datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``).
     ``record=True`` keeps, for every call, the ``(scores, ids)`` of the retrieved entries (``[rows, k]``) in
     ``history`` (used to show where a generated token came from). ``index`` reuses an already loaded FAISS index.
     ``ngram`` (a :class:`memlm.ngram.generate.NgramLogitsProcessor`) adds the ∞-gram as a third component, as
@@ -61,21 +66,21 @@ class KNNLogitsProcessor(LogitsProcessor):
         self,
         model,
         datastore: DatastoreBase | Memory,
-        k: int = 64,
-        lam: float | None = None,
-        temperature: float | None = None,
-        nprobe: int = 32,
+        config: RetrievalConfig | None = None,
+        *,
         index=None,
         record: bool = False,
         ngram=None,
+        **options: Any,
     ) -> None:
         from memlm.knnlm.calibration import knn_parameters
 
-        self.model = model
-        self.memory = as_memory(datastore, nprobe, index)  # a datastore (its own index) or any memory
+        config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **options)
+        self.model, self.config = model, config
+        self.memory = as_memory(datastore, config.nprobe, index)  # a datastore (its own index) or any memory
         self.datastore = getattr(self.memory, "datastore", None)  # where calibrated λ, τ are recorded
-        lam, temperature, _ = knn_parameters(self.memory, lam, temperature, announce=False)  # calibrated by default
-        self.k, self.lam, self.temperature = k, lam, temperature
+        lam, temperature, _ = knn_parameters(self.memory, config.lam, config.temperature, announce=False)
+        self.k, self.lam, self.temperature = config.k, lam, temperature  # λ, τ: given, else calibrated
         self._capture = KeyCapture(model, [self.memory.key_spec])
         self.record = record
         self.history: list[tuple[np.ndarray, np.ndarray]] = []
@@ -151,32 +156,51 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How :func:`generate_text` decodes: greedy by default; ``num_beams > 1`` beam search; ``do_sample`` samples at
+    ``sampling_temperature`` (applied after the interpolation); a row stops at EOS, after ``max_new_tokens``, or once
+    its text holds one of ``stop``."""
+
+    max_new_tokens: int = 40
+    do_sample: bool = False
+    sampling_temperature: float | None = None
+    num_beams: int = 1
+    stop: Sequence[str] = ()
+
+
+def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``options`` of :func:`generate_text` into (decoding fields, retrieval fields)."""
+    names = {f.name for f in dataclasses.fields(Decoding)}
+    return {k: v for k, v in options.items() if k in names}, {k: v for k, v in options.items() if k not in names}
+
+
 @torch.inference_mode()
 def generate_text(
     model,
     tokenizer,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     datastore: DatastoreBase | Memory | None = None,
+    config: RetrievalConfig | None = None,
+    decoding: Decoding | None = None,
+    *,
     index=None,
-    k: int = 64,
-    lam: float | None = None,
-    temperature: float | None = None,
-    nprobe: int = 32,
-    max_new_tokens: int = 40,
-    do_sample: bool = False,
-    sampling_temperature: float | None = None,
-    num_beams: int = 1,
-    stop: Sequence[str] = (),
     streamer=None,
     processor: KNNLogitsProcessor | None = None,
+    **options: Any,
 ) -> list[str]:
     """Continue each prompt (strings or token-id lists) from the kNN-LM (bare LM when ``datastore`` is None).
 
-    Prompts are left-padded into one batch; ``num_beams > 1`` runs beam search, ``do_sample`` samples (at
-    ``sampling_temperature``, applied after the interpolation), otherwise decoding is greedy. Generation of a row
-    stops at EOS or once its text contains one of ``stop``. Returns the generated text of each prompt (no prompt).
+    ``datastore``: a datastore or any memory (:class:`KNNLogitsProcessor`); ``config`` its retrieval settings
+    (default :data:`GENERATION_RETRIEVAL`), ``decoding`` how to decode (:class:`Decoding`); ``options`` set fields of
+    either by name (``k=8, lam=0.5, max_new_tokens=5, num_beams=4``). Prompts are left-padded into one batch.
+    ``processor``: a :class:`KNNLogitsProcessor` already made (then ``datastore`` and ``config`` are not used).
+    Returns the generated text of each prompt (no prompt).
     """
-    if streamer is not None and len(prompts) * num_beams != 1:
+    decode_options, retrieval_options = _split_options(options)
+    decoding = dataclasses.replace(decoding or Decoding(), **decode_options)
+    config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **retrieval_options)
+    if streamer is not None and len(prompts) * decoding.num_beams != 1:
         raise MemlmError("streaming shows one sequence: pass one prompt and num_beams=1 to stream")
     token_prompts = [
         list(tokenizer(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts
@@ -189,19 +213,18 @@ def generate_text(
     if processor is None and datastore is not None:
         from memlm.knnlm.calibration import knn_parameters
 
-        lam, temperature, _ = knn_parameters(datastore, lam, temperature, announce=False)
-    if processor is None and datastore is not None and lam:
-        processor = KNNLogitsProcessor(
-            model, datastore, k=k, lam=lam, temperature=temperature, nprobe=nprobe, index=index
-        )
+        lam, temperature, _ = knn_parameters(datastore, config.lam, config.temperature, announce=False)
+        if lam:
+            config = config.replace(lam=lam, temperature=temperature)
+            processor = KNNLogitsProcessor(model, datastore, config, index=index)
     if processor is not None:
         processors.append(processor)
-    if do_sample and sampling_temperature not in (None, 1.0):
-        processors.append(_Temperature(float(sampling_temperature)))
+    if decoding.do_sample and decoding.sampling_temperature not in (None, 1.0):
+        processors.append(_Temperature(float(decoding.sampling_temperature)))
     kwargs: dict[str, Any] = {
-        "max_new_tokens": max_new_tokens,
-        "do_sample": do_sample,
-        "num_beams": num_beams,
+        "max_new_tokens": decoding.max_new_tokens,
+        "do_sample": decoding.do_sample,
+        "num_beams": decoding.num_beams,
         "pad_token_id": pad_id,
         "eos_token_id": tokenizer.eos_token_id,
         # no warpers of the model's generation config: they would run before the kNN interpolation
@@ -213,8 +236,8 @@ def generate_text(
         "logits_processor": processors,
         "streamer": streamer,
     }
-    if stop:
-        kwargs["stopping_criteria"] = StoppingCriteriaList([_StopOnStrings(tokenizer, stop, ids.shape[1])])
+    if decoding.stop:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_StopOnStrings(tokenizer, decoding.stop, ids.shape[1])])
     if processor is not None:
         with processor:
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)

@@ -47,13 +47,14 @@ longer than that continues in the next round without a search). Pointer rows are
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.searcher import as_searcher
+from memlm.searcher import Searcher, as_searcher
 
 __all__ = ["POINTER_RULES", "pointer_retrieve", "pointer_width", "retrieve_with_pointers", "successor_ok"]
 
@@ -229,16 +230,24 @@ def retrieve_with_pointers(
     doc_index: np.ndarray,
     k: int,
     min_survivors: int = 1,
-    index=None,
-    index_path=None,
-    nprobe: int = 32,
+    *,
+    searcher: Searcher | None = None,
     lookahead: int = 32,
-    rule: str = "retomaton",
     provenance: dict[str, np.ndarray] | None = None,
+    **options: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`pointer_retrieve` over a :class:`memlm.datastore.Datastore`, searching its index (default
-    ``index.faiss``, or ``index`` / ``index_path``) with the index's metric for the exact scores."""
-    searcher = as_searcher(index) if index is not None else datastore.searcher(index_path, nprobe)
+    """:func:`pointer_retrieve` over a datastore (plain or sharded), searching with ``searcher`` (default: the
+    datastore's own, :meth:`memlm.datastore.DatastoreBase.searcher`, with ``index_path`` / ``nprobe`` from
+    ``options``; ``index``, an index already read, is the older spelling of ``searcher``), whose metric gives the
+    exact scores; ``rule`` (``options``, default "retomaton") as :func:`pointer_retrieve`'s."""
+    index, rule = options.pop("index", None), options.pop("rule", "retomaton")
+    unknown = sorted(set(options) - {"index_path", "nprobe"})
+    if unknown:
+        raise MemlmError(f"unknown retrieve_with_pointers options {unknown}: use index_path, nprobe, index, rule")
+    if searcher is None:
+        searcher = as_searcher(index) if index is not None else datastore.searcher(
+            options.get("index_path"), options.get("nprobe", 32)
+        )  # fmt: skip
     return pointer_retrieve(
         queries, targets, doc_index, lambda q: searcher.search(q, k), datastore.keys, datastore.values,
         datastore.doc_hash, datastore.offset, k, min_survivors, searcher.metric, lookahead, rule, provenance,

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from memlm.core.config import RetrievalConfig
 from memlm.datastore import Datastore
 from memlm.errors import MemlmError
 from memlm.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
@@ -221,14 +222,13 @@ def prune_datastore(
     datastore: Datastore,
     out: str | Path,
     k_merge: int = 8,
-    search: str = "index",
-    index_path: str | Path | None = None,
-    nprobe: int = 32,
-    metric: str | None = None,
+    config: RetrievalConfig | None = None,
+    *,
     seed: int | None = 0,
     chunk: int = 4096,
     progress: bool = True,
     overwrite: bool = False,
+    **options: Any,
 ) -> Datastore:
     """Greedy-merge ``datastore`` (He et al. 2021 Sec. 5.2) and write the kept entries to ``out`` with their counts.
 
@@ -240,8 +240,11 @@ def prune_datastore(
     manifest records ``pruned``: the source, ``k_merge``, the search, the seed, the sizes) plus ``counts.npy``,
     ``absorbed.npy`` and ``counts.json``; build its index with ``memlm index build``. A folder that already holds a
     datastore is replaced only with ``overwrite``. Returns the opened pruned datastore; :func:`load_counts` gives its
-    counts.
+    counts. The search settings (``search``, ``index_path`` / ``index``, ``nprobe``, ``metric``) come from ``config``
+    (:class:`memlm.core.config.RetrievalConfig`) or ``options`` by name.
     """
+    c = RetrievalConfig.with_options(config, **options)
+    search, index_path, nprobe, metric = c.search, c.index, c.nprobe, c.metric
     out = Path(out)
     _check_out(out, datastore.path, overwrite)
     if k_merge < 1:

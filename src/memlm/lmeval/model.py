@@ -46,6 +46,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import knn_distribution, mix_logprobs, mix_logprobs_per_token
 from memlm.core.memory import Memory
 from memlm.datastore import DatastoreBase
@@ -67,10 +68,35 @@ def _as_bool(value: Any) -> bool:
     return bool(value)
 
 
-_ARGUMENTS = ("model", "datastore", "lam", "temperature", "k", "nprobe", "cache", "cache_lambda", "cache_temperature",
-              "cache_k", "cache_max_len", "window", "min_context", "max_length", "batch_size", "dtype",
-              "prefix_token_id", "max_gen_toks", "ngram", "ngram_lambda_sparse", "ngram_lambda_dense",
-              "ngram_max_n")  # fmt: skip
+def _int_or_auto(value: Any) -> Any:
+    return value if str(value).startswith("auto") else int(value)
+
+
+# lm_eval's model arguments by group, each with its type (values from the command line arrive as strings)
+_RETRIEVAL_ARGUMENTS = {"lam": float, "temperature": float, "k": int, "nprobe": int, "cache": _as_bool,
+                        "cache_lambda": float, "cache_temperature": float, "cache_k": int, "cache_max_len": int,
+                        "window": int, "min_context": int}  # fmt: skip
+_HARNESS_ARGUMENTS = {"max_length": int, "batch_size": _int_or_auto, "dtype": str, "prefix_token_id": int,
+                      "max_gen_toks": int, "progress": _as_bool}  # fmt: skip
+_NGRAM_ARGUMENTS = {"ngram_lambda_sparse": float, "ngram_lambda_dense": float, "ngram_max_n": int}
+_ARGUMENTS = ("model", "datastore", "config", "ngram", *_RETRIEVAL_ARGUMENTS, *_HARNESS_ARGUMENTS, *_NGRAM_ARGUMENTS)
+
+LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MIN_CONTEXT, cache_lambda=0.1)
+"""MemlmLM's defaults: scoring's (k 1024, nprobe 32, windows 1024 / 512); the cache, when on, weighs 0.1."""
+
+
+def _settings(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """MemlmLM's keyword ``options`` (lm_eval's ``--model_args``) as typed (retrieval, harness, ∞-gram) settings;
+    an unknown name is refused with the known ones. ``None`` stays ``None`` (not set)."""
+    unknown = sorted(set(options) - set(_ARGUMENTS))
+    if unknown:
+        raise MemlmError(f"unknown MemlmLM argument(s) {unknown}: use {', '.join(_ARGUMENTS)}")
+    groups: list[dict[str, Any]] = [{}, {}, {}]
+    for group, types in zip(groups, (_RETRIEVAL_ARGUMENTS, _HARNESS_ARGUMENTS, _NGRAM_ARGUMENTS), strict=True):
+        for name, convert in types.items():
+            if name in options:
+                group[name] = None if options[name] is None else convert(options[name])
+    return groups[0], groups[1], groups[2]
 
 
 @register_model("memlm")
@@ -91,61 +117,43 @@ class MemlmLM(TemplateLM):
         model: Any = "smollm2-135m",
         tokenizer: Any = None,
         datastore: str | Path | DatastoreBase | Memory | None = None,
-        lam: float | None = None,
-        temperature: float | None = None,
-        k: int = 1024,
-        nprobe: int = 32,
-        cache: bool = False,
-        cache_lambda: float = 0.1,
-        cache_temperature: float = 1.0,
-        cache_k: int = 256,
-        cache_max_len: int = 2048,
-        window: int = 1024,
-        min_context: int = 512,
-        max_length: int | None = None,
-        batch_size: int | str = 4,
-        dtype: str = "auto",
-        prefix_token_id: int | None = None,
-        max_gen_toks: int = 256,
-        progress: bool = False,
+        config: RetrievalConfig | None = None,
+        *,
         ngram: Any = None,
-        ngram_lambda_sparse: float | None = None,
-        ngram_lambda_dense: float | None = None,
-        ngram_max_n: int | None = None,
-        **unused: Any,
+        **options: Any,
     ) -> None:
         super().__init__()
-        if unused:
-            raise MemlmError(f"unknown MemlmLM argument(s) {sorted(unused)}: use {', '.join(_ARGUMENTS)}")
+        retrieval, harness, ngram_options = _settings(options)
+        config = RetrievalConfig.with_options(config or LMEVAL_RETRIEVAL, **retrieval)
         if isinstance(model, str | Path):
             from memlm.resources import load_causal_lm
 
-            model, tokenizer = load_causal_lm(str(model), dtype=dtype)
+            model, tokenizer = load_causal_lm(str(model), dtype=harness.get("dtype", "auto"))
         elif tokenizer is None:
             raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         source = open_datastore(datastore) if isinstance(datastore, str | Path) else datastore  # or any memory
         self.datastore = source if isinstance(source, DatastoreBase) else getattr(source, "datastore", None)
-        self.cache = _as_bool(cache)
+        self.cache = config.cache
         self.parameters_from = None
+        lam, temperature = config.lam, config.temperature
         if source is not None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
-            setting = {"k": int(k), "nprobe": int(nprobe), "search": "index"}  # a notice if calibrated otherwise
+            setting = {"k": config.k, "nprobe": config.nprobe, "search": "index"}  # a notice if calibrated otherwise
             lam, temperature, self.parameters_from = knn_parameters(source, lam, temperature, setting=setting)
         self.lam = float(lam) if lam is not None else 0.0
-        temperature = 1.0 if temperature is None else temperature
-        self.cache_lambda = float(cache_lambda) if self.cache else 0.0
+        self.cache_lambda = float(config.cache_lambda) if self.cache else 0.0
         if source is None and self.lam:
             raise MemlmError(f"lam={self.lam} needs a datastore: pass datastore=DIR (or lam=0)")
         if not 0.0 <= self.lam + self.cache_lambda <= 1.0 or self.lam < 0 or self.cache_lambda < 0:
             raise MemlmError(f"lam={self.lam} and cache_lambda={self.cache_lambda} must be >= 0 and sum to at most 1")
-        self.temperature, self.k, self.nprobe = float(temperature), int(k), int(nprobe)
+        self.temperature = 1.0 if temperature is None else float(temperature)
+        self.config = config.replace(lam=self.lam, temperature=self.temperature, cache_lambda=self.cache_lambda)
+        self.k, self.nprobe = config.k, config.nprobe
         self.cache_temperature, self.cache_k, self.cache_max_len = (
-            float(cache_temperature),
-            int(cache_k),
-            int(cache_max_len),
-        )
-        self.window, self.min_context = int(window), int(min_context)
+            config.cache_temperature, config.cache_k, config.cache_max_len,
+        )  # fmt: skip
+        self.window, self.min_context = int(config.window or DEFAULT_WINDOW), int(config.min_context or 0)
         if self.window < 2 or not 1 <= self.min_context < self.window:
             raise MemlmError(
                 f"window={self.window} and min_context={self.min_context}: "
@@ -154,14 +162,20 @@ class MemlmLM(TemplateLM):
         self.ngram, self.ngram_lambdas = None, (0.0, 0.0)
         if ngram is not None:
             self.ngram, self.ngram_lambdas = self._open_ngram(
-                ngram, ngram_max_n, ngram_lambda_sparse, ngram_lambda_dense
+                ngram,
+                ngram_options.get("ngram_max_n"),
+                ngram_options.get("ngram_lambda_sparse"),
+                ngram_options.get("ngram_lambda_dense"),
             )
+        max_length = harness.get("max_length")
         self._max_length = int(max_length) if max_length is not None else self.window
+        batch_size = harness.get("batch_size", 4)
         self.batch_size = 4 if str(batch_size).startswith("auto") else int(batch_size)
-        self._max_gen_toks = int(max_gen_toks)
-        self.progress = _as_bool(progress)
+        self._max_gen_toks = int(harness.get("max_gen_toks", 256))
+        self.progress = bool(harness.get("progress", False))
         self._open_memories(source)
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eot_token_id
+        prefix_token_id = harness.get("prefix_token_id")
         self._prefix = int(prefix_token_id if prefix_token_id is not None else bos)  # an empty context's prefix
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else int(self.eot_token_id)
@@ -416,8 +430,7 @@ class MemlmLM(TemplateLM):
         ngram = NgramLogitsProcessor(self.ngram, *self.ngram_lambdas)
         if self.memory is None or not self.lam:
             return ngram
-        return KNNLogitsProcessor(self.model, self.memory, k=self.k, lam=self.lam, temperature=self.temperature,
-                                  nprobe=self.nprobe, ngram=ngram)  # fmt: skip
+        return KNNLogitsProcessor(self.model, self.memory, self.config, ngram=ngram)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
@@ -441,9 +454,7 @@ class MemlmLM(TemplateLM):
                 self.tokenizer,
                 [ctx],
                 datastore=self.memory,
-                k=self.k,
-                lam=self.lam,
-                temperature=self.temperature,
+                config=self.config,
                 max_new_tokens=max_new,
                 do_sample=do_sample,
                 sampling_temperature=temperature if do_sample else None,

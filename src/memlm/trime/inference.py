@@ -39,6 +39,7 @@ exact: for any ``M`` the memory term is the log-sum-exp of lags ``0..M``. :func:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -78,6 +79,7 @@ from memlm.trime.training import G_SPEC, tokenize_for_trime
 from memlm.windows import doc_hash
 
 __all__ = [
+    "TrimeEvalConfig",
     "TrimeScores",
     "EvalWindow",
     "evaluation_windows",
@@ -492,27 +494,48 @@ def _external_memory(model, tokenizer, datastore, key: KeySpec, search: str, npr
     return DatastoreMemory(datastore, search, "index", nprobe, searcher=index)
 
 
+@dataclass(frozen=True)
+class TrimeEvalConfig:
+    """:func:`score_trime`'s settings (the TRIME variant of :class:`memlm.core.config.RetrievalConfig`): segments of
+    ``seq_len`` tokens, ``max_segments`` of long-term memory, the ``local_temperatures`` kept, and for the external
+    memory ``k``, ``search``, ``ext_scores``, ``nprobe`` and ``drop_self_matches``; ``scale`` of ``sim`` (None:
+    ``1 / sqrt(d)``), the ``key`` role, overlapping ``context`` and ``stream`` (see :func:`score_trime`)."""
+
+    seq_len: int = 512
+    max_segments: int = 8
+    local_temperatures: Sequence[float] = (1.0,)
+    k: int = 1024
+    search: str = "index"
+    ext_scores: str = "dot"
+    nprobe: int = 32
+    drop_self_matches: bool = False
+    scale: float | None = None
+    key: KeySpec = G_SPEC
+    context: int = 0
+    stream: bool = False
+
+    def with_options(self, **options: Any) -> TrimeEvalConfig:
+        """These settings with ``options`` set by name (unknown names refused with the known ones)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise MemlmError(f"unknown TRIME settings {unknown}; known: {sorted(names)}")
+        return dataclasses.replace(self, **options)
+
+
 @torch.inference_mode()
 def score_trime(
     model: torch.nn.Module,
     tokenizer,
     documents: Sequence,
-    seq_len: int,
-    max_segments: int = 8,
-    local_temperatures: Sequence[float] = (1.0,),
+    seq_len: int | None = None,
+    config: TrimeEvalConfig | None = None,
+    *,
     datastore: Datastore | None = None,
-    k: int = 1024,
-    search: str = "index",
-    ext_scores: str = "dot",
-    nprobe: int = 32,
-    drop_self_matches: bool = False,
     batch_size: int = 8,
-    scale: float | None = None,
-    key: KeySpec = G_SPEC,
     meta: dict[str, Any] | None = None,
     index=None,
-    context: int = 0,
-    stream: bool = False,
+    **options: Any,
 ) -> TrimeScores:
     """One forward pass per segment and one retrieval per token: the per-token dump of TRIME's Eq. 6 (App. A).
 
@@ -535,6 +558,8 @@ def score_trime(
     ``(||q||² + ||k||² − L2²) / 2``), equal to ``"dot"`` up to float32 rounding and much cheaper than re-reading the
     keys (:func:`_dot_from_index`).
     ``drop_self_matches`` (needs documents with ``.id``/``.text``) drops retrieved entries that are the scored token.
+    The settings come from ``config`` (:class:`TrimeEvalConfig`); ``seq_len`` and ``options`` set its fields by name
+    (``max_segments=3, k=8``), the older keyword spelling.
     ``index``: the datastore's FAISS index already loaded (:func:`memlm.index.load_index`; its own ``nprobe``
     applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
     Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
@@ -545,8 +570,13 @@ def score_trime(
     and contexts are those of :func:`memlm.knnlm.evaluate.lm_scores` with ``window = seq_len``, ``min_context = C +
     1``, so TRIME rows and kNN-LM rows share one protocol (``doc_index`` is then 0 for every target).
     """
-    temps = _check_trime_args(model, seq_len, max_segments, local_temperatures, search, ext_scores, k)
-    key = key.normalized(num_layers(model))
+    if seq_len is not None:
+        options["seq_len"] = seq_len
+    c = (config or TrimeEvalConfig()).with_options(**options)
+    seq_len, max_segments, k, search, ext_scores = c.seq_len, c.max_segments, c.k, c.search, c.ext_scores
+    nprobe, drop_self_matches, scale, context, stream = c.nprobe, c.drop_self_matches, c.scale, c.context, c.stream
+    temps = _check_trime_args(model, seq_len, max_segments, c.local_temperatures, search, ext_scores, k)
+    key = c.key.normalized(num_layers(model))
     memory = _external_memory(model, tokenizer, datastore, key, search, nprobe, index)
     index = None if memory is None or search != "index" else memory.searcher
     token_docs, provenance, segments = _trime_windows(documents, tokenizer, seq_len, context, stream, drop_self_matches)
@@ -906,27 +936,20 @@ def run_trime_eval(
     model: str,
     corpus: str,
     split: str | None,
-    seq_len: int,
-    max_segments: int = 8,
-    local_temperatures: Sequence[float] = (1.0,),
+    seq_len: int | None = None,
+    config: TrimeEvalConfig | None = None,
+    *,
     datastore: str | Path | None = None,
-    k: int = 1024,
-    search: str = "index",
-    ext_scores: str = "dot",
-    nprobe: int = 32,
-    drop_self_matches: bool = False,
     batch_size: int = 8,
     max_tokens: int | None = None,
     dtype: str = "float32",
     dump: str | Path | None = None,
-    context: int = 0,
-    stream: bool = False,
+    **options: Any,
 ) -> tuple[TrimeScores, dict[str, Any]]:
     """Load ``model`` (:func:`memlm.resources.load_causal_lm`), score ``corpus`` at ``split`` with :func:`score_trime`
     (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last layer), write the dump
     to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``).
-    ``context``: :func:`score_trime`'s (0: non-overlapping segments; C > 0: App. D's overlapping windows); ``stream``:
-    :func:`score_trime`'s (the documents as one token stream, as the kNN-LM's evaluation reads them)."""
+    ``config`` / ``seq_len`` / ``options``: :func:`score_trime`'s (:class:`TrimeEvalConfig`)."""
     from memlm.corpora import corpus_fingerprint
     from memlm.resources import load_causal_lm
     from memlm.train_lm import load_corpora
@@ -945,23 +968,9 @@ def run_trime_eval(
     source = {"corpus": corpus, "split": split, "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
               "max_tokens": max_tokens}  # fmt: skip
     ts = score_trime(
-        lm,
-        tok,
-        docs,
-        seq_len,
-        max_segments=max_segments,
-        local_temperatures=local_temperatures,
-        datastore=ds,
-        k=k,
-        search=search,
-        ext_scores=ext_scores,
-        nprobe=nprobe,
-        drop_self_matches=drop_self_matches,
-        batch_size=batch_size,
-        meta={"model": model, "source": source},
-        context=context,
-        stream=stream,
-    )
+        lm, tok, docs, seq_len, config, datastore=ds, batch_size=batch_size, meta={"model": model, "source": source},
+        **options,
+    )  # fmt: skip
     if dump:
         ts.save(dump)
     return ts, trime_memory_results(ts)
