@@ -96,16 +96,27 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ memlm eval / tune --ngram
 
 
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """``--ngram DIR`` and its weights for ``memlm eval``."""
+def add_eval_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--ngram DIR`` and its weights for ``memlm eval`` (``several``: ``--ngram`` may be given more than once)."""
     g = p.add_argument_group("∞-gram (docs/NGRAM.md)")
-    g.add_argument(
-        "--ngram",
-        type=V.existing_dir,
-        default=None,
-        metavar="DIR",
-        help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore",
-    )
+    if several:
+        g.add_argument(
+            "--ngram",
+            type=V.existing_dir,
+            action="append",
+            default=None,
+            metavar="DIR",
+            help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore; give it again for "
+            "several indexes, each with its own weights (--dump + memlm tune tunes them jointly)",
+        )
+    else:
+        g.add_argument(
+            "--ngram",
+            type=V.existing_dir,
+            default=None,
+            metavar="DIR",
+            help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore",
+        )
     g.add_argument(
         "--ngram-lambda-sparse",
         type=V.probability,
@@ -130,21 +141,36 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def open_ngram(args: argparse.Namespace, tokenizer):
-    """The ``--ngram`` memory of ``memlm eval``, checked against the model's tokenizer, or None."""
-    if not getattr(args, "ngram", None):
+    """The ``--ngram`` memory of ``memlm eval``, checked against the model's tokenizer, or None: an
+    :class:`~memlm.ngram.memory.NgramMemory`, or for several ``--ngram`` an :class:`~memlm.ngram.memory.NgramMemories`.
+    """
+    paths = getattr(args, "ngram", None)
+    if not paths:
         return None
-    from memlm.ngram.index import NgramIndex
-    from memlm.ngram.memory import NgramMemory
+    from pathlib import Path
 
-    index = NgramIndex.open(args.ngram)
-    index.check_tokenizer(tokenizer)
-    return NgramMemory(index, max_n=args.ngram_max_n)
+    from memlm.ngram.index import NgramIndex
+    from memlm.ngram.memory import NgramMemories, NgramMemory
+
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    seen = [Path(p).resolve() for p in paths]
+    if len(set(seen)) < len(seen):
+        raise MemlmError(f"--ngram names the same index twice ({', '.join(paths)}): give each index once")
+    memories = []
+    for path in paths:
+        index = NgramIndex.open(path)
+        index.check_tokenizer(tokenizer)
+        memories.append(NgramMemory(index, max_n=args.ngram_max_n))
+    return memories[0] if len(memories) == 1 else NgramMemories(memories)
 
 
 def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temperature: float) -> dict[str, Any]:
     """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one)."""
+    from memlm.ngram.memory import NgramMemories
     from memlm.ngram.mixture import ngram_parameters, ngram_report, three_way_weights
 
+    if isinstance(memory, NgramMemories):
+        return multi_ngram_result(args, ts, memory, lam, temperature)
     ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
     rep = ngram_report(ts, ls, ld)
     if ts.knn_scores is not None and lam is not None:
@@ -159,6 +185,37 @@ def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temper
         }
     drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
     return {**{k: v for k, v in rep.items() if k not in drop}, "ngram_parameters_from": origin, **memory.describe()}
+
+
+def multi_ngram_result(args: argparse.Namespace, ts, memories, lam: float | None, temperature: float) -> dict:
+    """``memlm eval`` with several ``--ngram``: each index alone beside the LM (its own λ's: the flags, else its
+    calibration, as for one index), and all of them together, each with its own λ's, scaled to leave the LM a weight
+    >= 0 (:func:`~memlm.ngram.mixture.multi_weights`); with a datastore, with the kNN term too. The weights are set
+    apart here: ``--dump`` and ``memlm tune`` tune them jointly."""
+    from memlm.core.distribution import perplexity
+    from memlm.ngram.mixture import multi_weights, ngram_parameters, ngram_report, ngrams_logprob, reference_view
+
+    drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
+    refs, weights = [], []
+    for r, memory in enumerate(memories.memories):
+        ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+        rep = ngram_report(reference_view(ts, r), ls, ld)
+        refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in drop},
+                     "ngram_parameters_from": origin})  # fmt: skip
+        weights.append([ls, ld])
+    shared = multi_weights(0.0, weights)
+    out: dict[str, Any] = {
+        "ngrams": refs,
+        "multi_ngram_ppl": perplexity(ngrams_logprob(ts, shared)),
+        "multi_ngram_weights": shared,
+        "multi_ngram_note": "each index's own (λ_sparse, λ_dense), scaled to sum <= 1; tune them jointly with "
+        "memlm eval --dump on valid text and memlm tune",
+    }
+    if ts.knn_scores is not None and lam is not None:
+        w3 = multi_weights(lam, weights)
+        out["knn_multi_ngram_ppl"] = perplexity(ngrams_logprob(ts, w3, lam, temperature))
+        out["knn_multi_ngram_weights"] = {"lambda": lam, "temperature": temperature, "weights": w3}
+    return out
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -178,6 +235,8 @@ def tune_with_ngram(args: argparse.Namespace, valid) -> None:
 
     if any(args.cache_lambdas):
         raise MemlmError("--cache-lambdas is not tuned together with the ∞-gram; drop it")
+    if valid.ngram_extra_logprob is not None:
+        return tune_with_ngrams(args, valid)
     result = tune_ngram(
         valid,
         lambdas=args.ngram_lambdas or NGRAM_LAMBDAS,
@@ -220,6 +279,64 @@ def tune_with_ngram(args: argparse.Namespace, valid) -> None:
         for k, v in res.items():
             print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
     out["grid"] = result["grid"]
+    write_json(args.json, out)
+
+
+def _references(ts) -> list[Any]:
+    """Build ids of a dump's ∞-gram indexes, in order (what must agree between a valid and a test dump)."""
+    recs = ts.meta.get("ngrams") or [{"ngram_build_id": ts.meta.get("ngram_build_id")}]
+    return [r.get("ngram_build_id") for r in recs]
+
+
+def tune_with_ngrams(args: argparse.Namespace, valid) -> None:
+    """``memlm tune`` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``): each index's
+    (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
+    :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
+    from memlm.knnlm.evaluate import TokenScores
+    from memlm.ngram.mixture import NGRAM_LAMBDAS, multi_ngram_report, tune_ngrams
+
+    result = tune_ngrams(
+        valid,
+        lambdas=args.ngram_lambdas or NGRAM_LAMBDAS,
+        knn_lambdas=args.lambdas,
+        temperatures=args.temperatures,
+        k=args.k,
+    )
+    has_knn = valid.knn_scores is not None
+    lam = result["lambda"] if has_knn else None
+    weights = result["weights"]
+    pairs = "; ".join(f"({a:g}, {b:g})" for a, b in weights)
+    print(
+        f"best on valid: (lambda_sparse, lambda_dense) per ∞-gram index {pairs}"
+        + (f" lambda={result['lambda']} temperature={result['temperature']}" if has_knn else "")
+        + f" ppl={result['ppl']:.4f}"
+    )
+    described = valid.meta.get("ngrams") or [{} for _ in weights]
+    best = {
+        "ngrams": [{**d, "lambda_sparse": w[0], "lambda_dense": w[1]} for d, w in zip(described, weights, strict=True)],
+        "weights": weights,
+        **({"lambda": result["lambda"], "temperature": result["temperature"]} if has_knn else {}),
+        "ppl": result["ppl"],
+    }
+    out: dict[str, Any] = {
+        "valid": {
+            "best": best,
+            "alone": result["alone"],
+            "starts": result["starts"],
+            "report": multi_ngram_report(valid, weights, lam, result["temperature"], args.k),
+        }
+    }
+    if args.test:
+        test = TokenScores.load(args.test)
+        if _references(test) != _references(valid):
+            raise MemlmError(
+                f"{args.test} was scored with other ∞-gram indexes ({len(_references(test))}) than {args.valid} "
+                f"({len(_references(valid))}): run memlm eval with the same --ngram options, in the same order"
+            )
+        res = multi_ngram_report(test, weights, lam, result["temperature"], args.k)
+        out["test"] = res
+        for k, v in res.items():
+            print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
     write_json(args.json, out)
 
 
