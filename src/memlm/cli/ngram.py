@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from memlm.cli import common
@@ -20,12 +21,67 @@ EXCLUDED = (
 )
 
 
+def decontamination_sets(corpus: str, split: str, spec: str | None) -> list[str]:
+    """The evaluation sets ``memlm ngram build`` decontaminates against: ``spec`` (``none``, or a comma-separated list
+    of ``CORPUS:SPLIT`` for named corpora and paths of files or folders), by default (``None``) the test split of every
+    named corpus in ``corpus`` when the build reads train splits (none with ``--split all``)."""
+    from memlm.corpora import CORPORA
+
+    if spec is None:
+        if split != "train":
+            return []
+        return [f"{name}:test" for name in (n.strip() for n in corpus.split(",")) if name in CORPORA]
+    if spec.strip().lower() == "none":
+        return []
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    if not names:
+        raise MemlmError("--decontaminate needs CORPUS:SPLIT names or paths (e.g. wikitext2:test,imdb:test), or none")
+    return names
+
+
+def _eval_documents(name: str) -> list:
+    from memlm.corpora import CORPORA
+    from memlm.corpora import load_documents as corpus_documents
+
+    corpus, _, split = name.rpartition(":")
+    if corpus in CORPORA:
+        return corpus_documents(corpus, split)
+    return corpus_documents(Path(name), None)
+
+
+def decontaminate_documents(args: argparse.Namespace, docs: list, tok) -> tuple[list, dict[str, Any] | None]:
+    """``--decontaminate``: drop the reference documents the infini-gram paper's rule finds in the evaluation sets
+    (:mod:`memlm.ngram.decontaminate`); the record goes into the manifest's source (deterministic: resumable)."""
+    from memlm.corpora import corpus_fingerprint
+    from memlm.ngram.decontaminate import decontaminate
+
+    names = decontamination_sets(args.corpus, args.split, args.decontaminate)
+    if not names:
+        return docs, None
+    eval_sets = {name: _eval_documents(name) for name in names}
+    kept, record = decontaminate(
+        docs, eval_sets, tok, n=args.decontaminate_n, threshold=args.decontaminate_threshold, progress=True
+    )
+    for name, d in eval_sets.items():
+        record["eval_sets"][name]["fingerprint"] = corpus_fingerprint(d)
+    print(
+        f"decontamination against {', '.join(names)}: dropped {record['dropped_documents']:,} of "
+        f"{record['checked_documents']:,} documents ({record['dropped_tokens'] or 0:,} tokens) with >= "
+        f"{args.decontaminate_threshold:g} of their {args.decontaminate_n}-grams in the evaluation text",
+        file=sys.stderr,
+    )
+    return kept, record
+
+
 def cmd_ngram_build(args: argparse.Namespace) -> None:
     from memlm.ngram.index import build_ngram_index
 
     model, tok = common._load_model(args.model, args.dtype)
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
     source["excluded"] = EXCLUDED if args.split == "train" else "nothing: --split all (eval text may be indexed)"
+    docs, record = decontaminate_documents(args, docs, tok)
+    if record is not None:
+        source["decontamination"] = record
     docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
     with folder_lock(args.out, "build an ∞-gram index"):
         index = build_ngram_index(
@@ -147,8 +203,6 @@ def open_ngram(args: argparse.Namespace, tokenizer):
     paths = getattr(args, "ngram", None)
     if not paths:
         return None
-    from pathlib import Path
-
     from memlm.ngram.index import NgramIndex
     from memlm.ngram.memory import NgramMemories, NgramMemory
 
@@ -420,6 +474,22 @@ def add_parsers(sub) -> None:
         help="share of the corpus's tokens held out to calibrate λ_sparse / λ_dense (0: none)",
     )
     b.add_argument("--no-calibrate", action="store_true", help="hold out the slice but do not calibrate (no LM pass)")
+    b.add_argument(
+        "--decontaminate",
+        default=None,
+        metavar="SETS",
+        help="drop reference documents that copy evaluation text, by the infini-gram paper's rule (App. B: >= 80%% "
+        "of a document's 13-grams in the evaluation documents): comma-separated CORPUS:SPLIT names or files "
+        "(e.g. wikitext2:test,imdb:test), or none (default: the test split of every named corpus in --corpus; "
+        "none with --split all); the manifest records what was dropped",
+    )
+    b.add_argument("--decontaminate-n", type=V.positive_int, default=13, help="n of the n-grams (default 13)")
+    b.add_argument(
+        "--decontaminate-threshold",
+        type=V.probability,
+        default=0.8,
+        help="share of a document's n-grams in the evaluation text that drops it (default 0.8)",
+    )
     b.add_argument(
         "--shard-tokens",
         type=V.positive_int,
