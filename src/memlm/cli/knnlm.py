@@ -284,7 +284,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="search each forward batch in a background thread while the model computes the next",
     )
-    ngram_cli.add_eval_args(e)
+    ngram_cli.add_eval_args(e, several=True)
     e.set_defaults(func=cmd_eval)  # looked up when the parser is built (tests replace it first)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")

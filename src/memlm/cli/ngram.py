@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from memlm.cli import common
@@ -20,12 +21,67 @@ EXCLUDED = (
 )
 
 
+def decontamination_sets(corpus: str, split: str, spec: str | None) -> list[str]:
+    """The evaluation sets ``memlm ngram build`` decontaminates against: ``spec`` (``none``, or a comma-separated list
+    of ``CORPUS:SPLIT`` for named corpora and paths of files or folders), by default (``None``) the test split of every
+    named corpus in ``corpus`` when the build reads train splits (none with ``--split all``)."""
+    from memlm.corpora import CORPORA
+
+    if spec is None:
+        if split != "train":
+            return []
+        return [f"{name}:test" for name in (n.strip() for n in corpus.split(",")) if name in CORPORA]
+    if spec.strip().lower() == "none":
+        return []
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    if not names:
+        raise MemlmError("--decontaminate needs CORPUS:SPLIT names or paths (e.g. wikitext2:test,imdb:test), or none")
+    return names
+
+
+def _eval_documents(name: str) -> list:
+    from memlm.corpora import CORPORA
+    from memlm.corpora import load_documents as corpus_documents
+
+    corpus, _, split = name.rpartition(":")
+    if corpus in CORPORA:
+        return corpus_documents(corpus, split)
+    return corpus_documents(Path(name), None)
+
+
+def decontaminate_documents(args: argparse.Namespace, docs: list, tok) -> tuple[list, dict[str, Any] | None]:
+    """``--decontaminate``: drop the reference documents the infini-gram paper's rule finds in the evaluation sets
+    (:mod:`memlm.ngram.decontaminate`); the record goes into the manifest's source (deterministic: resumable)."""
+    from memlm.corpora import corpus_fingerprint
+    from memlm.ngram.decontaminate import decontaminate
+
+    names = decontamination_sets(args.corpus, args.split, args.decontaminate)
+    if not names:
+        return docs, None
+    eval_sets = {name: _eval_documents(name) for name in names}
+    kept, record = decontaminate(
+        docs, eval_sets, tok, n=args.decontaminate_n, threshold=args.decontaminate_threshold, progress=True
+    )
+    for name, d in eval_sets.items():
+        record["eval_sets"][name]["fingerprint"] = corpus_fingerprint(d)
+    print(
+        f"decontamination against {', '.join(names)}: dropped {record['dropped_documents']:,} of "
+        f"{record['checked_documents']:,} documents ({record['dropped_tokens'] or 0:,} tokens) with >= "
+        f"{args.decontaminate_threshold:g} of their {args.decontaminate_n}-grams in the evaluation text",
+        file=sys.stderr,
+    )
+    return kept, record
+
+
 def cmd_ngram_build(args: argparse.Namespace) -> None:
     from memlm.ngram.index import build_ngram_index
 
     model, tok = common._load_model(args.model, args.dtype)
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
     source["excluded"] = EXCLUDED if args.split == "train" else "nothing: --split all (eval text may be indexed)"
+    docs, record = decontaminate_documents(args, docs, tok)
+    if record is not None:
+        source["decontamination"] = record
     docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
     with folder_lock(args.out, "build an ∞-gram index"):
         index = build_ngram_index(
@@ -96,16 +152,27 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ memlm eval / tune --ngram
 
 
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """``--ngram DIR`` and its weights for ``memlm eval``."""
+def add_eval_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--ngram DIR`` and its weights for ``memlm eval`` (``several``: ``--ngram`` may be given more than once)."""
     g = p.add_argument_group("∞-gram (docs/NGRAM.md)")
-    g.add_argument(
-        "--ngram",
-        type=V.existing_dir,
-        default=None,
-        metavar="DIR",
-        help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore",
-    )
+    if several:
+        g.add_argument(
+            "--ngram",
+            type=V.existing_dir,
+            action="append",
+            default=None,
+            metavar="DIR",
+            help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore; give it again for "
+            "several indexes, each with its own weights (--dump + memlm tune tunes them jointly)",
+        )
+    else:
+        g.add_argument(
+            "--ngram",
+            type=V.existing_dir,
+            default=None,
+            metavar="DIR",
+            help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore",
+        )
     g.add_argument(
         "--ngram-lambda-sparse",
         type=V.probability,
@@ -130,21 +197,34 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def open_ngram(args: argparse.Namespace, tokenizer):
-    """The ``--ngram`` memory of ``memlm eval``, checked against the model's tokenizer, or None."""
-    if not getattr(args, "ngram", None):
+    """The ``--ngram`` memory of ``memlm eval``, checked against the model's tokenizer, or None: an
+    :class:`~memlm.ngram.memory.NgramMemory`, or for several ``--ngram`` an :class:`~memlm.ngram.memory.NgramMemories`.
+    """
+    paths = getattr(args, "ngram", None)
+    if not paths:
         return None
     from memlm.ngram.index import NgramIndex
-    from memlm.ngram.memory import NgramMemory
+    from memlm.ngram.memory import NgramMemories, NgramMemory
 
-    index = NgramIndex.open(args.ngram)
-    index.check_tokenizer(tokenizer)
-    return NgramMemory(index, max_n=args.ngram_max_n)
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    seen = [Path(p).resolve() for p in paths]
+    if len(set(seen)) < len(seen):
+        raise MemlmError(f"--ngram names the same index twice ({', '.join(paths)}): give each index once")
+    memories = []
+    for path in paths:
+        index = NgramIndex.open(path)
+        index.check_tokenizer(tokenizer)
+        memories.append(NgramMemory(index, max_n=args.ngram_max_n))
+    return memories[0] if len(memories) == 1 else NgramMemories(memories)
 
 
 def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temperature: float) -> dict[str, Any]:
     """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one)."""
+    from memlm.ngram.memory import NgramMemories
     from memlm.ngram.mixture import ngram_parameters, ngram_report, three_way_weights
 
+    if isinstance(memory, NgramMemories):
+        return multi_ngram_result(args, ts, memory, lam, temperature)
     ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
     rep = ngram_report(ts, ls, ld)
     if ts.knn_scores is not None and lam is not None:
@@ -159,6 +239,37 @@ def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temper
         }
     drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
     return {**{k: v for k, v in rep.items() if k not in drop}, "ngram_parameters_from": origin, **memory.describe()}
+
+
+def multi_ngram_result(args: argparse.Namespace, ts, memories, lam: float | None, temperature: float) -> dict:
+    """``memlm eval`` with several ``--ngram``: each index alone beside the LM (its own λ's: the flags, else its
+    calibration, as for one index), and all of them together, each with its own λ's, scaled to leave the LM a weight
+    >= 0 (:func:`~memlm.ngram.mixture.multi_weights`); with a datastore, with the kNN term too. The weights are set
+    apart here: ``--dump`` and ``memlm tune`` tune them jointly."""
+    from memlm.core.distribution import perplexity
+    from memlm.ngram.mixture import multi_weights, ngram_parameters, ngram_report, ngrams_logprob, reference_view
+
+    drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
+    refs, weights = [], []
+    for r, memory in enumerate(memories.memories):
+        ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+        rep = ngram_report(reference_view(ts, r), ls, ld)
+        refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in drop},
+                     "ngram_parameters_from": origin})  # fmt: skip
+        weights.append([ls, ld])
+    shared = multi_weights(0.0, weights)
+    out: dict[str, Any] = {
+        "ngrams": refs,
+        "multi_ngram_ppl": perplexity(ngrams_logprob(ts, shared)),
+        "multi_ngram_weights": shared,
+        "multi_ngram_note": "each index's own (λ_sparse, λ_dense), scaled to sum <= 1; tune them jointly with "
+        "memlm eval --dump on valid text and memlm tune",
+    }
+    if ts.knn_scores is not None and lam is not None:
+        w3 = multi_weights(lam, weights)
+        out["knn_multi_ngram_ppl"] = perplexity(ngrams_logprob(ts, w3, lam, temperature))
+        out["knn_multi_ngram_weights"] = {"lambda": lam, "temperature": temperature, "weights": w3}
+    return out
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -178,6 +289,8 @@ def tune_with_ngram(args: argparse.Namespace, valid) -> None:
 
     if any(args.cache_lambdas):
         raise MemlmError("--cache-lambdas is not tuned together with the ∞-gram; drop it")
+    if valid.ngram_extra_logprob is not None:
+        return tune_with_ngrams(args, valid)
     result = tune_ngram(
         valid,
         lambdas=args.ngram_lambdas or NGRAM_LAMBDAS,
@@ -220,6 +333,64 @@ def tune_with_ngram(args: argparse.Namespace, valid) -> None:
         for k, v in res.items():
             print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
     out["grid"] = result["grid"]
+    write_json(args.json, out)
+
+
+def _references(ts) -> list[Any]:
+    """Build ids of a dump's ∞-gram indexes, in order (what must agree between a valid and a test dump)."""
+    recs = ts.meta.get("ngrams") or [{"ngram_build_id": ts.meta.get("ngram_build_id")}]
+    return [r.get("ngram_build_id") for r in recs]
+
+
+def tune_with_ngrams(args: argparse.Namespace, valid) -> None:
+    """``memlm tune`` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``): each index's
+    (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
+    :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
+    from memlm.knnlm.evaluate import TokenScores
+    from memlm.ngram.mixture import NGRAM_LAMBDAS, multi_ngram_report, tune_ngrams
+
+    result = tune_ngrams(
+        valid,
+        lambdas=args.ngram_lambdas or NGRAM_LAMBDAS,
+        knn_lambdas=args.lambdas,
+        temperatures=args.temperatures,
+        k=args.k,
+    )
+    has_knn = valid.knn_scores is not None
+    lam = result["lambda"] if has_knn else None
+    weights = result["weights"]
+    pairs = "; ".join(f"({a:g}, {b:g})" for a, b in weights)
+    print(
+        f"best on valid: (lambda_sparse, lambda_dense) per ∞-gram index {pairs}"
+        + (f" lambda={result['lambda']} temperature={result['temperature']}" if has_knn else "")
+        + f" ppl={result['ppl']:.4f}"
+    )
+    described = valid.meta.get("ngrams") or [{} for _ in weights]
+    best = {
+        "ngrams": [{**d, "lambda_sparse": w[0], "lambda_dense": w[1]} for d, w in zip(described, weights, strict=True)],
+        "weights": weights,
+        **({"lambda": result["lambda"], "temperature": result["temperature"]} if has_knn else {}),
+        "ppl": result["ppl"],
+    }
+    out: dict[str, Any] = {
+        "valid": {
+            "best": best,
+            "alone": result["alone"],
+            "starts": result["starts"],
+            "report": multi_ngram_report(valid, weights, lam, result["temperature"], args.k),
+        }
+    }
+    if args.test:
+        test = TokenScores.load(args.test)
+        if _references(test) != _references(valid):
+            raise MemlmError(
+                f"{args.test} was scored with other ∞-gram indexes ({len(_references(test))}) than {args.valid} "
+                f"({len(_references(valid))}): run memlm eval with the same --ngram options, in the same order"
+            )
+        res = multi_ngram_report(test, weights, lam, result["temperature"], args.k)
+        out["test"] = res
+        for k, v in res.items():
+            print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
     write_json(args.json, out)
 
 
@@ -303,6 +474,22 @@ def add_parsers(sub) -> None:
         help="share of the corpus's tokens held out to calibrate λ_sparse / λ_dense (0: none)",
     )
     b.add_argument("--no-calibrate", action="store_true", help="hold out the slice but do not calibrate (no LM pass)")
+    b.add_argument(
+        "--decontaminate",
+        default=None,
+        metavar="SETS",
+        help="drop reference documents that copy evaluation text, by the infini-gram paper's rule (App. B: >= 80%% "
+        "of a document's 13-grams in the evaluation documents): comma-separated CORPUS:SPLIT names or files "
+        "(e.g. wikitext2:test,imdb:test), or none (default: the test split of every named corpus in --corpus; "
+        "none with --split all); the manifest records what was dropped",
+    )
+    b.add_argument("--decontaminate-n", type=V.positive_int, default=13, help="n of the n-grams (default 13)")
+    b.add_argument(
+        "--decontaminate-threshold",
+        type=V.probability,
+        default=0.8,
+        help="share of a document's n-grams in the evaluation text that drops it (default 0.8)",
+    )
     b.add_argument(
         "--shard-tokens",
         type=V.positive_int,

@@ -104,7 +104,9 @@ class TokenScores(TokenDump):
     OPTIONAL: ClassVar[dict[str, int]] = {"knn_scores": 2, "knn_values": 2, "cache_scores": 2, "cache_values": 2,
                                           "knn_log_counts": 2, "lm_entropy": 1, "lm_max_logprob": 1, "position": 1,
                                           "knn_lambda": 1, "searched": 1, "ngram_logprob": 1, "ngram_count": 1,
-                                          "ngram_n": 1, "ngram_sparse": 1}  # fmt: skip
+                                          "ngram_n": 1, "ngram_sparse": 1, "ngram_extra_logprob": 2,
+                                          "ngram_extra_count": 2, "ngram_extra_n": 2,
+                                          "ngram_extra_sparse": 2}  # fmt: skip
     PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"))
     HINT: ClassVar[str] = "rerun memlm eval --dump {path}"
 
@@ -126,6 +128,12 @@ class TokenScores(TokenDump):
     ngram_count: np.ndarray | None = None  # [N] int64
     ngram_n: np.ndarray | None = None  # [N] int32
     ngram_sparse: np.ndarray | None = None  # [N] bool
+    # further ∞-gram references (memlm eval --ngram A --ngram B ...): the same four, one column per reference after
+    # the first (memlm.ngram.memory.NgramMemories)
+    ngram_extra_logprob: np.ndarray | None = None  # [N, R-1] float32
+    ngram_extra_count: np.ndarray | None = None  # [N, R-1] int64
+    ngram_extra_n: np.ndarray | None = None  # [N, R-1] int32
+    ngram_extra_sparse: np.ndarray | None = None  # [N, R-1] bool
     meta: dict[str, Any] = field(default_factory=dict)
 
     def lm_only(self) -> TokenScores:

@@ -17,8 +17,10 @@ It needs no forward pass: building is tokenizing and sorting. Interpolated with 
 * :mod:`memlm.ngram.memory`: :class:`~memlm.ngram.memory.NgramMemory`: P∞ of every scored target (count, effective n,
   sparse flag) for whole documents at once, reusing the previous position's suffix; the full distribution as a
   :class:`memlm.core.memory.Retrieved` for generation.
-* :mod:`memlm.ngram.mixture`: the interpolation (λ_sparse, λ_dense, with or without a kNN term), its tuning on a dump
-  and the build's calibration.
+* :mod:`memlm.ngram.mixture`: the interpolation (λ_sparse, λ_dense, with or without a kNN term; one pair per index
+  when several are mixed), its tuning on a dump and the build's calibration.
+* :mod:`memlm.ngram.decontaminate`: the paper's decontamination of the reference data (App. B: a document goes when
+  >= 80% of its 13-grams occur in the evaluation text), applied by ``memlm ngram build`` before tokenizing.
 
 Needs the optional extra ``pip install memlm[ngram]`` (``infini-gram``, Python >= 3.11). Modules are imported on use.
 """

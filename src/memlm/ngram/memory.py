@@ -23,6 +23,7 @@ values ``w``), which :func:`memlm.core.distribution.knn_distribution` at tempera
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
@@ -39,7 +40,7 @@ from memlm.core.memory import Retrieved
 from memlm.errors import MemlmError
 from memlm.ngram.index import INSTALL, NgramIndex
 
-__all__ = ["NgramMemory", "NgramScores"]
+__all__ = ["NgramMemories", "NgramMemory", "NgramScores"]
 
 # infini-gram's engine (cpp_engine.h, ``Engine::Engine``) sorts a folder's files into token / suffix-array / offset /
 # metadata files by whether the file's *whole path* contains one of these words, in this order.
@@ -299,3 +300,36 @@ class NgramMemory:
                 values[i, j] = tok
                 ids[i, j] = int(r["suffix_len"]) + 1
         return Retrieved(scores, values, ids)
+
+
+class NgramMemories:
+    """Several ∞-gram indexes scored into one dump (``memlm eval --ngram A --ngram B``; e.g. an in-domain corpus and
+    all the text a user has), each later mixed with its own weights (:func:`memlm.ngram.mixture.tune_ngrams`).
+
+    :meth:`attach` fills the dump's ``ngram_*`` arrays with the first memory's statistics, exactly as that memory alone
+    would, and the ``ngram_extra_*`` arrays with the others' (one column per memory, in order); ``meta["ngrams"]``
+    lists every memory's :meth:`NgramMemory.describe`."""
+
+    def __init__(self, memories: Sequence[NgramMemory]) -> None:
+        if len(memories) < 2:
+            raise MemlmError("NgramMemories takes two or more ∞-gram memories; use NgramMemory for one")
+        self.memories = list(memories)
+
+    def describe(self) -> list[dict]:
+        return [m.describe() for m in self.memories]
+
+    def attach(self, ts, documents: Sequence, tokenizer) -> Any:
+        first, *rest = self.memories
+        first.attach(ts, documents, tokenizer)
+        seconds = float(ts.meta["seconds_ngram"])
+        cols: dict[str, list[np.ndarray]] = {f: [] for f in ("logprob", "count", "n", "sparse")}
+        for memory in rest:
+            scratch = dataclasses.replace(ts, meta={})  # attach sets new arrays on the copy; ts keeps the first's
+            memory.attach(scratch, documents, tokenizer)
+            for f, col in cols.items():
+                col.append(getattr(scratch, f"ngram_{f}"))
+            seconds += float(scratch.meta["seconds_ngram"])
+        for f, col in cols.items():
+            setattr(ts, f"ngram_extra_{f}", np.stack(col, axis=1))
+        ts.meta.update(ngrams=self.describe(), seconds_ngram=seconds)
+        return ts

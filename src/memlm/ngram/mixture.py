@@ -34,7 +34,12 @@ from memlm.errors import MemlmError
 
 __all__ = [
     "three_way_weights",
+    "multi_weights",
     "per_token_lambda",
+    "ngram_refs",
+    "ngrams_logprob",
+    "multi_ngram_report",
+    "tune_ngrams",
     "multi_ngram_mixture",
     "tune_multi_ngram",
     "NGRAM_LAMBDAS",
@@ -95,6 +100,18 @@ def three_way_weights(lam: float, lambda_sparse: float, lambda_dense: float) -> 
     calibrations) sum past 1, scaled by 1 - λ so that the ∞-gram shares what the kNN term leaves (LM weight >= 0)."""
     scale = 1.0 if lam + max(lambda_sparse, lambda_dense) <= 1.0 else 1.0 - lam
     return lambda_sparse * scale, lambda_dense * scale
+
+
+def multi_weights(lam: float, weights: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Every reference's ``(λ_sparse, λ_dense)`` beside a kNN weight λ: as given, or, when weights set apart (each
+    index's calibration) sum past 1 (λ + S > 1, ``S = Σ_r max(λ_sparse,r, λ_dense,r)``), all scaled by
+    ``(1 - λ) W / S`` with ``W = max_r max(λ_sparse,r, λ_dense,r)``: the references then share, in proportion to their
+    weights, what one reference of weight W would get beside the kNN term (:func:`three_way_weights`, which this is
+    for one reference), so the LM keeps a weight >= (1 - λ)(1 - W)."""
+    total = sum(max(w) for w in weights)
+    top = max((max(w) for w in weights), default=0.0)
+    scale = 1.0 if lam + total <= 1.0 else (1.0 - lam) * top / total
+    return [[float(w[0]) * scale, float(w[1]) * scale] for w in weights]
 
 
 def _arrays(ts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -362,3 +379,111 @@ def tune_multi_ngram(
         if cur < best_ppl:
             best_ws, best_ppl = ws, cur
     return {"weights": [list(w) for w in best_ws], "ppl": best_ppl, "starts": tried}
+
+
+# ------------------------------------------------------------------------------------------ several ∞-gram references
+
+
+def ngram_refs(ts) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(log P∞_r(target), sparse_r)`` of every ∞-gram reference of a dump (``memlm eval --ngram A --ngram B``):
+    the first from ``ngram_logprob`` / ``ngram_sparse``, the others from the columns of ``ngram_extra_logprob`` /
+    ``ngram_extra_sparse``, in the order given on the command line."""
+    _, ng, sp = _arrays(ts)
+    refs = [(ng, sp)]
+    if ts.ngram_extra_logprob is not None:
+        for r in range(ts.ngram_extra_logprob.shape[1]):
+            refs.append((torch.from_numpy(np.ascontiguousarray(ts.ngram_extra_logprob[:, r])),
+                         torch.from_numpy(np.ascontiguousarray(ts.ngram_extra_sparse[:, r]))))  # fmt: skip
+    return refs
+
+
+def reference_view(ts, r: int):
+    """A copy of the dump whose ``ngram_*`` arrays are reference ``r``'s (0 = the first), for the one-reference
+    functions (:func:`ngram_report`, :func:`tune_ngram`)."""
+    import dataclasses
+
+    if r == 0:
+        return dataclasses.replace(ts, ngram_extra_logprob=None, ngram_extra_sparse=None, ngram_extra_n=None,
+                                   ngram_extra_count=None)  # fmt: skip
+    cols = {f: np.ascontiguousarray(getattr(ts, f"ngram_extra_{f}")[:, r - 1]) for f in ("logprob", "sparse", "n",
+                                                                                       "count")}  # fmt: skip
+    return dataclasses.replace(ts, ngram_logprob=cols["logprob"], ngram_sparse=cols["sparse"], ngram_n=cols["n"],
+                               ngram_count=cols["count"], ngram_extra_logprob=None, ngram_extra_sparse=None,
+                               ngram_extra_n=None, ngram_extra_count=None)  # fmt: skip
+
+
+def ngrams_logprob(
+    ts,
+    weights: Sequence[Sequence[float]],
+    lam: float = 0.0,
+    temperature: float = 1.0,
+    k: int | None = None,
+) -> torch.Tensor:
+    """``log P(target)`` per token of :func:`multi_ngram_mixture` over every reference of a dump, each with its
+    ``(λ_sparse, λ_dense)`` in ``weights``, and the dump's kNN term at weight ``lam`` (> 0 needs neighbours)."""
+    refs = ngram_refs(ts)
+    knn = None
+    if lam > 0:
+        if ts.knn_scores is None:
+            raise MemlmError("a kNN weight > 0 needs a dump with datastore neighbours (memlm eval --datastore DS)")
+        knn = _knn(ts, temperature, k)
+    return multi_ngram_mixture(torch.from_numpy(ts.lm_logprob), refs, [tuple(w) for w in weights], knn, lam)
+
+
+def multi_ngram_report(
+    ts,
+    weights: Sequence[Sequence[float]],
+    lam: float | None = None,
+    temperature: float = 1.0,
+    k: int | None = None,
+) -> dict[str, Any]:
+    """Perplexities with every ∞-gram reference of a dump at ``weights`` (and, with ``lam``, the kNN term too), and
+    each reference's own statistics (sparse share, effective n)."""
+    lm = torch.from_numpy(ts.lm_logprob)
+    out: dict[str, Any] = {
+        "tokens": len(lm),
+        "base_ppl": perplexity(lm),
+        "ngram_weights": [list(map(float, w)) for w in weights],
+        "ngram_ppl": perplexity(ngrams_logprob(ts, weights)),
+        "references": [],
+    }
+    for r in range(len(weights)):
+        v = reference_view(ts, r)
+        out["references"].append(
+            {
+                "sparse_share": float(np.mean(v.ngram_sparse)),
+                "effective_n_median": float(np.median(v.ngram_n)) if len(v.ngram_n) else None,
+                "ngram_target_nonzero": float(np.isfinite(v.ngram_logprob).mean()),
+            }
+        )
+    if lam is not None and ts.knn_scores is not None:
+        knn = _knn(ts, temperature, k)
+        out.update(
+            knn_ngram_ppl=perplexity(ngrams_logprob(ts, weights, lam, temperature, k)),
+            knn_ppl=perplexity(mix_logprobs([lm, knn], [1 - lam, lam])),
+            **{"lambda": lam, "temperature": temperature},
+        )
+    return out
+
+
+def tune_ngrams(
+    ts,
+    lambdas: Sequence[float] = NGRAM_LAMBDAS,
+    knn_lambdas: Sequence[float] | None = None,
+    temperatures: Sequence[float] | None = None,
+    k: int | None = None,
+) -> dict[str, Any]:
+    """Every ∞-gram reference of a dump with its own ``(λ_sparse, λ_dense)``, tuned jointly by
+    :func:`tune_multi_ngram`. With datastore neighbours in the dump, λ and τ of the kNN term come first: each
+    reference alone with the kNN term (:func:`tune_ngram`, the exact optimum over λ, τ, λ_sparse, λ_dense), the
+    (λ, τ) of the best of them; then every reference's weights beside that kNN term. Returns ``{"weights", "ppl",
+    "lambda", "temperature", "alone", "starts"}`` (``alone``: each reference's own best, as :func:`tune_ngram`)."""
+    refs = ngram_refs(ts)
+    alone = [tune_ngram(reference_view(ts, r), lambdas, knn_lambdas, temperatures, k)["best"] for r in range(len(refs))]
+    knn, lam, temperature = None, 0.0, 1.0
+    if ts.knn_scores is not None:
+        pick = min(alone, key=lambda b: b["ppl"])
+        lam, temperature = float(pick["lambda"]), float(pick["temperature"])
+        knn = _knn(ts, temperature, k)
+    res = tune_multi_ngram(torch.from_numpy(ts.lm_logprob), refs, knn=knn, lam=lam, lambdas=lambdas)
+    return {**res, "lambda": lam, "temperature": temperature, "alone": alone}

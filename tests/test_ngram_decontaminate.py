@@ -1,0 +1,142 @@
+"""Decontamination of an ∞-gram reference corpus (Liu et al. 2024, App. B: BFF, n = 13, whole documents dropped
+when at least 80% of their n-grams are in the evaluation set), against a plain-Python transcription of the rule."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import Doc  # noqa: E402
+
+from memlm.ngram.decontaminate import bff_tokens, decontaminate, overlap_fractions  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(40)] + ["the", "a", "of", "river", "park", "bird", "sang", "ran", "dog", "cat"]
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _brute(documents, eval_docs, n=13, min_n=5, threshold=0.8) -> tuple[list[float], list[bool]]:
+    """The rule as the paper and BFF's ``process_file`` (--whole-document) state it, on Python tuples: a document's
+    n-grams are its windows of n tokens (repeats counted), or all its tokens when it has min_n..n-1 of them, none below;
+    the filter is the set of the evaluation documents' n-grams (made the same way); dropped iff contained / total >=
+    threshold. Tokens: bff_tokens of the lowercased text."""
+
+    def grams(text: str) -> list[tuple]:
+        t = bff_tokens(text.lower())
+        if len(t) >= n:
+            return [tuple(t[i : i + n]) for i in range(len(t) - n + 1)]
+        return [tuple(t)] if len(t) >= min_n else []
+
+    filt = {g for d in eval_docs for g in grams(d.text)}
+    fractions, drop = [], []
+    for d in documents:
+        g = grams(d.text)
+        f = sum(x in filt for x in g) / len(g) if g else float("nan")
+        fractions.append(f)
+        drop.append(bool(g) and f >= threshold)
+    return fractions, drop
+
+
+def test_bff_tokens_are_unicode_word_segments():
+    """split_word_bounds's examples in the unicode-segmentation crate's documentation (BFF's tokenizer), whitespace
+    segments left out as BFF's ``tokenize`` does."""
+    assert bff_tokens('The quick ("brown")  fox') == ["The", "quick", "(", '"', "brown", '"', ")", "fox"]
+    words = [t for t in bff_tokens('The quick ("brown") fox can\'t jump 32.3 feet, right?') if t[0].isalnum()]
+    assert words == ["The", "quick", "brown", "fox", "can't", "jump", "32.3", "feet", "right"]
+
+
+def test_copy_is_dropped_short_overlap_is_kept():
+    rng = random.Random(1)
+    test_doc = Doc("t0", _text(rng, 80))
+    short_eval = Doc("t1", "w1 w2 w3 w4 w5 w6 w7 w8")  # 8 tokens: one n-gram of all of them
+    words = test_doc.text.split()
+    docs = [
+        Doc("copy", test_doc.text),
+        Doc("upper", test_doc.text.upper()),  # lowercased before matching
+        Doc("framed", "intro words here " + test_doc.text + " and a short outro"),  # 68 of 75 13-grams inside
+        # every 12-token piece of the test document, each followed by a word it never has: no 13-gram in common
+        Doc("pieces", " ".join(" ".join(words[i : i + 12]) + " zz" for i in range(0, 72, 12))),
+        Doc("half", " ".join(words[:40]) + " " + _text(random.Random(7), 40)),
+        Doc("short", "w1 w2 w3 w4 w5 w6 w7 w8"),
+        Doc("tiny", "w1 w2 w3 w4"),  # under 5 tokens: no n-gram, always kept
+        Doc("other", _text(random.Random(9), 60)),
+    ]
+    kept, rec = decontaminate(docs, {"test": [test_doc, short_eval]})
+    assert [d.id for d in kept] == ["pieces", "half", "tiny", "other"]
+    assert [d["id"] for d in rec["dropped"]] == ["copy", "upper", "framed", "short"]
+    assert rec["dropped_documents"] == 4 and rec["eval_sets"]["test"]["dropped_documents"] == 4
+    res = overlap_fractions(docs, {"test": [test_doc, short_eval]})
+    assert res["fraction"]["all"][3] == 0.0 and 0.3 < res["fraction"]["all"][4] < 0.8
+    assert np.isnan(res["fraction"]["all"][6])
+
+
+def test_overlap_rule_matches_brute_force():
+    """Random documents spliced from evaluation text and other text at every mix, short and long, in several
+    evaluation sets: the fractions and drop decisions equal the brute force's (one filter over all sets; each set
+    alone too)."""
+    rng = random.Random(4)
+    evals = {"a": [Doc(f"a{i}", _text(rng, rng.randint(3, 120))) for i in range(6)],
+             "b": [Doc(f"b{i}", _text(rng, rng.randint(3, 60))) for i in range(4)]}  # fmt: skip
+    pool = [d.text.split() for ds in evals.values() for d in ds]
+    docs = []
+    for i in range(300):
+        parts = []
+        for _ in range(rng.randint(1, 4)):
+            if rng.random() < 0.6:
+                src = rng.choice(pool)
+                a = rng.randrange(len(src))
+                parts.append(" ".join(src[a : a + rng.randint(1, 60)]))
+            else:
+                parts.append(_text(rng, rng.randint(1, 30)))
+        docs.append(Doc(f"d{i}", " ".join(parts)))
+    docs += [Doc("ea", evals["a"][0].text + " " + evals["b"][0].text)]  # half in each set: dropped by the union
+    for n, threshold in ((13, 0.8), (5, 0.5), (3, 1.0)):
+        kept, rec = decontaminate(docs, evals, n=n, threshold=threshold)
+        want_f, want_drop = _brute(docs, [d for ds in evals.values() for d in ds], n, 5, threshold)
+        res = overlap_fractions(docs, evals, n=n)
+        np.testing.assert_array_equal(res["fraction"]["all"], np.array(want_f))
+        assert [d.id for d in kept] == [d.id for d, x in zip(docs, want_drop, strict=True) if not x]
+        for name, ds in evals.items():
+            f, drop = _brute(docs, ds, n, 5, threshold)
+            np.testing.assert_array_equal(res["fraction"][name], np.array(f))
+            assert rec["eval_sets"][name]["dropped_documents"] == sum(drop)
+        assert 0 < rec["dropped_documents"] < len(docs)
+
+
+def test_cli_build_decontaminates_and_records_it(tiny_lm_dir, tmp_path, capsys):
+    """memlm ngram build --decontaminate FILE: the copying document is not indexed, the manifest says what was dropped
+    and by which rule, and the same command again finds the build done (the record is deterministic)."""
+    pytest.importorskip("infini_gram")
+    from memlm.cli import main
+    from memlm.cli.ngram import decontamination_sets
+    from memlm.ngram.index import NgramIndex
+
+    rng = random.Random(3)
+    test_docs = [Doc(f"t{i}", _text(rng, 50)) for i in range(3)]
+    train = [Doc(f"d{i}", _text(rng, 40)) for i in range(20)] + [Doc("leak", "Intro: " + test_docs[1].text)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in train))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in test_docs))
+    argv = ["ngram", "build", "--model", str(tiny_lm_dir), "--corpus", str(tmp_path / "train.jsonl"), "--out",
+            str(tmp_path / "ix"), "--holdout", "0", "--decontaminate", str(tmp_path / "test.jsonl")]  # fmt: skip
+    assert main(argv) == 0
+    m = NgramIndex.open(tmp_path / "ix").manifest
+    assert m["documents"] == 20
+    rec = m["sources"][0]["decontamination"]
+    assert rec["dropped"][0]["id"] == "leak" and rec["dropped_documents"] == 1 and rec["n"] == 13
+    assert rec["threshold"] == 0.8 and "App. B" in rec["rule"] and rec["dropped_tokens"] > 50
+    assert rec["eval_sets"][str(tmp_path / "test.jsonl")]["documents"] == 3
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "nothing to do" in capsys.readouterr().err
+    # the default: the test split of every named corpus read for train; none with --split all or "none"
+    assert decontamination_sets("wiki,x.jsonl,imdb", "train", None) == ["wiki:test", "imdb:test"]
+    assert decontamination_sets("wiki", "all", None) == [] and decontamination_sets("wiki", "train", "none") == []
+    assert decontamination_sets("wiki", "train", "wikitext2:test, imdb:test") == ["wikitext2:test", "imdb:test"]
