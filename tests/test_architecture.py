@@ -82,7 +82,6 @@ def test_no_upward_imports():
 
 
 FAISS_MODULES = {"memlm.index", "memlm.searcher", "memlm.sharded_index"}  # the index and searcher modules
-SHIMS = {"memlm.validate"}  # old import paths kept for one release (deprecation warning)
 
 
 def test_faiss_is_imported_only_by_the_index_and_searcher_modules():
@@ -104,7 +103,7 @@ def test_nothing_below_the_command_line_imports_it():
     bad = [
         f"{module} imports {imp}"
         for module, path in _modules().items()
-        if not module.startswith("memlm.cli") and module not in SHIMS
+        if not module.startswith("memlm.cli")
         for imp in _imports(path, module, top_level_only=False)
         if imp == "memlm.cli" or imp.startswith("memlm.cli.")
     ]
@@ -273,3 +272,31 @@ def test_no_function_on_the_retrieval_path_takes_over_10_parameters():
                     if n > 10 and where not in PARAMETER_KERNELS:
                         wide.append(f"{where} ({n} parameters)")
     assert not wide, "\n".join(wide)
+
+
+def _subcommands(parser) -> list:
+    """Every leaf subparser of ``parser`` (``memlm datastore build``, ``memlm eval``, ...)."""
+    import argparse
+
+    leaves = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                leaves += _subcommands(sub) or [sub]
+    return leaves
+
+
+def test_every_command_carries_its_own_check():
+    """A command's pre-flight check is registered with its subparser and lives in the command's module (issue 25,
+    "commands own their checks"), not in a table elsewhere keyed by function name."""
+    from memlm.cli import build_parser
+
+    checked, bad = 0, []
+    for sub in _subcommands(build_parser()):
+        func, check = sub.get_default("func"), sub.get_default("check")
+        if check is None:
+            continue
+        checked += 1
+        if check.__module__ != func.__module__:
+            bad.append(f"{sub.prog}: {func.__module__}.{func.__name__} checked by {check.__module__}.{check.__name__}")
+    assert checked >= 10 and not bad, "\n".join(bad)

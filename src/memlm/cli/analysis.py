@@ -41,6 +41,21 @@ def cmd_analyze(args: argparse.Namespace) -> None:
     print((Path(args.out) / "tables.md").read_text())
 
 
+def check_analyze(args: argparse.Namespace) -> None:
+    V.check_windows(args)
+    V.float_list(args.fractions, "--fractions", lambda x: 0 < x <= 1, "in (0, 1]")
+    V.float_list(args.fig5_temperatures, "--fig5-temperatures", lambda x: x > 0, "> 0")
+    V.float_list(args.learned_n, "--learned-n", lambda x: x >= 1 and V.is_int(x), "a positive integer")
+    V.check_factory(args.factory)
+    from memlm.xu2023.analysis import check_skip
+
+    check_skip(tuple(s.strip() for s in args.skip.split(",") if s.strip()), "--skip")
+    for flag in ("datastore_att", "datastore_ffn"):
+        value = getattr(args, flag)
+        if value is not None:
+            V.existing_dir_error(value, "--" + flag.replace("_", "-"))
+
+
 def add_parsers(sub) -> None:
     a = sub.add_parser("analyze", help="Xu et al. 2023 ablations: h_ds, similarity, learned W_ds, FAISS vs exact, τ")
     add_model(a, required=True)
@@ -75,4 +90,4 @@ def add_parsers(sub) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--skip", default="", help="comma-separated parts to skip: table1, approx, temperature, learned")
     a.add_argument("--out", type=V.output_dir, required=True, help="output folder (rerun to resume)")
-    a.set_defaults(func=cmd_analyze)
+    a.set_defaults(func=cmd_analyze, check=check_analyze)

@@ -35,7 +35,9 @@ def resolve_dtype(args: argparse.Namespace) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed command: 0 when it succeeds, 2 after one ``error:`` line, 130 when interrupted."""
     try:
-        V.preflight(args)  # cheap cross-argument checks before any model, corpus or forward pass
+        check = getattr(args, "check", None)  # the command's cheap cross-argument checks, set with its subparser
+        if check is not None:
+            check(args)  # before any model, corpus or forward pass
         args.func(args)
     except MemlmError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -281,6 +281,22 @@ def cmd_datastore_prune(args: argparse.Namespace) -> None:
         )
 
 
+def check_datastore_build(args: argparse.Namespace) -> None:
+    from memlm.keys import KeySpec
+
+    KeySpec.parse(args.key)
+    V.check_windows(args)
+    if args.index:
+        V.check_factory(args.factory, args.metric)
+
+
+def check_index_build(args: argparse.Namespace) -> None:
+    from memlm.sharded import open_datastore
+
+    ds = open_datastore(args.dir)  # a single or a sharded datastore (README: `memlm index build ds/wiki-8`)
+    V.check_factory(args.factory, args.metric, ds.dim)
+
+
 def add_parsers(sub) -> None:
     ds = sub.add_parser("datastore", help="build or inspect a kNN-LM datastore").add_subparsers(
         dest="sub", required=True
@@ -339,7 +355,7 @@ def add_parsers(sub) -> None:
     )
     add_ray(b, "build the shards as Ray tasks")
     b.add_argument("--cpus-per-worker", type=V.positive_int, default=1, help="CPUs (torch threads) per Ray build task")
-    b.set_defaults(func=cmd_datastore_build)
+    b.set_defaults(func=cmd_datastore_build, check=check_datastore_build)
     c = ds.add_parser(
         "calibrate",
         help="tune a datastore's default λ and τ on text you name (outside it), e.g. one built without --holdout",
@@ -371,7 +387,7 @@ def add_parsers(sub) -> None:
                     help="write this index file instead of the datastore's index.faiss (e.g. a compressed "
                     "OPQ32_128,IVF4096,PQ32 one to search with memlm eval --index)")  # fmt: skip
     add_ray(ib, "fill a sharded datastore's shard indexes as Ray tasks")
-    ib.set_defaults(func=cmd_index_build)
+    ib.set_defaults(func=cmd_index_build, check=check_index_build)
 
     pr = ds.add_parser("prune", help="merge near-duplicate entries with the same value (He et al. 2021)")
     pr.add_argument("dir", type=V.existing_dir)

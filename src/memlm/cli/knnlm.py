@@ -201,6 +201,41 @@ def cmd_gate_train(args: argparse.Namespace) -> None:
           f"median {float(np.median(lam)):.3f}")  # fmt: skip
 
 
+def check_eval(args: argparse.Namespace) -> None:
+    V.check_windows(args)
+    if args.key:
+        from memlm.keys import KeySpec
+
+        KeySpec.parse(args.key)
+    V.check_datastore_k(args.datastore, args.k)
+    fast = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min)) if on]
+    if args.pipeline and fast:
+        raise MemlmError(f"--pipeline searches each batch as it comes, {fast[0]} needs every query first: use one")
+    if getattr(args, "pointer_rule", None) and not args.pointer_min:
+        raise MemlmError("--pointer-rule chooses what pointer reuse does where it searches: give --pointer-min N too")
+    if args.adaptive_fraction is not None and args.adaptive is None:
+        raise MemlmError("--adaptive-fraction needs --adaptive GATE (a gate from memlm gate train)")
+    if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:
+        raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
+    if args.index:
+        _index_of_datastore(args.index, args.datastore)
+
+
+def _index_of_datastore(index: str, datastore: str) -> None:
+    """``--index`` must have been built from ``--datastore``'s keys (its sidecar records the datastore's identity):
+    an index from another datastore returns ids of other entries (a wrong perplexity, or an IndexError when it has
+    more entries). Cheap: the sidecar and the manifest, not the FAISS file."""
+    from memlm.sharded import is_sharded, open_datastore
+
+    if is_sharded(datastore):  # a sharded index description: its searcher checks each shard's index
+        return
+    problem = open_datastore(datastore).index_problem(index)
+    if problem is not None:
+        raise MemlmError(
+            f"--index: {problem}; give an index built from it (`memlm index build {datastore} --out FILE`)"
+        )
+
+
 def add_parsers(sub) -> None:
     e = sub.add_parser("eval", help="perplexity of the LM and of the kNN-LM on a corpus split")
     add_model(e)
@@ -285,7 +320,7 @@ def add_parsers(sub) -> None:
         help="search each forward batch in a background thread while the model computes the next",
     )
     ngram_cli.add_eval_args(e, several=True)
-    e.set_defaults(func=cmd_eval)  # looked up when the parser is built (tests replace it first)
+    e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
     t.add_argument("--valid", type=V.existing_file, required=True, help="dump from memlm eval --split valid --dump")

@@ -227,6 +227,21 @@ def _print_eval(res: dict[str, Any]) -> None:
           f"peak RSS {speed['peak_rss_mb']:.0f} MiB")  # fmt: skip
 
 
+def check_npm_index(args: argparse.Namespace) -> None:
+    V.check_factory(args.factory, "ip")
+
+
+def check_npm_query(args: argparse.Namespace) -> None:
+    for q in args.query:
+        if not q.strip():
+            raise MemlmError("a query is empty: give text with exactly one [MASK]")
+
+
+def check_npm_classify(args: argparse.Namespace) -> None:
+    check_npm_query(args)
+    V.parse_labels(args.labels)
+
+
 def add_parsers(sub) -> None:
     npm = sub.add_parser("npm", help="NPM (Min et al. 2023): phrase index, masked-phrase prediction, classification")
     nsub = npm.add_subparsers(dest="sub", required=True)
@@ -241,7 +256,7 @@ def add_parsers(sub) -> None:
     )
     ni.add_argument("--batch-size", type=V.positive_int, default=16)
     ni.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ni.set_defaults(func=cmd_npm_index)
+    ni.set_defaults(func=cmd_npm_index, check=check_npm_index)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--index", type=V.existing_dir, required=True, help="phrase-index folder (memlm npm index)")
@@ -268,14 +283,14 @@ def add_parsers(sub) -> None:
     common(npr)
     npr.add_argument("--top", type=V.positive_int, default=10, help="phrases to print (default 10)")
     npr.add_argument("--combine", default="a1", choices=["a1", "sum"], help="span score: App. A.1 (a1) or §3.1 sum")
-    npr.set_defaults(func=cmd_npm_predict)
+    npr.set_defaults(func=cmd_npm_predict, check=check_npm_query)
     nc = nsub.add_parser("classify", help="closed-set label probabilities (fuzzy verbalizers, App. A.4)")
     common(nc)
     nc.add_argument(
         "--labels", required=True, help="label=verbalizer,verbalizer;label=... e.g. 'pos=great,good;neg=bad,awful'"
     )
     nc.add_argument("--tau", type=V.positive_float, default=5.0, help="temperature of the candidate scores (default 5)")
-    nc.set_defaults(func=cmd_npm_classify)
+    nc.set_defaults(func=cmd_npm_classify, check=check_npm_classify)
     ne = nsub.add_parser("eval", help="evaluation tasks: BBC topics (closed set), wiki cloze probes, corpus update")
     ne.add_argument("--task", required=True, choices=["bbc", "cloze", "update"])
     ne.add_argument(

@@ -109,6 +109,15 @@ def _train_npm(args: argparse.Namespace) -> None:
     )
 
 
+def check_train(args: argparse.Namespace) -> None:
+    if args.from_scratch is not None and not args.from_scratch.strip():
+        raise MemlmError("--from-scratch is empty: give a size such as 5m or 6x384")
+    if not args.corpus.strip(", "):
+        raise MemlmError("--corpus is empty: give a named corpus, a file or a folder")
+    if args.warmup >= 1 and args.warmup > args.steps:
+        raise MemlmError(f"--warmup {args.warmup:g} updates exceed --steps {args.steps}")
+
+
 def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a causal LM from scratch or continue a pretrained one (resumable)")
     t.add_argument(
@@ -190,4 +199,4 @@ def add_parsers(sub) -> None:
     t.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one, else CPU), cpu, cuda, cuda:N")
     t.add_argument("--stop-after", type=V.positive_int, default=None, help="stop (resumably) after this many updates")
     t.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
-    t.set_defaults(func=cmd_train, train_parser=t)
+    t.set_defaults(func=cmd_train, check=check_train, train_parser=t)

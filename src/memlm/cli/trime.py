@@ -100,6 +100,19 @@ def cmd_trime_tune(args: argparse.Namespace) -> None:
     write_json(args.json, res)
 
 
+def check_trime_eval(args: argparse.Namespace) -> None:
+    V.float_list(args.local_temperatures, "--local-temperatures", lambda x: x > 0, "> 0")
+    V.check_datastore_k(args.datastore, args.k)
+
+
+def check_trime_tune(args: argparse.Namespace) -> None:
+    V.float_list(args.segments, "--segments", lambda x: x >= 0 and V.is_int(x), "an integer >= 0")
+    V.float_list(args.ext_temperatures, "--temperatures", lambda x: x > 0, "> 0")
+    V.float_list(args.ext_lambdas, "--lambdas", lambda x: 0 <= x <= 1, "in [0, 1]")
+    V.float_list(args.knn_temperatures, "--knn-temperatures", lambda x: x > 0, "> 0")
+    V.float_list(args.local_temperatures, "--local-temperatures", lambda x: x > 0, "> 0")
+
+
 def add_parsers(sub) -> None:
     te = sub.add_parser("trime-eval", help="TRIME perplexity with local, long-term and external memory (+ dump)")
     add_model(te)
@@ -137,7 +150,7 @@ def add_parsers(sub) -> None:
         "--dump", type=V.output_file, default=None, help="write per-token scores (.npz) for memlm trime-tune"
     )
     te.add_argument("--json", type=V.output_file, default=None, help="write the results as JSON")
-    te.set_defaults(func=cmd_trime_eval)
+    te.set_defaults(func=cmd_trime_eval, check=check_trime_eval)
     tt = sub.add_parser("trime-tune", help="choose M, τ_local, τ, λ on a valid dump; apply to a test dump")
     tt.add_argument(
         "--valid", type=V.existing_file, required=True, help="dump from memlm trime-eval --split valid --dump"
@@ -151,4 +164,4 @@ def add_parsers(sub) -> None:
     tt.add_argument("--knn-temperatures", default=None, help="τ_kNN values (default: τ)")
     tt.add_argument("--local-temperatures", default=None, help="τ_local values (default: all in the dump)")
     tt.add_argument("--json", type=V.output_file, default=None)
-    tt.set_defaults(func=cmd_trime_tune)
+    tt.set_defaults(func=cmd_trime_tune, check=check_trime_tune)

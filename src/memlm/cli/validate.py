@@ -42,7 +42,6 @@ __all__ = [
     "check_factory",
     "check_against_model",
     "float_list",
-    "preflight",
     "MAX_K",
 ]
 
@@ -271,7 +270,7 @@ def float_list(
     return tuple(values)
 
 
-def _is_int(x: float) -> bool:
+def is_int(x: float) -> bool:
     return float(x).is_integer()
 
 
@@ -316,7 +315,8 @@ def check_against_model(args: argparse.Namespace, model: Any) -> None:
     check_factory(args.factory, args.metric, key_dim(model, key))
 
 
-def _windows(args: argparse.Namespace) -> None:
+def check_windows(args: argparse.Namespace) -> None:
+    """``--min-context`` below ``--window`` (each window scores the tokens past its context)."""
     window, min_context = getattr(args, "window", None), getattr(args, "min_context", None)
     if window is not None and min_context is not None and min_context >= window:
         raise MemlmError(
@@ -325,7 +325,7 @@ def _windows(args: argparse.Namespace) -> None:
         )
 
 
-def _datastore_k(path: str | None, k: int, flag: str = "--datastore") -> None:
+def check_datastore_k(path: str | None, k: int, flag: str = "--datastore") -> None:
     """``k`` larger than the datastore (beyond the default 1024) is a mistake, not a request for -1 padding."""
     if not path:
         return
@@ -336,137 +336,12 @@ def _datastore_k(path: str | None, k: int, flag: str = "--datastore") -> None:
         raise MemlmError(f"--k {k} exceeds the {n} entries of the datastore {path}: give --k <= {n}")
 
 
-def _pre_datastore_build(args: argparse.Namespace) -> None:
-    from memlm.keys import KeySpec
-
-    KeySpec.parse(args.key)
-    _windows(args)
-    if args.index:
-        check_factory(args.factory, args.metric)
-
-
-def _pre_index_build(args: argparse.Namespace) -> None:
-    from memlm.sharded import open_datastore
-
-    ds = open_datastore(args.dir)  # a single or a sharded datastore (README: `memlm index build ds/wiki-8`)
-    check_factory(args.factory, args.metric, ds.dim)
-
-
-def _pre_eval(args: argparse.Namespace) -> None:
-    _windows(args)
-    if args.key:
-        from memlm.keys import KeySpec
-
-        KeySpec.parse(args.key)
-    _datastore_k(args.datastore, args.k)
-    fast = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min)) if on]
-    if args.pipeline and fast:
-        raise MemlmError(f"--pipeline searches each batch as it comes, {fast[0]} needs every query first: use one")
-    if getattr(args, "pointer_rule", None) and not args.pointer_min:
-        raise MemlmError("--pointer-rule chooses what pointer reuse does where it searches: give --pointer-min N too")
-    if args.adaptive_fraction is not None and args.adaptive is None:
-        raise MemlmError("--adaptive-fraction needs --adaptive GATE (a gate from memlm gate train)")
-    if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:
-        raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
-    if args.index:
-        _index_of_datastore(args.index, args.datastore)
-
-
-def _index_of_datastore(index: str, datastore: str) -> None:
-    """``--index`` must have been built from ``--datastore``'s keys (its sidecar records the datastore's identity):
-    an index from another datastore returns ids of other entries (a wrong perplexity, or an IndexError when it has
-    more entries). Cheap: the sidecar and the manifest, not the FAISS file."""
-    from memlm.sharded import is_sharded, open_datastore
-
-    if is_sharded(datastore):  # a sharded index description: its searcher checks each shard's index
-        return
-    problem = open_datastore(datastore).index_problem(index)
-    if problem is not None:
-        raise MemlmError(
-            f"--index: {problem}; give an index built from it (`memlm index build {datastore} --out FILE`)"
-        )
-
-
-def _pre_train(args: argparse.Namespace) -> None:
-    if args.from_scratch is not None and not args.from_scratch.strip():
-        raise MemlmError("--from-scratch is empty: give a size such as 5m or 6x384")
-    if not args.corpus.strip(", "):
-        raise MemlmError("--corpus is empty: give a named corpus, a file or a folder")
-    if args.warmup >= 1 and args.warmup > args.steps:
-        raise MemlmError(f"--warmup {args.warmup:g} updates exceed --steps {args.steps}")
-
-
-def _pre_analyze(args: argparse.Namespace) -> None:
-    _windows(args)
-    float_list(args.fractions, "--fractions", lambda x: 0 < x <= 1, "in (0, 1]")
-    float_list(args.fig5_temperatures, "--fig5-temperatures", lambda x: x > 0, "> 0")
-    float_list(args.learned_n, "--learned-n", lambda x: x >= 1 and _is_int(x), "a positive integer")
-    check_factory(args.factory)
-    from memlm.xu2023.analysis import check_skip
-
-    check_skip(tuple(s.strip() for s in args.skip.split(",") if s.strip()), "--skip")
-    for flag in ("datastore_att", "datastore_ffn"):
-        value = getattr(args, flag)
-        if value is not None:
-            existing_dir_error(value, "--" + flag.replace("_", "-"))
-
-
 def existing_dir_error(path: str, flag: str) -> None:
     """:func:`existing_dir` as a :class:`MemlmError` naming ``flag``."""
     try:
         existing_dir(path)
     except argparse.ArgumentTypeError as e:
         raise MemlmError(f"{flag}: {e}") from None
-
-
-def _pre_npm_index(args: argparse.Namespace) -> None:
-    check_factory(args.factory, "ip")
-
-
-def _pre_npm_query(args: argparse.Namespace) -> None:
-    for q in args.query:
-        if not q.strip():
-            raise MemlmError("a query is empty: give text with exactly one [MASK]")
-
-
-def _pre_npm_classify(args: argparse.Namespace) -> None:
-    _pre_npm_query(args)
-    parse_labels(args.labels)
-
-
-def _pre_trime_eval(args: argparse.Namespace) -> None:
-    float_list(args.local_temperatures, "--local-temperatures", lambda x: x > 0, "> 0")
-    _datastore_k(args.datastore, args.k)
-
-
-def _pre_trime_tune(args: argparse.Namespace) -> None:
-    float_list(args.segments, "--segments", lambda x: x >= 0 and _is_int(x), "an integer >= 0")
-    float_list(args.ext_temperatures, "--temperatures", lambda x: x > 0, "> 0")
-    float_list(args.ext_lambdas, "--lambdas", lambda x: 0 <= x <= 1, "in [0, 1]")
-    float_list(args.knn_temperatures, "--knn-temperatures", lambda x: x > 0, "> 0")
-    float_list(args.local_temperatures, "--local-temperatures", lambda x: x > 0, "> 0")
-
-
-_PREFLIGHT: dict[str, Callable[[argparse.Namespace], None]] = {
-    "cmd_datastore_build": _pre_datastore_build,
-    "cmd_index_build": _pre_index_build,
-    "cmd_eval": _pre_eval,
-    "cmd_train": _pre_train,
-    "cmd_analyze": _pre_analyze,
-    "cmd_npm_index": _pre_npm_index,
-    "cmd_npm_predict": _pre_npm_query,
-    "cmd_npm_classify": _pre_npm_classify,
-    "cmd_trime_eval": _pre_trime_eval,
-    "cmd_trime_tune": _pre_trime_tune,
-}
-
-
-def preflight(args: argparse.Namespace) -> None:
-    """The command's cross-argument checks (cheap; raise :class:`MemlmError`) before it loads anything heavy."""
-    func: Any = getattr(args, "func", None)
-    check = _PREFLIGHT.get(getattr(func, "__name__", ""))
-    if check is not None:
-        check(args)
 
 
 # ------------------------------------------------------------------------------------------------ score dumps
