@@ -927,9 +927,8 @@ def run_trime_eval(
     to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``).
     ``context``: :func:`score_trime`'s (0: non-overlapping segments; C > 0: App. D's overlapping windows); ``stream``:
     :func:`score_trime`'s (the documents as one token stream, as the kNN-LM's evaluation reads them)."""
-    from memlm.corpora import corpus_fingerprint
+    from memlm.corpora import corpus_fingerprint, load_corpora
     from memlm.resources import load_causal_lm
-    from memlm.train_lm import load_corpora
     from memlm.windows import limit_documents
 
     ds = open_datastore(datastore) if datastore else None
