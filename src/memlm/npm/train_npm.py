@@ -40,6 +40,7 @@ __all__ = [
     "NpmSingleTrainObjective",
     "NpmTrainObjective",
     "NpmTrainResult",
+    "encoder_valid_batches",
     "limit_encoder_documents",
     "npm_validation_batches",
     "npm_valid_loss",
@@ -93,19 +94,20 @@ def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -
     return kept
 
 
-def encoder_valid_batches(docs: Sequence, tokenizer, tokens: int | None, config: TrainConfig) -> NpmBatches:
+def encoder_valid_batches(
+    docs: Sequence, tokenizer, tokens: int | None, seq_len: int, batch_size: int, seed: int = 0
+) -> NpmBatches:
     """The batches NPM / MLM validation scores: the leading ``tokens`` tokens of ``docs``, in document-grouped batches
-    of ``config.batch_size`` sequences of ``config.seq_len`` tokens (as training builds them, seed ``config.seed``)."""
+    of ``batch_size`` sequences of ``seq_len`` tokens (as training builds them)."""
     docs = limit_encoder_documents(docs, tokenizer, tokens)
-    return npm_batches(docs, tokenizer, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
+    return npm_batches(docs, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed)
 
 
 def npm_validation_batches(
     corpus: str | Sequence[str], tokenizer, tokens: int | None, seq_len: int, batch_size: int, seed: int = 0
 ) -> NpmBatches:
-    """:func:`encoder_valid_batches` of ``corpus`` at split ``valid``."""
-    config = TrainConfig(seq_len=seq_len, batch_size=batch_size, seed=seed)
-    return encoder_valid_batches(load_corpora(corpus, "valid"), tokenizer, tokens, config)
+    """:func:`encoder_valid_batches` of the documents of ``corpus`` at split ``valid``."""
+    return encoder_valid_batches(load_corpora(corpus, "valid"), tokenizer, tokens, seq_len, batch_size, seed)
 
 
 @torch.no_grad()
@@ -171,7 +173,9 @@ class EncoderObjective(Objective):
         return model, tok
 
     def final_valid_loss(self, model, docs: list[Document], tokenizer, setup: TrainSetup) -> float | None:
-        return self.valid_loss_of(model, encoder_valid_batches(docs, tokenizer, setup.valid_tokens, setup.config))
+        c = setup.config
+        batches = encoder_valid_batches(docs, tokenizer, setup.valid_tokens, c.seq_len, c.batch_size, c.seed)
+        return self.valid_loss_of(model, batches)
 
     @abstractmethod
     def valid_loss_of(self, model, batches: NpmBatches) -> float | None:
