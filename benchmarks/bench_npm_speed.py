@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memlm.corpora import load_corpora
 from memlm.fileio import atomic_write_json
 from memlm.npm import inference as inf
 from memlm.npm import tasks
@@ -34,7 +35,6 @@ from memlm.npm.encoder import encode_query
 from memlm.npm.mlm import load_mlm
 from memlm.npm.phrase_index import FILES, PhraseIndex
 from memlm.resources import load_encoder
-from memlm.train_lm import load_corpora
 
 
 def loadavg() -> list[float]:

@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 
 from memlm.fileio import atomic_write_json
-from memlm.train import TrainConfig, train
-from memlm.train_lm import parse_arch
+from memlm.train import TrainConfig, parse_arch, train
 
 
 def make_model(arch: str, vocab: int, seq_len: int, seed: int = 0):

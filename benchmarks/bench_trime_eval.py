@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
+from memlm.corpora import load_corpora
 from memlm.datastore import Datastore
 from memlm.fileio import atomic_write_json
 from memlm.resources import load_causal_lm
-from memlm.train_lm import load_corpora
 from memlm.trime.batching import segment_documents
 from memlm.trime.inference import score_trime
 from memlm.trime.training import tokenize_for_trime

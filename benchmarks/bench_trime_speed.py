@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 from memlm import index as index_lib
+from memlm.corpora import load_corpora
 from memlm.datastore import Datastore
 from memlm.fileio import atomic_write_json
 from memlm.resources import load_causal_lm
-from memlm.train_lm import load_corpora
 from memlm.trime import inference as ti
 from memlm.trime.inference import score_trime, trime_perplexity
 from memlm.windows import limit_documents

@@ -13,9 +13,9 @@ import argparse
 
 import numpy as np
 
+from memlm.corpora import load_corpora
 from memlm.fileio import atomic_write_json
 from memlm.tokenizer import make_tokenizer
-from memlm.train_lm import load_corpora
 from memlm.windows import tokenize_documents
 
 

@@ -17,7 +17,7 @@ LAYERS = [
     {"core"},
     {"resources", "corpora", "windows", "tokenizer", "keys", "forward", "plots"},
     {"folder", "datastore", "index", "searcher", "sharded", "sharded_index", "ray_backend", "retrieval"},
-    {"train", "train_lm", "knnlm", "xu2023", "trime", "npm", "ngram"},
+    {"train", "train_driver", "train_lm", "objectives", "knnlm", "xu2023", "trime", "npm", "ngram"},
     {"lmeval", "demo", "validate", "cli"},
 ]
 

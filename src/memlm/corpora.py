@@ -54,7 +54,7 @@ import io
 import json
 import re
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -69,6 +69,7 @@ __all__ = [
     "Document",
     "corpus_fingerprint",
     "describe_corpora",
+    "load_corpora",
     "load_documents",
     "split_of",
 ]
@@ -508,6 +509,21 @@ def load_documents(name_or_path: str | Path, split: str | None = "test") -> list
             f"{label} has no text: every document is empty. Pass files with text (.txt, or .jsonl with a "
             f'"text" field) or another split.'
         )
+    return docs
+
+
+def load_corpora(names: str | Sequence[str], split: str | None) -> list[Document]:
+    """Documents of one or more corpora (``"wiki,news"`` or a list), concatenated in the given order.
+
+    Each part goes through :func:`load_documents` (a named corpus at ``split``, or files); an empty name is skipped.
+    Raises MemlmError when nothing is left."""
+    parts = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    docs: list[Document] = []
+    for name in parts:
+        if name:
+            docs.extend(load_documents(name, split))
+    if not docs:
+        raise MemlmError(f"no documents in {names!r} (split {split}): give a corpus with text")
     return docs
 
 

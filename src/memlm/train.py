@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -72,7 +73,9 @@ __all__ = [
     "gpt2_param_count",
     "lm_batches",
     "lr_at",
+    "parse_arch",
     "train",
+    "write_log",
 ]
 
 _STATE_FILE = "training_state.pt"
@@ -325,6 +328,21 @@ def gpt2_config(size: str | int, vocab_size: int = 50257, n_positions: int = 102
     return gpt2_shape_config(*GPT2_SIZES[key], vocab_size, n_positions, dropout, **kwargs)
 
 
+def parse_arch(size: str) -> tuple[int, int, int]:
+    """``(n_layer, n_embd, n_head)`` of a preset (5m, 10m, 20m, 30m, 50m) or ``<layers>x<dim>`` (64-dim heads)."""
+    key = size.strip().lower()
+    if key in GPT2_SIZES:
+        return GPT2_SIZES[key]
+    m = re.fullmatch(r"(\d+)x(\d+)", key)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 64 or int(m.group(2)) % 64:
+        raise MemlmError(
+            f"bad model size {size!r}: use a preset ({', '.join(GPT2_SIZES)}) or <layers>x<dim> with dim a multiple "
+            f"of 64, e.g. 6x384"
+        )
+    n_layer, n_embd = int(m.group(1)), int(m.group(2))
+    return n_layer, n_embd, n_embd // 64
+
+
 def gpt2_shape_config(n_layer: int, n_embd: int, n_head: int, vocab_size: int, n_positions: int, dropout: float, **kw):
     """A ``GPT2Config`` of this shape with all three GPT-2 dropouts at ``dropout``; ``kw`` go to ``GPT2Config``."""
     from transformers import GPT2Config
@@ -378,6 +396,11 @@ def check_run_identity(out: str | os.PathLike, identity: dict[str, Any]) -> None
     diff = [f"{k} {old[k]} -> {identity[k]}" for k in identity if k in old and old[k] != identity[k]]
     if diff:
         raise MemlmError(f"{out} holds a training run with other settings ({'; '.join(diff)}): {_run_fix(out)}")
+
+
+def write_log(out: Path, config: TrainConfig, log: list[dict[str, Any]]) -> None:
+    """``out/log.json``: ``{"config": ..., "log": [one entry per update]}`` (atomic)."""
+    atomic_write_json(out / "log.json", {"config": dataclasses.asdict(config), "log": log})
 
 
 def _start_over(out: Path) -> None:
@@ -611,10 +634,7 @@ def _train_locked(
         os.replace(tmp, final)
         for _, old in _checkpoints(out)[: -config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
-        write_log()
-
-    def write_log() -> None:
-        atomic_write_json(out / "log.json", {"config": dataclasses.asdict(config), "log": log})
+        write_log(out, config, log)
 
     # the data iterator, positioned at (epoch, position)
     def open_epoch(e: int, skip: int) -> Iterator[dict[str, Any]]:
@@ -700,5 +720,5 @@ def _train_locked(
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp, final_dir)
-    write_log()
+    write_log(out, config, log)
     return TrainResult(step=step, out_dir=out, final_dir=final_dir, log=log)

@@ -1,57 +1,43 @@
 """Train a causal LM on named corpora or files: from scratch (GPT-2-style, a BPE trained here) or continued.
 
-This is the job behind ``memlm train``: it prepares the tokenizer and the model, cuts the corpora into
-``seq_len`` chunks (:func:`memlm.train.lm_batches`) and runs the shared loop :func:`memlm.train.train` with the
-chosen loss. Everything goes under one folder, and rerunning the same command resumes::
+:class:`LmObjective` is the objective ``lm`` of ``memlm train`` (and the base of TRIME's, which swap in their loss
+and batches: :mod:`memlm.trime.training`); :func:`train_lm` runs it through the shared driver
+:func:`memlm.train_driver.train_objective`. Everything goes under one folder, and rerunning the same command resumes::
 
     out/tokenizer/    the tokenizer (trained once, reused on resume)
     out/checkpoint-N/ resumable checkpoints (model + tokenizer + optimizer state)
     out/final/        the trained model + tokenizer: ``--model out/final`` in every other memlm command
     out/log.json      loss, learning rate, tokens/s and validation perplexity per update
+    out/run.json      what the run is trained on (a rerun with other settings is refused)
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from memlm.corpora import Document, load_corpora
 from memlm.errors import MemlmError
-from memlm.locking import folder_lock
 from memlm.train import (
-    GPT2_SIZES,
     LossFn,
     TrainConfig,
     TrainResult,
     causal_lm_loss,
-    check_run_identity,
     describe_callable,
     gpt2_shape_config,
     lm_batches,
-    train,
+    parse_arch,
 )
+from memlm.train_driver import Objective, TrainSetup, run_tokenizer, train_objective
 
-__all__ = ["parse_arch", "scratch_gpt2", "load_corpora", "train_lm"]
+# load_corpora lives in memlm.corpora and parse_arch in memlm.train; both stay importable from here
+__all__ = ["DEFAULT_TOKENIZER", "LmObjective", "parse_arch", "scratch_gpt2", "load_corpora", "train_lm"]
 
-
-def parse_arch(size: str) -> tuple[int, int, int]:
-    """``(n_layer, n_embd, n_head)`` of a preset (5m, 10m, 20m, 30m, 50m) or ``<layers>x<dim>`` (64-dim heads)."""
-    key = size.strip().lower()
-    if key in GPT2_SIZES:
-        return GPT2_SIZES[key]
-    m = re.fullmatch(r"(\d+)x(\d+)", key)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 64 or int(m.group(2)) % 64:
-        raise MemlmError(
-            f"bad model size {size!r}: use a preset ({', '.join(GPT2_SIZES)}) or <layers>x<dim> with dim a multiple "
-            f"of 64, e.g. 6x384"
-        )
-    n_layer, n_embd = int(m.group(1)), int(m.group(2))
-    return n_layer, n_embd, n_embd // 64
+DEFAULT_TOKENIZER = "bpe:8192"
 
 
 def scratch_gpt2(size: str, tokenizer, n_positions: int = 1024, dropout: float = 0.1, seed: int = 0):
@@ -65,34 +51,62 @@ def scratch_gpt2(size: str, tokenizer, n_positions: int = 1024, dropout: float =
     return GPT2LMHeadModel(cfg)
 
 
-def load_corpora(names: str | Sequence[str], split: str | None) -> list:
-    """Documents of one or more corpora (``"wiki,news"`` or a list), concatenated in the given order."""
-    from memlm.corpora import load_documents
+class LmObjective(Objective):
+    """A causal LM trained with ``loss_fn`` (default: next-token cross-entropy, :func:`memlm.train.causal_lm_loss`).
 
-    parts = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
-    docs = []
-    for name in parts:
-        if name:
-            docs.extend(load_documents(name, split))
-    if not docs:
-        raise MemlmError(f"no documents in {names!r} (split {split}): give a corpus with text")
-    return docs
+    Model: a GPT-2 of size ``setup.scratch`` (:func:`scratch_gpt2`, ``setup.n_positions`` default 1024) with the
+    tokenizer ``setup.tokenizer`` (default ``bpe:8192``, trained here on the training text), or the pretrained LM
+    ``setup.model`` with its tokenizer. Batches: ``batches(documents, tokenizer)`` when given, else the documents
+    (each + EOS) concatenated and cut into ``seq_len`` chunks (:func:`memlm.train.lm_batches`). Validation: the
+    loop's perplexity of the first ``valid_tokens`` validation tokens (whole chunks, at least one).
+    """
 
+    name = "lm"
+    validation = "loop"
 
-def _tokenizer_for(out: Path, spec: str, texts: list[str]):
-    """The run's tokenizer: the saved one when resuming, else made from ``spec`` and saved atomically."""
-    from transformers import AutoTokenizer
+    def __init__(self, loss_fn: LossFn = causal_lm_loss, warmup_loss: LossFn | None = causal_lm_loss, batches=None):
+        self.loss_fn = loss_fn
+        self.warmup_loss = warmup_loss
+        self.batch_factory = batches  # (documents, tokenizer) -> train_batches, or None: plain chunks
 
-    from memlm.tokenizer import make_tokenizer
+    def prepare(self, setup: TrainSetup) -> None:
+        if (setup.scratch is None) == (setup.model is None):
+            raise MemlmError(
+                "give exactly one of scratch (a size, e.g. 6x384) or model (a pretrained model to continue)"
+            )
 
-    folder = out / "tokenizer"
-    if folder.is_dir():
-        return AutoTokenizer.from_pretrained(folder)
-    tok = make_tokenizer(spec, texts)
-    tmp = out / f".tokenizer.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    tok.save_pretrained(tmp)
-    os.replace(tmp, folder)
-    return tok
+    def identity(self, setup: TrainSetup) -> dict[str, Any]:
+        scratch = setup.scratch is not None
+        return {
+            "init": f"scratch {setup.scratch}" if scratch else f"model {setup.model}",
+            "tokenizer_spec": (setup.tokenizer or DEFAULT_TOKENIZER) if scratch else f"the tokenizer of {setup.model}",
+            "n_positions": (setup.n_positions or 1024) if scratch else None,
+            "dropout": setup.dropout if scratch else None,
+            "batches": describe_callable(self.batch_factory),
+        }
+
+    def build(self, setup: TrainSetup, docs: list[Document]):
+        if setup.model is not None:
+            from memlm.resources import load_causal_lm
+
+            lm, tok = load_causal_lm(setup.model, dtype="float32")
+            lm.train()
+            return lm, tok
+        tok = run_tokenizer(setup.folder, setup.tokenizer or DEFAULT_TOKENIZER, [d.text for d in docs])
+        return scratch_gpt2(setup.scratch, tok, setup.n_positions or 1024, setup.dropout, setup.config.seed), tok
+
+    def batches(self, docs: list[Document], tokenizer, config: TrainConfig):
+        if self.batch_factory is not None:
+            return self.batch_factory(docs, tokenizer)
+        return lm_batches(docs, tokenizer, config.seq_len, config.batch_size, config.seed)
+
+    def valid_batches(self, docs: list[Document], tokenizer, setup: TrainSetup):
+        config = setup.config
+        vb = lm_batches(docs, tokenizer, config.seq_len, config.batch_size, shuffle=False)
+        if setup.valid_tokens is not None:
+            keep = max(1, setup.valid_tokens // config.seq_len)
+            vb.chunks = np.ascontiguousarray(vb.chunks[:keep])
+        return vb
 
 
 def train_lm(
@@ -101,7 +115,7 @@ def train_lm(
     config: TrainConfig,
     scratch: str | None = None,
     model: str | None = None,
-    tokenizer: str = "bpe:8192",
+    tokenizer: str = DEFAULT_TOKENIZER,
     valid_corpus: str | Sequence[str] | None = None,
     valid_tokens: int | None = 200_000,
     n_positions: int = 1024,
@@ -119,68 +133,7 @@ def train_lm(
     first ``valid_tokens`` validation tokens are scored every ``config.eval_every`` updates. ``batches`` replaces the
     plain LM batches (a callable ``(documents, tokenizer) -> train_batches``, e.g. TRIME's packed batches).
     """
-    if (scratch is None) == (model is None):
-        raise MemlmError("give exactly one of scratch (a size, e.g. 6x384) or model (a pretrained model to continue)")
-    out = Path(out)
-    with folder_lock(out, "train"):
-        return _train_lm(out, corpus, config, scratch, model, tokenizer, valid_corpus, valid_tokens, n_positions,
-                         dropout, loss_fn, warmup_loss, batches, resume, stop_after, progress)  # fmt: skip
-
-
-def _train_lm(out: Path, corpus, config, scratch, model, tokenizer, valid_corpus, valid_tokens, n_positions, dropout,
-              loss_fn, warmup_loss, batches, resume, stop_after, progress) -> TrainResult:  # fmt: skip
-    from memlm.corpora import corpus_fingerprint
-    from memlm.resources import tokenizer_fingerprint
-
-    docs = load_corpora(corpus, "train")
-    names = corpus if isinstance(corpus, str) else ",".join(corpus)
-    identity = {
-        "corpus": names,
-        "corpus_fingerprint": corpus_fingerprint(docs),
-        "init": f"scratch {scratch}" if scratch is not None else f"model {model}",
-        "tokenizer_spec": tokenizer if scratch is not None else f"the tokenizer of {model}",
-        "n_positions": n_positions if scratch is not None else None,
-        "dropout": dropout if scratch is not None else None,
-        "batches": describe_callable(batches),
-    }
-    if resume:
-        check_run_identity(out, identity)  # before a tokenizer is trained or reused in out/tokenizer
-    elif scratch is not None:
-        shutil.rmtree(out / "tokenizer", ignore_errors=True)  # starting over: the old run's tokenizer goes too
-    for stale in out.glob(".tokenizer.tmp*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed run (we hold the lock)
-    if model is not None:
-        from memlm.resources import load_causal_lm
-
-        lm, tok = load_causal_lm(model, dtype="float32")
-        lm.train()
-    else:
-        tok = _tokenizer_for(out, tokenizer, [d.text for d in docs])
-        lm = scratch_gpt2(scratch, tok, n_positions, dropout, config.seed)
-    train_batches = (
-        batches(docs, tok)
-        if batches is not None
-        else lm_batches(docs, tok, config.seq_len, config.batch_size, config.seed)
-    )
-    valid = None
-    if valid_tokens != 0:
-        vdocs = load_corpora(valid_corpus or corpus, "valid")
-        vb = lm_batches(vdocs, tok, config.seq_len, config.batch_size, shuffle=False)
-        if valid_tokens is not None:
-            keep = max(1, valid_tokens // config.seq_len)
-            vb.chunks = np.ascontiguousarray(vb.chunks[:keep])
-        valid = vb
-    return train(
-        lm,
-        config,
-        train_batches,
-        valid,
-        loss_fn=loss_fn,
-        out_dir=out,
-        resume=resume,
-        warmup_loss=warmup_loss,
-        stop_after=stop_after,
-        progress=progress,
-        tokenizer=tok,
-        identity={**identity, "tokenizer": tokenizer_fingerprint(tok)},
-    )
+    setup = TrainSetup(out, corpus, config, scratch=scratch, model=model, tokenizer=tokenizer,
+                       valid_corpus=valid_corpus, valid_tokens=valid_tokens, n_positions=n_positions, dropout=dropout,
+                       resume=resume, stop_after=stop_after, progress=progress)  # fmt: skip
+    return train_objective(LmObjective(loss_fn, warmup_loss, batches), setup)

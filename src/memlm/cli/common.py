@@ -58,7 +58,7 @@ def write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def load_documents(corpus: str, split: str | None, tokenizer, max_tokens: int | None):
-    from memlm.train_lm import load_corpora  # imports torch
+    from memlm.corpora import load_corpora
 
     docs = limit_documents(load_corpora(corpus, split), tokenizer, max_tokens)
     source = {

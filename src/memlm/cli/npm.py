@@ -14,13 +14,13 @@ from memlm.errors import MemlmError
 from memlm.fileio import dumps_json
 from memlm.resources import load_encoder
 
-# memlm.npm and memlm.train_lm import torch: imported in the commands (see common.py)
+# memlm.npm imports torch: imported in the commands (see common.py)
 
 
 def cmd_npm_index(args: argparse.Namespace) -> None:
+    from memlm.corpora import load_corpora
     from memlm.npm.phrase_index import build_phrase_index
     from memlm.npm.train_npm import limit_encoder_documents
-    from memlm.train_lm import load_corpora
 
     model, tok = load_encoder(args.encoder, dtype=args.dtype)
     docs = limit_encoder_documents(load_corpora(args.corpus, args.split), tok, args.max_tokens)
@@ -150,9 +150,9 @@ def _eval_model(args: argparse.Namespace):
 
 
 def cmd_npm_eval(args: argparse.Namespace) -> None:
+    from memlm.corpora import load_corpora
     from memlm.npm import tasks
     from memlm.npm.phrase_index import PhraseIndex
-    from memlm.train_lm import load_corpora
 
     if args.max_queries is not None and args.max_queries < 1:
         raise MemlmError(f"--max-queries must be >= 1, got {args.max_queries}")

@@ -1,5 +1,5 @@
-"""``memlm train``: a causal LM (cross-entropy or a TRIME loss; memlm.train_lm) or an NPM / MLM encoder
-(memlm.npm), resumable."""
+"""``memlm train``: one driver (memlm.train_driver) for every objective of memlm.objectives: a causal LM
+(``--objective lm``, ``--loss`` ce or a TRIME loss) or an NPM / MLM encoder; resumable."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 from memlm.cli import validate as V
 from memlm.errors import MemlmError
 
-# memlm.train, .train_lm, .trime and .npm import torch: imported in the commands (see common.py)
+# memlm.train, .train_driver, .objectives import torch: imported in the commands (see common.py)
 if TYPE_CHECKING:
     from memlm.train import TrainConfig
+    from memlm.train_driver import TrainSetup
 
 
 def _train_config(args: argparse.Namespace, **changes: Any) -> TrainConfig:
@@ -26,53 +27,22 @@ def _train_config(args: argparse.Namespace, **changes: Any) -> TrainConfig:
     return TrainConfig(**{**settings, **changes})
 
 
-def cmd_train(args: argparse.Namespace) -> None:
-    from memlm.train_lm import train_lm
-
-    if args.detach_memory and (args.objective != "lm" or args.loss == "ce"):
-        raise MemlmError("--detach-memory is a TRIME ablation: use it with --loss trime, trime-long or trime-ext")
-    if args.objective != "lm":
-        return _train_npm(args)
-    config = _train_config(args, warmup_loss_steps=args.ce_warmup if args.loss != "ce" else 0)
-    extra = {}
-    if args.loss != "ce":
-        from memlm.train import causal_lm_loss
-        from memlm.trime.training import trime_objective
-
-        options = {"seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
-        if args.loss == "trime-long":
-            options["segments_per_doc"] = args.segments_per_doc
-        if args.loss == "trime-ext":
-            options.update(drop_local_p=args.drop_local_p, packing=args.packing)
-        if args.detach_memory:
-            options["detach_memory"] = True
-        loss_fn, batches = trime_objective(args.loss, **options)
-        extra = {"loss_fn": loss_fn, "batches": batches, "warmup_loss": causal_lm_loss}
-    result = train_lm(
-        args.out,
-        args.corpus,
-        config,
-        scratch=args.from_scratch,
-        model=args.model,
-        tokenizer=args.tokenizer or "bpe:8192",
-        valid_corpus=args.valid_corpus,
-        valid_tokens=args.valid_tokens,
-        n_positions=args.n_positions,
-        dropout=args.dropout,
-        resume=not args.no_resume,
-        stop_after=args.stop_after,
-        **extra,
-    )
-    if result.final_dir is None:
-        print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
-        return
-    ppl = result.valid_ppl
-    print(f"trained {result.step} updates -> {result.final_dir}" + (f" (valid ppl {ppl:.3f})" if ppl else ""))
+def _lm_objective(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """``--objective lm``: the objective of ``--loss`` (``ce`` is ``lm``) and its options from the TRIME flags."""
+    if args.loss == "ce":
+        return "lm", {}
+    options: dict[str, Any] = {}
+    if args.loss == "trime-long":
+        options["segments_per_doc"] = args.segments_per_doc
+    if args.loss == "trime-ext":
+        options.update(drop_local_p=args.drop_local_p, packing=args.packing)
+    if args.detach_memory:
+        options["detach_memory"] = True
+    return args.loss, options
 
 
-def _train_npm(args: argparse.Namespace) -> None:
-    from memlm.npm.train_npm import DEFAULT_ENCODER, train_npm
-
+def _encoder_objective(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """``--objective npm|npm-single|mlm``: its options from the masking flags; causal-LM flags are refused."""
     if args.loss != "ce":
         raise MemlmError(f"--loss {args.loss} is for causal LMs; --objective {args.objective} has its own loss")
     if args.from_scratch and args.model:
@@ -81,25 +51,44 @@ def _train_npm(args: argparse.Namespace) -> None:
         raise MemlmError(
             "--objective npm uses an encoder's WordPiece tokenizer: give --tokenizer ENCODER (folder/name)"
         )
-    if args.from_scratch and args.tokenizer and args.model is None:
-        encoder = args.tokenizer  # from scratch: the tokenizer of this encoder
-    else:
-        encoder = args.model or DEFAULT_ENCODER
-    config = _train_config(args, eval_every=0)
-    common = {"encoder": encoder, "scratch": args.from_scratch, "valid_corpus": args.valid_corpus,
-              "valid_tokens": args.valid_tokens, "n_positions": args.n_positions, "dropout": args.dropout,
-              "resume": not args.no_resume, "stop_after": args.stop_after}  # fmt: skip
     if args.objective == "mlm":
-        from memlm.npm.mlm import train_mlm
-
         if args.max_span is not None:
             raise MemlmError("--max-span is for NPM's span masking; --objective mlm masks single tokens")
-        result = train_mlm(args.out, args.corpus, config, prob=args.mask_budget, **common)
+        return "mlm", {"prob": args.mask_budget}
+    return args.objective, {"budget": args.mask_budget, "max_span": args.max_span}
+
+
+def _setup(args: argparse.Namespace, encoder: bool, config: TrainConfig) -> TrainSetup:
+    """The driver's settings from the flags (an encoder from scratch takes the tokenizer of ``--tokenizer``)."""
+    from memlm.train_driver import TrainSetup
+
+    if encoder:
+        scratch_tok = args.from_scratch and args.tokenizer and args.model is None
+        model, tokenizer = (args.tokenizer if scratch_tok else args.model), None
     else:
-        result = train_npm(args.out, args.corpus, config, objective=args.objective, budget=args.mask_budget,
-                           max_span=args.max_span, **common)  # fmt: skip
+        model, tokenizer = args.model, args.tokenizer or "bpe:8192"
+    return TrainSetup(args.out, args.corpus, config, scratch=args.from_scratch, model=model, tokenizer=tokenizer,
+                      valid_corpus=args.valid_corpus, valid_tokens=args.valid_tokens, n_positions=args.n_positions,
+                      dropout=args.dropout, resume=not args.no_resume, stop_after=args.stop_after)  # fmt: skip
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from memlm.objectives import make_objective
+    from memlm.train_driver import train_objective
+
+    if args.detach_memory and (args.objective != "lm" or args.loss == "ce"):
+        raise MemlmError("--detach-memory is a TRIME ablation: use it with --loss trime, trime-long or trime-ext")
+    encoder = args.objective != "lm"
+    name, options = _encoder_objective(args) if encoder else _lm_objective(args)
+    objective = make_objective(name, **options)
+    changes = {"eval_every": 0} if encoder else {"warmup_loss_steps": args.ce_warmup if name != "lm" else 0}
+    result = train_objective(objective, _setup(args, encoder, _train_config(args, **changes)))
     if result.final_dir is None:
         print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
+        return
+    if not encoder:
+        ppl = result.valid_ppl
+        print(f"trained {result.step} updates -> {result.final_dir}" + (f" (valid ppl {ppl:.3f})" if ppl else ""))
         return
     vl = result.valid_loss
     unit = "masked token" if args.objective != "npm" else "masked span"
@@ -120,12 +109,8 @@ def check_train(args: argparse.Namespace) -> None:
 
 def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a causal LM from scratch or continue a pretrained one (resumable)")
-    t.add_argument(
-        "--out",
-        type=V.output_dir,
-        required=True,
-        help="run folder; rerun the same command to resume; model in OUT/final",
-    )
+    out_help = "run folder; rerun the same command to resume; model in OUT/final"
+    t.add_argument("--out", type=V.output_dir, required=True, help=out_help)
     t.add_argument("--corpus", required=True, help="training corpora, comma-separated (split train), e.g. wiki,news")
     t.add_argument("--valid-corpus", default=None, help="validation corpora (split valid; default: --corpus)")
     t.add_argument(
@@ -164,12 +149,8 @@ def add_parsers(sub) -> None:
     t.add_argument("--weight-decay", type=V.nonneg_float, default=0.1)
     t.add_argument("--warmup", type=V.nonneg_float, default=0.05, help="warm-up updates, or a fraction of --steps")
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16: autocast")
-    t.add_argument(
-        "--eval-every", type=V.nonneg_int, default=200, help="validation every N updates (0: only at the end)"
-    )
-    t.add_argument(
-        "--save-every", type=V.nonneg_int, default=200, help="checkpoint every N updates (0: only at the end)"
-    )
+    for flag, what in (("--eval-every", "validation"), ("--save-every", "checkpoint")):
+        t.add_argument(flag, type=V.nonneg_int, default=200, help=f"{what} every N updates (0: only at the end)")
     t.add_argument(
         "--loss",
         default="ce",

@@ -275,7 +275,7 @@ class SourceLookup:
     """
 
     def __init__(self, datastore: Datastore, tokenizer, context_tokens: int = 8) -> None:
-        from memlm.train_lm import load_corpora
+        from memlm.corpora import load_corpora
         from memlm.windows import doc_hash
 
         self.datastore, self.tokenizer, self.context_tokens = datastore, tokenizer, context_tokens

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,18 +38,14 @@ from memlm.npm.encoder import _cls_sep_pad, mask_ids, masked_query, max_block_to
 from memlm.npm.encoder import special_ids as _special_ids
 from memlm.npm.inference import LabelScores, PhrasePrediction, normalize_text
 from memlm.npm.objective import NpmBatches, npm_batches
-from memlm.npm.train_npm import (
-    NpmTrainResult,
-    encoder_run_identity,
-    finish_training,
-    mean_eval_loss,
-    scratch_bert,
-)
-from memlm.train import TrainConfig, train
+from memlm.npm.train_npm import EncoderObjective, NpmTrainResult, mean_eval_loss
+from memlm.train import TrainConfig
+from memlm.train_driver import TrainSetup, train_objective
 
 __all__ = [
     "MLM_PROB",
     "MlmObjective",
+    "MlmTrainObjective",
     "load_mlm",
     "mlm_classify",
     "mlm_fill",
@@ -211,6 +206,33 @@ def mlm_valid_loss(model, loss_fn: MlmObjective, batches: NpmBatches) -> float |
     return mean_eval_loss(model, lambda batch: loss_fn.losses(model, batch), batches)
 
 
+class MlmTrainObjective(EncoderObjective):
+    """The MLM baseline as an objective of the training driver (``memlm train --objective mlm``): the encoder of
+    :class:`~memlm.npm.train_npm.EncoderObjective` with a masked-LM head (:func:`mlm_model`, the head drawn from
+    ``seed``), NPM's document-grouped batches, :class:`MlmObjective` (``prob``: masking probability, default 0.15).
+    Validation: mean cross-entropy per masked token."""
+
+    name = "mlm"
+    title = "MLM"
+
+    def __init__(self, prob: float | None = None) -> None:
+        self.prob = MLM_PROB if prob is None else prob
+
+    def build(self, setup: TrainSetup, docs):
+        encoder, tok = super().build(setup, docs)
+        torch.manual_seed(setup.config.seed)  # the head's initialisation
+        model = mlm_model(encoder)
+        model.train()
+        return model, tok
+
+    def batches(self, docs, tokenizer, config: TrainConfig) -> NpmBatches:
+        self.loss_fn = MlmObjective(tokenizer, prob=self.prob, seed=config.seed)
+        return npm_batches(docs, tokenizer, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
+
+    def valid_loss_of(self, model, batches: NpmBatches) -> float | None:
+        return mlm_valid_loss(model, self.loss_fn, batches)
+
+
 def train_mlm(
     out: str | os.PathLike,
     corpus: str | Sequence[str],
@@ -230,31 +252,10 @@ def train_mlm(
     arguments (``prob``: the masking probability, default 0.15), same batches, same folder layout (``out/final`` is
     the masked LM + tokenizer; ``valid_loss`` is the mean CE per masked token of ``valid_tokens`` validation tokens).
     """
-    from memlm.resources import load_encoder
-    from memlm.train_lm import load_corpora
-
-    if config.resolved_warmup_loss():
-        raise MemlmError("MLM training has no warm-up loss: use warmup_loss_steps=0")
-    if valid_tokens is not None and valid_tokens < 0:
-        raise MemlmError(f"valid_tokens must be >= 0 or None, got {valid_tokens}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    docs = load_corpora(corpus, "train")
-    enc, tok = load_encoder(encoder or "minilm-l6", dtype="float32")
-    if scratch is not None:
-        enc = scratch_bert(scratch, tok, n_positions, dropout, config.seed)
-        enc.config.memlm_name = str(out.resolve() / "final")
-    torch.manual_seed(config.seed)  # the head's initialisation
-    model = mlm_model(enc)
-    model.train()
-    loss_fn = MlmObjective(tok, prob=MLM_PROB if prob is None else prob, seed=config.seed)
-    batches = npm_batches(docs, tok, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
-    res = train(model, config, batches, None, loss_fn=loss_fn, out_dir=out, resume=resume, warmup_loss=None,
-                stop_after=stop_after, progress=progress, tokenizer=tok,
-                identity=encoder_run_identity(corpus, docs, encoder or "minilm-l6", scratch, tok))  # fmt: skip
-    return finish_training(
-        res, out, config, tok, valid_corpus or corpus, valid_tokens, lambda vb: mlm_valid_loss(model, loss_fn, vb)
-    )
+    setup = TrainSetup(out, corpus, config, scratch=scratch, model=encoder, valid_corpus=valid_corpus,
+                       valid_tokens=valid_tokens, n_positions=n_positions, dropout=dropout, resume=resume,
+                       stop_after=stop_after, progress=progress)  # fmt: skip
+    return train_objective(MlmTrainObjective(prob), setup)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -218,8 +218,8 @@ def mlm_classifier(model, tokenizer) -> Classifier:
 def index_documents(pi: PhraseIndex, tokenizer) -> list:
     """The documents a phrase index was built from, reloaded from its manifest's source (``memlm npm index`` records
     corpus, split and max_tokens) and checked against its corpus fingerprint."""
+    from memlm.corpora import load_corpora
     from memlm.npm.train_npm import limit_encoder_documents
-    from memlm.train_lm import load_corpora
 
     corpus = pi.manifest.get("corpus") or {}
     if "corpus" not in corpus:

@@ -1,10 +1,12 @@
 """Train a BERT-like encoder with the NPM objective (Min et al. 2023, §3.2; NPM SINGLE, App. A.3).
 
-This is the job behind ``memlm train --objective npm|npm-single``: it loads the encoder (:func:`memlm.resources.
-load_encoder`, default the named ``minilm-l6``) or makes a small random BERT for an encoder's tokenizer
-(``scratch``), builds document-grouped batches and the loss with :func:`memlm.npm.objective.npm_objective`, and runs
-the shared loop :func:`memlm.train.train` with ``warmup_loss=None`` (its default warm-up loss is a causal-LM loss).
-Everything goes under one folder and rerunning the same call resumes::
+:class:`NpmTrainObjective` / :class:`NpmSingleTrainObjective` are the objectives ``npm`` / ``npm-single`` of
+``memlm train`` for the shared driver :func:`memlm.train_driver.train_objective` (their base
+:class:`EncoderObjective` is also the MLM baseline's, :mod:`memlm.npm.mlm`): the model is the encoder
+(:func:`memlm.resources.load_encoder`, default the named ``minilm-l6``) or a small random BERT for an encoder's
+tokenizer (``scratch``); batches and loss come from :func:`memlm.npm.objective.npm_objective`; there is no warm-up loss
+(the loop's default one is a causal-LM loss). :func:`train_npm` runs them. Everything goes under one folder and
+rerunning the same call resumes::
 
     out/checkpoint-N/ resumable checkpoints (encoder + tokenizer + optimizer state)
     out/final/        the trained encoder + tokenizer: ``--encoder out/final`` in ``memlm npm index``
@@ -18,23 +20,27 @@ tokens (NPM SINGLE) of the contrastive loss (``valid_loss`` in the last log entr
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from memlm.corpora import Document, load_corpora
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
 from memlm.npm.loss import npm_single_loss, npm_span_loss
 from memlm.npm.objective import OBJECTIVES, NpmBatches, NpmObjective, npm_batches, npm_objective
-from memlm.train import TrainConfig, TrainResult, train
+from memlm.train import TrainConfig, parse_arch
+from memlm.train_driver import Objective, ObjectiveResult, TrainSetup, train_objective
 
 __all__ = [
     "DEFAULT_ENCODER",
+    "EncoderObjective",
+    "NpmSingleTrainObjective",
+    "NpmTrainObjective",
     "NpmTrainResult",
+    "encoder_valid_batches",
     "limit_encoder_documents",
     "npm_validation_batches",
     "npm_valid_loss",
@@ -44,20 +50,13 @@ __all__ = [
 
 DEFAULT_ENCODER = "minilm-l6"
 
-
-@dataclasses.dataclass
-class NpmTrainResult(TrainResult):
-    """:class:`memlm.train.TrainResult` plus the final validation loss (``None`` when not computed)."""
-
-    valid_loss: float | None = None
+NpmTrainResult = ObjectiveResult  # the result of an encoder run: TrainResult + valid_loss
 
 
 def scratch_bert(size: str, tokenizer, n_positions: int = 512, dropout: float = 0.1, seed: int = 0):
     """A randomly initialised ``BertModel`` of ``size`` (``<layers>x<dim>`` or a preset of
-    :func:`memlm.train_lm.parse_arch`; 64-dim heads, FFN 4x) for ``tokenizer``'s vocabulary."""
+    :func:`memlm.train.parse_arch`; 64-dim heads, FFN 4x) for ``tokenizer``'s vocabulary."""
     from transformers import BertConfig, BertModel
-
-    from memlm.train_lm import parse_arch
 
     n_layer, dim, n_head = parse_arch(size)
     cfg = BertConfig(
@@ -73,22 +72,6 @@ def scratch_bert(size: str, tokenizer, n_positions: int = 512, dropout: float = 
     )
     torch.manual_seed(seed)
     return BertModel(cfg)
-
-
-def encoder_run_identity(
-    corpus: str | Sequence[str], docs: Sequence, encoder: str, scratch: str | None, tokenizer
-) -> dict[str, Any]:
-    """What an encoder run (NPM, NPM SINGLE, MLM) trains on, for ``run.json``: resuming with another corpus, encoder
-    or tokenizer is refused with the differences named (:func:`memlm.train.check_run_identity`)."""
-    from memlm.corpora import corpus_fingerprint
-    from memlm.resources import tokenizer_fingerprint
-
-    return {
-        "corpus": corpus if isinstance(corpus, str) else ",".join(corpus),
-        "corpus_fingerprint": corpus_fingerprint(docs),
-        "init": f"scratch {scratch}" if scratch is not None else f"encoder {encoder}",
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-    }
 
 
 def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -> list:
@@ -111,15 +94,20 @@ def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -
     return kept
 
 
+def encoder_valid_batches(
+    docs: Sequence, tokenizer, tokens: int | None, seq_len: int, batch_size: int, seed: int = 0
+) -> NpmBatches:
+    """The batches NPM / MLM validation scores: the leading ``tokens`` tokens of ``docs``, in document-grouped batches
+    of ``batch_size`` sequences of ``seq_len`` tokens (as training builds them)."""
+    docs = limit_encoder_documents(docs, tokenizer, tokens)
+    return npm_batches(docs, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed)
+
+
 def npm_validation_batches(
     corpus: str | Sequence[str], tokenizer, tokens: int | None, seq_len: int, batch_size: int, seed: int = 0
 ) -> NpmBatches:
-    """The batches NPM / MLM validation scores: the leading ``tokens`` tokens of ``corpus`` at split ``valid``, in
-    document-grouped batches of ``batch_size`` sequences of ``seq_len`` tokens (as training builds them)."""
-    from memlm.train_lm import load_corpora
-
-    docs = limit_encoder_documents(load_corpora(corpus, "valid"), tokenizer, tokens)
-    return npm_batches(docs, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed)
+    """:func:`encoder_valid_batches` of the documents of ``corpus`` at split ``valid``."""
+    return encoder_valid_batches(load_corpora(corpus, "valid"), tokenizer, tokens, seq_len, batch_size, seed)
 
 
 @torch.no_grad()
@@ -153,27 +141,74 @@ def npm_valid_loss(model, loss_fn: NpmObjective, batches: NpmBatches) -> float |
     return mean_eval_loss(model, per_item, batches)
 
 
-def finish_training(
-    res: TrainResult,
-    out: Path,
-    config: TrainConfig,
-    tokenizer,
-    valid_corpus: str | Sequence[str],
-    valid_tokens: int | None,
-    valid_loss: Callable[[NpmBatches], float | None],
-) -> NpmTrainResult:
-    """The trainer's result plus, once training is complete, ``valid_loss`` over ``valid_tokens`` tokens of
-    ``valid_corpus`` (split valid, :func:`npm_validation_batches`), also written into the last entry of
-    ``out/log.json``."""
-    result = NpmTrainResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(TrainResult)})
-    if res.final_dir is not None and valid_tokens != 0:
-        vb = npm_validation_batches(valid_corpus, tokenizer, valid_tokens, config.seq_len, config.batch_size,
-                                    config.seed)  # fmt: skip
-        result.valid_loss = valid_loss(vb)
-        if result.valid_loss is not None and result.log:
-            result.log[-1]["valid_loss"] = result.valid_loss
-            _rewrite_log(out, config, result.log)
-    return result
+class EncoderObjective(Objective):
+    """An encoder objective of the training driver (NPM, NPM SINGLE, the MLM baseline): the encoder ``setup.model``
+    (default ``minilm-l6``) continued, or a random BERT of size ``setup.scratch`` (:func:`scratch_bert`,
+    ``setup.n_positions`` default 512) with that encoder's tokenizer; no warm-up loss; validation once the run is
+    complete (:meth:`valid_loss_of` over :func:`encoder_valid_batches`)."""
+
+    validation = "end"
+    warmup_loss = None
+    title = "NPM"  # in messages
+
+    def prepare(self, setup: TrainSetup) -> None:
+        if setup.config.resolved_warmup_loss():
+            raise MemlmError(f"{self.title} training has no warm-up loss: use warmup_loss_steps=0")
+
+    def identity(self, setup: TrainSetup) -> dict[str, Any]:
+        return {"init": f"scratch {setup.scratch}" if setup.scratch is not None else f"encoder {self.encoder(setup)}"}
+
+    @staticmethod
+    def encoder(setup: TrainSetup) -> str:
+        return setup.model or DEFAULT_ENCODER
+
+    def build(self, setup: TrainSetup, docs: list[Document]):
+        from memlm.resources import load_encoder
+
+        model, tok = load_encoder(self.encoder(setup), dtype="float32")
+        if setup.scratch is not None:
+            model = scratch_bert(setup.scratch, tok, setup.n_positions or 512, setup.dropout, setup.config.seed)
+            model.config.memlm_name = str(setup.folder.resolve() / "final")
+        model.train()
+        return model, tok
+
+    def final_valid_loss(self, model, docs: list[Document], tokenizer, setup: TrainSetup) -> float | None:
+        c = setup.config
+        batches = encoder_valid_batches(docs, tokenizer, setup.valid_tokens, c.seq_len, c.batch_size, c.seed)
+        return self.valid_loss_of(model, batches)
+
+    @abstractmethod
+    def valid_loss_of(self, model, batches: NpmBatches) -> float | None:
+        """The mean validation loss per masked item over one pass of ``batches`` (``None``: nothing masked)."""
+
+
+class NpmTrainObjective(EncoderObjective):
+    """NPM (§3.2): spans masked with in-batch positives, the contrastive span loss; ``budget`` (masking budget,
+    0.15) and ``max_span`` (10) go to the masking. Validation: mean loss per masked span."""
+
+    name = "npm"
+
+    def __init__(self, budget: float | None = None, max_span: int | None = None) -> None:
+        self.budget, self.max_span = budget, max_span
+
+    def batches(self, docs: list[Document], tokenizer, config: TrainConfig) -> NpmBatches:
+        self.loss_fn, factory = npm_objective(self.name, seq_len=config.seq_len, batch_size=config.batch_size,
+                                              seed=config.seed, budget=self.budget,
+                                              max_span=self.max_span if self.name == "npm" else None)  # fmt: skip
+        return factory(docs, tokenizer)  # also configures loss_fn with the tokenizer's ids
+
+    def valid_loss_of(self, model, batches: NpmBatches) -> float | None:
+        return npm_valid_loss(model, self.loss_fn, batches)
+
+
+class NpmSingleTrainObjective(NpmTrainObjective):
+    """NPM SINGLE (App. A.3): single tokens masked, the contrastive token loss (``max_span`` is not used).
+    Validation: mean loss per masked token."""
+
+    name = "npm-single"
+
+
+_BY_NAME: dict[str, type[NpmTrainObjective]] = {"npm": NpmTrainObjective, "npm-single": NpmSingleTrainObjective}
 
 
 def train_npm(
@@ -202,50 +237,9 @@ def train_npm(
     0.15) and ``max_span`` (10) go to the masking. ``config.warmup_loss_steps`` must be 0 and ``eval_every`` is not
     used (validation runs once, at the end).
     """
-    from memlm.resources import load_encoder
-    from memlm.train_lm import load_corpora
-
-    if objective not in OBJECTIVES:
+    if objective not in _BY_NAME:
         raise MemlmError(f"unknown NPM objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
-    if config.resolved_warmup_loss():
-        raise MemlmError("NPM training has no warm-up loss: use warmup_loss_steps=0")
-    if valid_tokens is not None and valid_tokens < 0:
-        raise MemlmError(f"valid_tokens must be >= 0 or None, got {valid_tokens}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    docs = load_corpora(corpus, "train")
-    model, tok = load_encoder(encoder or DEFAULT_ENCODER, dtype="float32")
-    if scratch is not None:
-        model = scratch_bert(scratch, tok, n_positions, dropout, config.seed)
-        model.config.memlm_name = str(out.resolve() / "final")
-    model.train()
-    loss_fn, factory = npm_objective(
-        objective,
-        seq_len=config.seq_len,
-        batch_size=config.batch_size,
-        seed=config.seed,
-        budget=budget,
-        max_span=max_span if objective == "npm" else None,
-    )
-    train_batches = factory(docs, tok)  # also configures loss_fn with the tokenizer's ids
-    res = train(
-        model,
-        config,
-        train_batches,
-        None,
-        loss_fn=loss_fn,
-        out_dir=out,
-        resume=resume,
-        warmup_loss=None,
-        stop_after=stop_after,
-        progress=progress,
-        tokenizer=tok,
-        identity=encoder_run_identity(corpus, docs, encoder or DEFAULT_ENCODER, scratch, tok),
-    )
-    return finish_training(
-        res, out, config, tok, valid_corpus or corpus, valid_tokens, lambda vb: npm_valid_loss(model, loss_fn, vb)
-    )
-
-
-def _rewrite_log(out: Path, config: TrainConfig, log: list[dict[str, Any]]) -> None:
-    atomic_write_json(out / "log.json", {"config": dataclasses.asdict(config), "log": log})
+    setup = TrainSetup(out, corpus, config, scratch=scratch, model=encoder, valid_corpus=valid_corpus,
+                       valid_tokens=valid_tokens, n_positions=n_positions, dropout=dropout, resume=resume,
+                       stop_after=stop_after, progress=progress)  # fmt: skip
+    return train_objective(_BY_NAME[objective](budget=budget, max_span=max_span), setup)

@@ -950,9 +950,8 @@ def run_trime_eval(
     (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last layer), write the dump
     to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``).
     ``config`` / ``seq_len`` / ``options``: :func:`score_trime`'s (:class:`TrimeEvalConfig`)."""
-    from memlm.corpora import corpus_fingerprint
+    from memlm.corpora import corpus_fingerprint, load_corpora
     from memlm.resources import load_causal_lm
-    from memlm.train_lm import load_corpora
     from memlm.windows import limit_documents
 
     ds = open_datastore(datastore) if datastore else None

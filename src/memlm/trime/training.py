@@ -14,6 +14,8 @@ Zhong, Lei & Chen (2022), "Training Language Models with Memory Augmentation" (T
 * :func:`trime_objective` — ``(loss_fn, batches_factory)`` by name (``ce``, ``trime``, ``trime-long``,
   ``trime-ext``), for ``memlm.train_lm.train_lm(..., loss_fn=..., batches=..., warmup_loss=causal_lm_loss)`` with
   ``TrainConfig.warmup_loss_steps=0.05`` (the paper trains with plain CE for the first 5% of updates, Sec. 5.2).
+* :class:`TrimeLmObjective` (``trime``), :class:`TrimeLongObjective` (``trime-long``), :class:`TrimeExtObjective`
+  (``trime-ext``) — the same as objectives of the training driver (:mod:`memlm.train_driver`, ``memlm train --loss``).
 
 Batch layout. A row of ``input_ids`` ``[B, T]`` is one segment; position ``t`` holds context ``x_1..x_t`` of the
 segment; its target is ``input_ids[t + 1]`` (so the last position of a row, and positions whose next token is padding
@@ -52,6 +54,8 @@ import torch
 
 from memlm.errors import MemlmError
 from memlm.keys import KeyCapture, KeySpec
+from memlm.train import causal_lm_loss, lm_batches
+from memlm.train_lm import LmObjective
 from memlm.trime.batching import Segment, bm25_neighbors, chain_order, pack_consecutive, segment_documents
 from memlm.trime.loss import (
     MEMORY_KINDS,
@@ -66,6 +70,9 @@ __all__ = [
     "OBJECTIVES",
     "PACKINGS",
     "TrimeBatches",
+    "TrimeExtObjective",
+    "TrimeLmObjective",
+    "TrimeLongObjective",
     "TrimeObjective",
     "TrimeSetup",
     "next_token_targets",
@@ -377,8 +384,6 @@ def trime_batches(
         raise MemlmError(f"unknown memory kind {kind!r}; use one of {', '.join(MEMORY_KINDS)}")
     token_docs = tokenize_for_trime(documents, tokenizer)
     if kind == "local":
-        from memlm.train import lm_batches
-
         stream = np.concatenate(token_docs) if token_docs else np.zeros(0, dtype=np.int64)
         return lm_batches(stream, seq_len=seq_len, batch_size=batch_size, seed=seed)
     return TrimeBatches(
@@ -463,8 +468,6 @@ def trime_objective(name: str, **options: Any) -> TrimeSetup:
     bm25_k = _check_int("bm25_k", given.get("bm25_k", 20), 1)
 
     if name == "ce":
-        from memlm.train import causal_lm_loss
-
         loss_fn: Callable = causal_lm_loss
         kind: MemoryKind = "local"  # plain chunks, like the CE baseline
     else:
@@ -472,16 +475,44 @@ def trime_objective(name: str, **options: Any) -> TrimeSetup:
         loss_fn = TrimeObjective(kind, float(p), detach_memory=detach)
 
     def batches(documents: Sequence, tokenizer=None):
-        return trime_batches(
-            kind,
-            documents,
-            tokenizer,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            segments_per_doc=m,
-            packing=packing,
-            bm25_k=bm25_k,
-        )
+        return trime_batches(kind, documents, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                             segments_per_doc=m, packing=packing, bm25_k=bm25_k)  # fmt: skip
 
     return TrimeSetup(loss_fn, batches)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Objectives of the training driver
+
+
+class TrimeLmObjective(LmObjective):
+    """TrimeLM (local memory) as an objective of :func:`memlm.train_driver.train_objective`: the causal LM of
+    :class:`memlm.train_lm.LmObjective` trained with the loss and batches of :func:`trime_objective` (its
+    ``seq_len``, ``batch_size`` and ``seed`` from the ``TrainConfig``), after plain cross-entropy for the first
+    ``TrainConfig.warmup_loss_steps`` updates (5% in the paper, Sec. 5.2). ``options``: those of
+    :func:`trime_objective` for this objective (``detach_memory``; ``segments_per_doc`` for trime-long;
+    ``drop_local_p``, ``packing``, ``bm25_k`` for trime-ext)."""
+
+    name = "trime"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(warmup_loss=causal_lm_loss)
+        self.options = options
+
+    def prepare(self, setup) -> None:
+        c = setup.config
+        self.loss_fn, self.batch_factory = trime_objective(self.name, seq_len=c.seq_len, batch_size=c.batch_size,
+                                                           seed=c.seed, **self.options)  # fmt: skip
+        super().prepare(setup)
+
+
+class TrimeLongObjective(TrimeLmObjective):
+    """TrimeLM_long (Sec. 4.2): local + long-term memory over consecutive segments of a document."""
+
+    name = "trime-long"
+
+
+class TrimeExtObjective(TrimeLmObjective):
+    """TrimeLM_ext (Sec. 4.3): external memory over BM25-packed segments, the local one dropped with p=0.9."""
+
+    name = "trime-ext"

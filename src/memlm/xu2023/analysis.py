@@ -241,8 +241,8 @@ class _Run:
         dump = self.out / f"forward-{split}.npz"
         qpaths = {role: self.out / f"queries-{split}-{role}.npy" for role in self.datastores}
         if not (dump.exists() and all(p.exists() for p in qpaths.values())):
+            from memlm.corpora import load_corpora
             from memlm.knnlm.evaluate import lm_scores
-            from memlm.train_lm import load_corpora
             from memlm.windows import limit_documents
 
             model, tok = self.model()
