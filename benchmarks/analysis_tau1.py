@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from memlm.fileio import atomic_write_json
-from memlm.xu2023.analysis import tau1_row, tau1_tables
+from memlm.experiments.xu2023_analysis import tau1_row, tau1_tables
+from memlm.storage.fileio import atomic_write_json
 
 
 def fig5_best_on_valid(results: dict) -> list[dict]:

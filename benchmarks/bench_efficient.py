@@ -92,11 +92,11 @@ def one(args: argparse.Namespace) -> None:
     """Run one configuration in this process and print its JSON row."""
     import torch
 
-    from memlm.corpora import load_documents
-    from memlm.datastore import Datastore
+    from memlm.data.corpora import load_documents
+    from memlm.data.windows import limit_documents
     from memlm.knnlm.evaluate import perplexities, score_tokens
-    from memlm.resources import load_causal_lm
-    from memlm.windows import limit_documents
+    from memlm.models.resources import load_causal_lm
+    from memlm.storage.datastore import Datastore
 
     opts = CONFIGS[args.one]
     setup = json.loads(Path(args.setup).read_text())
@@ -141,11 +141,11 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
     import torch
 
     from memlm.core.distribution import knn_target_logprob
-    from memlm.datastore import Datastore
     from memlm.knnlm.adaptive import gate_features, train_gate
     from memlm.knnlm.evaluate import TokenScores, attach_neighbours, tune
     from memlm.knnlm.prune import prune_datastore
     from memlm.retrieval import DatastoreMemory
+    from memlm.storage.datastore import Datastore
 
     path = work / "setup.json"
     st = json.loads(path.read_text()) if path.exists() else {}
@@ -214,10 +214,10 @@ def valid_forward(args: argparse.Namespace, ds, cache: Path):
     queries of the datastore's key and the provenance, shared by every variant and datastore (same model and key)."""
     import numpy as np
 
-    from memlm.corpora import load_documents
+    from memlm.data.corpora import load_documents
+    from memlm.data.windows import limit_documents
     from memlm.knnlm.evaluate import TokenScores, lm_scores
-    from memlm.resources import load_causal_lm
-    from memlm.windows import limit_documents
+    from memlm.models.resources import load_causal_lm
 
     spec = ds.key_spec
     tag = f"{args.model}-{spec.describe()}-{args.gate_tokens}".replace("/", "_").replace("@", "_")
@@ -242,7 +242,7 @@ def compressed_factory(template: str, base: str) -> str:
 
 
 def ds_factory(ds) -> str:
-    from memlm import index as index_lib
+    from memlm.storage import index as index_lib
 
     meta = index_lib.read_index_meta(ds.index_path)
     return meta["factory"]
@@ -252,7 +252,7 @@ def prefix(args: argparse.Namespace) -> None:
     """The first ``--entries`` rows of a datastore as a new datastore, with its own index."""
     import numpy as np
 
-    from memlm.datastore import Datastore
+    from memlm.storage.datastore import Datastore
 
     src = Datastore.open(args.source)
     if args.entries > len(src):

@@ -22,21 +22,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memlm import index as index_lib
-from memlm.corpora import load_documents
-from memlm.datastore import build_datastore
-from memlm.fileio import atomic_write_json
-from memlm.forward import collate
+from memlm.data.corpora import load_documents
+from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
 from memlm.knnlm.evaluate import add_neighbours, lm_scores
-from memlm.resources import load_causal_lm
-from memlm.windows import batched, limit_documents, sliding_windows, tokenize_documents
+from memlm.models.forward import collate
+from memlm.models.resources import load_causal_lm
+from memlm.storage import index as index_lib
+from memlm.storage.datastore import build_datastore
+from memlm.storage.fileio import atomic_write_json
 
 RSS_SCRIPT = """
 import resource, sys
-from memlm.corpora import load_documents
-from memlm.datastore import build_datastore
-from memlm.resources import load_causal_lm
-from memlm.windows import limit_documents
+from memlm.data.corpora import load_documents
+from memlm.storage.datastore import build_datastore
+from memlm.models.resources import load_causal_lm
+from memlm.data.windows import limit_documents
 model, tok = load_causal_lm(sys.argv[1], dtype=sys.argv[2])
 docs = limit_documents(load_documents("wiki", "train"), tok, int(sys.argv[3]))
 build_datastore(model, tok, docs, sys.argv[4], window=int(sys.argv[5]), min_context=int(sys.argv[6]), progress=False)
@@ -137,7 +137,7 @@ def main() -> None:
     }
     print(f"eval kNN-LM {t_knn:.1f} s vs base {t_base:.1f} s: {t_knn / t_base:.3f}x", flush=True)
 
-    # 3. search overhead: memlm.index.search vs raw faiss on the same index and queries
+    # 3. search overhead: memlm.storage.index.search vs raw faiss on the same index and queries
     index = index_lib.load_index(ds.index_path)
     q = np.ascontiguousarray(queries[ds.key_spec], dtype=np.float32)
     index.search(q[:64], args.k)  # warm-up

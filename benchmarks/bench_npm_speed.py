@@ -2,13 +2,13 @@
 Performance; issue 14), measured back to back in one process.
 
 The probes are the ones ``memlm npm eval --task cloze --index IDX --max-queries N`` draws (same corpus, seed and
-filter); every predictor answers one query at a time as the CLI does (:func:`memlm.npm.tasks.npm_predictor`, top-1,
-no contexts; :func:`memlm.npm.tasks.mlm_predictor`). The probes are cut into chunks and every chunk is answered by
-each predictor in turn (MLM, NPM, and with ``--legacy`` the NPM code as it was before issue 14), so a change in the
-machine's load hits all of them alike. Each predictor answers one untimed warm-up query first (it loads the FAISS
-index). ``--legacy`` also checks that the current and the legacy NPM give the same top-1 phrase for every probe.
-``--project-group`` adds NPM with :func:`vectorised_group` in place of ``inference._group`` (a projection of a change
-to that function's body, which this benchmark does not make in memlm).
+filter); every predictor answers one query at a time as the CLI does (:func:`memlm.experiments.npm_tasks.npm_predictor`,
+top-1, no contexts; :func:`memlm.experiments.npm_tasks.mlm_predictor`). The probes are cut into chunks and every chunk
+is answered by each predictor in turn (MLM, NPM, and with ``--legacy`` the NPM code as it was before issue 14), so a
+change in the machine's load hits all of them alike. Each predictor answers one untimed warm-up query first (it loads
+the FAISS index). ``--legacy`` also checks that the current and the legacy NPM give the same top-1 phrase for every
+probe. ``--project-group`` adds NPM with :func:`vectorised_group` in place of ``inference._group`` (a projection of a
+change to that function's body, which this benchmark does not make in memlm).
 
     PYTHONPATH=src python benchmarks/bench_npm_speed.py --index runs/npm/idx-npm --mlm runs/npm/mlm/final \\
         --max-queries 200 --legacy --json docs/results/speed/npm_vs_mlm.json
@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memlm.corpora import load_corpora
-from memlm.fileio import atomic_write_json
+from memlm.data.corpora import load_corpora
+from memlm.experiments import npm_tasks as tasks
+from memlm.models.resources import load_encoder
 from memlm.npm import inference as inf
-from memlm.npm import tasks
 from memlm.npm.encoder import encode_query
 from memlm.npm.mlm import load_mlm
 from memlm.npm.phrase_index import FILES, PhraseIndex
-from memlm.resources import load_encoder
+from memlm.storage.fileio import atomic_write_json
 
 
 def loadavg() -> list[float]:

@@ -78,8 +78,8 @@ def child_build(a: argparse.Namespace) -> None:
     import torch
 
     from memlm.cli.common import load_documents as _documents
-    from memlm.resources import load_causal_lm
-    from memlm.sharded import build_sharded
+    from memlm.models.resources import load_causal_lm
+    from memlm.storage.sharded import build_sharded
 
     torch.set_num_threads(2)
     model, tok = load_causal_lm("smollm2-135m", dtype=a.dtype)
@@ -143,7 +143,7 @@ def cmd_build(a: argparse.Namespace) -> None:
 
 
 def _real() -> Any:
-    from memlm.sharded import ShardedDatastore
+    from memlm.storage.sharded import ShardedDatastore
 
     return ShardedDatastore.open(WORK / "build-inprocess")
 
@@ -151,9 +151,9 @@ def _real() -> Any:
 def cmd_synth(a: argparse.Namespace) -> None:
     import faiss
 
-    from memlm.datastore import FOLDER
-    from memlm.fileio import atomic_write_json
-    from memlm.sharded_index import build_sharded_index
+    from memlm.storage.datastore import FOLDER
+    from memlm.storage.fileio import atomic_write_json
+    from memlm.storage.sharded_index import build_sharded_index
 
     real = _real()
     keys = np.asarray(real.keys[:], dtype=np.float64)
@@ -192,7 +192,7 @@ def cmd_synth(a: argparse.Namespace) -> None:
         state = json.loads((real.path / "shards.json").read_text())
         state.update(plan=plan, count=n, complete=True, synthetic=True)
         atomic_write_json(out / "shards.json", state)
-        from memlm.sharded import ShardedDatastore
+        from memlm.storage.sharded import ShardedDatastore
 
         ds = ShardedDatastore.open(out)
         faiss.omp_set_num_threads(2)
@@ -229,9 +229,9 @@ def _queries(nq: int) -> np.ndarray:
 def child_search(a: argparse.Namespace) -> None:
     import faiss
 
-    from memlm import index as index_lib
-    from memlm.sharded import ShardedDatastore
-    from memlm.sharded_index import ShardedSearcher, merge_topk, search_with_offset
+    from memlm.storage import index as index_lib
+    from memlm.storage.sharded import ShardedDatastore
+    from memlm.storage.sharded_index import ShardedSearcher, merge_topk, search_with_offset
 
     faiss.omp_set_num_threads(a.threads)
     q = _queries(a.queries)
@@ -320,7 +320,7 @@ def cmd_search(a: argparse.Namespace) -> None:
                 "other",
                 "mmap-threads2": "same, the 2 shards searched by 2 threads at once",
                 "ray": "ShardedSearcher with one Ray actor per shard (local cluster, 1 CPU each)",
-                "ram": "shard indexes read into RAM (memlm.index.load_index), merged the same way",
+                "ram": "shard indexes read into RAM (memlm.storage.index.load_index), merged the same way",
                 "single": "one index over all entries with the same trained quantizer, in RAM",
             },
             "machine": _machine(),
@@ -464,8 +464,9 @@ def cmd_eval(a: argparse.Namespace) -> None:
 
 
 def cmd_plan(a: argparse.Namespace) -> None:
-    """Bytes for N entries of d-dim fp16 keys: datastore files and the default index (memlm.index.plan_index)."""
-    from memlm.index import default_factory, plan_index
+    """Bytes for N entries of d-dim fp16 keys: datastore files and the default index
+    (memlm.storage.index.plan_index)."""
+    from memlm.storage.index import default_factory, plan_index
 
     rows = []
     for n in a.sizes:
@@ -489,7 +490,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
         "plan.json",
         {
             "what": "datastore files (fp16 keys + int32 value + int64 doc hash + int32 offset per entry) and the "
-            "default index (memlm.index.default_factory / plan_index) for d-dim keys",
+            "default index (memlm.storage.index.default_factory / plan_index) for d-dim keys",
             "rows": rows,
             "command": "PYTHONPATH=src python benchmarks/bench_scaling.py plan --sizes " + " ".join(map(str, a.sizes)),
         },

@@ -1,7 +1,7 @@
-"""Benchmark memlm.index.search against raw ``faiss.Index.search`` on the same index and queries.
+"""Benchmark memlm.storage.index.search against raw ``faiss.Index.search`` on the same index and queries.
 
-Builds an index per ``--factory`` over random float16 keys with :func:`memlm.index.build_index`, then times
-``index.search(q, k)`` and ``memlm.index.search(index, q, k)`` (alternating, best of ``--repeats``) and
+Builds an index per ``--factory`` over random float16 keys with :func:`memlm.storage.index.build_index`, then times
+``index.search(q, k)`` and ``memlm.storage.index.search(index, q, k)`` (alternating, best of ``--repeats``) and
 reports queries/second for both and their ratio (target: memlm >= 0.9x raw).
 
     PYTHONPATH=src python benchmarks/bench_search.py          # n=200k, d=576, k=1024, 2000 queries
@@ -22,8 +22,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from memlm.fileio import atomic_write_json
-from memlm.index import _check_queries, _to_similarities, build_index, load_index, plan_index, search
+from memlm.storage.fileio import atomic_write_json
+from memlm.storage.index import _check_queries, _to_similarities, build_index, load_index, plan_index, search
 
 DEFAULT_FACTORIES = ("IVF1024,PQ64", "Flat")
 

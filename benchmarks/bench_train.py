@@ -2,12 +2,12 @@
 
 Both train the same randomly initialised GPT-2 (``--arch``, BPE vocabulary size ``--vocab``) on the same random token
 batches with AdamW under bf16 autocast. The bare loop is ``loss = model(input_ids, labels=input_ids).loss;
-loss.backward(); opt.step(); opt.zero_grad()``; memlm's is :func:`memlm.train.train` (LR schedule, gradient clipping,
-logging; checkpoints and validation off). The two alternate ``--repeats`` times and the best tokens/s of each is kept
-(warm-up updates excluded). With ``--losses`` it also times TRIME's objectives (Zhong et al. 2022) in the same trainer
-on the same model and tokens, against memlm's plain cross-entropy: ``trime`` (local memory), ``trime-long`` (rows are
-``--segments-per-doc`` consecutive segments of one document) and ``trime-ext`` (every other row is memory; local
-memory dropped with p = 0.9).
+loss.backward(); opt.step(); opt.zero_grad()``; memlm's is :func:`memlm.training.loop.train` (LR schedule, gradient
+clipping, logging; checkpoints and validation off). The two alternate ``--repeats`` times and the best tokens/s of each
+is kept (warm-up updates excluded). With ``--losses`` it also times TRIME's objectives (Zhong et al. 2022) in the same
+trainer on the same model and tokens, against memlm's plain cross-entropy: ``trime`` (local memory), ``trime-long``
+(rows are ``--segments-per-doc`` consecutive segments of one document) and ``trime-ext`` (every other row is memory;
+local memory dropped with p = 0.9).
 
     PYTHONPATH=src python benchmarks/bench_train.py --json docs/results/train_throughput.json
     PYTHONPATH=src python benchmarks/bench_train.py --arch 4x256 --losses trime,trime-long,trime-ext \
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from memlm.fileio import atomic_write_json
-from memlm.train import TrainConfig, parse_arch, train
+from memlm.storage.fileio import atomic_write_json
+from memlm.training.loop import TrainConfig, parse_arch, train
 
 
 def make_model(arch: str, vocab: int, seq_len: int, seed: int = 0):
@@ -57,7 +57,8 @@ def bare_loop(model, batches: list[torch.Tensor], warmup: int) -> float:
 
 
 def memlm_loop(model, batches: list[torch.Tensor], warmup: int, loss_fn=None, wrap=None) -> float:
-    """Tokens/s of :func:`memlm.train.train` after ``warmup`` updates (wall clock of the updates, from its log)."""
+    """Tokens/s of :func:`memlm.training.loop.train` after ``warmup`` updates (wall clock of the updates, from its
+    log)."""
     cfg = TrainConfig(max_steps=len(batches), batch_size=batches[0].shape[0], seq_len=batches[0].shape[1])
     cfg.dtype, cfg.lr = "bfloat16", 3e-4
     data = [wrap(x) if wrap else {"input_ids": x} for x in batches]

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from memlm.corpora import load_corpora
-from memlm.datastore import Datastore
-from memlm.fileio import atomic_write_json
-from memlm.resources import load_causal_lm
+from memlm.data.corpora import load_corpora
+from memlm.data.windows import limit_documents
+from memlm.models.resources import load_causal_lm
+from memlm.storage.datastore import Datastore
+from memlm.storage.fileio import atomic_write_json
 from memlm.trime.batching import segment_documents
 from memlm.trime.inference import score_trime
 from memlm.trime.training import tokenize_for_trime
-from memlm.windows import limit_documents
 
 
 @torch.inference_mode()

@@ -39,14 +39,14 @@ import faiss
 import numpy as np
 import torch
 
-from memlm import index as index_lib
-from memlm.corpora import load_corpora
-from memlm.datastore import Datastore
-from memlm.fileio import atomic_write_json
-from memlm.resources import load_causal_lm
+from memlm.data.corpora import load_corpora
+from memlm.data.windows import limit_documents
+from memlm.models.resources import load_causal_lm
+from memlm.storage import index as index_lib
+from memlm.storage.datastore import Datastore
+from memlm.storage.fileio import atomic_write_json
 from memlm.trime import inference as ti
 from memlm.trime.inference import score_trime, trime_perplexity
-from memlm.windows import limit_documents
 
 
 def loadavg() -> list[float]:
@@ -54,7 +54,7 @@ def loadavg() -> list[float]:
 
 
 def old_exact_scores(keys, ids, queries, metric):
-    """memlm.index.exact_scores before issue 14."""
+    """memlm.storage.index.exact_scores before issue 14."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     nq, k = ids.shape
     d = q.shape[1]

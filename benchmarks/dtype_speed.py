@@ -17,11 +17,11 @@ import time
 import numpy as np
 import torch
 
-from memlm.corpora import load_documents
-from memlm.fileio import atomic_write_json
+from memlm.data.corpora import load_documents
+from memlm.data.windows import limit_documents
 from memlm.knnlm.evaluate import lm_scores
-from memlm.resources import _cpu_has_native_bf16, default_dtype, load_causal_lm
-from memlm.windows import limit_documents
+from memlm.models.resources import _cpu_has_native_bf16, default_dtype, load_causal_lm
+from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

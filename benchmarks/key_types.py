@@ -4,8 +4,8 @@
 
 Table 5 of the paper ("Wikitext-103 validation results using different states from the final layer of the LM as the
 representation function for keys and queries. We retrieve k = 1024 neighbors and λ is tuned for each") compares six
-states of the last Transformer layer. Each maps to a memlm key role (``memlm.keys``), found from the model's module
-structure:
+states of the last Transformer layer. Each maps to a memlm key role (``memlm.models.keys``), found from the model's
+module structure:
 
 =====================================  ===================  =====================================================
 paper (Table 5)                        memlm key            what it is in a pre-LN decoder (SmolLM2 = Llama)
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from knnlm_sweeps import add_forward_args, datastore, forward, log, neighbours, open_run  # noqa: E402
 
-from memlm.fileio import atomic_write_json  # noqa: E402
-from memlm.keys import KeySpec  # noqa: E402
 from memlm.knnlm.evaluate import DEFAULT_TEMPERATURES, perplexities, tune  # noqa: E402
+from memlm.models.keys import KeySpec  # noqa: E402
+from memlm.storage.fileio import atomic_write_json  # noqa: E402
 
 # (paper row, memlm key, paper's Wikitext-103 dev perplexity)
 KEY_TYPES: list[tuple[str, str, float]] = [

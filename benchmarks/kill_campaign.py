@@ -67,7 +67,7 @@ def sha(path: Path) -> str:
 def main() -> None:
     from conftest import gpt2_tokenizer, make_toy_docs, tiny_gpt2
 
-    from memlm.datastore import Datastore
+    from memlm.storage.datastore import Datastore
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=10)

@@ -84,10 +84,10 @@ def build(args: argparse.Namespace) -> None:
 def query(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from memlm.corpora import load_documents
+    from memlm.data.corpora import load_documents
+    from memlm.data.windows import limit_documents, tokenize_documents
+    from memlm.models.resources import load_causal_lm
     from memlm.ngram.memory import NgramMemory
-    from memlm.resources import load_causal_lm
-    from memlm.windows import limit_documents, tokenize_documents
 
     _, tok = load_causal_lm(args.model, dtype="float32")
     docs = limit_documents(load_documents("wikitext2", "test"), tok, args.tokens)

@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
-from memlm.corpora import corpus_fingerprint, load_documents
-from memlm.fileio import atomic_write_json
+from memlm.data.corpora import corpus_fingerprint, load_documents
+from memlm.data.windows import limit_documents
+from memlm.models.resources import tokenizer_fingerprint
 from memlm.ngram.decontaminate import RULE, overlap_fractions
 from memlm.ngram.index import NgramIndex
-from memlm.resources import tokenizer_fingerprint
-from memlm.windows import limit_documents
+from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

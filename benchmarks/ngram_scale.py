@@ -42,9 +42,9 @@ SEP = 0xFFFF
 
 
 def prepare(args: argparse.Namespace) -> None:
-    from memlm.corpora import load_documents
-    from memlm.resources import load_causal_lm
-    from memlm.windows import limit_documents, tokenize_documents
+    from memlm.data.corpora import load_documents
+    from memlm.data.windows import limit_documents, tokenize_documents
+    from memlm.models.resources import load_causal_lm
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

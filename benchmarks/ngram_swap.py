@@ -12,10 +12,10 @@ import argparse
 
 from memlm.cli.common import load_documents
 from memlm.knnlm.evaluate import TokenScores
+from memlm.models.resources import load_causal_lm
 from memlm.ngram.index import NgramIndex
 from memlm.ngram.memory import NgramMemory
 from memlm.ngram.mixture import add_ngram
-from memlm.resources import load_causal_lm
 
 
 def main() -> None:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from memlm.corpora import load_documents
-from memlm.npm import tasks
+from memlm.data.corpora import load_documents
+from memlm.models.resources import load_encoder
+from memlm.experiments import npm_tasks as tasks
 from memlm.npm.encoder import encode_query
 from memlm.npm.inference import closed_set, restrict_rows
 from memlm.npm.phrase_index import PhraseIndex
-from memlm.resources import load_encoder
 
 ENCODERS = {  # name -> (encoder, index, NPM SINGLE inference)
     "npm": ("{runs}/npm/final", "{runs}/idx-npm", False),

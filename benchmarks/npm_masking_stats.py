@@ -18,10 +18,10 @@ from collections import Counter
 from itertools import islice
 from pathlib import Path
 
-from memlm.corpora import load_corpora
-from memlm.fileio import atomic_write_json
+from memlm.data.corpora import load_corpora
+from memlm.models.resources import load_encoder
 from memlm.npm.objective import NpmObjective, npm_batches
-from memlm.resources import load_encoder
+from memlm.storage.fileio import atomic_write_json
 
 
 def stats(obj: NpmObjective, batches: list[dict], tok, frequent: set[int]) -> dict:

@@ -252,7 +252,7 @@ def _index_sizes(runs: Path) -> str:
 
 
 def figures(rows: list[dict[str, Any]], out: Path) -> list[str]:
-    from memlm.plots import finish_figure, pyplot
+    from memlm.experiments.plots import finish_figure, pyplot
 
     plt = pyplot()
     made = []

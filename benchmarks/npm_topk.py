@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from memlm.corpora import load_documents
-from memlm.fileio import atomic_write_json
-from memlm.npm import tasks
+from memlm.data.corpora import load_documents
+from memlm.experiments import npm_tasks as tasks
+from memlm.models.resources import load_encoder
 from memlm.npm.encoder import encode_query, encode_sequences, masked_query
 from memlm.npm.phrase_index import PhraseIndex
-from memlm.resources import load_encoder
+from memlm.storage.fileio import atomic_write_json
 
 
 def verbalizer_ids(tok) -> dict[int, str]:

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from memlm.errors import MemlmError
+from memlm.models.resources import load_encoder
 from memlm.npm.objective import npm_objective
 from memlm.npm.train_npm import npm_valid_loss, npm_validation_batches
-from memlm.resources import load_encoder
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """bf16 body vs float32: SmolLM2-135M perplexity on the same text (issue 12 item 6).
 
-memlm computes the output projection and log-softmax in float32 whatever the body's dtype (memlm.forward.fp32_head).
-This script scores the same leading tokens of wiki test with the model in float32 and in bfloat16 and writes both
-perplexities, their relative difference and the per-token log-prob differences:
+memlm computes the output projection and log-softmax in float32 whatever the body's dtype
+(memlm.models.forward.fp32_head). This script scores the same leading tokens of wiki test with the model in float32 and
+in bfloat16 and writes both perplexities, their relative difference and the per-token log-prob differences:
 
     OMP_NUM_THREADS=2 python benchmarks/precision.py --out docs/results/precision_bf16_vs_fp32.json
 
@@ -18,12 +18,12 @@ import time
 import numpy as np
 import torch
 
-from memlm.corpora import load_documents
-from memlm.fileio import atomic_write_json
-from memlm.forward import fp32_head
+from memlm.data.corpora import load_documents
+from memlm.data.windows import limit_documents
 from memlm.knnlm.evaluate import lm_scores
-from memlm.resources import load_causal_lm
-from memlm.windows import limit_documents
+from memlm.models.forward import fp32_head
+from memlm.models.resources import load_causal_lm
+from memlm.storage.fileio import atomic_write_json
 
 
 def ppl(lp: np.ndarray) -> float:

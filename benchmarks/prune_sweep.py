@@ -32,8 +32,8 @@ from typing import Any
 
 
 def _take_tokens(docs: list, tok, n: int) -> list:
-    """The leading documents holding ``n`` tokens, the last one cut (:func:`memlm.windows.truncate_document`)."""
-    from memlm.windows import limit_documents, tokenize_documents, truncate_document
+    """The leading documents holding ``n`` tokens, the last one cut (:func:`memlm.data.windows.truncate_document`)."""
+    from memlm.data.windows import limit_documents, tokenize_documents, truncate_document
 
     kept = limit_documents(docs, tok, n)
     total = sum(len(c.tokens) for c in tokenize_documents(kept, tok))
@@ -46,9 +46,9 @@ def _forward(args: argparse.Namespace, ds, split: str, n_tokens: int):
     """LM scores and queries of ``n_tokens`` of ``split``, cached in WORK (``ds`` None: ``--model`` / ``--key``)."""
     import numpy as np
 
-    from memlm.corpora import load_documents
+    from memlm.data.corpora import load_documents
     from memlm.knnlm.evaluate import TokenScores, lm_scores
-    from memlm.resources import load_causal_lm
+    from memlm.models.resources import load_causal_lm
 
     work = Path(args.work)
     dump, qfile = work / f"lm-{split}-{n_tokens}.npz", work / f"queries-{split}-{n_tokens}.npy"
@@ -57,7 +57,7 @@ def _forward(args: argparse.Namespace, ds, split: str, n_tokens: int):
         if ds is not None and (ts.meta.get("model"), ts.meta.get("key")) != (ds.model_name, ds.key_spec.describe()):
             raise SystemExit(f"{dump} was made with {ts.meta.get('model')} {ts.meta.get('key')}, not the datastore's")
         return ts, np.load(qfile)
-    from memlm.keys import KeySpec, num_layers
+    from memlm.models.keys import KeySpec, num_layers
 
     name = ds.model_name if ds is not None else args.model
     model, tok = load_causal_lm(name, dtype=args.dtype)
@@ -145,9 +145,9 @@ def _grid():
 
 def _pruned(args: argparse.Namespace, src, k_merge: int) -> tuple[Any, dict[str, Any]]:
     """The datastore pruned with ``k_merge`` (reused when its manifest matches) and its index."""
-    from memlm.datastore import Datastore
-    from memlm.index import read_index_meta
     from memlm.knnlm.prune import prune_datastore
+    from memlm.storage.datastore import Datastore
+    from memlm.storage.index import read_index_meta
 
     out = Path(args.work) / f"pruned-k{k_merge}-s{args.seed}"
     info: dict[str, Any] = {}
@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
 
-    from memlm.datastore import Datastore
-    from memlm.index import read_index_meta
+    from memlm.storage.datastore import Datastore
+    from memlm.storage.index import read_index_meta
 
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.forward_only:

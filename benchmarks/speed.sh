@@ -35,8 +35,8 @@ if [[ $what == prep || $what == all ]]; then
     --batch-size 32 --factory IVF1024,Flat --metric l2 --out $R/trime/ds-500k
   # an alternative index over the same keys, for the speed / recall comparison only
   [[ -f $R/trime/ds-500k/index-ivf4096.faiss ]] || PYTHONPATH=src $PY -c "
-from memlm.datastore import Datastore
-from memlm.index import build_index, expected_source
+from memlm.storage.datastore import Datastore
+from memlm.storage.index import build_index, expected_source
 ds = Datastore.open('$R/trime/ds-500k')
 build_index(ds.keys, ds.path / 'index-ivf4096.faiss', factory='IVF4096,Flat', metric='l2',
             source=expected_source(ds.index_path), progress=False)"

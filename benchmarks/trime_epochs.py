@@ -1,8 +1,8 @@
 """How many epochs of wiki+news train the TRIME / analysis-(a) models saw (docs/TRIME.md, docs/ANALYSIS.md).
 
 Retrains the run's tokenizer exactly as ``memlm train --tokenizer bpe:8192`` does (deterministic), cuts the train
-stream into 256-token chunks as :func:`memlm.train.lm_batches` does, and divides the tokens trained on (16 x 256 per
-update) by the chunks per epoch:
+stream into 256-token chunks as :func:`memlm.training.loop.lm_batches` does, and divides the tokens trained on (16 x 256
+per update) by the chunks per epoch:
 
     python benchmarks/trime_epochs.py --json docs/results/trime/epochs.json
 """
@@ -13,10 +13,10 @@ import argparse
 
 import numpy as np
 
-from memlm.corpora import load_corpora
-from memlm.fileio import atomic_write_json
-from memlm.tokenizer import make_tokenizer
-from memlm.windows import tokenize_documents
+from memlm.data.corpora import load_corpora
+from memlm.data.windows import tokenize_documents
+from memlm.models.tokenizer import make_tokenizer
+from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

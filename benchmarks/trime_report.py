@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memlm.fileio import atomic_write_json
+from memlm.storage.fileio import atomic_write_json
 
 MODELS = {
     "vanilla": "Vanilla LM (CE)",

@@ -2,9 +2,9 @@
 domain-adaptation rows (IMDB test with a Wikipedia and an IMDB datastore).
 
 Protocol: lm-evaluation-harness's ``loglikelihood_rolling`` (the ``wikitext`` task) through memlm's adapter windows
-(:func:`memlm.forward.rolling_forward`): every article scored on its own after the BOS prefix token, sliding windows of
-``--window`` tokens with at least ``--min-context`` tokens of context, WikiText pages detokenized as lm_eval does.
-Word perplexity = exp(-Σ log p / Σ words), words counted on the raw page (lm_eval's ``process_results``); token
+(:func:`memlm.models.forward.rolling_forward`): every article scored on its own after the BOS prefix token, sliding
+windows of ``--window`` tokens with at least ``--min-context`` tokens of context, WikiText pages detokenized as lm_eval
+does. Word perplexity = exp(-Σ log p / Σ words), words counted on the raw page (lm_eval's ``process_results``); token
 perplexity = exp(-Σ log p / Σ tokens) over the same tokens. One forward pass per split serves every datastore; λ and
 τ are tuned on (a prefix of) the valid split, per datastore, and applied to test; λ = 0.25, τ = 1 (memlm's old
 defaults) is reported beside them.
@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from memlm.core.distribution import mix_logprobs
-from memlm.corpora import load_documents
-from memlm.datastore import Datastore
-from memlm.fileio import atomic_write_json
-from memlm.forward import rolling_forward
-from memlm.keys import KeySpec, num_layers
+from memlm.data.corpora import load_documents
 from memlm.knnlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
-from memlm.resources import load_causal_lm
+from memlm.models.forward import rolling_forward
+from memlm.models.keys import KeySpec, num_layers
+from memlm.models.resources import load_causal_lm
+from memlm.storage.datastore import Datastore
+from memlm.storage.fileio import atomic_write_json
 
 
 def _pages(corpus: str, split: str, tok, max_tokens: int | None) -> tuple[list[str], list[str]]:

@@ -29,8 +29,8 @@ def _tree_hash(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_lm):
     """A folder with everything a command may be pointed at: model, corpus, datastore, dumps, junk files."""
-    from memlm.datastore import build_datastore
     from memlm.knnlm.evaluate import TokenScores
+    from memlm.storage.datastore import build_datastore
     from memlm.trime.inference import TrimeScores
 
     root = tmp_path_factory.mktemp("adversarial")
@@ -43,8 +43,8 @@ def world(tmp_path_factory, tiny_lm):
     for d in docs:
         (root / "corpus" / f"{d.id}.txt").write_text(d.text)
     build_datastore(model, tok, docs, root / "ds", window=32, min_context=8, progress=False)
-    from memlm.datastore import Datastore
-    from memlm.index import build_index
+    from memlm.storage.datastore import Datastore
+    from memlm.storage.index import build_index
 
     ds = Datastore.open(root / "ds")
     build_index(ds.keys, ds.index_path, factory="Flat", metric="l2")
@@ -99,7 +99,7 @@ def _bad_calibration(ds: Path, out: Path, count: int, **fields: float) -> None:
     import math
     import shutil
 
-    from memlm.folder import manifest_digest
+    from memlm.storage.folder import manifest_digest
 
     shutil.copytree(ds, out)
     m = json.loads((out / "manifest.json").read_text())
@@ -482,7 +482,7 @@ def test_an_index_of_another_datastore_is_refused_by_the_api_too(world):
     """DatastoreMemory / open_index check the sidecar against the datastore searched, not the index's own folder
     (issue 24 item 10: it was checked against ds_reordered's manifest and passed), with and without mmap."""
     from memlm.retrieval import DatastoreMemory
-    from memlm.sharded import open_datastore
+    from memlm.storage.sharded import open_datastore
 
     for mmap in (False, True):
         ds = open_datastore(world / "ds", mmap_index=mmap)
@@ -495,7 +495,7 @@ def test_an_index_of_another_datastore_is_refused_by_the_api_too(world):
 
 def test_missing_data_package_in_corpora_is_one_error(monkeypatch, capsys):
     """`memlm corpora` with a data package missing lists the others and ends with one error (was KeyError 'docs')."""
-    import memlm.corpora as corpora
+    import memlm.data.corpora as corpora
 
     def missing(module, install, corpus):
         raise MemlmError(
@@ -536,7 +536,7 @@ def test_output_path_checks(tmp_path):
 
 def test_max_tokens_is_honoured_inside_one_long_document(tiny_lm):
     """One document longer than --max-tokens is cut (it used to be kept whole: 253,669 tokens for 2,000)."""
-    from memlm.windows import limit_documents, tokenize_documents
+    from memlm.data.windows import limit_documents, tokenize_documents
 
     _, tok = tiny_lm
     long_doc = Doc("long", " ".join(make_toy_docs(40, seed=1)[i].text for i in range(40)))

@@ -8,10 +8,16 @@ from conftest import make_toy_docs
 from test_train_lm import write_jsonl
 
 from memlm.cli import main
-from memlm.datastore import build_datastore
 from memlm.errors import MemlmError
-from memlm.keys import KeySpec
-from memlm.xu2023.analysis import AnalysisSpec, approx_factory, gain_explained, interpolation_row, run_analysis
+from memlm.experiments.xu2023_analysis import (
+    AnalysisSpec,
+    approx_factory,
+    gain_explained,
+    interpolation_row,
+    run_analysis,
+)
+from memlm.models.keys import KeySpec
+from memlm.storage.datastore import build_datastore
 
 
 def _dump(out, prefix):
@@ -89,7 +95,7 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
         raise AssertionError("recomputed")
 
     monkeypatch.setattr(memlm.knnlm.evaluate, "lm_scores", boom)
-    monkeypatch.setattr("memlm.xu2023.analysis.add_neighbours", boom)
+    monkeypatch.setattr("memlm.experiments.xu2023_analysis.add_neighbours", boom)
     monkeypatch.setattr("memlm.xu2023.generalized.train_learned_wds", boom)
     again = run_analysis(spec, out, progress=False, log=lambda m: None)
     assert again["table1"] == res["table1"] and again["learned"] == res["learned"]
@@ -97,8 +103,8 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
 
 def test_exact_mask_dump_matches_bruteforce(setup):
     tmp, spec = setup
-    from memlm.datastore import Datastore
     from memlm.knnlm.evaluate import TokenScores
+    from memlm.storage.datastore import Datastore
 
     out = tmp / "out"
     run_analysis(spec, out, progress=False, log=lambda m: None)
@@ -177,7 +183,7 @@ def test_rerun_with_other_settings_does_not_reuse_caches(setup):
 def test_tau1_twins_and_fig5_best_tau_on_valid(setup):
     """Every Table 1 / 3 row carries its τ = 1 twin (λ tuned on valid), equal to the Fig. 5 sweep's τ = 1 row where
     the sweep covers it; the report's Fig. 5 "best τ" is the valid argmin, not the test one."""
-    from memlm.xu2023.analysis import tau1_row, tau1_tables
+    from memlm.experiments.xu2023_analysis import tau1_row, tau1_tables
 
     tmp, spec = setup
     out = tmp / "out"

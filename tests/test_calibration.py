@@ -7,8 +7,8 @@ import pytest
 from conftest import Doc, gpt2_tokenizer, make_toy_docs
 from test_reliability import memlm
 
+from memlm.data.windows import doc_hash
 from memlm.knnlm.calibration import holdout_split, knn_parameters
-from memlm.windows import doc_hash
 
 
 def test_holdout_split_is_deterministic_disjoint_and_sized():
@@ -127,7 +127,7 @@ def test_build_holds_out_and_calibrates(built):
     assert f"calibrated: λ={cal['lambda']:g}, τ={cal['temperature']:g}" in r.stderr
     assert cal["count"] == manifest["count"] and cal["k"] == 16 and cal["tokens"] > 0
     # the held-out documents are not in the datastore; every other document is
-    from memlm.datastore import Datastore
+    from memlm.storage.datastore import Datastore
 
     stored = set(np.unique(np.asarray(Datastore.open(ds).doc_hash)).tolist())
     tok = gpt2_tokenizer()
@@ -162,8 +162,8 @@ def test_eval_without_flags_uses_the_calibration(built, tmp_path):
 
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
-    from memlm.datastore import Datastore
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities
+    from memlm.storage.datastore import Datastore
 
     root, ds_path, docs, _ = built
     model, tok = tiny_lm
@@ -202,7 +202,7 @@ def test_sharded_build_is_calibrated_too(tmp_path, tiny_lm_dir):
     r = memlm("datastore", "build", *args, "--min-context", "8", "--shards", "2", "--holdout", "0.1",
               "--calibration-k", "8")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    from memlm.sharded import open_datastore
+    from memlm.storage.sharded import open_datastore
 
     ds = open_datastore(out)
     cal = ds.manifest["calibration"]
@@ -217,7 +217,7 @@ def test_rerun_with_another_holdout_is_refused(built, tmp_path):
     that was in the datastore."""
     import shutil
 
-    from memlm.folder import manifest_digest
+    from memlm.storage.folder import manifest_digest
 
     root, ds, _, r = built
     model_dir = r.args[r.args.index("--model") + 1]
@@ -258,8 +258,8 @@ def onefile(tmp_path_factory, tiny_lm_dir):
 def test_one_file_corpus_is_calibrated_on_its_tail(onefile, tiny_lm):
     """A one-document corpus gets a held-out tail (before: 'no calibration: nothing held out'), kept out of the
     entries: none of its 16-token spans is in the datastore, while the head's all are."""
-    from memlm.datastore import Datastore
     from memlm.knnlm.calibration import text_overlap
+    from memlm.storage.datastore import Datastore
 
     root, ds_path, _, r = onefile
     assert "calibrated: λ=" in r.stderr and "no calibration" not in r.stderr, r.stderr

@@ -33,7 +33,7 @@ def strict_loads(text: str):
 
 
 def test_json_writer_is_strict(tmp_path):
-    from memlm.fileio import atomic_write_json
+    from memlm.storage.fileio import atomic_write_json
 
     data = {"a": math.inf, "b": [1.5, -math.inf, math.nan], "c": np.float32("inf"), "d": np.float64(2.0), 3: (1, 2)}
     atomic_write_json(tmp_path / "x.json", data)
@@ -164,7 +164,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
 
 
 def test_eval_non_overlapping_blocks_and_refused_zero_context(tmp_path, tiny_lm, tiny_lm_dir, corpus_dir):
-    from memlm.corpora import load_documents
+    from memlm.data.corpora import load_documents
     from memlm.knnlm.evaluate import lm_scores, perplexities
 
     model, tok = tiny_lm

@@ -12,7 +12,7 @@ from test_train_lm import write_jsonl
 from transformers import BertConfig, BertModel
 
 from memlm.cli import main
-from memlm.resources import load_encoder
+from memlm.models.resources import load_encoder
 
 QUERY = "the cat sat on [MASK] mat"
 

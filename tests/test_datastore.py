@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import Doc, gpt2_tokenizer, tiny_gpt2
 
-from memlm.datastore import Datastore, build_datastore
 from memlm.errors import MemlmError
-from memlm.keys import KeyCapture, KeySpec
+from memlm.models.keys import KeyCapture, KeySpec
+from memlm.storage.datastore import Datastore, build_datastore
 
 
 def build(tmp_path, tiny_lm, docs, name="ds", **kw):
@@ -126,7 +126,7 @@ def test_subsample(tmp_path, tiny_lm, toy_docs):
 def test_disk_full_is_a_clear_error_and_the_rerun_resumes(tmp_path, tiny_lm, toy_docs, monkeypatch, code):
     import builtins
 
-    import memlm.folder as folder_mod  # the shared append-only writer opens the array files
+    import memlm.storage.folder as folder_mod  # the shared append-only writer opens the array files
 
     lone = build(tmp_path, tiny_lm, toy_docs, name="lone")
     calls = {"keys": 0}
@@ -167,7 +167,7 @@ def test_disk_full_is_a_clear_error_and_the_rerun_resumes(tmp_path, tiny_lm, toy
 
 
 def test_disk_full_while_writing_progress(tmp_path, tiny_lm, toy_docs, monkeypatch):
-    import memlm.fileio as fileio
+    import memlm.storage.fileio as fileio
 
     lone = build(tmp_path, tiny_lm, toy_docs, name="lone")
     real = fileio.os.fsync

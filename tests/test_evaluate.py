@@ -8,10 +8,10 @@ import torch
 from conftest import Doc
 from test_datastore import build
 
-from memlm.index import build_index
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.evaluate import TokenScores, perplexities, score_tokens, tune
 from memlm.knnlm.generate import KNNLogitsProcessor
+from memlm.storage.index import build_index
 
 
 def indexed(tmp_path, tiny_lm, docs, **kw):
@@ -125,8 +125,8 @@ def test_bf16_body_gets_float32_head_and_log_softmax(toy_docs):
     states (the old code read the model's bf16 logits, off by the bf16 rounding of each logit)."""
     from conftest import gpt2_tokenizer, tiny_gpt2
 
-    from memlm.keys import KeySpec
     from memlm.knnlm.evaluate import lm_scores
+    from memlm.models.keys import KeySpec
 
     model, tok = tiny_gpt2(0).to(torch.bfloat16), gpt2_tokenizer()
     with torch.no_grad():

@@ -1,12 +1,14 @@
-"""The extension points of docs/ARCHITECTURE.md, as a user would use them: a new memory and a new searcher, each
-defined here in a few lines, run through memlm eval's scorer (`score_tokens`), generation (`KNNLogitsProcessor`,
-`generate_text`) and the lm-eval adapter (`MemlmLM`) with no edit to memlm. Each result is checked against the same
+"""The extension points of docs/ARCHITECTURE.md, as a user would use them: a new memory, a new searcher and a new
+retrieval method (an efficiency strategy with its own setting), each defined here in a few lines, run through memlm
+eval's scorer (`score_tokens`) and, for the memory and the searcher, generation (`KNNLogitsProcessor`,
+`generate_text`) and the lm-eval adapter (`MemlmLM`), with no edit to memlm. Each result is checked against the same
 quantity recomputed here with NumPy (Khandelwal et al. 2020, Eq. 2-3: p = (1-λ) p_LM + λ softmax(-d/τ) summed per
-value)."""
+value). A new training objective has its worked example in tests/test_train_driver.py."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -14,10 +16,11 @@ import torch
 from conftest import make_toy_docs
 from test_datastore import build
 
+from memlm.core.config import RetrievalConfig
 from memlm.core.memory import Retrieved
-from memlm.keys import KeyCapture, KeySpec, num_layers
-from memlm.knnlm.evaluate import lm_scores, perplexities, score_tokens
+from memlm.knnlm.evaluate import EFFICIENCY_STRATEGIES, lm_scores, perplexities, score_tokens
 from memlm.knnlm.generate import KNNLogitsProcessor, generate_text
+from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
 
 W, C, K, LAM, TAU = 32, 12, 6, 0.5, 2.0
@@ -68,6 +71,31 @@ class NumpySearcher:
 
     def describe(self):
         return {"search": "numpy"}
+
+
+# ---------------------------------------------------------------- a new retrieval method, in ~20 lines
+
+
+@dataclass(frozen=True)
+class UnsureConfig(RetrievalConfig):
+    """RetrievalConfig plus the new method's one setting; ``efficiency`` names the strategy it chooses."""
+
+    min_entropy: float | None = None
+
+    @property
+    def efficiency(self) -> str:
+        return "search-when-unsure" if self.min_entropy is not None else super().efficiency
+
+
+def search_when_unsure(ts, queries, memory, config, provenance, progress):
+    """A toy adaptive retrieval: search (and interpolate with λ = LAM) only where the LM's entropy exceeds
+    ``min_entropy``; elsewhere λ_t = 0 and nothing is searched."""
+    ts.searched = ts.lm_entropy > config.min_entropy
+    ts.knn_lambda = np.where(ts.searched, LAM, 0.0).astype(np.float32)
+    scores = np.full((len(queries), config.k), -np.inf, np.float32)
+    ids = np.full((len(queries), config.k), -1, np.int64)
+    scores[ts.searched], ids[ts.searched] = memory.search_ids(queries[ts.searched], config.k)
+    return scores, ids
 
 
 # ----------------------------------------------------------------------------------------------------- checks
@@ -188,3 +216,26 @@ def test_new_memory_through_wrap(tiny_lm, memory):
     last = knn(input_ids=ids).logits[0, -1].double()
     _, _, mixed = _one_step(model, tok, memory, "the bird sang over the")
     torch.testing.assert_close(last, mixed, rtol=1e-5, atol=1e-5)
+
+
+def test_new_retrieval_method_through_score_tokens(tiny_lm, ds, monkeypatch):
+    """A new method is a config subclass and one EFFICIENCY_STRATEGIES entry: score_tokens runs it, and its
+    perplexity equals Σ log((1 - λ_t) p_LM + λ_t p_kNN) with λ_t = LAM where the LM is unsure, computed here."""
+    monkeypatch.setitem(EFFICIENCY_STRATEGIES, "search-when-unsure", search_when_unsure)
+    model, tok = tiny_lm
+    docs = make_toy_docs(3, seed=8)
+    ts_all, queries, _ = lm_scores(model, tok, docs, [ds.key_spec], W, C, progress=False)
+    threshold = float(np.median(ts_all.lm_entropy))
+    config = UnsureConfig(k=K, window=W, min_context=C, min_entropy=threshold)
+    toy = DatastoreMemory(ds, searcher=NumpySearcher(ds.keys))  # the toy searcher above: no FAISS index needed
+    ts = score_tokens(model, tok, docs, toy, config, progress=False)
+    assert ts.meta["retrieval"]["min_entropy"] == threshold and 0 < ts.searched.mean() < 1
+    got = perplexities(ts, lam=LAM, temperature=TAU)["knn_ppl"]
+    keys, values, q = np.asarray(ds.keys, np.float32), np.asarray(ds.values), queries[ds.key_spec]
+    total = 0.0
+    for i, target in enumerate(ts_all.targets):
+        p_lm = math.exp(float(ts_all.lm_logprob[i]))
+        lam_t = LAM if ts_all.lm_entropy[i] > threshold else 0.0
+        p_knn = math.exp(_brute_knn_logprob(keys, values, q[i], target, K, TAU)) if lam_t else 0.0
+        total += math.log((1 - lam_t) * p_lm + lam_t * p_knn)
+    assert got == pytest.approx(math.exp(-total / len(ts_all.targets)), rel=1e-4)

@@ -1,4 +1,5 @@
-"""The folder format shared by datastores and phrase indexes (memlm.folder), pinned on a toy format of its own."""
+"""The folder format shared by datastores and phrase indexes (memlm.storage.folder), pinned on a toy format of its
+own."""
 
 import errno
 import hashlib
@@ -9,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memlm import schema
 from memlm.errors import MemlmError
-from memlm.folder import AppendWriter, FolderFormat, manifest_digest
+from memlm.storage import schema
+from memlm.storage.folder import AppendWriter, FolderFormat, manifest_digest
 
 TOY = FolderFormat(
     kind="toy store",
@@ -226,7 +227,7 @@ def test_stray_arrays_and_overwrite(tmp_path):
 
 
 def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
-    import memlm.folder as folder_mod
+    import memlm.storage.folder as folder_mod
 
     folder = tmp_path / "t"
     build(folder, [3], crash_after=0)
@@ -262,8 +263,8 @@ def _vm_flags(path) -> list[str]:
 def test_advise_random_marks_the_mapping_for_scattered_reads(tmp_path):
     """advise_random sets MADV_RANDOM on the memory map (smaps flag 'rr'), also through a sharded array's parts,
     and DatastoreMemory does it for exact rescoring, where the keys of scattered ids are read."""
-    from memlm.folder import advise_random
-    from memlm.sharded import ShardedArray
+    from memlm.storage.folder import advise_random
+    from memlm.storage.sharded import ShardedArray
 
     folder = tmp_path / "t"
     build(folder, [3, 5, 2])

@@ -109,7 +109,7 @@ EVAL_FLAGS = {
 
 @pytest.fixture(scope="module")
 def ds_dir(tmp_path_factory, tiny_lm):
-    from memlm.datastore import build_datastore
+    from memlm.storage.datastore import build_datastore
 
     root = tmp_path_factory.mktemp("fuzz")
     model, tok = tiny_lm
@@ -226,7 +226,7 @@ def _mutated(original: dict, data) -> bytes:
 
 
 def _manifest_property(ds_dir: Path, tmp: Path, data) -> None:
-    from memlm.datastore import Datastore
+    from memlm.storage.datastore import Datastore
 
     work = tmp / "ds"
     shutil.rmtree(work, ignore_errors=True)
@@ -255,7 +255,7 @@ def test_fuzz_manifest_campaign(ds_dir, tmp_path_factory, data):
 
 def _progress_property(tiny_lm, tmp: Path, data) -> None:
     """An interrupted build whose progress.json is damaged: the rerun resumes or says what is wrong."""
-    from memlm.datastore import build_datastore
+    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     out = tmp / "ds"

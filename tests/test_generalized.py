@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from memlm.core.distribution import interpolate, knn_distribution, knn_target_logprob
 from memlm.errors import MemlmError
-from memlm.index import exact_search
+from memlm.storage.index import exact_search
 from memlm.xu2023.generalized import (
     LearnedWds,
     datastore_logprobs,

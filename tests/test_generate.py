@@ -14,9 +14,9 @@ from test_datastore import build
 from test_reliability import memlm
 
 from memlm.core.distribution import interpolate, knn_distribution
-from memlm.index import build_index
-from memlm.keys import KeyCapture
 from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text, left_pad
+from memlm.models.keys import KeyCapture
+from memlm.storage.index import build_index
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for memlm.index: FAISS build / save / load / search and the exact (brute-force) paths."""
+"""Tests for memlm.storage.index: FAISS build / save / load / search and the exact (brute-force) paths."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import faiss
 import numpy as np
 import pytest
 
-import memlm.index as mi
+import memlm.storage.index as mi
 from memlm.errors import MemlmError
-from memlm.index import (
+from memlm.storage.index import (
     IndexPlan,
     build_index,
     default_factory,

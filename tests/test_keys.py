@@ -1,4 +1,4 @@
-"""memlm.keys: every key role resolves structurally on tiny random GPT-2 / Llama / GPT-NeoX / OPT models and
+"""memlm.models.keys: every key role resolves structurally on tiny random GPT-2 / Llama / GPT-NeoX / OPT models and
 captures exactly the tensor the papers mean (checked against HF's ``output_hidden_states`` and against the
 norm modules' own outputs, hooked independently of memlm)."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from memlm.errors import MemlmError
-from memlm.keys import (
+from memlm.models.keys import (
     KEY_ROLES,
     KeyCapture,
     KeySpec,
@@ -152,11 +152,11 @@ def _hook_outputs(modules: dict[str, nn.Module]):
 
 
 def _no_hooks_left(model: nn.Module) -> bool:
-    """No hook installed by memlm.keys remains (transformers installs its own output-capturing hooks)."""
+    """No hook installed by memlm.models.keys remains (transformers installs its own output-capturing hooks)."""
     for m in model.modules():
         for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
             for fn in hooks.values():
-                if getattr(fn, "__module__", None) == "memlm.keys":
+                if getattr(fn, "__module__", None) == "memlm.models.keys":
                     return False
     return True
 
@@ -523,7 +523,7 @@ def test_capture_is_not_reentrant():
 
 @pytest.mark.slow
 def test_smollm2_135m_keys():
-    resources = pytest.importorskip("memlm.resources")
+    resources = pytest.importorskip("memlm.models.resources")
     try:
         model, _tokenizer = resources.load_causal_lm("smollm2-135m")
     except MemlmError as error:

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from memlm.core.distribution import interpolate, interpolate_per_token, knn_distribution
-from memlm.datastore import FILES, FORMAT_VERSION, Datastore, _publish
 from memlm.errors import MemlmError
-from memlm.index import exact_scores, exact_search, load_index, plan_index, search, validate_factory
 from memlm.knnlm.adaptive import (
     AdaptiveGate,
     gate_features,
@@ -24,6 +22,8 @@ from memlm.knnlm.adaptive import (
 )
 from memlm.knnlm.pointer import pointer_retrieve, retrieve_with_pointers
 from memlm.knnlm.prune import greedy_merge, load_counts, neighbour_log_counts, prune_datastore
+from memlm.storage.datastore import FILES, FORMAT_VERSION, Datastore, _publish
+from memlm.storage.index import exact_scores, exact_search, load_index, plan_index, search, validate_factory
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,9 +17,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from memlm.core.distribution import mix_logprobs  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
-from memlm.index import build_index  # noqa: E402
 from memlm.knnlm.evaluate import memory_logprob, score_tokens  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
+from memlm.storage.index import build_index  # noqa: E402
 
 
 def _req(kind: str, args: tuple, i: int = 0) -> Instance:
@@ -36,7 +36,7 @@ def ds(tmp_path_factory, tiny_lm):
 
 def _brute_force_loglik(model, ds, seq: list[int], n_cont: int, lam: float, k: int, tau: float):
     """Sum of log((1-λ) p_LM + λ p_kNN) over the last n_cont tokens, everything recomputed by hand (NumPy)."""
-    from memlm.keys import KeyCapture
+    from memlm.models.keys import KeyCapture
 
     with torch.no_grad(), KeyCapture(model, [ds.key_spec]) as cap:
         logits = model(input_ids=torch.tensor([seq])).logits[0].double()
@@ -218,7 +218,7 @@ def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, c
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
     from memlm.cli import main
-    from memlm.corpora import load_documents
+    from memlm.data.corpora import load_documents
 
     out = tmp_path / "r.json"
     args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_wikitext2", "--window", "256"]

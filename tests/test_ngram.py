@@ -336,9 +336,9 @@ def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_d
     import itertools
 
     from memlm.core.distribution import perplexity
-    from memlm.datastore import build_datastore
     from memlm.knnlm.evaluate import memory_logprob, score_tokens
     from memlm.ngram.mixture import ngram_mixture, tune_ngram
+    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
@@ -470,7 +470,7 @@ def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
 def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, index, toy_docs, tmp_path):
     """LM + kNN + ∞-gram in one eval, even when the separately set weights sum past 1; tune then mixes all four."""
     from memlm.cli import main
-    from memlm.datastore import build_datastore
+    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
@@ -496,10 +496,10 @@ def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tin
     """One generation step with both memories: (1 - λ - λ_∞) p_LM + λ p_kNN + λ_∞ P∞, with p_kNN from an exact
     NumPy search (Khandelwal et al. Eq. 2) and P∞ from a scan of the reference tokens (Liu et al. 2024 Sec. 3)."""
     from memlm.cli import main
-    from memlm.datastore import build_datastore
-    from memlm.keys import KeyCapture
     from memlm.knnlm.generate import KNNLogitsProcessor
+    from memlm.models.keys import KeyCapture
     from memlm.ngram.generate import NgramLogitsProcessor
+    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)

@@ -121,8 +121,8 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm, tiny_lm_dir
     """LM + kNN + two ∞-grams: weights set apart that sum past 1 are scaled to leave the LM >= 0, the four-way
     mixture equals the formula by hand; tune finds λ, τ and each index's pair."""
     from memlm.cli import main
-    from memlm.datastore import build_datastore
     from memlm.knnlm.evaluate import memory_logprob
+    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)

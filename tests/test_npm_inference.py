@@ -10,10 +10,10 @@ import torch
 from transformers import BertConfig, BertModel
 
 from memlm.errors import MemlmError
+from memlm.models.resources import load_encoder
 from memlm.npm import inference as inf
 from memlm.npm import phrase_index as pix
 from memlm.npm.phrase_index import PhraseIndex, build_phrase_index
-from memlm.resources import load_encoder
 
 D = 8
 

@@ -10,8 +10,8 @@ import torch
 from test_npm_inference import tiny_bert
 
 from memlm.errors import MemlmError
+from memlm.models.resources import load_encoder
 from memlm.npm import mlm
-from memlm.resources import load_encoder
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import torch
 from transformers import BertConfig, BertModel
 
 from memlm.errors import MemlmError
+from memlm.models.resources import load_encoder
 from memlm.npm.loss import npm_contrastive_loss, npm_span_targets
 from memlm.npm.objective import NpmObjective, npm_batches, npm_objective
-from memlm.resources import load_encoder
-from memlm.train import TrainConfig, train
+from memlm.training.loop import TrainConfig, train
 
 DOCS = [
     "new york city is a big city . many people live in new york city and work in new york city .",

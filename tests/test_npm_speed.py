@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from memlm.errors import MemlmError
+from memlm.models.resources import load_encoder
 from memlm.npm import inference as inf
 from memlm.npm.phrase_index import PhraseIndex
-from memlm.resources import load_encoder
 
 D = 16
 

@@ -9,11 +9,11 @@ import pytest
 from test_cli_npm import _error_line, _save_tiny_bert
 
 from memlm.cli import main
-from memlm.corpora import Document
+from memlm.data.corpora import Document
 from memlm.errors import MemlmError
-from memlm.npm import tasks
+from memlm.experiments import npm_tasks as tasks
+from memlm.models.resources import load_encoder
 from memlm.npm.inference import LabelScores
-from memlm.resources import load_encoder
 
 REFERENCE = [
     Document("r0", "The river Thames flows through London in England. It was crossed by Roman engineers in 43."),

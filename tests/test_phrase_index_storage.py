@@ -13,8 +13,8 @@ import pytest
 from test_npm_inference import tiny_bert
 
 from memlm.errors import MemlmError
+from memlm.models.resources import load_encoder
 from memlm.npm.phrase_index import PhraseIndex, build_phrase_index
-from memlm.resources import load_encoder
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 DOCS = ["the cat sat on the mat in new york city", "a dog ran in the park by the old river", "birds sang all day"]
@@ -73,7 +73,7 @@ def test_changed_settings_on_rerun_are_named_and_overwrite_replaces(tmp_path, mo
 
 HOLD = """
 import sys
-from memlm.locking import folder_lock
+from memlm.storage.locking import folder_lock
 with folder_lock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.readline()

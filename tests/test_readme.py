@@ -5,8 +5,8 @@ what earlier ones wrote: ``ds/wiki``, ``valid.npz``, ``gate.npz``, ``runs/lm/fin
 as written. Only the data is made small (:func:`shrink`): ``--max-tokens`` lowered or added, ``--steps`` and
 ``--limit`` lowered, NPM eval queries capped, ``memlm demo`` run ``--quick``. The named model ``smollm2-135m`` is a
 tiny random GPT-2 (GPT-2's tokenizer, 1,024 positions) put where memlm caches its conversion of SmolLM2
-(``$MEMLM_HOME/models/smollm2-135m``, the cache :func:`memlm.resources.load_causal_lm` reads); the named corpora and
-encoder are the real ones. Then the Python block runs, after the command lines, as README presents it. A README
+(``$MEMLM_HOME/models/smollm2-135m``, the cache :func:`memlm.models.resources.load_causal_lm` reads); the named corpora
+and encoder are the real ones. Then the Python block runs, after the command lines, as README presents it. A README
 line that crashes, or exits with an error, fails this test and names the line.
 """
 
@@ -26,7 +26,7 @@ import torch
 from conftest import gpt2_tokenizer
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from memlm.resources import memlm_home
+from memlm.models.resources import memlm_home
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SRC = str(Path(__file__).resolve().parents[1] / "src")

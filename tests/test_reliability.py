@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memlm.datastore import Datastore
+from memlm.storage.datastore import Datastore
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

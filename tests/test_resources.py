@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2TokenizerFast
 
-import memlm.resources as res
+import memlm.models.resources as res
 from memlm.errors import MemlmError
-from memlm.resources import (
+from memlm.models.resources import (
     MODELS,
     ensure_npm_package,
     load_causal_lm,
@@ -225,7 +225,7 @@ def test_smollm2_real():
 
 
 def test_default_dtype_is_bf16_only_where_it_is_native(monkeypatch):
-    import memlm.resources as r
+    import memlm.models.resources as r
 
     monkeypatch.delenv("MEMLM_DEFAULT_DTYPE", raising=False)
     import torch
@@ -242,7 +242,7 @@ def test_default_dtype_is_bf16_only_where_it_is_native(monkeypatch):
 def test_cli_resolves_auto_dtype_before_running(monkeypatch, capsys):
     import memlm.cli as cli
     import memlm.cli.knnlm as knnlm_cli
-    import memlm.resources as r
+    import memlm.models.resources as r
 
     monkeypatch.delenv("MEMLM_DEFAULT_DTYPE", raising=False)
     monkeypatch.setattr(r, "default_dtype", lambda: "bfloat16")

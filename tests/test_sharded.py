@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import make_toy_docs
 
-from memlm.datastore import Datastore, build_datastore
 from memlm.errors import MemlmError
-from memlm.index import build_index, exact_search, load_index, search
 from memlm.knnlm.evaluate import score_tokens
-from memlm.sharded import (
+from memlm.storage.datastore import Datastore, build_datastore
+from memlm.storage.index import build_index, exact_search, load_index, search
+from memlm.storage.sharded import (
     ShardedArray,
     ShardedDatastore,
     build_sharded,
@@ -21,7 +21,7 @@ from memlm.sharded import (
     plan_shards,
     shard_name,
 )
-from memlm.sharded_index import ShardedSearcher, build_sharded_index, merge_topk
+from memlm.storage.sharded_index import ShardedSearcher, build_sharded_index, merge_topk
 
 W, C = 32, 12  # small windows: many of them, and cuts inside windows
 
@@ -94,7 +94,7 @@ def test_sharded_array_indexing(sharded, single):
 
 
 def test_rerun_skips_finished_shards_and_resumes_one(tiny_lm, docs, tmp_path, sharded, monkeypatch):
-    import memlm.datastore as datastore_mod
+    import memlm.storage.datastore as datastore_mod
 
     model, tok = tiny_lm
     out = tmp_path / "ds"
@@ -143,7 +143,7 @@ def test_sharded_exact_search_equals_brute_force(sharded, single):
             sc, ids = searcher.search(q, k)
         np.testing.assert_array_equal(ids, ref_i)
         np.testing.assert_allclose(sc, ref_s, rtol=1e-4, atol=1e-4)
-    # k larger than the datastore: padded like memlm.index.search
+    # k larger than the datastore: padded like memlm.storage.index.search
     with ShardedSearcher.open(sharded) as searcher:
         sc, ids = searcher.search(q[:2], len(single) + 3)
     assert (ids[:, -3:] == -1).all() and np.isneginf(sc[:, -3:]).all()
@@ -202,7 +202,7 @@ def test_eval_takes_a_sharded_datastore_like_a_single_one(tiny_lm, sharded, sing
 
 
 def test_mmap_index_searches_like_the_loaded_one(tiny_lm, single, tmp_path):
-    from memlm.sharded_index import load_index_mmap
+    from memlm.storage.sharded_index import load_index_mmap
 
     build_index(single.keys, tmp_path / "ivf.faiss", factory="IVF4,Flat", progress=False)
     mapped = load_index_mmap(tmp_path / "ivf.faiss", nprobe=2)
@@ -218,7 +218,7 @@ def test_mmap_index_searches_like_the_loaded_one(tiny_lm, single, tmp_path):
 
 
 def test_faiss_gpu_detection_on_a_cpu_build():
-    from memlm.sharded_index import faiss_gpus, to_gpu_if_available
+    from memlm.storage.sharded_index import faiss_gpus, to_gpu_if_available
 
     index = faiss.IndexFlatL2(4)
     if faiss_gpus() == 0:  # the CPU wheel: auto keeps the CPU index, an explicit cuda request is refused clearly
@@ -319,7 +319,7 @@ def sharded_and_copy(sharded, tmp_path_factory):
 
 
 def test_one_searcher_per_datastore_kind(sharded_and_copy):
-    from memlm.searcher import ExactSearcher, FaissSearcher, RescoredSearcher, Searcher, open_searcher
+    from memlm.storage.searcher import ExactSearcher, FaissSearcher, RescoredSearcher, Searcher, open_searcher
 
     shard, one = sharded_and_copy
     assert isinstance(shard.searcher(), ShardedSearcher) and isinstance(one.searcher(), FaissSearcher)

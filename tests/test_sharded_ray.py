@@ -16,11 +16,11 @@ from conftest import make_toy_docs
 
 ray = pytest.importorskip("ray")
 
-from memlm.datastore import build_datastore  # noqa: E402
-from memlm.index import exact_search  # noqa: E402
-from memlm.resources import load_causal_lm  # noqa: E402
-from memlm.sharded import ShardedDatastore, build_sharded, shard_name  # noqa: E402
-from memlm.sharded_index import ShardedSearcher, build_sharded_index  # noqa: E402
+from memlm.models.resources import load_causal_lm  # noqa: E402
+from memlm.storage.datastore import build_datastore  # noqa: E402
+from memlm.storage.index import exact_search  # noqa: E402
+from memlm.storage.sharded import ShardedDatastore, build_sharded, shard_name  # noqa: E402
+from memlm.storage.sharded_index import ShardedSearcher, build_sharded_index  # noqa: E402
 
 W, C = 32, 12
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -32,7 +32,7 @@ def ray_cluster():
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}}
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=env, logging_level="ERROR",
              log_to_driver=False)  # fmt: skip
-    yield "local"  # memlm.ray_backend.connect reuses the initialised cluster
+    yield "local"  # memlm.storage.ray_backend.connect reuses the initialised cluster
     ray.shutdown()
 
 
@@ -87,7 +87,7 @@ def test_killed_build_resumes_only_unfinished_shards(tiny_lm_dir, docs, tmp_path
     script = tmp_path / "build.py"
     script.write_text(
         "import sys\nsys.path.insert(0, sys.argv[1])\nfrom conftest import make_toy_docs\n"
-        "from memlm.sharded import build_sharded\n"
+        "from memlm.storage.sharded import build_sharded\n"
         f"build_sharded(sys.argv[2], make_toy_docs(24, seed=5), sys.argv[3], 2, window={W}, min_context={C}, "
         "batch_size=1, progress=False)\n"
     )

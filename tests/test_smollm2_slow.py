@@ -8,13 +8,13 @@ import torch
 from conftest import Doc
 
 from memlm.core.distribution import interpolate
-from memlm.corpora import load_documents
-from memlm.datastore import build_datastore
+from memlm.data.corpora import load_documents
+from memlm.data.windows import limit_documents
 from memlm.errors import MemlmError
-from memlm.index import build_index
 from memlm.knnlm.evaluate import memory_logprob, score_tokens
-from memlm.resources import load_causal_lm
-from memlm.windows import limit_documents
+from memlm.models.resources import load_causal_lm
+from memlm.storage.datastore import build_datastore
+from memlm.storage.index import build_index
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
 
 
 def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
-    from memlm.demo import run_demo
+    from memlm.experiments.demo import run_demo
     from memlm.knnlm.evaluate import TokenScores
 
     result = run_demo(out=tmp_path, quick=True)

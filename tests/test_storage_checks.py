@@ -10,7 +10,7 @@ import pytest
 from conftest import make_toy_docs
 
 from memlm.cli import main
-from memlm.datastore import Datastore
+from memlm.storage.datastore import Datastore
 
 W = ["--window", "16", "--min-context", "4", "--batch-size", "2"]
 
@@ -86,7 +86,7 @@ def _set_manifest(ds, edit, reseal=False):
     m = json.loads((ds / "manifest.json").read_text())
     edit(m)
     if reseal:
-        from memlm.datastore import _manifest_digest
+        from memlm.storage.datastore import _manifest_digest
 
         m["manifest_sha256"] = _manifest_digest(m)
     (ds / "manifest.json").write_text(json.dumps(m))

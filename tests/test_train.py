@@ -12,7 +12,7 @@ from conftest import gpt2_tokenizer, make_toy_docs, tiny_gpt2
 from transformers import GPT2LMHeadModel
 
 from memlm.errors import MemlmError
-from memlm.train import (
+from memlm.training.loop import (
     TrainConfig,
     causal_lm_loss,
     gpt2_config,
@@ -186,7 +186,7 @@ def test_gpt2_config_param_counts():
 
 
 def test_no_weight_decay_on_biases_and_norms():
-    from memlm.train import _optimizer
+    from memlm.training.loop import _optimizer
 
     model = tiny_gpt2(0)
     opt = _optimizer(model, TrainConfig(weight_decay=0.1))
@@ -230,7 +230,7 @@ def _jsonl(path, docs):
 
 def test_rerun_with_other_corpus_tokenizer_model_or_loss_is_refused(tmp_path, capsys):
     from memlm.cli import main
-    from memlm.train_lm import train_lm
+    from memlm.training.lm import train_lm
 
     torch.set_num_threads(2)
     corpus = _jsonl(tmp_path / "c.jsonl", make_toy_docs(40))

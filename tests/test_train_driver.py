@@ -1,5 +1,6 @@
-"""The training driver (memlm.train_driver, memlm.objectives): a new objective is one class and one registry line
-(the worked example of docs/ARCHITECTURE.md), and run folders written by the code before the driver resume with it."""
+"""The training driver (memlm.training.driver, memlm.training.objectives): a new objective is one class and one registry
+line (the worked example of docs/ARCHITECTURE.md), and run folders written by the code before the driver resume with
+it."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from test_train_lm import write_jsonl
 from transformers import AutoTokenizer
 
 from memlm.cli import main
-from memlm.corpora import corpus_fingerprint, load_corpora
+from memlm.data.corpora import corpus_fingerprint, load_corpora
 from memlm.errors import MemlmError
-from memlm.objectives import OBJECTIVES, make_objective
-from memlm.resources import load_encoder, tokenizer_fingerprint
-from memlm.tokenizer import make_tokenizer
-from memlm.train import TrainConfig, causal_lm_loss, describe_callable, lm_batches, train
-from memlm.train_driver import Objective, TrainSetup, run_tokenizer, train_objective
-from memlm.train_lm import scratch_gpt2
+from memlm.models.resources import load_encoder, tokenizer_fingerprint
+from memlm.models.tokenizer import make_tokenizer
+from memlm.training.driver import Objective, TrainSetup, run_tokenizer, train_objective
+from memlm.training.lm import scratch_gpt2
+from memlm.training.loop import TrainConfig, causal_lm_loss, describe_callable, lm_batches, train
+from memlm.training.objectives import OBJECTIVES, make_objective
 
 # --------------------------------------------------------------------------------- worked example: a new objective
 

@@ -9,10 +9,10 @@ from conftest import make_toy_docs
 
 from memlm.cli import main
 from memlm.errors import MemlmError
-from memlm.resources import load_causal_lm
-from memlm.tokenizer import EOS, make_tokenizer, train_bpe
-from memlm.train import TrainConfig
-from memlm.train_lm import parse_arch, train_lm
+from memlm.models.resources import load_causal_lm
+from memlm.models.tokenizer import EOS, make_tokenizer, train_bpe
+from memlm.training.lm import parse_arch, train_lm
+from memlm.training.loop import TrainConfig
 
 
 def write_jsonl(path, docs):

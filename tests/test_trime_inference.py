@@ -10,8 +10,8 @@ from test_datastore import build
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from memlm.errors import MemlmError
-from memlm.index import build_index
-from memlm.keys import KeyCapture, KeySpec
+from memlm.models.keys import KeyCapture, KeySpec
+from memlm.storage.index import build_index
 from memlm.trime import (
     TrimeScores,
     score_trime,

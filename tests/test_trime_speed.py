@@ -8,9 +8,9 @@ import pytest
 from conftest import make_toy_docs
 from test_datastore import build
 
-from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.index import build_index, load_index
+from memlm.storage import index as index_lib
+from memlm.storage.index import build_index, load_index
 from memlm.trime import score_trime
 
 

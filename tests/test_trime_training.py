@@ -12,8 +12,8 @@ from conftest import gpt2_tokenizer, make_toy_docs
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from memlm.errors import MemlmError
-from memlm.keys import KeyCapture, KeySpec
-from memlm.train import TrainConfig, causal_lm_loss, train
+from memlm.models.keys import KeyCapture, KeySpec
+from memlm.training.loop import TrainConfig, causal_lm_loss, train
 from memlm.trime import TrimeBatches, TrimeObjective, trime_batches, trime_loss, trime_objective
 from memlm.trime.batching import batch_purity
 from memlm.trime.training import next_token_targets

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from memlm.data.windows import TokenChunk, sliding_windows
 from memlm.errors import MemlmError
-from memlm.windows import TokenChunk, sliding_windows
 
 
 def chunks(lengths):
@@ -76,10 +76,10 @@ def _brute_force(model, stream, start, t):
 def test_later_windows_match_one_forward_pass_per_target(tmp_path, tiny_lm, toy_docs, window, min_context):
     """LM log-probs, queries and datastore keys of every target (most in later windows) at batch sizes 1, 2, 3
     equal one unbatched forward pass per target over exactly the context its window gives it."""
-    from memlm.datastore import build_datastore
-    from memlm.keys import KeySpec
+    from memlm.data.windows import tokenize_documents
     from memlm.knnlm.evaluate import lm_scores
-    from memlm.windows import tokenize_documents
+    from memlm.models.keys import KeySpec
+    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     docs = toy_docs[:4]
@@ -132,9 +132,9 @@ def test_stride_settings_are_checked():
 def test_blocks_match_one_forward_pass_per_block(tiny_lm, toy_docs, block_start):
     """Non-overlapping blocks: each target's log-prob and query equal a forward pass over its block alone
     (with the EOS before it for "bos"; GPT-2's BOS is its EOS), at batch sizes 1 and 3."""
-    from memlm.keys import KeySpec
+    from memlm.data.windows import tokenize_documents
     from memlm.knnlm.evaluate import lm_scores
-    from memlm.windows import tokenize_documents
+    from memlm.models.keys import KeySpec
 
     model, tok = tiny_lm
     docs = toy_docs[:3]

@@ -13,9 +13,9 @@ from test_datastore import build
 
 import memlm
 from memlm.errors import MemlmError
-from memlm.index import build_index
-from memlm.keys import KeyCapture
 from memlm.knnlm.generate import generate_text
+from memlm.models.keys import KeyCapture
+from memlm.storage.index import build_index
 
 
 @pytest.fixture(scope="module")

@@ -17,23 +17,24 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from memlm import _moved
 from memlm.errors import MemlmError
 
 __version__ = "0.1.0"
 
 # name -> module that defines it
 _API = {
-    "load_causal_lm": "memlm.resources",
-    "load_documents": "memlm.corpora",
-    "limit_documents": "memlm.windows",
-    "KeySpec": "memlm.keys",
-    "Datastore": "memlm.datastore",
-    "build_datastore": "memlm.datastore",
-    "open_datastore": "memlm.sharded",
-    "build_index": "memlm.index",
+    "load_causal_lm": "memlm.models.resources",
+    "load_documents": "memlm.data.corpora",
+    "limit_documents": "memlm.data.windows",
+    "KeySpec": "memlm.models.keys",
+    "Datastore": "memlm.storage.datastore",
+    "build_datastore": "memlm.storage.datastore",
+    "open_datastore": "memlm.storage.sharded",
+    "build_index": "memlm.storage.index",
     "DatastoreMemory": "memlm.retrieval",
     "Retrieved": "memlm.core.memory",
-    "open_searcher": "memlm.searcher",
+    "open_searcher": "memlm.storage.searcher",
     "holdout_split": "memlm.knnlm.calibration",
     "calibrate": "memlm.knnlm.calibration",
     "knn_parameters": "memlm.knnlm.calibration",
@@ -49,6 +50,8 @@ _API = {
 }
 
 __all__ = ["MemlmError", "__version__", *_API]
+
+_moved.install()  # old import paths (memlm.datastore, memlm.train, ...) for one release, with a warning
 
 
 def __getattr__(name: str) -> Any:

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from memlm import schema
 from memlm.core.memory import Memory, Retrieved
-from memlm.datastore import Datastore, DatastoreBase
 from memlm.errors import MemlmError
-from memlm.fileio import sample_sha256, sha256_file
-from memlm.keys import KeySpec
-from memlm.searcher import (
+from memlm.models.keys import KeySpec
+from memlm.storage import schema
+from memlm.storage.datastore import Datastore, DatastoreBase
+from memlm.storage.fileio import sample_sha256, sha256_file
+from memlm.storage.searcher import (
     SEARCH_MODES,
     ExactSearcher,
     FaissSearcher,
@@ -31,7 +31,7 @@ from memlm.searcher import (
     datastore_metric,
     open_searcher,
 )
-from memlm.sharded_index import ShardedSearcher
+from memlm.storage.sharded_index import ShardedSearcher
 
 __all__ = [
     "DatastoreMemory",
@@ -157,8 +157,8 @@ def entry_values(datastore: Datastore, ids: np.ndarray, provenance: dict[str, np
 class DatastoreMemory:
     """A datastore as a memory: ``search(queries, k) -> Retrieved`` (module docstring).
 
-    The search itself is the ``searcher``'s (:class:`memlm.searcher.Searcher`; default: :func:`open_searcher` with
-    ``search`` -- ``"index"``, the index at ``index_path`` (default the datastore's own; a sharded datastore's
+    The search itself is the ``searcher``'s (:class:`memlm.storage.searcher.Searcher`; default: :func:`open_searcher`
+    with ``search`` -- ``"index"``, the index at ``index_path`` (default the datastore's own; a sharded datastore's
     searcher) or ``"exact"``, all keys --, ``scores`` -- ``"index"`` or ``"exact"``, recomputed from the stored keys --,
     ``nprobe`` and ``metric``, default the index's); a user's searcher is used as it is, a FAISS index already read
     goes through :func:`open_searcher` as the datastore's index would. ``counts`` (merged counts ``[N]``;
@@ -279,8 +279,8 @@ def as_memory(source: Any, nprobe: int = 32, index: Any = None) -> Any:
     """What the kNN-LM's consumers (:func:`memlm.knnlm.evaluate.score_tokens`, generation, the lm-eval adapter,
     :func:`memlm.wrap`) search: a datastore (plain or sharded) becomes a :class:`DatastoreMemory` over its own index
     (``index``: a FAISS index or searcher already open); a memory -- anything with ``search(queries, k) ->
-    Retrieved`` and the ``key_spec`` (:class:`memlm.keys.KeySpec`) of the hidden state that queries it, optionally
-    ``describe()`` and ``check_compatible(model, tokenizer)`` -- is used as it is."""
+    Retrieved`` and the ``key_spec`` (:class:`memlm.models.keys.KeySpec`) of the hidden state that queries it,
+    optionally ``describe()`` and ``check_compatible(model, tokenizer)`` -- is used as it is."""
     if isinstance(source, DatastoreBase):
         return DatastoreMemory(source, nprobe=nprobe, searcher=index)
     if isinstance(source, Memory) and isinstance(getattr(source, "key_spec", None), KeySpec):

@@ -1,4 +1,4 @@
-"""``memlm analyze``: the ablations of Xu et al. 2023 (memlm.xu2023.analysis)."""
+"""``memlm analyze``: the ablations of Xu et al. 2023 (memlm.experiments.xu2023_analysis)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ from memlm.cli.common import add_model, floats
 
 
 def cmd_analyze(args: argparse.Namespace) -> None:
-    from memlm.xu2023.analysis import FIG5_TEMPERATURES, AnalysisSpec, run_analysis  # imports torch (see common.py)
+    from memlm.experiments.xu2023_analysis import (  # imports torch (see common.py)
+        FIG5_TEMPERATURES,
+        AnalysisSpec,
+        run_analysis,
+    )
 
     datastores = {role: d for role, d in (("att", args.datastore_att), ("ffn", args.datastore_ffn)) if d}
     spec = AnalysisSpec(
@@ -47,7 +51,7 @@ def check_analyze(args: argparse.Namespace) -> None:
     V.float_list(args.fig5_temperatures, "--fig5-temperatures", lambda x: x > 0, "> 0")
     V.float_list(args.learned_n, "--learned-n", lambda x: x >= 1 and V.is_int(x), "a positive integer")
     V.check_factory(args.factory)
-    from memlm.xu2023.analysis import check_skip
+    from memlm.experiments.xu2023_analysis import check_skip
 
     check_skip(tuple(s.strip() for s in args.skip.split(",") if s.strip()), "--skip")
     for flag in ("datastore_att", "datastore_ffn"):

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memlm import resources
 from memlm.cli import validate as V
-from memlm.corpora import corpus_fingerprint
+from memlm.data.corpora import corpus_fingerprint
+from memlm.data.windows import limit_documents, resolve_stride
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
-from memlm.windows import limit_documents, resolve_stride
+from memlm.models import resources
+from memlm.storage.fileio import atomic_write_json
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -26,8 +26,8 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def resolve_dtype(args: argparse.Namespace) -> None:
-    """``--dtype auto`` -> the dtype it means on this machine (memlm.resources.default_dtype), resolved once before
-    the command runs, so result files and caches record the dtype actually used."""
+    """``--dtype auto`` -> the dtype it means on this machine (memlm.models.resources.default_dtype), resolved once
+    before the command runs, so result files and caches record the dtype actually used."""
     if getattr(args, "dtype", None) == "auto":
         args.dtype = resources.default_dtype()
 
@@ -58,7 +58,7 @@ def write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def load_documents(corpus: str, split: str | None, tokenizer, max_tokens: int | None):
-    from memlm.corpora import load_corpora
+    from memlm.data.corpora import load_corpora
 
     docs = limit_documents(load_corpora(corpus, split), tokenizer, max_tokens)
     source = {

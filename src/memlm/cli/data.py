@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from memlm.corpora import describe_corpora
+from memlm.data.corpora import describe_corpora
 from memlm.errors import MemlmError
-from memlm.resources import MODELS
+from memlm.models.resources import MODELS
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
-"""``memlm datastore build|info`` and ``memlm index build``: kNN-LM datastores (memlm.datastore, memlm.sharded)
-and their FAISS indexes; a build also calibrates λ and τ on a held-out slice (memlm.knnlm.calibration)."""
+"""``memlm datastore build|info`` and ``memlm index build``: kNN-LM datastores (memlm.storage.datastore,
+memlm.storage.sharded) and their FAISS indexes; a build also calibrates λ and τ on a held-out slice
+(memlm.knnlm.calibration)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import OVERLAP_LIMIT, OVERLAP_NGRAM, calibrate, holdout_split, text_overlap
-from memlm.locking import folder_lock
+from memlm.storage.locking import folder_lock
 
-# memlm.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands (common.py)
+# memlm.storage.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands
+# (common.py)
 
 
 def cmd_datastore_build(args: argparse.Namespace) -> None:
-    from memlm.datastore import build_datastore
-    from memlm.keys import KeySpec
+    from memlm.models.keys import KeySpec
+    from memlm.storage.datastore import build_datastore
 
     if args.shards is not None or args.ray is not None:
         return _build_sharded(args)
@@ -52,7 +54,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
 def _holdout(docs, tok, args: argparse.Namespace):
     """memlm.knnlm.calibration.holdout_split with the build's --holdout and windows (the slice is counted in the
     tokens its calibration scores)."""
-    from memlm.windows import resolve_stride
+    from memlm.data.windows import resolve_stride
 
     w = window_kwargs(args)
     stride, _ = resolve_stride(w["window"], None if w["stride"] is not None else w["min_context"], w["stride"])
@@ -61,7 +63,7 @@ def _holdout(docs, tok, args: argparse.Namespace):
 
 def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace) -> None:
     """Tune λ and τ on the build's held-out slice and record them with the datastore (memlm.knnlm.calibration)."""
-    from memlm.datastore import holdout_key
+    from memlm.storage.datastore import holdout_key
 
     if not held_out:
         print(f"no calibration: nothing held out ({holdout.get('reason')}); eval falls back to λ=0.25, τ=1 unless "
@@ -102,7 +104,7 @@ def _say_calibrated(cal: dict, ds) -> None:
 
 def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
     """``memlm datastore calibrate DS --corpus FILE``: λ and τ tuned on text the user names, outside the datastore."""
-    from memlm.sharded import open_datastore
+    from memlm.storage.sharded import open_datastore
 
     ds = open_datastore(args.dir)
     model, tok = common._load_model(args.model or ds.model_name or common.DEFAULT_MODEL, args.dtype)
@@ -139,7 +141,7 @@ def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
 
 def _ensure_index(ds, factory: str | None, metric: str) -> None:
     """Build the datastore's index unless a valid one with the same factory and metric is there already."""
-    from memlm.index import plan_index, read_index_meta
+    from memlm.storage.index import plan_index, read_index_meta
 
     problem = ds.index_problem()
     if problem is not None:
@@ -159,10 +161,11 @@ def _ensure_index(ds, factory: str | None, metric: str) -> None:
 
 
 def _build_sharded(args: argparse.Namespace) -> None:
-    """``datastore build --shards N [--ray ADDRESS|local]``: memlm.sharded.build_sharded (+ the sharded index)."""
-    from memlm.keys import KeySpec
-    from memlm.sharded import build_sharded
-    from memlm.windows import resolve_stride
+    """``datastore build --shards N [--ray ADDRESS|local]``: memlm.storage.sharded.build_sharded (+ the sharded
+    index)."""
+    from memlm.data.windows import resolve_stride
+    from memlm.models.keys import KeySpec
+    from memlm.storage.sharded import build_sharded
 
     wk = window_kwargs(args)  # --min-context's default (512) and --stride resolved as for a one-process build
     stride, min_context = resolve_stride(wk["window"], None if wk["stride"] is not None else wk["min_context"],
@@ -201,10 +204,10 @@ def _build_sharded(args: argparse.Namespace) -> None:
 def _build_index(
     ds, factory: str | None, metric: str, train_size: int | None, ray: str | None = None, out: str | None = None
 ) -> None:
-    from memlm.index import read_index_meta
+    from memlm.storage.index import read_index_meta
 
     if hasattr(ds, "shards"):  # a sharded datastore: train once, one index per shard
-        from memlm.sharded_index import build_sharded_index
+        from memlm.storage.sharded_index import build_sharded_index
 
         if out is not None:
             raise MemlmError("--out is for a single datastore; a sharded one keeps one index per shard")
@@ -218,8 +221,8 @@ def _build_index(
 
 
 def cmd_datastore_info(args: argparse.Namespace) -> None:
-    from memlm.index import read_index_meta
-    from memlm.sharded import open_datastore
+    from memlm.storage.index import read_index_meta
+    from memlm.storage.sharded import open_datastore
 
     ds = open_datastore(args.dir, verify=args.verify)
     m = ds.manifest
@@ -251,7 +254,7 @@ def cmd_datastore_info(args: argparse.Namespace) -> None:
 
 
 def cmd_index_build(args: argparse.Namespace) -> None:
-    from memlm.sharded import open_datastore
+    from memlm.storage.sharded import open_datastore
 
     open_datastore(args.dir)  # a clear error before the folder is touched
     with folder_lock(args.dir, "build an index"):
@@ -259,10 +262,10 @@ def cmd_index_build(args: argparse.Namespace) -> None:
 
 
 def cmd_datastore_prune(args: argparse.Namespace) -> None:
-    from memlm.datastore import Datastore
-    from memlm.index import read_index_meta
     from memlm.knnlm.prune import prune_datastore
-    from memlm.sharded import is_sharded
+    from memlm.storage.datastore import Datastore
+    from memlm.storage.index import read_index_meta
+    from memlm.storage.sharded import is_sharded
 
     if is_sharded(args.dir):
         raise MemlmError(
@@ -282,7 +285,7 @@ def cmd_datastore_prune(args: argparse.Namespace) -> None:
 
 
 def check_datastore_build(args: argparse.Namespace) -> None:
-    from memlm.keys import KeySpec
+    from memlm.models.keys import KeySpec
 
     KeySpec.parse(args.key)
     V.check_windows(args)
@@ -291,7 +294,7 @@ def check_datastore_build(args: argparse.Namespace) -> None:
 
 
 def check_index_build(args: argparse.Namespace) -> None:
-    from memlm.sharded import open_datastore
+    from memlm.storage.sharded import open_datastore
 
     ds = open_datastore(args.dir)  # a single or a sharded datastore (README: `memlm index build ds/wiki-8`)
     V.check_factory(args.factory, args.metric, ds.dim)

@@ -1,4 +1,4 @@
-"""``memlm demo``: SmolLM2-135M with wiki and news datastores (memlm.demo)."""
+"""``memlm demo``: SmolLM2-135M with wiki and news datastores (memlm.experiments.demo)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from memlm.cli import validate as V
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from memlm.demo import run_demo  # imports torch (see common.py)
+    from memlm.experiments.demo import run_demo  # imports torch (see common.py)
 
     run_demo(out=Path(args.out) if args.out else None, quick=args.quick)
 

@@ -29,9 +29,9 @@ from memlm.knnlm.calibration import knn_parameters
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.keys import KeySpec
     from memlm.knnlm.evaluate import perplexities, score_tokens
-    from memlm.sharded import open_datastore
+    from memlm.models.keys import KeySpec
+    from memlm.storage.sharded import open_datastore
 
     ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
@@ -153,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
-    from memlm.sharded import open_datastore
+    from memlm.storage.sharded import open_datastore
 
     if not args.datastore:
         return ngram_cli.generate_with_ngram(args)
@@ -204,7 +204,7 @@ def cmd_gate_train(args: argparse.Namespace) -> None:
 def check_eval(args: argparse.Namespace) -> None:
     V.check_windows(args)
     if args.key:
-        from memlm.keys import KeySpec
+        from memlm.models.keys import KeySpec
 
         KeySpec.parse(args.key)
     V.check_datastore_k(args.datastore, args.k)
@@ -225,7 +225,7 @@ def _index_of_datastore(index: str, datastore: str) -> None:
     """``--index`` must have been built from ``--datastore``'s keys (its sidecar records the datastore's identity):
     an index from another datastore returns ids of other entries (a wrong perplexity, or an IndexError when it has
     more entries). Cheap: the sidecar and the manifest, not the FAISS file."""
-    from memlm.sharded import is_sharded, open_datastore
+    from memlm.storage.sharded import is_sharded, open_datastore
 
     if is_sharded(datastore):  # a sharded index description: its searcher checks each shard's index
         return

@@ -13,10 +13,10 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, load_documents, write_json
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import holdout_split
-from memlm.locking import folder_lock
+from memlm.storage.locking import folder_lock
 
 EXCLUDED = (
-    "the valid and test documents of every named corpus (memlm.corpora's document-level splits: a document "
+    "the valid and test documents of every named corpus (memlm.data.corpora's document-level splits: a document "
     "is in one split only), so any of their test or valid splits can be evaluated against this index"
 )
 
@@ -25,7 +25,7 @@ def decontamination_sets(corpus: str, split: str, spec: str | None) -> list[str]
     """The evaluation sets ``memlm ngram build`` decontaminates against: ``spec`` (``none``, or a comma-separated list
     of ``CORPUS:SPLIT`` for named corpora and paths of files or folders), by default (``None``) the test split of every
     named corpus in ``corpus`` when the build reads train splits (none with ``--split all``)."""
-    from memlm.corpora import CORPORA
+    from memlm.data.corpora import CORPORA
 
     if spec is None:
         if split != "train":
@@ -40,8 +40,8 @@ def decontamination_sets(corpus: str, split: str, spec: str | None) -> list[str]
 
 
 def _eval_documents(name: str) -> list:
-    from memlm.corpora import CORPORA
-    from memlm.corpora import load_documents as corpus_documents
+    from memlm.data.corpora import CORPORA
+    from memlm.data.corpora import load_documents as corpus_documents
 
     corpus, _, split = name.rpartition(":")
     if corpus in CORPORA:
@@ -52,7 +52,7 @@ def _eval_documents(name: str) -> list:
 def decontaminate_documents(args: argparse.Namespace, docs: list, tok) -> tuple[list, dict[str, Any] | None]:
     """``--decontaminate``: drop the reference documents the infini-gram paper's rule finds in the evaluation sets
     (:mod:`memlm.ngram.decontaminate`); the record goes into the manifest's source (deterministic: resumable)."""
-    from memlm.corpora import corpus_fingerprint
+    from memlm.data.corpora import corpus_fingerprint
     from memlm.ngram.decontaminate import decontaminate
 
     names = decontamination_sets(args.corpus, args.split, args.decontaminate)
@@ -155,24 +155,15 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
 def add_eval_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     """``--ngram DIR`` and its weights for ``memlm eval`` (``several``: ``--ngram`` may be given more than once)."""
     g = p.add_argument_group("∞-gram (docs/NGRAM.md)")
-    if several:
-        g.add_argument(
-            "--ngram",
-            type=V.existing_dir,
-            action="append",
-            default=None,
-            metavar="DIR",
-            help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore; give it again for "
-            "several indexes, each with its own weights (--dump + memlm tune tunes them jointly)",
-        )
-    else:
-        g.add_argument(
-            "--ngram",
-            type=V.existing_dir,
-            default=None,
-            metavar="DIR",
-            help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore",
-        )
+    more = "; give it again for several indexes, each with its own weights (--dump + memlm tune tunes them jointly)"
+    g.add_argument(
+        "--ngram",
+        type=V.existing_dir,
+        default=None,
+        metavar="DIR",
+        help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore" + (several * more),
+        **({"action": "append"} if several else {}),
+    )
     g.add_argument(
         "--ngram-lambda-sparse",
         type=V.probability,

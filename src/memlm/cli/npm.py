@@ -11,14 +11,14 @@ from typing import Any
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, write_json
 from memlm.errors import MemlmError
-from memlm.fileio import dumps_json
-from memlm.resources import load_encoder
+from memlm.models.resources import load_encoder
+from memlm.storage.fileio import dumps_json
 
 # memlm.npm imports torch: imported in the commands (see common.py)
 
 
 def cmd_npm_index(args: argparse.Namespace) -> None:
-    from memlm.corpora import load_corpora
+    from memlm.data.corpora import load_corpora
     from memlm.npm.phrase_index import build_phrase_index
     from memlm.npm.train_npm import limit_encoder_documents
 
@@ -150,8 +150,8 @@ def _eval_model(args: argparse.Namespace):
 
 
 def cmd_npm_eval(args: argparse.Namespace) -> None:
-    from memlm.corpora import load_corpora
-    from memlm.npm import tasks
+    from memlm.data.corpora import load_corpora
+    from memlm.experiments import npm_tasks as tasks
     from memlm.npm.phrase_index import PhraseIndex
 
     if args.max_queries is not None and args.max_queries < 1:

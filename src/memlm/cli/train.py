@@ -1,4 +1,4 @@
-"""``memlm train``: one driver (memlm.train_driver) for every objective of memlm.objectives: a causal LM
+"""``memlm train``: one driver (memlm.training.driver) for every objective of memlm.training.objectives: a causal LM
 (``--objective lm``, ``--loss`` ce or a TRIME loss) or an NPM / MLM encoder; resumable."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 from memlm.cli import validate as V
 from memlm.errors import MemlmError
 
-# memlm.train, .train_driver, .objectives import torch: imported in the commands (see common.py)
+# memlm.training.loop, .train_driver, .objectives import torch: imported in the commands (see common.py)
 if TYPE_CHECKING:
-    from memlm.train import TrainConfig
-    from memlm.train_driver import TrainSetup
+    from memlm.training.driver import TrainSetup
+    from memlm.training.loop import TrainConfig
 
 
 def _train_config(args: argparse.Namespace, **changes: Any) -> TrainConfig:
     """The ``TrainConfig`` of ``memlm train``'s flags, one place for every objective (``changes`` override)."""
-    from memlm.train import TrainConfig
+    from memlm.training.loop import TrainConfig
 
     settings = {"lr": args.lr, "weight_decay": args.weight_decay, "warmup_steps": args.warmup, "max_steps": args.steps,
                 "batch_size": args.batch_size, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
@@ -60,7 +60,7 @@ def _encoder_objective(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 def _setup(args: argparse.Namespace, encoder: bool, config: TrainConfig) -> TrainSetup:
     """The driver's settings from the flags (an encoder from scratch takes the tokenizer of ``--tokenizer``)."""
-    from memlm.train_driver import TrainSetup
+    from memlm.training.driver import TrainSetup
 
     if encoder:
         scratch_tok = args.from_scratch and args.tokenizer and args.model is None
@@ -73,8 +73,8 @@ def _setup(args: argparse.Namespace, encoder: bool, config: TrainConfig) -> Trai
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from memlm.objectives import make_objective
-    from memlm.train_driver import train_objective
+    from memlm.training.driver import train_objective
+    from memlm.training.objectives import make_objective
 
     if args.detach_memory and (args.objective != "lm" or args.loss == "ce"):
         raise MemlmError("--detach-memory is a TRIME ablation: use it with --loss trime, trime-long or trime-ext")

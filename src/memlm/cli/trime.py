@@ -11,7 +11,7 @@ from memlm.cli import validate as V
 from memlm.cli.common import DEFAULT_MODEL, add_corpus, add_model, floats, write_json
 from memlm.errors import MemlmError
 
-# memlm.trime and memlm.datastore import torch: imported in the commands (see common.py)
+# memlm.trime and memlm.storage.datastore import torch: imported in the commands (see common.py)
 
 
 def _print_trime_rows(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]], tokens: str) -> None:
@@ -39,7 +39,7 @@ def cmd_trime_eval(args: argparse.Namespace) -> None:
         )
     model = args.model
     if model is None and args.datastore:
-        from memlm.datastore import Datastore
+        from memlm.storage.datastore import Datastore
 
         model = Datastore.open(args.datastore).model_name
     model = model or DEFAULT_MODEL

@@ -285,7 +285,7 @@ def check_factory(factory: str | None, metric: str = "l2", dim: int | None = Non
         return
     if not factory.strip():
         raise MemlmError("--factory is empty: give a FAISS factory string such as Flat, IVF1024,PQ32 or HNSW32")
-    from memlm.index import validate_factory
+    from memlm.storage.index import validate_factory
 
     if dim is not None:
         validate_factory(factory, dim, metric)
@@ -309,7 +309,7 @@ def check_against_model(args: argparse.Namespace, model: Any) -> None:
         )
     if not getattr(args, "index", False) or getattr(args, "factory", None) is None:
         return
-    from memlm.keys import KeySpec, key_dim, num_layers
+    from memlm.models.keys import KeySpec, key_dim, num_layers
 
     key = KeySpec.parse(args.key).normalized(num_layers(model))
     check_factory(args.factory, args.metric, key_dim(model, key))
@@ -329,7 +329,7 @@ def check_datastore_k(path: str | None, k: int, flag: str = "--datastore") -> No
     """``k`` larger than the datastore (beyond the default 1024) is a mistake, not a request for -1 padding."""
     if not path:
         return
-    from memlm.sharded import open_datastore
+    from memlm.storage.sharded import open_datastore
 
     n = len(open_datastore(path))  # a single or a sharded datastore
     if k > n and k > 1024:

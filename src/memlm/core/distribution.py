@@ -86,7 +86,7 @@ def similarity(h: torch.Tensor, W: torch.Tensor, metric: str) -> torch.Tensor:
 
     * ``"ip"``: ``h . w``;
     * ``"l2"``: ``-||h - w||^2``, computed as ``2 h . w - ||h||^2 - ||w||^2`` in float32 and clamped to ``<= 0``
-      (the same convention as :func:`memlm.index.exact_search`).
+      (the same convention as :func:`memlm.storage.index.exact_search`).
 
     Inputs are cast to float32. Under ``torch.autocast`` the inner-product matmul runs in the autocast dtype; the L2
     one always runs in float32, because ``2 h . w - ||h||^2 - ||w||^2`` subtracts numbers of size ``||h||^2`` to get a

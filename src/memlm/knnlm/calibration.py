@@ -73,7 +73,7 @@ _BOUNDARIES = (
 
 
 def _with_text(doc, doc_id: str, text: str, meta: dict[str, Any]):
-    """A copy of ``doc`` with another id, text and meta (dataclasses such as :class:`memlm.corpora.Document`)."""
+    """A copy of ``doc`` with another id, text and meta (dataclasses such as :class:`memlm.data.corpora.Document`)."""
     if dataclasses.is_dataclass(doc):
         fields = {f.name for f in dataclasses.fields(doc)}
         return dataclasses.replace(doc, id=doc_id, text=text, **({"meta": meta} if "meta" in fields else {}))
@@ -292,8 +292,8 @@ def calibrate(
     """
     import numpy as np
 
+    from memlm.data.windows import doc_hash
     from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
-    from memlm.windows import doc_hash
 
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
@@ -447,7 +447,7 @@ def text_overlap(datastore, documents: Sequence, tokenizer, n: int = OVERLAP_NGR
     unrelated text almost none. A pruned or subsampled datastore has gaps, so less is detected there."""
     import numpy as np
 
-    from memlm.windows import tokenize_documents
+    from memlm.data.windows import tokenize_documents
 
     stream = np.concatenate([c.tokens for c in tokenize_documents(list(documents), tokenizer)] or [np.zeros(0)])
     query = np.unique(_ngram_hashes(stream, n))

@@ -1,7 +1,7 @@
 """Perplexity of an LM with and without memory, per-token score dumps, and λ / temperature tuning on them.
 
-``score_tokens`` makes one forward pass over a corpus (sliding windows, see :mod:`memlm.windows`) and one search per
-token, and keeps what every later question needs: the LM log-probability of each target and the top-k retrieved
+``score_tokens`` makes one forward pass over a corpus (sliding windows, see :mod:`memlm.data.windows`) and one search
+per token, and keeps what every later question needs: the LM log-probability of each target and the top-k retrieved
 (score, value) pairs of each memory. ``perplexities`` then computes, for any λ, temperature and k <= the dumped k,
 
     base:    exp(-mean log p_LM(w_t))
@@ -37,15 +37,15 @@ from memlm.core.distribution import (
 from memlm.core.dumps import TokenDump
 from memlm.core.memory import Memory
 from memlm.core.tuning import grid_search
-from memlm.datastore import Datastore, DatastoreBase
+from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
-from memlm.forward import forward_windows
-from memlm.keys import KeySpec, num_layers
 from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.pointer import pointer_retrieve
+from memlm.models.forward import forward_windows
+from memlm.models.keys import KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory, as_memory, describe_memory
-from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
+from memlm.storage.datastore import Datastore, DatastoreBase
 
 __all__ = [
     "TokenScores",
@@ -162,8 +162,8 @@ def lm_scores(
     ``on_batch`` (optional) is called with each forward batch's queries (spec -> ``[n, D]``, in stream order) as soon
     as they exist: a search started there overlaps the next batch's forward pass (pipelining).
 
-    Windows as :func:`memlm.windows.sliding_windows` cuts them: ``stride`` (when given) replaces ``min_context``, and
-    ``stride == window`` gives non-overlapping blocks whose first token is skipped (``block_start="skip"``, Hugging
+    Windows as :func:`memlm.data.windows.sliding_windows` cuts them: ``stride`` (when given) replaces ``min_context``,
+    and ``stride == window`` gives non-overlapping blocks whose first token is skipped (``block_start="skip"``, Hugging
     Face's perplexity guide) or scored after the tokenizer's BOS (or EOS) token (``"bos"``).
 
     Returns ``(scores, queries, provenance)``; ``queries[spec]`` is ``[N, D]`` float32 and ``provenance`` holds each

@@ -34,10 +34,10 @@ from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
 from memlm.core.distribution import interpolate, knn_distribution, mix_logprobs_per_token
 from memlm.core.memory import Memory
-from memlm.datastore import Datastore, DatastoreBase
 from memlm.errors import MemlmError
-from memlm.keys import KeyCapture
+from memlm.models.keys import KeyCapture
 from memlm.retrieval import as_memory
+from memlm.storage.datastore import Datastore, DatastoreBase
 
 __all__ = [
     "Decoding",
@@ -270,13 +270,13 @@ class SourceLookup:
     """Map datastore entries to their source text through ``doc_hash`` / ``offset`` and the datastore's corpora.
 
     The datastore's manifest records each source (corpus, split, number of leading documents); their documents are
-    loaded again and hashed (:func:`memlm.windows.doc_hash`) to find an entry's document; the entry's ``offset`` is
+    loaded again and hashed (:func:`memlm.data.windows.doc_hash`) to find an entry's document; the entry's ``offset`` is
     the position of its value (the next token) in that document's tokens.
     """
 
     def __init__(self, datastore: Datastore, tokenizer, context_tokens: int = 8) -> None:
-        from memlm.corpora import load_corpora
-        from memlm.windows import doc_hash
+        from memlm.data.corpora import load_corpora
+        from memlm.data.windows import doc_hash
 
         self.datastore, self.tokenizer, self.context_tokens = datastore, tokenizer, context_tokens
         self.docs: dict[int, Any] = {}

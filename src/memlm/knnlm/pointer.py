@@ -24,9 +24,9 @@ document always searches (no chain crosses a document boundary). This is the poi
 clustering of entries into automaton states.
 
 Scores: every row, searched or not, is scored exactly, ``s(q_t, k_i)`` recomputed from the stored fp16 keys
-(:func:`memlm.index.exact_scores`, the index's metric), as the authors' code recomputes L2 distances for the retrieved
-and the pointed-to entries alike. One temperature then serves both (an index's own scores are on another scale: a PQ
-code's approximate distance, or a distance in an OPQ / PCA index's reduced space).
+(:func:`memlm.storage.index.exact_scores`, the index's metric), as the authors' code recomputes L2 distances for the
+retrieved and the pointed-to entries alike. One temperature then serves both (an index's own scores are on another
+scale: a PQ code's approximate distance, or a distance in an OPQ / PCA index's reduced space).
 
 Self-matches (the evaluated text is in the datastore, ``provenance`` given): the entry that *is* the evaluated token
 is never in ``C_t`` (never counted as a survivor, never pointed on). Otherwise its chain never breaks (entry ``i``
@@ -52,9 +52,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.searcher import Searcher, as_searcher
+from memlm.storage import index as index_lib
+from memlm.storage.searcher import Searcher, as_searcher
 
 __all__ = ["POINTER_RULES", "pointer_retrieve", "pointer_width", "retrieve_with_pointers", "successor_ok"]
 
@@ -163,11 +163,11 @@ def pointer_retrieve(
 
     ``queries`` ``[T, D]`` and ``targets`` ``[T]`` (the token predicted at each step) in text order, ``doc_index``
     ``[T]`` the evaluated document of each (a new run of equal values starts a document). ``search_fn(q [B, D]) ->
-    (scores [B, k], ids [B, k])`` is the normal search (e.g. ``lambda q: memlm.index.search(index, q, k)``; ``-1``
-    ids for missing slots; its scores are not used). ``keys``, ``values``, ``doc_hash``, ``offset``: the datastore's
-    arrays (:class:`memlm.datastore.Datastore`). ``min_survivors`` is ``N``, ``metric`` the index's (for the exact
-    scores), ``rule`` "retomaton" (the authors') or "replace", ``provenance`` (each token's ``doc_hash`` and
-    ``offset``, from :func:`memlm.knnlm.evaluate.lm_scores`) keeps self-matches out of the survivors.
+    (scores [B, k], ids [B, k])`` is the normal search (e.g. ``lambda q: memlm.storage.index.search(index, q, k)``;
+    ``-1`` ids for missing slots; its scores are not used). ``keys``, ``values``, ``doc_hash``, ``offset``: the
+    datastore's arrays (:class:`memlm.storage.datastore.Datastore`). ``min_survivors`` is ``N``, ``metric`` the index's
+    (for the exact scores), ``rule`` "retomaton" (the authors') or "replace", ``provenance`` (each token's ``doc_hash``
+    and ``offset``, from :func:`memlm.knnlm.evaluate.lm_scores`) keeps self-matches out of the survivors.
     ``lookahead`` is how many steps one round follows a chain (speed only: the result does not depend on it).
 
     Returns ``(scores [T, W] float32, ids [T, W] int64, searched [T] bool)`` with ``W =``
@@ -237,7 +237,7 @@ def retrieve_with_pointers(
     **options: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`pointer_retrieve` over a datastore (plain or sharded), searching with ``searcher`` (default: the
-    datastore's own, :meth:`memlm.datastore.DatastoreBase.searcher`, with ``index_path`` / ``nprobe`` from
+    datastore's own, :meth:`memlm.storage.datastore.DatastoreBase.searcher`, with ``index_path`` / ``nprobe`` from
     ``options``; ``index``, an index already read, is the older spelling of ``searcher``), whose metric gives the
     exact scores; ``rule`` (``options``, default "retomaton") as :func:`pointer_retrieve`'s."""
     index, rule = options.pop("index", None), options.pop("rule", "retomaton")

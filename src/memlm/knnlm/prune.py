@@ -27,8 +27,8 @@ pruned datastore gives exactly the unpruned distribution (``tests/test_knnlm_eff
 :func:`greedy_merge` is the algorithm on arrays (candidate pairs vectorised, one flat loop over candidate pairs in
 visiting order); :func:`prune_datastore` searches every key of a datastore for its neighbours (its FAISS index, or
 exact search), merges, and writes a new datastore folder with the kept rows
-(:meth:`memlm.datastore.Datastore.write_rows`) plus ``counts.npy`` (int64 ``[count]``), ``absorbed.npy`` (which kept
-row each merged-away entry went into, by its document hash and offset: ``--drop-self-matches`` takes the evaluated
+(:meth:`memlm.storage.datastore.Datastore.write_rows`) plus ``counts.npy`` (int64 ``[count]``), ``absorbed.npy`` (which
+kept row each merged-away entry went into, by its document hash and offset: ``--drop-self-matches`` takes the evaluated
 token's own share out of its absorber's count) and their sidecar ``counts.json``; :func:`load_counts` reads the counts
 back, checked against the datastore; :func:`neighbour_log_counts` gives the ``log_counts`` of retrieved ids for
 :mod:`memlm.core.distribution`.
@@ -46,10 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memlm.core.config import RetrievalConfig
-from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
-from memlm.locking import folder_lock
 from memlm.retrieval import (  # noqa: F401 - load_counts, load_absorbed re-exported
     ABSORBED_DTYPE,
     ABSORBED_FILE,
@@ -59,7 +56,10 @@ from memlm.retrieval import (  # noqa: F401 - load_counts, load_absorbed re-expo
     load_absorbed,
     load_counts,
 )
-from memlm.searcher import open_searcher
+from memlm.storage.datastore import Datastore
+from memlm.storage.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
+from memlm.storage.locking import folder_lock
+from memlm.storage.searcher import open_searcher
 
 __all__ = [
     "greedy_merge",
@@ -163,7 +163,7 @@ def greedy_merge(
 
 def _check_out(out: Path, source: Path, overwrite: bool) -> None:
     """Refuse to prune into the source, or over a finished datastore without ``overwrite``."""
-    from memlm.sharded import is_sharded
+    from memlm.storage.sharded import is_sharded
 
     if out.resolve() == source.resolve():
         raise MemlmError(f"cannot prune datastore {source} into itself; give another output folder")

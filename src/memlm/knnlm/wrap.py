@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from memlm.core.distribution import interpolate, knn_distribution
-from memlm.datastore import DatastoreBase
 from memlm.errors import MemlmError
-from memlm.keys import KeyCapture
 from memlm.knnlm.calibration import knn_parameters
+from memlm.models.keys import KeyCapture
 from memlm.retrieval import as_memory
-from memlm.sharded import open_datastore
+from memlm.storage.datastore import DatastoreBase
+from memlm.storage.sharded import open_datastore
 
 __all__ = ["KNNLM", "wrap"]
 
@@ -126,7 +126,7 @@ def wrap(model, datastore, **options: Any) -> KNNLM:
     elif tokenizer is not None:
         datastore.check_compatible(model, tokenizer)
     else:
-        from memlm.resources import model_fingerprint
+        from memlm.models.resources import model_fingerprint
 
         want = datastore.manifest["model"]["fingerprint"]
         if model_fingerprint(model) != want:

@@ -14,9 +14,9 @@ The three lm_eval request types:
   continuation token is the argmax of ``p`` (the interpolated distribution, not the bare LM's).
 - ``loglikelihood_rolling(text)``: ``sum_t log p(x_t | x_<t)`` over the whole text, the first token predicted from
   a prefix token (BOS, else EOS; as lm_eval's ``hf`` model). Long texts go through memlm's sliding windows
-  (:func:`memlm.windows.sliding_windows` + :func:`memlm.forward.forward_windows`): every window is ``window``
-  tokens and every scored token but those of the first window has at least ``min_context`` tokens of context, so
-  the cost is linear in the text length. A text of at most ``window`` tokens is one forward pass.
+  (:func:`memlm.data.windows.sliding_windows` + :func:`memlm.models.forward.forward_windows`): every window is
+  ``window`` tokens and every scored token but those of the first window has at least ``min_context`` tokens of context,
+  so the cost is linear in the text length. A text of at most ``window`` tokens is one forward pass.
 - ``generate_until(context, gen_kwargs)``: greedy (or sampled) decoding from ``p`` through
   :class:`memlm.knnlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string.
 
@@ -49,15 +49,15 @@ from tqdm.auto import tqdm
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import knn_distribution, mix_logprobs, mix_logprobs_per_token
 from memlm.core.memory import Memory
-from memlm.datastore import DatastoreBase
 from memlm.errors import MemlmError
-from memlm.forward import rolling_forward
-from memlm.keys import KeyCapture, KeySpec, num_layers
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.calibration import knn_parameters
 from memlm.knnlm.evaluate import CACHE_KEY, memory_logprob
+from memlm.models.forward import rolling_forward
+from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import as_memory
-from memlm.sharded import open_datastore
+from memlm.storage.datastore import DatastoreBase
+from memlm.storage.sharded import open_datastore
 
 __all__ = ["MemlmLM"]
 
@@ -126,7 +126,7 @@ class MemlmLM(TemplateLM):
         retrieval, harness, ngram_options = _settings(options)
         config = RetrievalConfig.with_options(config or LMEVAL_RETRIEVAL, **retrieval)
         if isinstance(model, str | Path):
-            from memlm.resources import load_causal_lm
+            from memlm.models.resources import load_causal_lm
 
             model, tokenizer = load_causal_lm(str(model), dtype=harness.get("dtype", "auto"))
         elif tokenizer is None:
@@ -391,9 +391,9 @@ class MemlmLM(TemplateLM):
     def rolling_token_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
         """``log p(x_t | prefix, x_<t)`` for every token of ``tokens`` (float64 ``[n]``), through sliding windows.
 
-        The stream ``[prefix] + tokens`` is cut by :func:`memlm.windows.sliding_windows` into windows of ``window``
-        tokens advancing by ``window - min_context``; :func:`memlm.forward.forward_windows` gives each target's LM
-        log-probability and its queries, then the memories are attached. Linear in ``len(tokens)``.
+        The stream ``[prefix] + tokens`` is cut by :func:`memlm.data.windows.sliding_windows` into windows of ``window``
+        tokens advancing by ``window - min_context``; :func:`memlm.models.forward.forward_windows` gives each target's
+        LM log-probability and its queries, then the memories are attached. Linear in ``len(tokens)``.
         """
         if not len(tokens):
             return np.zeros(0)

@@ -16,7 +16,7 @@ three tokenizers), plus memlm's manifest::
                   calibration once made, and its own checksum (``manifest_sha256``: a hand edit is refused)
     progress.json only while a build is unfinished; .memlm.lock only while a writer holds the folder
 
-A build holds the folder's writer lock (:mod:`memlm.locking`). Tokenizing appends documents batch by batch and
+A build holds the folder's writer lock (:mod:`memlm.storage.locking`). Tokenizing appends documents batch by batch and
 records, after an fsync, how many documents and bytes of every file are durable; a build killed at any moment (even
 ``kill -9``) resumes there (bytes past the record are truncated). The suffix array of a shard is built in temporary
 folders and moved into place as a whole; a killed sort is redone from its shard's token file, which gives the same
@@ -46,11 +46,12 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from memlm import __version__, schema
+from memlm import __version__
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full, sample_sha256, sha256_file
-from memlm.folder import manifest_digest
-from memlm.locking import folder_lock, lock_holder
+from memlm.storage import schema
+from memlm.storage.fileio import atomic_write_json, disk_full_error, is_disk_full, sample_sha256, sha256_file
+from memlm.storage.folder import manifest_digest
+from memlm.storage.locking import folder_lock, lock_holder
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "NgramIndex", "build_ngram_index", "rust_indexing", "token_dtype_for"]
 
@@ -118,7 +119,7 @@ def _package_version() -> str | None:
 
 def tokenizer_identity(tokenizer) -> dict[str, Any]:
     """What an index records about its tokenizer; compared whenever it is opened with a model."""
-    from memlm.resources import tokenizer_fingerprint  # imports torch / transformers
+    from memlm.models.resources import tokenizer_fingerprint  # imports torch / transformers
 
     if tokenizer.eos_token_id is None:
         raise MemlmError("the tokenizer has no EOS token: the ∞-gram index needs one (documents end with it)")
@@ -210,7 +211,7 @@ class NgramIndex:
 
     def check_tokenizer(self, tokenizer) -> None:
         """Refuse a tokenizer other than the one the index was built with (its ids would mean other tokens)."""
-        from memlm.resources import tokenizer_fingerprint
+        from memlm.models.resources import tokenizer_fingerprint
 
         rec = self.manifest["tokenizer"]
         fp = tokenizer_fingerprint(tokenizer)

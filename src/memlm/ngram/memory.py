@@ -244,7 +244,7 @@ class NgramMemory:
         from ``documents``): ``ngram_logprob``, ``ngram_count``, ``ngram_n``, ``ngram_sparse``. The context of a
         target is its document up to it (the ∞-gram never matches across documents), whatever window the LM read
         it in."""
-        from memlm.windows import tokenize_documents
+        from memlm.data.windows import tokenize_documents
 
         if ts.position is None:
             raise MemlmError("this dump has no target positions; rerun memlm eval with this memlm")

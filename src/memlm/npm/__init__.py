@@ -1,5 +1,5 @@
 """NPM: nonparametric masked language modelling (Min et al. 2023) -- masking, loss, objective, phrase index, inference,
-evaluation tasks (:mod:`memlm.npm.tasks`: BBC topics, cloze probes, corpus update) and the MLM baseline
+evaluation tasks (:mod:`memlm.experiments.npm_tasks`: BBC topics, cloze probes, corpus update) and the MLM baseline
 (:mod:`memlm.npm.mlm`).
 
 The encoder, phrase-index, inference, objective, tasks and mlm modules are imported on use:

@@ -5,7 +5,7 @@ tokenizer's own ``[MASK]`` id (``tokenizer.mask_token_id``, 103 for the uncased 
 paper does (App. A.2: "we use the [MASK] vocab from the RoBERTa tokenizer. Note that it is not necessary to use
 different tokens for [MASK_s] and [MASK_e] since the Transformer can handle positional information"). No token is
 added and the embeddings are not resized, so a pretrained encoder and its tokenizer are used unchanged and the
-fingerprints of :func:`memlm.datastore.model_identity` stay those of the loaded model.
+fingerprints of :func:`memlm.storage.datastore.model_identity` stay those of the loaded model.
 
 * training (:mod:`memlm.npm.objective`): a masked span becomes ``[MASK] [MASK]`` (:func:`mask_ids`);
 * inference (:func:`masked_query`): the query's single ``[MASK]`` becomes ``[MASK] [MASK]`` and ``q_start`` /

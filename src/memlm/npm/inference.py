@@ -51,9 +51,9 @@ import torch
 from memlm.core.distribution import knn_distribution, value_logsumexp
 from memlm.core.memory import Retrieved
 from memlm.errors import MemlmError
-from memlm.index import blas_threshold
 from memlm.npm.encoder import encode_query
 from memlm.npm.phrase_index import PhraseIndex
+from memlm.storage.index import blas_threshold
 
 __all__ = [
     "COMBINES",

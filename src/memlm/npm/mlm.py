@@ -5,7 +5,7 @@ The named encoder ``minilm-l6`` ships without an MLM head, so the baseline is ma
 ``dense -> gelu -> LayerNorm`` and a decoder whose weight is tied to the input word embeddings, plus a bias), copies
 the encoder's weights into it, and :func:`train_mlm` trains it with the standard BERT objective (Devlin et al. 2019)
 on the same corpus and batches as NPM (:func:`memlm.npm.objective.npm_batches`, via the shared loop
-:func:`memlm.train.train`): ``memlm train --objective mlm``.
+:func:`memlm.training.loop.train`): ``memlm train --objective mlm``.
 
 Masking (:func:`mlm_mask`): every non-special token is selected with probability ``p = 0.15`` (independently, as
 Hugging Face's ``DataCollatorForLanguageModeling``); a selected token becomes ``[MASK]`` with probability 0.8, a
@@ -39,8 +39,8 @@ from memlm.npm.encoder import special_ids as _special_ids
 from memlm.npm.inference import LabelScores, PhrasePrediction, normalize_text
 from memlm.npm.objective import NpmBatches, npm_batches
 from memlm.npm.train_npm import EncoderObjective, NpmTrainResult, mean_eval_loss
-from memlm.train import TrainConfig
-from memlm.train_driver import TrainSetup, train_objective
+from memlm.training.driver import TrainSetup, train_objective
+from memlm.training.loop import TrainConfig
 
 __all__ = [
     "MLM_PROB",
@@ -95,7 +95,7 @@ def load_mlm(name_or_path: str, dtype: str | torch.dtype = "float32"):
     Refuses a folder whose weights hold no MLM head (a plain encoder): its head would be random."""
     from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
 
-    from memlm.resources import _finish, _from_pretrained, _load_error, _record_name, parse_dtype
+    from memlm.models.resources import _finish, _from_pretrained, _load_error, _record_name, parse_dtype
 
     try:
         cfg = _from_pretrained(AutoConfig, name_or_path)

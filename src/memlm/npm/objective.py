@@ -1,4 +1,4 @@
-"""NPM training objectives and document-grouped batches for the shared trainer (:func:`memlm.train.train`).
+"""NPM training objectives and document-grouped batches for the shared trainer (:func:`memlm.training.loop.train`).
 
 Min et al. (2023) §3.2 and App. A.2/A.3. The pieces:
 
@@ -18,7 +18,7 @@ Min et al. (2023) §3.2 and App. A.2/A.3. The pieces:
   ``batch_size``, then shuffles the batch order. Everything is a function of ``(seed, epoch)``.
 * :func:`npm_objective` -- ``(loss_fn, batches_factory)`` by name (``npm``, ``npm-single``), like
   :func:`memlm.trime.training.trime_objective`. Train with ``warmup_loss=None`` (the default warm-up loss of
-  :func:`memlm.train.train` is a causal-LM loss, which an encoder has no use for).
+  :func:`memlm.training.loop.train` is a causal-LM loss, which an encoder has no use for).
 
 Batch fields: ``input_ids`` / ``attention_mask`` ``[B, T]`` (right padded), ``seq_doc`` ``[B]`` (document of each
 row), ``mask_seed`` (a 0-d int64 tensor).
@@ -213,7 +213,7 @@ _OPTIONS = ("seq_len", "batch_size", "seed", "budget", "p", "max_span", "max_spa
 
 
 def npm_objective(name: str, **options: Any) -> NpmSetup:
-    """``(loss_fn, batches_factory)`` for ``memlm.train.train(model, config, batches, loss_fn=loss_fn,
+    """``(loss_fn, batches_factory)`` for ``memlm.training.loop.train(model, config, batches, loss_fn=loss_fn,
     warmup_loss=None)``.
 
     ``name``: ``npm`` (span masking, §3.2) or ``npm-single`` (App. A.3). Options (``None``: not given): ``seq_len``

@@ -6,10 +6,10 @@ most ``max_length - 2`` tokens; a block is encoded unmasked as ``[CLS] block [SE
 only inside one block (:meth:`PhraseIndex.same_block`). Rows are in corpus order: block after block, document after
 document, so ``token_ids[i : j + 1]`` is the span's token stream.
 
-The folder is :mod:`memlm.folder`'s format, as a datastore's is (the datastore stores next-token *targets* of
+The folder is :mod:`memlm.storage.folder`'s format, as a datastore's is (the datastore stores next-token *targets* of
 causal-LM windows with a key role, which does not fit token vectors of an encoder, so only the folder is shared)::
 
-    manifest.json   format, encoder + tokenizer fingerprints (memlm.datastore.model_identity), dim, count,
+    manifest.json   format, encoder + tokenizer fingerprints (memlm.storage.datastore.model_identity), dim, count,
                     block_tokens, corpus fingerprint, file checksums, the [MASK_s]/[MASK_e] choice,
                     manifest_sha256
     docs.json       the documents' ids and 64-bit hashes (index = the ``doc`` value below)
@@ -18,17 +18,17 @@ causal-LM windows with a key role, which does not fit token vectors of an encode
     doc.bin         int32   [count]       document index of each token
     position.bin    int32   [count]       position of the token inside its document
     block.bin       int32   [count]       block (encoder input) of each token; blocks are contiguous row ranges
-    index.faiss     FAISS index over the vectors (memlm.index.build_index, metric "ip", exact "Flat" up to
-                    memlm.index.FLAT_MAX_N vectors), with index.faiss.json beside it
+    index.faiss     FAISS index over the vectors (memlm.storage.index.build_index, metric "ip", exact "Flat" up to
+                    memlm.storage.index.FLAT_MAX_N vectors), with index.faiss.json beside it
 
-Building is resumable like a datastore's (:class:`memlm.folder.AppendWriter`): after every batch of blocks the files
-are flushed and ``progress.json`` is replaced atomically; a rerun of the same call truncates bytes past the recorded
-count and continues. ``manifest.json`` is written last (with the files' full and sampled SHA-256 and its own
+Building is resumable like a datastore's (:class:`memlm.storage.folder.AppendWriter`): after every batch of blocks the
+files are flushed and ``progress.json`` is replaced atomically; a rerun of the same call truncates bytes past the
+recorded count and continues. ``manifest.json`` is written last (with the files' full and sampled SHA-256 and its own
 checksum), so a folder with a manifest and no ``progress.json`` is complete. Opening checks what a datastore's opening
-checks (:meth:`memlm.folder.FolderFormat.open_arrays`; folders built before the sampled and manifest checksums were
-recorded open without them). A build holds the folder's writer lock (:mod:`memlm.locking`); every metadata file is
-schema-checked when read (:mod:`memlm.schema`), and the index records the identity (count, dim, vectors' SHA-256) of
-the phrase index it was built from (checked on load).
+checks (:meth:`memlm.storage.folder.FolderFormat.open_arrays`; folders built before the sampled and manifest checksums
+were recorded open without them). A build holds the folder's writer lock (:mod:`memlm.storage.locking`); every metadata
+file is schema-checked when read (:mod:`memlm.storage.schema`), and the index records the identity (count, dim, vectors'
+SHA-256) of the phrase index it was built from (checked on load).
 """
 
 from __future__ import annotations
@@ -43,14 +43,15 @@ from typing import Any
 
 import numpy as np
 
-from memlm import __version__, schema
-from memlm.datastore import model_identity
+from memlm import __version__
+from memlm.data.windows import doc_hash
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
-from memlm.folder import FolderFormat
-from memlm.index import FLAT_MAX_N, build_index, flat_ip_index, load_index, search
 from memlm.npm.encoder import _cls_sep_pad, encode_sequences, max_block_tokens
-from memlm.windows import doc_hash
+from memlm.storage import schema
+from memlm.storage.datastore import model_identity
+from memlm.storage.fileio import atomic_write_json
+from memlm.storage.folder import FolderFormat
+from memlm.storage.index import FLAT_MAX_N, build_index, flat_ip_index, load_index, search
 
 __all__ = [
     "FORMAT",
@@ -67,7 +68,7 @@ FORMAT_VERSION = 1
 FILES = {"vectors": "float16", "token_ids": "int32", "doc": "int32", "position": "int32", "block": "int32"}
 MASK_CHOICE = "[MASK_s] = [MASK_e] = tokenizer.mask_token_id (paper App. A.2)"
 
-#: the phrase index's folder format (:mod:`memlm.folder`, shared with :mod:`memlm.datastore`)
+#: the phrase index's folder format (:mod:`memlm.storage.folder`, shared with :mod:`memlm.storage.datastore`)
 FOLDER = FolderFormat(
     kind="phrase index",
     title="an NPM phrase index",
@@ -203,8 +204,8 @@ class PhraseIndex:
 
     @classmethod
     def open(cls, path: str | Path, model=None, tokenizer=None, verify: bool = False) -> PhraseIndex:
-        """Open a finished phrase index (checked as :meth:`memlm.folder.FolderFormat.open_arrays` says; ``verify``:
-        full checksums); with ``model`` and ``tokenizer`` also :meth:`check_encoder`."""
+        """Open a finished phrase index (checked as :meth:`memlm.storage.folder.FolderFormat.open_arrays` says;
+        ``verify``: full checksums); with ``model`` and ``tokenizer`` also :meth:`check_encoder`."""
         path = Path(path)
         manifest = FOLDER.read_manifest(path)
         docs = schema.read_json(path / "docs.json", schema.PHRASE_DOCS, "phrase-index document list", FOLDER.fix)
@@ -343,10 +344,11 @@ def build_phrase_index(
 
     ``max_length``: encoder input length (default: the encoder's maximum, 512 for BERT/MiniLM); blocks hold
     ``max_length - 2`` corpus tokens. ``factory``: FAISS factory string (default ``"Flat"`` up to
-    ``memlm.index.FLAT_MAX_N`` vectors, else :func:`memlm.index.default_factory`); the metric is inner product.
-    Rerunning after an interruption resumes; a finished index for the same encoder, corpus and factory is returned as
-    is; a folder holding an index for another encoder, corpus, block length or factory is refused (:class:`MemlmError`
-    naming the differences) unless ``overwrite=True``, which deletes it first. The folder is locked while building.
+    ``memlm.storage.index.FLAT_MAX_N`` vectors, else :func:`memlm.storage.index.default_factory`); the metric is inner
+    product. Rerunning after an interruption resumes; a finished index for the same encoder, corpus and factory is
+    returned as is; a folder holding an index for another encoder, corpus, block length or factory is refused
+    (:class:`MemlmError` naming the differences) unless ``overwrite=True``, which deletes it first. The folder is locked
+    while building.
     """
     out = Path(out)
     if batch_size < 1:

@@ -1,9 +1,9 @@
 """Train a BERT-like encoder with the NPM objective (Min et al. 2023, §3.2; NPM SINGLE, App. A.3).
 
 :class:`NpmTrainObjective` / :class:`NpmSingleTrainObjective` are the objectives ``npm`` / ``npm-single`` of
-``memlm train`` for the shared driver :func:`memlm.train_driver.train_objective` (their base
+``memlm train`` for the shared driver :func:`memlm.training.driver.train_objective` (their base
 :class:`EncoderObjective` is also the MLM baseline's, :mod:`memlm.npm.mlm`): the model is the encoder
-(:func:`memlm.resources.load_encoder`, default the named ``minilm-l6``) or a small random BERT for an encoder's
+(:func:`memlm.models.resources.load_encoder`, default the named ``minilm-l6``) or a small random BERT for an encoder's
 tokenizer (``scratch``); batches and loss come from :func:`memlm.npm.objective.npm_objective`; there is no warm-up loss
 (the loop's default one is a causal-LM loss). :func:`train_npm` runs them. Everything goes under one folder and
 rerunning the same call resumes::
@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from memlm.corpora import Document, load_corpora
+from memlm.data.corpora import Document, load_corpora
 from memlm.errors import MemlmError
 from memlm.npm.loss import npm_single_loss, npm_span_loss
 from memlm.npm.objective import OBJECTIVES, NpmBatches, NpmObjective, npm_batches, npm_objective
-from memlm.train import TrainConfig, parse_arch
-from memlm.train_driver import Objective, ObjectiveResult, TrainSetup, train_objective
+from memlm.training.driver import Objective, ObjectiveResult, TrainSetup, train_objective
+from memlm.training.loop import TrainConfig, parse_arch
 
 __all__ = [
     "DEFAULT_ENCODER",
@@ -55,7 +55,7 @@ NpmTrainResult = ObjectiveResult  # the result of an encoder run: TrainResult + 
 
 def scratch_bert(size: str, tokenizer, n_positions: int = 512, dropout: float = 0.1, seed: int = 0):
     """A randomly initialised ``BertModel`` of ``size`` (``<layers>x<dim>`` or a preset of
-    :func:`memlm.train.parse_arch`; 64-dim heads, FFN 4x) for ``tokenizer``'s vocabulary."""
+    :func:`memlm.training.loop.parse_arch`; 64-dim heads, FFN 4x) for ``tokenizer``'s vocabulary."""
     from transformers import BertConfig, BertModel
 
     n_layer, dim, n_head = parse_arch(size)
@@ -77,7 +77,7 @@ def scratch_bert(size: str, tokenizer, n_positions: int = 512, dropout: float = 
 def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -> list:
     """The leading documents whose tokens (no special tokens) add up to at most ``max_tokens`` (a first document longer
     than that is cut to its leading part within the budget); an
-    encoder tokenizer has no EOS, so :func:`memlm.windows.limit_documents` does not apply."""
+    encoder tokenizer has no EOS, so :func:`memlm.data.windows.limit_documents` does not apply."""
     if max_tokens is None:
         return list(docs)
     kept, total = [], 0
@@ -85,7 +85,7 @@ def limit_encoder_documents(docs: Sequence, tokenizer, max_tokens: int | None) -
         n = len(tokenizer(d if isinstance(d, str) else d.text, add_special_tokens=False)["input_ids"])
         if total + n > max_tokens:
             if not kept:  # one document longer than the budget: its leading part, not all of it
-                from memlm.windows import truncate_document
+                from memlm.data.windows import truncate_document
 
                 kept.append(truncate_document(d, tokenizer, max_tokens, extra_tokens=0))
             break
@@ -163,7 +163,7 @@ class EncoderObjective(Objective):
         return setup.model or DEFAULT_ENCODER
 
     def build(self, setup: TrainSetup, docs: list[Document]):
-        from memlm.resources import load_encoder
+        from memlm.models.resources import load_encoder
 
         model, tok = load_encoder(self.encoder(setup), dtype="float32")
         if setup.scratch is not None:

@@ -11,8 +11,9 @@ TRIME trains with *in-batch memories*: the memory of a token is made of the othe
   BM25, are packed into the same batch, as a cheap proxy for the nearest neighbours that an external datastore returns
   at test time (:func:`pack_bm25`; ``m = 1``). :func:`pack_random` is the "w/o BM25 batching" ablation (App. H).
 
-Everything works on token arrays (one ``np.ndarray`` of ids per document, e.g. a :class:`memlm.windows.TokenChunk`'s
-``tokens``), is deterministic given ``seed`` and uses every segment exactly once per call (one epoch). A batch is a
+Everything works on token arrays (one ``np.ndarray`` of ids per document, e.g. a
+:class:`memlm.data.windows.TokenChunk`'s ``tokens``), is deterministic given ``seed`` and uses every segment exactly
+once per call (one epoch). A batch is a
 :class:`Batch`: indices into the segment list plus each segment's document and start offset, from which a loss can
 build the "same document, earlier position" memory mask of Sec. 4.2 (:meth:`Batch.earlier_same_doc`).
 

@@ -54,7 +54,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from memlm import index as index_lib
 from memlm.core.config import RetrievalConfig
 from memlm.core.distribution import (
     joint_distribution,
@@ -68,15 +67,16 @@ from memlm.core.distribution import (
 )
 from memlm.core.dumps import TokenDump
 from memlm.core.tuning import grid_search
-from memlm.datastore import Datastore, DatastoreBase
+from memlm.data.windows import doc_hash
 from memlm.errors import MemlmError
-from memlm.keys import KeyCapture, KeySpec, num_layers
+from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
-from memlm.searcher import as_searcher
-from memlm.sharded import open_datastore
+from memlm.storage import index as index_lib
+from memlm.storage.datastore import Datastore, DatastoreBase
+from memlm.storage.searcher import as_searcher
+from memlm.storage.sharded import open_datastore
 from memlm.trime.batching import Segment, TokenWindow
 from memlm.trime.training import G_SPEC, tokenize_for_trime
-from memlm.windows import doc_hash
 
 __all__ = [
     "TrimeEvalConfig",
@@ -209,7 +209,7 @@ def token_provenance(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(doc_hash, offset)`` of every token of each scored sequence: one pair of arrays per document, or one pair for
     the whole stream (``stream=True``: the documents' tokens joined in order), so that a target at position ``p`` of
-    its sequence comes from document ``doc_hash[p]``, token ``offset[p]`` (as :mod:`memlm.windows` records it)."""
+    its sequence comes from document ``doc_hash[p]``, token ``offset[p]`` (as :mod:`memlm.data.windows` records it)."""
     per_doc = [
         (np.full(len(t), doc_hash(d.id, d.text), dtype=np.int64), np.arange(len(t), dtype=np.int64))
         for d, t in zip(docs, token_docs, strict=True)
@@ -560,7 +560,7 @@ def score_trime(
     ``drop_self_matches`` (needs documents with ``.id``/``.text``) drops retrieved entries that are the scored token.
     The settings come from ``config`` (:class:`TrimeEvalConfig`); ``seq_len`` and ``options`` set its fields by name
     (``max_segments=3, k=8``), the older keyword spelling.
-    ``index``: the datastore's FAISS index already loaded (:func:`memlm.index.load_index`; its own ``nprobe``
+    ``index``: the datastore's FAISS index already loaded (:func:`memlm.storage.index.load_index`; its own ``nprobe``
     applies), to score several corpora without reading the index again; default: read it with ``nprobe``.
     Runs under ``torch.inference_mode``; past segments' keys are kept in a FIFO of ``max_segments``.
 
@@ -946,13 +946,13 @@ def run_trime_eval(
     dump: str | Path | None = None,
     **options: Any,
 ) -> tuple[TrimeScores, dict[str, Any]]:
-    """Load ``model`` (:func:`memlm.resources.load_causal_lm`), score ``corpus`` at ``split`` with :func:`score_trime`
-    (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last layer), write the dump
-    to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``, ``λ = 0``).
-    ``config`` / ``seq_len`` / ``options``: :func:`score_trime`'s (:class:`TrimeEvalConfig`)."""
-    from memlm.corpora import corpus_fingerprint, load_corpora
-    from memlm.resources import load_causal_lm
-    from memlm.windows import limit_documents
+    """Load ``model`` (:func:`memlm.models.resources.load_causal_lm`), score ``corpus`` at ``split`` with
+    :func:`score_trime` (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last
+    layer), write the dump to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``,
+    ``λ = 0``). ``config`` / ``seq_len`` / ``options``: :func:`score_trime`'s (:class:`TrimeEvalConfig`)."""
+    from memlm.data.corpora import corpus_fingerprint, load_corpora
+    from memlm.data.windows import limit_documents
+    from memlm.models.resources import load_causal_lm
 
     ds = open_datastore(datastore) if datastore else None
     lm, tok = load_causal_lm(model, dtype=dtype)

@@ -1,26 +1,28 @@
-"""TRIME training objectives and batches for the shared trainer (:func:`memlm.train.train`).
+"""TRIME training objectives and batches for the shared trainer (:func:`memlm.training.loop.train`).
 
 Zhong, Lei & Chen (2022), "Training Language Models with Memory Augmentation" (TRIME), Sec. 3-4. The pieces:
 
-* :class:`TrimeObjective` — a loss ``loss_fn(model, batch) -> scalar`` for :func:`memlm.train.train`. One forward
-  pass gives the logits ``E f(c)`` and, through :class:`memlm.keys.KeyCapture` with ``detach=False``, ``g(c)`` =
-  the input of the last feed-forward block (after its layer norm); it then calls :func:`memlm.trime.loss.trime_logprob`
-  (Eq. 5, ``sim(q, k) = q . k / sqrt(d)``) with the memory visibility of the chosen kind built from the batch fields.
-  Gradients reach both the queries and every memory key (they are the same tensor).
+* :class:`TrimeObjective` — a loss ``loss_fn(model, batch) -> scalar`` for :func:`memlm.training.loop.train`.
+  One forward pass gives the logits ``E f(c)`` and, through :class:`memlm.models.keys.KeyCapture` with ``detach=False``,
+  ``g(c)`` = the input of the last feed-forward block (after its layer norm); it then calls
+  :func:`memlm.trime.loss.trime_logprob` (Eq. 5, ``sim(q, k) = q . k / sqrt(d)``) with the memory visibility of the
+  chosen kind built from the batch fields. Gradients reach both the queries and every memory key (they are the same
+  tensor).
 * :class:`TrimeBatches` — a callable ``epoch -> iterator of batch dicts`` of whole-document segments:
   consecutive segments of a document for the long-term memory (Sec. 4.2), BM25-packed (Algorithm 1) or random
   segments for the external memory (Sec. 4.3). The epoch's batches are a function of ``(seed, epoch)`` only, so the
   trainer's exact resume (replay the epoch, skip the consumed batches) sees the same batches.
 * :func:`trime_objective` — ``(loss_fn, batches_factory)`` by name (``ce``, ``trime``, ``trime-long``,
-  ``trime-ext``), for ``memlm.train_lm.train_lm(..., loss_fn=..., batches=..., warmup_loss=causal_lm_loss)`` with
+  ``trime-ext``), for ``memlm.training.lm.train_lm(..., loss_fn=..., batches=..., warmup_loss=causal_lm_loss)`` with
   ``TrainConfig.warmup_loss_steps=0.05`` (the paper trains with plain CE for the first 5% of updates, Sec. 5.2).
 * :class:`TrimeLmObjective` (``trime``), :class:`TrimeLongObjective` (``trime-long``), :class:`TrimeExtObjective`
-  (``trime-ext``) — the same as objectives of the training driver (:mod:`memlm.train_driver`, ``memlm train --loss``).
+  (``trime-ext``) — the same as objectives of the training driver (:mod:`memlm.training.driver`, ``memlm train
+  --loss``).
 
 Batch layout. A row of ``input_ids`` ``[B, T]`` is one segment; position ``t`` holds context ``x_1..x_t`` of the
 segment; its target is ``input_ids[t + 1]`` (so the last position of a row, and positions whose next token is padding
-(``attention_mask`` 0), have no target). This is exactly what :func:`memlm.train.causal_lm_loss` scores, so the CE
-warm-up and TRIME see the same targets. Memory entry ``j`` = ``(g(c_j), target_j)``; entries without a target are
+(``attention_mask`` 0), have no target). This is exactly what :func:`memlm.training.loop.causal_lm_loss` scores, so the
+CE warm-up and TRIME see the same targets. Memory entry ``j`` = ``(g(c_j), target_j)``; entries without a target are
 never visible (``-100`` value). Segments come from :func:`memlm.trime.batching.segment_documents` with
 ``segment_len = seq_len - 1`` owned tokens plus the first token of the next segment, so rows have at most ``seq_len``
 tokens and every token of a document but its first is a target exactly once per epoch. Extra batch fields:
@@ -34,7 +36,7 @@ tokens and every token of a document but its first is a target exactly once per 
 Memories (:func:`memlm.trime.loss.memory_visibility`, over the ``N = B * T`` flattened positions):
 
 * ``local`` (TrimeLM, Sec. 4.1): earlier positions of the same row. Needs no extra field: it runs on the plain
-  ``seq_len`` chunks of :func:`memlm.train.lm_batches` (same data as the CE baseline) or on segment batches.
+  ``seq_len`` chunks of :func:`memlm.training.loop.lm_batches` (same data as the CE baseline) or on segment batches.
 * ``long`` (TrimeLM_long, Sec. 4.2): positions of the same document (``segment_doc``) that come earlier in the
   document (``segment_index``, then position in the row): the own row's earlier positions plus all positions of the
   document's earlier segments in the batch.
@@ -53,9 +55,9 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.keys import KeyCapture, KeySpec
-from memlm.train import causal_lm_loss, lm_batches
-from memlm.train_lm import LmObjective
+from memlm.models.keys import KeyCapture, KeySpec
+from memlm.training.lm import LmObjective
+from memlm.training.loop import causal_lm_loss, lm_batches
 from memlm.trime.batching import Segment, bm25_neighbors, chain_order, pack_consecutive, segment_documents
 from memlm.trime.loss import (
     MEMORY_KINDS,
@@ -93,7 +95,8 @@ G_SPEC = KeySpec("ffn_in", -1)  # TRIME's g(c): input of the last feed-forward b
 
 def next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, T]`` targets: ``input_ids[:, t + 1]`` at ``t``, ``-100`` at the last position and where the next token is
-    padding (``attention_mask`` 0): the targets :func:`memlm.train.causal_lm_loss` scores, aligned with positions."""
+    padding (``attention_mask`` 0): the targets :func:`memlm.training.loop.causal_lm_loss` scores, aligned with
+    positions."""
     targets = torch.full_like(input_ids, IGNORE_INDEX)
     targets[:, :-1] = input_ids[:, 1:]
     if attention_mask is not None:
@@ -106,9 +109,9 @@ class TrimeObjective:
 
     ``kind``: ``local``, ``long`` or ``external`` (module docstring). ``drop_local_p``: probability of dropping the
     local memory for a batch (``external`` only, training mode only; Sec. 4.3 / App. H). ``generator``: an optional
-    torch generator for that draw (default: the global torch RNG, which :func:`memlm.train.train` saves and restores,
-    so resumed runs draw the same). ``scale``: the similarity scale (default ``1 / sqrt(d)``). The loss is the mean
-    of ``-log P(target | c)`` over the batch's targets, computed in float32 outside any autocast.
+    torch generator for that draw (default: the global torch RNG, which :func:`memlm.training.loop.train` saves and
+    restores, so resumed runs draw the same). ``scale``: the similarity scale (default ``1 / sqrt(d)``). The loss is the
+    mean of ``-log P(target | c)`` over the batch's targets, computed in float32 outside any autocast.
 
     ``detach_memory``: the ablation "w/o back-prop to memory" (Zhong et al. 2022, App. G, Table 11): the memory keys
     ``g(c_j)`` enter Eq. 5 as constants (``g.detach()``), so gradients reach ``g`` only as the query ``g(c_i)``.
@@ -238,12 +241,12 @@ class TrimeObjective:
 
 def tokenize_for_trime(documents: Sequence, tokenizer=None) -> list[np.ndarray]:
     """Token arrays of ``documents``: objects with ``.text`` are tokenized (EOS appended, as
-    :func:`memlm.train.lm_batches` does); array-likes of token ids are used as they are."""
+    :func:`memlm.training.loop.lm_batches` does); array-likes of token ids are used as they are."""
     docs = list(documents)
     if docs and all(hasattr(d, "text") for d in docs):
         if tokenizer is None:
             raise MemlmError("TRIME batches need a tokenizer to tokenize documents (or pass token-id arrays)")
-        from memlm.windows import tokenize_documents
+        from memlm.data.windows import tokenize_documents
 
         return [c.tokens for c in tokenize_documents(docs, tokenizer)]
     try:
@@ -373,9 +376,10 @@ def trime_batches(
     packing: str = "bm25",
     bm25_k: int = 20,
 ):
-    """Training batches for a TRIME memory ``kind``: a callable ``epoch -> batches`` for :func:`memlm.train.train`.
+    """Training batches for a TRIME memory ``kind``: a callable ``epoch -> batches`` for
+    :func:`memlm.training.loop.train`.
 
-    ``local``: the plain ``seq_len`` chunks of :func:`memlm.train.lm_batches` (documents + EOS concatenated; the
+    ``local``: the plain ``seq_len`` chunks of :func:`memlm.training.loop.lm_batches` (documents + EOS concatenated; the
     CE baseline's data). ``long`` / ``external``: a :class:`TrimeBatches` of document segments (``segments_per_doc``
     for ``long``, default ``batch_size``; ``packing`` bm25 or random for ``external``). ``documents`` are objects with
     ``.text`` (tokenized with ``tokenizer``) or token-id arrays.
@@ -486,8 +490,8 @@ def trime_objective(name: str, **options: Any) -> TrimeSetup:
 
 
 class TrimeLmObjective(LmObjective):
-    """TrimeLM (local memory) as an objective of :func:`memlm.train_driver.train_objective`: the causal LM of
-    :class:`memlm.train_lm.LmObjective` trained with the loss and batches of :func:`trime_objective` (its
+    """TrimeLM (local memory) as an objective of :func:`memlm.training.driver.train_objective`: the causal LM of
+    :class:`memlm.training.lm.LmObjective` trained with the loss and batches of :func:`trime_objective` (its
     ``seq_len``, ``batch_size`` and ``seed`` from the ``TrainConfig``), after plain cross-entropy for the first
     ``TrainConfig.warmup_loss_steps`` updates (5% in the paper, Sec. 5.2). ``options``: those of
     :func:`trime_objective` for this objective (``detach_memory``; ``segments_per_doc`` for trime-long;

@@ -14,7 +14,7 @@ probabilities gets a finite log-probability rather than ``log 0``.
 
 The dense functions here (:func:`similarity`, :func:`eq5_logprobs`, ...) score every row of ``W_ds``: they are meant
 for small datastores, subsampled ones, exact-vs-approximate ablations and learned matrices, not for a 100M-entry
-datastore (use :mod:`memlm.index` and :mod:`memlm.core.distribution` for that; both paths give the same numbers,
+datastore (use :mod:`memlm.storage.index` and :mod:`memlm.core.distribution` for that; both paths give the same numbers,
 see the tests).
 
 :class:`LearnedWds` and :func:`train_learned_wds` implement Sec. 4.1 ("replacing the datastore with trainable
@@ -46,7 +46,7 @@ from memlm.core.distribution import (
     similarity,
 )
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_bytes
+from memlm.storage.fileio import atomic_write_bytes
 
 __all__ = [
     "METRICS",

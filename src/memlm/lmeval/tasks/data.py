@@ -1,7 +1,7 @@
 """Datasets of memlm's offline lm-eval tasks, built from memlm's named corpora (no download).
 
 Each function returns a ``datasets.DatasetDict`` with ``train``, ``validation`` and ``test`` splits (the corpus's
-``train``, ``valid`` and ``test`` splits, see :mod:`memlm.corpora`).
+``train``, ``valid`` and ``test`` splits, see :mod:`memlm.data.corpora`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer
 
-from memlm.corpora import load_documents
+from memlm.data.corpora import load_documents
 
 __all__ = ["wikitext2", "imdb", "bbc_topic", "wikitext_detokenizer", "process_results", "BBC_TOPICS"]
 

@@ -1,4 +1,4 @@
-"""One training driver for every objective: ``memlm train`` (the objectives by name: :mod:`memlm.objectives`).
+"""One training driver for every objective: ``memlm train`` (the objectives by name: :mod:`memlm.training.objectives`).
 
 An :class:`Objective` holds what is particular to one way of training: its model builder (:meth:`Objective.build`),
 its batches (:meth:`Objective.batches`), its loss (``loss_fn(model, batch) -> scalar``, plus an optional
@@ -8,20 +8,21 @@ updates; ``"end"``, :meth:`Objective.final_valid_loss` once the run is complete;
 :func:`train_objective` does the rest once, for all of them, in this order:
 
 1. the objective checks its settings and fixes what depends on the config (:meth:`Objective.prepare`);
-2. the run folder is locked (one writer, :mod:`memlm.locking`) and the training corpora are read (split ``train``,
-   :func:`memlm.corpora.load_corpora`) and fingerprinted;
+2. the run folder is locked (one writer, :mod:`memlm.storage.locking`) and the training corpora are read
+   (split ``train``, :func:`memlm.data.corpora.load_corpora`) and fingerprinted;
 3. resuming: the identity known so far (``corpus``, ``corpus_fingerprint`` and :meth:`Objective.identity`) is compared
-   with the folder's ``run.json`` before anything is written or trained (:func:`memlm.train.check_run_identity`);
-   starting over (``resume=False``): a tokenizer trained for the old run (``out/tokenizer``) goes;
+   with the folder's ``run.json`` before anything is written or trained
+   (:func:`memlm.training.loop.check_run_identity`); starting over (``resume=False``): a tokenizer trained for the old
+   run (``out/tokenizer``) goes;
 4. the objective builds the model and tokenizer, then its training batches (a tokenizer trained here is saved in
    ``out/tokenizer`` by :func:`run_tokenizer` and reused on resume);
 5. validation data: ``valid_corpus`` (default: the training corpora) at split ``valid``, the first ``valid_tokens``
    tokens (``0``: none; ``None``: all);
-6. :func:`memlm.train.train` runs the loop: checkpoints and exact resume, ``run.json`` (the identity plus the
+6. :func:`memlm.training.loop.train` runs the loop: checkpoints and exact resume, ``run.json`` (the identity plus the
    tokenizer fingerprint and the losses), ``log.json``, the progress bar;
 7. ``"end"`` validation once the run is complete, written into the last entry of ``log.json``.
 
-A new loss is one :class:`Objective` subclass plus one line in :data:`memlm.objectives.OBJECTIVES`
+A new loss is one :class:`Objective` subclass plus one line in :data:`memlm.training.objectives.OBJECTIVES`
 (``tests/test_train_driver.py`` trains a toy one through this driver).
 """
 
@@ -36,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from memlm.corpora import Document, corpus_fingerprint, load_corpora
+from memlm.data.corpora import Document, corpus_fingerprint, load_corpora
 from memlm.errors import MemlmError
-from memlm.locking import folder_lock
-from memlm.train import LossFn, TrainConfig, TrainResult, check_run_identity, train, write_log
+from memlm.storage.locking import folder_lock
+from memlm.training.loop import LossFn, TrainConfig, TrainResult, check_run_identity, train, write_log
 
 __all__ = ["Objective", "ObjectiveResult", "TrainSetup", "run_tokenizer", "train_objective"]
 
@@ -48,7 +49,7 @@ __all__ = ["Objective", "ObjectiveResult", "TrainSetup", "run_tokenizer", "train
 class TrainSetup:
     """What every objective is trained on and where: the settings :func:`train_objective` shares.
 
-    ``scratch``: a size (``<layers>x<dim>`` or a preset, :func:`memlm.train.parse_arch`) for a new random model;
+    ``scratch``: a size (``<layers>x<dim>`` or a preset, :func:`memlm.training.loop.parse_arch`) for a new random model;
     ``model``: a pretrained model to continue (an encoder objective also takes its tokenizer from it when training
     from scratch). ``tokenizer``: the tokenizer spec of a causal LM from scratch (``bpe:<vocab>``, ``gpt2`` or a
     folder). ``n_positions`` (``None``: the objective's default) and ``dropout`` shape a model from scratch.
@@ -76,8 +77,8 @@ class TrainSetup:
 
 @dataclass
 class ObjectiveResult(TrainResult):
-    """:class:`memlm.train.TrainResult` plus the validation loss of the last update of a complete run (``None`` when
-    the run stopped early or nothing was validated)."""
+    """:class:`memlm.training.loop.TrainResult` plus the validation loss of the last update of a complete run (``None``
+    when the run stopped early or nothing was validated)."""
 
     valid_loss: float | None = None
 
@@ -119,10 +120,10 @@ class Objective(ABC):
 
 def run_tokenizer(out: Path, spec: str, texts: list[str]):
     """The run's tokenizer: the one saved in ``out/tokenizer`` when resuming, else made from ``spec``
-    (:func:`memlm.tokenizer.make_tokenizer`; a BPE is trained on ``texts``) and saved there atomically."""
+    (:func:`memlm.models.tokenizer.make_tokenizer`; a BPE is trained on ``texts``) and saved there atomically."""
     from transformers import AutoTokenizer
 
-    from memlm.tokenizer import make_tokenizer
+    from memlm.models.tokenizer import make_tokenizer
 
     folder = out / "tokenizer"
     if folder.is_dir():
@@ -168,7 +169,7 @@ def _valid_docs(setup: TrainSetup) -> list[Document] | None:
 
 
 def _train_locked(objective: Objective, setup: TrainSetup) -> ObjectiveResult:
-    from memlm.resources import tokenizer_fingerprint
+    from memlm.models.resources import tokenizer_fingerprint
 
     config, out = setup.config, setup.folder
     docs = load_corpora(setup.corpus, "train")

@@ -10,9 +10,9 @@ memlm (and the model, for builds) installed; a local cluster inherits this proce
   next shard it gets ("a model per worker"). A task whose worker dies is retried by Ray (``max_retries``); the retry
   resumes the shard from its ``progress.json``, and a rerun of the command after a crash of the driver redoes only
   unfinished shards.
-* **Search**: one actor per shard (:class:`memlm.sharded_index.ShardedSearcher` with ``ray=``) holding that shard's
-  FAISS index memory-mapped; the queries go to the object store once per batch, each actor returns its top-k with
-  global ids, the driver merges.
+* **Search**: one actor per shard (:class:`memlm.storage.sharded_index.ShardedSearcher` with ``ray=``) holding
+  that shard's FAISS index memory-mapped; the queries go to the object store once per batch, each actor returns its
+  top-k with global ids, the driver merges.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def connect(address: str):
 def _worker_model(name: str, dtype: str, device: str):
     key = (name, dtype, device)
     if key not in _MODELS:
-        from memlm.resources import load_causal_lm
+        from memlm.models.resources import load_causal_lm
 
         model, tok = load_causal_lm(name, dtype=dtype)
         _MODELS[key] = (model.to(device), tok)
@@ -122,15 +122,15 @@ def build_shards_on_ray(
 ) -> list[int]:
     """Build the shards of ``plans`` as Ray tasks (each gets only the documents it reads); returns their counts.
 
-    ``build_shard`` / ``plan_cls`` are :func:`memlm.sharded.build_shard` and its ``ShardPlan``, passed in by the caller
-    (Ray pickles them by reference): this module runs work, it does not import what it runs."""
+    ``build_shard`` / ``plan_cls`` are :func:`memlm.storage.sharded.build_shard` and its ``ShardPlan``, passed in by the
+    caller (Ray pickles them by reference): this module runs work, it does not import what it runs."""
     ray = connect(address)
     if device.startswith("cuda") and not gpus_per_worker:
         gpus_per_worker = 1.0
     task = ray.remote(_build_shard_task).options(
         num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_retries=max_retries
     )
-    from memlm.corpora import Document
+    from memlm.data.corpora import Document
 
     def portable(docs: Sequence) -> list:  # only .id and .text are read: plain Documents unpickle on every node
         return [Document(str(d.id), d.text) for d in docs]
@@ -163,7 +163,7 @@ def build_shards_on_ray(
 def _add_index_task(
     add_shard_index: Callable, trained: str, keys_path: str, n: int, d: int, out: str, meta: dict, threads: int
 ) -> int:
-    from memlm.index import set_threads
+    from memlm.storage.index import set_threads
 
     set_threads(threads)
     return add_shard_index(trained, keys_path, n, d, out, meta)
@@ -172,7 +172,8 @@ def _add_index_task(
 def add_shard_indexes_on_ray(
     address: str, jobs: Sequence[tuple], add_shard_index: Callable, threads: int = 1
 ) -> list[int]:
-    """Run ``add_shard_index`` (:func:`memlm.sharded_index.add_shard_index`) for each job tuple as a Ray task."""
+    """Run ``add_shard_index`` (:func:`memlm.storage.sharded_index.add_shard_index`) for each job tuple as a Ray
+    task."""
     ray = connect(address)
     task = ray.remote(_add_index_task).options(num_cpus=threads, max_retries=3)
     return ray.get([task.remote(add_shard_index, *job, threads) for job in jobs])
@@ -180,10 +181,10 @@ def add_shard_indexes_on_ray(
 
 class _ShardActor:
     """Holds one shard's index (memory-mapped) and answers top-k queries with global ids; ``ops`` are
-    :mod:`memlm.sharded_index`'s ``(load_index_mmap, search_with_offset, set_nprobe)``."""
+    :mod:`memlm.storage.sharded_index`'s ``(load_index_mmap, search_with_offset, set_nprobe)``."""
 
     def __init__(self, path: str, nprobe: int, offset: int, threads: int, ops: tuple) -> None:
-        from memlm.index import set_threads
+        from memlm.storage.index import set_threads
 
         set_threads(threads)
         self.load, self.search_fn, self.set_nprobe_fn = ops

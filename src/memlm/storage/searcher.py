@@ -4,9 +4,9 @@ A :class:`Searcher` answers ``search(queries [Q, D], k) -> (scores [Q, k], ids [
 first, ``-inf`` / ``-1`` in empty slots), says its ``metric`` (``l2``: negative squared L2; ``ip``: inner product) and
 ``describe()``s itself for result files. :func:`open_searcher` is the one way to get one for a datastore:
 
-* ``search="index"``: the datastore's own index (:meth:`memlm.datastore.Datastore.searcher`): a
+* ``search="index"``: the datastore's own index (:meth:`memlm.storage.datastore.Datastore.searcher`): a
   :class:`FaissSearcher` over a FAISS index read into RAM or memory-mapped, or for a sharded datastore a
-  :class:`memlm.sharded_index.ShardedSearcher` (threads or Ray actors over the shards' indexes) -- Xu et al.'s
+  :class:`memlm.storage.sharded_index.ShardedSearcher` (threads or Ray actors over the shards' indexes) -- Xu et al.'s
   "FAISS mask";
 * ``search="exact"``: :class:`ExactSearcher`, brute force over all stored keys ("real mask");
 * ``scores="exact"`` over an index: :class:`RescoredSearcher`, the index's ids rescored from the stored keys
@@ -23,9 +23,9 @@ from typing import Any, Protocol, runtime_checkable
 import faiss
 import numpy as np
 
-from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.folder import advise_random
+from memlm.storage import index as index_lib
+from memlm.storage.folder import advise_random
 
 __all__ = [
     "ExactSearcher",
@@ -83,7 +83,7 @@ class FaissSearcher:
 
 
 class ExactSearcher:
-    """Brute force over all keys (:func:`memlm.index.exact_search`), one pass over the keys per call."""
+    """Brute force over all keys (:func:`memlm.storage.index.exact_search`), one pass over the keys per call."""
 
     def __init__(self, keys: np.ndarray, metric: str) -> None:
         index_lib._check_metric(metric)
@@ -98,7 +98,7 @@ class ExactSearcher:
 
 class RescoredSearcher:
     """Another searcher's ids with their similarities recomputed from the stored keys under ``metric`` (default the
-    searcher's), re-sorted best first (:func:`memlm.index.exact_scores`). Used for the kNN-LM's full-precision
+    searcher's), re-sorted best first (:func:`memlm.storage.index.exact_scores`). Used for the kNN-LM's full-precision
     distances and for scores that must share one scale across searchers (RetoMaton's pointer rows)."""
 
     def __init__(self, inner: Searcher, keys: np.ndarray, metric: str | None = None) -> None:

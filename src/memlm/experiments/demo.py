@@ -24,16 +24,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memlm.corpora import corpus_fingerprint, load_documents
-from memlm.datastore import Datastore, build_datastore
+from memlm.data.corpora import corpus_fingerprint, load_documents
+from memlm.data.windows import limit_documents
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
-from memlm.keys import KeySpec
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
-from memlm.locking import folder_lock
+from memlm.models.keys import KeySpec
+from memlm.models.resources import default_dtype, load_causal_lm, memlm_home
 from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
-from memlm.resources import default_dtype, load_causal_lm, memlm_home
-from memlm.windows import limit_documents
+from memlm.storage.datastore import Datastore, build_datastore
+from memlm.storage.fileio import atomic_write_json
+from memlm.storage.locking import folder_lock
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -146,7 +146,7 @@ def _dumps(
 
 
 def _plot(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> None:
-    from memlm.plots import finish_figure, pyplot
+    from memlm.experiments.plots import finish_figure, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from memlm.data.windows import TokenChunk, Window, batched, sliding_windows
 from memlm.errors import MemlmError
-from memlm.keys import KeyCapture, KeySpec
-from memlm.windows import TokenChunk, Window, batched, sliding_windows
+from memlm.models.keys import KeyCapture, KeySpec
 
 __all__ = ["WindowOutput", "collate", "forward_windows", "fp32_head", "rolling_forward"]
 
@@ -140,9 +140,9 @@ def rolling_forward(
     """Every token of every document scored on its own, after ``prefix_id``: lm-evaluation-harness's
     ``loglikelihood_rolling`` protocol, through memlm's sliding windows (linear in document length).
 
-    Each stream ``[prefix_id] + tokens`` is cut by :func:`memlm.windows.sliding_windows` (no context crosses a document
-    boundary); windows of different documents share batches. Returns ``(lm_logprob [N] float32, targets [N] int64,
-    doc_index [N] int32, keys {spec: [N, D] float32})`` in document order, ``N = sum(len(tokens))``.
+    Each stream ``[prefix_id] + tokens`` is cut by :func:`memlm.data.windows.sliding_windows` (no context crosses a
+    document boundary); windows of different documents share batches. Returns ``(lm_logprob [N] float32, targets [N]
+    int64, doc_index [N] int32, keys {spec: [N, D] float32})`` in document order, ``N = sum(len(tokens))``.
     """
     specs = list(key_specs)
     chunks = [

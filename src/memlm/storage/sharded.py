@@ -1,6 +1,6 @@
 """Sharded datastores: one datastore split by documents into N self-describing shard folders, built in parallel.
 
-A corpus ``d_0 .. d_{M-1}`` becomes one token stream (each document's tokens, then EOS; :mod:`memlm.windows`) with
+A corpus ``d_0 .. d_{M-1}`` becomes one token stream (each document's tokens, then EOS; :mod:`memlm.data.windows`) with
 ``T`` tokens at positions ``0 .. T-1``. A one-process build stores one entry per target position ``p = 1 .. T-1``,
 computed in the sliding window that scores ``p``:
 
@@ -21,14 +21,14 @@ then shard 1's, ..., i.e. exactly the one-process order.**
     shards.json         format, settings, the plan (documents, targets of each shard), counts once complete
     shard-00000/        a normal datastore (manifest.json, keys.bin, ..., progress.json while unfinished)
     shard-00001/        ...
-    index.faiss.json    the sharded index's description (memlm.sharded_index), once built
+    index.faiss.json    the sharded index's description (memlm.storage.sharded_index), once built
 
-Each shard is built by :func:`memlm.datastore.build_datastore`, so each resumes on its own: a rerun of the same
+Each shard is built by :func:`memlm.storage.datastore.build_datastore`, so each resumes on its own: a rerun of the same
 command skips finished shards and resumes unfinished ones from their ``progress.json``. With ``ray`` each shard is a
 Ray task (a model per worker process, loaded once and reused); without, shards are built one after the other in this
 process (same files).
 
-:class:`ShardedDatastore` opens the folder and behaves like a :class:`~memlm.datastore.Datastore` (``keys``,
+:class:`ShardedDatastore` opens the folder and behaves like a :class:`~memlm.storage.datastore.Datastore` (``keys``,
 ``values``, ``doc_hash``, ``offset`` are row-concatenated views over the shards' memory maps, global row = global
 id); :func:`open_datastore` opens either kind.
 """
@@ -45,13 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from memlm import __version__, schema
-from memlm.datastore import FOLDER, Datastore, DatastoreBase, build_datastore
+from memlm import __version__
+from memlm.data.windows import TokenChunk, Window, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json
-from memlm.keys import KeySpec
-from memlm.sharded_index import ShardedSearcher
-from memlm.windows import TokenChunk, Window, sliding_windows, tokenize_documents
+from memlm.models.keys import KeySpec
+from memlm.storage import schema
+from memlm.storage.datastore import FOLDER, Datastore, DatastoreBase, build_datastore
+from memlm.storage.fileio import atomic_write_json
+from memlm.storage.sharded_index import ShardedSearcher
 
 __all__ = [
     "SHARDS_FILE",
@@ -149,7 +150,7 @@ def plan_shards(doc_lengths: Sequence[int], n_shards: int, window: int, min_cont
 class ShardDocuments(Sequence):
     """The documents one shard reads, with the windows a one-process build would score for its targets.
 
-    A ``Sequence`` of the documents ``[read_doc, doc_hi)``; :func:`memlm.datastore.build_datastore` asks it for
+    A ``Sequence`` of the documents ``[read_doc, doc_hi)``; :func:`memlm.storage.datastore.build_datastore` asks it for
     ``memlm_windows`` / ``memlm_count_targets`` instead of windowing the documents from scratch.
     """
 
@@ -258,10 +259,10 @@ def build_sharded(
     """Build (or resume) a sharded datastore of ``documents`` in ``out`` with ``n_shards`` shards.
 
     ``model`` is a loaded causal LM (with ``tokenizer``; in-process builds only) or a model name / folder that each
-    worker loads with :func:`memlm.resources.load_causal_lm` in ``dtype`` on ``device`` (``cuda`` for GPU workers;
-    with ``ray`` each task also asks Ray for ``gpus_per_worker`` GPUs and ``cpus_per_worker`` CPUs, and uses that many
-    torch threads). ``ray``: ``None`` builds the shards one after the other in this process; ``"local"`` starts a
-    local Ray cluster; any other string is a Ray address (``ray.init(address=...)``, e.g. ``"auto"``).
+    worker loads with :func:`memlm.models.resources.load_causal_lm` in ``dtype`` on ``device`` (``cuda`` for GPU
+    workers; with ``ray`` each task also asks Ray for ``gpus_per_worker`` GPUs and ``cpus_per_worker`` CPUs, and uses
+    that many torch threads). ``ray``: ``None`` builds the shards one after the other in this process; ``"local"``
+    starts a local Ray cluster; any other string is a Ray address (``ray.init(address=...)``, e.g. ``"auto"``).
     Rerunning the same call resumes: finished shards are skipped, unfinished ones resume from their own progress.
     """
     out = Path(out)
@@ -269,7 +270,7 @@ def build_sharded(
     if tokenizer is None:
         if not isinstance(model, str):
             raise MemlmError("build_sharded needs the tokenizer with a loaded model (or pass a model name instead)")
-        from memlm.resources import load_causal_lm
+        from memlm.models.resources import load_causal_lm
 
         _, tokenizer = load_causal_lm(model, dtype=dtype)
     if ray is not None and not isinstance(model, str):
@@ -296,7 +297,7 @@ def build_sharded(
             "memlm_version": __version__,
             "config": config,
             "plan": [p.as_dict() for p in plans],
-            "order": "shard 0's entries, then shard 1's, ...: the one-process build's order (memlm.sharded)",
+            "order": "shard 0's entries, then shard 1's, ...: the one-process build's order (memlm.storage.sharded)",
             "complete": False,
         }
         atomic_write_json(shards_path, state)
@@ -308,7 +309,7 @@ def build_sharded(
             print(f"building {len(todo)} of {len(plans)} shards in {out}", file=sys.stderr, flush=True)
         if ray is None:
             if isinstance(model, str):
-                from memlm.resources import load_causal_lm
+                from memlm.models.resources import load_causal_lm
 
                 model, tokenizer = load_causal_lm(model, dtype=dtype)
             if device != "cpu":
@@ -316,7 +317,7 @@ def build_sharded(
             for p in todo:
                 build_shard(model, tokenizer, documents, out, p, key, window, min_context, batch_size, source, progress)
         else:
-            from memlm.ray_backend import build_shards_on_ray
+            from memlm.storage.ray_backend import build_shards_on_ray
 
             build_shards_on_ray(
                 ray, build_shard, ShardPlan, model, dtype, device, documents, out, todo, key, window, min_context,
@@ -401,7 +402,8 @@ class ShardedArray:
 
 @dataclass
 class ShardedDatastore(DatastoreBase):
-    """A sharded datastore opened for reading: the interface of :class:`~memlm.datastore.Datastore` over all shards.
+    """A sharded datastore opened for reading: the interface of :class:`~memlm.storage.datastore.Datastore` over all
+    shards.
 
     ``manifest`` is shard 0's with the total ``count`` and a ``sharded`` entry; ``shards`` are the opened shards in
     order and ``offsets[s]`` the global id of shard ``s``'s first entry.
@@ -474,8 +476,8 @@ class ShardedDatastore(DatastoreBase):
         self.manifest["calibration"] = calibration
 
     def searcher(self, index_path: str | Path | None = None, nprobe: int = 32) -> ShardedSearcher:
-        """A :class:`memlm.sharded_index.ShardedSearcher` over the shards' indexes (Ray actors when ``self.ray``;
-        the sharded index's description is ``index_path``, default ``index.faiss.json``)."""
+        """A :class:`memlm.storage.sharded_index.ShardedSearcher` over the shards' indexes (Ray actors when
+        ``self.ray``; the sharded index's description is ``index_path``, default ``index.faiss.json``)."""
         return ShardedSearcher.open(self, index_path, nprobe=nprobe, ray=self.ray)
 
 
@@ -485,7 +487,7 @@ def open_datastore(
     """Open a datastore folder of either kind: :class:`ShardedDatastore` when it holds ``shards.json``.
 
     ``ray``: search a sharded datastore with Ray actors. ``mmap_index``: memory-map a single datastore's index when
-    searching (:meth:`memlm.datastore.Datastore.searcher`; sharded indexes always are).
+    searching (:meth:`memlm.storage.datastore.Datastore.searcher`; sharded indexes always are).
     """
     if is_sharded(path):
         return ShardedDatastore.open(path, verify=verify, ray=ray)

@@ -11,15 +11,16 @@ call; :func:`check` checks data already in memory.
 
 The formats, and where they are read:
 
-* ``DATASTORE_MANIFEST``: a datastore's ``manifest.json`` (:meth:`memlm.datastore.Datastore.open`, the index
-  identity check of :func:`memlm.index.load_index`).
+* ``DATASTORE_MANIFEST``: a datastore's ``manifest.json`` (:meth:`memlm.storage.datastore.Datastore.open`, the index
+  identity check of :func:`memlm.storage.index.load_index`).
 * ``CALIBRATION``: the ``calibration`` record of a datastore's manifest (and of a sharded one's ``shards.json``).
-* ``DATASTORE_PROGRESS``: a datastore's ``progress.json`` (resuming :func:`memlm.datastore.build_datastore`).
-* ``INDEX_META``: ``index.faiss.json`` beside a FAISS index (:func:`memlm.index.read_index_meta`, ``load_index``).
+* ``DATASTORE_PROGRESS``: a datastore's ``progress.json`` (resuming :func:`memlm.storage.datastore.build_datastore`).
+* ``INDEX_META``: ``index.faiss.json`` beside a FAISS index
+  (:func:`memlm.storage.index.read_index_meta`, ``load_index``).
 * ``PHRASE_MANIFEST``, ``PHRASE_PROGRESS``, ``PHRASE_DOCS``: an NPM phrase index's ``manifest.json``,
   ``progress.json`` and ``docs.json`` (:mod:`memlm.npm.phrase_index`).
-* ``TRAIN_RUN``: a training run's ``run.json`` (:func:`memlm.train.check_run_identity`) and ``TRAIN_STATE``: the
-  dict inside a checkpoint's ``training_state.pt`` (resuming :func:`memlm.train.train`).
+* ``TRAIN_RUN``: a training run's ``run.json`` (:func:`memlm.training.loop.check_run_identity`) and ``TRAIN_STATE``: the
+  dict inside a checkpoint's ``training_state.pt`` (resuming :func:`memlm.training.loop.train`).
 """
 
 from __future__ import annotations

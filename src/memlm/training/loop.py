@@ -30,7 +30,7 @@ Files under ``out_dir``::
     run.json             what the run is trained on (corpus, tokenizer, model, loss: ``identity``); a rerun with other
                          values is refused with the differences named (:func:`check_run_identity`)
 
-One writer per run folder: :func:`train` holds the folder's lock (:mod:`memlm.locking`). ``resume=False`` starts
+One writer per run folder: :func:`train` holds the folder's lock (:mod:`memlm.storage.locking`). ``resume=False`` starts
 over: the folder's checkpoints, ``final`` and ``run.json`` are deleted first, so a later resume never continues from
 a checkpoint of the old run.
 """
@@ -55,10 +55,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memlm import schema
+from memlm._moved import legacy_name
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json, disk_full_error, is_disk_full
-from memlm.locking import folder_lock
+from memlm.storage import schema
+from memlm.storage.fileio import atomic_write_json, disk_full_error, is_disk_full
+from memlm.storage.locking import folder_lock
 
 __all__ = [
     "GPT2_SIZES",
@@ -257,7 +258,7 @@ def lm_batches(
     else:
         if tokenizer is None:
             raise MemlmError("lm_batches needs a tokenizer to tokenize documents (or pass a 1-D token array)")
-        from memlm.windows import tokenize_documents
+        from memlm.data.windows import tokenize_documents
 
         docs = list(data)
         parts = [c.tokens for c in tokenize_documents(docs, tokenizer)] if docs else []
@@ -361,7 +362,8 @@ def describe_callable(fn: Any) -> str | None:
     if fn is None:
         return None
     target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+    module = legacy_name(getattr(target, "__module__", "?"))  # the name before the move: older runs resume
+    name = f"{module}.{getattr(target, '__qualname__', repr(target))}"
     scalars = (int, float, str, bool, type(None))
     params: dict[str, Any] = {}
     if inspect.isfunction(fn) and fn.__closure__:

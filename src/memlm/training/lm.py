@@ -2,7 +2,8 @@
 
 :class:`LmObjective` is the objective ``lm`` of ``memlm train`` (and the base of TRIME's, which swap in their loss
 and batches: :mod:`memlm.trime.training`); :func:`train_lm` runs it through the shared driver
-:func:`memlm.train_driver.train_objective`. Everything goes under one folder, and rerunning the same command resumes::
+:func:`memlm.training.driver.train_objective`. Everything goes under one folder, and rerunning the same command
+resumes::
 
     out/tokenizer/    the tokenizer (trained once, reused on resume)
     out/checkpoint-N/ resumable checkpoints (model + tokenizer + optimizer state)
@@ -20,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.corpora import Document, load_corpora
+from memlm.data.corpora import Document, load_corpora
 from memlm.errors import MemlmError
-from memlm.train import (
+from memlm.training.driver import Objective, TrainSetup, run_tokenizer, train_objective
+from memlm.training.loop import (
     LossFn,
     TrainConfig,
     TrainResult,
@@ -32,9 +34,8 @@ from memlm.train import (
     lm_batches,
     parse_arch,
 )
-from memlm.train_driver import Objective, TrainSetup, run_tokenizer, train_objective
 
-# load_corpora lives in memlm.corpora and parse_arch in memlm.train; both stay importable from here
+# load_corpora lives in memlm.data.corpora and parse_arch in memlm.training.loop; both stay importable from here
 __all__ = ["DEFAULT_TOKENIZER", "LmObjective", "parse_arch", "scratch_gpt2", "load_corpora", "train_lm"]
 
 DEFAULT_TOKENIZER = "bpe:8192"
@@ -52,12 +53,13 @@ def scratch_gpt2(size: str, tokenizer, n_positions: int = 1024, dropout: float =
 
 
 class LmObjective(Objective):
-    """A causal LM trained with ``loss_fn`` (default: next-token cross-entropy, :func:`memlm.train.causal_lm_loss`).
+    """A causal LM trained with ``loss_fn`` (default: next-token cross-entropy,
+    :func:`memlm.training.loop.causal_lm_loss`).
 
     Model: a GPT-2 of size ``setup.scratch`` (:func:`scratch_gpt2`, ``setup.n_positions`` default 1024) with the
     tokenizer ``setup.tokenizer`` (default ``bpe:8192``, trained here on the training text), or the pretrained LM
     ``setup.model`` with its tokenizer. Batches: ``batches(documents, tokenizer)`` when given, else the documents
-    (each + EOS) concatenated and cut into ``seq_len`` chunks (:func:`memlm.train.lm_batches`). Validation: the
+    (each + EOS) concatenated and cut into ``seq_len`` chunks (:func:`memlm.training.loop.lm_batches`). Validation: the
     loop's perplexity of the first ``valid_tokens`` validation tokens (whole chunks, at least one).
     """
 
@@ -87,7 +89,7 @@ class LmObjective(Objective):
 
     def build(self, setup: TrainSetup, docs: list[Document]):
         if setup.model is not None:
-            from memlm.resources import load_causal_lm
+            from memlm.models.resources import load_causal_lm
 
             lm, tok = load_causal_lm(setup.model, dtype="float32")
             lm.train()

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from memlm.errors import MemlmError
-from memlm.fileio import dumps_json
+from memlm.storage.fileio import dumps_json
 
 if TYPE_CHECKING:  # torch and transformers are imported where used: `memlm corpora` should not pay for them
     import torch
@@ -130,8 +130,9 @@ def default_dtype() -> str:
 
     ``bfloat16`` on a GPU that supports it and on CPUs with native bf16 (here 1.4x the evaluation tokens/s of
     float32 for SmolLM2-135M, docs/results/dtype_speed.json), else ``float32``. memlm computes the output projection
-    and log-softmax in float32 whatever the body's dtype (:class:`memlm.forward.fp32_head`). bf16 perplexity against
-    float32, SmolLM2-135M: -0.03% (19,958 WikiText-2 test tokens, window 512: docs/results/precision_bf16_vs_fp32.json),
+    and log-softmax in float32 whatever the body's dtype (:class:`memlm.models.forward.fp32_head`). bf16 perplexity
+    against float32, SmolLM2-135M: -0.03% (19,958 WikiText-2 test tokens, window 512:
+    docs/results/precision_bf16_vs_fp32.json),
     -0.10% (5,929 tokens, window 1024: dtype_speed.json), -0.08% (1,980 tokens, window 16:
     precision_bf16_vs_fp32_window16.log); +0.38% was seen at window 16 on 1,167 tokens of speeches, so no bound holds
     for short windows and texts. ``MEMLM_DEFAULT_DTYPE`` overrides the choice.

@@ -3,7 +3,7 @@
 =============  =====================================================  ===========================================
 name           objective (model; loss)                                validation
 =============  =====================================================  ===========================================
-lm             :class:`memlm.train_lm.LmObjective` (a causal LM;       perplexity every ``eval_every`` updates
+lm             :class:`memlm.training.lm.LmObjective` (a causal LM;       perplexity every ``eval_every`` updates
                next-token cross-entropy)
 trime          :class:`memlm.trime.training.TrimeLmObjective`          perplexity (plain CE) every ``eval_every``
                (TRIME, local memory; Zhong et al. 2022)
@@ -19,8 +19,8 @@ mlm            :class:`memlm.npm.mlm.MlmTrainObjective` (the encoder   cross-ent
                with a masked-LM head; NPM's parametric baseline)
 =============  =====================================================  ===========================================
 
-Each is trained by the one driver, :func:`memlm.train_driver.train_objective`. A new objective is a subclass of
-:class:`memlm.train_driver.Objective` and one line here (or ``OBJECTIVES["name"] = MyObjective`` at run time).
+Each is trained by the one driver, :func:`memlm.training.driver.train_objective`. A new objective is a subclass of
+:class:`memlm.training.driver.Objective` and one line here (or ``OBJECTIVES["name"] = MyObjective`` at run time).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 from memlm.errors import MemlmError
 from memlm.npm.mlm import MlmTrainObjective
 from memlm.npm.train_npm import NpmSingleTrainObjective, NpmTrainObjective
-from memlm.train_driver import Objective
-from memlm.train_lm import LmObjective
+from memlm.training.driver import Objective
+from memlm.training.lm import LmObjective
 from memlm.trime.training import TrimeExtObjective, TrimeLmObjective, TrimeLongObjective
 
 __all__ = ["OBJECTIVES", "make_objective"]

@@ -43,13 +43,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm import index as index_lib
 from memlm.core.distribution import interpolate, perplexity
 from memlm.core.tuning import grid_search
-from memlm.datastore import Datastore
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json, dumps_json, unique_tmp
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
+from memlm.storage import index as index_lib
+from memlm.storage.datastore import Datastore
+from memlm.storage.fileio import atomic_write_json, dumps_json, unique_tmp
 
 __all__ = ["AnalysisSpec", "PAPER", "approx_factory", "interpolation_row", "run_analysis", "write_report"]
 
@@ -228,7 +228,7 @@ class _Run:
     # -- model and forward passes ------------------------------------------------------------------------------
     def model(self):
         if self._model is None:
-            from memlm.resources import load_causal_lm
+            from memlm.models.resources import load_causal_lm
 
             model, tok = load_causal_lm(self.spec.model, dtype=self.spec.dtype)
             for ds in self.datastores.values():
@@ -241,9 +241,9 @@ class _Run:
         dump = self.out / f"forward-{split}.npz"
         qpaths = {role: self.out / f"queries-{split}-{role}.npy" for role in self.datastores}
         if not (dump.exists() and all(p.exists() for p in qpaths.values())):
-            from memlm.corpora import load_corpora
+            from memlm.data.corpora import load_corpora
+            from memlm.data.windows import limit_documents
             from memlm.knnlm.evaluate import lm_scores
-            from memlm.windows import limit_documents
 
             model, tok = self.model()
             corpora = self.spec.valid if split == "valid" else self.spec.test
@@ -721,7 +721,7 @@ def write_report(results: dict[str, Any], out: Path) -> str:
 
 
 def _figures(results: dict[str, Any], out: Path) -> None:
-    from memlm.plots import finish_figure, pyplot
+    from memlm.experiments.plots import finish_figure, pyplot
 
     plt = pyplot()
     base = results["base"]["test_ppl"]

@@ -1,9 +1,9 @@
 """A sharded FAISS index: one quantizer trained once, one index per shard, searched in parallel and merged.
 
-**Build** (:func:`build_sharded_index`). The index is trained once, exactly as :func:`memlm.index.build_index` trains a
-one-process index: ``train_size`` keys sampled without replacement with ``seed`` from *all* entries (global ids, so
-every shard contributes in proportion to its size). The trained, empty index (IVF coarse quantizer, PQ/SQ codebooks)
-is saved as ``index.faiss.trained``; each shard's index is a copy of it filled with that shard's keys (FAISS
+**Build** (:func:`build_sharded_index`). The index is trained once, exactly as :func:`memlm.storage.index.build_index`
+trains a one-process index: ``train_size`` keys sampled without replacement with ``seed`` from *all* entries (global
+ids, so every shard contributes in proportion to its size). The trained, empty index (IVF coarse quantizer, PQ/SQ
+codebooks) is saved as ``index.faiss.trained``; each shard's index is a copy of it filled with that shard's keys (FAISS
 ``read_index`` of the trained file + ``add``), in parallel: Ray tasks with ``ray=``, else a thread pool. Every shard
 index stores *local* ids ``0 .. n_s - 1``, so a shard folder stays a normal datastore with a normal index; the
 searcher adds the shard's offset. An IVF list of the sharded index is the union of the shards' lists for the same
@@ -36,10 +36,10 @@ from typing import Any
 import faiss
 import numpy as np
 
-from memlm import index as index_lib
 from memlm.errors import MemlmError
-from memlm.fileio import atomic_write_json, sha256_file, unique_tmp
-from memlm.index import load_index_mmap, set_nprobe
+from memlm.storage import index as index_lib
+from memlm.storage.fileio import atomic_write_json, sha256_file, unique_tmp
+from memlm.storage.index import load_index_mmap, set_nprobe
 
 __all__ = [
     "ShardedSearcher",
@@ -70,8 +70,8 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 def _read_sidecar(index_path: str | Path) -> dict[str, Any] | None:
     """The JSON beside a shard index or a sharded index description (``<name>.json``); ``None`` if absent.
 
-    Not :func:`memlm.index.read_index_meta`: a sharded datastore's ``index.faiss.json`` describes shard indexes and
-    has no ``index.faiss`` file of its own, and a shard index records the trained index it was filled from.
+    Not :func:`memlm.storage.index.read_index_meta`: a sharded datastore's ``index.faiss.json`` describes shard indexes
+    and has no ``index.faiss`` file of its own, and a shard index records the trained index it was filled from.
     """
     side = index_lib.meta_path(index_path)
     if not side.is_file():
@@ -116,9 +116,9 @@ def build_sharded_index(
 ) -> dict[str, Any]:
     """Train once on a sample of all shards of ``datastore`` (a ShardedDatastore) and fill one index per shard.
 
-    ``factory=None``: :func:`memlm.index.default_factory` for the *total* number of entries. ``workers`` threads add
-    the shards in this process; ``ray`` (an address or ``"local"``) adds them as Ray tasks instead. A rerun keeps the
-    shard indexes already filled from the same trained file. Returns the description written to ``<name>.json``.
+    ``factory=None``: :func:`memlm.storage.index.default_factory` for the *total* number of entries. ``workers`` threads
+    add the shards in this process; ``ray`` (an address or ``"local"``) adds them as Ray tasks instead. A rerun keeps
+    the shard indexes already filled from the same trained file. Returns the description written to ``<name>.json``.
     """
     t0 = time.perf_counter()
     n, d = len(datastore), datastore.dim
@@ -162,7 +162,7 @@ def build_sharded_index(
     if progress:
         print(f"adding {len(jobs)} of {len(datastore.shards)} shard indexes", file=sys.stderr, flush=True)
     if jobs and ray is not None:
-        from memlm.ray_backend import add_shard_indexes_on_ray
+        from memlm.storage.ray_backend import add_shard_indexes_on_ray
 
         add_shard_indexes_on_ray(ray, jobs, add_shard_index)
     elif jobs:
@@ -211,7 +211,7 @@ def to_gpu_if_available(index: faiss.Index, device: str = "auto") -> faiss.Index
 
 
 def search_with_offset(index: faiss.Index, queries: np.ndarray, k: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`memlm.index.search` with valid ids shifted by ``offset`` (a shard's first global id)."""
+    """:func:`memlm.storage.index.search` with valid ids shifted by ``offset`` (a shard's first global id)."""
     scores, ids = index_lib.search(index, queries, k)
     if offset:
         ids = np.where(ids >= 0, ids + offset, ids)
@@ -242,8 +242,8 @@ def merge_topk(parts: list[tuple[np.ndarray, np.ndarray]], k: int, block: int = 
 class ShardedSearcher:
     """Top-k over all shards of a sharded datastore: ``search(queries, k) -> (scores [Q, k], global ids [Q, k])``.
 
-    Same conventions as :func:`memlm.index.search` (larger = closer, ``-inf`` / ``-1`` in empty slots). ``metric``
-    is the index's (``l2`` / ``ip``). Close it (or use ``with``) to stop its Ray actors.
+    Same conventions as :func:`memlm.storage.index.search` (larger = closer, ``-inf`` / ``-1`` in empty slots).
+    ``metric`` is the index's (``l2`` / ``ip``). Close it (or use ``with``) to stop its Ray actors.
     """
 
     def __init__(
@@ -267,7 +267,7 @@ class ShardedSearcher:
         self.pool = None
         self.indexes: list[faiss.Index] = []
         if ray is not None:
-            from memlm.ray_backend import ShardActorPool
+            from memlm.storage.ray_backend import ShardActorPool
 
             ops = (load_index_mmap, search_with_offset, set_nprobe)  # what the actors run, passed in (no import)
             self.pool = ShardActorPool(ray, self.paths, self.offsets, nprobe, ops)
@@ -300,7 +300,7 @@ class ShardedSearcher:
         return cls(description, path.parent, nprobe, ray, workers, device, path)
 
     def describe(self) -> dict[str, Any]:
-        """What a result file records (the :class:`memlm.searcher.Searcher` protocol)."""
+        """What a result file records (the :class:`memlm.storage.searcher.Searcher` protocol)."""
         return {"search": "index", "index": str(self.path), "nprobe": self.nprobe,
                 "metric": self.metric, "shards": len(self.paths), "ray": self.pool is not None}  # fmt: skip
 

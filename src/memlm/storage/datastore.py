@@ -2,22 +2,22 @@
 
     D = {(f(c_i), w_i) | (c_i, w_i) in corpus}
 
-A datastore is a folder that describes itself, like a ``save_pretrained`` folder (:mod:`memlm.folder`'s format, shared
-with NPM's phrase index: manifest, arrays, checksums, resumable writer, lock)::
+A datastore is a folder that describes itself, like a ``save_pretrained`` folder (:mod:`memlm.storage.folder`'s format,
+shared with NPM's phrase index: manifest, arrays, checksums, resumable writer, lock)::
 
     manifest.json   model and tokenizer fingerprints, key role/layer/dim, count, dtypes, sources, windowing, checksums
     keys.bin        float16 [count, dim]   (raw C-order; shape and dtype are in the manifest, never typed by a user)
     values.bin      int32   [count]        next-token ids
     doc_hash.bin    int64   [count]        64-bit hash of the source document (to drop exact self-matches)
     offset.bin      int32   [count]        position of the target inside its document
-    index.faiss     the FAISS index over the keys (memlm.index), with index.faiss.json beside it
+    index.faiss     the FAISS index over the keys (memlm.storage.index), with index.faiss.json beside it
 
 Building streams: memory does not grow with the corpus (keys are appended to disk batch by batch). After every batch the
 files are flushed and ``progress.json`` is replaced atomically, so a build killed at any moment (even ``kill -9``)
 resumes where it stopped with no entry lost or duplicated: bytes past the recorded count are truncated. Appending more
-text later uses the same mechanism. A build holds the folder's writer lock (:mod:`memlm.locking`): a second writer is
-refused with the holder's pid and command. A rerun with other settings (key, window, corpus, model, ...) is refused
-with the differences named, never silently answered with the old datastore.
+text later uses the same mechanism. A build holds the folder's writer lock (:mod:`memlm.storage.locking`): a second
+writer is refused with the holder's pid and command. A rerun with other settings (key, window, corpus, model, ...) is
+refused with the differences named, never silently answered with the old datastore.
 
 What is checked when (:meth:`Datastore.open`):
 
@@ -45,18 +45,19 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from memlm import __version__, schema
-from memlm import index as index_lib
+from memlm import __version__
+from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError, option
-from memlm.fileio import disk_full_error, is_disk_full, unique_tmp
-from memlm.folder import FolderFormat
-from memlm.folder import manifest_digest as _manifest_digest  # noqa: F401 (the name older callers import)
-from memlm.forward import forward_windows
-from memlm.index import meta_path
-from memlm.keys import KeySpec, key_dim, num_layers
-from memlm.resources import model_fingerprint, tokenizer_fingerprint
-from memlm.searcher import FaissSearcher, Searcher
-from memlm.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
+from memlm.models.forward import forward_windows
+from memlm.models.keys import KeySpec, key_dim, num_layers
+from memlm.models.resources import model_fingerprint, tokenizer_fingerprint
+from memlm.storage import index as index_lib
+from memlm.storage import schema
+from memlm.storage.fileio import disk_full_error, is_disk_full, unique_tmp
+from memlm.storage.folder import FolderFormat
+from memlm.storage.folder import manifest_digest as _manifest_digest  # noqa: F401 (the name older callers import)
+from memlm.storage.index import meta_path
+from memlm.storage.searcher import FaissSearcher, Searcher
 
 __all__ = ["Datastore", "build_datastore", "FORMAT_VERSION", "model_identity"]
 
@@ -65,7 +66,7 @@ FILES = {"keys": "float16", "values": "int32", "doc_hash": "int64", "offset": "i
 REBUILD = "rebuild it with `memlm datastore build ... --overwrite` (or delete the folder)"
 _PROGRESS_FIX = "delete progress.json (and the .bin files) or rerun with --overwrite to start over"
 
-#: the datastore's folder format (:mod:`memlm.folder`): manifest, arrays, progress file, checksums, lock
+#: the datastore's folder format (:mod:`memlm.storage.folder`): manifest, arrays, progress file, checksums, lock
 FOLDER = FolderFormat(
     kind="datastore",
     title="a memlm datastore",
@@ -215,7 +216,7 @@ def _check_values(path: Path, manifest: dict[str, Any], values: np.ndarray) -> N
 
 
 class DatastoreBase:
-    """What every datastore (one folder, :class:`Datastore`, or shards, :class:`memlm.sharded.ShardedDatastore`)
+    """What every datastore (one folder, :class:`Datastore`, or shards, :class:`memlm.storage.sharded.ShardedDatastore`)
     offers its consumers: ``path``, ``manifest``, the entry arrays ``keys [N, D]`` / ``values`` / ``doc_hash`` /
     ``offset``, the key spec, the model check, and :meth:`searcher` -- the one way to its index."""
 
@@ -247,7 +248,7 @@ class DatastoreBase:
         return self.path / "index.faiss"
 
     def searcher(self, index_path: str | Path | None = None, nprobe: int = 32) -> Searcher:
-        """The :class:`memlm.searcher.Searcher` over the index at ``index_path`` (default :attr:`index_path`),
+        """The :class:`memlm.storage.searcher.Searcher` over the index at ``index_path`` (default :attr:`index_path`),
         refused unless that index was built from this datastore."""
         raise NotImplementedError
 
@@ -315,7 +316,7 @@ class DatastoreBase:
 @dataclass
 class Datastore(DatastoreBase):
     """An opened datastore: memory-mapped arrays plus the manifest that describes them. ``mmap_index``: its index
-    is searched memory-mapped (:func:`memlm.index.load_index_mmap`) instead of read into RAM."""
+    is searched memory-mapped (:func:`memlm.storage.index.load_index_mmap`) instead of read into RAM."""
 
     path: Path
     manifest: dict[str, Any]
@@ -340,7 +341,7 @@ class Datastore(DatastoreBase):
         return cls(path, manifest, **arrays, mmap_index=mmap_index)
 
     def index_source(self) -> dict[str, Any]:
-        """The identity an index over these keys records (:func:`memlm.index.build_index`'s ``source``)."""
+        """The identity an index over these keys records (:func:`memlm.storage.index.build_index`'s ``source``)."""
         src = {
             "kind": "datastore",
             "count": len(self),
@@ -360,7 +361,7 @@ class Datastore(DatastoreBase):
         progress: bool = True,
         **kw: Any,
     ):
-        """:func:`memlm.index.build_index` over this datastore's keys, recording its identity (default path
+        """:func:`memlm.storage.index.build_index` over this datastore's keys, recording its identity (default path
         ``index.faiss`` in the folder)."""
         out = Path(path) if path is not None else self.index_path
         return index_lib.build_index(
@@ -369,7 +370,7 @@ class Datastore(DatastoreBase):
         )  # fmt: skip
 
     def load_index(self, path: str | Path | None = None, nprobe: int = 32, verify: bool = False, **kw: Any):
-        """:func:`memlm.index.load_index`, refusing an index not built from this datastore."""
+        """:func:`memlm.storage.index.load_index`, refusing an index not built from this datastore."""
         out = Path(path) if path is not None else self.index_path
         return index_lib.load_index(
             out, nprobe=nprobe, expect=self.index_source(), verify=verify, expect_from=self.path, **kw
@@ -448,9 +449,9 @@ def build_datastore(
     source is returned as is. Other settings (key, window, min_context, model, tokenizer, dtype, corpus) are refused
     with the differences named, unless ``append=True`` (adds ``documents`` as a new source; model, key and windows
     must match) or ``overwrite=True`` (the folder's datastore, index and any unfinished build are deleted first).
-    The folder is locked for the whole build (:func:`memlm.locking.folder_lock`).
+    The folder is locked for the whole build (:func:`memlm.storage.locking.folder_lock`).
     ``stride`` (default ``window - min_context``) equal to ``window`` gives non-overlapping blocks whose first token is
-    skipped or scored from BOS (``block_start``, see :func:`memlm.windows.sliding_windows`).
+    skipped or scored from BOS (``block_start``, see :func:`memlm.data.windows.sliding_windows`).
     """
     if append and overwrite:
         raise MemlmError(
@@ -550,7 +551,8 @@ def _build_locked(
         FOLDER.start(out, state)
 
     dim = key_dim(model, key)
-    # a shard (memlm.sharded.ShardDocuments) brings its own windows: those of the one-process build for its targets
+    # a shard (memlm.storage.sharded.ShardDocuments) brings its own windows: those of the one-process build for its
+    # targets
     custom = hasattr(documents, "memlm_windows")
     n_total = (
         documents.memlm_count_targets(tokenizer)
@@ -603,7 +605,7 @@ def _write_entries(
 ) -> int:
     """The streaming part of a build: append every remaining window's entries, recording progress per batch."""
     bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if hasattr(documents, "memlm_windows"):  # a shard of a sharded build (memlm.sharded)
+    if hasattr(documents, "memlm_windows"):  # a shard of a sharded build (memlm.storage.sharded)
         windows = documents.memlm_windows(tokenizer, window, window - stride)
     else:
         windows = sliding_windows(

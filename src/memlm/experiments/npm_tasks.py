@@ -218,7 +218,7 @@ def mlm_classifier(model, tokenizer) -> Classifier:
 def index_documents(pi: PhraseIndex, tokenizer) -> list:
     """The documents a phrase index was built from, reloaded from its manifest's source (``memlm npm index`` records
     corpus, split and max_tokens) and checked against its corpus fingerprint."""
-    from memlm.corpora import load_corpora
+    from memlm.data.corpora import load_corpora
     from memlm.npm.train_npm import limit_encoder_documents
 
     corpus = pi.manifest.get("corpus") or {}
@@ -330,7 +330,7 @@ def bbc_classification(
     verbalizer: uniform scores, counted as wrong, prediction ``None``), :class:`QueryStats` and the per-document
     predictions."""
     if documents is None:
-        from memlm.corpora import load_documents
+        from memlm.data.corpora import load_documents
 
         documents = load_documents("bbc", "test")
     docs = list(documents)

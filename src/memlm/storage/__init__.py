@@ -1,0 +1,2 @@
+"""Storage: datastores (plain and sharded), FAISS indexes and searchers, the self-describing folder, locks, schemas and
+atomic files."""
