@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from memlm.data.corpora import load_documents
-from memlm.models.resources import load_encoder
 from memlm.experiments import npm_tasks as tasks
+from memlm.models.resources import load_encoder
 from memlm.npm.encoder import encode_query
 from memlm.npm.inference import closed_set, restrict_rows
 from memlm.npm.phrase_index import PhraseIndex
