@@ -66,6 +66,7 @@ from memlm.core.distribution import (
     value_logsumexp,
 )
 from memlm.core.dumps import TokenDump
+from memlm.core.memory import DenseMemory
 from memlm.core.tuning import grid_search
 from memlm.data.windows import doc_hash
 from memlm.errors import MemlmError
@@ -272,12 +273,10 @@ def _memory_terms(
     earlier = torch.ones(n, n, dtype=torch.bool, device=g.device).tril(-1)[first:]  # [t, j]: j < t
     entries = [(g, y, earlier), *((pg, py, None) for pg, py in past)]
     for m, (keys, values, visible) in enumerate(entries[: max_segments + 1]):
-        scores = (q @ keys.T) * scale
-        vals = values[None, :].expand(rows, -1)
-        if visible is not None:
-            vals = vals.masked_fill(~visible, -1)  # an invisible entry is an empty slot
+        memory = DenseMemory(keys, values, "ip", scale)  # M_local (lag 0) or M_long (lag m): every entry, k = N
+        r = memory.search(q, len(memory), visible)  # an invisible entry is an empty slot
         for a, t in enumerate(temperatures):
-            out_all[:, a, m], out_hit[:, a, m] = memory_lse(scores, vals, yq, t)
+            out_all[:, a, m], out_hit[:, a, m] = memory_lse(r.scores, r.values, yq, t)
     return out_all, out_hit
 
 
