@@ -209,6 +209,9 @@ def open_ngram(args: argparse.Namespace, tokenizer):
     return memories[0] if len(memories) == 1 else NgramMemories(memories)
 
 
+_NOT_NGRAM = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}  # what eval reports apart
+
+
 def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temperature: float) -> dict[str, Any]:
     """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one)."""
     from memlm.ngram.memory import NgramMemories
@@ -228,8 +231,8 @@ def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temper
             "lambda_dense": d3,
             "note": "tune all four jointly on a valid dump with memlm tune",
         }
-    drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
-    return {**{k: v for k, v in rep.items() if k not in drop}, "ngram_parameters_from": origin, **memory.describe()}
+    own = {k: v for k, v in rep.items() if k not in _NOT_NGRAM}
+    return {**own, "ngram_parameters_from": origin, **memory.describe()}
 
 
 def multi_ngram_result(args: argparse.Namespace, ts, memories, lam: float | None, temperature: float) -> dict:
@@ -240,12 +243,11 @@ def multi_ngram_result(args: argparse.Namespace, ts, memories, lam: float | None
     from memlm.core.distribution import perplexity
     from memlm.ngram.mixture import multi_weights, ngram_parameters, ngram_report, ngrams_logprob, reference_view
 
-    drop = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}
     refs, weights = [], []
     for r, memory in enumerate(memories.memories):
         ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
         rep = ngram_report(reference_view(ts, r), ls, ld)
-        refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in drop},
+        refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in _NOT_NGRAM},
                      "ngram_parameters_from": origin})  # fmt: skip
         weights.append([ls, ld])
     shared = multi_weights(0.0, weights)
@@ -296,30 +298,15 @@ def tune_with_ngram(args: argparse.Namespace, valid) -> None:
         + (f" lambda={best['lambda']} temperature={best['temperature']}" if has_knn else "")
         + f" ppl={best['ppl']:.4f}"
     )
-    out: dict[str, Any] = {
-        "valid": {
-            "best": best,
-            "grid_points": len(result["grid"]),
-            "report": ngram_report(
-                valid,
-                best["lambda_sparse"],
-                best["lambda_dense"],
-                lam=best["lambda"] if has_knn else None,
-                temperature=best["temperature"],
-                k=args.k,
-            ),
-        }
-    }
+
+    def report(ts) -> dict[str, Any]:
+        lam = best["lambda"] if has_knn else None
+        return ngram_report(ts, best["lambda_sparse"], best["lambda_dense"], lam=lam,
+                            temperature=best["temperature"], k=args.k)  # fmt: skip
+
+    out: dict[str, Any] = {"valid": {"best": best, "grid_points": len(result["grid"]), "report": report(valid)}}
     if args.test:
-        test = TokenScores.load(args.test)
-        res = ngram_report(
-            test,
-            best["lambda_sparse"],
-            best["lambda_dense"],
-            lam=best["lambda"] if has_knn else None,
-            temperature=best["temperature"],
-            k=args.k,
-        )
+        res = report(TokenScores.load(args.test))
         out["test"] = res
         for k, v in res.items():
             print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")

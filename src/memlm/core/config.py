@@ -21,9 +21,19 @@ from typing import Any
 
 from memlm.errors import MemlmError
 
-__all__ = ["DEFAULT_MIN_CONTEXT", "DEFAULT_WINDOW", "GENERATION_RETRIEVAL", "RetrievalConfig"]
+__all__ = ["DEFAULT_MIN_CONTEXT", "DEFAULT_WINDOW", "GENERATION_RETRIEVAL", "RetrievalConfig", "replace_fields"]
 
 DEFAULT_WINDOW, DEFAULT_MIN_CONTEXT = 1024, 512  # the evaluation windows when none are given (Khandelwal et al.)
+
+
+def replace_fields(record: Any, what: str, **options: Any) -> Any:
+    """The dataclass ``record`` with ``options`` set by field name; an unknown name is refused with the known ones
+    (``what``: the kind of settings, for the message)."""
+    names = {f.name for f in dataclasses.fields(record)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise MemlmError(f"unknown {what} settings {unknown}; known: {sorted(names)}")
+    return dataclasses.replace(record, **options)
 
 
 @dataclass(frozen=True)
@@ -88,11 +98,7 @@ class RetrievalConfig:
             options["index"] = None if path is None else str(path)
         if "adaptive" in options and options["adaptive"] is not None:
             options["adaptive"] = str(options["adaptive"])
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise MemlmError(f"unknown retrieval settings {unknown}; known: {sorted(names)}")
-        return dataclasses.replace(config or cls(), **options)
+        return replace_fields(config or cls(), "retrieval", **options)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (recorded in dumps and result files)."""
@@ -101,11 +107,7 @@ class RetrievalConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RetrievalConfig:
         """The config a file recorded (unknown keys refused with their names)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise MemlmError(f"unknown retrieval settings {unknown}; known: {sorted(names)}")
-        return cls(**d)
+        return replace_fields(cls(), "retrieval", **d)
 
     def replace(self, **changes: Any) -> RetrievalConfig:
         return dataclasses.replace(self, **changes)

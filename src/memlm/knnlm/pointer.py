@@ -231,23 +231,15 @@ def retrieve_with_pointers(
     k: int,
     min_survivors: int = 1,
     *,
-    searcher: Searcher | None = None,
+    index: Searcher | Any = None,
     lookahead: int = 32,
+    rule: str = "retomaton",
     provenance: dict[str, np.ndarray] | None = None,
-    **options: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`pointer_retrieve` over a datastore (plain or sharded), searching with ``searcher`` (default: the
-    datastore's own, :meth:`memlm.storage.datastore.DatastoreBase.searcher`, with ``index_path`` / ``nprobe`` from
-    ``options``; ``index``, an index already read, is the older spelling of ``searcher``), whose metric gives the
-    exact scores; ``rule`` (``options``, default "retomaton") as :func:`pointer_retrieve`'s."""
-    index, rule = options.pop("index", None), options.pop("rule", "retomaton")
-    unknown = sorted(set(options) - {"index_path", "nprobe"})
-    if unknown:
-        raise MemlmError(f"unknown retrieve_with_pointers options {unknown}: use index_path, nprobe, index, rule")
-    if searcher is None:
-        searcher = as_searcher(index) if index is not None else datastore.searcher(
-            options.get("index_path"), options.get("nprobe", 32)
-        )  # fmt: skip
+    """:func:`pointer_retrieve` over a datastore (plain or sharded), searching with ``index`` (a searcher or a FAISS
+    index already read; default: the datastore's own, :meth:`memlm.storage.datastore.DatastoreBase.searcher`), whose
+    metric gives the exact scores."""
+    searcher = as_searcher(index) if index is not None else datastore.searcher()
     return pointer_retrieve(
         queries, targets, doc_index, lambda q: searcher.search(q, k), datastore.keys, datastore.values,
         datastore.doc_hash, datastore.offset, k, min_survivors, searcher.metric, lookahead, rule, provenance,

@@ -68,15 +68,15 @@ def _as_bool(value: Any) -> bool:
     return bool(value)
 
 
-def _int_or_auto(value: Any) -> Any:
-    return value if str(value).startswith("auto") else int(value)
+def _batch_size(value: Any) -> int:
+    return 4 if str(value).startswith("auto") else int(value)  # lm_eval's "auto": 4, as before
 
 
 # lm_eval's model arguments by group, each with its type (values from the command line arrive as strings)
 _RETRIEVAL_ARGUMENTS = {"lam": float, "temperature": float, "k": int, "nprobe": int, "cache": _as_bool,
                         "cache_lambda": float, "cache_temperature": float, "cache_k": int, "cache_max_len": int,
                         "window": int, "min_context": int}  # fmt: skip
-_HARNESS_ARGUMENTS = {"max_length": int, "batch_size": _int_or_auto, "dtype": str, "prefix_token_id": int,
+_HARNESS_ARGUMENTS = {"max_length": int, "batch_size": _batch_size, "dtype": str, "prefix_token_id": int,
                       "max_gen_toks": int, "progress": _as_bool}  # fmt: skip
 _NGRAM_ARGUMENTS = {"ngram_lambda_sparse": float, "ngram_lambda_dense": float, "ngram_max_n": int}
 _ARGUMENTS = ("model", "datastore", "config", "ngram", *_RETRIEVAL_ARGUMENTS, *_HARNESS_ARGUMENTS, *_NGRAM_ARGUMENTS)
@@ -149,10 +149,6 @@ class MemlmLM(TemplateLM):
             raise MemlmError(f"lam={self.lam} and cache_lambda={self.cache_lambda} must be >= 0 and sum to at most 1")
         self.temperature = 1.0 if temperature is None else float(temperature)
         self.config = config.replace(lam=self.lam, temperature=self.temperature, cache_lambda=self.cache_lambda)
-        self.k, self.nprobe = config.k, config.nprobe
-        self.cache_temperature, self.cache_k, self.cache_max_len = (
-            config.cache_temperature, config.cache_k, config.cache_max_len,
-        )  # fmt: skip
         self.window, self.min_context = int(config.window or DEFAULT_WINDOW), int(config.min_context or 0)
         if self.window < 2 or not 1 <= self.min_context < self.window:
             raise MemlmError(
@@ -169,10 +165,9 @@ class MemlmLM(TemplateLM):
             )
         max_length = harness.get("max_length")
         self._max_length = int(max_length) if max_length is not None else self.window
-        batch_size = harness.get("batch_size", 4)
-        self.batch_size = 4 if str(batch_size).startswith("auto") else int(batch_size)
-        self._max_gen_toks = int(harness.get("max_gen_toks", 256))
-        self.progress = bool(harness.get("progress", False))
+        self.batch_size = harness.get("batch_size", 4)
+        self._max_gen_toks = harness.get("max_gen_toks", 256)
+        self.progress = harness.get("progress", False)
         self._open_memories(source)
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eot_token_id
         prefix_token_id = harness.get("prefix_token_id")
@@ -186,10 +181,9 @@ class MemlmLM(TemplateLM):
         from memlm.ngram.memory import NgramMemory
         from memlm.ngram.mixture import ngram_parameters, three_way_weights
 
-        memory = ngram if isinstance(ngram, NgramMemory) else NgramMemory(ngram, None if max_n is None else int(max_n))
+        memory = ngram if isinstance(ngram, NgramMemory) else NgramMemory(ngram, max_n)
         memory.index.check_tokenizer(self.tokenizer)
-        ls, ld, _ = ngram_parameters(memory.index, None if lambda_sparse is None else float(lambda_sparse),
-                                     None if lambda_dense is None else float(lambda_dense), announce=False)  # fmt: skip
+        ls, ld, _ = ngram_parameters(memory.index, lambda_sparse, lambda_dense, announce=False)
         return memory, three_way_weights(self.lam + self.cache_lambda, float(ls), float(ld))
 
     def _open_memories(self, source) -> None:
@@ -201,7 +195,7 @@ class MemlmLM(TemplateLM):
             check = getattr(source, "check_compatible", None)  # a datastore's: before its index is read
             if check is not None:
                 check(self.model, self.tokenizer)
-            self.memory = as_memory(source, self.nprobe)
+            self.memory = as_memory(source, self.config.nprobe)
             self.index = getattr(self.memory, "searcher", None)
             self.specs.append(self.memory.key_spec)
         self.cache_spec = CACHE_KEY.normalized(num_layers(self.model)) if self.cache else None
@@ -247,11 +241,11 @@ class MemlmLM(TemplateLM):
             "lambda": self.lam,
             "temperature": self.temperature,
             "parameters_from": self.parameters_from,
-            "k": self.k,
-            "nprobe": self.nprobe,
+            "k": self.config.k,
+            "nprobe": self.config.nprobe,
             "cache": self.cache,
             "cache_lambda": self.cache_lambda,
-            "cache_temperature": self.cache_temperature,
+            "cache_temperature": self.config.cache_temperature,
             "window": self.window,
             "min_context": self.min_context,
             "max_length": self.max_length,
@@ -301,13 +295,13 @@ class MemlmLM(TemplateLM):
         """
         out = []
         if self.memory is not None:
-            r = self.memory.search(keys[self.memory.key_spec][rows], self.k)
+            r = self.memory.search(keys[self.memory.key_spec][rows], self.config.k)
             out.append((r.scores, r.values, self.temperature, r.log_counts))
         if self.cache_spec is not None:
-            cs, cv = continuous_cache(
-                keys[self.cache_spec], targets, np.zeros(len(targets), dtype=np.int32), self.cache_k, self.cache_max_len
-            )
-            out.append((cs[rows], cv[rows], self.cache_temperature, None))
+            c = self.config
+            doc = np.zeros(len(targets), dtype=np.int32)
+            cs, cv = continuous_cache(keys[self.cache_spec], targets, doc, c.cache_k, c.cache_max_len)
+            out.append((cs[rows], cv[rows], self.config.cache_temperature, None))
         return out
 
     def _mixed_target_logprob(self, lm: np.ndarray, targets: np.ndarray, memories, ngram=None) -> torch.Tensor:

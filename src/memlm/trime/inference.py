@@ -39,7 +39,6 @@ exact: for any ``M`` the memory term is the log-sum-exp of lags ``0..M``. :func:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -54,7 +53,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from memlm.core.config import RetrievalConfig
+from memlm.core.config import RetrievalConfig, replace_fields
 from memlm.core.distribution import (
     joint_distribution,
     joint_target_logprob,
@@ -353,14 +352,11 @@ def _nprobe_of(searcher, default: int) -> int:
 
 @dataclass
 class _Run:
-    """:func:`score_trime`'s settings for the segment loop."""
+    """What :func:`score_trime`'s segment loop needs: the settings (key role resolved for the model), the local
+    temperatures as floats, the external memory and the tokens' provenance (or None)."""
 
-    key: KeySpec
-    max_segments: int
+    config: TrimeEvalConfig
     temps: list[float]
-    scale: float | None
-    k: int
-    ext_scores: str
     memory: Any
     provenance: Any
 
@@ -384,27 +380,27 @@ def _score_segments(model, segments, batch_size: int, pad_id: int, run: _Run) ->
     """The forward passes over ``segments`` (``batch_size`` at a time) with the local / long-term memory terms of
     each target and, with an external memory, its retrieved entries; returns the pieces and the search seconds."""
     parts: dict[str, list] = {k_: [] for k_ in ("y", "doc", "seg", "tl", "lse", "all", "hit", "es", "ev")}
-    fifo: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(maxlen=max(run.max_segments, 1))
+    fifo: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(maxlen=max(run.config.max_segments, 1))
     current_doc = -1
     seconds_search = 0.0
     device = _device(model)
     for start in range(0, len(segments), batch_size):
         batch = segments[start : start + batch_size]
-        outs = _forward_segments(model, batch, pad_id, run.key)
+        outs = _forward_segments(model, batch, pad_id, run.config.key)
         for s, (tl, lse, g) in zip(batch, outs, strict=True):
             if s.doc_index != current_doc:
                 fifo.clear()
                 current_doc = s.doc_index
             y = torch.from_numpy(s.targets).to(device)
             d = g.shape[1]
-            sc = 1.0 / math.sqrt(d) if run.scale is None else float(run.scale)
+            sc = 1.0 / math.sqrt(d) if run.config.scale is None else float(run.config.scale)
             f = s.score_from
             positions = torch.from_numpy(s.scored_positions).to(device)
             # earlier windows' entries whose input position (p - 1) is before this window's first input (a)
             past = [(pg[pp <= s.start], py[pp <= s.start]) for pg, py, pp in reversed(fifo)]
-            mem_all, mem_hit = _memory_terms(g, y, past, run.max_segments, run.temps, sc, first=f)
+            mem_all, mem_hit = _memory_terms(g, y, past, run.config.max_segments, run.temps, sc, first=f)
             tl, lse, g, y = tl[f:], lse[f:], g[f:], y[f:]
-            if run.max_segments > 0:
+            if run.config.max_segments > 0:
                 fifo.append((g, y, positions))
             n = len(y)
             for name, part in (("y", s.targets[f:]), ("doc", np.full(n, s.doc_index, dtype=np.int32)),
@@ -414,7 +410,7 @@ def _score_segments(model, segments, batch_size: int, pad_id: int, run: _Run) ->
                 parts[name].append(part)
             if run.memory is not None:
                 t1 = time.perf_counter()
-                es, ev = _segment_external(run.memory, g, s, run.k, run.ext_scores, sc, run.provenance)
+                es, ev = _segment_external(run.memory, g, s, run.config.k, run.config.ext_scores, sc, run.provenance)
                 parts["es"].append(es)
                 parts["ev"].append(ev)
                 seconds_search += time.perf_counter() - t1
@@ -450,8 +446,11 @@ def _trime_scores(parts: dict[str, list], external: bool, meta: dict[str, Any]) 
     )  # fmt: skip
 
 
-def _check_trime_args(model, seq_len, max_segments, local_temperatures, search, ext_scores, k) -> list[float]:
+def _check_trime_args(model, c: TrimeEvalConfig) -> list[float]:
     """:func:`score_trime`'s settings checked before any work; returns the local temperatures as floats."""
+    seq_len, max_segments, local_temperatures, search, ext_scores, k = (
+        c.seq_len, c.max_segments, c.local_temperatures, c.search, c.ext_scores, c.k,
+    )  # fmt: skip
     if seq_len < 2:
         raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
     n_pos = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
@@ -515,11 +514,7 @@ class TrimeEvalConfig:
 
     def with_options(self, **options: Any) -> TrimeEvalConfig:
         """These settings with ``options`` set by name (unknown names refused with the known ones)."""
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise MemlmError(f"unknown TRIME settings {unknown}; known: {sorted(names)}")
-        return dataclasses.replace(self, **options)
+        return replace_fields(self, "TRIME", **options)
 
 
 @torch.inference_mode()
@@ -572,34 +567,33 @@ def score_trime(
     if seq_len is not None:
         options["seq_len"] = seq_len
     c = (config or TrimeEvalConfig()).with_options(**options)
-    seq_len, max_segments, k, search, ext_scores = c.seq_len, c.max_segments, c.k, c.search, c.ext_scores
-    nprobe, drop_self_matches, scale, context, stream = c.nprobe, c.drop_self_matches, c.scale, c.context, c.stream
-    temps = _check_trime_args(model, seq_len, max_segments, c.local_temperatures, search, ext_scores, k)
-    key = c.key.normalized(num_layers(model))
-    memory = _external_memory(model, tokenizer, datastore, key, search, nprobe, index)
-    index = None if memory is None or search != "index" else memory.searcher
-    token_docs, provenance, segments = _trime_windows(documents, tokenizer, seq_len, context, stream, drop_self_matches)
+    c = c.with_options(key=c.key.normalized(num_layers(model)))
+    temps = _check_trime_args(model, c)
+    memory = _external_memory(model, tokenizer, datastore, c.key, c.search, c.nprobe, index)
+    index = None if memory is None or c.search != "index" else memory.searcher
+    token_docs, provenance, segments = _trime_windows(
+        documents, tokenizer, c.seq_len, c.context, c.stream, c.drop_self_matches
+    )
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad_id = 0 if pad_id is None else int(pad_id)
 
     t0 = time.perf_counter()
-    run = _Run(key, max_segments, temps, scale, k, ext_scores, memory, provenance)
-    parts, seconds_search = _score_segments(model, segments, batch_size, pad_id, run)
-    nprobe_used = _nprobe_of(index, nprobe)
+    parts, seconds_search = _score_segments(model, segments, batch_size, pad_id, _Run(c, temps, memory, provenance))
+    nprobe_used = _nprobe_of(index, c.nprobe)
     retrieval = None if datastore is None else RetrievalConfig(
-        k=k, search=search, scores="index" if ext_scores == "index" else "exact", nprobe=nprobe_used,
-        metric=None if ext_scores == "index" else "ip", drop_self_matches=drop_self_matches, window=seq_len,
-        min_context=context or None,
+        k=c.k, search=c.search, scores="index" if c.ext_scores == "index" else "exact", nprobe=nprobe_used,
+        metric=None if c.ext_scores == "index" else "ip", drop_self_matches=c.drop_self_matches, window=c.seq_len,
+        min_context=c.context or None,
     ).to_dict()  # fmt: skip
     out = _trime_scores(parts, datastore is not None, {
         **(meta or {}), "method": "trime", "tokens": int(sum(len(p) for p in parts["y"])),
-        "documents": len(token_docs), "segments": len(segments), "seq_len": seq_len, "context": context,
-        "stream": bool(stream), "max_segments": max_segments, "local_temperatures": temps, "scale": scale,
-        "key": key.describe(), "seconds": time.perf_counter() - t0, "retrieval": retrieval,
+        "documents": len(token_docs), "segments": len(segments), "seq_len": c.seq_len, "context": c.context,
+        "stream": bool(c.stream), "max_segments": c.max_segments, "local_temperatures": temps, "scale": c.scale,
+        "key": c.key.describe(), "seconds": time.perf_counter() - t0, "retrieval": retrieval,
     })  # fmt: skip
     if datastore is not None:
-        out.meta.update(datastore=str(datastore.path), datastore_entries=len(datastore), k=k, search=search,
-                        ext_scores=ext_scores, nprobe=nprobe_used, drop_self_matches=drop_self_matches,
+        out.meta.update(datastore=str(datastore.path), datastore_entries=len(datastore), k=c.k, search=c.search,
+                        ext_scores=c.ext_scores, nprobe=nprobe_used, drop_self_matches=c.drop_self_matches,
                         seconds_search=seconds_search)  # fmt: skip
     return out
 
