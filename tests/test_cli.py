@@ -193,3 +193,26 @@ def test_eval_non_overlapping_blocks_and_refused_zero_context(tmp_path, tiny_lm,
         "8",
     )
     assert r.returncode == 2 and "disagree" in r.stderr
+
+
+def test_device_option_is_checked(tmp_path, tiny_lm_dir, corpus_dir):
+    """``--device`` (eval, datastore build): a name torch does not know is refused by argparse; a GPU this machine
+    lacks is one ``error:`` line naming the fix; ``--device cpu`` gives the same numbers as no flag."""
+    import torch
+
+    corpus = ["--corpus", str(corpus_dir / "test"), "--split", "all", "--window", "32", "--min-context", "8"]
+    r = memlm("eval", "--model", str(tiny_lm_dir), *corpus, "--device", "gpu0")
+    assert r.returncode == 2 and "'gpu0' is not a device" in r.stderr
+    if not torch.cuda.is_available():
+        r = memlm("eval", "--model", str(tiny_lm_dir), *corpus, "--device", "cuda:0")
+        assert r.returncode == 2 and "--device cuda:0" in r.stderr and "--device cpu" in r.stderr
+        out = tmp_path / "ds"
+        r = memlm("datastore", "build", "--model", str(tiny_lm_dir), *corpus, "--out", str(out), "--device", "cuda")
+        assert r.returncode == 2 and "CUDA device" in r.stderr and not (out / "manifest.json").exists()
+    results = []
+    for extra in ([], ["--device", "CPU"]):
+        out = tmp_path / f"eval{len(extra)}.json"
+        r = memlm("eval", "--model", str(tiny_lm_dir), *corpus, *extra, "--json", str(out))
+        assert r.returncode == 0, r.stderr
+        results.append(json.loads(out.read_text())["base_ppl"])
+    assert results[0] == results[1]

@@ -87,6 +87,32 @@ def floats(text: str) -> tuple[float, ...]:
 # ------------------------------------------------------------------------------------------------ argument groups
 
 
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        type=V.torch_device,
+        default="cpu",
+        help="where the model's forward pass runs: cpu, cuda, cuda:N (default cpu; searches stay on the CPU)",
+    )
+
+
+def place_model(model, device: str):
+    """``model`` moved to ``device`` (``--device``), or one clear error when that device is not on this machine."""
+    if device == "cpu":
+        return model
+    import torch
+
+    if device.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= n:
+            raise MemlmError(
+                f"--device {device}: this machine has {n} CUDA device(s) visible to torch "
+                f"{torch.__version__}; run with --device cpu or on a machine with a GPU"
+            )
+    return model.to(device)
+
+
 def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument(
         "--model",

@@ -27,8 +27,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         return _build_sharded(args)
     key = KeySpec.parse(args.key)
     model, tok = common._load_model(args.model, args.dtype)
-    if args.device != "cpu":
-        model.to(args.device)
+    model = common.place_model(model, args.device)
     V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
     docs, held_out, source["holdout"] = _holdout(docs, tok, args)
@@ -349,7 +348,7 @@ def add_parsers(sub) -> None:
     )
     b.add_argument("--factory", default=None, help="FAISS factory string (default: chosen from the datastore size)")
     b.add_argument("--metric", default="l2", choices=["l2", "ip"])
-    b.add_argument("--device", default="cpu", help="where the forward pass runs: cpu, cuda, cuda:N (default cpu)")
+    common.add_device(b)
     b.add_argument(
         "--shards",
         type=V.positive_int,

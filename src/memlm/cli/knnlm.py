@@ -36,6 +36,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
     model, tok = common._load_model(model_name, args.dtype)
+    model = common.place_model(model, args.device)
     if ds is not None:
         ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
     ngram = ngram_cli.open_ngram(args, tok)
@@ -265,6 +266,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--cache-lambda", type=V.probability, default=0.1)
     e.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
     add_windows(e)
+    common.add_device(e)
     e.add_argument("--dump", type=V.output_file, default=None, help="write per-token scores (.npz) for memlm tune")
     e.add_argument(
         "--json",

@@ -157,6 +157,15 @@ def nonempty_text(text: str) -> str:
     return text
 
 
+def torch_device(text: str) -> str:
+    """A device torch names: ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (whether this machine has it is checked when the
+    model is placed, :func:`memlm.cli.common.place_model`)."""
+    name, _, index = text.strip().lower().partition(":")
+    if name not in ("cpu", "cuda", "mps") or (index and (not index.isdigit() or name != "cuda")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: give cpu, cuda, cuda:N or mps")
+    return f"{name}:{index}" if index else name
+
+
 def existing_file(text: str) -> str:
     """A path to an existing regular file."""
     path = Path(text)
