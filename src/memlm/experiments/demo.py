@@ -62,8 +62,11 @@ class DemoConfig:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
+_clock = {"start": time.perf_counter()}  # reset when a demo starts: each log line says how far into the run it is
+
+
 def _log(msg: str) -> None:
-    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+    print(f"[demo {time.perf_counter() - _clock['start']:4.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _cached_datastore(out: Path) -> Datastore | None:
@@ -90,6 +93,7 @@ def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path) -> Datastore
     )
     if ds.index_problem() is not None:  # missing, or not built from this datastore (e.g. an older memlm's)
         ds.build_index(metric="l2")  # Flat (exact) at this size
+    _log(f"{corpus} datastore ready: {len(ds):,} entries")
     return ds
 
 
@@ -171,7 +175,7 @@ def run_demo(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
 
 
 def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    t0 = _clock["start"] = time.perf_counter()
     _log(f"outputs in {out}")
     plan = {"wiki": ["wiki"], "news": ["wiki", "news"]}  # eval corpus -> datastores to try
     dumps_done = all((out / f"{c}-{s}-{n}.npz").exists() for c, names in plan.items() for s in ("valid", "test")
@@ -192,6 +196,7 @@ def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
         sub = {n: stores[n] for n in names}
         valid = _dumps(cfg, model, tok, corpus, "valid", sub, out, ngrams)
         test = _dumps(cfg, model, tok, corpus, "test", sub, out, ngrams)
+        _log(f"tuning the weights on {corpus}/valid and scoring {corpus}/test")
         for name in names:
             best = tune(valid[name])["best"]
             res = perplexities(test[name], lam=best["lambda"], temperature=best["temperature"])
