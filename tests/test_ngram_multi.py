@@ -247,6 +247,52 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
     assert len(proc.parts[0].history) == len(proc.parts[1].history) == 2  # each reference searched at every step
 
 
+def _greedy_by_hand(model, prompt, steps, brutes, weights, lam=0.0, ds=None, k=8, tau=1.0) -> list[int]:
+    seq = list(prompt)
+    for _ in range(steps):
+        with torch.no_grad():
+            p_lm = torch.softmax(model(input_ids=torch.tensor([seq])).logits[0, -1].double(), -1).numpy()
+        p_knn = None if ds is None else _p_knn(model, ds, [seq], k, tau)[0]
+        p, _ = _mixture(p_lm, seq, brutes, weights, lam, p_knn)
+        seq.append(int(p.argmax()))
+    return seq[len(prompt) :]
+
+
+def test_cli_generate_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, ds, capsys):
+    """`memlm generate --ngram A --ngram B` (with per-index weights; alone and with --datastore, where weights that sum
+    past 1 are shared as memlm eval shares them): greedy decoding picks the argmax of the mixture by hand at every
+    step, and --show-sources lists each token's suffix in each index. Fails on the old code (argparse kept only the
+    last --ngram and took one weight)."""
+    from memlm.cli import main
+
+    model, tok = tiny_lm
+    brutes = [Brute(tok, docs) for docs in _corpora()]
+    a, b = two_indexes
+    prompt = "the old river"
+    base = ["generate", "--model", str(tiny_lm_dir), "--ngram", str(a.path), "--ngram", str(b.path), "--prompt", prompt,
+            "--max-new-tokens", "4", "--greedy", "--show-sources", "1", "--dtype", "float32"]  # fmt: skip
+    assert main([*base, "--ngram-lambda-sparse", "0.5", "0.3", "--ngram-lambda-dense", "0.2", "0.1"]) == 0
+    out = capsys.readouterr().out
+    want = _greedy_by_hand(model, _ids(tok, prompt), 4, brutes, [(0.5, 0.2), (0.3, 0.1)])
+    assert out.startswith(prompt + tok.decode(want) + "\n")
+    lines = out.splitlines()[-8:]  # two lines per generated token, one per index
+    assert [line.split("] ")[0].split("[")[-1] for line in lines] == ["1:a", "2:b"] * 4
+    assert all("occurrences" in line for line in lines)
+    # with the kNN term: λ 0.5 + Σ_r max(λ_sparse,r, λ_dense,r) = 1.5 > 1, so the pairs are scaled by (1 - λ) W / S
+    argv = [*base, "--datastore", str(ds.path), "--k", "8", "--lambda", "0.5", "--temperature", "2",
+            "--ngram-lambda-sparse", "0.9", "0.6", "--ngram-lambda-dense", "0.2", "0.1"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    scale = (1 - 0.5) * 0.9 / (0.9 + 0.6)
+    weights = [(0.9 * scale, 0.2 * scale), (0.6 * scale, 0.1 * scale)]
+    want = _greedy_by_hand(model, _ids(tok, prompt), 4, brutes, weights, lam=0.5, ds=ds, k=8, tau=2.0)
+    assert out.startswith(prompt + tok.decode(want))
+    assert "[2:b] suffix" in out
+    # a weight per index must come once for all or once per index
+    assert main([*base, "--ngram-lambda-sparse", "0.1", "0.2", "0.3"]) != 0
+    assert "3 values for 2" in capsys.readouterr().err
+
+
 def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, two_indexes, ds):
     """MemlmLM(ngram=[A, B]) with a pair of weights per index: every rolling log-probability, and a loglikelihood
     request with the datastore too (its greedy flag from the mixed distribution), equal the mixture by hand; lm_eval's
@@ -295,3 +341,38 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, two_indexes, d
     one = MemlmLM(model=model, tokenizer=tok, ngram=[a.path, b.path], ngram_lambda_sparse=0.4, window=64,
                   min_context=32)  # fmt: skip
     assert one.memory_settings["ngram_lambda_sparse"] == [0.4, 0.4]
+
+
+def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_path, monkeypatch):
+    """`memlm lm-eval --ngram A --ngram B` with a weight per index: the record names both indexes and the word
+    perplexity is the one MemlmLM(ngram=[A, B]) gives (itself checked by hand above). Fails on the old code (the
+    second --ngram replaced the first)."""
+    pytest.importorskip("lm_eval")
+    import re
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+
+    from memlm.cli import main
+    from memlm.data.corpora import load_documents
+    from memlm.lmeval.model import MemlmLM
+
+    a, b = two_indexes
+    out = tmp_path / "r.json"
+    args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_wikitext2", "--window", "256", "--min-context",
+            "64", "--samples", '{"memlm_wikitext2": [14]}', "--out", str(out), "--ngram", str(a.path), "--ngram",
+            str(b.path), "--ngram-lambda-sparse", "0.5", "0.2", "--ngram-lambda-dense", "0.1"]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 0
+    record = json.loads(out.read_text())
+    assert record["memlm"]["ngram"] == [str(a.path), str(b.path)]
+    assert record["memlm"]["ngram_lambda_sparse"] == [0.5, 0.2] and record["memlm"]["ngram_lambda_dense"] == [0.1, 0.1]
+    model, tok = tiny_lm
+    lm = MemlmLM(model=model, tokenizer=tok, ngram=[a.path, b.path], ngram_lambda_sparse=[0.5, 0.2],
+                 ngram_lambda_dense=0.1, window=256, min_context=64)  # fmt: skip
+    page = load_documents("wikitext2", "test")[14].text
+    text = wikitext_detokenizer({"page": page})
+    (ll,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    words = len(re.split(r"\s+", page))
+    got = record["results"]["memlm_wikitext2"]["word_perplexity,none"]
+    assert got == pytest.approx(math.exp(-ll / words), rel=1e-6)
