@@ -293,10 +293,11 @@ def test_cli_generate_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, ds, ca
     assert "3 values for 2" in capsys.readouterr().err
 
 
-def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, two_indexes, ds):
+def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, two_indexes, ds):
     """MemlmLM(ngram=[A, B]) with a pair of weights per index: every rolling log-probability, and a loglikelihood
     request with the datastore too (its greedy flag from the mixed distribution), equal the mixture by hand; lm_eval's
-    string form (``ngram=A|B``, ``ngram_lambda_sparse=a|b``) gives the same model. Fails on the old code (ngram= took
+    string form (``ngram=A|B``, ``ngram_lambda_sparse=a|b``, also through ``create_from_arg_string``) gives the same
+    model. Fails on the old code (ngram= took
     one index)."""
     pytest.importorskip("lm_eval")
     from memlm.lmeval.model import MemlmLM
@@ -320,6 +321,11 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, two_indexes, d
                         ngram_lambda_dense="0.3|0.1", window=64, min_context=32)  # fmt: skip
     assert as_string.memory_settings == lm.memory_settings
     np.testing.assert_array_equal(as_string.rolling_token_logprobs(tokens), got)
+    from_args = MemlmLM.create_from_arg_string(  # what lm_eval does with --model_args
+        f"model={tiny_lm_dir},ngram={a.path}|{b.path},ngram_lambda_sparse=0.6|0.2,ngram_lambda_dense=0.3|0.1,"
+        "window=64,min_context=32,dtype=float32"
+    )
+    assert from_args.memory_settings == lm.memory_settings
 
     # loglikelihood with the datastore: (1 - λ - Σ λ_r) p_LM + λ p_kNN + Σ λ_r P∞_r (0.1 + 0.8 <= 1: as given)
     lam, k, tau = 0.1, 8, 2.0
