@@ -180,7 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )[0]
     if ngram is not None:
         prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
-        ngram_cli.print_sources(args, ngram.memory, tok, prompt, text)
+        ngram_cli.print_sources(args, ngram.memories, tok, prompt, text)
 
 
 def cmd_gate_train(args: argparse.Namespace) -> None:
@@ -321,7 +321,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="search each forward batch in a background thread while the model computes the next",
     )
-    ngram_cli.add_eval_args(e, several=True)
+    ngram_cli.add_eval_args(e)
     e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")

@@ -152,31 +152,35 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ memlm eval / tune --ngram
 
 
-def add_eval_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    """``--ngram DIR`` and its weights for ``memlm eval`` (``several``: ``--ngram`` may be given more than once)."""
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """``--ngram DIR`` (more than once for several indexes) and its weights for ``memlm eval``, ``generate`` and
+    ``lm-eval``."""
     g = p.add_argument_group("∞-gram (docs/NGRAM.md)")
-    more = "; give it again for several indexes, each with its own weights (--dump + memlm tune tunes them jointly)"
     g.add_argument(
         "--ngram",
         type=V.existing_dir,
         default=None,
         metavar="DIR",
-        help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore" + (several * more),
-        **({"action": "append"} if several else {}),
+        action="append",
+        help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore; give it again for "
+        "several indexes, each with its own weights",
     )
     g.add_argument(
         "--ngram-lambda-sparse",
         type=V.probability,
+        nargs="+",
         default=None,
         metavar="λ",
-        help="weight of P∞ where it is sparse (default: the index's calibration, else 0.1)",
+        help="weight of P∞ where it is sparse: one value, or one per --ngram in order (default: each index's "
+        "calibration, else 0.1)",
     )
     g.add_argument(
         "--ngram-lambda-dense",
         type=V.probability,
+        nargs="+",
         default=None,
         metavar="λ",
-        help="weight of P∞ elsewhere (default: the index's calibration, else 0.03)",
+        help="weight of P∞ elsewhere: one value, or one per --ngram (default: each index's calibration, else 0.03)",
     )
     g.add_argument(
         "--ngram-max-n",
@@ -209,6 +213,15 @@ def open_ngram(args: argparse.Namespace, tokenizer):
     return memories[0] if len(memories) == 1 else NgramMemories(memories)
 
 
+def given_lambdas(args: argparse.Namespace, n: int) -> list[tuple[float | None, float | None]]:
+    """Each of the ``n`` ``--ngram`` indexes' ``(λ_sparse, λ_dense)`` as given on the command line (None: not given,
+    the index's calibration then): one value for every index, or one per index in the order of ``--ngram``."""
+    from memlm.ngram.mixture import per_index_lambdas
+
+    names = ("--ngram-lambda-sparse", "--ngram-lambda-dense")
+    return per_index_lambdas(args.ngram_lambda_sparse, args.ngram_lambda_dense, n, names)
+
+
 _NOT_NGRAM = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}  # what eval reports apart
 
 
@@ -219,7 +232,7 @@ def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temper
 
     if isinstance(memory, NgramMemories):
         return multi_ngram_result(args, ts, memory, lam, temperature)
-    ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+    ls, ld, origin = ngram_parameters(memory.index, *given_lambdas(args, 1)[0])
     rep = ngram_report(ts, ls, ld)
     if ts.knn_scores is not None and lam is not None:
         s3, d3 = three_way_weights(lam, ls, ld)  # weights tuned apart can sum past 1
@@ -244,8 +257,9 @@ def multi_ngram_result(args: argparse.Namespace, ts, memories, lam: float | None
     from memlm.ngram.mixture import multi_weights, ngram_parameters, ngram_report, ngrams_logprob, reference_view
 
     refs, weights = [], []
+    given = given_lambdas(args, len(memories.memories))
     for r, memory in enumerate(memories.memories):
-        ls, ld, origin = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
+        ls, ld, origin = ngram_parameters(memory.index, *given[r])
         rep = ngram_report(reference_view(ts, r), ls, ld)
         refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in _NOT_NGRAM},
                      "ngram_parameters_from": origin})  # fmt: skip
@@ -386,7 +400,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def generate_with_ngram(args: argparse.Namespace) -> None:
-    """``memlm generate --ngram DIR``: the LM interpolated with P∞ (NgramLogitsProcessor), optionally with sources."""
+    """``memlm generate --ngram DIR [--ngram DIR2 ...]``: the LM interpolated with P∞ (NgramLogitsProcessor; several
+    indexes: MultiNgramLogitsProcessor), optionally with sources."""
     import torch
 
     from memlm.knnlm.generate import generate_text
@@ -401,33 +416,38 @@ def generate_with_ngram(args: argparse.Namespace) -> None:
         model, tok, [prompt], max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, processor=proc
     )[0]
     print(args.prompt + text, flush=True)
-    print_sources(args, proc.memory, tok, prompt, text)
+    print_sources(args, proc.memories, tok, prompt, text)
 
 
 def ngram_processor(args: argparse.Namespace, tok, lam: float = 0.0):
-    """The ∞-gram step of ``memlm generate`` (its λ_sparse / λ_dense: the flags, else the index's calibration;
-    beside a kNN weight ``lam``, shared as ``memlm eval`` shares them: :func:`~memlm.ngram.mixture.three_way_weights`)
-    """
-    from memlm.ngram.generate import NgramLogitsProcessor
-    from memlm.ngram.mixture import ngram_parameters, three_way_weights
+    """The ∞-gram step of ``memlm generate``, one index or several (each index's λ_sparse / λ_dense: the flags, else
+    its calibration; beside a kNN weight ``lam``, shared as ``memlm eval`` shares them:
+    :func:`~memlm.ngram.mixture.shared_weights`)."""
+    from memlm.ngram.generate import ngram_logits_processor
+    from memlm.ngram.mixture import ngram_parameters, shared_weights
 
     memory = open_ngram(args, tok)
-    ls, ld, _ = ngram_parameters(memory.index, args.ngram_lambda_sparse, args.ngram_lambda_dense)
-    return NgramLogitsProcessor(memory, *three_way_weights(lam, ls, ld))
+    memories = getattr(memory, "memories", [memory])  # NgramMemories for several --ngram
+    given = given_lambdas(args, len(memories))
+    weights = [ngram_parameters(m.index, *g)[:2] for m, g in zip(memories, given, strict=True)]
+    return ngram_logits_processor(memories, shared_weights(lam, weights))
 
 
-def print_sources(args: argparse.Namespace, memory, tok, prompt: list[int], text: str) -> None:
-    """``--show-sources N``: under the generated text, each token's longest matched suffix and up to N documents."""
+def print_sources(args: argparse.Namespace, memories, tok, prompt: list[int], text: str) -> None:
+    """``--show-sources N``: under the generated text, each token's longest matched suffix and up to N documents;
+    with several indexes, one line per index (``[i:folder]``, in the order of ``--ngram``)."""
     from memlm.ngram.generate import token_sources
 
-    if args.show_sources:
-        full = prompt + list(tok(text, add_special_tokens=False)["input_ids"])
-        for rec in token_sources(memory, full, len(prompt), args.show_sources):
+    if not args.show_sources:
+        return
+    full = prompt + list(tok(text, add_special_tokens=False)["input_ids"])
+    per_index = [token_sources(m, full, len(prompt), args.show_sources) for m in memories]
+    labels = [""] if len(memories) == 1 else [f"[{i + 1}:{Path(m.index.path).name}] " for i, m in enumerate(memories)]
+    for recs in zip(*per_index, strict=True):
+        for i, rec in enumerate(recs):
             docs = ", ".join(f"doc {d['doc_ix']} ({d['id']}) @ {d['offset']}" for d in rec["documents"]) or "-"
-            print(
-                f"{tok.decode([rec['token']])!r:>16}  suffix {rec['suffix_len']:3d} tokens, "
-                f"{rec['count']:,} occurrences: {docs}"
-            )
+            token = f"{tok.decode([rec['token']])!r:>16}" if i == 0 else " " * 16
+            print(f"{token}  {labels[i]}suffix {rec['suffix_len']:3d} tokens, {rec['count']:,} occurrences: {docs}")
 
 
 def add_parsers(sub) -> None:

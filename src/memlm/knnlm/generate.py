@@ -32,7 +32,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
-from memlm.core.distribution import interpolate, knn_distribution, mix_logprobs_per_token
+from memlm.core.distribution import interpolate, knn_distribution
 from memlm.core.memory import Memory
 from memlm.errors import MemlmError
 from memlm.models.keys import KeyCapture
@@ -59,7 +59,8 @@ class KNNLogitsProcessor(LogitsProcessor):
     ``record=True`` keeps, for every call, the ``(scores, ids)`` of the retrieved entries (``[rows, k]``) in
     ``history`` (used to show where a generated token came from). ``index`` reuses an already loaded FAISS index.
     ``ngram`` (a :class:`memlm.ngram.generate.NgramLogitsProcessor`) adds the ∞-gram as a third component, as
-    ``memlm eval`` mixes them: ``(1 - λ - λ_∞(c)) p_LM + λ p_kNN + λ_∞(c) P∞`` (λ_∞ = λ_sparse or λ_dense per step).
+    ``memlm eval`` mixes them: ``(1 - λ - λ_∞(c)) p_LM + λ p_kNN + λ_∞(c) P∞`` (λ_∞ = λ_sparse or λ_dense per step);
+    a :class:`memlm.ngram.generate.MultiNgramLogitsProcessor` adds several, each with its own λ_r(c).
     """
 
     def __init__(
@@ -85,9 +86,9 @@ class KNNLogitsProcessor(LogitsProcessor):
         self.record = record
         self.history: list[tuple[np.ndarray, np.ndarray]] = []
         self.ngram = ngram
-        if ngram is not None and lam + max(ngram.lambda_sparse, ngram.lambda_dense) > 1:
+        if ngram is not None and lam + ngram.max_weight > 1 + 1e-9:  # weights scaled to fit can round past 1
             raise MemlmError(
-                f"λ {lam} + λ_∞ {max(ngram.lambda_sparse, ngram.lambda_dense)} exceed 1: the LM's weight "
+                f"λ {lam} + λ_∞ {ngram.max_weight} exceed 1: the LM's weight "
                 "1 - λ - λ_∞ would be negative; give smaller weights"
             )
 
@@ -116,10 +117,7 @@ class KNNLogitsProcessor(LogitsProcessor):
         )  # fmt: skip
         if self.ngram is None:
             return interpolate(lm, knn, self.lam).to(scores.dtype)
-        p_inf, lam_inf = self.ngram.step(input_ids, lm.shape[-1])
-        lam_inf = lam_inf.unsqueeze(-1).to(lm.device)
-        mixed = mix_logprobs_per_token([lm, knn, p_inf.to(lm.device)], [1.0 - self.lam - lam_inf, self.lam, lam_inf])
-        return mixed.to(scores.dtype)
+        return self.ngram.mix(input_ids, lm, knn, self.lam).to(scores.dtype)
 
 
 class _Temperature(LogitsProcessor):

@@ -26,6 +26,12 @@ matching suffix, ``λ_dense`` elsewhere (``memlm eval``'s mixture)::
 
     p(w | c) = (1 - λ - λc - λ_∞(c)) p_LM + λ p_kNN + λc p_cache + λ_∞(c) P∞(w | c)
 
+Several indexes (``ngram=[DIR1, DIR2]``, or ``ngram=DIR1|DIR2`` in lm_eval's ``--model_args``) each join with their
+own pair of weights (``ngram_lambda_sparse=[a, b]`` or ``a|b``; one value: every index), as ``memlm eval --ngram A
+--ngram B`` mixes them (:func:`memlm.ngram.mixture.multi_ngram_mixture`)::
+
+    p(w | c) = (1 - λ - λc - Σ_r λ_r(c)) p_LM + λ p_kNN + λc p_cache + Σ_r λ_r(c) P∞_r(w | c)
+
 A request's context starts the ∞-gram's document (the suffix can reach back to its first token). Target
 log-probabilities use the exact counts (:meth:`memlm.ngram.memory.NgramMemory.score_documents`); the greedy check of
 ``loglikelihood`` reads P∞ over the vocabulary from the engine's next-token counts (sampled past 1,000 occurrences).
@@ -47,7 +53,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
-from memlm.core.distribution import knn_distribution, mix_logprobs, mix_logprobs_per_token
+from memlm.core.distribution import knn_distribution, mix_logprobs
 from memlm.core.memory import Memory
 from memlm.errors import MemlmError
 from memlm.knnlm.cache import continuous_cache
@@ -62,6 +68,11 @@ from memlm.storage.sharded import open_datastore
 __all__ = ["MemlmLM"]
 
 
+def _one_or_all(values: list) -> Any:
+    """A setting of one ∞-gram index as itself (as before several were taken), of several as the list."""
+    return values[0] if len(values) == 1 else values
+
+
 def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -72,13 +83,23 @@ def _batch_size(value: Any) -> int:
     return 4 if str(value).startswith("auto") else int(value)  # lm_eval's "auto": 4, as before
 
 
+def _per_index(value: Any) -> Any:
+    """One value, or one per ∞-gram index: a list, or from lm_eval's ``--model_args`` a string ``a|b``."""
+    return value.split("|") if isinstance(value, str) and "|" in value else value
+
+
+def _floats(value: Any) -> float | list[float]:
+    value = _per_index(value)
+    return [float(v) for v in value] if isinstance(value, list | tuple) else float(value)
+
+
 # lm_eval's model arguments by group, each with its type (values from the command line arrive as strings)
 _RETRIEVAL_ARGUMENTS = {"lam": float, "temperature": float, "k": int, "nprobe": int, "cache": _as_bool,
                         "cache_lambda": float, "cache_temperature": float, "cache_k": int, "cache_max_len": int,
                         "window": int, "min_context": int}  # fmt: skip
 _HARNESS_ARGUMENTS = {"max_length": int, "batch_size": _batch_size, "dtype": str, "prefix_token_id": int,
                       "max_gen_toks": int, "progress": _as_bool}  # fmt: skip
-_NGRAM_ARGUMENTS = {"ngram_lambda_sparse": float, "ngram_lambda_dense": float, "ngram_max_n": int}
+_NGRAM_ARGUMENTS = {"ngram_lambda_sparse": _floats, "ngram_lambda_dense": _floats, "ngram_max_n": int}
 _ARGUMENTS = ("model", "datastore", "config", "ngram", *_RETRIEVAL_ARGUMENTS, *_HARNESS_ARGUMENTS, *_NGRAM_ARGUMENTS)
 
 LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MIN_CONTEXT, cache_lambda=0.1)
@@ -155,9 +176,9 @@ class MemlmLM(TemplateLM):
                 f"window={self.window} and min_context={self.min_context}: "
                 "need window >= 2 and 1 <= min_context < window"
             )
-        self.ngram, self.ngram_lambdas = None, (0.0, 0.0)
+        self.ngrams, self.ngram_weights = [], []
         if ngram is not None:
-            self.ngram, self.ngram_lambdas = self._open_ngram(
+            self.ngrams, self.ngram_weights = self._open_ngrams(
                 ngram,
                 ngram_options.get("ngram_max_n"),
                 ngram_options.get("ngram_lambda_sparse"),
@@ -175,16 +196,27 @@ class MemlmLM(TemplateLM):
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else int(self.eot_token_id)
 
-    def _open_ngram(self, ngram, max_n, lambda_sparse, lambda_dense) -> tuple[Any, tuple[float, float]]:
-        """The ∞-gram memory (an index folder or an open :class:`NgramMemory`) checked against the tokenizer, and
-        its (λ_sparse, λ_dense) as the three-way mixture shares the weights."""
+    def _open_ngrams(self, ngram, max_n, lambda_sparse, lambda_dense) -> tuple[list, list[tuple[float, float]]]:
+        """The ∞-gram memories (index folders or open :class:`NgramMemory`: one, a list, or ``DIR1|DIR2``) checked
+        against the tokenizer, and each one's (λ_sparse, λ_dense) (given: one value or one per index; else its
+        calibration) as ``memlm eval`` shares the weights beside the kNN term and the cache
+        (:func:`memlm.ngram.mixture.shared_weights`)."""
         from memlm.ngram.memory import NgramMemory
-        from memlm.ngram.mixture import ngram_parameters, three_way_weights
+        from memlm.ngram.mixture import ngram_parameters, per_index_lambdas, shared_weights
 
-        memory = ngram if isinstance(ngram, NgramMemory) else NgramMemory(ngram, max_n)
-        memory.index.check_tokenizer(self.tokenizer)
-        ls, ld, _ = ngram_parameters(memory.index, lambda_sparse, lambda_dense, announce=False)
-        return memory, three_way_weights(self.lam + self.cache_lambda, float(ls), float(ld))
+        sources = _per_index(ngram)
+        sources = list(sources) if isinstance(sources, list | tuple) else [sources]
+        memories = [s if isinstance(s, NgramMemory) else NgramMemory(s, max_n) for s in sources]
+        paths = [Path(m.index.path).resolve() for m in memories]
+        if not memories or len(set(paths)) < len(paths):
+            raise MemlmError(f"ngram= needs each ∞-gram index once, got {[str(p) for p in paths]}")
+        given = per_index_lambdas(lambda_sparse, lambda_dense, len(memories), ("ngram_lambda_sparse",
+                                                                                "ngram_lambda_dense"))  # fmt: skip
+        weights = []
+        for memory, pair in zip(memories, given, strict=True):
+            memory.index.check_tokenizer(self.tokenizer)
+            weights.append(ngram_parameters(memory.index, *pair, announce=False)[:2])
+        return memories, shared_weights(self.lam + self.cache_lambda, weights)
 
     def _open_memories(self, source) -> None:
         """The datastore (plain or sharded, on its own index) or memory searched, and the continuous cache: the key
@@ -250,42 +282,49 @@ class MemlmLM(TemplateLM):
             "min_context": self.min_context,
             "max_length": self.max_length,
             "prefix_token_id": self.prefix_token_id,
-            "ngram": None if self.ngram is None else str(self.ngram.index.path),
-            "ngram_lambda_sparse": self.ngram_lambdas[0],
-            "ngram_lambda_dense": self.ngram_lambdas[1],
+            "ngram": _one_or_all([str(m.index.path) for m in self.ngrams]) if self.ngrams else None,
+            "ngram_lambda_sparse": _one_or_all([w[0] for w in self.ngram_weights or [(0.0, 0.0)]]),
+            "ngram_lambda_dense": _one_or_all([w[1] for w in self.ngram_weights or [(0.0, 0.0)]]),
         }
 
     # ------------------------------------------------------------------------------------------- memories
 
-    def _weights(self, lam_inf: torch.Tensor | None = None) -> list:
-        """The mixture weights, LM first: scalars, plus the per-token ``λ_∞`` (``[n, 1]`` or ``[n]``) last."""
-        lm = 1.0 - self.lam - self.cache_lambda
-        weights: list = [lm if lam_inf is None else lm - lam_inf]  # λ_∞ is appended last
+    def _weights(self) -> list[float]:
+        """The mixture weights, LM first, then the datastore's and the cache's (those present)."""
+        weights = [1.0 - self.lam - self.cache_lambda]
         if self.memory is not None:
             weights.append(self.lam)
         if self.cache:
             weights.append(self.cache_lambda)
-        if lam_inf is not None:
-            weights.append(lam_inf)
         return weights
 
-    def _ngram_lambda(self, sparse: np.ndarray | torch.Tensor) -> torch.Tensor:
-        from memlm.ngram.mixture import per_token_lambda
+    def _ngram_targets(self, doc: Sequence[int], positions: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(log P∞_r(doc[p] | doc[:p]), sparse_r)`` of every index ``r`` for each ``p`` in ``positions`` (exact
+        counts)."""
+        out = []
+        for memory in self.ngrams:
+            r = memory.score_documents([np.asarray(doc, dtype=np.int64)], [positions])
+            out.append((torch.from_numpy(r.logprob), torch.as_tensor(r.sparse)))
+        return out
 
-        ls, ld = self.ngram_lambdas
-        return per_token_lambda(sparse, ls, ld)
+    def _ngram_full(self, seq: Sequence[int], positions: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(log P∞_r(. | seq[:p + 1]) [n, V], sparse_r [n, 1])`` of every index ``r`` for each position ``p``."""
+        contexts = [list(seq[: p + 1]) for p in positions.tolist()]
+        out = []
+        for memory in self.ngrams:
+            r = memory.search(contexts, k=1000)
+            sparse = (torch.as_tensor(r.values) >= 0).sum(-1) == 1
+            dist = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), self.vocab_size, 1.0)
+            out.append((dist, sparse[:, None]))
+        return out
 
-    def _ngram_targets(self, doc: Sequence[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log P∞(doc[p] | doc[:p]), λ_∞)`` for each ``p`` in ``positions`` (exact counts)."""
-        r = self.ngram.score_documents([np.asarray(doc, dtype=np.int64)], [positions])
-        return torch.from_numpy(r.logprob), self._ngram_lambda(r.sparse)
+    def _with_ngrams(self, comps: list[torch.Tensor], refs) -> torch.Tensor:
+        """``comps`` (the LM, then the datastore's and the cache's log-probabilities) mixed with every ∞-gram
+        ``refs`` (``(log P∞_r, sparse_r)``, each at its own (λ_sparse, λ_dense)): ``memlm eval``'s mixture."""
+        from memlm.ngram.mixture import multi_ngram_mixture
 
-    def _ngram_full(self, seq: Sequence[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log P∞(. | seq[:p + 1]) [n, V], λ_∞ [n])`` for each position ``p``."""
-        r = self.ngram.search([list(seq[: p + 1]) for p in positions.tolist()], k=1000)
-        sparse = (torch.as_tensor(r.values) >= 0).sum(-1) == 1
-        dist = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), self.vocab_size, 1.0)
-        return dist, self._ngram_lambda(sparse)
+        others = list(zip(comps[1:], self._weights()[1:], strict=True))
+        return multi_ngram_mixture(comps[0], refs, self.ngram_weights, others=others)
 
     def _memories(self, keys: dict[KeySpec, np.ndarray], targets: np.ndarray, rows: np.ndarray) -> list[tuple]:
         """(scores, values, τ, log counts or None) of each memory for the positions ``rows`` of one sequence.
@@ -305,13 +344,14 @@ class MemlmLM(TemplateLM):
         return out
 
     def _mixed_target_logprob(self, lm: np.ndarray, targets: np.ndarray, memories, ngram=None) -> torch.Tensor:
-        """``log p(target)`` per position under the interpolation (Eq. 3; + cache; + ∞-gram ``(log P∞, λ_∞)``)."""
+        """``log p(target)`` per position under the interpolation (Eq. 3; + cache; + each ∞-gram's
+        ``(log P∞_r, sparse_r)``)."""
         comps = [torch.from_numpy(np.asarray(lm, dtype=np.float32))]
         for sc, val, tau, counts in memories:
             comps.append(memory_logprob(sc, val, np.asarray(targets, dtype=np.int64), tau, None, counts))
-        if ngram is None:
+        if not ngram:
             return mix_logprobs(comps, self._weights())
-        return mix_logprobs_per_token([*comps, ngram[0]], self._weights(ngram[1]))
+        return self._with_ngrams(comps, ngram)
 
     def _mixed_distribution(self, lm_full: torch.Tensor, memories, ngram=None) -> torch.Tensor:
         """``log p(. | c)`` over the vocabulary, ``[n, V]`` (for greedy checks)."""
@@ -319,9 +359,9 @@ class MemlmLM(TemplateLM):
         for sc, val, tau, counts in memories:
             counts = None if counts is None else torch.from_numpy(counts)
             comps.append(knn_distribution(torch.from_numpy(sc), torch.from_numpy(val), lm_full.shape[-1], tau, counts))
-        if ngram is None:
+        if not ngram:
             return mix_logprobs(comps, self._weights())
-        return mix_logprobs_per_token([*comps, ngram[0]], self._weights(ngram[1][:, None]))
+        return self._with_ngrams(comps, ngram)
 
     # ------------------------------------------------------------------------------------------- loglikelihood
 
@@ -363,7 +403,7 @@ class MemlmLM(TemplateLM):
                 keys = {s: captured[s][b, : len(seq) - 1].float().cpu().numpy() for s in self.specs}
                 memories = self._memories(keys, targets, positions)
                 full = target = None
-                if self.ngram is not None:
+                if self.ngrams:
                     full = self._ngram_full(seq, positions)
                     target = self._ngram_targets(seq, positions + 1)
                 mixed = self._mixed_distribution(lm_full, memories, full)
@@ -397,10 +437,10 @@ class MemlmLM(TemplateLM):
         )  # fmt: skip
         if len(tgt) != len(tokens):
             raise MemlmError(f"internal error: {len(tgt)} scored targets for {len(tokens)} tokens")
-        if not self.specs and self.ngram is None:
+        if not self.specs and not self.ngrams:
             return lm_lp.astype(np.float64)
         memories = self._memories(all_keys, tgt, np.arange(len(tgt))) if self.specs else []
-        ngram = self._ngram_targets(tokens, np.arange(len(tokens))) if self.ngram is not None else None
+        ngram = self._ngram_targets(tokens, np.arange(len(tokens))) if self.ngrams else None
         return self._mixed_target_logprob(lm_lp, tgt, memories, ngram).double().numpy()
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -417,11 +457,11 @@ class MemlmLM(TemplateLM):
     # ------------------------------------------------------------------------------------------- generation
 
     def _ngram_processor(self):
-        """The generation step with the ∞-gram (and the datastore when there is one), as ``memlm generate``'s."""
+        """The generation step with the ∞-gram(s) (and the datastore when there is one), as ``memlm generate``'s."""
         from memlm.knnlm.generate import KNNLogitsProcessor
-        from memlm.ngram.generate import NgramLogitsProcessor
+        from memlm.ngram.generate import ngram_logits_processor
 
-        ngram = NgramLogitsProcessor(self.ngram, *self.ngram_lambdas)
+        ngram = ngram_logits_processor(self.ngrams, self.ngram_weights)
         if self.memory is None or not self.lam:
             return ngram
         return KNNLogitsProcessor(self.model, self.memory, self.config, ngram=ngram)
@@ -453,7 +493,7 @@ class MemlmLM(TemplateLM):
                 do_sample=do_sample,
                 sampling_temperature=temperature if do_sample else None,
                 stop=[*until, eos_text] if eos_text else until,
-                processor=self._ngram_processor() if self.ngram is not None else None,  # else the datastore's
+                processor=self._ngram_processor() if self.ngrams else None,  # else the datastore's
             )[0]
             for stop in until:
                 if stop and stop in text:

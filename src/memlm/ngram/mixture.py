@@ -35,6 +35,8 @@ from memlm.errors import MemlmError
 __all__ = [
     "three_way_weights",
     "multi_weights",
+    "shared_weights",
+    "per_index_lambdas",
     "per_token_lambda",
     "ngram_refs",
     "ngrams_logprob",
@@ -100,6 +102,29 @@ def three_way_weights(lam: float, lambda_sparse: float, lambda_dense: float) -> 
     calibrations) sum past 1, scaled by 1 - λ so that the ∞-gram shares what the kNN term leaves (LM weight >= 0)."""
     scale = 1.0 if lam + max(lambda_sparse, lambda_dense) <= 1.0 else 1.0 - lam
     return lambda_sparse * scale, lambda_dense * scale
+
+
+def per_index_lambdas(
+    lambda_sparse, lambda_dense, n: int, names: tuple[str, str] = ("λ_sparse", "λ_dense")
+) -> list[tuple[float | None, float | None]]:
+    """Each of ``n`` indexes' ``(λ_sparse, λ_dense)`` as given: ``None`` (not given: the index's calibration, see
+    :func:`ngram_parameters`), one value for every index, or a sequence of one value per index, in order."""
+    pairs = []
+    for name, values in zip(names, (lambda_sparse, lambda_dense), strict=True):
+        values = [values] if values is None or isinstance(values, int | float | str) else list(values)
+        if len(values) not in (1, n):
+            raise MemlmError(f"{name} got {len(values)} values for {n} ∞-gram indexes: give one, or one per index")
+        pairs.append([None if v is None else float(v) for v in values] * (n if len(values) == 1 else 1))
+    return list(zip(*pairs, strict=True))
+
+
+def shared_weights(lam: float, weights: Sequence[Sequence[float]]) -> list[tuple[float, float]]:
+    """Each reference's ``(λ_sparse, λ_dense)``, set apart (given, or each index's calibration), beside fixed weights
+    that sum to ``lam`` (the kNN term, a cache), as ``memlm eval`` shares them: :func:`three_way_weights` for one
+    reference, :func:`multi_weights` for several."""
+    if len(weights) == 1:
+        return [three_way_weights(lam, float(weights[0][0]), float(weights[0][1]))]
+    return [(w[0], w[1]) for w in multi_weights(lam, weights)]
 
 
 def multi_weights(lam: float, weights: Sequence[Sequence[float]]) -> list[list[float]]:
@@ -304,24 +329,34 @@ def multi_ngram_mixture(
     weights: Sequence[tuple[float, float]],
     knn: torch.Tensor | None = None,
     lam: float = 0.0,
+    others: Sequence[tuple[torch.Tensor, float]] = (),
 ) -> torch.Tensor:
     """``log P(target)`` with several ∞-gram references (e.g. an in-domain corpus and all the text a user has), each
     with its own pair of weights::
 
-        P = (1 - λ - Σ_r λ_r(c)) P_LM + λ P_kNN + Σ_r λ_r(c) P∞_r
+        P = (1 - λ - Σ_j λ_j - Σ_r λ_r(c)) P_LM + λ P_kNN + Σ_j λ_j P_j + Σ_r λ_r(c) P∞_r
         λ_r(c) = λ_sparse,r if P∞_r(· | c) is sparse else λ_dense,r
 
-    ``refs`` are ``(log P∞_r(target), sparse_r)`` per reference; ``weights`` their ``(λ_sparse, λ_dense)``.
+    ``refs`` are ``(log P∞_r(target), sparse_r)`` per reference; ``weights`` their ``(λ_sparse, λ_dense)``;
+    ``others`` further memories ``(log P_j, λ_j)`` at fixed weights after the kNN term (lm-eval's continuous cache).
+    Log-probabilities of one target ``[n]``, or over the vocabulary ``[n, V]`` with ``sparse_r`` ``[n, 1]``
+    (generation's step).
     """
     from memlm.core.distribution import mix_logprobs_per_token
 
     if len(refs) != len(weights) or not refs:
         raise MemlmError("multi_ngram_mixture needs one (λ_sparse, λ_dense) per reference")
+    if knn is None and lam:
+        raise MemlmError(f"multi_ngram_mixture got a kNN weight {lam} but no kNN term")
+    fixed = ([] if knn is None else [(knn, lam)]) + list(others)
     lam_r = [per_token_lambda(sp, ls, ld) for (_, sp), (ls, ld) in zip(refs, weights, strict=True)]
-    comps, ws = [lm], [1.0 - lam - torch.stack(lam_r).sum(0)]
-    if knn is not None:
-        comps.append(knn)
-        ws.append(lam)
+    w_lm = 1.0
+    for _, w in fixed:  # in order: (1 - λ) - λ_cache, as lm-eval's one-reference mixture has always computed it
+        w_lm = w_lm - w
+    comps, ws = [lm], [w_lm - torch.stack(lam_r).sum(0)]
+    for comp, w in fixed:
+        comps.append(comp)
+        ws.append(w)
     for (ng, _), w in zip(refs, lam_r, strict=True):
         comps.append(ng)
         ws.append(w)
