@@ -382,3 +382,25 @@ def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_pat
     words = len(re.split(r"\s+", page))
     got = record["results"]["memlm_wikitext2"]["word_perplexity,none"]
     assert got == pytest.approx(math.exp(-ll / words), rel=1e-6)
+
+
+def test_wrap_with_two_indexes_generates_the_mixture_by_hand(tiny_lm, two_indexes, ds):
+    """``memlm.wrap(model, ds, ngram=[A, B], ngram_lambdas=...)``: greedy ``generate`` picks the argmax of
+    λ p_kNN + Σ_r λ_r P∞_r + rest · p_LM by hand at every step (weights scaled as ``memlm generate`` scales them), and
+    one index gives what the single-index form gave. Fails on the old code (``ngram=`` took one index)."""
+    import memlm
+
+    model, tok = tiny_lm
+    brutes = [Brute(tok, docs) for docs in _corpora()]
+    a, b = two_indexes
+    prompt = _ids(tok, "the old river")
+    knn_lm = memlm.wrap(model, ds, k=8, lam=0.5, temperature=2.0, ngram=[a.path, b.path],
+                        ngram_lambdas=([0.9, 0.6], [0.2, 0.1]))  # fmt: skip
+    out = knn_lm.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
+    scale = (1 - 0.5) * 0.9 / (0.9 + 0.6)
+    weights = [(0.9 * scale, 0.2 * scale), (0.6 * scale, 0.1 * scale)]
+    assert out == _greedy_by_hand(model, prompt, 4, brutes, weights, lam=0.5, ds=ds, k=8, tau=2.0)
+    one = memlm.wrap(model, ds, k=8, lam=0.5, temperature=2.0, ngram=[a.path], ngram_lambdas=(0.3, 0.1))
+    same = memlm.wrap(model, ds, k=8, lam=0.5, temperature=2.0, ngram=a.path, ngram_lambdas=(0.3, 0.1))
+    gen = [m.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False) for m in (one, same)]
+    assert torch.equal(gen[0], gen[1])

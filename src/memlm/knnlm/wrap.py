@@ -42,7 +42,7 @@ class KNNLM:
         temperature: float | None = None,
         nprobe: int = 32,
         ngram=None,
-        ngram_lambdas: tuple[float | None, float | None] = (None, None),
+        ngram_lambdas: tuple[Any, Any] = (None, None),
     ) -> None:
         if isinstance(datastore, str | Path):
             datastore = open_datastore(datastore)
@@ -53,14 +53,16 @@ class KNNLM:
         self.memory = as_memory(datastore, self.nprobe)  # a datastore (plain or sharded) on its own index, or a memory
         self.datastore = getattr(self.memory, "datastore", None)
         self.ngram = None
-        if ngram is not None:
-            from memlm.ngram.generate import NgramLogitsProcessor
+        if ngram is not None:  # one index (folder or NgramMemory) or a list, each with its own (λ_sparse, λ_dense)
+            from memlm.ngram.generate import ngram_logits_processor
             from memlm.ngram.memory import NgramMemory
-            from memlm.ngram.mixture import ngram_parameters, three_way_weights
+            from memlm.ngram.mixture import ngram_parameters, per_index_lambdas, shared_weights
 
-            memory = ngram if isinstance(ngram, NgramMemory) else NgramMemory(ngram)
-            ls, ld, _ = ngram_parameters(memory.index, *ngram_lambdas, announce=False)
-            self.ngram = NgramLogitsProcessor(memory, *three_way_weights(self.lam, ls, ld))
+            refs = list(ngram) if isinstance(ngram, list | tuple) else [ngram]
+            memories = [m if isinstance(m, NgramMemory) else NgramMemory(m) for m in refs]
+            given = per_index_lambdas(*ngram_lambdas, len(memories))
+            weights = [ngram_parameters(m.index, *g, announce=False)[:2] for m, g in zip(memories, given, strict=True)]
+            self.ngram = ngram_logits_processor(memories, shared_weights(self.lam, weights))
 
     def __getattr__(self, name: str) -> Any:  # config, device, dtype, ...: the wrapped model's
         if name == "model":
@@ -114,7 +116,9 @@ def wrap(model, datastore, **options: Any) -> KNNLM:
     """``model`` (any Hugging Face causal LM) as a kNN-LM over ``datastore`` (a folder or an opened datastore built
     with this model): ``forward`` and ``generate`` give the interpolated distribution. ``options``: ``k`` (1024),
     ``lam`` / ``temperature`` (default: the datastore's calibration), ``nprobe`` (32), ``ngram`` (an ∞-gram index
-    folder for generation) and ``ngram_lambdas``. The datastore's model (and, given ``tokenizer=``, its tokenizer) is
+    folder or :class:`~memlm.ngram.memory.NgramMemory` for generation, or a list of them, each index with its own
+    weights) and ``ngram_lambdas`` (``(λ_sparse, λ_dense)``, each one value for every index or one per index; unset,
+    each index's calibration). The datastore's model (and, given ``tokenizer=``, its tokenizer) is
     checked against ``model``."""
     if isinstance(datastore, str | Path):
         datastore = open_datastore(datastore)
