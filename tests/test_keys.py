@@ -569,3 +569,31 @@ def test_ffn_in_raw_is_the_residual_stream_entering_the_ffn(arch, layer):
     assert _close(raw, expected)
     assert not _close(raw, keys["ffn_in"])  # before the norm is not after it
     assert _no_hooks_left(model)
+
+
+@pytest.mark.parametrize("role", ["ffn_in", "final"])
+def test_keys_only_forward_skips_the_output_projection(tiny_lm, role):
+    """A datastore build's forward (keys, no log-probabilities) asks the model for the last position's logits only
+    (``logits_to_keep=1``) and gets the same keys as the full forward; not for the ``final`` key, which is read at
+    the output projection's input (with it, that key would hold the last position alone)."""
+    import numpy as np
+
+    from memlm.data.windows import TokenChunk, batched, sliding_windows
+    from memlm.models.forward import forward_windows
+
+    model, _ = tiny_lm
+    spec = KeySpec.parse(role)
+    chunk = TokenChunk(np.arange(3, 3 + 40, dtype=np.int64), 0, 0)
+    windows = list(sliding_windows([chunk], 16, 4))
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("logits_to_keep")), with_kwargs=True)
+    try:
+        full = [o for out in forward_windows(model, batched(windows, 2), [spec]) for o in out]
+        keys_only = [o for out in forward_windows(model, batched(windows, 2), [spec], with_logprobs=False) for o in out]
+    finally:
+        hook.remove()
+    n = (len(windows) + 1) // 2
+    assert seen == [None] * n + [None if role == "final" else 1] * n
+    for a, b in zip(full, keys_only, strict=True):
+        np.testing.assert_array_equal(a.keys[spec], b.keys[spec])
+        assert b.lm_logprob is None

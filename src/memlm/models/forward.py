@@ -7,6 +7,7 @@ key and an evaluation query for the same context are computed by exactly the sam
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,13 @@ class WindowOutput:
     lm_logprob: np.ndarray | None  # [n] float32: log p_LM(target | context), None when not asked
     lm_entropy: np.ndarray | None = None  # [n] float32: H(p_LM(. | context)) (adaptive retrieval's gate features)
     lm_max_logprob: np.ndarray | None = None  # [n] float32: max_w log p_LM(w | context)
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -104,10 +112,15 @@ def forward_windows(
     device = _device(model)
     specs = list(key_specs)
     head = fp32_head(model) if with_logprobs else contextlib.nullcontext()
+    # keys only (a datastore build): the output projection of the last position alone, where the model allows it
+    # (Hugging Face's logits_to_keep), instead of [batch, window, vocab] logits nobody reads; not for the ``final``
+    # key, which is captured at that projection's input
+    keys_only = not with_logprobs and all(s.role != "final" for s in specs)
+    skip_head = {"logits_to_keep": 1} if keys_only and _takes_logits_to_keep(model) else {}
     for batch in batches:
         ids, mask = (t.to(device) for t in collate(batch, pad_id))
         with KeyCapture(model, specs) as cap, head:
-            out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False, **skip_head)
             captured = {s: cap.keys_by_spec[s] for s in specs}
         outputs = []
         for b, w in enumerate(batch):
