@@ -36,6 +36,7 @@ binary search; forked worker processes (one per usable CPU) share the chunks.
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import multiprocessing
 import os
@@ -68,7 +69,7 @@ def bff_tokens(text: str) -> list[str]:
 # Word_Break classes the fast path implements (UAX #29's rules among them, in numpy); a text with any character of the
 # other classes (Extend, Format, ZWJ, Katakana, Hebrew_Letter, Regional_Indicator: the rules WB4, WB3c, WB7a-c, WB13,
 # WB15-16) is split by ``bff_tokens`` (the regex module) instead.
-_OT, _AL, _NU, _EX, _ML, _MN, _MNL, _WS, _CR, _LF, _NL, _CX = range(12)
+_OT, _AL, _NU, _EX, _ML, _MN, _MNL, _WS, _CR, _LF, _NL, _CX, _OS = range(13)  # _OS: Other and whitespace
 _CLASSES = {
     "ALetter": _AL,
     "Numeric": _NU,
@@ -93,10 +94,14 @@ _BASE_INV = pow(_BASE, -1, 1 << 64)
 _CHUNK_CHARS = 1 << 18  # characters of documents per chunk of work (its arrays stay in the CPU's caches)
 
 
+_SOLID = np.ones(16, dtype=bool)  # per class: not whitespace (str.isspace)
+_SOLID[[_WS, _CR, _LF, _NL, _OS]] = False
+
+
 @functools.cache
-def _tables() -> tuple[np.ndarray, np.ndarray]:
+def _classes() -> np.ndarray:
     """Per code point: its Word_Break class as the fast path names it (read from the regex module's Unicode tables,
-    the ones its ``\\b`` uses) and whether Python counts it as whitespace (``str.isspace``)."""
+    the ones its ``\\b`` uses), Other split by whether Python counts it as whitespace (``str.isspace``)."""
     import regex
 
     chars = np.arange(0x110000, dtype=np.uint32).tobytes().decode("utf-32-le", "surrogatepass")
@@ -108,7 +113,8 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
     # whitespace in a class whose rules join it to other characters (U+202F, ExtendNumLet) goes the slow way, so that
     # every fast-path segment is all whitespace or has none
     cls[space & ~np.isin(cls, [_WS, _CR, _LF, _NL, _OT])] = _CX
-    return cls, space
+    cls[space & (cls == _OT)] = _OS
+    return cls
 
 
 def _code_points(text: str) -> np.ndarray:
@@ -163,10 +169,10 @@ def _ngram_counts(doc_tokens: np.ndarray, n: int, min_n: int) -> np.ndarray:
 
 
 def _stream_ngrams(
-    cps: np.ndarray, tok_len: np.ndarray, doc_tokens: np.ndarray, n: int, min_n: int
+    cps: np.ndarray, starts: np.ndarray, doc_tokens: np.ndarray, n: int, min_n: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(hashes, counts)``: the n-gram hashes of documents given as one stream of their tokens' code points ``cps``
-    (tokens back to back, ``tok_len`` code points each; ``doc_tokens`` tokens per document, in order), grouped by
+    (tokens back to back, starting at ``starts``; ``doc_tokens`` tokens per document, in order), grouped by
     document, and how many each document has (:func:`_ngram_counts`: windows of ``n`` tokens, one n-gram of
     all tokens for ``min(min_n, n) <= T < n``, none below). An n-gram's hash is the polynomial hash modulo 2^64 of its
     tokens' code points, each token's last one marked: ``h = Σ_k x_k P^(k-s) + width`` over its stream positions
@@ -176,10 +182,10 @@ def _stream_ngrams(
     counts = _ngram_counts(doc_tokens, n, min_n)
     if not counts.any():
         return np.empty(0, dtype=np.uint64), counts
-    ends = np.cumsum(tok_len, dtype=np.int64)
-    starts = ends - tok_len
+    ends = np.empty(len(starts), dtype=np.int64)
+    ends[:-1], ends[-1] = starts[1:], len(cps)
     x = cps.astype(np.uint64) * np.uint64(2) + np.uint64(1)
-    x[ends[tok_len > 0] - 1] += np.uint64(1)
+    x[ends - 1] += np.uint64(1)
     pw, inv = _powers(len(x) + 1)
     with np.errstate(over="ignore"):
         prefix = np.empty(len(x) + 1, dtype=np.uint64)
@@ -204,19 +210,17 @@ def _text_ngrams(texts: Sequence[str], n: int, min_n: int, lowercase: bool, toke
     if tokenize is not bff_tokens or not texts:
         h, counts, tokens = _tokens_ngrams([tokenize(t) for t in texts], n, min_n)
         return h, counts, tokens
-    cls, space = _tables()
+    cls = _classes()
     lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
     text_start = np.cumsum(lengths + 1) - (lengths + 1)
-    cps = _code_points("\n".join(texts))  # LF: a boundary on both sides (WB3a-b); no rule looks across it
+    cps = _code_points("\n".join([*texts, ""]))  # after each text an LF: a boundary on both sides (WB3a-b)
     c = cls[cps]
-    seg = np.flatnonzero(_word_breaks(c))
-    # a segment is all whitespace or has none (no fast-path rule joins a space to a non-space): a BFF token iff its
-    # first character is not whitespace, and the tokens' characters are the text's non-whitespace ones
-    solid = ~space[cps]
-    tok_s = seg[:-1][solid[seg[:-1]]]
-    tok_len = (seg[1:][solid[seg[:-1]]] - tok_s).astype(np.int32)
-    tokens = np.diff(np.searchsorted(tok_s, text_start), append=len(tok_s))
-    h, counts = _stream_ngrams(cps[solid], tok_len, tokens, n, min_n)
+    # a segment is all whitespace or has none (no fast-path rule joins a space to a non-space): the tokens are the
+    # segments that start with a non-whitespace character, and their characters are the text's non-whitespace ones
+    solid = _SOLID[c]
+    token_start = _word_breaks(c)[:-1] & solid
+    tokens = np.add.reduceat(token_start, text_start, dtype=np.int64)
+    h, counts = _stream_ngrams(cps[solid], np.flatnonzero(token_start[solid]), tokens, n, min_n)
     slow = _distinct(np.searchsorted(text_start, np.flatnonzero(c == _CX), "right") - 1)
     if not len(slow):
         return h, counts, tokens
@@ -237,31 +241,59 @@ def _tokens_ngrams(token_lists: Sequence[Sequence[str]], n: int, min_n: int) -> 
     """:func:`_stream_ngrams` of documents given as lists of tokens: ``(hashes, counts, tokens)``."""
     tokens = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
     flat = [t for ts in token_lists for t in ts]
-    lens = np.fromiter(map(len, flat), dtype=np.int32, count=len(flat))
-    h, counts = _stream_ngrams(_code_points("".join(flat)), lens, tokens, n, min_n)
+    lens = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+    h, counts = _stream_ngrams(_code_points("".join(flat)), np.cumsum(lens) - lens, tokens, n, min_n)
     return h, counts, tokens
 
 
-_FILTERS: dict[str, np.ndarray] = {}  # the evaluation n-grams, set before the workers start (fork: inherited)
+_JOB: dict[str, Any] = {}  # the work of the running overlap_fractions, set before its workers fork (inherited)
 
 
-def _chunk_overlap(texts: Sequence[str], n: int, min_n: int, lowercase: bool, tokenize: Callable) -> tuple:
-    """``(counts, tokens, contained)`` of one chunk of documents: n-grams and tokens per document, and per filter of
-    ``_FILTERS`` how many of each document's n-grams it holds (looked up in ``"all"``, the union, first)."""
-    h, counts, tokens = _text_ngrams(texts, n, min_n, lowercase, tokenize)
+def _chunk_ngrams(i: int) -> np.ndarray:
+    """The n-gram hashes of chunk ``i`` of ``_JOB["chunks"]``."""
+    return _text_ngrams(_JOB["chunks"][i], *_JOB["args"])[0]
+
+
+def _chunk_overlap(i: int) -> tuple:
+    """``(counts, tokens, contained)`` of chunk ``i`` of ``_JOB["chunks"]``: n-grams and tokens per document, and per
+    evaluation set of ``_JOB["filters"]`` and their union ``"all"``, how many of each document's n-grams it holds
+    (looked up in the union first)."""
+    texts = _JOB["chunks"][i]
+    h, counts, tokens = _text_ngrams(texts, *_JOB["args"])
     owner = np.repeat(np.arange(len(texts)), counts)
-    hit = np.flatnonzero(_member(h, _FILTERS["all"], _FILTERS["table"]))
+    hit = np.flatnonzero(_member(h, _JOB["union"], _JOB["table"]))
     contained = {"all": np.bincount(owner[hit], minlength=len(texts))}
-    for name, ref in _FILTERS.items():
-        if name not in ("all", "table"):
-            contained[name] = np.bincount(owner[hit[_member(h[hit], ref)]], minlength=len(texts))
+    for name, ref in _JOB["filters"].items():
+        contained[name] = np.bincount(owner[hit[_member(h[hit], ref)]], minlength=len(texts))
     return counts, tokens, contained
+
+
+def _run(job: Callable[[int], Any], chunks: list, workers: int, bar=None) -> list:
+    """``job`` of every chunk index, in order: in ``workers`` forked processes (they inherit ``_JOB``), or here."""
+    _JOB["chunks"] = chunks
+    out = []
+    if workers > 1 and len(chunks) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        gc.freeze()  # the collector leaves the inherited objects alone: no copy-on-write of the parent's memory
+        try:
+            with multiprocessing.get_context("fork").Pool(min(workers, len(chunks))) as pool:
+                for i, part in enumerate(pool.imap(job, range(len(chunks)))):
+                    out.append(part)
+                    if bar is not None:
+                        bar.update(len(chunks[i]))
+        finally:
+            gc.unfreeze()
+    else:
+        for i in range(len(chunks)):
+            out.append(job(i))
+            if bar is not None:
+                bar.update(len(chunks[i]))
+    return out
 
 
 def _table(ref: np.ndarray) -> np.ndarray:
     """A presence table of the sorted hashes ``ref`` for :func:`_member`: one flag per value of their top bits, about
-    16 slots per hash (a lookup is one read; a hash is checked in ``ref`` only where its slot is set)."""
-    bits = int(np.clip(np.ceil(np.log2(max(len(ref), 1) * 16)), 16, 30))
+    32 slots per hash (a lookup is one read; a hash is checked in ``ref`` only where its slot is set)."""
+    bits = int(np.clip(np.ceil(np.log2(max(len(ref), 1) * 32)), 16, 28))
     table = np.zeros(1 << bits, dtype=bool)
     table[ref >> np.uint64(64 - bits)] = True
     return table
@@ -318,32 +350,24 @@ def overlap_fractions(
     platform forks, else one) share the documents in chunks."""
     from tqdm.auto import tqdm
 
-    def ngrams(texts: list[str]) -> np.ndarray:
-        parts = [_text_ngrams(c, n, min_n, lowercase, tokenize)[0] for c in _chunks(texts, _CHUNK_CHARS)]
-        return _distinct(np.concatenate(parts)) if parts else np.empty(0, dtype=np.uint64)
-
-    filters = {name: ngrams([d.text for d in docs]) for name, docs in eval_sets.items()}
-    union = _distinct(np.concatenate(list(filters.values()))) if filters else np.empty(0, dtype=np.uint64)
-    texts = [d.text for d in documents]
-    chunks = _chunks(texts, _CHUNK_CHARS)
-    workers = min(workers or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, len(chunks))
-    _FILTERS.clear()
-    _FILTERS.update(filters, all=union, table=_table(union))
-    job = functools.partial(_chunk_overlap, n=n, min_n=min_n, lowercase=lowercase, tokenize=tokenize)
-    bar = tqdm(total=len(texts), desc="decontaminate", unit="doc", disable=not progress, dynamic_ncols=True)
-    parts = []
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _classes()  # built (and regex imported) before the workers fork
+    _JOB.clear()
+    _JOB["args"] = (n, min_n, lowercase, tokenize)
+    bar = tqdm(total=len(documents), desc="decontaminate", unit="doc", disable=not progress, dynamic_ncols=True)
     try:
-        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
-                for part, chunk in zip(pool.imap(job, chunks), chunks, strict=True):
-                    parts.append(part)
-                    bar.update(len(chunk))
-        else:
-            for chunk in chunks:
-                parts.append(job(chunk))
-                bar.update(len(chunk))
+        chunks = {name: _chunks([d.text for d in docs], _CHUNK_CHARS) for name, docs in eval_sets.items()}
+        parts = iter(_run(_chunk_ngrams, [c for cs in chunks.values() for c in cs], workers))
+        filters = {
+            name: _distinct(np.concatenate([next(parts) for _ in cs])) if cs else np.empty(0, dtype=np.uint64)
+            for name, cs in chunks.items()
+        }
+        union = _distinct(np.concatenate(list(filters.values()))) if filters else np.empty(0, dtype=np.uint64)
+        _JOB.update(filters=filters, union=union, table=_table(union))
+        parts = _run(_chunk_overlap, _chunks([d.text for d in documents], _CHUNK_CHARS), workers, bar)
     finally:
-        _FILTERS.clear()
+        _JOB.clear()
         bar.close()
     cat = np.concatenate
     counts = cat([p[0] for p in parts]) if parts else np.empty(0, dtype=np.int64)
@@ -370,6 +394,7 @@ def decontaminate(
     lowercase: bool = True,
     tokenize: Callable[[str], list[str]] = bff_tokens,
     progress: bool = False,
+    workers: int | None = None,
 ) -> tuple[list, dict[str, Any]]:
     """``(kept, record)``: ``documents`` (objects with ``.id``, ``.text``) without those the paper's rule drops against
     the evaluation documents ``eval_sets`` (name -> documents; see the module docstring), in their order, and what was
@@ -383,7 +408,7 @@ def decontaminate(
     if not 0.0 < threshold <= 1.0:
         raise MemlmError(f"the decontamination threshold must be in (0, 1], got {threshold}")
     docs = list(documents)
-    res = overlap_fractions(docs, eval_sets, n, min_n, lowercase, tokenize, progress)
+    res = overlap_fractions(docs, eval_sets, n, min_n, lowercase, tokenize, progress, workers)
     frac = res["fraction"]
     drop = np.nan_to_num(frac["all"], nan=0.0) >= threshold
     dropped = [d for d, x in zip(docs, drop, strict=True) if x]
