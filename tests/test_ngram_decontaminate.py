@@ -254,3 +254,15 @@ def test_fast_path_matches_brute_force_on_unicode_text(monkeypatch):
         dropped = {d["id"] for d in rec["dropped"]}
         assert {"at80", "short"} <= dropped and not {"under80", "tiny", "empty"} & dropped
         assert 5 < rec["dropped_documents"] < len(docs) - 50
+
+
+def test_member_lookup_equals_isin():
+    """The presence bitmap + binary search lookup of n-gram hashes answers as np.isin, at the ends of the range too."""
+    from memlm.ngram.decontaminate import _distinct, _member, _table
+
+    rng = np.random.default_rng(0)
+    ends = np.array([0, 2**64 - 1], dtype=np.uint64)
+    for size in (0, 1, 3, 1000, 200_000):
+        ref = _distinct(np.concatenate([rng.integers(0, 2**64, size, dtype=np.uint64), ends[: min(size, 2)]]))
+        q = np.concatenate([ref[::3], ref[:50] + np.uint64(1), rng.integers(0, 2**64, 5000, dtype=np.uint64), ends])
+        assert (_member(q, ref, _table(ref)) == np.isin(q, ref)).all() and (_member(q, ref) == np.isin(q, ref)).all()
