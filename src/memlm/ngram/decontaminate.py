@@ -40,6 +40,7 @@ import gc
 import hashlib
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -272,7 +273,7 @@ def _run(job: Callable[[int], Any], chunks: list, workers: int, bar=None) -> lis
     """``job`` of every chunk index, in order: in ``workers`` forked processes (they inherit ``_JOB``), or here."""
     _JOB["chunks"] = chunks
     out = []
-    if workers > 1 and len(chunks) > 1 and "fork" in multiprocessing.get_all_start_methods():
+    if workers > 1 and len(chunks) > 1 and sys.platform.startswith("linux"):  # fork: safe, and cheap, on Linux
         gc.freeze()  # the collector leaves the inherited objects alone: no copy-on-write of the parent's memory
         try:
             with multiprocessing.get_context("fork").Pool(min(workers, len(chunks))) as pool:
@@ -350,8 +351,8 @@ def overlap_fractions(
     """Per document of ``documents`` (objects with ``.text``): its number of n-grams and of BFF tokens, and the share
     of its n-grams found in the n-grams of every evaluation set alone and of all of them (``"all"``); NaN where a
     document has no n-gram. Returns ``{"ngrams", "tokens", "fraction": {name: array, ..., "all": array},
-    "eval_ngrams": {name: distinct n-grams}}``. ``workers`` processes (default: the usable CPUs; forked, where the
-    platform forks, else one) share the documents in chunks."""
+    "eval_ngrams": {name: distinct n-grams}}``. ``workers`` processes (default: the usable CPUs; forked, on Linux;
+    elsewhere one) share the documents in chunks: the result does not depend on how many."""
     from tqdm.auto import tqdm
 
     if workers is None:
@@ -405,7 +406,8 @@ def decontaminate(
     dropped. A document is dropped when its overlap with all evaluation sets together (one filter, as BFF) reaches
     ``threshold``; ``record["eval_sets"][name]`` counts the documents that reach it against that set alone.
     ``tokenizer`` (optional, a Hugging Face tokenizer) counts the dropped documents' model tokens. The same inputs
-    always give the same record (no timings in it), so a build that records it resumes."""
+    always give the same record (no timings in it), so a build that records it resumes. ``workers``: as in
+    :func:`overlap_fractions`."""
     if n < 1 or min_n < 1:
         raise MemlmError(f"decontamination needs n >= 1 and min_n >= 1, got n={n}, min_n={min_n}")
     min_n = min(min_n, n)
