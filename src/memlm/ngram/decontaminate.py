@@ -269,18 +269,25 @@ def _chunk_overlap(i: int) -> tuple:
     return counts, tokens, contained
 
 
+def _batch(indices: Sequence[int]) -> list:
+    """``_JOB["job"]`` of chunks ``indices``, in one task (a pool's task costs the parent ~2 ms of CPU)."""
+    return [_JOB["job"](i) for i in indices]
+
+
 def _run(job: Callable[[int], Any], chunks: list, workers: int, bar=None) -> list:
-    """``job`` of every chunk index, in order: in ``workers`` forked processes (they inherit ``_JOB``), or here."""
-    _JOB["chunks"] = chunks
+    """``job`` of every chunk index, in order: in ``workers`` forked processes (they inherit ``_JOB``), 8 batches of
+    chunks per worker, or here."""
+    _JOB.update(chunks=chunks, job=job)
     out = []
     if workers > 1 and len(chunks) > 1 and sys.platform.startswith("linux"):  # fork: safe, and cheap, on Linux
+        batches = [b.tolist() for b in np.array_split(np.arange(len(chunks)), min(len(chunks), 8 * workers))]
         gc.freeze()  # the collector leaves the inherited objects alone: no copy-on-write of the parent's memory
         try:
             with multiprocessing.get_context("fork").Pool(min(workers, len(chunks))) as pool:
-                for i, part in enumerate(pool.imap(job, range(len(chunks)))):
-                    out.append(part)
+                for batch, parts in zip(batches, pool.imap(_batch, batches), strict=True):
+                    out += parts
                     if bar is not None:
-                        bar.update(len(chunks[i]))
+                        bar.update(sum(len(chunks[i]) for i in batch))
         finally:
             gc.unfreeze()
     else:
