@@ -164,14 +164,14 @@ def test_fast_split_equals_the_regex_module_on_every_word_break_class():
     """The numpy word splitting (UAX #29's rules for the common Word_Break classes) gives bff_tokens's tokens (the
     regex module's \\b) on every 3-character string over one or two characters of each class and on random strings
     of characters of every class; a text with any character of the classes it leaves to the regex module is flagged."""
-    from memlm.ngram.decontaminate import _CX, _SOLID, _classes, _code_points, _word_breaks
+    from memlm.ngram.decontaminate import _CX, _WS, _classes, _code_points, _word_breaks
 
     def fast(text: str) -> list[str] | None:
         c = _classes()[_code_points(text)]
         if (c == _CX).any():
             return None
         cut = np.flatnonzero(_word_breaks(c))
-        return [text[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True) if _SOLID[c[a]]]
+        return [text[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True) if c[a] < _WS]
 
     by_class = _class_chars()
     simple = "aZé9_:.,;'\"’‘·\u2024 \u3000\t\n\r\x0b\x85\xa0\u2028-!?中😀"

@@ -70,7 +70,8 @@ def bff_tokens(text: str) -> list[str]:
 # Word_Break classes the fast path implements (UAX #29's rules among them, in numpy); a text with any character of the
 # other classes (Extend, Format, ZWJ, Katakana, Hebrew_Letter, Regional_Indicator: the rules WB4, WB3c, WB7a-c, WB13,
 # WB15-16) is split by ``bff_tokens`` (the regex module) instead.
-_OT, _AL, _NU, _EX, _ML, _MN, _MNL, _WS, _CR, _LF, _NL, _CX, _OS = range(13)  # _OS: Other and whitespace
+# the whitespace classes last (_OS: Other and whitespace): a character is whitespace iff its class is >= _WS
+_OT, _AL, _NU, _EX, _ML, _MN, _MNL, _CX, _WS, _CR, _LF, _NL, _OS = range(13)
 _CLASSES = {
     "ALetter": _AL,
     "Numeric": _NU,
@@ -95,10 +96,6 @@ _BASE_INV = pow(_BASE, -1, 1 << 64)
 _CHUNK_CHARS = 1 << 18  # characters of documents per chunk of work (its arrays stay in the CPU's caches)
 
 
-_SOLID = np.ones(16, dtype=bool)  # per class: not whitespace (str.isspace)
-_SOLID[[_WS, _CR, _LF, _NL, _OS]] = False
-
-
 @functools.cache
 def _classes() -> np.ndarray:
     """Per code point: its Word_Break class as the fast path names it (read from the regex module's Unicode tables,
@@ -115,6 +112,7 @@ def _classes() -> np.ndarray:
     # every fast-path segment is all whitespace or has none
     cls[space & ~np.isin(cls, [_WS, _CR, _LF, _NL, _OT])] = _CX
     cls[space & (cls == _OT)] = _OS
+    cls[~space & (cls >= _WS)] = _CX  # (none in Unicode 15-16) so that the classes >= _WS are exactly the whitespace
     return cls
 
 
@@ -192,14 +190,31 @@ def _stream_ngrams(
         prefix = np.empty(len(x) + 1, dtype=np.uint64)
         prefix[0] = 0
         np.cumsum(x * pw[: len(x)], out=prefix[1:])
+
+        def hashes(s: np.ndarray, e: np.ndarray, width) -> np.ndarray:
+            return (prefix[e] - prefix[s]) * inv[s] + np.asarray(width, dtype=np.uint64)
+
+        total = int(counts.sum())
         first = np.cumsum(doc_tokens) - doc_tokens  # each document's first token
-        width = np.minimum(doc_tokens, n)
-        # the first token of each n-gram: positions first .. first + count - 1 of each document
-        owner = np.repeat(np.arange(len(doc_tokens)), counts)
-        i0 = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts) + first[owner]
-        w = width[owner]
-        s, e = starts[i0], ends[i0 + w - 1]
-        h = (prefix[e] - prefix[s]) * inv[s] + w.astype(np.uint64)
+        long_ = np.flatnonzero(doc_tokens >= n)
+        h = np.empty(total, dtype=np.uint64)
+        slot = np.cumsum(counts) - counts  # each document's first n-gram in h
+        short = np.flatnonzero((counts == 1) & (doc_tokens < n))
+        h[slot[short]] = hashes(starts[first[short]], ends[first[short] + doc_tokens[short] - 1], doc_tokens[short])
+        if len(long_):
+            # every window of n tokens, across documents too, then those inside one (token i of document d starts
+            # one iff first_d <= i <= first_d + T_d - n)
+            inside = np.zeros(len(starts) + 1, dtype=np.int8)
+            inside[first[long_]] = 1
+            inside[first[long_] + doc_tokens[long_] - n + 1] -= 1
+            keep = np.cumsum(inside[: len(starts) - n + 1], dtype=np.int8).view(bool)
+            windows = hashes(starts[: len(starts) - n + 1], ends[n - 1 :], n)[keep]
+            if len(short):
+                rest = np.ones(total, dtype=bool)
+                rest[slot[short]] = False
+                h[rest] = windows
+            else:
+                h = windows
     return h, counts
 
 
@@ -218,7 +233,7 @@ def _text_ngrams(texts: Sequence[str], n: int, min_n: int, lowercase: bool, toke
     c = cls[cps]
     # a segment is all whitespace or has none (no fast-path rule joins a space to a non-space): the tokens are the
     # segments that start with a non-whitespace character, and their characters are the text's non-whitespace ones
-    solid = _SOLID[c]
+    solid = c < _WS
     token_start = _word_breaks(c)[:-1] & solid
     tokens = np.add.reduceat(token_start, text_start, dtype=np.int64)
     h, counts = _stream_ngrams(cps[solid], np.flatnonzero(token_start[solid]), tokens, n, min_n)
