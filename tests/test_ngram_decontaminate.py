@@ -266,3 +266,21 @@ def test_member_lookup_equals_isin():
         ref = _distinct(np.concatenate([rng.integers(0, 2**64, size, dtype=np.uint64), ends[: min(size, 2)]]))
         q = np.concatenate([ref[::3], ref[:50] + np.uint64(1), rng.integers(0, 2**64, 5000, dtype=np.uint64), ends])
         assert (_member(q, ref, _table(ref)) == np.isin(q, ref)).all() and (_member(q, ref) == np.isin(q, ref)).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 13])
+def test_windows_for_every_n_and_min_n(n):
+    """The n-grams hashed all at once (windows across the stream of all documents, kept inside each one; short
+    documents one n-gram of all their tokens) give the transcription's fractions for every n and min_n, empty and
+    one-token documents included."""
+    rng = random.Random(n)
+    evals = {"a": [Doc(f"a{i}", _text(rng, rng.randint(0, 40))) for i in range(6)]}
+    pool = [d.text.split() for d in evals["a"] if d.text]
+    docs = []
+    for i in range(150):
+        src = rng.choice(pool)
+        a = rng.randrange(len(src))
+        docs.append(Doc(f"d{i}", " ".join(src[a : a + rng.randint(0, 20)]) + " " + _text(rng, rng.randint(0, 3))))
+    for min_n in (1, 3, 5):
+        res = overlap_fractions(docs, evals, n=n, min_n=min_n)
+        np.testing.assert_array_equal(res["fraction"]["all"], np.array(_brute(docs, evals["a"], n=n, min_n=min_n)[0]))
