@@ -29,8 +29,8 @@ Speed: the tokens come from the ``regex`` module's UAX #29 ``\b`` (:func:`bff_to
 character is of the Word_Break classes ALetter, Numeric, ExtendNumLet, MidLetter, MidNum, MidNumLet, Single_Quote,
 WSegSpace, CR, LF, Newline or Other (all but 74 of the 45,517 offline train documents): those are split in numpy by
 the same rules (:func:`_word_breaks`), in chunks of documents, and every n-gram is hashed at once from prefix sums.
-The documents' n-grams are looked up in the evaluation set's through a presence table of their top bits, then a
-binary search; forked worker processes (one per usable CPU) share the chunks.
+The documents' n-grams are looked up in the evaluation set's through two presence bitmaps (of two ranges of hash
+bits), then a binary search; forked worker processes (one per usable CPU, Linux) share the chunks.
 """
 
 from __future__ import annotations
