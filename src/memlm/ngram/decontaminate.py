@@ -146,18 +146,24 @@ def _word_breaks(c: np.ndarray) -> np.ndarray:
 
 
 def _powers(length: int) -> tuple[np.ndarray, np.ndarray]:
-    """``P^k`` and ``P^-k`` modulo 2^64 for ``k < length`` (cached, grown on demand)."""
+    """``P^k`` and ``P^-k`` modulo 2^64 for ``k < length`` (cached up to ``_POWERS_CACHED``, grown on demand; a longer
+    request, a single document of millions of characters, is computed and not kept)."""
     global _POWERS
     if len(_POWERS[0]) < length:
-        size = max(length, 2 * len(_POWERS[0]), 1 << 16)
+        size = max(length, min(2 * len(_POWERS[0]), _POWERS_CACHED), 1 << 16)
         pw = np.full(size, _BASE, dtype=np.uint64)
         inv = np.full(size, _BASE_INV, dtype=np.uint64)
         pw[0] = inv[0] = 1
         with np.errstate(over="ignore"):
-            _POWERS = (np.cumprod(pw, out=pw), np.cumprod(inv, out=inv))
+            np.cumprod(pw, out=pw)
+            np.cumprod(inv, out=inv)
+        if size > _POWERS_CACHED:
+            return pw[:length], inv[:length]
+        _POWERS = (pw, inv)
     return _POWERS[0][:length], _POWERS[1][:length]
 
 
+_POWERS_CACHED = 1 << 22  # 64 MB for both
 _POWERS: tuple[np.ndarray, np.ndarray] = (np.ones(0, dtype=np.uint64), np.ones(0, dtype=np.uint64))
 
 
