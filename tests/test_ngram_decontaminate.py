@@ -140,3 +140,147 @@ def test_cli_build_decontaminates_and_records_it(tiny_lm_dir, tmp_path, capsys):
     assert decontamination_sets("wiki,x.jsonl,imdb", "train", None) == ["wiki:test", "imdb:test"]
     assert decontamination_sets("wiki", "all", None) == [] and decontamination_sets("wiki", "train", "none") == []
     assert decontamination_sets("wiki", "train", "wikitext2:test, imdb:test") == ["wikitext2:test", "imdb:test"]
+
+
+def _class_chars() -> dict[str, list[str]]:
+    """Characters of every Word_Break class, per the regex module's Unicode tables (BFF's tokens come from its \\b)."""
+    import regex
+
+    names = ["ALetter", "Numeric", "ExtendNumLet", "MidLetter", "MidNum", "MidNumLet", "Single_Quote",
+             "Double_Quote", "WSegSpace", "CR", "LF", "Newline", "Extend", "Format", "ZWJ", "Katakana",
+             "Hebrew_Letter", "Regional_Indicator", "Extended_Pictographic", "Other"]  # fmt: skip
+    rng = random.Random(0)
+    chars = "".join(map(chr, [*range(0x3000), *rng.sample(range(0x3000, 0x110000), 20000)]))
+    out = {}
+    for name in names:
+        prop = r"\p{Extended_Pictographic}" if name == "Extended_Pictographic" else rf"\p{{Word_Break={name}}}"
+        found = regex.findall(prop, chars)
+        out[name] = found[:12] + rng.sample(found, min(12, len(found)))
+    out["space"] = [c for c in map(chr, range(0x3100)) if c.isspace()]
+    return out
+
+
+def test_fast_split_equals_the_regex_module_on_every_word_break_class():
+    """The numpy word splitting (UAX #29's rules for the common Word_Break classes) gives bff_tokens's tokens (the
+    regex module's \\b) on every 3-character string over one or two characters of each class and on random strings
+    of characters of every class; a text with any character of the classes it leaves to the regex module is flagged."""
+    from memlm.ngram.decontaminate import _CX, _WS, _classes, _code_points, _word_breaks
+
+    def fast(text: str) -> list[str] | None:
+        c = _classes()[_code_points(text)]
+        if (c == _CX).any():
+            return None
+        cut = np.flatnonzero(_word_breaks(c))
+        return [text[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True) if c[a] < _WS]
+
+    by_class = _class_chars()
+    simple = "aZé9_:.,;'\"’‘·\u2024 \u3000\t\n\r\x0b\x85\xa0\u2028-!?中😀"
+    for t in itertools_product(simple, 3):
+        assert fast(t) == bff_tokens(t), repr(t)
+    pool = [c for cs in by_class.values() for c in cs]
+    rng = random.Random(5)
+    fast_ones = 0
+    for _ in range(4000):
+        src = simple if rng.random() < 0.5 else pool
+        t = "".join(rng.choice(src) for _ in range(rng.randint(0, 40)))
+        got = fast(t)
+        fast_ones += got is not None
+        assert got is None or got == bff_tokens(t), repr(t)
+    assert fast_ones > 2000
+    complex_ = ["Extend", "Format", "ZWJ", "Katakana", "Hebrew_Letter", "Regional_Indicator"]
+    assert all(fast("a" + c + "b") is None for k in complex_ for c in by_class[k])
+    assert fast("a\u202fb") is None  # whitespace that ExtendNumLet's rules join to letters: the regex module's
+
+
+def itertools_product(chars: str, k: int):
+    import itertools
+
+    return ("".join(p) for p in itertools.product(chars, repeat=k))
+
+
+def test_fast_path_matches_brute_force_on_unicode_text(monkeypatch):
+    """overlap_fractions and decontaminate (numpy splitting and hashing, forked workers over small chunks) against the
+    plain-Python transcription _brute, on random documents of Unicode words, numbers with separators, punctuation,
+    curly quotes, CJK, emoji, combining marks, Hebrew, mixed case and odd whitespace, spliced from evaluation text:
+    long ones, short ones (5-12 tokens: one n-gram; < 5: none) and ones at exactly 80% and just under."""
+    import memlm.ngram.decontaminate as dec
+
+    rng = random.Random(11)
+    vocab = ["Über", "straße", "ΣΊΣΥΦΟΣ", "İstanbul", "naïve", "café", "3.14", "1,000,000", "can't", "l’été",
+             "e.g.", "a_b", "x:y", "中文字", "カタカナ", "שלום", "é", "😀", "👩\u200d💻", "—", "“quoted”", "(",
+             ")", "!", "?", "...", "#tag", "@home", "100%", "$5", "the", "of", "and", "river", "w1", "w2"]  # fmt: skip
+    spaces = [" ", " ", " ", "  ", "\n", "\t", "\r\n", "\xa0", "\u3000", "\u2028", "\u202f", ""]
+
+    def text(k: int) -> str:
+        return "".join(rng.choice(vocab) + rng.choice(spaces) for _ in range(k)).strip()
+
+    evals = {"a": [Doc(f"a{i}", text(rng.randint(3, 150))) for i in range(8)],
+             "b": [Doc(f"b{i}", text(rng.randint(5, 12))) for i in range(4)]}  # fmt: skip
+    pool = [bff_tokens(d.text) for ds in evals.values() for d in ds]
+    docs = []
+    for i in range(400):
+        parts = []
+        for _ in range(rng.randint(1, 4)):
+            if rng.random() < 0.6:
+                src = rng.choice(pool)
+                a = rng.randrange(len(src))
+                parts.append(" ".join(src[a : a + rng.randint(1, 60)]))
+            else:
+                parts.append(text(rng.randint(1, 30)))
+        doc = " ".join(parts)
+        docs.append(Doc(f"d{i}", doc.upper() if rng.random() < 0.1 else doc))
+    # exactly 80%: 16 tokens of an evaluation document (4 windows) and one token not after them there (a 5th window)
+    run = ["über", "3.14", "l’été", "中", "文", "1,000", "can't", "—", "naïve", "(", "x", ")", "😀", "e.g", ".", "w2"]
+    evals["a"].append(Doc("a_run", " ".join(run) + " end of it"))
+    evals["b"].append(Doc("b_short", "Σ é 3.14 “q” ! x"))  # 8 tokens: one n-gram of all of them
+    docs += [Doc("at80", " ".join(run) + " zzz"), Doc("under80", " ".join(run[:15]) + " zzz")]
+    evals["b"].append(Doc("b_split", "ab c d e f"))  # the same characters as "a bc d e f", other tokens
+    docs += [Doc("short", "σ É\t3.14“Q” !x"), Doc("tiny", "w1 w2 !"), Doc("empty", ""), Doc("resplit", "a bc d e f")]
+    assert [len(bff_tokens(d.text)) for d in docs[-6:]] == [17, 16, 8, 3, 0, 5]
+    monkeypatch.setattr(dec, "_CHUNK_CHARS", 700)  # many chunks: the forked workers share them
+    all_eval = [d for ds in evals.values() for d in ds]
+    for workers in (1, 2):
+        kept, rec = decontaminate(docs, evals, workers=workers)
+        res = overlap_fractions(docs, evals, workers=workers)
+        want_f, want_drop = _brute(docs, all_eval)
+        np.testing.assert_array_equal(res["fraction"]["all"], np.array(want_f))
+        assert res["tokens"].tolist() == [len(bff_tokens(d.text.lower())) for d in docs]
+        assert [d.id for d in kept] == [d.id for d, x in zip(docs, want_drop, strict=True) if not x]
+        for name, ds in evals.items():
+            np.testing.assert_array_equal(res["fraction"][name], np.array(_brute(docs, ds)[0]))
+        f = dict(zip([d.id for d in docs], res["fraction"]["all"], strict=True))
+        assert f["at80"] == 0.8 and f["under80"] == 0.75 and f["short"] == 1.0 and np.isnan(f["tiny"])
+        assert f["resplit"] == 0.0
+        dropped = {d["id"] for d in rec["dropped"]}
+        assert {"at80", "short"} <= dropped and not {"under80", "tiny", "empty"} & dropped
+        assert 5 < rec["dropped_documents"] < len(docs) - 50
+
+
+def test_member_lookup_equals_isin():
+    """The presence bitmap + binary search lookup of n-gram hashes answers as np.isin, at the ends of the range too."""
+    from memlm.ngram.decontaminate import _distinct, _member, _table
+
+    rng = np.random.default_rng(0)
+    ends = np.array([0, 2**64 - 1], dtype=np.uint64)
+    for size in (0, 1, 3, 1000, 200_000):
+        ref = _distinct(np.concatenate([rng.integers(0, 2**64, size, dtype=np.uint64), ends[: min(size, 2)]]))
+        q = np.concatenate([ref[::3], ref[:50] + np.uint64(1), rng.integers(0, 2**64, 5000, dtype=np.uint64), ends])
+        assert (_member(q, ref, _table(ref)) == np.isin(q, ref)).all() and (_member(q, ref) == np.isin(q, ref)).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 13])
+def test_windows_for_every_n_and_min_n(n):
+    """The n-grams hashed all at once (windows across the stream of all documents, kept inside each one; short
+    documents one n-gram of all their tokens) give the transcription's fractions for every n and min_n, empty and
+    one-token documents included."""
+    rng = random.Random(n)
+    evals = {"a": [Doc(f"a{i}", _text(rng, rng.randint(0, 40))) for i in range(6)]}
+    pool = [d.text.split() for d in evals["a"] if d.text]
+    docs = []
+    for i in range(150):
+        src = rng.choice(pool)
+        a = rng.randrange(len(src))
+        docs.append(Doc(f"d{i}", " ".join(src[a : a + rng.randint(0, 20)]) + " " + _text(rng, rng.randint(0, 3))))
+    for min_n in (1, 3, 5):
+        res = overlap_fractions(docs, evals, n=n, min_n=min_n)
+        np.testing.assert_array_equal(res["fraction"]["all"], np.array(_brute(docs, evals["a"], n=n, min_n=min_n)[0]))
