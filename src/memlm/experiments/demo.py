@@ -49,6 +49,9 @@ class DemoConfig:
     window: int = 512
     min_context: int = 128
     batch_size: int = 4
+    # the datastores' forward pass in non-overlapping blocks of `window` tokens (each train token read once, the
+    # context of a key 0..window-1 tokens), instead of windows overlapping by min_context: 25% fewer tokens to run
+    datastore_blocks: bool = True
     k: int = 256
     ngram: bool = True  # an ∞-gram over each corpus's whole train split beside its datastore (needs memlm[ngram])
     ngram_tokens: int | None = None  # cap on the ∞-gram's training tokens (None: all of them)
@@ -88,6 +91,7 @@ def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path) -> Datastore
         key=KeySpec.parse(cfg.key),
         window=cfg.window,
         min_context=cfg.min_context,
+        stride=cfg.window if cfg.datastore_blocks else None,
         batch_size=cfg.batch_size,
         source={"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs)},
     )
