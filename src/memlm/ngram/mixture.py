@@ -200,12 +200,26 @@ def ngram_report(
     return out
 
 
-def _subset_nll(lm, ng, knn, lam: float, weight: float) -> float:
-    comps, weights = [lm, ng], [1.0 - lam - weight, weight]
+def _best_weight(lm, ng, knn, lam: float, lambdas: Sequence[float]) -> tuple[float, float]:
+    """The ∞-gram weight ``w`` among ``lambdas`` (those with λ + w <= 1) whose mixture ``(1 - λ - w) p_LM + w P∞
+    (+ λ p_kNN)`` has the lowest perplexity on these tokens, and that perplexity: what :func:`grid_search` picks over
+    :func:`mix_logprobs` (the first of equal ones; nan never wins), every candidate in one ``[W, n]`` pass."""
+    cands = [w for w in lambdas if lam + w <= 1.0 + 1e-9]
+    dtype = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (lm, ng, knn)) else torch.float32
+    neg_inf = torch.tensor(-math.inf, dtype=dtype)
+
+    def term(lp: torch.Tensor, weights: list[float]) -> torch.Tensor:  # [W, n]: log w + log p, -inf where w = 0
+        w = torch.tensor([max(0.0, x) for x in weights], dtype=torch.float64)[:, None]
+        return torch.where(w > 0, lp.to(dtype)[None, :] + w.clamp_min(1e-300).log().to(dtype), neg_inf)
+
+    terms = [term(lm, [1.0 - lam - w for w in cands]), term(ng, cands)]
     if knn is not None:
-        comps.append(knn)
-        weights.append(lam)
-    return float(-mix_logprobs(comps, weights).double().sum())
+        terms.append(term(knn, [lam] * len(cands)))
+    nll = -torch.logsumexp(torch.stack(terms), dim=0).double().sum(-1)
+    ppl = torch.exp(nll / max(1, lm.shape[0]))
+    ppl = torch.where(torch.isnan(ppl), math.inf, ppl)
+    best = int(torch.argmin(ppl))  # the first of equal minima, as grid_search
+    return float(cands[best]), float(ppl[best])
 
 
 def tune_ngram(
@@ -239,13 +253,9 @@ def tune_ngram(
             if not bool(mask.any()):
                 point[name] = 0.0
                 continue
-            sub_knn = None if knn is None else knn[mask]
-            res = grid_search(
-                lambda weight, m=mask, kk=sub_knn: math.exp(_subset_nll(lm[m], ng[m], kk, lam, weight) / int(m.sum())),
-                {"weight": [w for w in lambdas if lam + w <= 1.0 + 1e-9]},
-            )
-            point[name] = float(res["best"]["weight"])
-            total += math.log(res["best"]["ppl"]) * int(mask.sum())
+            weight, ppl = _best_weight(lm[mask], ng[mask], None if knn is None else knn[mask], lam, lambdas)
+            point[name] = weight
+            total += math.log(ppl) * int(mask.sum())
         inner[(lam, temperature)] = point
         return math.exp(total / n)
 
@@ -388,9 +398,7 @@ def tune_multi_ngram(
             mask = torch.as_tensor(mask, dtype=torch.bool)
             if not bool(mask.any()):
                 continue
-            sub_knn = None if knn is None else knn[mask]
-            scores = {w: _subset_nll(lm[mask], ng[mask], sub_knn, lam, w) for w in lambdas if lam + w <= 1.0 + 1e-9}
-            pick = min(scores, key=scores.__getitem__)
+            pick, _ = _best_weight(lm[mask], ng[mask], None if knn is None else knn[mask], lam, lambdas)
             best_w = (pick, best_w[1]) if j == 0 else (best_w[0], pick)
         ws = [(0.0, 0.0)] * len(refs)
         ws[r] = best_w
