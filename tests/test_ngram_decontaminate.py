@@ -78,6 +78,22 @@ def test_copy_is_dropped_short_overlap_is_kept():
     assert np.isnan(res["fraction"]["all"][6])
 
 
+def _spliced(rng: random.Random, pool: list[list[str]], n: int, filler) -> list[str]:
+    """``n`` texts of 1-4 parts: a run of up to 60 tokens of an evaluation document (60%) or ``filler(k)`` text."""
+    texts = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(1, 4)):
+            if rng.random() < 0.6:
+                src = rng.choice(pool)
+                a = rng.randrange(len(src))
+                parts.append(" ".join(src[a : a + rng.randint(1, 60)]))
+            else:
+                parts.append(filler(rng.randint(1, 30)))
+        texts.append(" ".join(parts))
+    return texts
+
+
 def test_overlap_rule_matches_brute_force():
     """Random documents spliced from evaluation text and other text at every mix, short and long, in several
     evaluation sets: the fractions and drop decisions equal the brute force's (one filter over all sets; each set
@@ -86,17 +102,7 @@ def test_overlap_rule_matches_brute_force():
     evals = {"a": [Doc(f"a{i}", _text(rng, rng.randint(3, 120))) for i in range(6)],
              "b": [Doc(f"b{i}", _text(rng, rng.randint(3, 60))) for i in range(4)]}  # fmt: skip
     pool = [d.text.split() for ds in evals.values() for d in ds]
-    docs = []
-    for i in range(300):
-        parts = []
-        for _ in range(rng.randint(1, 4)):
-            if rng.random() < 0.6:
-                src = rng.choice(pool)
-                a = rng.randrange(len(src))
-                parts.append(" ".join(src[a : a + rng.randint(1, 60)]))
-            else:
-                parts.append(_text(rng, rng.randint(1, 30)))
-        docs.append(Doc(f"d{i}", " ".join(parts)))
+    docs = [Doc(f"d{i}", t) for i, t in enumerate(_spliced(rng, pool, 300, lambda k: _text(rng, k)))]
     docs += [Doc("ea", evals["a"][0].text + " " + evals["b"][0].text)]  # half in each set: dropped by the union
     for n, threshold in ((13, 0.8), (5, 0.5), (3, 1.0)):
         kept, rec = decontaminate(docs, evals, n=n, threshold=threshold)
@@ -217,18 +223,7 @@ def test_fast_path_matches_brute_force_on_unicode_text(monkeypatch):
     evals = {"a": [Doc(f"a{i}", text(rng.randint(3, 150))) for i in range(8)],
              "b": [Doc(f"b{i}", text(rng.randint(5, 12))) for i in range(4)]}  # fmt: skip
     pool = [bff_tokens(d.text) for ds in evals.values() for d in ds]
-    docs = []
-    for i in range(400):
-        parts = []
-        for _ in range(rng.randint(1, 4)):
-            if rng.random() < 0.6:
-                src = rng.choice(pool)
-                a = rng.randrange(len(src))
-                parts.append(" ".join(src[a : a + rng.randint(1, 60)]))
-            else:
-                parts.append(text(rng.randint(1, 30)))
-        doc = " ".join(parts)
-        docs.append(Doc(f"d{i}", doc.upper() if rng.random() < 0.1 else doc))
+    docs = [Doc(f"d{i}", t.upper() if rng.random() < 0.1 else t) for i, t in enumerate(_spliced(rng, pool, 400, text))]
     # exactly 80%: 16 tokens of an evaluation document (4 windows) and one token not after them there (a 5th window)
     run = ["über", "3.14", "l’été", "中", "文", "1,000", "can't", "—", "naïve", "(", "x", ")", "😀", "e.g", ".", "w2"]
     evals["a"].append(Doc("a_run", " ".join(run) + " end of it"))
