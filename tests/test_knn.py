@@ -201,6 +201,32 @@ def test_mix_logprobs_per_token_against_numpy_and_bad_weights():
         mix_logprobs_per_token(lps, [torch.from_numpy(1 - lam), torch.from_numpy(lam), 0.1])
 
 
+def test_mix_logprobs_grid_against_numpy_and_bad_weights():
+    """log sum_j w_j[g] p_j for every weighting g of a grid (the ∞-gram weight's tuning grid, Liu et al. 2024, beside
+    Eq. 3's λ): NumPy's mixture per row; a weight of 0 ignores -inf and nan; weights off the simplex are refused."""
+    from memlm.core.distribution import mix_logprobs_grid
+
+    rng = np.random.default_rng(3)
+    p = rng.dirichlet(np.ones(3), size=7).T  # three components' target probabilities at 7 tokens
+    ws = np.array([0.0, 0.01, 0.2, 0.5, 0.8])  # the swept weight of the second component; the third keeps 0.1
+    rows = [list(0.9 - ws), list(ws), [0.1] * len(ws)]
+    lps = [torch.from_numpy(np.log(x)) for x in p]
+    lps[1][0], lps[1][1] = float("-inf"), float("nan")  # a target P∞ never saw, a garbage entry: weight 0 at g = 0
+    got = mix_logprobs_grid(lps, rows).numpy()
+    assert got.shape == (len(ws), 7)
+    for g, w in enumerate(ws):
+        second = np.where(w > 0, w * p[1], 0.0)
+        second[0] = 0.0  # log p = -inf: no mass at any weight
+        second[1] = 0.0 if w == 0 else np.nan  # garbage: ignored at weight 0, nan once weighted
+        want = np.log((0.9 - w) * p[0] + second + 0.1 * p[2])
+        np.testing.assert_allclose(got[g], want, rtol=1e-12)
+        np.testing.assert_allclose(got[g][2:], mix_logprobs(lps, [0.9 - w, w, 0.1]).numpy()[2:], rtol=1e-12)
+    with pytest.raises(MemlmError, match="sum to 1"):
+        mix_logprobs_grid(lps, [list(1 - ws), list(ws), [0.1] * len(ws)])
+    with pytest.raises(MemlmError, match="sum to 1"):
+        mix_logprobs_grid(lps, [[1.2], [-0.2], [0.0]])
+
+
 def test_joint_distribution_against_numpy():
     """TRIME Eq. 5 as a full distribution: (exp(E_w f) + sum_{x_j = w} exp(s_j / τ)) / Z over the vocabulary."""
     from memlm.core.distribution import joint_distribution, value_logsumexp

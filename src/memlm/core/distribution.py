@@ -291,6 +291,27 @@ def mix_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     return torch.logsumexp(torch.stack(terms), dim=0)
 
 
+def mix_logprobs_grid(logprobs: Sequence[torch.Tensor], weights: Sequence[Sequence[float]]) -> torch.Tensor:
+    """:func:`mix_logprobs` for a grid of weightings at once: ``out[g] = log sum_j w_j[g] p_j`` of shape
+    ``[G, *logprobs[0].shape]``, ``weights[j][g]`` the weight of component ``j`` in weighting ``g`` (each weighting's
+    weights >= 0, summing to 1; clamped at 0 as there). Same dtype rule as :func:`mix_logprobs`, and a component with
+    weight 0 contributes nothing. Used to tune a weight over a grid in one pass (e.g. the ∞-gram's λ_sparse)."""
+    if len(logprobs) != len(weights) or not logprobs:
+        raise MemlmError("mix_logprobs_grid needs one weight row per distribution")
+    w = torch.tensor([[float(x) for x in row] for row in weights], dtype=torch.float64)  # [J, G]
+    ones = torch.ones(w.shape[-1], dtype=w.dtype)
+    if w.ndim != 2 or bool((w < -1e-9).any()) or not torch.allclose(w.sum(0), ones, rtol=0.0, atol=1e-6):
+        raise MemlmError("every weighting of mix_logprobs_grid must have weights >= 0 that sum to 1")
+    w = w.clamp_min(0.0)  # 1 - λ - w can round to -1e-17
+    dtype = torch.float64 if any(lp.dtype == torch.float64 for lp in logprobs) else torch.float32
+    shape = (-1,) + (1,) * logprobs[0].ndim
+    terms = [
+        torch.where(wj.view(shape) > 0, lp.to(dtype)[None] + wj.clamp_min(1e-300).log().to(dtype).view(shape), _NINF)
+        for lp, wj in zip(logprobs, w, strict=True)
+    ]
+    return torch.logsumexp(torch.stack(terms), dim=0)
+
+
 def mix_logprobs_per_token(logprobs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | float]) -> torch.Tensor:
     """:func:`mix_logprobs` with per-token weights: ``log sum_j w_j(t) p_j(t)``, computed in float64.
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.core.distribution import mix_logprobs, perplexity
+from memlm.core.distribution import mix_logprobs, mix_logprobs_grid, perplexity
 from memlm.core.tuning import grid_search
 from memlm.errors import MemlmError
 
@@ -205,17 +205,11 @@ def _best_weight(lm, ng, knn, lam: float, lambdas: Sequence[float]) -> tuple[flo
     (+ λ p_kNN)`` has the lowest perplexity on these tokens, and that perplexity: what :func:`grid_search` picks over
     :func:`mix_logprobs` (the first of equal ones; nan never wins), every candidate in one ``[W, n]`` pass."""
     cands = [w for w in lambdas if lam + w <= 1.0 + 1e-9]
-    dtype = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (lm, ng, knn)) else torch.float32
-    neg_inf = torch.tensor(-math.inf, dtype=dtype)
-
-    def term(lp: torch.Tensor, weights: list[float]) -> torch.Tensor:  # [W, n]: log w + log p, -inf where w = 0
-        w = torch.tensor([max(0.0, x) for x in weights], dtype=torch.float64)[:, None]
-        return torch.where(w > 0, lp.to(dtype)[None, :] + w.clamp_min(1e-300).log().to(dtype), neg_inf)
-
-    terms = [term(lm, [1.0 - lam - w for w in cands]), term(ng, cands)]
+    comps, rows = [lm, ng], [[1.0 - lam - w for w in cands], cands]
     if knn is not None:
-        terms.append(term(knn, [lam] * len(cands)))
-    nll = -torch.logsumexp(torch.stack(terms), dim=0).double().sum(-1)
+        comps.append(knn)
+        rows.append([lam] * len(cands))
+    nll = -mix_logprobs_grid(comps, rows).double().sum(-1)
     ppl = torch.exp(nll / max(1, lm.shape[0]))
     ppl = torch.where(torch.isnan(ppl), math.inf, ppl)
     best = int(torch.argmin(ppl))  # the first of equal minima, as grid_search
