@@ -209,6 +209,9 @@ def test_device_option_is_checked(tmp_path, tiny_lm_dir, corpus_dir):
         out = tmp_path / "ds"
         r = memlm("datastore", "build", "--model", str(tiny_lm_dir), *corpus, "--out", str(out), "--device", "cuda")
         assert r.returncode == 2 and "CUDA device" in r.stderr and not (out / "manifest.json").exists()
+    if not torch.backends.mps.is_available():
+        r = memlm("eval", "--model", str(tiny_lm_dir), *corpus, "--device", "mps")
+        assert r.returncode == 2 and "no MPS device" in r.stderr
     results = []
     for extra in ([], ["--device", "CPU"]):
         out = tmp_path / f"eval{len(extra)}.json"

@@ -105,11 +105,15 @@ def place_model(model, device: str):
     if device.startswith("cuda"):
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = int(device.split(":", 1)[1]) if ":" in device else 0
-        if index >= n:
-            raise MemlmError(
-                f"--device {device}: this machine has {n} CUDA device(s) visible to torch "
-                f"{torch.__version__}; run with --device cpu or on a machine with a GPU"
-            )
+        missing = index >= n
+        have = f"{n} CUDA device(s)"
+    else:  # mps
+        missing, have = not torch.backends.mps.is_available(), "no MPS device"
+    if missing:
+        raise MemlmError(
+            f"--device {device}: this machine has {have} visible to torch {torch.__version__}; "
+            "run with --device cpu or on a machine with that device"
+        )
     return model.to(device)
 
 

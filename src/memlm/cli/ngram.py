@@ -289,22 +289,24 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _grids(args: argparse.Namespace) -> dict[str, Any]:
+    """``memlm tune``'s grids for the ∞-gram tuners: its weights', and λ, τ (and k) of a kNN term."""
+    from memlm.ngram.mixture import NGRAM_LAMBDAS
+
+    lambdas = args.ngram_lambdas or NGRAM_LAMBDAS
+    return {"lambdas": lambdas, "knn_lambdas": args.lambdas, "temperatures": args.temperatures, "k": args.k}
+
+
 def tune_with_ngram(args: argparse.Namespace, valid) -> None:
     """``memlm tune`` on a dump with ∞-gram scores: λ_sparse, λ_dense (and λ, τ of its kNN term) tuned jointly."""
     from memlm.knnlm.evaluate import TokenScores
-    from memlm.ngram.mixture import NGRAM_LAMBDAS, ngram_report, tune_ngram
+    from memlm.ngram.mixture import ngram_report, tune_ngram
 
     if any(args.cache_lambdas):
         raise MemlmError("--cache-lambdas is not tuned together with the ∞-gram; drop it")
     if valid.ngram_extra_logprob is not None:
         return tune_with_ngrams(args, valid)
-    result = tune_ngram(
-        valid,
-        lambdas=args.ngram_lambdas or NGRAM_LAMBDAS,
-        knn_lambdas=args.lambdas,
-        temperatures=args.temperatures,
-        k=args.k,
-    )
+    result = tune_ngram(valid, **_grids(args))
     best = result["best"]
     has_knn = valid.knn_scores is not None
     print(
@@ -339,15 +341,9 @@ def tune_with_ngrams(args: argparse.Namespace, valid) -> None:
     (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
     :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
     from memlm.knnlm.evaluate import TokenScores
-    from memlm.ngram.mixture import NGRAM_LAMBDAS, multi_ngram_report, tune_ngrams
+    from memlm.ngram.mixture import multi_ngram_report, tune_ngrams
 
-    result = tune_ngrams(
-        valid,
-        lambdas=args.ngram_lambdas or NGRAM_LAMBDAS,
-        knn_lambdas=args.lambdas,
-        temperatures=args.temperatures,
-        k=args.k,
-    )
+    result = tune_ngrams(valid, **_grids(args))
     has_knn = valid.knn_scores is not None
     lam = result["lambda"] if has_knn else None
     weights = result["weights"]

@@ -309,12 +309,12 @@ class MemlmLM(TemplateLM):
 
     def _ngram_full(self, seq: Sequence[int], positions: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(log P∞_r(. | seq[:p + 1]) [n, V], sparse_r [n, 1])`` of every index ``r`` for each position ``p``."""
+        from memlm.ngram.generate import next_token_distribution
+
         contexts = [list(seq[: p + 1]) for p in positions.tolist()]
         out = []
         for memory in self.ngrams:
-            r = memory.search(contexts, k=1000)
-            sparse = (torch.as_tensor(r.values) >= 0).sum(-1) == 1
-            dist = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), self.vocab_size, 1.0)
+            dist, sparse, _ = next_token_distribution(memory, contexts, self.vocab_size)
             out.append((dist, sparse[:, None]))
         return out
 

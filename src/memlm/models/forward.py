@@ -41,22 +41,28 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
         return False
 
 
-def _device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (its inputs go there)."""
     return next(model.parameters()).device
 
 
-def collate(batch: Sequence[Window], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad a batch of windows into ``(input_ids, attention_mask)``, both ``[B, max length]``.
+def right_pad(sequences: Sequence[np.ndarray], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token id arrays into ``(input_ids, attention_mask)``, both ``[B, max length]``.
 
     Right padding is safe for causal LMs: no real position attends to the padding on its right.
     """
-    length = max(len(w.input_ids) for w in batch)
-    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), length), dtype=torch.long)
-    for b, w in enumerate(batch):
-        ids[b, : len(w.input_ids)] = torch.from_numpy(w.input_ids)
-        mask[b, : len(w.input_ids)] = 1
+    length = max(len(x) for x in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for b, x in enumerate(sequences):
+        ids[b, : len(x)] = torch.from_numpy(np.asarray(x, dtype=np.int64))
+        mask[b, : len(x)] = 1
     return ids, mask
+
+
+def collate(batch: Sequence[Window], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of windows as :func:`right_pad`'s ``(input_ids, attention_mask)``."""
+    return right_pad([w.input_ids for w in batch], pad_id)
 
 
 class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): ...``
@@ -109,7 +115,7 @@ def forward_windows(
     Keys are returned in float32 regardless of the model's dtype; the output projection and the LM log-softmax are
     computed in float32 (:func:`fp32_head`) when log-probabilities are asked for.
     """
-    device = _device(model)
+    device = model_device(model)
     specs = list(key_specs)
     head = fp32_head(model) if with_logprobs else contextlib.nullcontext()
     # keys only (a datastore build): the output projection of the last position alone, where the model allows it

@@ -29,7 +29,22 @@ from memlm.core.distribution import interpolate_per_token, knn_distribution, mix
 from memlm.errors import MemlmError
 from memlm.ngram.mixture import multi_ngram_mixture, per_token_lambda
 
-__all__ = ["MultiNgramLogitsProcessor", "NgramLogitsProcessor", "ngram_logits_processor", "token_sources"]
+__all__ = [
+    "MultiNgramLogitsProcessor",
+    "NgramLogitsProcessor",
+    "next_token_distribution",
+    "ngram_logits_processor",
+    "token_sources",
+]
+
+
+def next_token_distribution(memory, contexts: Sequence[Sequence[int]], vocab: int, k: int = 1000) -> tuple:
+    """``(log P∞(. | c) [n, vocab], sparse [n], retrieved)`` of each context from the ``k`` most frequent next tokens
+    of its longest matching suffix (:meth:`memlm.ngram.memory.NgramMemory.search`); sparse where one token follows
+    every occurrence of that suffix."""
+    r = memory.search(contexts, k)
+    sparse = (torch.as_tensor(r.values) >= 0).sum(-1) == 1
+    return knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), vocab, 1.0), sparse, r
 
 
 class _NgramStep(LogitsProcessor):
@@ -69,10 +84,9 @@ class NgramLogitsProcessor(_NgramStep):
     def search(self, input_ids: torch.LongTensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log P∞ [rows, vocab], sparse [rows])`` of each row's next token: sparse where one token follows every
         occurrence of the row's longest matching suffix (recorded for row 0 in ``history`` with the effective n)."""
-        r = self.memory.search([row.tolist() for row in input_ids.cpu()], self.k)
-        filled = (torch.as_tensor(r.values) >= 0).sum(-1)
-        sparse = filled == 1
-        p_inf = knn_distribution(torch.as_tensor(r.scores), torch.as_tensor(r.values), vocab, 1.0)
+        p_inf, sparse, r = next_token_distribution(
+            self.memory, [row.tolist() for row in input_ids.cpu()], vocab, self.k
+        )
         self.history.append((bool(sparse[0]), int(r.ids[0, 0])))
         return p_inf, sparse
 

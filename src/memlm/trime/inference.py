@@ -69,6 +69,7 @@ from memlm.core.memory import DenseMemory
 from memlm.core.tuning import grid_search
 from memlm.data.windows import doc_hash
 from memlm.errors import MemlmError
+from memlm.models.forward import model_device, right_pad
 from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
 from memlm.storage import index as index_lib
@@ -219,22 +220,12 @@ def token_provenance(
     return [(np.concatenate([h for h, _ in per_doc]), np.concatenate([o for _, o in per_doc]))]
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 def _forward_segments(
     model: torch.nn.Module, segments: Sequence[Segment | EvalWindow], pad_id: int, key: KeySpec
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(target_logit [n], logit_lse [n], g [n, D])`` in float32 for each segment (n = its number of targets)."""
-    device = _device(model)
-    length = max(len(s.inputs) for s in segments)
-    ids = torch.full((len(segments), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(segments), length), dtype=torch.long)
-    for b, s in enumerate(segments):
-        ids[b, : len(s.inputs)] = torch.from_numpy(s.inputs)
-        mask[b, : len(s.inputs)] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    device = model_device(model)
+    ids, mask = (t.to(device) for t in right_pad([s.inputs for s in segments], pad_id))
     with KeyCapture(model, key) as cap:
         out = model(input_ids=ids, attention_mask=mask, use_cache=False)
         g = cap.keys
@@ -383,7 +374,7 @@ def _score_segments(model, segments, batch_size: int, pad_id: int, run: _Run) ->
     fifo: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(maxlen=max(run.config.max_segments, 1))
     current_doc = -1
     seconds_search = 0.0
-    device = _device(model)
+    device = model_device(model)
     for start in range(0, len(segments), batch_size):
         batch = segments[start : start + batch_size]
         outs = _forward_segments(model, batch, pad_id, run.config.key)
