@@ -201,9 +201,22 @@ def agreement(dump: str) -> dict:
     }
 
 
+def same_tokens_as_committed(stats: dict) -> dict:
+    """Whether a dump's ∞-gram statistics equal eval_test.json's (the same test tokens against the same reference)."""
+    ref = _load("eval_test.json")
+    pairs = {
+        "target_nonzero": "ngram_target_nonzero",
+        "sparse_share": "sparse_share",
+        "sparse_correct": "sparse_correct",
+    }
+    equal = stats["tokens"] == ref["tokens"] and all(abs(stats[a] - ref[b]) < 1e-6 for a, b in pairs.items())
+    return {"file": "docs/results/ngram/eval_test.json", "tokens_and_statistics_equal": equal}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dump", help="a memlm eval --ngram DIR --dump of WikiText-2 test: adds P∞(target) > 0.5")
+    ap.add_argument("--dump-command", help="the command that made --dump (recorded)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = {
@@ -223,6 +236,8 @@ def main() -> None:
     }
     if args.dump:
         out["agreement"] = agreement(args.dump)
+        out["agreement"]["dump_command"] = args.dump_command
+        out["agreement"]["same_as_committed"] = same_tokens_as_committed(out["agreement"])
     from memlm.storage.fileio import atomic_write_json
 
     atomic_write_json(args.out, out)
