@@ -94,9 +94,9 @@ def _load(rel: str) -> dict:
     return json.loads((RESULTS / rel).read_text())
 
 
-def _row(file: str, name: str, tokens: int, base: dict, row: dict) -> dict:
+def _row(file: str, name: str, tokens: int, base: dict, row: dict, formatting: int = 0) -> dict:
     """One memlm row in both metrics, on all tokens and without WikiText's formatting tokens when the file has them."""
-    out = {"file": f"docs/results/ngram/{file}", "row": name, "tokens": tokens}
+    out = {"file": f"docs/results/ngram/{file}", "row": name, "tokens": tokens, "formatting_tokens": formatting}
     pairs = {
         "all_tokens": (base["ppl"], row["ppl"]),
         "without_formatting": (base.get("ppl_without_formatting"), row.get("ppl_without_formatting")),
@@ -118,15 +118,16 @@ def memlm_rows() -> list[dict]:
         rep = _load(file)
         test, clean = rep["ngram"]["test"], rep["ngram"]["test_without_formatting"]
         row = {"ppl": test["ngram_ppl"], "ppl_without_formatting": clean["ngram_ppl"]}
-        rows.append(_row(file, f"{name}, WikiText-2 test", rep["test_tokens"], rep["base"], row))
+        rows.append(
+            _row(file, f"{name}, WikiText-2 test", rep["test_tokens"], rep["base"], row, rep["formatting_tokens"])
+        )
     for file in ("knn_ngram_wt2_1m.json", "wt2_full/knn_ngram_wt2_full.json"):
         rep = _load(file)
         base, entries = rep["rows"]["base"], rep["datastore_entries"]
         for name, row in rep["rows"].items():
             if name != "base":
-                rows.append(
-                    _row(file, f"{name}, WikiText-2 test, {entries:,}-entry datastore", rep["test_tokens"], base, row)
-                )
+                name = f"{name}, WikiText-2 test, {entries:,}-entry datastore"
+                rows.append(_row(file, name, rep["test_tokens"], base, row, rep["formatting_tokens"]))
     for file, part, name in (
         ("tune_wt2.json", "valid", "LM + ∞-gram (WikiText-2 train), WikiText-2 valid (λ tuned here)"),
         ("imdb/tune.json", "test", "LM + ∞-gram (IMDB train), IMDB test"),
