@@ -160,19 +160,24 @@ def cost_ratios() -> dict:
     build = _load("cost/cost_build.json")["builds"]
     dense = _load("cost/cost_dense.json")
     key_bytes = 2 * 576  # fp16 keys of SmolLM2-135M's 576 dimensions
-    out = {"files": ["docs/results/ngram/cost/cost_build.json", "docs/results/ngram/cost/cost_dense.json"]}
+    files = ["cost/cost_build.json", "cost/cost_dense.json", "index_wt2_train.json", "index_all_train.json"]
+    out = {"files": [f"docs/results/ngram/{f}" for f in files]}
     for name, b in build.items():
         out[name] = {
             "build_speed_ratio": b["tokens_per_second"] / dense["entries_per_second"],
             "key_bytes_ratio": key_bytes / b["bytes_per_token"],
             "datastore_bytes_ratio": dense["bytes_per_entry"] / b["bytes_per_token"],
         }
-    idx = _load("index_wt2_train.json")
-    tokens_bytes = idx["shards"][0]["bytes"]  # the token file: 2 bytes per token, separators included
-    pointers = 3 * tokens_bytes // 2  # one 3-byte suffix-array pointer per token position at this size
-    out["wt2_index_bytes_per_document_beyond_tokens_and_pointers"] = (idx["bytes"] - tokens_bytes - pointers) / idx[
-        "documents"
-    ]
+    for name in ("index_wt2_train.json", "index_all_train.json"):
+        idx = _load(name)
+        token_bytes = idx["shards"][0]["bytes"]  # the token file: 2 bytes per token, separators included
+        width = math.ceil(math.log2(token_bytes) / 8)  # a suffix-array pointer addresses the token file's bytes
+        rest = idx["bytes"] - token_bytes - width * token_bytes // 2  # one pointer per token position
+        out[f"{name}: offsets and metadata"] = {
+            "pointer_bytes": width,
+            "bytes_per_document": rest / idx["documents"],
+            "bytes_per_token": rest / idx["tokens"],
+        }
     return out
 
 
