@@ -255,3 +255,14 @@ def test_cli_resolves_auto_dtype_before_running(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["eval", "--help"])
     assert "Default auto = bfloat16" in " ".join(capsys.readouterr().out.split())
+
+
+def test_memlm_models_names_the_instruct_model_and_its_q4_1_source(capsys):
+    """`smollm2-135m` is SmolLM2-135M-Instruct dequantized from a Q4_1 GGUF file, and `memlm models` says so."""
+    from memlm.cli import main
+
+    main(["models"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("smollm2-135m"))
+    assert "SmolLM2-135M-Instruct" in line
+    assert "Q4_1" in line and "dequantized" in line
+    assert MODELS["smollm2-135m"].path.endswith(".Q4_1.gguf")  # the file the description names

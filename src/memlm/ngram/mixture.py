@@ -177,6 +177,7 @@ def ngram_report(
         "lambda_dense": lambda_dense,
         "ngram_only_ppl": perplexity(ng[keep]),  # infinite when some target never follows its suffix
         "ngram_target_nonzero": float(hits.float().mean()),
+        "ngram_target_above_half": float((ng[keep] > math.log(0.5)).float().mean()),  # the paper's 47% (Sec. 4.1)
         "sparse_share": float(sparse.float().mean()),
         "sparse_correct": float(torch.isfinite(ng[keep][sparse]).float().mean()) if bool(sparse.any()) else None,
         "effective_n": {
