@@ -59,12 +59,13 @@ log = logging.getLogger(__name__)
 FORMS = ("lm", "constant", "gate")
 """The forms a fitted mixture takes: the LM alone, constant weights, the gate."""
 
-# Below these sizes the guard's comparison is noise and the slice rarely represents the text it will be used on. The
-# kept quarter of 4,096 tokens holds 1,024: with a per-token log-likelihood difference between two forms of standard
-# deviation ~0.3 nats (the size seen between the LM and its mixtures on code and prose dumps), the standard error of
-# the mean difference is ~0.01 nats, about 1% of perplexity, the size of the gains at stake. Eight documents: text
-# varies most between documents (issue 35's one-module slice of 887 tokens tuned λ_sparse to 0.5 and made test
-# perplexity 10% worse than the LM's).
+# Below these sizes the guard's comparison is mostly noise and the slice rarely represents the text it will be used
+# on. The kept quarter of 4,096 tokens holds 1,024. On issue 35's stdlib case (benchmarks/mixture_stdlib.py) the
+# per-token log-likelihood difference between the LM and its ∞-gram mixtures has a standard deviation of 0.4-1.0
+# nats, so over 1,024 tokens the standard error of the mean difference is 0.01-0.03 nats (1-3% of perplexity, more
+# since tokens of one document are correlated): the size of the gains at stake. Eight documents: text varies most
+# between documents (issue 35's one-module slice of 887 tokens tuned λ_sparse to 0.5 and made test perplexity 10%
+# worse than the LM's).
 MIN_FIT_TOKENS = 4096
 MIN_FIT_DOCUMENTS = 8
 _MIN_SPLIT_DOCUMENTS = 4  # fewer documents: the kept part is the last tokens, not the last documents
