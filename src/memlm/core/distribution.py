@@ -46,6 +46,7 @@ __all__ = [
     "interpolate_per_token",
     "joint_distribution",
     "joint_target_logprob",
+    "log_weights_from_logits",
     "knn_distribution",
     "knn_target_logprob",
     "knn_weights",
@@ -53,6 +54,7 @@ __all__ = [
     "memory_lse",
     "mix_logprobs",
     "mix_logprobs_per_token",
+    "mixture_posterior",
     "perplexity",
     "similarity",
     "value_logsumexp",
@@ -327,6 +329,29 @@ def mix_logprobs_per_token(logprobs: Sequence[torch.Tensor], weights: Sequence[t
         raise MemlmError("per-token interpolation weights must be >= 0 and sum to 1 at every token")
     w = w.clamp(min=0.0)  # 1 - λ_t - λc can round to -1e-17
     return torch.logsumexp(torch.where(w > 0, lp + w.log(), _NINF), dim=0)
+
+
+def log_weights_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``log softmax_i(a_i)`` over the last dim: a gate's mixture weights ``log λ_i = a_i - log sum_j e^{a_j}``
+    (:mod:`memlm.core.mixture`, ``a = W φ + b``). ``logits`` float ``[..., C]``, finite."""
+    return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def mixture_posterior(logprobs: torch.Tensor, log_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture ``P_t = sum_i λ_ti p_ti`` and its posterior over components, in log space::
+
+        log P_t = logsumexp_i(log λ_ti + log p_ti),     log r_ti = log λ_ti + log p_ti - log P_t
+
+    ``logprobs`` ``[..., C]`` (``-inf`` = probability 0), ``log_weights`` broadcastable to it (``-inf`` = weight 0).
+    ``r`` are EM's responsibilities and the weights of the gate's gradient (:mod:`memlm.core.mixture`). A component
+    with weight 0 contributes nothing whatever it holds; where ``P_t = 0`` every ``log r_ti`` is ``-inf``.
+    Returns ``(log P [...], log r [..., C])``.
+    """
+    logprobs, log_weights = torch.broadcast_tensors(logprobs, log_weights)
+    terms = torch.where(torch.isneginf(log_weights), _NINF, log_weights + logprobs)
+    total = torch.logsumexp(terms, dim=-1)
+    posterior = torch.where(torch.isfinite(total).unsqueeze(-1), terms - total.unsqueeze(-1), _NINF)
+    return total, posterior
 
 
 def joint_distribution(logits: torch.Tensor, value_masses: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,408 @@
+"""One learned mixture of the LM and its memories: per-token weights from a small gate, fitted on held-out tokens.
+
+Every memory-augmented LM in memlm ends in the same formula: the kNN-LM (Khandelwal et al. 2020, Eq. 3), the
+continuous cache beside it (Grave et al. 2017; Khandelwal et al. 2020, Table 1), the ∞-gram (Liu et al. 2024,
+Sec. 5)::
+
+    P(w | c) = sum_i λ_i(c) P_i(w | c),        i = 0 (the LM), 1 .. m (the memories)
+
+Here the weights come from a gate over per-token features φ(c) of the LM and of each memory's retrieval (He et al.
+2021 predict λ from the LM's features; Drozdov et al. 2022 set it from retrieval quality)::
+
+    λ(c) = softmax(W z(c) + b),    z(c) = (φ(c) - mean) / std,    W_0 = 0, b_0 = 0 (the LM is the reference)
+
+``W = 0`` is a constant mixture (every paper's fixed λ: :meth:`Mixture.constant`); infini-gram's λ_sparse /
+λ_dense is a gate on the sparse flag alone. Fitted by maximum likelihood on held-out tokens:
+
+* constant weights by EM (Dempster et al. 1977): ``r_ti = λ_i p_ti / sum_j λ_j p_tj``, ``λ_i <- mean_t r_ti``. The
+  mean log-likelihood is concave in λ on the simplex, and the fixed point is its maximum (no grid);
+* the gate by L-BFGS on ``NLL(W, b) = -mean_t log sum_i λ_ti p_ti + (l2 / 2) ||W||^2``, whose gradient is
+  ``d(-log P_t) / d a_ti = λ_ti - r_ti`` for the logits ``a = W z + b``, started from EM's weights (``b = log λ``);
+* guarded (:func:`fit_guarded`): part of the slice is kept apart, and the gate is used only where it beats the
+  constant mixture there, the constant mixture only where it beats the LM alone.
+
+Inputs per scored token: ``logprobs [N, C]``, each component's log-probability of the target (``-inf`` where a
+memory gives it 0; the LM, component 0, is finite everywhere), and ``features [N, F]`` (finite), named.
+Normalisations go through :mod:`memlm.core.distribution` (:func:`log_weights_from_logits`, :func:`mixture_posterior`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from memlm.core.distribution import log_weights_from_logits, mixture_posterior
+from memlm.errors import MemlmError
+
+__all__ = [
+    "FORMS",
+    "MIN_FIT_DOCUMENTS",
+    "MIN_FIT_TOKENS",
+    "FitOptions",
+    "Mixture",
+    "MixtureFit",
+    "fit_constant",
+    "fit_gate",
+    "fit_guarded",
+    "gate_objective",
+    "kept_apart",
+]
+
+log = logging.getLogger(__name__)
+
+FORMS = ("lm", "constant", "gate")
+"""The forms a fitted mixture takes: the LM alone, constant weights, the gate."""
+
+# Below these sizes the guard's comparison is mostly noise and the slice rarely represents the text it will be used
+# on. The kept quarter of 4,096 tokens holds 1,024. On issue 35's stdlib case (benchmarks/mixture_stdlib.py) the
+# per-token log-likelihood difference between the LM and its ∞-gram mixtures has a standard deviation of 0.4-1.0
+# nats, so over 1,024 tokens the standard error of the mean difference is 0.01-0.03 nats (1-3% of perplexity, more
+# since tokens of one document are correlated): the size of the gains at stake. Eight documents: text varies most
+# between documents (issue 35's one-module slice of 887 tokens tuned λ_sparse to 0.5 and made test perplexity 10%
+# worse than the LM's).
+MIN_FIT_TOKENS = 4096
+MIN_FIT_DOCUMENTS = 8
+_MIN_SPLIT_DOCUMENTS = 4  # fewer documents: the kept part is the last tokens, not the last documents
+_MIN_WEIGHT = 1e-12  # EM weights below this start the gate at log(1e-12), not at -inf
+
+
+def _float64(x: Any, name: str) -> torch.Tensor:
+    t = x.detach() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if t.is_complex():
+        raise MemlmError(f"{name} must be real numbers, got {t.dtype}")
+    return t.to("cpu", torch.float64)
+
+
+def _check_logprobs(logprobs: Any, n_components: int | None = None) -> torch.Tensor:
+    """``logprobs [N, C]`` as float64 (C = ``n_components`` when given), or one MemlmError naming the problem."""
+    lp = _float64(logprobs, "logprobs")
+    c = n_components if n_components is not None else (lp.shape[1] if lp.ndim == 2 else "C")
+    if lp.ndim != 2 or lp.shape[1] != c:
+        raise MemlmError(f"logprobs must be [tokens, {c}] (one column per component), got {tuple(lp.shape)}")
+    if lp.shape[0] == 0:
+        raise MemlmError("no tokens: the mixture needs at least one scored token")
+    if bool(torch.isnan(lp).any()):
+        raise MemlmError("logprobs hold NaN: each component must give every token a log-probability (-inf for 0)")
+    if bool((lp > 1e-4).any()):
+        raise MemlmError(f"logprobs must be log-probabilities (<= 0), got a maximum of {float(lp.max()):g}")
+    if not bool(torch.isfinite(lp[:, 0]).all()):
+        raise MemlmError("component 0 (the LM) gives some token probability 0: the LM must be finite at every token")
+    return lp.clamp(max=0.0)
+
+
+def _check_inputs(logprobs: Any, features: Any, n_components: int, n_features: int) -> tuple[torch.Tensor, ...]:
+    """``(logprobs [N, C], features [N, F])`` as float64, or one MemlmError naming what is wrong and the fix."""
+    lp = _check_logprobs(logprobs, n_components)
+    if features is None:
+        features = torch.zeros(lp.shape[0], 0, dtype=torch.float64)
+    ft = _float64(features, "features")
+    if ft.ndim != 2 or ft.shape != (lp.shape[0], n_features):
+        raise MemlmError(f"features must be [tokens, {n_features}] = [{lp.shape[0]}, {n_features}] to match logprobs "
+                         f"and the feature names, got {tuple(ft.shape)}")  # fmt: skip
+    if not bool(torch.isfinite(ft).all()):
+        raise MemlmError("features hold NaN or inf: fill a missing retrieval's feature with a finite value")
+    return lp, ft
+
+
+def _check_memories_score(lp: torch.Tensor, components: Sequence[str]) -> None:
+    for i in range(1, lp.shape[1]):
+        if not bool(torch.isfinite(lp[:, i]).any()):
+            raise MemlmError(f"component {components[i]!r} gives every token probability 0: nothing to fit a weight "
+                             "for; leave that memory out or check its scores")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """``log P_t = logsumexp_i(log λ_ti + log p_ti)`` with ``λ_t = softmax(W (φ_t - mean) / std + b)``.
+
+    ``W [C, F]`` and ``b [C]`` with row 0 (the LM) zero; ``b_i = -inf`` is weight 0. ``form`` says what it is:
+    ``"lm"`` (the LM alone), ``"constant"`` (W = 0) or ``"gate"``.
+    """
+
+    components: tuple[str, ...]
+    feature_names: tuple[str, ...]
+    W: np.ndarray
+    b: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    form: str = "gate"
+
+    def __post_init__(self) -> None:
+        c, f = len(self.components), len(self.feature_names)
+        if c < 1 or len(set(self.components)) != c or len(set(self.feature_names)) != f:
+            raise MemlmError(f"a mixture needs distinct component and feature names, got {self.components} and "
+                             f"{self.feature_names}")  # fmt: skip
+        if self.form not in FORMS:
+            raise MemlmError(f"unknown mixture form {self.form!r}; use one of {', '.join(FORMS)}")
+        shapes = {"W": ((c, f), self.W), "b": ((c,), self.b), "mean": ((f,), self.mean), "std": ((f,), self.std)}
+        for name, (shape, value) in shapes.items():
+            object.__setattr__(self, name, np.asarray(value, dtype=np.float64).reshape(shape))
+        if self.W[0].any() or self.b[0] != 0 or not np.isfinite(self.W).all() or np.isnan(self.b).any():
+            raise MemlmError("the gate's row 0 (the LM, the reference) must be zero and W, b finite (b may be -inf)")
+        if not (np.isfinite(self.std).all() and (self.std > 0).all() and np.isfinite(self.mean).all()):
+            raise MemlmError("the gate's feature standardisation needs finite means and std > 0")
+
+    @classmethod
+    def constant(cls, components: Sequence[str], weights: Sequence[float], feature_names: Sequence[str] = ()):
+        """The fixed mixture ``sum_i w_i p_i`` (weights >= 0 summing to 1, the LM's > 0): every paper's λ."""
+        w = np.asarray(weights, dtype=np.float64)
+        if w.shape != (len(components),) or (w < 0).any() or not math.isclose(w.sum(), 1.0, abs_tol=1e-9):
+            raise MemlmError(f"constant weights must be one per component, >= 0, summing to 1; got {list(weights)}")
+        if not w[0] > 0:
+            raise MemlmError("the LM's weight (component 0) must be > 0: it is the gate's reference")
+        with np.errstate(divide="ignore"):
+            b = np.log(w) - np.log(w[0])
+        f = len(feature_names)
+        form = "lm" if not w[1:].any() else "constant"
+        return cls(tuple(components), tuple(feature_names), np.zeros((len(w), f)), b, np.zeros(f), np.ones(f), form)
+
+    @classmethod
+    def lm_only(cls, components: Sequence[str], feature_names: Sequence[str] = ()):
+        """The LM alone (every memory at weight 0)."""
+        return cls.constant(components, [1.0] + [0.0] * (len(components) - 1), feature_names)
+
+    def _inputs(self, logprobs: Any, features: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return _check_inputs(logprobs, features, len(self.components), len(self.feature_names))
+
+    def _log_weights(self, ft: torch.Tensor) -> torch.Tensor:
+        z = (ft - torch.from_numpy(self.mean)) / torch.from_numpy(self.std)
+        return log_weights_from_logits(z @ torch.from_numpy(self.W).T + torch.from_numpy(self.b))
+
+    def log_weights(self, features: Any) -> torch.Tensor:
+        """``log λ(c)`` per token, float64 ``[N, C]``."""
+        ft = _float64(features, "features")
+        if ft.ndim != 2 or ft.shape[1] != len(self.feature_names) or not bool(torch.isfinite(ft).all()):
+            raise MemlmError(f"features must be finite [tokens, {len(self.feature_names)}], got {tuple(ft.shape)}")
+        return self._log_weights(ft)
+
+    def logprob(self, logprobs: Any, features: Any = None) -> torch.Tensor:
+        """``log P(target)`` per token, float64 ``[N]``."""
+        lp, ft = self._inputs(logprobs, features)
+        return mixture_posterior(lp, self._log_weights(ft))[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (``b = -inf``, weight 0, is written as null)."""
+        return {
+            "form": self.form,
+            "components": list(self.components),
+            "feature_names": list(self.feature_names),
+            "W": self.W.tolist(),
+            "b": [None if math.isinf(x) else float(x) for x in self.b],
+            "feature_mean": self.mean.tolist(),
+            "feature_std": self.std.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Mixture:
+        try:
+            b = [-math.inf if x is None else float(x) for x in d["b"]]
+            return cls(tuple(d["components"]), tuple(d["feature_names"]), np.asarray(d["W"], dtype=np.float64)
+                       .reshape(len(d["components"]), len(d["feature_names"])), np.asarray(b), np.asarray(
+                           d["feature_mean"]), np.asarray(d["feature_std"]), d["form"])  # fmt: skip
+        except (KeyError, TypeError, ValueError) as error:
+            raise MemlmError(
+                f"not a stored mixture ({type(error).__name__}: {error}): expected Mixture.to_dict's "
+                "fields form, components, feature_names, W, b, feature_mean, feature_std"
+            ) from error
+
+
+# ------------------------------------------------------------------------------------------------------- fitting
+
+
+def fit_constant(logprobs: Any, tol: float = 1e-10, max_iter: int = 10_000) -> tuple[np.ndarray, int, bool]:
+    """The constant weights of maximum likelihood by EM: ``λ_i <- mean_t r_ti``, ``r_ti = λ_i p_ti / P_t``, from
+    uniform weights until no weight moves by more than ``tol``. Returns ``(λ [C], iterations, converged)``."""
+    lp = _check_logprobs(logprobs)
+    lam = torch.full((lp.shape[1],), 1.0 / lp.shape[1], dtype=torch.float64)
+    for it in range(1, max_iter + 1):
+        with np.errstate(divide="ignore"):
+            log_lam = lam.log()
+        new = mixture_posterior(lp, log_lam)[1].exp().mean(0)
+        new = new / new.sum()
+        moved = float((new - lam).abs().max())
+        lam = new
+        if moved < tol:
+            return lam.numpy(), it, True
+    return lam.numpy(), max_iter, False
+
+
+def gate_objective(theta: torch.Tensor, logprobs: torch.Tensor, z: torch.Tensor, l2: float):
+    """``(NLL, dNLL/dθ)`` of the gate at ``θ = [W_1..W_{C-1} (row-major), b_1..b_{C-1}]`` (rows 0 fixed at 0)::
+
+        NLL = -mean_t log sum_i λ_ti p_ti + (l2 / 2) ||W||^2,   dNLL/dW_i = mean_t (λ_ti - r_ti) z_t + l2 W_i,
+        dNLL/db_i = mean_t (λ_ti - r_ti)
+
+    ``logprobs [N, C]``, ``z [N, F]`` (standardised features), float64."""
+    n, c = logprobs.shape
+    f = z.shape[1]
+    W = torch.cat([torch.zeros(1, f, dtype=theta.dtype), theta[: (c - 1) * f].reshape(c - 1, f)])
+    b = torch.cat([torch.zeros(1, dtype=theta.dtype), theta[(c - 1) * f :]])
+    log_lam = log_weights_from_logits(z @ W.T + b)
+    log_p, log_r = mixture_posterior(logprobs, log_lam)
+    value = -log_p.mean() + 0.5 * l2 * (W * W).sum()
+    g = (log_lam.exp() - log_r.exp()) / n  # [N, C]: d(-mean log P)/da
+    grad_w = g.T @ z + l2 * W
+    return value, torch.cat([grad_w[1:].reshape(-1), g.sum(0)[1:]])
+
+
+def fit_gate(logprobs: Any, z: Any, init_weights: Sequence[float], l2: float = 1e-3, max_iter: int = 500):
+    """The gate's ``(W [C, F], b [C])`` minimising :func:`gate_objective` by L-BFGS (strong-Wolfe line search) from
+    ``W = 0``, ``b = log λ - log λ_0`` with ``λ = init_weights`` (EM's constant weights)."""
+    lp, zt = torch.as_tensor(logprobs, dtype=torch.float64), torch.as_tensor(z, dtype=torch.float64)
+    c, f = lp.shape[1], zt.shape[1]
+    lam = np.maximum(np.asarray(init_weights, dtype=np.float64), _MIN_WEIGHT)
+    b0 = torch.from_numpy(np.log(lam[1:]) - np.log(lam[0]))
+    x = torch.nn.Parameter(torch.cat([torch.zeros((c - 1) * f, dtype=torch.float64), b0]))
+    opt = torch.optim.LBFGS([x], lr=1.0, max_iter=max_iter, tolerance_grad=1e-9, tolerance_change=1e-13,
+                            history_size=20, line_search_fn="strong_wolfe")  # fmt: skip
+
+    def closure() -> torch.Tensor:
+        value, grad = gate_objective(x.detach(), lp, zt, l2)
+        x.grad = grad
+        return value
+
+    opt.step(closure)
+    theta = x.detach()
+    W = torch.cat([torch.zeros(1, f, dtype=torch.float64), theta[: (c - 1) * f].reshape(c - 1, f)])
+    return W.numpy(), np.concatenate([[0.0], theta[(c - 1) * f :].numpy()])
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How :func:`fit_guarded` fits: the share of documents kept apart, the gate's L2 weight on W (standardised
+    features, mean NLL per token), EM's tolerance, the sizes below which it warns, the margin in nats per token by
+    which a richer form must beat a simpler one on the kept part."""
+
+    kept_share: float = 0.25
+    l2: float = 1e-3
+    em_tol: float = 1e-10
+    min_tokens: int = MIN_FIT_TOKENS
+    min_documents: int = MIN_FIT_DOCUMENTS
+    margin: float = 0.0
+
+
+@dataclass
+class MixtureFit:
+    """A fitted mixture and how it was chosen: held-out mean log-likelihood (nats per token) of each form on the
+    kept part, the sizes it fitted on, and warnings."""
+
+    mixture: Mixture
+    tokens: int
+    documents: int
+    fit_tokens: int
+    kept_tokens: int
+    split: str
+    heldout_loglik: dict[str, float]
+    mean_weights: list[float]
+    warnings: list[str] = field(default_factory=list)
+    options: FitOptions = field(default_factory=FitOptions)
+
+    @property
+    def form(self) -> str:
+        return self.mixture.form
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("tokens", "documents", "fit_tokens", "kept_tokens", "split",
+                                             "heldout_loglik", "mean_weights", "warnings")}  # fmt: skip
+        return {"form": self.form, "mixture": self.mixture.to_dict(), **out, "options": asdict(self.options)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MixtureFit:
+        try:
+            rest = {k: d[k] for k in ("tokens", "documents", "fit_tokens", "kept_tokens", "split", "heldout_loglik",
+                                      "mean_weights", "warnings")}  # fmt: skip
+            return cls(Mixture.from_dict(d["mixture"]), **rest, options=FitOptions(**d["options"]))
+        except (KeyError, TypeError) as error:
+            raise MemlmError(f"not a stored mixture fit ({type(error).__name__}: {error})") from error
+
+
+def kept_apart(doc_index: Any, share: float) -> tuple[np.ndarray, str]:
+    """The tokens kept apart to check a fit: the last ``share`` of the documents (by ``doc_index`` order, at least
+    one), or, with fewer than 4 documents, the last ``share`` of the tokens. Returns ``(mask [N], how)``."""
+    doc = np.asarray(doc_index)
+    if not 0 < share < 1:
+        raise MemlmError(f"the kept share must be in (0, 1), got {share}")
+    if doc.ndim != 1 or len(doc) < 2:
+        raise MemlmError(f"a guarded fit needs >= 2 tokens with one document index each, got {doc.shape}")
+    docs = np.unique(doc)
+    if len(docs) >= _MIN_SPLIT_DOCUMENTS:
+        keep = docs[len(docs) - max(1, round(share * len(docs))) :]
+        return np.isin(doc, keep), "documents"
+    n_keep = min(len(doc) - 1, max(1, round(share * len(doc))))
+    return np.arange(len(doc)) >= len(doc) - n_keep, "tokens"
+
+
+def _standardised(ft: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    mean = ft.mean(0).numpy() if len(ft) else np.zeros(ft.shape[1])
+    std = ft.std(0, unbiased=False).numpy() if len(ft) else np.ones(ft.shape[1])
+    return mean, np.where(std > 1e-12, std, 1.0)
+
+
+def _fit_forms(lp: torch.Tensor, ft: torch.Tensor, names: tuple, forms: Sequence[str], options: FitOptions) -> dict:
+    """Each of ``forms`` fitted on these tokens: ``{form: Mixture}``."""
+    components, feature_names = names
+    out = {"lm": Mixture.lm_only(components, feature_names)}
+    if forms == ("lm",):
+        return out
+    weights, _, converged = fit_constant(lp, options.em_tol)
+    if not converged:
+        log.warning("EM stopped before converging (tolerance %g)", options.em_tol)
+    out["constant"] = Mixture.constant(components, weights, feature_names)
+    if "gate" in forms:
+        mean, std = _standardised(ft)
+        z = (ft - torch.from_numpy(mean)) / torch.from_numpy(std)
+        W, b = fit_gate(lp, z, weights, options.l2)
+        out["gate"] = Mixture(components, feature_names, W, b, mean, std, "gate")
+    return out
+
+
+def fit_guarded(
+    logprobs: Any,
+    features: Any,
+    doc_index: Any,
+    components: Sequence[str],
+    feature_names: Sequence[str],
+    options: FitOptions = FitOptions(),
+) -> MixtureFit:
+    """Fit the mixture on held-out tokens, guarded against a small or unrepresentative slice.
+
+    The last ``kept_share`` of the documents (:func:`kept_apart`) is kept apart; the LM alone, EM's constant weights
+    and the gate are fitted on the rest and scored on the kept part (mean log-likelihood per token). The gate is
+    chosen only if it beats the constant mixture there by more than ``margin``, the constant mixture only if it
+    beats the LM alone; the chosen form is then refitted on the whole slice. Warns (in ``warnings`` and the log)
+    below ``min_tokens`` tokens or ``min_documents`` documents.
+    """
+    names = (tuple(components), tuple(feature_names))
+    lp, ft = _check_inputs(logprobs, features, len(names[0]), len(names[1]))
+    _check_memories_score(lp, names[0])
+    doc = np.asarray(doc_index)
+    if doc.shape != (lp.shape[0],):
+        raise MemlmError(f"doc_index must give one document per token ({lp.shape[0]}), got shape {doc.shape}")
+    kept, split = kept_apart(doc, options.kept_share)
+    kept_t = torch.from_numpy(kept)
+    forms = FORMS if ft.shape[1] else FORMS[:2]
+    trial = _fit_forms(lp[~kept_t], ft[~kept_t], names, forms, options)
+    heldout = {f: float(m.logprob(lp[kept_t], ft[kept_t]).mean()) for f, m in trial.items()}
+    chosen = "lm"
+    if heldout["constant"] > heldout["lm"] + options.margin:
+        chosen = "constant"
+        if "gate" in heldout and heldout["gate"] > heldout["constant"] + options.margin:
+            chosen = "gate"
+    mixture = _fit_forms(lp, ft, names, (chosen,), options)[chosen]
+    n_docs = len(np.unique(doc))
+    warnings = []
+    if lp.shape[0] < options.min_tokens or n_docs < options.min_documents:
+        warnings.append(f"fitted on {lp.shape[0]:,} tokens of {n_docs:,} documents, below the {options.min_tokens:,} "
+                        f"tokens and {options.min_documents} documents this fit wants: the weights may not carry over "
+                        "to other text; fit on a larger held-out slice")  # fmt: skip
+    for w in warnings:
+        log.warning(w)
+    mean_weights = mixture.log_weights(ft).exp().mean(0).tolist()
+    return MixtureFit(mixture, int(lp.shape[0]), n_docs, int((~kept).sum()), int(kept.sum()), split, heldout,
+                      mean_weights, warnings, options)  # fmt: skip

@@ -1,0 +1,113 @@
+"""A per-token dump as the learned mixture's inputs: each component's log-probability of the target and the features
+of each retrieval (:mod:`memlm.core.mixture`, issue 35).
+
+Components, in order, as far as the dump holds them: ``lm``; ``knn`` (the datastore's neighbours, Eq. 2 at
+temperature τ, the k best); ``ngram`` and ``ngram2``, ``ngram3``, ... (each ∞-gram reference, Liu et al. 2024);
+``cache`` (the continuous cache, Grave et al. 2017, at its own temperature). Features, each memory its own columns:
+
+=========================  ===================================================================================
+``lm_entropy``             H(p_LM(· | c)), nats
+``lm_max_logprob``         max_w log p_LM(w | c)
+``knn_top_score``          the best neighbour's score s_1 (0 where nothing was retrieved)
+``knn_logsumexp``          log sum_i n_i exp(s_i / τ) over the k neighbours (0 where nothing was retrieved)
+``knn_top_value_share``    p_kNN(v_1 | c): the share of the memory's mass on the best neighbour's value
+``knn_empty``              1 where no neighbour was retrieved
+``ngram_log_n``            log(1 + n), n the effective n of P∞ (the matched suffix's length + 1)
+``ngram_log_count``        log(1 + cnt(suffix)), how often the matched suffix occurs in the reference
+``ngram_sparse``           1 where P∞(· | c) puts all its mass on one token
+``cache_top_score``        the cache's best entry's score (0 where the cache is empty)
+``cache_empty``            1 where the cache holds no entry (a document's first token)
+=========================  ===================================================================================
+
+(further ∞-gram references: ``ngram2_log_n``, ...). ``-inf`` scores of an empty retrieval become 0 with the
+``*_empty`` flag beside them, so every feature is finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from memlm.core.distribution import memory_lse
+from memlm.errors import MemlmError
+from memlm.knnlm.evaluate import TokenScores, memory_logprob
+
+__all__ = ["MixtureInputs", "mixture_inputs"]
+
+
+@dataclass(frozen=True)
+class MixtureInputs:
+    """``logprobs [N, C]`` (float64, ``-inf`` = 0), ``features [N, F]`` (finite), their names, and each token's
+    document (``doc_index``, for :func:`memlm.core.mixture.fit_guarded`'s kept part)."""
+
+    logprobs: np.ndarray
+    features: np.ndarray
+    components: tuple[str, ...]
+    feature_names: tuple[str, ...]
+    doc_index: np.ndarray
+
+
+def _retrieval_features(scores, values, targets, temperature, k, log_counts) -> dict[str, np.ndarray]:
+    """Top score, log-sum-exp of the scores / τ, the top value's share and the empty flag of k retrieved entries."""
+    k = scores.shape[1] if k is None else k
+    s = torch.from_numpy(np.ascontiguousarray(scores[:, :k]))
+    v = torch.from_numpy(np.ascontiguousarray(values[:, :k]).astype(np.int64))
+    lc = None if log_counts is None else torch.from_numpy(np.ascontiguousarray(log_counts[:, :k]))
+    total, top_value = memory_lse(s, v, v[:, 0], temperature, lc)
+    empty = ~torch.isfinite(total)
+    zero = torch.zeros_like(total, dtype=torch.float64)
+    return {
+        "top_score": torch.where(empty, zero, s[:, 0].double()).numpy(),
+        "logsumexp": torch.where(empty, zero, total.double()).numpy(),
+        "top_value_share": torch.where(empty, zero, (top_value - total).double().exp()).numpy(),
+        "empty": empty.double().numpy(),
+    }
+
+
+def _ngram_columns(ts: TokenScores) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """``(log P∞, effective n, suffix count, sparse)`` of each ∞-gram reference of the dump, in order."""
+    if ts.ngram_logprob is None:
+        return []
+    refs = [(ts.ngram_logprob, ts.ngram_n, ts.ngram_count, ts.ngram_sparse)]
+    if ts.ngram_extra_logprob is not None:
+        for r in range(ts.ngram_extra_logprob.shape[1]):
+            refs.append(tuple(getattr(ts, f"ngram_extra_{f}")[:, r] for f in ("logprob", "n", "count", "sparse")))
+    return refs
+
+
+def mixture_inputs(
+    ts: TokenScores, temperature: float = 1.0, k: int | None = None, cache_temperature: float = 1.0
+) -> MixtureInputs:
+    """The components and features (module docstring) of every memory a dump holds, the kNN term at ``temperature``
+    over its ``k`` best neighbours (τ is still searched outside the mixture), the cache at ``cache_temperature``."""
+    if ts.lm_entropy is None or ts.lm_max_logprob is None:
+        raise MemlmError("this dump has no LM entropy / max log-prob (written by an older memlm): rerun memlm eval "
+                         "--dump to get the LM's features")  # fmt: skip
+    comps: dict[str, np.ndarray] = {"lm": ts.lm_logprob.astype(np.float64)}
+    feats: dict[str, np.ndarray] = {"lm_entropy": ts.lm_entropy, "lm_max_logprob": ts.lm_max_logprob}
+    if ts.knn_scores is not None:
+        comps["knn"] = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k,
+                                      ts.knn_log_counts).double().numpy()  # fmt: skip
+        found = _retrieval_features(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
+        feats.update({f"knn_{name}": col for name, col in found.items()})
+    for r, (logprob, n, count, sparse) in enumerate(_ngram_columns(ts)):
+        name = "ngram" if r == 0 else f"ngram{r + 1}"
+        comps[name] = logprob.astype(np.float64)
+        feats[f"{name}_log_n"] = np.log1p(np.maximum(n, 0).astype(np.float64))
+        feats[f"{name}_log_count"] = np.log1p(np.maximum(count, 0).astype(np.float64))
+        feats[f"{name}_sparse"] = sparse.astype(np.float64)
+    if ts.cache_scores is not None:
+        comps["cache"] = (
+            memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature).double().numpy()
+        )
+        found = _retrieval_features(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature, None, None)
+        feats.update(cache_top_score=found["top_score"], cache_empty=found["empty"])
+    return MixtureInputs(
+        logprobs=np.stack(list(comps.values()), axis=1),
+        features=np.stack([np.asarray(c, dtype=np.float64) for c in feats.values()], axis=1),
+        components=tuple(comps),
+        feature_names=tuple(feats),
+        doc_index=np.asarray(ts.doc_index),
+    )
