@@ -81,8 +81,17 @@ class Brute:
         for length in range(longest, -1, -1):
             nxt = self.follow(ctx[len(ctx) - length :]) if length else self.follow_all()
             if nxt:
-                return nxt.count(target) / len(nxt), len(nxt), length + 1, len(set(nxt)) == 1
+                return nxt.count(target) / len(nxt), len(nxt), self.effective_n(context, max_n), len(set(nxt)) == 1
         raise AssertionError("the empty suffix always occurs")
+
+    def effective_n(self, context: list[int], max_n: int | None = None) -> int:
+        """The paper's effective n of the target ``w_i`` after ``context = w_1 .. w_{i-1}`` (Sec. 3): the largest
+        ``n <= i`` with ``cnt(w_{i-n+1} .. w_{i-1}) > 0`` (words only: no document-start marker), at most ``max_n``."""
+        i = len(context) + 1
+        for n in range(i if max_n is None else min(i, max_n), 0, -1):
+            if n == 1 or self.follow(context[len(context) - (n - 1) :]):
+                return n
+        raise AssertionError("n = 1 always qualifies")
 
     def follow_all(self) -> list[int]:
         return [self.eos if t == self.START else t for t in self.seq]

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import Doc  # noqa: E402
 
+from memlm.errors import MemlmError  # noqa: E402
 from memlm.ngram.decontaminate import bff_tokens, decontaminate, overlap_fractions  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)] + ["the", "a", "of", "river", "park", "bird", "sang", "ran", "dog", "cat"]
@@ -142,10 +143,49 @@ def test_cli_build_decontaminates_and_records_it(tiny_lm_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0
     assert "nothing to do" in capsys.readouterr().err
-    # the default: the test split of every named corpus read for train; none with --split all or "none"
-    assert decontamination_sets("wiki,x.jsonl,imdb", "train", None) == ["wiki:test", "imdb:test"]
+    # the default: the valid and test splits of every named corpus read for train (none with --split all), and the
+    # sets named besides (a corpus name alone: both splits); "none": nothing
+    assert decontamination_sets("wiki,x.jsonl,imdb", "train", None) == ["wiki:valid", "wiki:test", "imdb:valid",
+                                                                          "imdb:test"]  # fmt: skip
     assert decontamination_sets("wiki", "all", None) == [] and decontamination_sets("wiki", "train", "none") == []
-    assert decontamination_sets("wiki", "train", "wikitext2:test, imdb:test") == ["wikitext2:test", "imdb:test"]
+    assert decontamination_sets("wiki", "train", "wikitext2:test, imdb, wiki:test") == [
+        "wiki:valid", "wiki:test", "wikitext2:test", "imdb:valid", "imdb:test"]  # fmt: skip
+    assert decontamination_sets("wiki", "all", "x.jsonl") == ["x.jsonl"]
+    with pytest.raises(MemlmError, match="--decontaminate needs"):
+        decontamination_sets("wiki", "train", " , ")
+
+
+def test_build_decontaminates_against_valid_and_test_of_each_named_corpus(monkeypatch):
+    """The build's default sets (the valid and the test split of a named corpus) against a randomized brute force:
+    reference documents spliced from valid text, from test text, from both, and clean ones; the plain-Python
+    transcription of the 13-gram / 80% rule decides which go (against valid and test together, and each alone), and
+    decontaminate_reference drops exactly those, and records each split's count and fingerprint."""
+    import memlm.data.corpora as corpora
+    from memlm.ngram.decontaminate import decontaminate_reference, decontamination_sets
+
+    rng = random.Random(21)
+    split_docs = {s: [Doc(f"{s}{i}", _text(rng, rng.randint(20, 90))) for i in range(5)] for s in ("valid", "test")}
+    monkeypatch.setattr(corpora, "load_documents", lambda name, split="test": list(split_docs[split]))
+    docs = []
+    for s in ("valid", "test"):
+        pool = [d.text.split() for d in split_docs[s]]
+        docs += [Doc(f"{s}-{i}", t) for i, t in enumerate(_spliced(rng, pool, 120, lambda k: _text(rng, k)))]
+    docs += [Doc("both", split_docs["valid"][0].text + " " + split_docs["test"][0].text)]
+    docs += [Doc(f"clean{i}", _text(random.Random(100 + i), 40)) for i in range(20)]
+    rng.shuffle(docs)
+    names = decontamination_sets("wiki", "train", None)
+    assert names == ["wiki:valid", "wiki:test"]
+    kept, rec = decontaminate_reference(docs, names)
+    _, drop = _brute(docs, split_docs["valid"] + split_docs["test"])
+    assert [d.id for d in kept] == [d.id for d, x in zip(docs, drop, strict=True) if not x]
+    for s in ("valid", "test"):
+        _, alone = _brute(docs, split_docs[s])
+        assert rec["eval_sets"][f"wiki:{s}"]["dropped_documents"] == sum(alone) >= 3
+        assert rec["eval_sets"][f"wiki:{s}"]["fingerprint"] == corpora.corpus_fingerprint(split_docs[s])
+        assert any(d.id.startswith(f"{s}-") for d, x in zip(docs, alone, strict=True) if x)
+    assert "both" in {d["id"] for d in rec["dropped"]} and not any(d.id.startswith("clean") and x for d, x in
+                                                                     zip(docs, drop, strict=True))  # fmt: skip
+    assert decontaminate_reference(docs, []) == (docs, None)
 
 
 def _class_chars() -> dict[str, list[str]]:

@@ -181,6 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if ngram is not None:
         prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
         ngram_cli.print_sources(args, ngram.memories, tok, prompt, text)
+        ngram_cli.note_approximate(ngram)
 
 
 def cmd_gate_train(args: argparse.Namespace) -> None:

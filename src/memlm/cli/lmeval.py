@@ -69,6 +69,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
         model=lm, tasks=tasks, task_manager=manager, limit=args.limit, samples=samples, log_samples=False
     )
     print(make_table(out))
+    if lm.memory_settings["approximate"]:  # P∞ over the vocabulary left some mass unassigned (MemlmLM's docstring)
+        print(f"note: approximate ∞-gram results: {json.dumps(lm.memory_settings['approximate'])}", file=sys.stderr)
     if args.out:
         record = {
             "command": "memlm " + " ".join(sys.argv[1:]),

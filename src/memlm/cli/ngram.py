@@ -13,6 +13,7 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, load_documents, write_json
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import holdout_split
+from memlm.ngram.decontaminate import decontaminate_reference, decontamination_sets
 from memlm.storage.locking import folder_lock
 
 EXCLUDED = (
@@ -21,55 +22,21 @@ EXCLUDED = (
 )
 
 
-def decontamination_sets(corpus: str, split: str, spec: str | None) -> list[str]:
-    """The evaluation sets ``memlm ngram build`` decontaminates against: ``spec`` (``none``, or a comma-separated list
-    of ``CORPUS:SPLIT`` for named corpora and paths of files or folders), by default (``None``) the test split of every
-    named corpus in ``corpus`` when the build reads train splits (none with ``--split all``)."""
-    from memlm.data.corpora import CORPORA
-
-    if spec is None:
-        if split != "train":
-            return []
-        return [f"{name}:test" for name in (n.strip() for n in corpus.split(",")) if name in CORPORA]
-    if spec.strip().lower() == "none":
-        return []
-    names = [x.strip() for x in spec.split(",") if x.strip()]
-    if not names:
-        raise MemlmError("--decontaminate needs CORPUS:SPLIT names or paths (e.g. wikitext2:test,imdb:test), or none")
-    return names
-
-
-def _eval_documents(name: str) -> list:
-    from memlm.data.corpora import CORPORA
-    from memlm.data.corpora import load_documents as corpus_documents
-
-    corpus, _, split = name.rpartition(":")
-    if corpus in CORPORA:
-        return corpus_documents(corpus, split)
-    return corpus_documents(Path(name), None)
-
-
 def decontaminate_documents(args: argparse.Namespace, docs: list, tok) -> tuple[list, dict[str, Any] | None]:
     """``--decontaminate``: drop the reference documents the infini-gram paper's rule finds in the evaluation sets
-    (:mod:`memlm.ngram.decontaminate`); the record goes into the manifest's source (deterministic: resumable)."""
-    from memlm.data.corpora import corpus_fingerprint
-    from memlm.ngram.decontaminate import decontaminate
-
+    (:func:`memlm.ngram.decontaminate.decontaminate_reference`: by default the valid and test splits of every named
+    corpus); the record goes into the manifest's source (deterministic: resumable)."""
     names = decontamination_sets(args.corpus, args.split, args.decontaminate)
-    if not names:
-        return docs, None
-    eval_sets = {name: _eval_documents(name) for name in names}
-    kept, record = decontaminate(
-        docs, eval_sets, tok, n=args.decontaminate_n, threshold=args.decontaminate_threshold, progress=True
+    kept, record = decontaminate_reference(
+        docs, names, tok, n=args.decontaminate_n, threshold=args.decontaminate_threshold, progress=True
     )
-    for name, d in eval_sets.items():
-        record["eval_sets"][name]["fingerprint"] = corpus_fingerprint(d)
-    print(
-        f"decontamination against {', '.join(names)}: dropped {record['dropped_documents']:,} of "
-        f"{record['checked_documents']:,} documents ({record['dropped_tokens'] or 0:,} tokens) with >= "
-        f"{args.decontaminate_threshold:g} of their {args.decontaminate_n}-grams in the evaluation text",
-        file=sys.stderr,
-    )
+    if record is not None:
+        print(
+            f"decontamination against {', '.join(names)}: dropped {record['dropped_documents']:,} of "
+            f"{record['checked_documents']:,} documents ({record['dropped_tokens'] or 0:,} tokens) with >= "
+            f"{args.decontaminate_threshold:g} of their {args.decontaminate_n}-grams in the evaluation text",
+            file=sys.stderr,
+        )
     return kept, record
 
 
@@ -413,6 +380,15 @@ def generate_with_ngram(args: argparse.Namespace) -> None:
     )[0]
     print(args.prompt + text, flush=True)
     print_sources(args, proc.memories, tok, prompt, text)
+    note_approximate(proc)
+
+
+def note_approximate(step) -> None:
+    """A line on stderr when generation's P∞ was not exact over the vocabulary at some step."""
+    from memlm.ngram.generate import approximation_note
+
+    if (note := approximation_note(step)) is not None:
+        print(note, file=sys.stderr)
 
 
 def ngram_processor(args: argparse.Namespace, tok, lam: float = 0.0):
@@ -473,9 +449,10 @@ def add_parsers(sub) -> None:
         default=None,
         metavar="SETS",
         help="drop reference documents that copy evaluation text, by the infini-gram paper's rule (App. B: >= 80%% "
-        "of a document's 13-grams in the evaluation documents): comma-separated CORPUS:SPLIT names or files "
-        "(e.g. wikitext2:test,imdb:test), or none (default: the test split of every named corpus in --corpus; "
-        "none with --split all); the manifest records what was dropped",
+        "of a document's 13-grams in the evaluation documents), always against the valid and test splits of every "
+        "named corpus in --corpus (not with --split all) and also against SETS: comma-separated CORPUS:SPLIT, "
+        "CORPUS (its valid and test splits) or files (e.g. wikitext2:test,imdb); none: no decontamination at all; "
+        "the manifest records what was dropped",
     )
     b.add_argument("--decontaminate-n", type=V.positive_int, default=13, help="n of the n-grams (default 13)")
     b.add_argument(

@@ -5,7 +5,9 @@ The user story of Khandelwal et al. (2020) on the offline defaults, with no trai
 
 1. build a datastore from Wikipedia training articles and one from news training articles (``ffn_in`` keys; one
    forward pass per entry, so a slice of each); index **all** of each corpus's training text as an ∞-gram (Liu et
-   al. 2024: a suffix array, no forward pass; :mod:`memlm.ngram`, when the ``ngram`` extra is installed);
+   al. 2024: a suffix array, no forward pass; :mod:`memlm.ngram`, when the ``ngram`` extra is installed), less the
+   documents the paper's decontamination drops against every set the demo evaluates (App. B, as ``memlm ngram
+   build`` does: :func:`memlm.ngram.decontaminate.decontaminate_reference`; recorded in the index's manifest);
 2. score held-out Wikipedia and held-out news once each (valid and test splits), retrieving from each memory;
 3. tune on valid and apply to test: λ, τ of the kNN-LM (``memlm tune``), λ_sparse / λ_dense of LM + ∞-gram, and the
    four jointly for LM + kNN + ∞-gram; print a table, write JSON and a PNG of perplexity vs λ (the paper's Fig. 5).
@@ -30,6 +32,7 @@ from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.models.keys import KeySpec
 from memlm.models.resources import default_dtype, load_causal_lm, memlm_home
+from memlm.ngram.decontaminate import EVAL_SPLITS, decontaminate_reference
 from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
 from memlm.storage.datastore import Datastore, build_datastore
 from memlm.storage.fileio import atomic_write_json
@@ -55,6 +58,9 @@ class DemoConfig:
     k: int = 256
     ngram: bool = True  # an ∞-gram over each corpus's whole train split beside its datastore (needs memlm[ngram])
     ngram_tokens: int | None = None  # cap on the ∞-gram's training tokens (None: all of them)
+    # the ∞-gram indexes decontaminated against the valid and test splits of every evaluated corpus (the paper's
+    # App. B, as `memlm ngram build` does by default)
+    decontaminate: bool = True
 
     @classmethod
     def quick(cls) -> DemoConfig:
@@ -64,6 +70,9 @@ class DemoConfig:
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
+
+PLAN = {"wiki": ["wiki"], "news": ["wiki", "news"]}  # evaluated corpus (valid and test) -> datastores to try
+EVAL_CORPORA = tuple(PLAN)
 
 _clock = {"start": time.perf_counter()}  # reset when a demo starts: each log line says how far into the run it is
 
@@ -123,9 +132,25 @@ def _ngram_memory(cfg: DemoConfig, tok, corpus: str, out: Path):
     docs = load_documents(corpus, "train")
     if cfg.ngram_tokens is not None:
         docs = limit_documents(docs, tok, cfg.ngram_tokens)
+    docs, record = decontaminate_reference(docs, _decontamination_sets(cfg), tok)
+    if record is not None:
+        _log(
+            f"decontaminated {corpus} train against {', '.join(record['eval_sets'])}: dropped "
+            f"{record['dropped_documents']:,} of {record['checked_documents']:,} documents"
+        )
     _log(f"indexing {corpus} train as an ∞-gram ({len(docs):,} documents, no forward pass)")
     source = {"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs)}
+    if record is not None:
+        source["decontamination"] = record
     return NgramMemory(build_ngram_index(tok, docs, path, source=source))
+
+
+def _decontamination_sets(cfg: DemoConfig) -> list[str]:
+    """Every set the demo evaluates a memory on: the valid and test splits of each evaluated corpus (none when
+    ``cfg.decontaminate`` is off)."""
+    if not cfg.decontaminate:
+        return []
+    return [f"{corpus}:{split}" for corpus in EVAL_CORPORA for split in EVAL_SPLITS]
 
 
 def _dumps(
@@ -181,7 +206,7 @@ def run_demo(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
 def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     t0 = _clock["start"] = time.perf_counter()
     _log(f"outputs in {out}")
-    plan = {"wiki": ["wiki"], "news": ["wiki", "news"]}  # eval corpus -> datastores to try
+    plan = PLAN
     dumps_done = all((out / f"{c}-{s}-{n}.npz").exists() for c, names in plan.items() for s in ("valid", "test")
                      for n in names)  # fmt: skip
     cached = {c: _cached_datastore(out / f"{c}-datastore") for c in ("wiki", "news")}
@@ -193,7 +218,7 @@ def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
         _log(f"loading {cfg.model} ({cfg.dtype})")
         model, tok = load_causal_lm(cfg.model, dtype=cfg.dtype)
         stores = {c: _datastore(cfg, model, tok, c, out / f"{c}-datastore") for c in ("wiki", "news")}
-    ngrams = {c: _ngram_memory(cfg, tok, c, out) for c in ("wiki", "news")}
+    ngrams = {c: _ngram_memory(cfg, tok, c, out) for c in EVAL_CORPORA}
     rows, curves = [], {}
     lams = [lam for lam in DEFAULT_LAMBDAS if lam < 1]  # λ = 1 is infinite: some targets are never retrieved
     for corpus, names in plan.items():

@@ -32,9 +32,14 @@ own pair of weights (``ngram_lambda_sparse=[a, b]`` or ``a|b``; one value: every
 
     p(w | c) = (1 - λ - λc - Σ_r λ_r(c)) p_LM + λ p_kNN + λc p_cache + Σ_r λ_r(c) P∞_r(w | c)
 
-A request's context starts the ∞-gram's document (the suffix can reach back to its first token). Target
-log-probabilities use the exact counts (:meth:`memlm.ngram.memory.NgramMemory.score_documents`); the greedy check of
-``loglikelihood`` reads P∞ over the vocabulary from the engine's next-token counts (sampled past 1,000 occurrences).
+A request's context starts the ∞-gram's document (the suffix can reach back to its first token; the prefix token of
+an empty context is not part of it). The ∞-gram reads the whole request even where the LM reads only its last
+``max_length`` tokens (``loglikelihood``) or ``max_length - max_gen_toks`` (``generate_until``): the suffix search is
+logarithmic in the context's length, so this costs little. Target log-probabilities use the exact counts
+(:meth:`memlm.ngram.memory.NgramMemory.score_documents`); the greedy check of ``loglikelihood`` and generation read
+P∞ over the vocabulary (:func:`memlm.ngram.generate.next_token_distribution`: exact counts of the 1,000 most frequent
+next tokens, recounted where the engine samples past 1,000 occurrences); where that leaves some next tokens'
+mass unassigned, ``memory_settings["approximate"]`` counts the requests it touched and says why.
 
 With ``lam=0``, no cache and no ∞-gram, every score is the bare LM's: the memory term has weight 0 and adds exactly
 nothing.
@@ -177,6 +182,7 @@ class MemlmLM(TemplateLM):
                 "need window >= 2 and 1 <= min_context < window"
             )
         self.ngrams, self.ngram_weights = [], []
+        self._approximate: dict[str, dict[str, Any]] = {}  # what was approximate, by request type (memory_settings)
         if ngram is not None:
             self.ngrams, self.ngram_weights = self._open_ngrams(
                 ngram,
@@ -285,7 +291,18 @@ class MemlmLM(TemplateLM):
             "ngram": _one_or_all([str(m.index.path) for m in self.ngrams]) if self.ngrams else None,
             "ngram_lambda_sparse": _one_or_all([w[0] for w in self.ngram_weights or [(0.0, 0.0)]]),
             "ngram_lambda_dense": _one_or_all([w[1] for w in self.ngram_weights or [(0.0, 0.0)]]),
+            "approximate": dict(self._approximate) or None,
         }
+
+    def _note_approximate(self, kind: str, detail: dict[str, Any] | None) -> None:
+        """Count a request of ``kind`` whose result rests on an approximate P∞ (``detail``: its reason)."""
+        if detail is None:
+            return
+        rec = self._approximate.setdefault(kind, {"requests": 0, "max_missing_mass": 0.0})
+        rec["requests"] += 1
+        for x in detail.values() if "reason" not in detail else [detail]:
+            rec["max_missing_mass"] = max(rec["max_missing_mass"], float(x["max_missing_mass"]))
+            rec["reason"] = x["reason"]
 
     # ------------------------------------------------------------------------------------------- memories
 
@@ -307,16 +324,27 @@ class MemlmLM(TemplateLM):
             out.append((torch.from_numpy(r.logprob), torch.as_tensor(r.sparse)))
         return out
 
-    def _ngram_full(self, seq: Sequence[int], positions: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(log P∞_r(. | seq[:p + 1]) [n, V], sparse_r [n, 1])`` of every index ``r`` for each position ``p``."""
+    def _ngram_full(self, doc: Sequence[int], targets: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(log P∞_r(. | doc[:t]) [n, V], sparse_r [n, 1])`` of every index ``r`` for each target offset ``t``;
+        a row that leaves some mass unassigned is noted (:meth:`_note_approximate`)."""
         from memlm.ngram.generate import next_token_distribution
 
-        contexts = [list(seq[: p + 1]) for p in positions.tolist()]
-        out = []
-        for memory in self.ngrams:
-            dist, sparse, _ = next_token_distribution(memory, contexts, self.vocab_size)
+        contexts = [list(doc[:t]) for t in targets.tolist()]
+        out, notes = [], {}
+        for r, memory in enumerate(self.ngrams):
+            dist, sparse, nt = next_token_distribution(memory, contexts, self.vocab_size)
             out.append((dist, sparse[:, None]))
+            if (a := nt.approximate()) is not None:
+                notes[f"reference {r + 1}"] = a
+        self._note_approximate("loglikelihood greedy flag", notes or None)
         return out
+
+    def _ngram_document(self, request, ctx: Sequence[int], cont: Sequence[int]) -> list[int]:
+        """The ∞-gram's document of a ``loglikelihood`` request: its whole context and continuation (not cut to
+        ``max_length``), without the prefix token lm_eval puts as the context of an empty one."""
+        strings = request[0] if isinstance(request[0], tuple | list) else None
+        empty = strings is not None and len(strings) == 2 and strings[0] == "" and list(ctx) == [self.prefix_token_id]
+        return [*([] if empty else ctx), *cont]
 
     def _with_ngrams(self, comps: list[torch.Tensor], refs) -> torch.Tensor:
         """``comps`` (the LM, then the datastore's and the cache's log-probabilities) mixed with every ∞-gram
@@ -379,13 +407,14 @@ class MemlmLM(TemplateLM):
         bar = tqdm(total=len(requests), desc="loglikelihood", disable=disable_tqdm or not self.progress)
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
-            seqs, n_conts = [], []
+            seqs, n_conts, docs = [], [], []
             for i in idx:
                 _, ctx, cont = requests[i]
                 if not cont:
                     raise MemlmError("an lm_eval request has an empty continuation: nothing to score")
                 seqs.append((list(ctx) + list(cont))[-self.max_length :])
                 n_conts.append(min(len(cont), len(seqs[-1]) - 1))
+                docs.append(self._ngram_document(requests[i], ctx, cont) if self.ngrams else [])
             length = max(len(s) for s in seqs)
             ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -403,9 +432,10 @@ class MemlmLM(TemplateLM):
                 keys = {s: captured[s][b, : len(seq) - 1].float().cpu().numpy() for s in self.specs}
                 memories = self._memories(keys, targets, positions)
                 full = target = None
-                if self.ngrams:
-                    full = self._ngram_full(seq, positions)
-                    target = self._ngram_targets(seq, positions + 1)
+                if self.ngrams:  # the same targets in the ∞-gram's (uncut) document
+                    at = np.arange(len(docs[b]) - n, len(docs[b]))
+                    full = self._ngram_full(docs[b], at)
+                    target = self._ngram_targets(docs[b], at)
                 mixed = self._mixed_distribution(lm_full, memories, full)
                 tgt = torch.from_numpy(targets[positions])
                 if target is None:
@@ -456,15 +486,17 @@ class MemlmLM(TemplateLM):
 
     # ------------------------------------------------------------------------------------------- generation
 
-    def _ngram_processor(self):
-        """The generation step with the ∞-gram(s) (and the datastore when there is one), as ``memlm generate``'s."""
+    def _ngram_processor(self, prefix: Sequence[int] = ()) -> tuple[Any, Any]:
+        """``(processor, ∞-gram step)``: the generation step with the ∞-gram(s) (and the datastore when there is one),
+        as ``memlm generate``'s; ``prefix``: the context's tokens cut off for the LM, which the ∞-gram still reads."""
         from memlm.knnlm.generate import KNNLogitsProcessor
         from memlm.ngram.generate import ngram_logits_processor
 
         ngram = ngram_logits_processor(self.ngrams, self.ngram_weights)
+        ngram.set_prefix(prefix)
         if self.memory is None or not self.lam:
-            return ngram
-        return KNNLogitsProcessor(self.model, self.memory, self.config, ngram=ngram)
+            return ngram, ngram
+        return KNNLogitsProcessor(self.model, self.memory, self.config, ngram=ngram), ngram
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
@@ -482,7 +514,9 @@ class MemlmLM(TemplateLM):
             temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
             if temperature > 0:
                 do_sample = True
-            ctx = self.tok_encode(context)[-max(1, self.max_length - max_new) :] or [self.prefix_token_id]
+            whole = self.tok_encode(context)
+            ctx = whole[-max(1, self.max_length - max_new) :] or [self.prefix_token_id]
+            processor, step = self._ngram_processor(whole[: len(whole) - len(ctx)]) if self.ngrams else (None, None)
             text = generate_text(
                 self.model,
                 self.tokenizer,
@@ -493,8 +527,10 @@ class MemlmLM(TemplateLM):
                 do_sample=do_sample,
                 sampling_temperature=temperature if do_sample else None,
                 stop=[*until, eos_text] if eos_text else until,
-                processor=self._ngram_processor() if self.ngrams else None,  # else the datastore's
+                processor=processor,  # None: the datastore's
             )[0]
+            if step is not None:
+                self._note_approximate("generate_until", step.approximate())
             for stop in until:
                 if stop and stop in text:
                     text = text.split(stop, 1)[0]

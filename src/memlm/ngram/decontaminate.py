@@ -48,7 +48,18 @@ import numpy as np
 
 from memlm.errors import MemlmError
 
-__all__ = ["RULE", "bff_tokens", "decontaminate", "overlap_fractions"]
+__all__ = [
+    "EVAL_SPLITS",
+    "RULE",
+    "bff_tokens",
+    "decontaminate",
+    "decontaminate_reference",
+    "decontamination_sets",
+    "load_evaluation_sets",
+    "overlap_fractions",
+]
+
+EVAL_SPLITS = ("valid", "test")  # the paper filtered against Pile's validation and test sets; memlm tunes on valid
 
 RULE = (
     "Liu et al. 2024 (infini-gram), App. B: a reference document is dropped whole when at least `threshold` of its "
@@ -493,4 +504,69 @@ def decontaminate(
         ][:200],
         "dropped_ids_sha256": hashlib.sha256("\n".join(ids).encode("utf-8", "surrogatepass")).hexdigest(),
     }
+    return kept, record
+
+
+# ---------------------------------------------------------------------------------------------------- the build's sets
+
+
+def decontamination_sets(corpus: str, split: str, spec: str | None) -> list[str]:
+    """The evaluation sets an ∞-gram build decontaminates against (the paper filtered its reference data against
+    Pile's validation *and* test sets): the ``valid`` and ``test`` splits of every named corpus in ``corpus`` (a
+    comma-separated ``--corpus``) when the build reads train splits (none with ``split`` = ``all``, whose index holds
+    them), and the sets ``spec`` names: comma-separated ``CORPUS:SPLIT``, ``CORPUS`` (its valid and test splits) or
+    paths of files or folders. ``spec`` = ``none``: no decontamination at all. In order, each once."""
+    from memlm.data.corpora import CORPORA
+
+    if spec is not None and spec.strip().lower() == "none":
+        return []
+    names = []
+    if split == "train":
+        named = [c for c in (x.strip() for x in corpus.split(",")) if c in CORPORA]
+        names += [f"{c}:{s}" for c in named for s in EVAL_SPLITS]
+    if spec is not None:
+        given = [x.strip() for x in spec.split(",") if x.strip()]
+        if not given:
+            raise MemlmError(
+                "--decontaminate needs CORPUS:SPLIT names, CORPUS names or paths (e.g. wikitext2:test,imdb), or none"
+            )
+        for x in given:
+            names += [f"{x}:{s}" for s in EVAL_SPLITS] if x in CORPORA else [x]
+    return list(dict.fromkeys(names))
+
+
+def load_evaluation_sets(names: Sequence[str]) -> dict[str, list]:
+    """The documents of each evaluation set of :func:`decontamination_sets` (a named corpus's split, or a file or
+    folder read whole), by name."""
+    from pathlib import Path
+
+    from memlm.data.corpora import CORPORA, load_documents
+
+    out = {}
+    for name in names:
+        corpus, _, split = name.rpartition(":")
+        out[name] = load_documents(corpus, split) if corpus in CORPORA else load_documents(Path(name), None)
+    return out
+
+
+def decontaminate_reference(
+    documents: Sequence,
+    names: Sequence[str],
+    tokenizer=None,
+    n: int = 13,
+    threshold: float = 0.8,
+    progress: bool = False,
+) -> tuple[list, dict[str, Any] | None]:
+    """``(kept, record)``: the reference ``documents`` of an ∞-gram index without those the paper's rule
+    (:func:`decontaminate`) finds in the evaluation sets ``names`` (:func:`load_evaluation_sets`), and the record a
+    manifest keeps (each set's fingerprint added); ``(documents, None)`` when ``names`` is empty. What ``memlm ngram
+    build`` and ``memlm demo`` both run before indexing."""
+    if not names:
+        return list(documents), None
+    from memlm.data.corpora import corpus_fingerprint
+
+    eval_sets = load_evaluation_sets(names)
+    kept, record = decontaminate(documents, eval_sets, tokenizer, n=n, threshold=threshold, progress=progress)
+    for name, docs in eval_sets.items():
+        record["eval_sets"][name]["fingerprint"] = corpus_fingerprint(docs)
     return kept, record

@@ -8,10 +8,22 @@ index's separator) and a target ``w_i``::
     P∞(w_i | c) = cnt(w_{i-L} .. w_{i-1} w_i) / cnt(w_{i-L} .. w_{i-1})
     effective n = L + 1;   sparse  <=>  every occurrence of the suffix is followed by the same token
 
+The effective n counts words only (the paper's ``w_1 .. w_{i-1}``): the document-start separator, when the suffix
+reaches it, is not a word, so a suffix of the whole context ``START w_1 .. w_{i-1}`` gives ``n = i`` (the same n as
+the paper's definition without a marker, since it cannot exceed ``i``).
+
 Counts come from the ``infini-gram`` engine (``find`` over the suffix array, memory-mapped). The token after an
 occurrence that ends a document is the EOS token (the separator and the end of the data count as EOS, as the
 engine's ``ntd`` does), so the distribution sums to one and a document's end is predicted like any token. ``L = 0``
 is the unigram distribution over every position of the index.
+
+End of text inside a document: a literal EOS token in a document's text (e.g. ``<|endoftext|>`` typed in it, which
+the tokenizer turns into the EOS id) is one of the document's tokens on both sides, as infini-gram's authors do
+(their ``indexing.py`` writes ``tokenizer.encode(text)`` after the separator and nothing else, and the engine
+searches a query's ids as given): the index stores it as a token (:mod:`memlm.ngram.index`), and the query of a
+document is ``[separator, *its tokens]`` with the EOS kept (:func:`document_query`). The separator occurs only at the
+start of a query and only at document starts in the index, so no matched suffix spans two documents. As the *next*
+token, a literal EOS and a document's end both count as EOS (the engine's ``ntd`` maps the separator to EOS).
 
 :meth:`NgramMemory.score_documents` computes the target statistics for whole documents at once, walking each document
 left to right and reusing the previous position's suffix (the paper's trick for consecutive tokens, App. A): the
@@ -40,7 +52,32 @@ from memlm.core.memory import Retrieved
 from memlm.errors import MemlmError
 from memlm.ngram.index import INSTALL, NgramIndex
 
-__all__ = ["NgramMemories", "NgramMemory", "NgramScores"]
+__all__ = ["NextTokens", "NgramMemories", "NgramMemory", "NgramScores", "context_document", "document_query"]
+
+
+def document_query(tokens: Sequence[int], separator: int) -> list[int]:
+    """The ∞-gram query of a document's tokens: the document-start separator, then the tokens as they are (a literal
+    EOS inside the document stays a token: the module docstring's end-of-text rule, the index's too)."""
+    return [separator, *(int(t) for t in tokens)]
+
+
+def context_document(context: Sequence[int], eos: int) -> list[int]:
+    """The document of an LM context (a generation row, an lm_eval request): the tokens after its leading run of EOS
+    (left padding, or the prefix token of an empty context: they mark where the document starts); an EOS after the
+    first other token is the document's own token (the end-of-text rule of the module docstring)."""
+    ctx = [int(t) for t in context]
+    start = 0
+    while start < len(ctx) and ctx[start] == eos:
+        start += 1
+    return ctx[start:]
+
+
+def effective_n(suffix_len: int, query_len: int) -> int:
+    """The paper's effective n of a longest suffix of ``suffix_len`` tokens of a query of ``query_len`` tokens that
+    starts with the document-start separator: 1 + its words, the separator (reached when the suffix is the whole
+    query) not counted."""
+    return suffix_len + 1 - int(suffix_len == query_len and query_len > 0)
+
 
 # infini-gram's engine (cpp_engine.h, ``Engine::Engine``) sorts a folder's files into token / suffix-array / offset /
 # metadata files by whether the file's *whole path* contains one of these words, in this order.
@@ -76,8 +113,33 @@ class NgramScores:
 
     logprob: np.ndarray  # float32: log P∞(target | context), -inf where the target never follows the suffix
     count: np.ndarray  # int64: cnt(suffix), the denominator
-    n: np.ndarray  # int32: effective n = 1 + suffix length (the document-start marker counts as a token)
+    n: np.ndarray  # int32: effective n = 1 + the suffix's words (the document-start marker is not one)
     sparse: np.ndarray  # bool: one token holds all of P∞'s mass
+
+
+@dataclass
+class NextTokens:
+    """What follows each context's longest matching suffix (:meth:`NgramMemory.next_tokens`), all rows ``[Q]``."""
+
+    retrieved: Retrieved  # scores log cnt(suffix · w), exact; values w; ids the effective n (row-wide)
+    count: np.ndarray  # int64: cnt(suffix), the denominator of P∞
+    sparse: np.ndarray  # bool: one token follows every occurrence (exact, from the suffix array's segment ends)
+    missing: np.ndarray  # float64: share of cnt(suffix) held by next tokens not in the row (0: the row is exact)
+    sampled: np.ndarray  # bool: the engine sampled the counts (cnt(suffix) > max_support) and memlm recounted them
+
+    def approximate(self) -> dict[str, Any] | None:
+        """None when every row's P∞ is exact over the vocabulary, else what is approximate and why."""
+        rows = np.flatnonzero(self.missing > 0)
+        if not len(rows):
+            return None
+        return {
+            "rows": len(rows),
+            "of": len(self.missing),
+            "max_missing_mass": float(self.missing.max()),
+            "reason": "next tokens rarer than the k kept per row, or left uncounted once a suffix seen more than "
+            "max_support times has more distinct next tokens than the exact recount takes (max_support finds): their "
+            "P∞ mass is unassigned (each kept token's P∞ is exact, the sparse flag too)",
+        }
 
 
 class NgramMemory:
@@ -93,6 +155,7 @@ class NgramMemory:
         if max_n is not None and max_n < 1:
             raise MemlmError(f"--ngram-max-n must be >= 1, got {max_n}")
         self.max_n = max_n
+        self.max_support = 1000  # the engine samples next-token counts past this many occurrences (next_tokens)
         ix = self.index
         vocab = ix.manifest["tokenizer"]["vocab_size"]
         folder, tmp = engine_folder(ix.path)
@@ -134,16 +197,19 @@ class NgramMemory:
             raise MemlmError(f"∞-gram query refused by the engine: {r['error']}")
         return int(r["cnt"]), r["segment_by_shard"]
 
-    def _next_token(self, shard: int, rank: int, length: int) -> int:
-        """The token after the suffix of ``length`` tokens at suffix-array ``rank`` (separator/end -> EOS)."""
+    def _after(self, shard: int, rank: int, length: int) -> int | None:
+        """The token id stored after the suffix of ``length`` tokens at suffix-array ``rank`` (None at the shard's
+        end)."""
         sa, ptr_size = self._sa[shard]
         ptr = int.from_bytes(bytes(sa[rank * ptr_size : (rank + 1) * ptr_size]), "little")
         pos = ptr // self.width + length
         tok = self._tokens[shard]
-        if pos >= len(tok):
-            return self.eos
-        t = int(tok[pos])
-        return self.eos if t == self.sep else t
+        return None if pos >= len(tok) else int(tok[pos])
+
+    def _next_token(self, shard: int, rank: int, length: int) -> int:
+        """The token after the suffix of ``length`` tokens at suffix-array ``rank`` (separator/end -> EOS)."""
+        t = self._after(shard, rank, length)
+        return self.eos if t is None or t == self.sep else t
 
     def _eos_count(self, suffix: list[int]) -> int:
         """Occurrences of ``suffix`` followed by EOS: by the EOS id itself, by a separator, or by the end of a shard."""
@@ -214,7 +280,7 @@ class NgramMemory:
             pos = np.asarray(pos, dtype=np.int64)
             if len(pos) and (pos.min() < 0 or pos.max() >= len(doc) or np.any(np.diff(pos) <= 0)):
                 raise MemlmError("positions must be increasing offsets inside their document")
-            q = [self.sep, *(self.sep if t == self.eos else int(t) for t in doc.tolist())]  # context of p: q[:p + 1]
+            q = document_query(doc.tolist(), self.sep)  # context of p: q[:p + 1]
             prev_pos, prev_len, prev_cont = -1, 0, None
             for p in pos.tolist():
                 end = p + 1
@@ -229,7 +295,7 @@ class NgramMemory:
                 cont = self._cont_count(suffix, target) if count else 0
                 out_lp.append(math.log(cont / count) if cont > 0 else -math.inf)
                 out_cnt.append(count)
-                out_n.append(length + 1)
+                out_n.append(effective_n(length, end))
                 out_sp.append(bool(count) and self._sparse(suffix, segs, count))
                 prev_pos, prev_len, prev_cont = p, length, cont
         return NgramScores(
@@ -273,33 +339,91 @@ class NgramMemory:
         ts.meta.update(**self.describe(), seconds_ngram=time.perf_counter() - t0)
         return ts
 
-    def search(self, contexts: Sequence[Sequence[int]], k: int, max_support: int = 1000) -> Retrieved:
-        """The memory protocol: for each context (token ids, EOS = document start), the ``k`` most frequent next
-        tokens of its longest matching suffix: ``scores = log cnt(suffix · w)`` (``-inf`` in empty slots),
-        ``values = w`` (``-1``), ``ids`` = the effective n of the row (its provenance). With ``k`` at least the
-        number of distinct next tokens, softmax(scores) is P∞ exactly; the engine samples the counts of suffixes
-        seen more than ``max_support`` times (``approx``), as its ``infgram_ntd`` does."""
+    def _recount(self, suffix: list[int], segments: list, seeds: Sequence[int], budget: int) -> tuple[dict, bool]:
+        """``({w: cnt(suffix · w)}, complete)``, exact, for the next tokens of ``suffix`` (EOS: literal, separator and
+        shard ends together): the suffix array's segment of ``suffix`` is sorted by what follows it, so each next
+        token holds one run of it; the walk reads the token at a run's start, finds ``suffix · w`` (its run) and jumps
+        past it, one ``find`` per distinct next token, the ``seeds`` (the engine's sampled tokens, most frequent
+        first) looked up first. Past ``budget`` finds beyond the seeds the walk stops (``complete`` False)."""
+        runs: dict[int, list] = {}
+
+        def look(t: int) -> None:
+            runs[t] = self._find([*suffix, t])[1]
+
+        for t in (*seeds, self.eos, self.sep):
+            if t not in runs:
+                look(t)
+        limit, complete = len(runs) + budget, True
+        for s, (lo, hi) in enumerate(segments):
+            rank = lo
+            while rank < hi and complete:
+                t = self._after(s, rank, len(suffix))
+                if t is None:  # the shard's end: counted by _eos_count
+                    rank += 1
+                    continue
+                if t not in runs:
+                    if len(runs) >= limit:
+                        complete = False
+                        break
+                    look(t)
+                rank = max(rank + 1, runs[t][s][1])
+        counts = {t: sum(b - a for a, b in segs) for t, segs in runs.items() if t not in (self.eos, self.sep)}
+        counts = {t: c for t, c in counts.items() if c}
+        eos = self._eos_count(suffix)
+        if eos:
+            counts[self.eos] = eos
+        return counts, complete
+
+    def next_tokens(self, contexts: Sequence[Sequence[int]], k: int, max_support: int | None = None) -> NextTokens:
+        """For each context (LM token ids: :func:`context_document` takes its document), the ``k`` most frequent next
+        tokens of its longest matching suffix with their exact counts ``cnt(suffix · w)``, ``cnt(suffix)``, the exact
+        sparse flag and the share of ``cnt(suffix)`` left out (tokens past ``k``; see :meth:`_recount`).
+
+        The engine's ``infgram_ntd`` finds the suffix and its next-token counts; past ``max_support`` occurrences it
+        samples them (every ``2^j``-th rank of the suffix array: a token with fewer occurrences than that can be
+        missed, the others' counts are estimates). Those rows are recounted exactly (:meth:`_recount`, at most
+        ``max_support`` finds past the sampled tokens) and their sparse flag read from the segment's ends.
+        ``max_support``: default ``self.max_support`` (1,000, the engine's default)."""
+        max_support = self.max_support if max_support is None else int(max_support)
         q_n = len(contexts)
         scores = np.full((q_n, k), -np.inf, dtype=np.float32)
         values = np.full((q_n, k), -1, dtype=np.int64)
         ids = np.full((q_n, k), -1, dtype=np.int64)
+        count = np.zeros(q_n, dtype=np.int64)
+        sparse = np.zeros(q_n, dtype=bool)
+        missing = np.zeros(q_n, dtype=np.float64)
+        sampled = np.zeros(q_n, dtype=bool)
         cap = None if self.max_n is None else self.max_n - 1
         for i, ctx in enumerate(contexts):
-            ctx = [int(t) for t in ctx]
-            if self.eos in ctx:
-                ctx = ctx[len(ctx) - ctx[::-1].index(self.eos) :]  # the context starts at the last document start
-            q = [self.sep, *ctx]
-            if cap is not None:
-                q = q[max(0, len(q) - cap) :] if cap else []
+            full = document_query(context_document(ctx, self.eos), self.sep)
+            q = full if cap is None else (full[max(0, len(full) - cap) :] if cap else [])
             r = self.engine.infgram_ntd(q, max_support=max_support)
             if "error" in r:
                 raise MemlmError(f"∞-gram query refused by the engine: {r['error']}")
-            dist = sorted(r["result_by_token_id"].items(), key=lambda kv: (-kv[1]["cont_cnt"], kv[0]))[:k]
-            for j, (tok, rec) in enumerate(dist):
-                scores[i, j] = math.log(rec["cont_cnt"])
+            length, total = int(r["suffix_len"]), int(r["prompt_cnt"])
+            counts = {int(t): int(rec["cont_cnt"]) for t, rec in r["result_by_token_id"].items()}
+            one = len(counts) == 1
+            if r.get("approx"):
+                suffix = q[len(q) - length :]
+                total, segs = self._find(suffix)
+                seeds = sorted(counts, key=lambda t: (-counts[t], t))
+                counts, _ = self._recount(suffix, segs, seeds, max_support)
+                one, sampled[i] = self._sparse(suffix, segs, total), True
+            dist = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+            for j, (tok, c) in enumerate(dist):
+                scores[i, j] = math.log(c)
                 values[i, j] = tok
-                ids[i, j] = int(r["suffix_len"]) + 1
-        return Retrieved(scores, values, ids)
+                ids[i, j] = effective_n(length, len(full))
+            count[i], sparse[i] = total, one
+            missing[i] = 1.0 - sum(c for _, c in dist) / total if total else 0.0
+        return NextTokens(Retrieved(scores, values, ids), count, sparse, np.maximum(missing, 0.0), sampled)
+
+    def search(self, contexts: Sequence[Sequence[int]], k: int, max_support: int | None = None) -> Retrieved:
+        """The memory protocol: for each context (token ids; :func:`context_document`), the ``k`` most frequent next
+        tokens of its longest matching suffix: ``scores = log cnt(suffix · w)`` (exact, :meth:`next_tokens`;
+        ``-inf`` in empty slots), ``values = w`` (``-1``), ``ids`` = the effective n of the row (its provenance).
+        softmax(scores) is P∞ wherever the row holds every next token (:attr:`NextTokens.missing` 0)."""
+        return self.next_tokens(contexts, k, max_support).retrieved
 
 
 class NgramMemories:
