@@ -17,8 +17,10 @@ three tokenizers), plus memlm's manifest::
     progress.json only while a build is unfinished; .memlm.lock only while a writer holds the folder
 
 A build holds the folder's writer lock (:mod:`memlm.storage.locking`). Tokenizing appends documents batch by batch and
-records, after an fsync, how many documents and bytes of every file are durable; a build killed at any moment (even
-``kill -9``) resumes there (bytes past the record are truncated). The suffix array of a shard is built in temporary
+records, after an fsync, how many documents and bytes of every file are durable (at a shard split too: the record then
+names the first document of the new shard); a build killed at any moment (even ``kill -9``) resumes there (bytes past
+the record are truncated, files of a shard opened after it deleted), so a resumed build equals an uninterrupted one
+byte for byte (tests/test_ngram_resume.py kills it at every boundary). The suffix array of a shard is built in temporary
 folders and moved into place as a whole; a killed sort is redone from its shard's token file, which gives the same
 bytes. The manifest is written last. Shards (``shard_tokens``) bound the size of one suffix-array sort; the sort
 itself runs in batches that fit ``memory_gb`` (the package's own rule: 8 bytes of RAM per token byte and job).
@@ -336,6 +338,11 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
         for kind in ("tokenized", "offset", "metadata", "metaoff"):
             f = out / _name(kind, s)
             f.touch()
+            if f.stat().st_size < rec[kind]:
+                raise MemlmError(
+                    f"{f} is {f.stat().st_size} bytes, shorter than the {rec[kind]} its build recorded as written: "
+                    f"the unfinished build's files were changed; delete the folder (or rerun with --overwrite)"
+                )
             os.truncate(f, rec[kind])  # drop what a killed writer wrote after its last record
             handles[kind] = open(f, "ab")
 
@@ -347,6 +354,7 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
         atomic_write_json(out / PROGRESS, state)
 
     start = int(state["docs_done"])
+    _drop_unrecorded_shards(out, len(shards))
     if start >= len(documents) and shards:
         return
     if not shards:
@@ -365,9 +373,10 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
             for b in range(start, len(documents), batch_docs):
                 batch = documents[b : b + batch_docs]
                 encoded = tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]
-                for doc, ids in zip(batch, encoded, strict=True):
+                for i, (doc, ids) in enumerate(zip(batch, encoded, strict=True)):
                     rec = shards[-1]
                     if shard_tokens is not None and rec["tokens"] and rec["tokens"] + len(ids) > shard_tokens:
+                        state["docs_done"] = b + i  # the shards recorded hold exactly the documents before this one
                         commit()
                         shards.append(
                             {"tokenized": 0, "offset": 0, "metadata": 0, "metaoff": 0, "tokens": 0, "documents": 0}
@@ -401,6 +410,15 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
     if not shards or shards[0]["documents"] == 0:
         (out / PROGRESS).unlink(missing_ok=True)
         raise MemlmError("the corpus has no documents to index; give it some text")
+
+
+def _drop_unrecorded_shards(out: Path, recorded: int) -> None:
+    """Delete the files of shards past the ``recorded`` ones: a build killed just after it opened a new shard, before
+    the next progress record, leaves them (the resumed build writes that shard again from its first document)."""
+    for f in out.iterdir():
+        kind, _, shard = f.name.partition(".")
+        if kind in KINDS and shard.isdigit() and int(shard) >= recorded:
+            f.unlink()
 
 
 def _run(cmd: list[str], what: str) -> subprocess.Popen:
