@@ -81,6 +81,7 @@ FOLDER = FolderFormat(
     progress_fix=_PROGRESS_FIX,
     resume="run the same `memlm datastore build` command again to resume it",
     verify_command="memlm datastore info --verify",
+    extra_files=("counts.npy", "counts.json", "absorbed.npy"),  # a pruned datastore's (memlm.retrieval's names)
 )
 
 
