@@ -226,3 +226,11 @@ def test_least_memory_builds_the_same_index(built, tmp_path):
                               memory_gb=0.01, progress=False)  # fmt: skip
     ref = NgramIndex.open(built / "ng")
     assert small.manifest["files"] == ref.manifest["files"]
+
+
+def test_opening_the_other_kind_names_it(built):
+    """Opening one kind's folder as the other names what it holds (the schema error advised a rebuild over it)."""
+    with pytest.raises(MemlmError, match="holds a datastore, not an ∞-gram index: give an ∞-gram index's folder"):
+        NgramIndex.open(built / "ds")
+    with pytest.raises(MemlmError, match="holds an ∞-gram index, not a datastore: give a datastore's folder"):
+        Datastore.open(built / "ng")

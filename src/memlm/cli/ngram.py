@@ -154,8 +154,7 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
         "created",
     )
     print(json.dumps({k: m.get(k) for k in keys}, indent=2, ensure_ascii=False))
-    if args.verify:
-        print("every file matches its SHA-256", file=sys.stderr)
+    print(f"checksums {index.integrity['note']}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------ memlm eval / tune --ngram

@@ -61,7 +61,7 @@ from memlm.storage.fileio import (
     sample_sha256,
     sha256_file,
 )
-from memlm.storage.folder import manifest_digest, refuse_foreign_files, refuse_other_kind
+from memlm.storage.folder import manifest_digest, refuse_foreign_files, refuse_other_kind, refuse_to_open_other_kind
 from memlm.storage.locking import folder_lock, lock_holder
 
 __all__ = [
@@ -208,6 +208,7 @@ class NgramIndex:
         the full SHA-256 of its files, smallest first, up to ``FULL_CHECK_BYTES`` in all, the sampled SHA-256 of the
         rest (``verify``: full SHA-256 of every file). ``integrity`` records which (eval reports it)."""
         path = Path(path)
+        refuse_to_open_other_kind(path, KIND, "memlm ngram build")
         if (path / PROGRESS).exists():
             holder = lock_holder(path)
             busy = f" (pid {holder.get('pid')} may be building it right now)" if holder else ""

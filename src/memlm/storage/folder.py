@@ -67,6 +67,7 @@ __all__ = [
     "manifest_digest",
     "refuse_foreign_files",
     "refuse_other_kind",
+    "refuse_to_open_other_kind",
 ]
 
 MANIFEST = "manifest.json"
@@ -128,6 +129,15 @@ def refuse_other_kind(folder: str | os.PathLike[str], kind: str) -> None:
             f"({option('--overwrite')} replaces only {_article(kind)}); nothing was changed: use an empty or new "
             f"{option('--out')}"
         )
+
+
+def refuse_to_open_other_kind(folder: str | os.PathLike[str], kind: str, builder: str) -> None:
+    """Opening ``kind``: a folder holding a datastore, an ∞-gram index or a phrase index of another kind is named as
+    what it is (instead of a schema error advising a rebuild over it)."""
+    other = artifact_kind(folder)
+    if other != kind and other in ("datastore", "∞-gram index", "phrase index"):
+        raise MemlmError(f"{folder} holds {_article(other)}, not {_article(kind)}: give {_article(kind)}'s folder "
+                         f"(build one with {builder})")  # fmt: skip
 
 
 def refuse_foreign_files(folder: str | os.PathLike[str], kind: str, own: Callable[[str], bool]) -> None:
@@ -319,6 +329,7 @@ class FolderFormat:
         recorded) and its dtypes checked."""
         folder = Path(folder)
         path = folder / MANIFEST
+        refuse_to_open_other_kind(folder, self.kind, self.builder)
         self.refuse_unfinished(folder)
         if not path.exists():
             raise MemlmError(f"{folder} is not {self.title} (no {MANIFEST}): build one with {self.builder}")
