@@ -234,3 +234,17 @@ def test_opening_the_other_kind_names_it(built):
         NgramIndex.open(built / "ds")
     with pytest.raises(MemlmError, match="holds an ∞-gram index, not a datastore: give a datastore's folder"):
         Datastore.open(built / "ng")
+
+
+def test_prune_and_subsample_replace_only_a_datastore(capsys, built, tmp_path):
+    """Another tool's manifest.json (or a user's file) in the output folder is refused by name, nothing deleted."""
+    for extra in ({"manifest.json": b'{"name": "my dataset"}'}, {"notes.txt": b"mine"}):
+        out = tmp_path / next(iter(extra)).replace(".", "_")
+        out.mkdir()
+        for fname, data in extra.items():
+            (out / fname).write_bytes(data)
+        line = one_error(*run(capsys, "datastore", "prune", built / "ds", "--out", out, "--overwrite"))
+        assert next(iter(extra)) in line and "nothing was deleted" in line, line
+        with pytest.raises(MemlmError, match="nothing was deleted"):
+            Datastore.open(built / "ds").subsample(out, 0.5)
+        assert snapshot(out) == extra

@@ -268,6 +268,7 @@ class DatastoreBase:
         out = Path(out)
         keep = np.asarray(rows, dtype=np.int64)
         with FOLDER.writing(out, what):
+            FOLDER.check_out(out, overwrite=True)  # it replaces a datastore there: nothing else
             (out / "manifest.json").unlink(missing_ok=True)  # the folder is not a datastore until it is complete
             for name in FILES:
                 src = getattr(self, name)
