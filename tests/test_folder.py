@@ -221,9 +221,15 @@ def test_stray_arrays_and_overwrite(tmp_path):
         TOY.start(folder, {"config": {}, "count": 0})
     (folder / ".vec.bin.123-abcd.tmp").write_bytes(b"x")
     (folder / "other.txt").write_text("kept")
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(MemlmError, match="not part of a toy store: other.txt; overwrite=True replaces only"):
+        with TOY.writing(folder, "build a toy", overwrite=True):
+            pass
+    assert sorted(p.name for p in folder.iterdir() if p.name != ".memlm.lock") == before  # nothing deleted
+    (folder / "other.txt").unlink()
     with TOY.writing(folder, "build a toy", overwrite=True):
-        assert sorted(p.name for p in folder.iterdir()) == [".memlm.lock", "other.txt"]
-    assert sorted(p.name for p in folder.iterdir()) == ["other.txt"]
+        assert sorted(p.name for p in folder.iterdir()) == [".memlm.lock"]
+    assert sorted(p.name for p in folder.iterdir()) == []
 
 
 def test_a_full_disk_names_the_file(tmp_path, monkeypatch):

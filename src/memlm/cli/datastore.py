@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from memlm.cli import common
 from memlm.cli import validate as V
@@ -288,6 +289,10 @@ def check_datastore_build(args: argparse.Namespace) -> None:
 
     KeySpec.parse(args.key)
     V.check_windows(args)
+    if args.shards is None and args.ray is None:  # a sharded build refuses a folder that is not empty itself
+        from memlm.storage.datastore import FOLDER
+
+        FOLDER.check_out(Path(args.out), args.overwrite)
     if args.index:
         V.check_factory(args.factory, args.metric)
 
@@ -320,7 +325,8 @@ def add_parsers(sub) -> None:
     b.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the datastore (and index) already in --out, or an unfinished build with other settings",
+        help="replace the datastore (and index) already in --out, or an unfinished build with other settings (only "
+        "its own files: a folder holding anything else is refused)",
     )
     b.add_argument(
         "--no-index",

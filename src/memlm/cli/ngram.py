@@ -92,6 +92,15 @@ def cmd_ngram_build(args: argparse.Namespace) -> None:
         )
 
 
+def check_ngram_build(args: argparse.Namespace) -> None:
+    """Before the model loads: the sort memory, and a --out that holds another kind of artifact or (--overwrite) files
+    that are not the index's."""
+    from memlm.ngram.index import check_memory_gb, check_out
+
+    check_memory_gb(args.memory_gb)
+    check_out(Path(args.out), args.overwrite)
+
+
 def cmd_ngram_info(args: argparse.Namespace) -> None:
     from memlm.ngram.index import NgramIndex
 
@@ -112,8 +121,7 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
         "created",
     )
     print(json.dumps({k: m.get(k) for k in keys}, indent=2, ensure_ascii=False))
-    if args.verify:
-        print("every file matches its SHA-256", file=sys.stderr)
+    print(f"checksums {index.integrity['note']}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------ memlm eval / tune --ngram
@@ -175,6 +183,7 @@ def open_ngram(args: argparse.Namespace, tokenizer):
     memories = []
     for path in paths:
         index = NgramIndex.open(path)
+        print(f"∞-gram index {path}: checksums {index.integrity['note']}", file=sys.stderr)
         index.check_tokenizer(tokenizer)
         memories.append(NgramMemory(index, max_n=args.ngram_max_n))
     return memories[0] if len(memories) == 1 else NgramMemories(memories)
@@ -467,12 +476,18 @@ def add_parsers(sub) -> None:
         default=None,
         help="start a new shard (its own suffix array) after this many tokens",
     )
-    b.add_argument("--memory-gb", type=float, default=4.0, help="RAM the suffix-array sort may use (default 4)")
-    b.add_argument("--overwrite", action="store_true", help="replace the folder's index")
+    b.add_argument(
+        "--memory-gb", type=V.finite_float, default=4.0, help="GiB of RAM the suffix-array sort may use (default 4)"
+    )
+    b.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the folder's index (only its own files: a folder holding anything else is refused)",
+    )
     b.add_argument("--window", type=V.positive_int, default=1024, help="LM window of the calibration pass")
     b.add_argument("--stride", type=V.positive_int, default=512, help="LM stride of the calibration pass")
     b.add_argument("--batch-size", type=V.positive_int, default=4)
-    b.set_defaults(func=cmd_ngram_build)
+    b.set_defaults(func=cmd_ngram_build, check=check_ngram_build)
     i = nsub.add_parser("info", help="describe an ∞-gram index (and check every byte with --verify)")
     i.add_argument("index", type=V.existing_dir)
     i.add_argument("--verify", action="store_true", help="compare the full SHA-256 of every file")

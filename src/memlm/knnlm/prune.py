@@ -56,7 +56,7 @@ from memlm.retrieval import (  # noqa: F401 - load_counts, load_absorbed re-expo
     load_absorbed,
     load_counts,
 )
-from memlm.storage.datastore import Datastore
+from memlm.storage.datastore import FOLDER, Datastore
 from memlm.storage.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
 from memlm.storage.locking import folder_lock
 from memlm.storage.searcher import open_searcher
@@ -169,6 +169,7 @@ def _check_out(out: Path, source: Path, overwrite: bool) -> None:
         raise MemlmError(f"cannot prune datastore {source} into itself; give another output folder")
     if is_sharded(out):
         raise MemlmError(f"{out} holds a sharded datastore; give another output folder (or delete it first)")
+    FOLDER.check_out(out, overwrite=True)  # the pruned datastore replaces only a datastore's own files
     if not overwrite and (out / "manifest.json").exists():
         raise MemlmError(
             f"{out} already holds a datastore; give another output folder, or --overwrite (overwrite=True) to "

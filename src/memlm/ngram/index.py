@@ -17,8 +17,10 @@ three tokenizers), plus memlm's manifest::
     progress.json only while a build is unfinished; .memlm.lock only while a writer holds the folder
 
 A build holds the folder's writer lock (:mod:`memlm.storage.locking`). Tokenizing appends documents batch by batch and
-records, after an fsync, how many documents and bytes of every file are durable; a build killed at any moment (even
-``kill -9``) resumes there (bytes past the record are truncated). The suffix array of a shard is built in temporary
+records, after an fsync, how many documents and bytes of every file are durable (at a shard split too: the record then
+names the first document of the new shard); a build killed at any moment (even ``kill -9``) resumes there (bytes past
+the record are truncated, files of a shard opened after it deleted), so a resumed build equals an uninterrupted one
+byte for byte (tests/test_ngram_resume.py kills it at every boundary). The suffix array of a shard is built in temporary
 folders and moved into place as a whole; a killed sort is redone from its shard's token file, which gives the same
 bytes. The manifest is written last. Shards (``shard_tokens``) bound the size of one suffix-array sort; the sort
 itself runs in batches that fit ``memory_gb`` (the package's own rule: 8 bytes of RAM per token byte and job).
@@ -33,6 +35,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,16 +52,39 @@ from tqdm.auto import tqdm
 from memlm import __version__
 from memlm.errors import MemlmError
 from memlm.storage import schema
-from memlm.storage.fileio import atomic_write_json, disk_full_error, is_disk_full, sample_sha256, sha256_file
-from memlm.storage.folder import manifest_digest
+from memlm.storage.fileio import (
+    SAMPLE_BLOCK_BYTES,
+    SAMPLE_BLOCKS,
+    atomic_write_json,
+    disk_full_error,
+    is_disk_full,
+    sample_sha256,
+    sha256_file,
+)
+from memlm.storage.folder import manifest_digest, refuse_foreign_files, refuse_other_kind, refuse_to_open_other_kind
 from memlm.storage.locking import folder_lock, lock_holder
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "NgramIndex", "build_ngram_index", "rust_indexing", "token_dtype_for"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "NgramIndex",
+    "build_ngram_index",
+    "check_memory_gb",
+    "check_out",
+    "is_own_file",
+    "rust_indexing",
+    "token_dtype_for",
+]
 
 FORMAT, FORMAT_VERSION = "memlm-ngram", 1
 MANIFEST, PROGRESS = "manifest.json", "progress.json"
+KIND = "∞-gram index"  # how memlm.storage.folder names the artifact
 KINDS = ("tokenized", "offset", "metadata", "metaoff", "table")
+SHARD_FILE = re.compile(rf"({'|'.join(KINDS)})\.(0|[1-9][0-9]*)")  # the engine's files: <kind>.<shard>
+BUILD_TEMP = re.compile(r"\.sa-(parts|merged)\.[0-9]+|\.sa\.[0-9]+\.building")  # a suffix-array sort's own
 HACK = 100_000  # bytes each make-part job reads past its range (the package's default lookahead)
+MIN_MEMORY_GB = 0.01  # the sort's least memory (check_memory_gb)
+FULL_CHECK_BYTES = 1 << 30  # opening hashes the smallest files whole up to 1 GiB in all (docs/RELIABILITY.md)
 REBUILD = "rebuild it with `memlm ngram build ... --overwrite` (or delete the folder)"
 INSTALL = "the ∞-gram needs the infini-gram package: pip install 'memlm[ngram]' (infini-gram >= 2.6, Python >= 3.11)"
 
@@ -135,6 +161,13 @@ def _name(kind: str, shard: int) -> str:
     return f"{kind}.{shard}"
 
 
+def is_own_file(name: str) -> bool:
+    """Whether ``name`` is a file an ∞-gram build writes: its manifest, progress file, ``<kind>.<shard>`` files and
+    the sort's temporaries. ``--overwrite`` deletes these and refuses a folder holding anything else
+    (``offset.txt``, ``table.csv``, a datastore's ``offset.bin`` are not the index's)."""
+    return name in (MANIFEST, PROGRESS) or bool(SHARD_FILE.fullmatch(name) or BUILD_TEMP.fullmatch(name))
+
+
 # ---------------------------------------------------------------------------------------------------- opening
 
 
@@ -144,6 +177,7 @@ class NgramIndex:
 
     path: Path
     manifest: dict[str, Any]
+    integrity: dict[str, Any] | None = None  # what open() checked (_check_contents)
 
     @property
     def token_dtype(self) -> str:
@@ -170,9 +204,11 @@ class NgramIndex:
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = False) -> NgramIndex:
-        """Open a finished index: no unfinished build, the manifest's schema and own checksum, every file's size and
-        sampled SHA-256 (``verify``: full SHA-256)."""
+        """Open a finished index: no unfinished build, the manifest's schema and own checksum, every file's size, and
+        the full SHA-256 of its files, smallest first, up to ``FULL_CHECK_BYTES`` in all, the sampled SHA-256 of the
+        rest (``verify``: full SHA-256 of every file). ``integrity`` records which (eval reports it)."""
         path = Path(path)
+        refuse_to_open_other_kind(path, KIND, "memlm ngram build")
         if (path / PROGRESS).exists():
             holder = lock_holder(path)
             busy = f" (pid {holder.get('pid')} may be building it right now)" if holder else ""
@@ -200,14 +236,9 @@ class NgramIndex:
             if size != rec["bytes"]:
                 what = "missing" if size < 0 else f"{size} bytes, the manifest says {rec['bytes']}"
                 raise MemlmError(f"∞-gram index file {f} is {what} (truncated or corrupt); {REBUILD}")
-            if "sample_sha256" in rec and rec["sample_sha256"] != sample_sha256(f):
-                raise MemlmError(
-                    f"∞-gram index file {f} is corrupt (its sampled checksum differs from the "
-                    f"manifest's; `memlm ngram info --verify {path}` checks every byte); {REBUILD}"
-                )
-            if verify and rec["sha256"] != sha256_file(f):
-                raise MemlmError(f"checksum mismatch in {f}: the file is corrupt; {REBUILD}")
-        return cls(path, manifest)
+        index = cls(path, manifest)
+        index.integrity = _check_contents(path, manifest["files"], None if verify else FULL_CHECK_BYTES)
+        return index
 
     def check_tokenizer(self, tokenizer) -> None:
         """Refuse a tokenizer other than the one the index was built with (its ids would mean other tokens)."""
@@ -232,7 +263,64 @@ class NgramIndex:
         self.manifest = manifest
 
 
+def _check_contents(path: Path, files: dict[str, Any], budget: int | None) -> dict[str, Any]:
+    """Compare the files' checksums with the manifest's: the full SHA-256 of the smallest files up to ``budget``
+    bytes in all (``None``: every file), the sampled one (``fileio.sample_sha256``: the whole of a file up to 1 MiB,
+    256 blocks of 4 KiB of a larger one) of the others. Returns what was checked, for the result files."""
+    full, sampled, checked = 0, 0, 0
+    used = 0
+    for name, rec in sorted(files.items(), key=lambda kv: (kv[1]["bytes"], kv[0])):
+        f = path / name
+        if budget is None or used + rec["bytes"] <= budget or "sample_sha256" not in rec:
+            used += rec["bytes"]
+            if rec["sha256"] != sha256_file(f):
+                raise MemlmError(f"checksum mismatch in {f}: the file is corrupt; {REBUILD}")
+            full, checked = full + 1, checked + rec["bytes"]
+        else:
+            if rec["sample_sha256"] != sample_sha256(f):
+                raise MemlmError(
+                    f"∞-gram index file {f} is corrupt (its sampled checksum differs from the "
+                    f"manifest's; `memlm ngram info --verify {path}` checks every byte); {REBUILD}"
+                )
+            sampled, checked = sampled + 1, checked + min(rec["bytes"], SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES)
+    total = sum(rec["bytes"] for rec in files.values())
+    record = {"check": "sampled" if sampled else "full", "bytes_checked": checked, "bytes": total}
+    if sampled:
+        record["note"] = (
+            f"sampled: {checked:,} of {total:,} bytes checked ({full} of {full + sampled} files in full, the "
+            f"{sampled} largest on {SAMPLE_BLOCKS} blocks of {SAMPLE_BLOCK_BYTES} bytes each); run `memlm ngram info "
+            f"--verify {path}` for a full check"
+        )
+    else:
+        record["note"] = f"full: SHA-256 of all {full} files ({total:,} bytes) matched the manifest"
+    return record
+
+
 # ---------------------------------------------------------------------------------------------------- building
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse to build in a folder that holds another kind of memlm artifact (a datastore, ...), and with
+    ``overwrite`` one that holds any file an ∞-gram build does not write (:func:`is_own_file`): nothing is deleted.
+    Also the CLI's check, before the model loads."""
+    refuse_other_kind(out, KIND)
+    if overwrite:
+        refuse_foreign_files(out, KIND, is_own_file)
+
+
+def check_memory_gb(memory_gb: float) -> None:
+    """Refuse a sort memory that is not a finite number >= :data:`MIN_MEMORY_GB` GiB.
+
+    The sort splits a shard into jobs of ``memory / 8`` token bytes (the package's rule: 8 bytes of RAM per byte);
+    each job also reads ``HACK`` (100 kB) past its part. At 0 or below no job holds a byte and the split never ends;
+    below ``16 * HACK`` bytes a job's look-ahead outweighs its part. ``MIN_MEMORY_GB`` (10 MiB) keeps each part
+    >= 13 look-aheads."""
+    number = isinstance(memory_gb, int | float) and not isinstance(memory_gb, bool)
+    if not number or not math.isfinite(memory_gb) or memory_gb < MIN_MEMORY_GB:
+        raise MemlmError(
+            f"--memory-gb (memory_gb) must be a finite number >= {MIN_MEMORY_GB:g}: the GiB of RAM the suffix-array "
+            f"sort may use (default 4), got {memory_gb!r}"
+        )
 
 
 def build_ngram_index(
@@ -250,11 +338,13 @@ def build_ngram_index(
     """Tokenize ``documents`` (objects with ``.id`` and ``.text``) with ``tokenizer`` and index them in ``out``.
 
     A rerun of the same call resumes an interrupted build, or returns the finished index; other settings or another
-    corpus are refused with the differences named (``overwrite`` deletes the folder's index first). ``shard_tokens``
+    corpus are refused with the differences named (``overwrite`` deletes the folder's index first: only its own files,
+    :func:`is_own_file`; a folder holding anything else, or another kind of artifact, is refused). ``shard_tokens``
     starts a new shard (a separate suffix array, searched together) once a shard holds that many tokens.
     """
     if shard_tokens is not None and shard_tokens < 1:
         raise MemlmError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    check_memory_gb(memory_gb)
     binary = rust_indexing()
     out = Path(out)
     ident = tokenizer_identity(tokenizer)
@@ -266,11 +356,15 @@ def build_ngram_index(
         "source": dict(source or {}),
     }
     with folder_lock(out, "build an ∞-gram index"):
+        check_out(out, overwrite)
         for stale in out.glob(".*.tmp"):
             stale.unlink(missing_ok=True)
         if overwrite:
-            for f in [out / MANIFEST, out / PROGRESS, *(p for k in KINDS for p in out.glob(f"{k}.*"))]:
-                f.unlink(missing_ok=True)
+            for f in out.iterdir():
+                if is_own_file(f.name) and f.is_dir():
+                    shutil.rmtree(f)
+                elif is_own_file(f.name):
+                    f.unlink()
         if (out / PROGRESS).exists():
             state = schema.read_json(
                 out / PROGRESS,
@@ -298,7 +392,7 @@ def build_ngram_index(
             print(f"∞-gram index {out} already built ({len(index):,} tokens); nothing to do", file=sys.stderr)
             return index
         else:
-            if any(any(out.glob(f"{k}.*")) for k in KINDS):
+            if any(SHARD_FILE.fullmatch(f.name) for f in out.iterdir()):
                 raise MemlmError(
                     f"{out} holds ∞-gram files but no manifest or progress file; use an empty folder or --overwrite"
                 )
@@ -336,6 +430,11 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
         for kind in ("tokenized", "offset", "metadata", "metaoff"):
             f = out / _name(kind, s)
             f.touch()
+            if f.stat().st_size < rec[kind]:
+                raise MemlmError(
+                    f"{f} is {f.stat().st_size} bytes, shorter than the {rec[kind]} its build recorded as written: "
+                    f"the unfinished build's files were changed; delete the folder (or rerun with --overwrite)"
+                )
             os.truncate(f, rec[kind])  # drop what a killed writer wrote after its last record
             handles[kind] = open(f, "ab")
 
@@ -347,6 +446,7 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
         atomic_write_json(out / PROGRESS, state)
 
     start = int(state["docs_done"])
+    _drop_unrecorded_shards(out, len(shards))
     if start >= len(documents) and shards:
         return
     if not shards:
@@ -365,9 +465,10 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
             for b in range(start, len(documents), batch_docs):
                 batch = documents[b : b + batch_docs]
                 encoded = tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]
-                for doc, ids in zip(batch, encoded, strict=True):
+                for i, (doc, ids) in enumerate(zip(batch, encoded, strict=True)):
                     rec = shards[-1]
                     if shard_tokens is not None and rec["tokens"] and rec["tokens"] + len(ids) > shard_tokens:
+                        state["docs_done"] = b + i  # the shards recorded hold exactly the documents before this one
                         commit()
                         shards.append(
                             {"tokenized": 0, "offset": 0, "metadata": 0, "metaoff": 0, "tokens": 0, "documents": 0}
@@ -401,6 +502,15 @@ def _tokenize(tokenizer, documents, out, state, dtype, shard_tokens, progress, b
     if not shards or shards[0]["documents"] == 0:
         (out / PROGRESS).unlink(missing_ok=True)
         raise MemlmError("the corpus has no documents to index; give it some text")
+
+
+def _drop_unrecorded_shards(out: Path, recorded: int) -> None:
+    """Delete the files of shards past the ``recorded`` ones: a build killed just after it opened a new shard, before
+    the next progress record, leaves them (the resumed build writes that shard again from its first document)."""
+    for f in out.iterdir():
+        match = SHARD_FILE.fullmatch(f.name)
+        if match and int(match.group(2)) >= recorded:
+            f.unlink()
 
 
 def _run(cmd: list[str], what: str) -> subprocess.Popen:

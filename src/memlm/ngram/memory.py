@@ -187,6 +187,7 @@ class NgramMemory:
             "ngram_tokens": int(m["tokens"]),
             "ngram_max_n": self.max_n,
             "ngram_build_id": m.get("build_id"),
+            "ngram_integrity": self.index.integrity,  # what opening checked: full or sampled checksums
         }
 
     # ------------------------------------------------------------------------------------------------ counting

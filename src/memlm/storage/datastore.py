@@ -81,6 +81,7 @@ FOLDER = FolderFormat(
     progress_fix=_PROGRESS_FIX,
     resume="run the same `memlm datastore build` command again to resume it",
     verify_command="memlm datastore info --verify",
+    extra_files=("counts.npy", "counts.json", "absorbed.npy"),  # a pruned datastore's (memlm.retrieval's names)
 )
 
 
@@ -267,6 +268,7 @@ class DatastoreBase:
         out = Path(out)
         keep = np.asarray(rows, dtype=np.int64)
         with FOLDER.writing(out, what):
+            FOLDER.check_out(out, overwrite=True)  # it replaces a datastore there: nothing else
             (out / "manifest.json").unlink(missing_ok=True)  # the folder is not a datastore until it is complete
             for name in FILES:
                 src = getattr(self, name)

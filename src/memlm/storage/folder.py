@@ -22,6 +22,10 @@ its messages use) and does everything that is the same for every format:
 * **sealing** (:meth:`FolderFormat.publish`): the full and sampled SHA-256 of every array (:mod:`memlm.storage.fileio`),
   then the manifest's own checksum (SHA-256 of its canonical JSON without ``manifest_sha256``), then the manifest
   is written atomically and the progress file removed.
+* **replacing** (:func:`refuse_other_kind`, :func:`refuse_foreign_files`): a build never writes into a folder that
+  holds another kind of memlm artifact (a datastore, an ∞-gram index, a phrase index, a sharded datastore: told apart
+  by their manifest or progress file), and ``overwrite`` deletes only the files of its own kind, by their fixed
+  names: a folder that holds anything else is refused, naming those files, and nothing is deleted.
 * **opening** (:meth:`FolderFormat.read_manifest`, :meth:`FolderFormat.open_arrays`): an unfinished build, a
   missing, malformed (schema), hand-edited (checksum) manifest, or an array file that is missing, of the wrong size
   or whose sampled checksum differs is refused with one error naming the file and the fix; ``verify=True`` also
@@ -34,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +56,116 @@ from memlm.storage.fileio import (
     sha256_file,
     strict_jsonable,
 )
-from memlm.storage.locking import folder_lock, lock_holder
+from memlm.storage.locking import LOCK_NAME, folder_lock, lock_holder
 
-__all__ = ["MANIFEST", "PROGRESS", "AppendWriter", "FolderFormat", "manifest_digest"]
+__all__ = [
+    "MANIFEST",
+    "PROGRESS",
+    "AppendWriter",
+    "FolderFormat",
+    "artifact_kind",
+    "manifest_digest",
+    "refuse_foreign_files",
+    "refuse_other_kind",
+    "refuse_to_open_other_kind",
+]
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 INDEX_FILES = ("index.faiss", "index.faiss.json")  # a folder's FAISS index and its sidecar (memlm.storage.index)
+
+
+#: the ``format`` field of the manifests (or of ``shards.json``) that name their kind; a datastore's manifest has no
+#: ``format`` field and is known by its ``key`` and ``count``
+FORMAT_KINDS = {
+    "memlm-ngram": "∞-gram index",
+    "memlm-npm-phrase-index": "phrase index",
+    "memlm-sharded-datastore": "sharded datastore",
+}
+#: fields only one kind's progress file has
+PROGRESS_KINDS = {"docs_done": "∞-gram index", "windows_done": "datastore", "blocks_done": "phrase index"}
+UNKNOWN, DAMAGED = "unknown", "damaged"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def artifact_kind(folder: str | os.PathLike[str]) -> str | None:
+    """The kind of memlm artifact ``folder`` holds, by its ``shards.json``, ``manifest.json`` or ``progress.json``:
+    ``"datastore"``, ``"∞-gram index"``, ``"phrase index"``, ``"sharded datastore"``; ``"unknown"`` for a manifest or
+    JSON object memlm cannot tell (another tool's?), ``"damaged"`` for one that is no JSON object (a damaged file of
+    memlm's: memlm writes only objects); ``None`` when there is none of them."""
+    folder = Path(folder)
+    if (folder / "shards.json").is_file():
+        return "sharded datastore"
+    for name, kinds in ((MANIFEST, None), (PROGRESS, PROGRESS_KINDS)):
+        if not (folder / name).exists():
+            continue
+        raw = _read_json(folder / name)
+        if not isinstance(raw, dict):
+            return DAMAGED
+        if kinds is not None:
+            return next((kind for field, kind in kinds.items() if field in raw), UNKNOWN)
+        if "format" in raw:
+            return FORMAT_KINDS.get(str(raw["format"]), UNKNOWN)
+        return "datastore" if "key" in raw and "count" in raw else UNKNOWN
+    return None
+
+
+def _article(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou∞" else f"a {kind}"
+
+
+def refuse_other_kind(folder: str | os.PathLike[str], kind: str) -> None:
+    """Refuse to build ``kind`` in a folder that holds another kind of memlm artifact (nothing is changed)."""
+    other = artifact_kind(folder)
+    if other not in (None, UNKNOWN, DAMAGED, kind):
+        raise MemlmError(
+            f"{folder} holds {_article(other)}, not {_article(kind)}: {_article(kind)} is never written over it "
+            f"({option('--overwrite')} replaces only {_article(kind)}); nothing was changed: use an empty or new "
+            f"{option('--out')}"
+        )
+
+
+def refuse_to_open_other_kind(folder: str | os.PathLike[str], kind: str, builder: str) -> None:
+    """Opening ``kind``: a folder holding a datastore, an ∞-gram index or a phrase index of another kind is named as
+    what it is (instead of a schema error advising a rebuild over it)."""
+    other = artifact_kind(folder)
+    if other != kind and other in ("datastore", "∞-gram index", "phrase index"):
+        raise MemlmError(f"{folder} holds {_article(other)}, not {_article(kind)}: give {_article(kind)}'s folder "
+                         f"(build one with {builder})")  # fmt: skip
+
+
+def refuse_foreign_files(folder: str | os.PathLike[str], kind: str, own: Callable[[str], bool]) -> None:
+    """Before an overwrite deletes anything: refuse, naming them, the files of ``folder`` that are not ``kind``'s own
+    (``own(name)``; the writer lock and temporary ``.*.tmp`` files are everyone's), and another kind of artifact.
+
+    A manifest or progress file that is a JSON object memlm cannot tell is taken as ``kind``'s only when the folder
+    also holds other files of ``kind``; alone, it may be another tool's and is refused. One that is no JSON object
+    at all is a damaged file of memlm's (what ``--overwrite`` is advised for)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    refuse_other_kind(folder, kind)
+    names = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME and not _is_tmp(p.name))
+    foreign = [n for n in names if not own(n)]
+    if artifact_kind(folder) == UNKNOWN and not any(own(n) for n in names if n not in (MANIFEST, PROGRESS)):
+        foreign = sorted({*foreign, *(n for n in (MANIFEST, PROGRESS) if n in names)})
+    if foreign:
+        shown = ", ".join(foreign[:20]) + (f" and {len(foreign) - 20} more" if len(foreign) > 20 else "")
+        raise MemlmError(
+            f"{folder} holds files that are not part of {_article(kind)}: {shown}; {option('--overwrite')} replaces "
+            f"only {_article(kind)}'s own files, so nothing was deleted: move those files away, or use an empty or "
+            f"new {option('--out')}"
+        )
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
@@ -131,21 +238,33 @@ class FolderFormat:
     def has_stray_arrays(self, folder: Path) -> bool:
         return any(self.file(folder, name).exists() for name in self.arrays)
 
+    def own_files(self) -> tuple[str, ...]:
+        """The names of every file a folder of this format may hold (what an overwrite deletes)."""
+        return (*(f"{n}.bin" for n in self.arrays), MANIFEST, PROGRESS, *INDEX_FILES, *self.extra_files)
+
     # ------------------------------------------------------------------------------------------------ writing
 
     @contextmanager
     def writing(self, folder: Path, what: str, overwrite: bool = False) -> Iterator[Path]:
-        """Hold ``folder``'s writer lock; remove temporary files of a killed writer and, with ``overwrite``, every file
-        of the format (arrays, manifest, progress file, index, ``extra_files``)."""
+        """Hold ``folder``'s writer lock; refuse a folder holding another kind of artifact (:func:`refuse_other_kind`);
+        remove temporary files of a killed writer and, with ``overwrite``, every file of the format (arrays, manifest,
+        progress file, index, ``extra_files``), after refusing any other file (:func:`refuse_foreign_files`)."""
         folder = Path(folder)
         with folder_lock(folder, what):
+            self.check_out(folder, overwrite)
             for stale in folder.glob(".*.tmp"):
                 stale.unlink(missing_ok=True)  # temporary files of a killed writer (we hold the lock: none is in use)
             if overwrite:
-                names = [*(f"{n}.bin" for n in self.arrays), MANIFEST, PROGRESS, *INDEX_FILES, *self.extra_files]
-                for name in names:
+                for name in self.own_files():
                     (folder / name).unlink(missing_ok=True)
             yield folder
+
+    def check_out(self, folder: Path, overwrite: bool) -> None:
+        """Refuse to write in ``folder`` when it holds another kind of artifact, or (``overwrite``) any file that is not
+        this format's (:meth:`own_files`): before anything is deleted (also the CLI's check, before a model loads)."""
+        refuse_other_kind(folder, self.kind)
+        if overwrite:
+            refuse_foreign_files(folder, self.kind, set(self.own_files()).__contains__)
 
     def read_progress(self, folder: Path) -> dict[str, Any]:
         return schema.read_json(self.progress_path(folder), self.progress_schema, f"{self.kind} build progress file",
@@ -210,6 +329,7 @@ class FolderFormat:
         recorded) and its dtypes checked."""
         folder = Path(folder)
         path = folder / MANIFEST
+        refuse_to_open_other_kind(folder, self.kind, self.builder)
         self.refuse_unfinished(folder)
         if not path.exists():
             raise MemlmError(f"{folder} is not {self.title} (no {MANIFEST}): build one with {self.builder}")
