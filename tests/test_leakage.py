@@ -149,6 +149,19 @@ def built(tmp_path_factory, tiny_lm_dir):
     return root
 
 
+def test_builds_record_the_documents_they_hold_and_info_shows_only_their_count(built, capsys):
+    """datastore build and ngram build record the text hashes of the documents they indexed (after the held-out slice
+    and decontamination); `info` prints their count, not the hashes."""
+    docs = make_toy_docs(40, seed=11)
+    for folder, info in (("ds", ["datastore", "info"]), ("ix", ["ngram", "info"])):
+        rec = json.loads((built / folder / "manifest.json").read_text())["sources"][0]["document_hashes"]
+        assert rec["count"] == 40 and rec["uint64_b64"] == document_record(docs)["uint64_b64"]
+        capsys.readouterr()
+        assert main([*info, str(built / folder)]) == 0
+        out = capsys.readouterr().out
+        assert '"count": 40' in out and "uint64_b64" not in out
+
+
 def _eval_args(tiny_lm_dir, corpus, *extra):
     return ["eval", "--model", str(tiny_lm_dir), "--corpus", corpus, "--window", "64", "--min-context", "32",
             "--dtype", "float32", *extra]  # fmt: skip

@@ -56,7 +56,7 @@ __all__ = [
 NEAR_COPY_N = 13  # App. B: n = 13 (BFF's max_ngram_size)
 NEAR_COPY_THRESHOLD = 0.8  # App. B: "at least 80% of its n-grams"
 NGRAM_SAMPLES = 32  # 13-grams per document queried in an ∞-gram index
-SCAN_MAX_ENTRIES = 50_000_000  # a datastore's values are scanned for 13-grams up to this many entries
+SCAN_MAX_ENTRIES = 20_000_000  # a datastore's values are scanned for 13-grams up to this many entries
 FIX = (
     "evaluate on text outside the memory (e.g. the test split of a memory built on train), build the memory "
     "without it, or pass --allow-overlap to run anyway (recorded in the result)"
@@ -86,6 +86,17 @@ def document_record(docs: Sequence) -> dict[str, Any]:
     h = text_hashes(docs)
     return {"rule": "sha256(text.strip())[:8], little-endian uint64, sorted, distinct", "count": int(len(h)),
             "uint64_b64": base64.b64encode(h.astype("<u8").tobytes()).decode("ascii")}  # fmt: skip
+
+
+def shown_sources(sources: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sources as ``info`` commands print them: each ``document_hashes`` record as its count and rule, not the
+    hashes."""
+    out = []
+    for s in sources:
+        rec = s.get("document_hashes") if isinstance(s, dict) else None
+        short = {k: v for k, v in rec.items() if k != "uint64_b64"} if isinstance(rec, dict) else rec
+        out.append({**s, "document_hashes": short} if isinstance(rec, dict) else s)
+    return out
 
 
 def _recorded_hashes(source: dict[str, Any]) -> np.ndarray | None:
@@ -179,31 +190,32 @@ def _count_named(evaluated: Evaluated, source: dict[str, Any]) -> int:
 # ------------------------------------------------------------------------------------------------ near-copies
 
 
-def _token_ngrams(token_lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """``(hashes, counts)``: every document's 13-gram hashes of model token ids (each id one token of the n-gram
-    hash of :mod:`memlm.ngram.decontaminate`), grouped by document, and how many each has (none under 13 tokens)."""
+def token_ngrams(token_lists: Sequence[Sequence[int]], n: int = NEAR_COPY_N) -> tuple[np.ndarray, np.ndarray]:
+    """``(hashes, counts)``: every document's ``n``-gram hashes of model token ids (each id one token of the n-gram
+    hash of :mod:`memlm.ngram.decontaminate`), grouped by document, and how many each has (none under ``n`` tokens)."""
     from memlm.ngram.decontaminate import _stream_ngrams
 
     lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
-    flat = np.fromiter((t for ts in token_lists for t in ts), dtype=np.uint32, count=int(lens.sum()))
-    return _stream_ngrams(flat, np.arange(len(flat), dtype=np.int64), lens, NEAR_COPY_N, NEAR_COPY_N)
+    parts = [np.asarray(ts, dtype=np.int64) for ts in token_lists]
+    flat = (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)).astype(np.uint32)
+    return _stream_ngrams(flat, np.arange(len(flat), dtype=np.int64), lens, n, n)
 
 
-def _in_datastore(values: Any, query: np.ndarray) -> np.ndarray:
-    """Which of the sorted distinct 13-gram hashes ``query`` occur in the stream of stored next tokens ``values``
-    (one pass in chunks; n-grams across a document boundary included, as :func:`text_overlap`)."""
-    from memlm.ngram.decontaminate import _member, _stream_ngrams
+def ngrams_in_stream(values: Any, query: np.ndarray, n: int = NEAR_COPY_N) -> np.ndarray:
+    """Which of the sorted distinct ``n``-gram hashes ``query`` (:func:`token_ngrams`) occur in the token stream
+    ``values`` (a datastore's stored next tokens, in row order), in one pass of chunks; n-grams across a document
+    boundary included."""
+    from memlm.ngram.decontaminate import _member, _table
 
     found = np.zeros(len(query), dtype=bool)
-    n, step = len(values), 1 << 22
-    for s in range(0, n, step):
-        part = np.asarray(values[s : min(n, s + step + NEAR_COPY_N - 1)]).astype(np.uint32)
-        if len(part) < NEAR_COPY_N:
+    table = _table(query)  # presence bitmaps: most of the stream's n-grams are rejected without a binary search
+    total, step = len(values), (1 << 21) - n  # chunks within the hash's cached powers
+    for s in range(0, total, step):
+        part = np.asarray(values[s : min(total, s + step + n - 1)])
+        if len(part) < n:
             break
-        h, _ = _stream_ngrams(part, np.arange(len(part), dtype=np.int64), np.array([len(part)]), NEAR_COPY_N,
-                              NEAR_COPY_N)  # fmt: skip
-        hit = h[_member(h, query)]
-        found |= _member(query, np.unique(hit))
+        h, _ = token_ngrams([part], n)
+        found |= _member(query, np.unique(h[_member(h, query, table)]))
     return found
 
 
@@ -224,11 +236,11 @@ def _near_copies(memory: _Memory, token_lists: list[list[int]]) -> tuple[np.ndar
     if len(memory.values) > SCAN_MAX_ENTRIES:
         return near, (f"{memory.label}: near-copies not looked for ({len(memory.values):,} entries, over the "
                       f"{SCAN_MAX_ENTRIES:,} scanned); exact copies are, by document hashes")  # fmt: skip
-    h, counts = _token_ngrams(token_lists)
+    h, counts = token_ngrams(token_lists)
     if not len(h):
         return near, None
     query = np.unique(h)
-    found = _in_datastore(memory.values, query)[np.searchsorted(query, h)]
+    found = ngrams_in_stream(memory.values, query)[np.searchsorted(query, h)]
     owner = np.repeat(np.arange(len(token_lists)), counts)
     contained = np.bincount(owner, weights=found, minlength=len(token_lists))
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -13,7 +13,7 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import OVERLAP_LIMIT, OVERLAP_NGRAM, calibrate, holdout_split, text_overlap
-from memlm.leakage import document_record
+from memlm.leakage import document_record, shown_sources
 from memlm.storage.locking import folder_lock
 
 # memlm.storage.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands
@@ -230,13 +230,13 @@ def cmd_datastore_info(args: argparse.Namespace) -> None:
     m = ds.manifest
     if hasattr(ds, "shards"):  # a sharded datastore: its manifest lists the shards (each a datastore)
         keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "sharded")
-        print(json.dumps({k: m[k] for k in keys if k in m}, indent=2))
+        print(json.dumps({**{k: m[k] for k in keys if k in m}, "sources": shown_sources(m["sources"])}, indent=2))
         if args.verify:
             print(f"checksums OK ({ds.checksum()[:16]}): every shard's manifest, sizes and full SHA-256")
         return
     keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "calibration")
     info = {k: m[k] for k in keys if k in m}
-    info["build_id"] = m.get("build_id")
+    info.update(sources=shown_sources(m["sources"]), build_id=m.get("build_id"))
     problem = ds.index_problem()
     if not ds.index_path.exists():
         info["index"] = None

@@ -13,7 +13,7 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, load_documents, write_json
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import holdout_split
-from memlm.leakage import document_record
+from memlm.leakage import document_record, shown_sources
 from memlm.storage.locking import folder_lock
 
 EXCLUDED = (
@@ -146,7 +146,8 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
         "infini_gram_version",
         "created",
     )
-    print(json.dumps({k: m.get(k) for k in keys}, indent=2, ensure_ascii=False))
+    print(json.dumps({**{k: m.get(k) for k in keys}, "sources": shown_sources(m["sources"])}, indent=2,
+                     ensure_ascii=False))  # fmt: skip
     if args.verify:
         print("every file matches its SHA-256", file=sys.stderr)
 
