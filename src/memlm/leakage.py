@@ -297,7 +297,8 @@ def describe_overlap(evaluated: Evaluated, overlaps: list[dict]) -> str:
     for o in overlaps:
         what = [f"{o['documents']:,} of the {o['of']:,} evaluated documents"] if o["documents"] else []
         if o["near_copies"]:
-            what.append(f"{o['near_copies']:,} near-copies (>= {NEAR_COPY_THRESHOLD:.0%} of their "
+            noun = "near-copy" if o["near_copies"] == 1 else "near-copies"
+            what.append(f"{o['near_copies']:,} {noun} (>= {NEAR_COPY_THRESHOLD:.0%} of their "
                         f"{NEAR_COPY_N}-grams in it)")  # fmt: skip
         why = f" ({'; '.join(o['sources'])})" if o["sources"] else ""
         parts.append(f"{o['memory']} holds {' and '.join(what) or 'the evaluated corpus'}{why}")
