@@ -182,8 +182,7 @@ def _count_named(evaluated: Evaluated, source: dict[str, Any]) -> int:
     ids: set[str] = set()
     for c in _names(evaluated.corpus):
         if c in _names(source.get("corpus")):
-            split = source.get("split") if source.get("split") not in (None, "all") else evaluated.split
-            ids |= {d.id for d in load_documents(c, split if split not in (None, "all") else "all")}
+            ids |= {d.id for d in load_documents(c, source.get("split"))}  # split None or all: every document
     return sum(d.id in ids for d in evaluated.docs)
 
 
