@@ -313,3 +313,21 @@ def test_check_dumps_compares_every_memory_of_the_pair():
                   {**same, "ngram": "ix", "ngram_build_id": "n1"}):  # fmt: skip
         with pytest.raises(MemlmError, match="other memories or another model"):
             check_dumps(dump(**same), dump(**other))
+
+
+def test_eval_on_split_all_of_the_memorys_named_corpus(tiny_lm_dir, tmp_path, capsys):
+    """memlm eval --split all of the named corpus an index was built on (its train split) is refused before the
+    forward pass; its test split is not (a note says the index records no document hashes)."""
+    from memlm.ngram.index import build_ngram_index
+
+    ix = tmp_path / "ix"
+    build_ngram_index(gpt2_tokenizer(), make_toy_docs(5), ix, source={"corpus": "bbc", "split": "train"},
+                      progress=False)  # fmt: skip
+    args = [*_eval_args(tiny_lm_dir, "bbc", "--ngram", str(ix), "--max-tokens", "200")]
+    capsys.readouterr()
+    assert main([*args, "--split", "all"]) == 2
+    err = capsys.readouterr().err
+    assert f"∞-gram index {ix} holds" in err and "bbc: split all evaluated, split train in memory" in err
+    assert main([*args, "--split", "test", "--json", str(tmp_path / "r.json")]) == 0
+    rec = json.loads((tmp_path / "r.json").read_text())["leakage"]
+    assert rec["overlap"] == [] and "record no document hashes" in rec["notes"][0]
