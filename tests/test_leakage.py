@@ -180,6 +180,7 @@ def test_eval_refuses_a_file_of_the_memorys_documents_and_records_allow_overlap(
     assert len(err) == 1
     assert f"datastore {built / 'ds'} holds 3 of the 7 evaluated documents" in err[0]
     assert f"∞-gram index {built / 'ix'} holds 3 of the 7" in err[0] and "--allow-overlap" in err[0]
+    assert f"3 by text hash in its source {built / 'train.jsonl'}" in err[0]
     assert main([*args, "--allow-overlap", "--json", str(tmp_path / "r.json")]) == 0
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["leakage"]["allow_overlap"] is True

@@ -265,7 +265,11 @@ def find_overlap(evaluated: Evaluated, memories: list[_Memory], tokenizer=None) 
             reasons += why
             recorded = _recorded_hashes(s)
             if recorded is not None:
-                exact |= np.isin(evaluated.each(), recorded)
+                hit = np.isin(evaluated.each(), recorded)
+                if hit.any():
+                    reasons.append(f"{int(hit.sum()):,} by text hash in its source {s.get('corpus')} "
+                                   f"(split {s.get('split')})")  # fmt: skip
+                exact |= hit
                 continue
             unhashed += 1
             if why:
