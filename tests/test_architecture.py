@@ -18,7 +18,7 @@ LAYERS = [
     {"core"},
     {"models", "data", "experiments.plots"},
     {"storage", "retrieval"},
-    {"training", "knnlm", "xu2023", "trime", "npm", "ngram"},
+    {"training", "knnlm", "xu2023", "trime", "npm", "ngram", "leakage"},
     {"lmeval", "experiments", "cli"},
 ]
 

@@ -420,11 +420,15 @@ def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
         "32",
         "--max-tokens",
         "400",
+        "--allow-overlap",  # the index's own documents (memlm.leakage would refuse them)
     ]
     assert main([*args, "--dump", str(dump), "--json", str(tmp_path / "r.json")]) == 0
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["lambda_sparse"] == cal["lambda_sparse"] and "effective_n" in res
-    assert main(["tune", "--valid", str(dump), "--test", str(dump), "--json", str(tmp_path / "t.json")]) == 0
+    assert main(["tune", "--valid", str(dump), "--test", str(dump), "--json", str(tmp_path / "t.json")]) == 2
+    assert "holds 11 of the 11 evaluated documents" in capsys.readouterr().err  # the dump records the overlap
+    tune = ["tune", "--valid", str(dump), "--test", str(dump), "--allow-overlap", "--json", str(tmp_path / "t.json")]
+    assert main(tune) == 0
     assert json.loads((tmp_path / "t.json").read_text())["test"]["ngram_ppl"] > 0
     assert main(["ngram", "info", str(out), "--verify"]) == 0
 

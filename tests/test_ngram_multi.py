@@ -62,8 +62,9 @@ def _eval(tiny_lm_dir, docs, ngrams, tmp_path, name, extra=()) -> tuple[dict, To
     from memlm.cli import main
 
     dump, res = tmp_path / f"{name}.npz", tmp_path / f"{name}.json"
+    # --allow-overlap: index b holds one evaluated document on purpose (long matches, sparse estimates)
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--window", "64", "--min-context", "32",
-            "--dtype", "float32", "--dump", str(dump), "--json", str(res), *extra]  # fmt: skip
+            "--dtype", "float32", "--dump", str(dump), "--json", str(res), "--allow-overlap", *extra]  # fmt: skip
     for ix in ngrams:
         argv += ["--ngram", str(ix.path)]
     assert main(argv) == 0
@@ -117,8 +118,8 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
     assert res["ngrams"][1]["ngram_ppl"] == pytest.approx(alone_b["ngram_ppl"], rel=1e-12)
 
     grid = ["0", "0.05", "0.1", "0.2", "0.4"]
-    assert main(["tune", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "ab.npz"), "--ngram-lambdas",
-                 *grid, "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
+    assert main(["tune", "--allow-overlap", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "ab.npz"),
+                 "--ngram-lambdas", *grid, "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
     t = json.loads((tmp_path / "t.json").read_text())
     best = t["valid"]["best"]
     assert [r["ngram"] for r in best["ngrams"]] == [str(a.path), str(b.path)]
@@ -134,7 +135,9 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
                     for x in g for y in g)  # fmt: skip
         assert best["ppl"] <= alone + 1e-9
     # a test dump scored with other indexes is refused
-    assert main(["tune", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "a.npz")]) != 0
+    assert (
+        main(["tune", "--allow-overlap", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "a.npz")]) != 0
+    )
 
 
 def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_indexes, ds, eval_docs, tmp_path):
@@ -155,8 +158,9 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_ind
     assert res["knn_multi_ngram_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-6)
     assert res["multi_ngram_weights"] == [pytest.approx([0.45, 0.1])] * 2  # without the kNN term: W / S = 0.5
     assert res["multi_ngram_ppl"] == pytest.approx(float(np.exp(-_by_hand(ts, [[0.45, 0.1]] * 2).mean())), rel=1e-6)
-    assert main(["tune", "--valid", str(tmp_path / "kab.npz"), "--lambdas", "0", "0.3", "--temperatures", "1", "10",
-                 "--ngram-lambdas", "0", "0.1", "0.3", "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
+    assert main(["tune", "--allow-overlap", "--valid", str(tmp_path / "kab.npz"), "--lambdas", "0", "0.3",
+                 "--temperatures", "1", "10", "--ngram-lambdas", "0", "0.1", "0.3", "--json", str(tmp_path / "t.json")]
+                ) == 0  # fmt: skip
     best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
     assert best["lambda"] in (0.0, 0.3) and best["temperature"] in (1.0, 10.0) and len(best["weights"]) == 2
     knn_t = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, best["temperature"]).numpy()

@@ -71,6 +71,17 @@ def load_documents(corpus: str, split: str | None, tokenizer, max_tokens: int | 
     return docs, source
 
 
+def check_prompt_leakage(args: argparse.Namespace, datastore, ngram, tokenizer) -> dict[str, Any]:
+    """``memlm generate``: its prompt, as one evaluated document, against the memories (memlm.leakage: the same text
+    as a stored document, or a near-copy by the 13-gram rule; a prompt under 13 tokens is checked for exact copies
+    only), refused unless ``--allow-overlap``."""
+    from memlm.data.corpora import Document
+    from memlm.leakage import Evaluated, check_leakage
+
+    prompt = Evaluated([Document("prompt", args.prompt)], label="the prompt")
+    return check_leakage(prompt, datastore, ngram, tokenizer, args.allow_overlap)
+
+
 def _load_model(name: str, dtype: str):
     """The causal LM and tokenizer of a command. Commands call it as ``common._load_model``, where tests replace it
     to check that bad arguments are refused before any model is loaded."""
@@ -149,6 +160,17 @@ def add_corpus(p: argparse.ArgumentParser, split: str) -> None:
     )
     p.add_argument(
         "--max-tokens", type=V.positive_int, default=None, help="use only the leading documents up to this many tokens"
+    )
+
+
+def add_allow_overlap(p: argparse.ArgumentParser) -> None:
+    """``--allow-overlap``: run although the memory holds the evaluated documents (memlm.leakage), recorded in the
+    result's ``leakage``."""
+    p.add_argument(
+        "--allow-overlap",
+        action="store_true",
+        help="evaluate even where a datastore or ∞-gram index holds the evaluated documents (same corpus and split, "
+        "--split all, the same texts, or near-copies by the 13-gram rule); refused by default, recorded in the result",
     )
 
 

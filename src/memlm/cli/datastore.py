@@ -14,6 +14,7 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import OVERLAP_LIMIT, OVERLAP_NGRAM, calibrate, holdout_split, text_overlap
+from memlm.leakage import document_record, shown_sources
 from memlm.storage.locking import folder_lock
 
 # memlm.storage.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands
@@ -32,6 +33,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
     V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
     docs, held_out, source["holdout"] = _holdout(docs, tok, args)
+    source["document_hashes"] = document_record(docs)  # what eval's leakage check compares (memlm.leakage)
     with folder_lock(args.out, "build a datastore"):  # held through the index build too
         ds = build_datastore(
             model,
@@ -178,6 +180,7 @@ def _build_sharded(args: argparse.Namespace) -> None:
     model, tok = common._load_model(args.model, "float32" if args.ray else args.dtype)  # Ray workers load their own
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
     docs, held_out, source["holdout"] = _holdout(docs, tok, args)
+    source["document_hashes"] = document_record(docs)  # what eval's leakage check compares (memlm.leakage)
     ds = build_sharded(
         args.model if args.ray else model,
         docs,
@@ -228,13 +231,13 @@ def cmd_datastore_info(args: argparse.Namespace) -> None:
     m = ds.manifest
     if hasattr(ds, "shards"):  # a sharded datastore: its manifest lists the shards (each a datastore)
         keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "sharded")
-        print(json.dumps({k: m[k] for k in keys if k in m}, indent=2))
+        print(json.dumps({**{k: m[k] for k in keys if k in m}, "sources": shown_sources(m["sources"])}, indent=2))
         if args.verify:
             print(f"checksums OK ({ds.checksum()[:16]}): every shard's manifest, sizes and full SHA-256")
         return
     keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "calibration")
     info = {k: m[k] for k in keys if k in m}
-    info["build_id"] = m.get("build_id")
+    info.update(sources=shown_sources(m["sources"]), build_id=m.get("build_id"))
     problem = ds.index_problem()
     if not ds.index_path.exists():
         info["index"] = None

@@ -30,6 +30,7 @@ from memlm.knnlm.calibration import knn_parameters
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.knnlm.evaluate import perplexities, score_tokens
+    from memlm.leakage import Evaluated, check_leakage
     from memlm.models.keys import KeySpec
     from memlm.storage.sharded import open_datastore
 
@@ -42,6 +43,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ngram = ngram_cli.open_ngram(args, tok)
     V.check_against_model(args, model)
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    leakage = check_leakage(Evaluated(docs, args.corpus, args.split, source["fingerprint"]), ds, ngram, tok,
+                            args.allow_overlap)  # fmt: skip
     config = RetrievalConfig.with_options(  # built once here, passed down (recorded in the result's retrieval)
         k=args.k,
         **window_kwargs(args),
@@ -57,7 +60,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         pipeline=args.pipeline,
         index_path=args.index,
     )
-    meta = {"model": model_name, "source": source}
+    meta = {"model": model_name, "source": source, "leakage": leakage}  # memlm tune compares these
+    if ds is not None:
+        meta["datastore_build_id"] = ds.manifest.get("build_id")
     ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram)
     if args.dump:
         ts.save(args.dump)
@@ -94,6 +99,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if ngram is not None:
         res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature))
     _print_result(res)
+    res["leakage"] = leakage
     write_json(args.json, res)
 
 
@@ -117,10 +123,13 @@ def _print_result(res: dict[str, Any]) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> None:
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, perplexities, tune
+    from memlm.leakage import check_dumps
 
     valid = TokenScores.load(args.valid)
+    test = TokenScores.load(args.test) if args.test else None
+    leakage = check_dumps(valid, test, allow_overlap=args.allow_overlap)  # every path: the same memories, no leak
     if valid.ngram_logprob is not None:
-        return ngram_cli.tune_with_ngram(args, valid)
+        return ngram_cli.tune_with_ngram(args, valid, test, leakage)
     result = tune(
         valid,
         lambdas=args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS),
@@ -135,9 +144,9 @@ def cmd_tune(args: argparse.Namespace) -> None:
         f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
         f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
     )
-    if args.test:
+    if test is not None:
         res = perplexities(
-            TokenScores.load(args.test),
+            test,
             lam=best["lambda"],
             temperature=best["temperature"],
             k=args.k,
@@ -147,6 +156,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
         out["test"] = res
         _print_result(res)
     out["grid"] = result["grid"]
+    out["leakage"] = leakage
     write_json(args.json, out)
 
 
@@ -163,6 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     ds.check_compatible(model, tok)
     lam, temperature, _ = knn_parameters(ds, args.lam, args.temperature, setting={"k": args.k, "search": "index"})
     ngram = ngram_cli.ngram_processor(args, tok, lam) if args.ngram else None  # LM + kNN + ∞-gram, as eval mixes
+    common.check_prompt_leakage(args, ds, ngram.memories if ngram is not None else None, tok)
     torch.manual_seed(args.seed)
     config = GENERATION_RETRIEVAL.replace(k=args.k, lam=lam, temperature=temperature)
     knn = KNNLogitsProcessor(model, ds, config, record=args.show_neighbours > 0, ngram=ngram)
@@ -267,6 +278,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--cache-lambda", type=V.probability, default=0.1)
     e.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
     add_windows(e)
+    common.add_allow_overlap(e)
     common.add_device(e)
     e.add_argument("--dump", type=V.output_file, default=None, help="write per-token scores (.npz) for memlm tune")
     e.add_argument(
@@ -334,6 +346,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--cache-temperatures", type=V.positive_float, nargs="+", default=[1.0])
     t.add_argument("--k", type=V.neighbours, default=None, help="use only the k best of the dumped neighbours")
     t.add_argument("--json", type=V.output_file, default=None)
+    common.add_allow_overlap(t)
     ngram_cli.add_tune_args(t)
     t.set_defaults(func=cmd_tune)
 
@@ -354,6 +367,7 @@ def add_parsers(sub) -> None:
         help="print under each generated token the N nearest datastore entries with their source text",
     )
     add_ray(g, "search a sharded datastore with one Ray actor per shard")
+    common.add_allow_overlap(g)
     ngram_cli.add_generate_args(g)
     g.set_defaults(func=cmd_generate)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from memlm.cli import ngram as ngram_cli
 from memlm.cli import validate as V
-from memlm.cli.common import DEFAULT_MODEL, add_knn_weights, add_model
+from memlm.cli.common import DEFAULT_MODEL, add_allow_overlap, add_knn_weights, add_model
 from memlm.errors import MemlmError
-from memlm.lmeval import TASKS, task_manager
+from memlm.lmeval import TASK_CORPORA, TASKS, task_manager
 from memlm.storage.fileio import atomic_write_json
 
 
@@ -63,6 +63,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
         ngram_lambda_dense=args.ngram_lambda_dense,
         ngram_max_n=args.ngram_max_n,
     )
+    leakage = _check_leakage(args, tasks, lm)
     print(f"memlm lm-eval: {json.dumps(lm.memory_settings)}", file=sys.stderr)
     t0 = time.perf_counter()
     out = lm_eval.simple_evaluate(
@@ -81,9 +82,31 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
             "limit": args.limit,
             "lm_eval_version": out.get("lm_eval_version"),
             "seconds": time.perf_counter() - t0,
+            "leakage": leakage,
         }
         atomic_write_json(Path(args.out), record)
         print(f"wrote {args.out}")
+
+
+def _check_leakage(args: argparse.Namespace, tasks: list[str], lm) -> dict:
+    """Each of memlm's offline tasks (its named corpus and split, :data:`memlm.lmeval.TASK_CORPORA`) against the
+    model's memories (memlm.leakage), refused unless ``--allow-overlap``; lm_eval's own tasks are not checked (their
+    documents come from the dataset hub), and the record says so."""
+    from memlm.data.corpora import corpus_fingerprint, load_documents
+    from memlm.leakage import Evaluated, check_leakage
+
+    out: dict = {}
+    if lm.datastore is None and not lm.ngrams:
+        return out
+    for task in tasks:
+        if task not in TASK_CORPORA:
+            out[task] = {"checked": False, "why": "not one of memlm's offline tasks (its documents are lm_eval's)"}
+            continue
+        corpus, split = TASK_CORPORA[task]
+        docs = load_documents(corpus, split)
+        ev = Evaluated(docs, corpus, split, corpus_fingerprint(docs), label=f"task {task} ({corpus}, split {split})")
+        out[task] = check_leakage(ev, lm.datastore, lm.ngrams, lm.tokenizer, args.allow_overlap)
+    return out
 
 
 def add_parsers(sub) -> None:
@@ -111,6 +134,7 @@ def add_parsers(sub) -> None:
     )
     le.add_argument("--batch-size", type=V.positive_int, default=4)
     ngram_cli.add_eval_args(le)
+    add_allow_overlap(le)
     le.add_argument("--limit", type=float, default=None, help="first N documents per task (or a fraction)")
     le.add_argument("--samples", default=None, help="document indices per task, JSON: '{\"memlm_wikitext2\": [0, 9]}'")
     le.add_argument("--out", default=None, help="write the results and settings as JSON here")

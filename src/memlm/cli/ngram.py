@@ -13,6 +13,7 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, load_documents, write_json
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import holdout_split
+from memlm.leakage import document_record, shown_sources
 from memlm.ngram.decontaminate import decontaminate_reference, decontamination_sets
 from memlm.storage.locking import folder_lock
 
@@ -50,6 +51,7 @@ def cmd_ngram_build(args: argparse.Namespace) -> None:
     if record is not None:
         source["decontamination"] = record
     docs, held_out, source["holdout"] = holdout_split(docs, tok, args.holdout)
+    source["document_hashes"] = document_record(docs)  # what eval's leakage check compares (memlm.leakage)
     with folder_lock(args.out, "build an ∞-gram index"):
         index = build_ngram_index(
             tok,
@@ -120,7 +122,8 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
         "infini_gram_version",
         "created",
     )
-    print(json.dumps({k: m.get(k) for k in keys}, indent=2, ensure_ascii=False))
+    print(json.dumps({**{k: m.get(k) for k in keys}, "sources": shown_sources(m["sources"])}, indent=2,
+                     ensure_ascii=False))  # fmt: skip
     print(f"checksums {index.integrity['note']}", file=sys.stderr)
 
 
@@ -273,15 +276,16 @@ def _grids(args: argparse.Namespace) -> dict[str, Any]:
     return {"lambdas": lambdas, "knn_lambdas": args.lambdas, "temperatures": args.temperatures, "k": args.k}
 
 
-def tune_with_ngram(args: argparse.Namespace, valid) -> None:
-    """``memlm tune`` on a dump with ∞-gram scores: λ_sparse, λ_dense (and λ, τ of its kNN term) tuned jointly."""
-    from memlm.knnlm.evaluate import TokenScores
+def tune_with_ngram(args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None) -> None:
+    """``memlm tune`` on a dump with ∞-gram scores: λ_sparse, λ_dense (and λ, τ of its kNN term) tuned jointly.
+    ``test``: the ``--test`` dump, checked by the caller against ``valid`` (memlm.leakage.check_dumps: the same
+    model and memories), whose record ``leakage`` goes into the result."""
     from memlm.ngram.mixture import ngram_report, tune_ngram
 
     if any(args.cache_lambdas):
         raise MemlmError("--cache-lambdas is not tuned together with the ∞-gram; drop it")
     if valid.ngram_extra_logprob is not None:
-        return tune_with_ngrams(args, valid)
+        return tune_with_ngrams(args, valid, test, leakage)
     result = tune_ngram(valid, **_grids(args))
     best = result["best"]
     has_knn = valid.knn_scores is not None
@@ -297,26 +301,20 @@ def tune_with_ngram(args: argparse.Namespace, valid) -> None:
                             temperature=best["temperature"], k=args.k)  # fmt: skip
 
     out: dict[str, Any] = {"valid": {"best": best, "grid_points": len(result["grid"]), "report": report(valid)}}
-    if args.test:
-        res = report(TokenScores.load(args.test))
+    if test is not None:
+        res = report(test)
         out["test"] = res
         for k, v in res.items():
             print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
     out["grid"] = result["grid"]
+    out["leakage"] = leakage
     write_json(args.json, out)
 
 
-def _references(ts) -> list[Any]:
-    """Build ids of a dump's ∞-gram indexes, in order (what must agree between a valid and a test dump)."""
-    recs = ts.meta.get("ngrams") or [{"ngram_build_id": ts.meta.get("ngram_build_id")}]
-    return [r.get("ngram_build_id") for r in recs]
-
-
-def tune_with_ngrams(args: argparse.Namespace, valid) -> None:
+def tune_with_ngrams(args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None) -> None:
     """``memlm tune`` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``): each index's
     (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
     :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
-    from memlm.knnlm.evaluate import TokenScores
     from memlm.ngram.mixture import multi_ngram_report, tune_ngrams
 
     result = tune_ngrams(valid, **_grids(args))
@@ -344,17 +342,12 @@ def tune_with_ngrams(args: argparse.Namespace, valid) -> None:
             "report": multi_ngram_report(valid, weights, lam, result["temperature"], args.k),
         }
     }
-    if args.test:
-        test = TokenScores.load(args.test)
-        if _references(test) != _references(valid):
-            raise MemlmError(
-                f"{args.test} was scored with other ∞-gram indexes ({len(_references(test))}) than {args.valid} "
-                f"({len(_references(valid))}): run memlm eval with the same --ngram options, in the same order"
-            )
+    if test is not None:
         res = multi_ngram_report(test, weights, lam, result["temperature"], args.k)
         out["test"] = res
         for k, v in res.items():
             print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
+    out["leakage"] = leakage
     write_json(args.json, out)
 
 
@@ -382,6 +375,7 @@ def generate_with_ngram(args: argparse.Namespace) -> None:
         raise MemlmError("memlm generate needs --datastore DS or --ngram DIR")
     model, tok = common._load_model(args.model or common.DEFAULT_MODEL, args.dtype)
     proc = ngram_processor(args, tok)
+    common.check_prompt_leakage(args, None, proc.memories, tok)
     torch.manual_seed(args.seed)
     prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
     text = generate_text(

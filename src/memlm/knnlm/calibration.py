@@ -426,20 +426,6 @@ OVERLAP_NGRAM = 16  # tokens per span compared by text_overlap
 OVERLAP_LIMIT = 0.01  # memlm datastore calibrate refuses text with more of its spans in the datastore
 
 
-def _ngram_hashes(tokens, n: int):
-    """64-bit rolling hashes of every ``n``-token span of ``tokens`` (wrapping arithmetic)."""
-    import numpy as np
-
-    t = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
-    m = len(t) - n + 1
-    if m <= 0:
-        return np.zeros(0, dtype=np.uint64)
-    h = np.zeros(m, dtype=np.uint64)
-    for j in range(n):
-        h = h * np.uint64(1_000_003) + t[j : j + m] + np.uint64(1)
-    return h
-
-
 def text_overlap(datastore, documents: Sequence, tokenizer, n: int = OVERLAP_NGRAM) -> tuple[int, int]:
     """``(shared, spans)``: how many of the ``n``-token spans of ``documents`` (tokenized as the datastore's stream,
     EOS after each document) also occur in the datastore's stream of stored next tokens (``values`` in row order, the
@@ -448,12 +434,8 @@ def text_overlap(datastore, documents: Sequence, tokenizer, n: int = OVERLAP_NGR
     import numpy as np
 
     from memlm.data.windows import tokenize_documents
+    from memlm.leakage import ngrams_in_stream, token_ngrams
 
     stream = np.concatenate([c.tokens for c in tokenize_documents(list(documents), tokenizer)] or [np.zeros(0)])
-    query = np.unique(_ngram_hashes(stream, n))
-    found = np.zeros(len(query), dtype=bool)
-    values, step = datastore.values, 1 << 22
-    for s in range(0, len(values), step):
-        part = _ngram_hashes(np.asarray(values[s : min(len(values), s + step + n - 1)]), n)
-        found |= np.isin(query, part)
-    return int(found.sum()), len(query)
+    query = np.unique(token_ngrams([stream.astype(np.int64)], n)[0])
+    return int(ngrams_in_stream(datastore.values, query, n).sum()), len(query)

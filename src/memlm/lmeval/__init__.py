@@ -36,6 +36,12 @@ def __getattr__(name: str):
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 TASKS = ("memlm_wikitext2", "memlm_imdb", "memlm_bbc_topic")
+#: the named corpus and split each offline task evaluates (its YAML's test_split, read from memlm.data.corpora)
+TASK_CORPORA = {
+    "memlm_wikitext2": ("wikitext2", "test"),
+    "memlm_imdb": ("imdb", "test"),
+    "memlm_bbc_topic": ("bbc", "test"),
+}
 
 
 def task_manager(include_defaults: bool = True, **kwargs):
