@@ -26,7 +26,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
     if args.shards is not None or args.ray is not None:
         return _build_sharded(args)
     key = KeySpec.parse(args.key)
-    model, tok = common._load_model(args.model, args.dtype)
+    model, tok = common._load_model(args.model, args.dtype, args)
     model = common.place_model(model, args.device)
     V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
@@ -305,6 +305,7 @@ def add_parsers(sub) -> None:
     )
     b = ds.add_parser("build", help="one forward pass over a corpus -> (key, next token) datastore (+ index)")
     add_model(b, required=True)
+    common.add_compute_path(b)
     add_corpus(b, "train")
     b.add_argument(
         "--out", type=V.output_dir, required=True, help="datastore folder (rerun the same command to resume)"
