@@ -131,6 +131,12 @@ def step_candidate(args, path: ComputePath, docs, peak: dict, ref: dict | None) 
         "ppl": float(np.exp(-lp.mean())),
         **components.achieved(flops, seconds, dtype_peak),
     }
+    if path.compile != "none":  # how many graphs dynamo made (one per block kind when layers share them)
+        from torch._dynamo.utils import counters
+
+        row["dynamo_counters"] = {
+            k: dict(v) for k, v in counters.items() if k in ("stats", "recompiles", "graph_break")
+        }
     if ref is not None:
         e = relative_key_error(queries[SPEC], ref["keys"])
         row.update(

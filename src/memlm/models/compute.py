@@ -66,10 +66,11 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "av
                 "amx_tile", "bf16", "i8mm")  # fmt: skip
 
 #: an upper bound of the 99th percentile of the relative key error against float32, per (dtype, quantize) part of the
-#: path. Measured on SmolLM2-135M, ffn_in@29, 1,980 WikiText-2 test tokens (windows 512, min-context 256):
-#: bfloat16 p99 0.028, max 0.037, perplexity -0.11%; int8-dynamic (per-tensor activations) p99 0.78, max 1.21,
-#: perplexity +283% (per-channel weights: p99 0.81, +216%; leaving down_proj in float32: p99 0.32, +26%): SmolLM2's
-#: activation outliers defeat per-tensor int8, so that path is a measurement option, not one to build or report with.
+#: path. Measured on SmolLM2-135M, ffn_in@29, 1,980 WikiText-2 test tokens (windows 512, min-context 256;
+#: docs/results/speed/key_error.json, benchmarks/speed/key_error.py): bfloat16 p99 0.028, max 0.037, perplexity
+#: -0.11%; int8-dynamic (per-tensor activations) p99 0.78, max 1.21, perplexity +283% (per-channel weights: p99 0.77,
+#: +237%; every linear but down_proj, per-channel: p99 0.31, +23%): SmolLM2's activation outliers defeat dynamic
+#: int8, so that path is a measurement option, not one to build or report with.
 #: float16 is not measured on CPU; its 10 mantissa bits round less than bfloat16's 7, so bfloat16's bound is used.
 #: The attention kernel and compile change keys by float32 rounding only (eager vs sdpa: p99 1.9e-6).
 #: tests/test_compute_path.py::test_real_model_key_error_within_the_stated_error pins the measurement under these.
@@ -170,9 +171,10 @@ def apply_compute_path(model: nn.Module, path: ComputePath) -> nn.Module:
         raise MemlmError(f"the model was loaded in {have}, but the compute path asks for {path.dtype}: load it so")
     if getattr(model, "memlm_compute_path", None) not in (None, ComputePath(path.dtype)):
         raise MemlmError("this model is already on another compute path: load it again to change the path")
-    from memlm.models.resources import model_fingerprint
+    if path.quantize != "none":
+        from memlm.models.resources import model_fingerprint
 
-    model.memlm_fingerprint = model_fingerprint(model)  # of the weights as loaded, before quantization
+        model.memlm_fingerprint = model_fingerprint(model)  # of the weights as loaded: quantization replaces them
     current = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
     if path.attention != current:
         _set_attention(model, path.attention)
