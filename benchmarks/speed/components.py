@@ -18,7 +18,7 @@ module's wall time is its compute). Categories, exclusive (nested time subtracte
 FLOPs (multiply-adds count 2): per position, ``2 * in * out`` for every linear of the decoder layers; attention
 ``2 * 2 * d * (i + 1)`` at position ``i`` of a window (QK^T and AV over the causal prefix, ``d`` the attention width)
 per layer; the output head ``2 * d_model * vocab`` per position it computes (every position when log-probabilities are
-asked, one per window for a keys-only build, ``logits_to_keep=1``).
+asked; none for a keys-only build, which stops at its key: for ``ffn_in@-1`` the last FFN is not counted either).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _timing_hooks(model: torch.nn.Module, totals: dict[str, float]):
 
     for group, modules in groups.items():
         for m in modules:
-            handles += [m.register_forward_pre_hook(pre(group)), m.register_forward_hook(post(group))]
+            handles += [m.register_forward_pre_hook(pre(group)), m.register_forward_hook(post(group), always_call=True)]
     head = model.get_output_embeddings()
     handles.append(head.register_forward_pre_hook(lambda m, a: starts.__setitem__("head", time.perf_counter())))
     handles.append(model.register_forward_pre_hook(lambda m, a: starts.__setitem__("model", time.perf_counter())))
@@ -132,7 +132,7 @@ def _timing_hooks(model: torch.nn.Module, totals: dict[str, float]):
         totals["model"] += end - starts.pop("model", end)
         totals["head"] += end - starts.pop("head", end)
 
-    handles.append(model.register_forward_hook(model_end))
+    handles.append(model.register_forward_hook(model_end, always_call=True))  # also when a key stops the pass
     store = keys_lib.KeyCapture._store
 
     def timed_store(self, spec, tensor):
@@ -175,8 +175,14 @@ def profile_forward(model, batches: list, specs: Sequence[KeySpec], with_logprob
     seconds["rest of the model"] = totals["model"] - sum(seconds.values())
     seconds["log-softmax, entropy, key copies out"] = total - totals["model"]
     lengths = [len(w.input_ids) for b in batches for w in b]
-    head_positions = sum(lengths) if with_logprobs or any(s.role == "final" for s in specs) else len(lengths)
+    keys_only = not with_logprobs and bool(specs)  # forward_windows stops at the key (KeyCapture stop_after)
+    head_positions = 0 if keys_only else sum(lengths)
     flops = count_flops(model, lengths, head_positions)
+    if keys_only and all(s.role == "ffn_in" and s.layer in (-1, len(find_decoder_layers(model)) - 1) for s in specs):
+        last = find_decoder_layers(model)[-1]
+        ffn = keys_lib._analyze_layer(last, keys_lib._hidden_size(model, last)).ffn  # the last FFN: not computed
+        dims = [keys_lib._linear_dims(lin.module) for lin in (keys_lib._outer_linears(ffn) if ffn is not None else [])]
+        flops["linear"] -= sum(2 * d[0] * d[1] for d in dims if d) * sum(lengths)
     return {
         "seconds_total": total,
         "seconds": seconds,
