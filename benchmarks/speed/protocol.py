@@ -80,12 +80,15 @@ def machine() -> dict[str, Any]:
     }
 
 
-def idle_check(force: bool, max_load: float = IDLE_LOAD, busy_limit: float = IDLE_BUSY, sample: float = 5.0) -> dict:
+def idle_check(
+    force: bool, wait: float = 0.0, max_load: float = IDLE_LOAD, busy_limit: float = IDLE_BUSY, sample: float = 5.0
+) -> dict:
     """Check that nothing else runs: over ``sample`` s at most ``busy_limit`` of the CPU busy and a 1-minute load
-    average of at most ``max_load``. Not idle: exit with the reason, or with ``force`` warn and return the record
-    (``idle: False``)."""
-    seen = wait_for_idle(busy_limit, None, sample=sample, max_wait=0.0)
-    idle = seen["busy_before"] <= busy_limit and seen["load_avg_before"] <= max_load
+    average under ``max_load``, waiting up to ``wait`` s for it (the load average decays with a one-minute time
+    constant: from 8 to 0.3 takes ~3.3 minutes once the machine is quiet). Not idle: exit with the reason, or with
+    ``force`` warn and return the record (``idle: False``)."""
+    seen = wait_for_idle(busy_limit, max_load, sample=sample, max_wait=wait)
+    idle = seen["busy_before"] <= busy_limit and seen["load_avg_before"] < max_load
     seen.update(idle=idle, max_load=max_load, busy_limit=busy_limit)
     if not idle:
         why = (

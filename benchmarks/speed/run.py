@@ -289,11 +289,12 @@ def main() -> None:
     p.add_argument("--faiss-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", default="peak,input,candidates,profile,build,knn,faiss")
     p.add_argument("--work", default=None, help="folder for the datastores (default: a temporary one)")
+    p.add_argument("--wait-idle", type=float, default=300, help="seconds to wait for an idle machine (default 300)")
     p.add_argument("--force", action="store_true", help="run on a busy machine; results are marked not idle")
     args = p.parse_args()
     steps = set(args.steps.split(","))
     t_start = time.perf_counter()
-    idle = protocol.idle_check(args.force)
+    idle = protocol.idle_check(args.force, args.wait_idle)
     default = parse_path("auto")
     paths = [parse_path(x) for x in args.paths.split(",")]
     paths = [x for i, x in enumerate(paths) if x not in paths[:i]]
