@@ -199,16 +199,21 @@ def test_cli_records_the_path_and_refuses_a_query_past_the_tolerance(tmp_path):
     model = tiny_llama()
     model.save_pretrained(model_dir)
     gpt2_tokenizer().save_pretrained(model_dir)
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(8)))
-    common = ["--model", str(model_dir), "--corpus", str(corpus), "--window", "32", "--min-context", "8"]
-    r = memlm("datastore", "build", *common, "--out", str(tmp_path / "ds"), "--attention", "eager", "--holdout", "0")
+    corpora = {}
+    for name, seed in (("train", 0), ("test", 9)):  # evaluated text outside the datastore
+        corpora[name] = tmp_path / f"{name}.jsonl"
+        docs = make_toy_docs(8, seed=seed)
+        corpora[name].write_text("".join(json.dumps({"id": f"{name}-{d.id}", "text": d.text}) + "\n" for d in docs))
+    common = ["--model", str(model_dir), "--window", "32", "--min-context", "8"]
+    build = [*common, "--corpus", str(corpora["train"]), "--out", str(tmp_path / "ds"), "--holdout", "0"]
+    r = memlm("datastore", "build", *build, "--attention", "eager")
     assert r.returncode == 0, r.stderr
     path = json.loads((tmp_path / "ds" / "manifest.json").read_text())["build"]["compute_path"]
     assert (path["dtype"], path["attention"], path["quantize"]) == ("float32", "eager", "none")
-    r = memlm("eval", *common, "--datastore", str(tmp_path / "ds"), "--quantize", "int8-dynamic")
+    evaluate = [*common, "--corpus", str(corpora["test"]), "--datastore", str(tmp_path / "ds")]
+    r = memlm("eval", *evaluate, "--quantize", "int8-dynamic")
     assert r.returncode == 2 and "built on compute path float32+eager" in r.stderr and "int8" in r.stderr
-    r = memlm("eval", *common, "--datastore", str(tmp_path / "ds"))  # the default path: allowed
+    r = memlm("eval", *evaluate)  # the default path: allowed
     assert r.returncode == 0, r.stderr
-    r = memlm("eval", *common, "--dtype", "bfloat16", "--quantize", "int8-dynamic")
+    r = memlm("eval", *common, "--corpus", str(corpora["test"]), "--dtype", "bfloat16", "--quantize", "int8-dynamic")
     assert r.returncode == 2 and "pass --dtype float32" in r.stderr
