@@ -31,6 +31,22 @@ def test_holdout_split_is_deterministic_disjoint_and_sized():
     assert info3["tokens"] >= 300 and len(held3) < len(held) + 50
 
 
+def test_holdout_slice_is_capped_at_a_few_thousand_tokens():
+    """A large share of a large corpus holds out HOLDOUT_MAX_TOKENS (8,192), not the share: calibration's LM pass
+    costs the same whatever the corpus's size (issue 34 item 4); a min_tokens over the cap still wins."""
+    from memlm.knnlm.calibration import HOLDOUT_MAX_TOKENS
+
+    tok = gpt2_tokenizer()
+    docs = make_toy_docs(3000, seed=7)  # ~100k tokens: a 50% share would be ~50k, the 20% share cap ~20k
+    _, held, info = holdout_split(docs, tok, fraction=0.5, min_tokens=100)
+    assert info["corpus_tokens"] * 0.2 > 2 * HOLDOUT_MAX_TOKENS
+    # whole documents until the goal: at most one document (<= 60 words here) of text over it
+    assert info["tokens"] >= HOLDOUT_MAX_TOKENS and info["text_tokens"] <= HOLDOUT_MAX_TOKENS + 100
+    assert "short_of_minimum" not in info
+    _, _, bigger = holdout_split(docs, tok, fraction=0.5, min_tokens=12_000)
+    assert bigger["tokens"] >= 12_000 and bigger["text_tokens"] <= 12_100
+
+
 def _ntok(tok, text: str) -> int:
     return len(tok(text, add_special_tokens=False)["input_ids"])
 

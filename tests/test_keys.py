@@ -597,3 +597,31 @@ def test_keys_only_forward_skips_the_output_projection(tiny_lm, role):
     for a, b in zip(full, keys_only, strict=True):
         np.testing.assert_array_equal(a.keys[spec], b.keys[spec])
         assert b.lm_logprob is None
+
+
+@pytest.mark.parametrize("role", ["ffn_in@0", "final"])
+def test_keys_only_forward_stops_after_the_deepest_key(tiny_lm, role):
+    """A keys-only forward (a datastore build) ends once its keys are captured: for ``ffn_in@0`` the second layer
+    never runs, for ``final`` the output projection never runs; the keys are those of the full forward."""
+    import numpy as np
+
+    from memlm.data.windows import TokenChunk, batched, sliding_windows
+    from memlm.models.forward import forward_windows
+    from memlm.models.keys import find_decoder_layers
+
+    model, _ = tiny_lm
+    spec = KeySpec.parse(role)
+    windows = list(sliding_windows([TokenChunk(np.arange(3, 43, dtype=np.int64), 0, 0)], 16, 4))
+    skipped = model.get_output_embeddings() if role == "final" else find_decoder_layers(model)[1]
+    calls = []
+    hook = skipped.register_forward_hook(lambda m, a, o: calls.append(1))  # runs when the module has run
+    try:
+        full = [o for out in forward_windows(model, batched(windows, 2), [spec]) for o in out]
+        n_full = len(calls)
+        keys_only = [o for out in forward_windows(model, batched(windows, 2), [spec], with_logprobs=False) for o in out]
+    finally:
+        hook.remove()
+    assert n_full == (len(windows) + 1) // 2 and len(calls) == n_full  # not called by the keys-only pass
+    for a, b in zip(full, keys_only, strict=True):
+        np.testing.assert_array_equal(a.keys[spec], b.keys[spec])
+    assert _no_hooks_left(model)

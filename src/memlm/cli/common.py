@@ -82,10 +82,24 @@ def check_prompt_leakage(args: argparse.Namespace, datastore, ngram, tokenizer) 
     return check_leakage(prompt, datastore, ngram, tokenizer, args.allow_overlap)
 
 
-def _load_model(name: str, dtype: str):
-    """The causal LM and tokenizer of a command. Commands call it as ``common._load_model``, where tests replace it
+def _load_model(name: str, dtype: str, path_args: argparse.Namespace | None = None):
+    """The causal LM and tokenizer of a command, on the compute path its ``--attention/--compile/--quantize`` name
+    (``path_args``, see :func:`add_compute_path`). Commands call it as ``common._load_model``, where tests replace it
     to check that bad arguments are refused before any model is loaded."""
-    return resources.load_causal_lm(name, dtype=dtype)
+    path = None
+    if path_args is not None and (path_args.attention, path_args.compile, path_args.quantize) != (None, "none", "none"):
+        from memlm.models.compute import ComputePath
+
+        dtype = resources.default_dtype() if dtype == "auto" else dtype
+        path = ComputePath(
+            dtype, path_args.attention or "sdpa", path_args.compile, path_args.quantize
+        )  # before loading
+    model, tok = resources.load_causal_lm(name, dtype=dtype)
+    if path is not None:
+        from memlm.models.compute import apply_compute_path
+
+        model = apply_compute_path(model, path)
+    return model, tok
 
 
 def floats(text: str) -> tuple[float, ...]:
@@ -145,6 +159,34 @@ def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
         "1,980 at --window 16, but +0.38%% on 1,167 tokens of speeches at --window 16: short windows and short texts "
         "can move by more, so compare runs at one dtype and use float32 where exact numbers matter "
         "(docs/BENCHMARKS.md)",
+    )
+
+
+def add_compute_path(p: argparse.ArgumentParser) -> None:
+    """How the forward pass computes beside --dtype (memlm.models.compute; recorded in a datastore's manifest and
+    checked when it is queried on another path)."""
+    p.add_argument(
+        "--attention",
+        default=None,
+        choices=["sdpa", "eager"],
+        help="attention kernel: sdpa (torch's fused scaled_dot_product_attention; what transformers loads by default) "
+        "or eager",
+    )
+    p.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "inductor"],
+        help="torch.compile each layer's attention and feed-forward block (inductor; minutes of compile "
+        "time first; keys are captured as without it)",
+    )
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "int8-dynamic"],
+        help="dynamic int8 for the decoder layers' linear layers (needs --dtype float32; the output head "
+        "and log-softmax stay float32). A measurement option: on SmolLM2-135M it moved perplexity by "
+        "+283%% and keys by 78%% (p99) against float32, so a datastore built one way is refused the other "
+        "way (memlm.models.compute)",
     )
 
 

@@ -36,7 +36,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
-    model, tok = common._load_model(model_name, args.dtype)
+    model, tok = common._load_model(model_name, args.dtype, args)
     model = common.place_model(model, args.device)
     if ds is not None:
         ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
@@ -252,6 +252,7 @@ def _index_of_datastore(index: str, datastore: str) -> None:
 def add_parsers(sub) -> None:
     e = sub.add_parser("eval", help="perplexity of the LM and of the kNN-LM on a corpus split")
     add_model(e)
+    common.add_compute_path(e)
     add_corpus(e, "test")
     e.add_argument(
         "--datastore", type=V.existing_dir, default=None, help="datastore folder (its model and key are used)"

@@ -5,8 +5,9 @@ A kNN-LM's perplexity depends on the interpolation weight λ and the softmax tem
 datastore (issue 16 reports, on 92k tokens of speeches, -1.5% perplexity with the old defaults λ = 0.25, τ = 1 and -6.5%
 tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/BENCHMARKS.md). So ``memlm datastore
 build`` holds out a small deterministic slice of its corpus (:func:`holdout_split`: 2% of the tokens, at least 4,096,
-never more than 20%; whole documents first, then, for a corpus of one document or a few long ones, the tails of the
-longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the rest, then scores
+at most 8,192, never more than 20%; whole documents first, then, for a corpus of one document or a few long ones, the
+tails of the longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the
+rest, then scores
 the slice with the new datastore and grid-searches λ and τ on it, widening the grid while the best value sits on its
 edge (:func:`calibrate`); the result, with what it was measured with (k, search and score mode, nprobe, index file and
 factory), is recorded with the datastore (``manifest.json`` → ``calibration``). The slice is part of the build's
@@ -39,6 +40,7 @@ from memlm.errors import MemlmError
 
 __all__ = [
     "HOLDOUT_FRACTION",
+    "HOLDOUT_MAX_TOKENS",
     "HOLDOUT_MIN_TOKENS",
     "DEFAULT_LAMBDA",
     "DEFAULT_TEMPERATURE",
@@ -52,6 +54,12 @@ __all__ = [
 
 HOLDOUT_FRACTION = 0.02
 HOLDOUT_MIN_TOKENS = 4096
+#: the slice never holds more tokens than this (issue 34 item 4): it tunes two or three numbers (λ, τ; λ_sparse,
+#: λ_dense), and the held-out log-likelihood difference between the LM and a mixture has a per-token standard deviation
+#: of 0.4-1.0 nats (stdlib dumps, issue 35), so 8,192 tokens measure a mean difference to a standard error of
+#: 0.004-0.011 nats (0.4-1.1% of perplexity), under the differences calibration chooses between; the LM pass over the
+#: slice then costs ~1 minute on 2 cores whatever the corpus's size (2% of a 3.16M-token corpus was 68,038 tokens)
+HOLDOUT_MAX_TOKENS = 8192
 HOLDOUT_MAX_SHARE = 0.2  # the slice never takes more than this share of the corpus's tokens
 MIN_TAIL_TOKENS = 16  # a document is not cut for a shorter tail
 HOLDOUT_RULE = "whole documents in sha256(id, text) order, then tails of the longest documents cut at a boundary"
@@ -125,9 +133,10 @@ def holdout_split(
 ) -> tuple[list, list, dict[str, Any]]:
     """``(kept, held_out, info)``: documents for the datastore, text for calibration, and what was held out.
 
-    The slice's goal is ``max(fraction * T, min_tokens)`` scored tokens, ``T`` the corpus's tokens, never more than
-    ``HOLDOUT_MAX_SHARE * T`` (so a corpus under ``min_tokens / HOLDOUT_MAX_SHARE`` tokens holds out that share, fewer
-    than ``min_tokens``; ``info["short_of_minimum"]`` then says so). The rule (:data:`HOLDOUT_RULE`):
+    The slice's goal is ``max(fraction * T, min_tokens)`` scored tokens, ``T`` the corpus's tokens, at most
+    :data:`HOLDOUT_MAX_TOKENS` (or ``min_tokens`` when larger) and never more than ``HOLDOUT_MAX_SHARE * T`` (so a
+    corpus under ``min_tokens / HOLDOUT_MAX_SHARE`` tokens holds out that share, fewer than ``min_tokens``;
+    ``info["short_of_minimum"]`` then says so). The rule (:data:`HOLDOUT_RULE`):
 
     1. whole documents, in the order of :func:`_rank`, while they fit under the cap and leave one document;
     2. if the slice is still short of its goal (a corpus of one document, or of a few long ones), the tails of the
@@ -150,7 +159,7 @@ def holdout_split(
         return docs, [], {**info, "documents": 0, "tokens": 0, "reason": reason}
     lengths = [len(ids) for ids in tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]]
     total = sum(lengths)
-    want, cap = max(fraction * total, min_tokens), HOLDOUT_MAX_SHARE * total
+    want, cap = min(max(fraction * total, min_tokens), max(HOLDOUT_MAX_TOKENS, min_tokens)), HOLDOUT_MAX_SHARE * total
 
     def scored(stream: int) -> int:  # scored targets of a stream of ``stream`` tokens (windows.count_targets)
         if window is not None and stride == window:

@@ -123,10 +123,14 @@ def forward_windows(
     # key, which is captured at that projection's input
     keys_only = not with_logprobs and all(s.role != "final" for s in specs)
     skip_head = {"logits_to_keep": 1} if keys_only and _takes_logits_to_keep(model) else {}
+    # keys only: the pass also stops once every key is captured (KeyCapture's stop_after), so the layers above the
+    # deepest key (for ffn_in@-1: the last FFN, the final norm, the head) are not computed; the keys are the same
+    stop = not with_logprobs and bool(specs)
     for batch in batches:
         ids, mask = (t.to(device) for t in collate(batch, pad_id))
-        with KeyCapture(model, specs) as cap, head:
-            out = model(input_ids=ids, attention_mask=mask, use_cache=False, **skip_head)
+        with KeyCapture(model, specs, stop_after=stop) as cap, head:
+            run = cap.run if stop else model
+            out = run(input_ids=ids, attention_mask=mask, use_cache=False, **skip_head)
             captured = {s: cap.keys_by_spec[s] for s in specs}
         outputs = []
         for b, w in enumerate(batch):

@@ -523,8 +523,13 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     weights, so a model gets the *same* fingerprint in float32 and bfloat16 (a datastore built with one can be
     used with the other), while a different or retrained model, even with an identical config, gets a different
     one. A float16 load rounds differently and gets a different fingerprint. The config's field set follows the
-    transformers version, so a major transformers upgrade may change fingerprints.
+    transformers version, so a major transformers upgrade may change fingerprints. A model put on a compute path
+    (:func:`memlm.models.compute.apply_compute_path`) keeps the fingerprint of the weights it was loaded with
+    (``model.memlm_fingerprint``): int8 quantization replaces its linear layers' weights.
     """
+    recorded = getattr(model, "memlm_fingerprint", None)
+    if isinstance(recorded, str):
+        return recorded
     config = getattr(model, "config", None)
     h = hashlib.sha256(b"memlm-model-fingerprint-v1\n")
     if config is not None:

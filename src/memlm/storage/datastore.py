@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from memlm import __version__
 from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError, option
+from memlm.models.compute import check_compute_paths, describe_compute_path
 from memlm.models.forward import forward_windows
 from memlm.models.keys import KeySpec, key_dim, num_layers
 from memlm.models.resources import model_fingerprint, tokenizer_fingerprint
@@ -308,6 +309,9 @@ class DatastoreBase:
                 f"({ident['model']['name']}, {ident['model']['fingerprint'][:12]}): keys from different models are not "
                 "comparable; pass --model to match the datastore or build a new datastore"
             )
+        build = self.manifest.get("build") or {}
+        built = build.get("compute_path") or ({"dtype": build["dtype"]} if "dtype" in build else None)
+        check_compute_paths(built, describe_compute_path(model), f"datastore {self.path}")
         if key_spec is not None and key_spec.normalized(num_layers(model)) != self.key_spec:
             raise MemlmError(
                 f"datastore {self.path} holds {self.key_spec.describe()} keys, but {key_spec.describe()} was asked: "
@@ -581,7 +585,7 @@ def _build_locked(
         "stride": stride,
         **({"block_start": block_start} if block_start else {}),
         "sources": sources,
-        "build": {"dtype": config["dtype"], "batch_size": batch_size},
+        "build": {"dtype": config["dtype"], "batch_size": batch_size, "compute_path": describe_compute_path(model)},
         "build_seconds": (prev["build_seconds"] if prev and "build_seconds" in prev else 0.0) + float(state["seconds"]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -246,6 +246,13 @@ CALIBRATION = Obj(
     },
 )
 
+#: how a datastore's keys were computed (memlm.models.compute.describe_compute_path), checked on every query
+COMPUTE_PATH = Obj(
+    required={"dtype": Str(), "attention": Str(), "compile": Str(), "quantize": Str(), "key_error": Num(min=0)},
+    optional={"torch": Str(), "threads": Int(min=1), "mkldnn": Bool(), "cpu_capability": Str(), "machine": Str(),
+              "cpu_flags": ListOf(Str())},
+)  # fmt: skip
+
 DATASTORE_MANIFEST = Obj(
     required={
         "format_version": Int(),
@@ -263,7 +270,7 @@ DATASTORE_MANIFEST = Obj(
         "build_id": _HEX,
         "values_range": Opt(Obj(required={"min": Int(), "max": Int()})),
         "manifest_sha256": _HEX64,
-        "build": Obj(),
+        "build": Obj(optional={"compute_path": COMPUTE_PATH}),
         "build_seconds": Num(min=0),
         "stride": Int(),
         "subsample": Obj(),

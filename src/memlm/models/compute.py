@@ -1,0 +1,251 @@
+"""The compute path of a forward pass: how the same model's numbers are computed (dtype, attention kernel, compile,
+quantization), recorded with every datastore and checked when its keys are queried another way (issue 34 item 2).
+
+A kNN-LM compares a query key ``f(c)`` computed now with datastore keys computed at build time (Khandelwal et al.
+2020, Eq. 2: ``d(f(c), k_i)``). Both must come from the same function; the *model* is pinned by its fingerprint
+(:func:`memlm.models.resources.model_fingerprint`), the *arithmetic* is the compute path:
+
+========================  =======================================================================================
+part                      choices
+========================  =======================================================================================
+``dtype``                 float32, bfloat16 (oneDNN / AVX512-BF16 / AMX on CPU), float16
+``attention``             ``sdpa`` (torch's scaled_dot_product_attention, transformers' default) or ``eager``
+``compile``               ``none`` or ``inductor``: the attention and feed-forward blocks of each decoder layer
+                          compiled with ``torch.compile`` (their *modules* keep their hooks: keys by role still
+                          come from :class:`memlm.models.keys.KeyCapture`)
+``quantize``              ``none`` or ``int8-dynamic``: the decoder layers' ``nn.Linear`` replaced by torch's
+                          dynamic int8 linear (weights int8, activations quantized per batch; VNNI where the CPU
+                          has it). The output projection stays float32, so the LM log-softmax stays float32.
+========================  =======================================================================================
+
+Each path's keys differ from float32's by a relative error ``e = ||k_path - k_fp32|| / ||k_fp32||`` per key
+(:func:`relative_key_error`); :data:`KEY_ERROR` holds the error measured per path (its 99th percentile over keys,
+SmolLM2-135M, ``ffn_in`` of the last layer; ``benchmarks/speed/run.py`` measures it again on each machine). A
+datastore built on path A and queried on path B is allowed when A and B compute in the same dtype and quantization, or
+when ``e_A + e_B <= KEY_TOLERANCE`` (the triangle inequality bounds the distance between the two paths' keys by the sum
+of their distances to float32's), and refused past it with one error naming both paths and the fix
+(:func:`check_compute_paths`).
+"""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from memlm.errors import MemlmError
+from memlm.models.keys import _analyze_layer, _hidden_size, find_decoder_layers
+
+__all__ = [
+    "ATTENTIONS",
+    "COMPILES",
+    "KEY_ERROR",
+    "KEY_TOLERANCE",
+    "QUANTIZATIONS",
+    "ComputePath",
+    "apply_compute_path",
+    "check_compute_paths",
+    "cpu_flags",
+    "describe_compute_path",
+    "path_key_error",
+    "relative_key_error",
+]
+
+ATTENTIONS = ("sdpa", "eager")
+COMPILES = ("none", "inductor")
+QUANTIZATIONS = ("none", "int8-dynamic")
+
+#: CPU features that decide which path is fast (x86 names as /proc/cpuinfo spells them; Arm's bf16 / i8mm too)
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8",
+                "amx_tile", "bf16", "i8mm")  # fmt: skip
+
+#: an upper bound of the 99th percentile of the relative key error against float32, per (dtype, quantize) part of the
+#: path. Measured on SmolLM2-135M, ffn_in@29, 1,980 WikiText-2 test tokens (windows 512, min-context 256;
+#: docs/results/speed/key_error.json, benchmarks/speed/key_error.py): bfloat16 p99 0.028, max 0.037, perplexity
+#: -0.11%; int8-dynamic (per-tensor activations) p99 0.78, max 1.21, perplexity +283% (per-channel weights: p99 0.77,
+#: +237%; every linear but down_proj, per-channel: p99 0.31, +23%): SmolLM2's activation outliers defeat dynamic
+#: int8, so that path is a measurement option, not one to build or report with.
+#: float16 is not measured on CPU; its 10 mantissa bits round less than bfloat16's 7, so bfloat16's bound is used.
+#: The attention kernel and compile change keys by float32 rounding only (eager vs sdpa: p99 1.9e-6).
+#: tests/test_compute_path.py::test_real_model_key_error_within_the_stated_error pins the measurement under these.
+KEY_ERROR: dict[tuple[str, str], float] = {
+    ("float32", "none"): 0.0,
+    ("bfloat16", "none"): 0.04,
+    ("float16", "none"): 0.04,
+    ("float32", "int8-dynamic"): 0.8,
+}
+
+#: the largest e_A + e_B allowed between a datastore's path and a query's other path: admits bfloat16 (or float16)
+#: against float32 (bf16's measured perplexity difference: -0.03% to -0.11%, docs/results/precision_bf16_vs_fp32.json,
+#: dtype_speed.json), refuses bfloat16 against float16 and int8 against anything else. The same (dtype, quantize) on
+#: both sides is always allowed: the same arithmetic.
+KEY_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class ComputePath:
+    """How a forward pass computes: see the module's table. ``dtype`` is a resolved dtype name (not ``auto``)."""
+
+    dtype: str = "float32"
+    attention: str = "sdpa"
+    compile: str = "none"
+    quantize: str = "none"
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("attention", self.attention, ATTENTIONS), ("compile", self.compile, COMPILES),
+                                     ("quantize", self.quantize, QUANTIZATIONS)):  # fmt: skip
+            if value not in allowed:
+                raise MemlmError(f"unknown --{name} {value!r}: use one of {', '.join(allowed)}")
+        if self.quantize == "int8-dynamic" and self.dtype != "float32":
+            raise MemlmError(
+                f"--quantize int8-dynamic quantizes float32 linear layers, not {self.dtype} ones: pass --dtype float32"
+            )
+
+    def label(self) -> str:
+        """``"bfloat16+sdpa"`` style name (compile and quantization added when on)."""
+        parts = [self.dtype, self.attention]
+        parts += [self.compile] if self.compile != "none" else []
+        parts += [self.quantize] if self.quantize != "none" else []
+        return "+".join(parts)
+
+
+def cpu_flags() -> list[str]:
+    """The :data:`CPU_FEATURES` this machine's CPU reports (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        have = set(Path("/proc/cpuinfo").read_text(errors="ignore").lower().split())
+    except OSError:
+        return []
+    return [f for f in CPU_FEATURES if f in have]
+
+
+def _set_attention(model: nn.Module, attention: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if not callable(setter):
+        raise MemlmError(
+            f"{type(model).__name__} cannot switch its attention kernel (no set_attn_implementation): "
+            "keep --attention sdpa or load a Hugging Face transformers model"
+        )
+    try:
+        setter(attention)
+    except (ValueError, ImportError) as e:
+        raise MemlmError(f"{type(model).__name__} does not support --attention {attention}: {e}") from None
+
+
+def _quantize_int8(model: nn.Module) -> None:
+    """Replace the decoder layers' ``nn.Linear`` by torch's dynamic int8 linear, in place (the head stays)."""
+    try:
+        from torch.ao.quantization import quantize_dynamic
+    except ImportError as e:  # torch without the eager-mode quantization API
+        raise MemlmError(f"--quantize int8-dynamic needs torch.ao.quantization ({e}); use --quantize none") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch >= 2.9 announces the move to torchao; the kernels are the same
+        quantize_dynamic(find_decoder_layers(model), {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+def _compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` the ``forward`` of each decoder layer's attention and feed-forward block.
+
+    The modules stay: hooks registered on them (key capture, :class:`memlm.models.forward.fp32_head`) run around the
+    compiled code, so each role's key is captured exactly where it is without compiling. ``dynamic=True`` keeps one
+    graph for every window length.
+    """
+    layers = find_decoder_layers(model)
+    hidden = _hidden_size(model, layers[0])
+    for layer in layers:
+        parts = _analyze_layer(layer, hidden)
+        for block in (parts.attn, parts.ffn):
+            if block is not None:
+                block.forward = torch.compile(block.forward, dynamic=True)
+
+
+def apply_compute_path(model: nn.Module, path: ComputePath) -> nn.Module:
+    """Put ``model`` (loaded in ``path.dtype``) on ``path``, in place; returns it. Record the path on the model."""
+    have = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
+    if have != path.dtype:
+        raise MemlmError(f"the model was loaded in {have}, but the compute path asks for {path.dtype}: load it so")
+    if getattr(model, "memlm_compute_path", None) not in (None, ComputePath(path.dtype)):
+        raise MemlmError("this model is already on another compute path: load it again to change the path")
+    if path.quantize != "none":
+        from memlm.models.resources import model_fingerprint
+
+        model.memlm_fingerprint = model_fingerprint(model)  # of the weights as loaded: quantization replaces them
+    current = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+    if path.attention != current:
+        _set_attention(model, path.attention)
+    if path.quantize == "int8-dynamic":
+        _quantize_int8(model)
+    if path.compile == "inductor":
+        _compile_blocks(model)
+    model.memlm_compute_path = path
+    return model
+
+
+def _model_path(model: nn.Module) -> ComputePath:
+    """The path ``model`` is on: recorded by :func:`apply_compute_path`, else read from the model."""
+    recorded = getattr(model, "memlm_compute_path", None)
+    if isinstance(recorded, ComputePath):
+        return recorded
+    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    return ComputePath(dtype, attention if attention in ATTENTIONS else "sdpa")
+
+
+def describe_compute_path(model: nn.Module) -> dict[str, Any]:
+    """What a datastore's manifest records (``build.compute_path``): the path, its key error against float32, and
+    what ran it (torch version, threads, oneDNN, CPU features)."""
+    path = _model_path(model)
+    return {
+        **asdict(path),
+        "key_error": path_key_error(asdict(path)),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "mkldnn": bool(torch.backends.mkldnn.is_available()),
+        "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+        "machine": platform.machine(),
+        "cpu_flags": cpu_flags(),
+    }
+
+
+def path_key_error(path: dict[str, Any]) -> float:
+    """:data:`KEY_ERROR` of a recorded path (a manifest's ``compute_path``, or one with only ``dtype``)."""
+    key = (str(path.get("dtype", "float32")), str(path.get("quantize", "none")))
+    if key not in KEY_ERROR:
+        raise MemlmError(
+            f"no measured key error for compute path {key[0]} with quantization {key[1]}: "
+            "build and query with --dtype float32 or bfloat16 and --quantize none"
+        )
+    return KEY_ERROR[key]
+
+
+def check_compute_paths(built: dict[str, Any] | None, query: dict[str, Any], where: str) -> None:
+    """Refuse to query keys built on path ``built`` with keys computed on ``query`` when ``e_built + e_query`` exceeds
+    :data:`KEY_TOLERANCE`. ``built`` None (a datastore from before paths were recorded): nothing to check."""
+    if not built:
+        return
+    part = lambda p: (str(p.get("dtype", "float32")), str(p.get("quantize", "none")))  # noqa: E731
+    if part(built) == part(query):
+        return
+    total = path_key_error(built) + path_key_error(query)
+    if total > KEY_TOLERANCE:
+        b, q = (ComputePath(**{k: p[k] for k in ("dtype", "attention", "compile", "quantize") if k in p}).label()
+                for p in (built, query))  # fmt: skip
+        raise MemlmError(
+            f"{where} was built on compute path {b}, this query runs on {q}: their keys differ from float32's by up "
+            f"to {path_key_error(built):.3f} and {path_key_error(query):.3f} (relative error), {total:.3f} together, "
+            f"over the {KEY_TOLERANCE} allowed; query with the datastore's dtype and quantization, or rebuild it "
+            "on this path"
+        )
+
+
+def relative_key_error(keys: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Per key, ``||k - k_ref|| / ||k_ref||`` (float64), e.g. a path's keys against float32's."""
+    k, r = np.asarray(keys, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    if k.shape != r.shape:
+        raise MemlmError(f"keys of shape {k.shape} cannot be compared with reference keys of shape {r.shape}")
+    return np.linalg.norm(k - r, axis=-1) / np.maximum(np.linalg.norm(r, axis=-1), 1e-12)
