@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (ev-intervals note: this script was stopped after its ∞-gram eval, before its datastore step; the datastore and the
+# kNN + ∞-gram eval come from run_part2.sh, with 50k train tokens: the machine was too loaded for 150k)
 # ev-intervals (issue 33 item 3): real dumps for the interval tables. Run from anywhere; logs beside.
 set -euo pipefail
 export HF_HUB_OFFLINE=1 PYTHONPATH=/work/wt/ev-intervals/src
