@@ -4,7 +4,7 @@
 # all of WikiText-2 train, --holdout 0: the fallback weights λ_sparse 0.1, λ_dense 0.03, which ngram.sh's tuning on
 # valid also chose), and a kNN-LM datastore over the first 50k WikiText-2 train tokens (what the loaded 2-core
 # machine could build in ~30 min), both in one forward pass; then benchmarks/intervals_report.py on the dumps.
-# Run from the repository root. It was run in three pieces (docs/results/evidence/run_part*.sh; logs beside).
+# Run from the repository root. It was run in four pieces (docs/results/evidence/run_part*.sh; logs beside).
 set -euo pipefail
 D=${DATA:-/work/data/ev-intervals}
 RES=docs/results/evidence
@@ -30,3 +30,8 @@ $PY benchmarks/intervals_report.py --dump "$D/test_ngram.npz" --result "$RES/eva
   --out "$RES/wt2_test_ngram.json" --without-formatting --max-tokens 20000 --other-dump "$D/test_ngram_all.npz"
 $PY benchmarks/intervals_report.py --dump "$D/test_knn_ngram.npz" --result "$RES/eval_test_knn_ngram.json" \
   --out "$RES/wt2_test_knn_ngram.json" --without-formatting --max-tokens 20000
+# the same eval over the first ~60k test tokens (11 articles), for intervals over more documents
+$MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 60000 --ngram "$D/wt2" \
+  --datastore "$D/ds50k" --dump "$D/test60k_knn_ngram.npz" --json "$RES/eval_test60k_knn_ngram.json"
+$PY benchmarks/intervals_report.py --dump "$D/test60k_knn_ngram.npz" --result "$RES/eval_test60k_knn_ngram.json" \
+  --out "$RES/wt2_test60k_knn_ngram.json" --without-formatting --max-tokens 60000

@@ -175,7 +175,9 @@ def main() -> None:
             three = ngram_report(ts, w3["lambda_sparse"], w3["lambda_dense"], lam, res["temperature"], res.get("k"),
                                  mask=~fmt)  # fmt: skip
             rep["intervals"].update({k: v for k, v in three["intervals"].items() if k != "ngram_ppl"})
-            rep["differences"].update({k: v for k, v in three["differences"].items() if "vs ngram_ppl" not in k})
+            same = (w3["lambda_sparse"], w3["lambda_dense"]) == (ls, ld)  # the ∞-gram row's weights: comparable
+            diffs = three["differences"].items()
+            rep["differences"].update({k: v for k, v in diffs if same or "vs ngram_ppl" not in k})
         report["without_formatting"] = {"tokens": int((~fmt).sum()), "formatting_tokens": int(fmt.sum()),
                                         "intervals": rep["intervals"], "differences": rep["differences"],
                                         "frequency_buckets": buckets_without(ts, res, ~fmt)}  # fmt: skip
