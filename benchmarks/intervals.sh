@@ -17,7 +17,7 @@ $MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test
   --dump "$D/test_ngram.npz" --json "$RES/eval_test_ngram.json"
 $MEMLM datastore build --model smollm2-135m --corpus wikitext2 --split train --max-tokens 50000 --out "$D/ds50k" 2>&1 \
   | grep -v $'\r'
-$MEMLM datastore info "$D/ds50k" > "$RES/ds50k_info.txt"
+$MEMLM datastore info "$D/ds50k" > "$RES/ds50k_info.json"
 $MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 20000 --ngram "$D/wt2" \
   --datastore "$D/ds50k" --dump "$D/test_knn_ngram.npz" --json "$RES/eval_test_knn_ngram.json"
 # the all-offline ∞-gram (benchmarks/ngram_all.sh's index) swapped into the same dump: paired against WikiText-2 train
