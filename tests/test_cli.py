@@ -119,6 +119,21 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     mix = 0.65 * np.exp(lm) + 0.25 * np.exp(knn) + 0.1 * p_cache
     assert res["knn_cache_ppl"] == pytest.approx(np.exp(-np.log(mix).mean()), rel=1e-5)
     assert res["target_in_neighbours"] == pytest.approx(np.isfinite(knn).mean())
+    # issue 33: intervals over documents, paired differences (printed and in the JSON), buckets by the frequency of
+    # the target among the datastore's values
+    assert res["bootstrap"]["documents"] == len(set(d.doc_index.tolist())) >= 2
+    for key in ("base_ppl", "knn_ppl", "knn_cache_ppl", "oracle_ppl"):
+        assert res["intervals"][key]["low"] <= res[key] <= res["intervals"][key]["high"]
+    for system, ref in (("knn_ppl", "base_ppl"), ("knn_cache_ppl", "base_ppl"), ("knn_cache_ppl", "knn_ppl")):
+        diff = res["differences"][f"{system} vs {ref}"]
+        assert diff["relative_change"] == pytest.approx(res[system] / res[ref] - 1, rel=1e-6)
+        assert f"{system} vs {ref}" in r.stdout
+    values = np.bincount(np.fromfile(ds / "values.bin", dtype=np.int32), minlength=int(d.targets.max()) + 1)
+    rows = res["frequency_buckets"]["knn_ppl"]["rows"]
+    assert [row["tokens"] for row in rows] == np.histogram(values[d.targets], [0, 1, 11, 101, 1001, 10001, 100001,
+                                                                               np.inf])[0].tolist()  # fmt: skip
+    gained = np.log(0.75 * np.exp(lm) + 0.25 * np.exp(knn)) - lm
+    assert sum(row.get("nats_gained", 0.0) for row in rows) == pytest.approx(gained.sum(), rel=1e-4, abs=1e-6)
 
     # k = 1: most targets are never retrieved, so p_kNN = 0 for them and the memory-only perplexity is infinite
     r = memlm(

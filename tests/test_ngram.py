@@ -480,7 +480,7 @@ def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
     assert out.startswith("the cat sat") and "occurrences" in out
 
 
-def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, index, toy_docs, tmp_path):
+def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, corpus, index, toy_docs, tmp_path):
     """LM + kNN + ∞-gram in one eval, even when the separately set weights sum past 1; tune then mixes all four."""
     from memlm.cli import main
     from memlm.storage.datastore import build_datastore
@@ -498,6 +498,26 @@ def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, index, toy_docs
     assert main(argv) == 0
     r = json.loads(res.read_text())
     assert r["knn_ngram_weights"]["lambda_sparse"] == pytest.approx(0.45) and r["knn_ngram_ppl"] > 0
+    # issue 33: every row with its interval, every difference paired, the buckets counted in each memory's corpus
+    for key in ("base_ppl", "knn_ppl", "ngram_ppl", "knn_ngram_ppl"):
+        row = r["intervals"][key]
+        assert row["ppl"] == pytest.approx(r[key]) and row["low"] <= row["ppl"] <= row["high"]
+    for system, ref in (("knn_ppl", "base_ppl"), ("ngram_ppl", "base_ppl"), ("knn_ngram_ppl", "base_ppl"),
+                        ("knn_ngram_ppl", "knn_ppl")):  # fmt: skip
+        diff = r["differences"][f"{system} vs {ref}"]
+        assert diff["relative_change"] == pytest.approx(r[system] / r[ref] - 1, rel=1e-6)
+    assert r["bootstrap"]["documents"] == 6
+    from memlm.knnlm.evaluate import TokenScores
+
+    d = TokenScores.load(dump)
+    values = np.bincount(np.fromfile(ds.path / "values.bin", dtype=np.int32), minlength=int(d.targets.max()) + 1)
+    all_tokens = Brute(tok, corpus).follow_all()  # the ∞-gram's unigram counts, EOS = document ends
+    for system, counts in (("knn_ppl", values[d.targets]), ("ngram_ppl", [all_tokens.count(t) for t in d.targets])):
+        rows = r["frequency_buckets"][system]["rows"]
+        assert sum(row["tokens"] for row in rows) == len(d)
+        for row in rows:
+            hi = row["count_max"] if row["count_max"] is not None else np.inf
+            assert row["tokens"] == sum(row["count_min"] <= c <= hi for c in counts), (system, row)
     assert main(["tune", "--valid", str(dump), "--lambdas", "0", "0.3", "--temperatures", "1", "10",
                  "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
     best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
@@ -605,6 +625,14 @@ def test_lm_eval_adapter_with_ngram_equals_brute_force(tiny_lm, corpus, index):
     out = lm.generate_until([Instance("generate_until", {}, ("the old river", {"until": ["\n"], "max_gen_toks": 4}),
                                       0)])  # fmt: skip
     assert isinstance(out[0], str) and out[0]
+
+
+def test_token_counts_are_the_unigram_counts_p_inf_uses(tok, corpus, index):
+    """The ∞-gram's frequency buckets count each target among the index's tokens as P∞ counts a 1-gram (EOS: the
+    documents' ends), by brute force over the corpus."""
+    brute = Brute(tok, corpus).follow_all()
+    ids = np.array([tok.eos_token_id, *sorted(set(brute))[:40], 50000, brute[3], brute[3]])
+    assert NgramMemory(index).token_counts(ids).tolist() == [brute.count(int(t)) for t in ids]
 
 
 def test_several_references_mixture_and_tuning():

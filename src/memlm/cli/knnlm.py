@@ -21,6 +21,7 @@ from memlm.cli.common import (
     window_kwargs,
     write_json,
 )
+from memlm.cli.report import print_result
 from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import knn_parameters
@@ -29,7 +30,7 @@ from memlm.knnlm.calibration import knn_parameters
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import perplexities, score_tokens
+    from memlm.knnlm.evaluate import perplexities, score_tokens, value_counts
     from memlm.leakage import Evaluated, check_leakage
     from memlm.models.keys import KeySpec
     from memlm.storage.sharded import open_datastore
@@ -80,6 +81,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         temperature=temperature,
         cache_lambda=args.cache_lambda if args.cache else 0.0,
         cache_temperature=args.cache_temperature,
+        target_counts=value_counts(ds, ts.targets) if ds is not None else None,
     )
     res.update(
         model=model_name,
@@ -97,28 +99,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
         },
     )
     if ngram is not None:
-        res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature))
+        res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature, base=res))
     _print_result(res)
     res["leakage"] = leakage
     write_json(args.json, res)
 
 
-#: What each printed perplexity mixes (knn_ppl is not the kNN alone, knn_cache_ppl not the cache alone).
-_PPL_LABELS = {
-    "base_ppl": "LM alone",
-    "knn_ppl": "LM + kNN",
-    "knn_only_ppl": "kNN alone",
-    "oracle_ppl": "per token the better of LM, kNN",
-    "knn_cache_ppl": "LM + kNN + cache",
-    "lm_cache_ppl": "LM + cache",
-}
-
-
 def _print_result(res: dict[str, Any]) -> None:
-    fmt = {float: "{:.4g}"}
-    for k, v in res.items():
-        label = f"  ({_PPL_LABELS[k]})" if k in _PPL_LABELS else ""
-        print(f"{k:22s} {fmt.get(type(v), '{}').format(v)}{label}")
+    """A perplexity result with its intervals, paired differences and frequency buckets (memlm.cli.report)."""
+    print_result(res)
 
 
 def cmd_tune(args: argparse.Namespace) -> None:

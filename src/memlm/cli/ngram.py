@@ -11,6 +11,7 @@ from typing import Any
 from memlm.cli import common
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, load_documents, write_json
+from memlm.cli.report import print_result
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import holdout_split
 from memlm.leakage import document_record, shown_sources
@@ -204,15 +205,21 @@ def given_lambdas(args: argparse.Namespace, n: int) -> list[tuple[float | None, 
 _NOT_NGRAM = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}  # what eval reports apart
 
 
-def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temperature: float) -> dict[str, Any]:
-    """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one)."""
+def ngram_result(
+    args: argparse.Namespace, ts, memory, lam: float | None, temperature: float, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one). With ``base`` (the
+    result of :func:`memlm.knnlm.evaluate.perplexities` it joins), its ``intervals``, ``differences`` and
+    ``frequency_buckets`` are returned merged with the ∞-gram's (the ∞-gram's buckets count each target among the
+    index's tokens)."""
     from memlm.ngram.memory import NgramMemories
-    from memlm.ngram.mixture import ngram_parameters, ngram_report, three_way_weights
+    from memlm.ngram.mixture import ngram_logprobs, ngram_parameters, ngram_report, three_way_weights
 
     if isinstance(memory, NgramMemories):
-        return multi_ngram_result(args, ts, memory, lam, temperature)
+        return multi_ngram_result(args, ts, memory, lam, temperature, base)
     ls, ld, origin = ngram_parameters(memory.index, *given_lambdas(args, 1)[0])
     rep = ngram_report(ts, ls, ld)
+    rows = ngram_logprobs(ts, (ls, ld))
     if ts.knn_scores is not None and lam is not None:
         s3, d3 = three_way_weights(lam, ls, ld)  # weights tuned apart can sum past 1
         three = ngram_report(ts, s3, d3, lam=lam, temperature=temperature)
@@ -223,15 +230,45 @@ def ngram_result(args: argparse.Namespace, ts, memory, lam: float | None, temper
             "lambda_dense": d3,
             "note": "tune all four jointly on a valid dump with memlm tune",
         }
+        rep["intervals"]["knn_ngram_ppl"] = three["intervals"]["knn_ngram_ppl"]
+        refs = ("base_ppl", "knn_ppl") + (("ngram_ppl",) if (s3, d3) == (ls, ld) else ())  # the same ∞-gram row
+        rep["differences"].update({k: v for k, v in three["differences"].items()
+                                   if v["system"] == "knn_ngram_ppl" and v["reference"] in refs})  # fmt: skip
+        rows["knn_ngram_ppl"] = ngram_logprobs(ts, (s3, d3), lam, temperature)["knn_ngram_ppl"]
+    buckets = _bucket_tables(ts, rows, memory)
     own = {k: v for k, v in rep.items() if k not in _NOT_NGRAM}
-    return {**own, "ngram_parameters_from": origin, **memory.describe()}
+    return {**own, **_merged(base, own, buckets), "ngram_parameters_from": origin, **memory.describe()}
 
 
-def multi_ngram_result(args: argparse.Namespace, ts, memories, lam: float | None, temperature: float) -> dict:
+def _bucket_tables(ts, rows: dict[str, Any], memory) -> dict[str, Any]:
+    """Each ∞-gram mixture's change against the LM by frequency of the target among the index's tokens."""
+    from memlm.knnlm.evaluate import bucket_table
+
+    counts = memory.token_counts(ts.targets)
+    where = f"∞-gram index {memory.index.path} ({len(memory.index):,} tokens)"
+    return {k: bucket_table(ts, v, counts, where) for k, v in rows.items() if k != "base_ppl" and k != "knn_ppl"}
+
+
+def _merged(base: dict[str, Any] | None, own: dict[str, Any], buckets: dict[str, Any]) -> dict[str, Any]:
+    """``intervals``, ``differences`` and ``frequency_buckets`` of eval's result with the ∞-gram's added (the
+    result's own rows kept where both have one: base and kNN-LM come from the same dump)."""
+    base = base or {}
+    return {
+        "intervals": {**own.get("intervals", {}), **base.get("intervals", {})},
+        "differences": {**own.get("differences", {}), **base.get("differences", {})},
+        "frequency_buckets": {**base.get("frequency_buckets", {}), **buckets},
+    }
+
+
+def multi_ngram_result(
+    args: argparse.Namespace, ts, memories, lam: float | None, temperature: float, base: dict[str, Any] | None = None
+) -> dict:
     """``memlm eval`` with several ``--ngram``: each index alone beside the LM (its own λ's: the flags, else its
     calibration, as for one index), and all of them together, each with its own λ's, scaled to leave the LM a weight
     >= 0 (:func:`~memlm.ngram.mixture.multi_weights`); with a datastore, with the kNN term too. The weights are set
-    apart here: ``--dump`` and ``memlm tune`` tune them jointly."""
+    apart here: ``--dump`` and ``memlm tune`` tune them jointly. Intervals of the combined rows (each index's own
+    rows have theirs under ``ngrams``) merged with ``base``'s as :func:`ngram_result` does."""
+    from memlm.core.bootstrap import evidence
     from memlm.core.distribution import perplexity
     from memlm.ngram.mixture import multi_weights, ngram_parameters, ngram_report, ngrams_logprob, reference_view
 
@@ -244,18 +281,37 @@ def multi_ngram_result(args: argparse.Namespace, ts, memories, lam: float | None
                      "ngram_parameters_from": origin})  # fmt: skip
         weights.append([ls, ld])
     shared = multi_weights(0.0, weights)
+    rows = {"base_ppl": ts.lm_logprob, "multi_ngram_ppl": ngrams_logprob(ts, shared)}
     out: dict[str, Any] = {
         "ngrams": refs,
-        "multi_ngram_ppl": perplexity(ngrams_logprob(ts, shared)),
+        "multi_ngram_ppl": perplexity(rows["multi_ngram_ppl"]),
         "multi_ngram_weights": shared,
         "multi_ngram_note": "each index's own (λ_sparse, λ_dense), scaled to sum <= 1; tune them jointly with "
         "memlm eval --dump on valid text and memlm tune",
     }
     if ts.knn_scores is not None and lam is not None:
         w3 = multi_weights(lam, weights)
-        out["knn_multi_ngram_ppl"] = perplexity(ngrams_logprob(ts, w3, lam, temperature))
+        rows["knn_multi_ngram_ppl"] = ngrams_logprob(ts, w3, lam, temperature)
+        out["knn_multi_ngram_ppl"] = perplexity(rows["knn_multi_ngram_ppl"])
         out["knn_multi_ngram_weights"] = {"lambda": lam, "temperature": temperature, "weights": w3}
-    return out
+    if base is not None and "knn_ppl" in (base.get("intervals") or {}):  # the kNN-LM's rows, for their difference
+        rows["knn_ppl"] = _knn_rows(ts, base)
+    own = evidence({k: v for k, v in rows.items() if v is not None}, ts.doc_index)
+    return {**out, **_merged(base, own, {})}
+
+
+def _knn_rows(ts, base: dict[str, Any]):
+    """log p per token of the kNN-LM row of ``base`` (its λ, τ, k), or None for an adaptive λ."""
+    import torch
+
+    from memlm.core.distribution import mix_logprobs
+    from memlm.knnlm.evaluate import memory_logprob
+
+    if ts.knn_lambda is not None or not isinstance(base.get("lambda"), float | int):
+        return None
+    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, base["temperature"], base.get("k"),
+                         ts.knn_log_counts)  # fmt: skip
+    return mix_logprobs([torch.from_numpy(ts.lm_logprob), knn], [1 - base["lambda"], base["lambda"]])
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -304,8 +360,7 @@ def tune_with_ngram(args: argparse.Namespace, valid, test=None, leakage: dict[st
     if test is not None:
         res = report(test)
         out["test"] = res
-        for k, v in res.items():
-            print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
+        print_result(res)
     out["grid"] = result["grid"]
     out["leakage"] = leakage
     write_json(args.json, out)
@@ -345,8 +400,7 @@ def tune_with_ngrams(args: argparse.Namespace, valid, test=None, leakage: dict[s
     if test is not None:
         res = multi_ngram_report(test, weights, lam, result["temperature"], args.k)
         out["test"] = res
-        for k, v in res.items():
-            print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
+        print_result(res)
     out["leakage"] = leakage
     write_json(args.json, out)
 

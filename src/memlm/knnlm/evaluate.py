@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from memlm.core.bootstrap import DocumentBootstrap, evidence
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import (
     interpolate_per_token,
@@ -35,6 +36,7 @@ from memlm.core.distribution import (
     perplexity,
 )
 from memlm.core.dumps import TokenDump
+from memlm.core.frequency import frequency_buckets
 from memlm.core.memory import Memory
 from memlm.core.tuning import grid_search
 from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
@@ -56,6 +58,8 @@ __all__ = [
     "score_tokens",
     "perplexities",
     "cache_mixture_ppl",
+    "bucket_table",
+    "value_counts",
     "CACHE_PPL_KEYS",
     "tune",
     "DEFAULT_LAMBDAS",
@@ -515,8 +519,10 @@ def perplexities(
     k: int | None = None,
     cache_lambda: float = 0.0,
     cache_temperature: float = 1.0,
+    target_counts: np.ndarray | None = None,
+    counted_in: str = "the datastore's values",
 ) -> dict[str, Any]:
-    """Base, memory-interpolated and oracle perplexity of a dump under the given parameters.
+    """Base, memory-interpolated and oracle perplexity of a dump under the given parameters, with their evidence.
 
     ``knn_only_ppl`` (the memory alone, λ = 1) is infinite when some target is never among its retrieved neighbours
     (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``. A dump with a per-token ``knn_lambda``
@@ -531,9 +537,16 @@ def perplexities(
     ``memlm eval`` lowers a calibrated λ), and no kNN term for a dump without a datastore. Its perplexity is
     ``knn_cache_ppl`` (LM + kNN + cache) or ``lm_cache_ppl`` (LM + cache, no datastore); files written before
     issue 24 called either ``cache_ppl``.
+
+    Evidence (:mod:`memlm.core.bootstrap`): ``intervals`` gives each perplexity's 95% bootstrap interval over the
+    dump's documents, ``differences`` the paired interval of each relative change (``knn_ppl vs base_ppl``:
+    ``knn_ppl / base_ppl - 1``; the cache rows against base and against the kNN-LM), ``bootstrap`` the documents and
+    resamples. With ``target_counts`` (c(w_t) of every target in the memory's corpus, ``counted_in`` naming it),
+    ``frequency_buckets`` breaks the kNN-LM's change down by that frequency (:mod:`memlm.core.frequency`).
     """
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
+    rows: dict[str, torch.Tensor] = {"base_ppl": lm}  # each perplexity's per-token log p, for the intervals
     if ts.knn_scores is None:
         lam = 0.0  # no datastore in this dump: the kNN term is absent
     comps, weights = [lm], [1.0 - lam - cache_lambda]
@@ -553,6 +566,7 @@ def perplexities(
             **{"lambda": lam if ts.knn_lambda is None else "adaptive", "temperature": temperature},
             k=k or ts.knn_scores.shape[1],
         )
+        rows.update(knn_ppl=mixed, knn_only_ppl=knn, oracle_ppl=torch.maximum(lm, knn))
         if ts.searched is not None:
             out["searched_fraction"] = float(ts.searched.mean())
     if cache_lambda:
@@ -571,7 +585,25 @@ def perplexities(
             cache_lambda=cache_lambda,
             cache_temperature=cache_temperature,
         )
+        rows[CACHE_PPL_KEYS[ts.knn_scores is not None]] = with_cache
+    out.update(evidence(rows, ts.doc_index))
+    if target_counts is not None and "knn_ppl" in rows:
+        out["frequency_buckets"] = {"knn_ppl": bucket_table(ts, rows["knn_ppl"], target_counts, counted_in)}
     return out
+
+
+def bucket_table(ts: TokenScores, memory: torch.Tensor, target_counts: np.ndarray, counted_in: str) -> dict[str, Any]:
+    """A memory mixture's change against the base LM by frequency of the target in the memory's corpus
+    (:func:`memlm.core.frequency.frequency_buckets`), with the resamples of :func:`perplexities`' intervals."""
+    rows = frequency_buckets(target_counts, ts.lm_logprob, np.asarray(memory, dtype=np.float64),
+                             DocumentBootstrap(ts.doc_index))  # fmt: skip
+    return {"counted_in": counted_in, "rows": rows}
+
+
+def value_counts(datastore: DatastoreBase, targets: np.ndarray) -> np.ndarray:
+    """c(w_t) of every target among a datastore's stored next-token values (one bincount over them)."""
+    counts = np.bincount(np.asarray(datastore.values, dtype=np.int64), minlength=int(np.max(targets, initial=0)) + 1)
+    return counts[np.asarray(targets, dtype=np.int64)]
 
 
 def tune(

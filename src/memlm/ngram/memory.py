@@ -192,6 +192,14 @@ class NgramMemory:
 
     # ------------------------------------------------------------------------------------------------ counting
 
+    def token_counts(self, ids: np.ndarray) -> np.ndarray:
+        """c(w) of every id in ``ids`` among the index's tokens, as P∞ counts a 1-gram (EOS: the documents' ends),
+        for the frequency buckets of :mod:`memlm.core.frequency`; one engine count per distinct id."""
+        ids = np.asarray(ids, dtype=np.int64)
+        distinct, inverse = np.unique(ids, return_inverse=True)
+        counts = np.array([self._cont_count([], int(t)) for t in distinct], dtype=np.int64)
+        return counts[inverse].reshape(ids.shape)
+
     def _find(self, ids: list[int]) -> tuple[int, list]:
         r = self.engine.find(ids)
         if "error" in r:

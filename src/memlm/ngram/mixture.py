@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memlm.core.bootstrap import evidence
 from memlm.core.distribution import mix_logprobs, mix_logprobs_grid, perplexity
 from memlm.core.tuning import grid_search
 from memlm.errors import MemlmError
@@ -52,6 +53,7 @@ __all__ = [
     "ngram_mixture",
     "ngram_parameters",
     "ngram_report",
+    "ngram_logprobs",
     "tune_ngram",
 ]
 
@@ -162,10 +164,13 @@ def ngram_report(
 ) -> dict[str, Any]:
     """Perplexities with the ∞-gram (and, when the dump has neighbours and ``lam`` is given, the three-way mixture)
     and the ∞-gram's own statistics beside the paper's (sparse share, effective n); ``mask`` keeps only some tokens
-    (e.g. without WikiText's formatting tokens)."""
-    lm, ng, sp = _arrays(ts)
+    (e.g. without WikiText's formatting tokens). ``intervals`` / ``differences`` / ``bootstrap``: each perplexity's
+    95% interval over the dump's documents and the paired interval of each relative change
+    (:func:`memlm.core.bootstrap.evidence`)."""
+    _, ng, sp = _arrays(ts)
+    rows = ngram_logprobs(ts, (lambda_sparse, lambda_dense), lam, temperature, k)
+    lm, mixed = rows["base_ppl"], rows["ngram_ppl"]
     keep = torch.ones(len(lm), dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
-    mixed = ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense)
     n = ts.ngram_n[keep.numpy()]
     sparse = sp[keep]
     hits = torch.isfinite(ng[keep])
@@ -190,15 +195,31 @@ def ngram_report(
         },
         "ngram_beats_lm": float((ng[keep] > lm[keep]).float().mean()),
     }
-    if ts.knn_scores is not None and lam is not None:
-        knn = _knn(ts, temperature, k)
-        three = ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense, knn=knn, lam=lam)
+    if "knn_ngram_ppl" in rows:
         out.update(
-            knn_ngram_ppl=perplexity(three[keep]),
-            knn_ppl=perplexity(mix_logprobs([lm, knn], [1 - lam, lam])[keep]),
+            knn_ngram_ppl=perplexity(rows["knn_ngram_ppl"][keep]),
+            knn_ppl=perplexity(rows["knn_ppl"][keep]),
             **{"lambda": lam, "temperature": temperature},
         )
+    out.update(evidence(rows, ts.doc_index, mask=keep.numpy()))  # intervals over documents, paired differences
     return out
+
+
+def ngram_logprobs(
+    ts, lambdas: tuple[float, float], lam: float | None = None, temperature: float = 1.0, k: int | None = None
+) -> dict[str, torch.Tensor]:
+    """log P(target) per token of each system :func:`ngram_report` scores, by its perplexity key: ``base_ppl`` (the
+    LM), ``ngram_ppl`` (LM + ∞-gram), and, when the dump has neighbours and ``lam`` is given, ``knn_ppl`` (LM + kNN)
+    and ``knn_ngram_ppl`` (the three-way mixture); ``lambdas`` = (λ_sparse, λ_dense). The intervals of
+    :mod:`memlm.core.bootstrap` are computed on them."""
+    lambda_sparse, lambda_dense = lambdas
+    lm, ng, sp = _arrays(ts)
+    rows = {"base_ppl": lm, "ngram_ppl": ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense)}
+    if ts.knn_scores is not None and lam is not None:
+        knn = _knn(ts, temperature, k)
+        rows["knn_ppl"] = mix_logprobs([lm, knn], [1 - lam, lam])
+        rows["knn_ngram_ppl"] = ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense, knn=knn, lam=lam)
+    return rows
 
 
 def _best_weight(lm, ng, knn, lam: float, lambdas: Sequence[float]) -> tuple[float, float]:
@@ -476,13 +497,14 @@ def multi_ngram_report(
     k: int | None = None,
 ) -> dict[str, Any]:
     """Perplexities with every ∞-gram reference of a dump at ``weights`` (and, with ``lam``, the kNN term too), and
-    each reference's own statistics (sparse share, effective n)."""
+    each reference's own statistics (sparse share, effective n); intervals as :func:`ngram_report`'s."""
     lm = torch.from_numpy(ts.lm_logprob)
+    rows = {"base_ppl": lm, "ngram_ppl": ngrams_logprob(ts, weights)}
     out: dict[str, Any] = {
         "tokens": len(lm),
         "base_ppl": perplexity(lm),
         "ngram_weights": [list(map(float, w)) for w in weights],
-        "ngram_ppl": perplexity(ngrams_logprob(ts, weights)),
+        "ngram_ppl": perplexity(rows["ngram_ppl"]),
         "references": [],
     }
     for r in range(len(weights)):
@@ -496,11 +518,14 @@ def multi_ngram_report(
         )
     if lam is not None and ts.knn_scores is not None:
         knn = _knn(ts, temperature, k)
+        rows.update(knn_ngram_ppl=ngrams_logprob(ts, weights, lam, temperature, k),
+                    knn_ppl=mix_logprobs([lm, knn], [1 - lam, lam]))  # fmt: skip
         out.update(
-            knn_ngram_ppl=perplexity(ngrams_logprob(ts, weights, lam, temperature, k)),
-            knn_ppl=perplexity(mix_logprobs([lm, knn], [1 - lam, lam])),
+            knn_ngram_ppl=perplexity(rows["knn_ngram_ppl"]),
+            knn_ppl=perplexity(rows["knn_ppl"]),
             **{"lambda": lam, "temperature": temperature},
         )
+    out.update(evidence(rows, ts.doc_index))
     return out
 
 
