@@ -266,3 +266,22 @@ def test_memlm_models_names_the_instruct_model_and_its_q4_1_source(capsys):
     assert "SmolLM2-135M-Instruct" in line
     assert "Q4_1" in line and "dequantized" in line
     assert MODELS["smollm2-135m"].path.endswith(".Q4_1.gguf")  # the file the description names
+
+
+@pytest.mark.parametrize(
+    "flags, fast",
+    [
+        ("fpu avx2 avx512f avx512_bf16 avx512_vnni", False),  # AVX512-BF16 without AMX: bf16 measured 0.57x float32
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True),
+        ("fpu avx2", False),
+    ],
+)
+def test_bf16_counts_as_fast_only_with_amx_or_arm_bf16(tmp_path, flags, fast):
+    import memlm.models.resources as r
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert r._cpu_has_native_bf16(info) is fast
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # Arm's BF16 extension
+    assert r._cpu_has_native_bf16(info) is True
+    assert r._cpu_has_native_bf16(tmp_path / "missing") is False

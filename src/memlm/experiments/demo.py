@@ -46,7 +46,7 @@ class DemoConfig:
     model: str = "smollm2-135m"
     dtype: str = field(default_factory=default_dtype)  # bf16 where native (1.4x float32 here); keys fp16 anyway
     key: str = "ffn_in"
-    datastore_tokens: int = 50_000  # per corpus; a first run ~7 min on 2 CPU cores in float32 (BENCHMARKS.md)
+    datastore_tokens: int = 50_000  # per corpus; a first run ~3.6 min on 2 CPU cores in float32 (BENCHMARKS.md)
     eval_tokens: int = 8_000
     valid_tokens: int = 4_000
     window: int = 512

@@ -116,21 +116,26 @@ _DTYPES: dict[str, str] = {  # accepted spelling -> torch attribute
 }
 
 
-def _cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (x86 AVX512-BF16 / AMX-BF16, Arm BF16): only then is bf16 faster."""
+def _cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether bfloat16 matmuls are faster than float32 ones on this CPU: x86 with AMX-BF16 tiles (``amx_bf16``), or
+    Arm with the BF16 extension (``bf16``). AVX512-BF16 alone is not enough: on a 2-core Xeon with avx512_bf16 and no
+    AMX, oneDNN's bf16 kernel (``brg_matmul:avx512_core_bf16``) reached 191 GFLOP/s against float32's 352 at the
+    model's matmul shapes, and SmolLM2-135M evaluated 199.6 against 348.7 tokens/s (0.57x;
+    docs/results/speed/forward_2core.json)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text(errors="ignore").lower()
+        flags = cpuinfo.read_text(errors="ignore").lower()
     except OSError:
         return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16", "bf16"))
+    return any(f in flags.split() for f in ("amx_bf16", "bf16"))
 
 
 def default_dtype() -> str:
     """The inference dtype used when none is given (``--dtype auto``): the faster one that keeps perplexity.
 
-    ``bfloat16`` on a GPU that supports it and on CPUs with native bf16 (here 1.4x the evaluation tokens/s of
-    float32 for SmolLM2-135M, docs/results/dtype_speed.json), else ``float32``. memlm computes the output projection
-    and log-softmax in float32 whatever the body's dtype (:class:`memlm.models.forward.fp32_head`). bf16 perplexity
+    ``bfloat16`` on a GPU that supports it and on CPUs whose bf16 matmuls beat float32 (AMX-BF16, Arm BF16: 1.4-1.9x
+    the evaluation tokens/s of float32 for SmolLM2-135M, docs/results/dtype_speed.json and issue 34), else ``float32``
+    (also on AVX512-BF16 without AMX, where bf16 was 0.57x: :func:`_cpu_has_native_bf16`). memlm computes the output
+    projection and log-softmax in float32 whatever the body's dtype (:class:`memlm.models.forward.fp32_head`). bf16 perplexity
     against float32, SmolLM2-135M: -0.03% (19,958 WikiText-2 test tokens, window 512:
     docs/results/precision_bf16_vs_fp32.json),
     -0.10% (5,929 tokens, window 1024: dtype_speed.json), -0.08% (1,980 tokens, window 16:
