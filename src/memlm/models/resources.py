@@ -135,8 +135,8 @@ def default_dtype() -> str:
     ``bfloat16`` on a GPU that supports it and on CPUs whose bf16 matmuls beat float32 (AMX-BF16, Arm BF16: 1.4-1.9x
     the evaluation tokens/s of float32 for SmolLM2-135M, docs/results/dtype_speed.json and issue 34), else ``float32``
     (also on AVX512-BF16 without AMX, where bf16 was 0.57x: :func:`_cpu_has_native_bf16`). memlm computes the output
-    projection and log-softmax in float32 whatever the body's dtype (:class:`memlm.models.forward.fp32_head`). bf16 perplexity
-    against float32, SmolLM2-135M: -0.03% (19,958 WikiText-2 test tokens, window 512:
+    projection and log-softmax in float32 whatever the body's dtype (:class:`memlm.models.forward.fp32_head`). bf16
+    perplexity against float32, SmolLM2-135M: -0.03% (19,958 WikiText-2 test tokens, window 512:
     docs/results/precision_bf16_vs_fp32.json),
     -0.10% (5,929 tokens, window 1024: dtype_speed.json), -0.08% (1,980 tokens, window 16:
     precision_bf16_vs_fp32_window16.log); +0.38% was seen at window 16 on 1,167 tokens of speeches, so no bound holds
