@@ -50,3 +50,8 @@ def test_demo_indexes_are_decontaminated_and_record_it(monkeypatch, tmp_path):
     off = demo._ngram_memory(demo.DemoConfig(decontaminate=False), tok, "news", tmp_path)
     assert off.index.manifest["documents"] == len(train) and "decontamination" not in off.index.manifest["sources"][0]
     assert cfg.digest() != demo.DemoConfig(decontaminate=False).digest()  # a cached undecontaminated run is not reused
+    # the indexed documents' hashes are recorded as `memlm ngram build` records them, for eval's leakage check
+    from memlm.leakage import document_record
+
+    kept = [d for d, x in zip(train, drop, strict=True) if not x]
+    assert m["sources"][0]["document_hashes"] == document_record(kept)

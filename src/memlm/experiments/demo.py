@@ -30,6 +30,7 @@ from memlm.data.corpora import corpus_fingerprint, load_documents
 from memlm.data.windows import limit_documents
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
+from memlm.leakage import document_record
 from memlm.models.keys import KeySpec
 from memlm.models.resources import default_dtype, load_causal_lm, memlm_home
 from memlm.ngram.decontaminate import EVAL_SPLITS, decontaminate_reference
@@ -44,7 +45,7 @@ __all__ = ["DemoConfig", "run_demo"]
 @dataclass(frozen=True)
 class DemoConfig:
     model: str = "smollm2-135m"
-    dtype: str = field(default_factory=default_dtype)  # bf16 where native (1.4x float32 here); keys fp16 anyway
+    dtype: str = field(default_factory=default_dtype)  # bf16 only with AMX-BF16 (0.57x float32 without); keys fp16
     key: str = "ffn_in"
     datastore_tokens: int = 50_000  # per corpus; a first run ~3.6 min on 2 CPU cores in float32 (BENCHMARKS.md)
     eval_tokens: int = 8_000
@@ -77,6 +78,14 @@ EVAL_CORPORA = tuple(PLAN)
 _clock = {"start": time.perf_counter()}  # reset when a demo starts: each log line says how far into the run it is
 
 
+def _train_source(corpus: str, docs: list) -> dict:
+    """The source record of a demo memory built from ``corpus``'s train split, with the document hashes that eval's
+    leakage check compares (:func:`memlm.leakage.document_record`), as ``memlm datastore build`` / ``ngram build``
+    record them."""
+    return {"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
+            "document_hashes": document_record(docs)}  # fmt: skip
+
+
 def _log(msg: str) -> None:
     print(f"[demo {time.perf_counter() - _clock['start']:4.0f} s] {msg}", file=sys.stderr, flush=True)
 
@@ -102,7 +111,7 @@ def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path) -> Datastore
         min_context=cfg.min_context,
         stride=cfg.window if cfg.datastore_blocks else None,
         batch_size=cfg.batch_size,
-        source={"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs)},
+        source=_train_source(corpus, docs),
     )
     if ds.index_problem() is not None:  # missing, or not built from this datastore (e.g. an older memlm's)
         ds.build_index(metric="l2")  # Flat (exact) at this size
@@ -139,7 +148,7 @@ def _ngram_memory(cfg: DemoConfig, tok, corpus: str, out: Path):
             f"{record['dropped_documents']:,} of {record['checked_documents']:,} documents"
         )
     _log(f"indexing {corpus} train as an ∞-gram ({len(docs):,} documents, no forward pass)")
-    source = {"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs)}
+    source = _train_source(corpus, docs)
     if record is not None:
         source["decontamination"] = record
     return NgramMemory(build_ngram_index(tok, docs, path, source=source))
