@@ -2,7 +2,7 @@
 
     python benchmarks/speed/run.py --tokens 20000 --out docs/results/speed/<machine>.json
 
-Steps, each timed with the protocol of ``benchmarks/speed/protocol.py`` (idle check first; load average before and
+Steps, each timed with the protocol of ``benchmarks/protocol.py`` (idle check first; load average before and
 after each step):
 
 1. peak: matrix products at SmolLM2-135M's shapes in float32, bfloat16 and int8 (``peak.py``), GFLOP/s;
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # speed/, benchmarks/
 import components  # noqa: E402
 import numpy as np  # noqa: E402
 import peak as peak_lib  # noqa: E402
