@@ -27,6 +27,7 @@ __all__ = [
     "IDLE_BUSY",
     "IDLE_LOAD",
     "cpu_times",
+    "host",
     "idle_check",
     "load_average",
     "machine",
@@ -107,9 +108,21 @@ def _lscpu() -> dict[str, str]:
     }
 
 
+def host() -> dict[str, Any]:
+    """The machine without importing torch or FAISS (for a process whose own peak RSS is measured): CPU model
+    (lscpu), cores, the cores this process may use, platform, Python."""
+    return {
+        "lscpu": _lscpu(),
+        "cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
 def machine() -> dict[str, Any]:
-    """What ran the benchmark: CPU model and the flags that pick a compute path, cores, torch, its threads and
-    kernels (oneDNN, CPU capability), FAISS."""
+    """What ran the benchmark: :func:`host`, the CPU flags that pick a compute path, torch, its threads and kernels
+    (oneDNN, CPU capability), FAISS and its threads."""
     import torch
 
     from memlm.models.compute import cpu_flags
@@ -117,22 +130,19 @@ def machine() -> dict[str, Any]:
     try:
         import faiss
 
-        faiss_version = faiss.__version__
+        faiss_version, faiss_threads = faiss.__version__, faiss.omp_get_max_threads()
     except ImportError:
-        faiss_version = None
+        faiss_version = faiss_threads = None
     return {
-        "lscpu": _lscpu(),
+        **host(),
         "cpu_flags": cpu_flags(),
-        "cpus": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "torch_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
         "quantized_engine": torch.backends.quantized.engine,
         "faiss": faiss_version,
+        "faiss_threads": faiss_threads,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
 
@@ -164,14 +174,14 @@ def idle_check(
 
 def timed(name: str, fn: Callable[[], dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``fn`` (it returns its own record: tokens, results), adding seconds, load averages and peak RSS."""
-    load0 = os.getloadavg()
+    load0 = load_average()
     t0 = time.perf_counter()
     rec = fn()
     rec = {
         "seconds": time.perf_counter() - t0,
         **rec,
         "load_avg_before": load0,
-        "load_avg_after": os.getloadavg(),
+        "load_avg_after": load_average(),
         "peak_rss_mib": peak_rss_mib(),
     }
     log(f"[{name}] {rec['seconds']:.1f} s, load {load0[0]:.2f} -> {rec['load_avg_after'][0]:.2f}")

@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from protocol import load_average  # noqa: E402
+
 
 def _take_tokens(docs: list, tok, n: int) -> list:
     """The leading documents holding ``n`` tokens, the last one cut (:func:`memlm.data.windows.truncate_document`)."""
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     data = json.loads(out.read_text()) if out.exists() else {}
     if data.get("setup", {}).get("datastore") != setup["datastore"] or data.get("setup", {}).get("seed") != args.seed:
         data = {"setup": setup, "reference": None, "rows": []}
-    data["setup"].update(command=setup["command"], load_average=os.getloadavg())
+    data["setup"].update(command=setup["command"], load_average=load_average())
 
     valid = _forward(args, src, "valid", args.valid_tokens)
     test = _forward(args, src, "test", args.test_tokens)

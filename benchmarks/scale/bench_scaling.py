@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -33,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from protocol import host, load_average  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("MEMLM_BENCH_DIR", ROOT / "logs" / "scaling"))
@@ -55,7 +57,7 @@ def _rss_parts_mib() -> dict[str, float]:
 
 
 def _machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": os.getloadavg()}
+    return {**host(), "loadavg_at_start": load_average()}
 
 
 def _write(name: str, data: dict[str, Any]) -> None:
@@ -107,7 +109,7 @@ def cmd_build(a: argparse.Namespace) -> None:
             out = f"build-{config}" if config == "inprocess" else f"build-{config}-{rep}"
             r = _run_child(["child-build", "--config", config, "--max-tokens", str(a.max_tokens), "--dtype", a.dtype,
                             "--out", out])  # fmt: skip
-            r.update(repeat=rep, loadavg_after=os.getloadavg())
+            r.update(repeat=rep, loadavg_after=load_average())
             r["entries_per_s_wall"] = r["entries"] / r["wall_seconds"]
             r["entries_per_s_per_worker"] = [s["count"] / s["build_seconds"] for s in r["shards"]]
             rows.append(r)
@@ -279,7 +281,7 @@ def child_search(a: argparse.Namespace) -> None:
         k=a.k,
         nprobe=a.nprobe,
         qps=len(q) / (t2 - t1),
-        loadavg_after=os.getloadavg(),
+        loadavg_after=load_average(),
         peak_rss_mib=_peak_rss_mib(),
         **_rss_parts_mib(),
     )

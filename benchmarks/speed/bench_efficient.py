@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import cpu_times, peak_rss_mib, wait_for_idle  # noqa: E402
+from protocol import cpu_times, host, load_average, peak_rss_mib, wait_for_idle  # noqa: E402
 
 CONFIGS = {
     "base": {},
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> None:
     results_path = out / "efficient.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"runs": {}}
     results["command"] = " ".join([Path(sys.executable).name, *sys.argv])
-    results["machine"] = {"cpus": os.cpu_count(), "idle_busy_limit": args.idle_busy, "idle_load_limit": args.idle_load}
+    results["machine"] = {**host(), "idle_busy_limit": args.idle_busy, "idle_load_limit": args.idle_load}
     for ds_path in map(Path, args.datastore):
         work = Path(os.environ.get("MEMLM_BENCH_WORK", "/tmp/memlm-bench")) / ds_path.name
         work.mkdir(parents=True, exist_ok=True)
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> None:
                 raise SystemExit(f"{name} on {ds_path} failed")
             row = json.loads(line[4:])
             row.update(idle)
-            row["load_avg_after"] = os.getloadavg()
+            row["load_avg_after"] = load_average()
             # CPU used by anything but this row's process while it ran, as a share of all cores
             row["other_cpu_share"] = max(0.0, (busy1 - busy0) - child_cpu) / (wall * (os.cpu_count() or 1))
             rows[name] = row

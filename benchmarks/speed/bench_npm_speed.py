@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ from memlm.npm.phrase_index import FILES, PhraseIndex
 from memlm.storage.fileio import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import load_average  # noqa: E402
+from protocol import load_average, machine  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # NPM as it was before issue 14 (commit 8f5a147): np.memmap columns, two one-query searches, the span loop, every
@@ -244,14 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name in ("npm", *(["npm_legacy"] if args.legacy else []))
         },  # fmt: skip
-        "torch_threads": torch.get_num_threads(),
-        "faiss_threads": __import__("faiss").omp_get_max_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "loadavg_before": load0,
         "loadavg_after": load_average(),
-        "cpus": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
+        "machine": machine(),
     }
     if args.legacy:
         result["mlm_over_npm_legacy"] = qps["mlm"] / qps["npm_legacy"]

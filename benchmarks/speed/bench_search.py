@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -24,6 +23,9 @@ import numpy as np
 
 from memlm.storage.fileio import atomic_write_json
 from memlm.storage.index import _check_queries, _to_similarities, build_index, load_index, plan_index, search
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from protocol import machine  # noqa: E402
 
 DEFAULT_FACTORIES = ("IVF1024,PQ64", "Flat")
 
@@ -139,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "search",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "faiss_version": faiss.__version__,
-        "faiss_threads": faiss.omp_get_max_threads(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
+        "machine": machine(),
         "results": results,
     }
     if args.json:

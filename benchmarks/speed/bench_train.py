@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -28,6 +27,9 @@ import torch
 
 from memlm.storage.fileio import atomic_write_json
 from memlm.training.loop import TrainConfig, parse_arch, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from protocol import machine  # noqa: E402
 
 
 def make_model(arch: str, vocab: int, seq_len: int, seed: int = 0):
@@ -132,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": max(ours) / max(bare),
         "all_bare": bare,
         "all_memlm": ours,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine(),
     }
     if args.losses:
         per_loss = time_losses(args, batches)

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -49,7 +47,7 @@ from memlm.trime import inference as ti
 from memlm.trime.inference import score_trime, trime_perplexity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import load_average  # noqa: E402
+from protocol import load_average, machine  # noqa: E402
 
 
 def old_exact_scores(keys, ids, queries, metric):
@@ -236,15 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         "local_over_external": best["local"] / best["external"],
         "quality": quality,
         "local_ppl_M0": trime_perplexity(dumps["local"], 0)["ppl"],
-        "torch_threads": torch.get_num_threads(),
-        "faiss_threads": faiss.omp_get_max_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "loadavg_before": load0,
         "loadavg_after": load_average(),
-        "cpus": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "faiss": faiss.__version__,
+        "machine": machine(),
     }
     for name in best:
         if name.startswith("external_") and name != "external_legacy":

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from protocol import peak_rss_mib, wait_for_idle  # noqa: E402
+from protocol import host, load_average, peak_rss_mib, wait_for_idle  # noqa: E402
 
 CORPORA = {"wikitext2-train": "wikitext2", "all-offline-train": "wiki,news,brown,bbc,wikitext2,imdb"}
 
@@ -48,7 +48,7 @@ def _write(path: Path, data: dict) -> None:
 
 def build(args: argparse.Namespace) -> None:
     memlm = str(Path(sys.executable).parent / "memlm")
-    out: dict = {"machine": {"cpus": os.cpu_count()}, "builds": {}}
+    out: dict = {"machine": host(), "builds": {}}
     for name, corpus in CORPORA.items():
         folder = Path(args.work) / name
         cmd = [memlm, "ngram", "build", "--model", args.model, "--corpus", corpus, "--out", str(folder),
@@ -76,7 +76,7 @@ def build(args: argparse.Namespace) -> None:
             "cpu_seconds": (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime),
             "peak_rss_mib_children": c1.ru_maxrss / 1024,
             **idle,
-            "load_avg_after": os.getloadavg(),
+            "load_avg_after": load_average(),
         }
         print(name, json.dumps(out["builds"][name]), flush=True)
         _write(Path(args.out), out)
@@ -95,7 +95,7 @@ def query(args: argparse.Namespace) -> None:
     chunks = [c.tokens for c in tokenize_documents(docs, tok)]
     n_tokens = sum(len(c) for c in chunks)
     rng = np.random.default_rng(0)
-    out: dict = {"machine": {"cpus": os.cpu_count()}, "eval_tokens": n_tokens, "indexes": {},
+    out: dict = {"machine": host(), "eval_tokens": n_tokens, "indexes": {},
                  "rss_before_any_index_mib": _rss_mib(), "peak_rss_before_any_index_mib": peak_rss_mib()}  # fmt: skip
     for path in args.index:
         memory = NgramMemory(path)
@@ -145,7 +145,7 @@ def time_memory(memory, chunks: list, queries: int, rng, idle_wait: float = 900.
                      "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean())}  # fmt: skip
     rec["peak_rss_mib"] = peak_rss_mib()  # the process: what was loaded before, then the index's pages
     rec["rss_after_mib"] = _rss_mib()
-    rec["load_avg_after"] = os.getloadavg()
+    rec["load_avg_after"] = load_average()
     return rec
 
 

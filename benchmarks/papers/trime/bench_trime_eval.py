@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,9 @@ from memlm.storage.fileio import atomic_write_json
 from memlm.trime.batching import segment_documents
 from memlm.trime.inference import score_trime
 from memlm.trime.training import tokenize_for_trime
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from protocol import machine  # noqa: E402
 
 
 @torch.inference_mode()
@@ -90,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         "k": args.k,
         "tokens_per_s": best,
         "ratio_vs_none": {k: v / best["none"] for k, v in best.items()},
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine(),
     }
     print(json.dumps(result, indent=2))
     if args.json:
