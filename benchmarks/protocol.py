@@ -32,6 +32,7 @@ __all__ = [
     "load_average",
     "machine",
     "peak_rss_mib",
+    "save_result",
     "timed",
     "wait_for_idle",
 ]
@@ -170,6 +171,17 @@ def idle_check(
             )
         print(f"WARNING {why}; --force: timings recorded as not idle", file=sys.stderr, flush=True)
     return seen
+
+
+def save_result(path: str | Path | None, result: dict[str, Any]) -> None:
+    """Write a benchmark's result record to ``path`` (nothing when None): its folder created, the JSON written
+    atomically (:func:`memlm.storage.fileio.atomic_write_json`) with the keys in the order the script built them."""
+    if path is None:
+        return
+    from memlm.storage.fileio import atomic_write_json
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(path), result, sort_keys=False)
 
 
 def timed(name: str, fn: Callable[[], dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, Any]:

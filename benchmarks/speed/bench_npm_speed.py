@@ -32,10 +32,9 @@ from memlm.npm import inference as inf
 from memlm.npm.encoder import encode_query
 from memlm.npm.mlm import load_mlm
 from memlm.npm.phrase_index import FILES, PhraseIndex
-from memlm.storage.fileio import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import load_average, machine  # noqa: E402
+from protocol import load_average, machine, save_result  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # NPM as it was before issue 14 (commit 8f5a147): np.memmap columns, two one-query searches, the span loop, every
@@ -258,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stages:
         result["npm_stage_ms"] = stage_times(model, tok, pi, probes[: args.stages], args.k, args.l_max)
     print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(args.json), result, sort_keys=False)
+    save_result(args.json, result)
     return 0
 
 

@@ -21,11 +21,10 @@ from typing import Any
 import faiss
 import numpy as np
 
-from memlm.storage.fileio import atomic_write_json
 from memlm.storage.index import _check_queries, _to_similarities, build_index, load_index, plan_index, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import machine  # noqa: E402
+from protocol import machine, save_result  # noqa: E402
 
 DEFAULT_FACTORIES = ("IVF1024,PQ64", "Flat")
 
@@ -144,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "results": results,
     }
+    save_result(args.json, report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, report, sort_keys=False)
         print(f"wrote {args.json}")
     return 0
 

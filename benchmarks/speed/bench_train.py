@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 
-from memlm.storage.fileio import atomic_write_json
 from memlm.training.loop import TrainConfig, parse_arch, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import machine  # noqa: E402
+from protocol import machine, save_result  # noqa: E402
 
 
 def make_model(arch: str, vocab: int, seq_len: int, seed: int = 0):
@@ -141,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         result["loss_tokens_per_s"] = per_loss
         result["loss_ratio_vs_ce"] = {k: v / per_loss["ce"] for k, v in per_loss.items()}
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("all_")}, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(args.json), result, sort_keys=False)
+    save_result(args.json, result)
     return 0
 
 

@@ -42,12 +42,11 @@ from memlm.data.windows import limit_documents
 from memlm.models.resources import load_causal_lm
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import Datastore
-from memlm.storage.fileio import atomic_write_json
 from memlm.trime import inference as ti
 from memlm.trime.inference import score_trime, trime_perplexity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import load_average, machine  # noqa: E402
+from protocol import load_average, machine, save_result  # noqa: E402
 
 
 def old_exact_scores(keys, ids, queries, metric):
@@ -249,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             np.array_equal(leg.ext_scores, ref.ext_scores) and np.array_equal(leg.ext_values, ref.ext_values)
         )
     print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(args.json), result, sort_keys=False)
+    save_result(args.json, result)
     return 0
 
 

@@ -21,13 +21,12 @@ from memlm.data.corpora import load_corpora
 from memlm.data.windows import limit_documents
 from memlm.models.resources import load_causal_lm
 from memlm.storage.datastore import Datastore
-from memlm.storage.fileio import atomic_write_json
 from memlm.trime.batching import segment_documents
 from memlm.trime.inference import score_trime
 from memlm.trime.training import tokenize_for_trime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from protocol import machine  # noqa: E402
+from protocol import machine, save_result  # noqa: E402
 
 
 @torch.inference_mode()
@@ -95,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(args.json), result, sort_keys=False)
+    save_result(args.json, result)
     return 0
 
 
