@@ -1,4 +1,4 @@
-"""The infini-gram paper's metrics beside memlm's (docs/NGRAM.md, benchmarks/ngram_paper_metrics.py).
+"""The infini-gram paper's metrics beside memlm's (docs/NGRAM.md, benchmarks/papers/ngram/ngram_paper_metrics.py).
 
 The paper's relative improvement (Liu et al. 2024, arXiv 2401.17377 v4, Sec. 5.1) is checked against the figures
 its Table 1 prints in parentheses, transcribed from the paper; its agreement statistic (Sec. 4.1: P∞(actual next
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "papers" / "ngram"))
 import ngram_paper_metrics as pm  # noqa: E402
 
 from memlm.knnlm.evaluate import TokenScores  # noqa: E402

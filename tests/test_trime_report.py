@@ -1,4 +1,5 @@
-"""benchmarks/trime_report.py, issue 12 item 8: seeds summarised as mean ± sample sd, App. D rows, ablations."""
+"""benchmarks/papers/trime/trime_report.py, issue 12 item 8: seeds summarised as mean ± sample sd, App. D rows,
+ablations."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "papers" / "trime"))
 
 import trime_report  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python benchmarks/speed/run.py --tokens 20000 --out docs/results/speed/<machine>.json
 
-Steps, each timed with the protocol of ``benchmarks/speed/protocol.py`` (idle check first; load average before and
+Steps, each timed with the protocol of ``benchmarks/protocol.py`` (idle check first; load average before and
 after each step):
 
 1. peak: matrix products at SmolLM2-135M's shapes in float32, bfloat16 and int8 (``peak.py``), GFLOP/s;
@@ -26,14 +26,13 @@ Time on 2 idle cores with the defaults: about 12 minutes, two thirds of it step 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # speed/, benchmarks/
 import components  # noqa: E402
 import numpy as np  # noqa: E402
 import peak as peak_lib  # noqa: E402
@@ -331,7 +330,7 @@ def main() -> None:
         rows = []
         for path in paths:
             row, got = step_candidate(args, path, eval_docs, peak, ref)
-            row.update(load_avg_after=list(os.getloadavg()))
+            row.update(load_avg_after=protocol.load_average())
             ref = ref or got
             keys_default = got["keys"] if path == default else keys_default
             rows.append(row)
@@ -364,7 +363,7 @@ def main() -> None:
             builds = []
             for x in dict.fromkeys(parse_path(b) for b in args.build_paths.split(",")):
                 rec, where = step_build(args, x, train, Path(tmp))
-                rec["load_avg_after"] = list(os.getloadavg())
+                rec["load_avg_after"] = protocol.load_average()
                 print(f"[build {rec['path']}] {rec['entries_per_s']:.1f} entries/s ({rec['entries']} entries)")
                 builds.append(rec)
                 ds_path = where if x == default and not args.datastore else ds_path
@@ -388,7 +387,7 @@ def main() -> None:
                 keys_default = q[SPEC]
             queries = keys_default[: max(args.faiss_batches) * 4]
             result["faiss_sweep"] = protocol.timed("FAISS sweep", lambda: step_faiss(args, ds_path, queries))
-    result["load_avg_at_end"] = list(os.getloadavg())
+    result["load_avg_at_end"] = protocol.load_average()
     save()
     print(f"wrote {args.out} ({time.perf_counter() - t_start:.0f} s)")
 

@@ -60,7 +60,7 @@ FORMS = ("lm", "constant", "gate")
 """The forms a fitted mixture takes: the LM alone, constant weights, the gate."""
 
 # Below these sizes the guard's comparison is mostly noise and the slice rarely represents the text it will be used
-# on. The kept quarter of 4,096 tokens holds 1,024. On issue 35's stdlib case (benchmarks/mixture_stdlib.py) the
+# on. The kept quarter of 4,096 tokens holds 1,024. On issue 35's stdlib case (benchmarks/quality/mixture_stdlib.py) the
 # per-token log-likelihood difference between the LM and its ∞-gram mixtures has a standard deviation of 0.4-1.0
 # nats, so over 1,024 tokens the standard error of the mean difference is 0.01-0.03 nats (1-3% of perplexity, more
 # since tokens of one document are correlated): the size of the gains at stake. Eight documents: text varies most

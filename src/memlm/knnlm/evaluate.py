@@ -331,7 +331,7 @@ def attach_neighbours(
     ``found``: scores and ids already searched (pipelined). ``provenance`` drops self-matches (before pointer
     survivors are counted). ``memory``: a :class:`DatastoreMemory` (every strategy) or any memory (one plain search).
     Keeping this apart from the forward pass lets one forward pass serve several memories and options (e.g.
-    benchmarks/bench_efficient.py).
+    benchmarks/speed/bench_efficient.py).
     """
     if not isinstance(config, RetrievalConfig):
         config = RetrievalConfig.with_options(k=int(config), **options)
