@@ -16,7 +16,10 @@ a-c) and the first 19,711 (4 articles, scored here again with --cache: rows a-d)
 exists; the commands run are recorded in the JSON::
 
     python benchmarks/mixture_table.py --data /work/data/ev-intervals --work /work/data/mixture-wire \
-        --out docs/results/mixture/wikitext2.json
+        --stdlib /work/data/mixture --out docs/results/mixture/wikitext2.json
+
+``--stdlib``: issue 35's code case too (benchmarks/mixture_stdlib.py's dumps: its 16 small modules together as the
+valid dump, its 4 test modules as the test dump).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/work/data/mixture-wire"))
     ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/wikitext2.json"))
     ap.add_argument("--evals-only", action="store_true")
+    ap.add_argument("--stdlib", type=Path, default=None, help="benchmarks/mixture_stdlib.py's --work (its dumps)")
     args = ap.parse_args()
     res = args.out.parent
     args.work.mkdir(parents=True, exist_ok=True)
@@ -158,15 +162,42 @@ def main() -> None:
             out = res / f"tune_{row}_{name}.json"
             tune(v, t, out, log, ran)
             rows.append({"test": name, **summary(out, row)})
+    if args.stdlib is not None:  # benchmarks/mixture_stdlib.py's dumps: all 16 small modules as valid, 4 as test
+        out = res / "tune_stdlib.json"
+        tune(args.stdlib / "small.npz", args.stdlib / "test.npz", out, log, ran)
+        rows.append({"test": "stdlib", **summary(out, "a"), "memories": "LM + ∞-gram (Python 3.11 stdlib, 3.16M)"})
     from memlm.storage.fileio import atomic_write_json
 
     atomic_write_json(args.out, {"script": "python benchmarks/mixture_table.py " + " ".join(sys.argv[1:]),
                                  "commands": ran, "rows": rows})  # fmt: skip
+    print(markdown(rows))
+
+
+def _pct(d: dict) -> str:
+    lo, hi = d["interval"]
+    return f"{100 * d['change']:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table of docs/MIXTURE.md and each fitted gate's W and b per feature (standardised features)."""
+    out = ["| test | row | memories | base LM | rule | rule vs base | learned | learned vs base | learned vs rule | "
+           "form (τ) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        print(f"{r['test']} ({r['row']}) {r['memories']}: base {r['base_ppl']:.3f} rule {r['rule_ppl']:.3f} "
-              f"({100 * r['rule_vs_base']['change']:+.2f}%) gate {r['mixture_ppl']:.3f} "
-              f"({100 * r['mixture_vs_base']['change']:+.2f}%, vs rule {100 * r['mixture_vs_rule']['change']:+.2f}%) "
-              f"form {r['form']}")  # fmt: skip
+        tau = "" if r["temperature"] is None else f" (τ {r['temperature']:g})"
+        out.append(f"| {r['test']} | ({r['row']}) | {r['memories']} | {r['base_ppl']:.3f} | {r['rule_ppl']:.3f} | "
+                   f"{_pct(r['rule_vs_base'])} | {r['mixture_ppl']:.3f} | {_pct(r['mixture_vs_base'])} | "
+                   f"{_pct(r['mixture_vs_rule'])} | {r['form']}{tau} |")  # fmt: skip
+    for r in rows:
+        comps = [c for c in r["gate"] if c != "lm"]
+        feats = list(r["gate"]["lm"]["W"])
+        out += ["", f"{r['test']} ({r['row']}), form {r['form']}: W (per standard deviation of the feature) and b, "
+                "relative to the LM", "", "| feature | " + " | ".join(comps) + " |",
+                "|---|" + "---|" * len(comps)]  # fmt: skip
+        out += [f"| {f} | " + " | ".join(f"{r['gate'][c]['W'][f]:+.3f}" for c in comps) + " |" for f in feats]
+        bs = ["-inf" if r["gate"][c]["b"] is None else f"{r['gate'][c]['b']:+.3f}" for c in comps]
+        out.append("| b | " + " | ".join(bs) + " |")
+        out.append("| mean λ on valid | " + " | ".join(f"{r['mean_weights'][c]:.4f}" for c in comps) + " |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_tune_gate_on_a_knn_and_cache_dump_compares_with_the_tuned_cache_rule(tm
     g = json.loads((tmp_path / "g.json").read_text())
     assert g["mixture"]["fit"]["mixture"]["components"] == ["lm", "knn", "cache"]
     key = "knn_cache_ppl" if g["valid"]["best"]["cache_lambda"] else "knn_ppl"
-    assert g["mixture_test"]["rule_ppl"] == pytest.approx(g["test"][key], rel=1e-9)
+    assert g["mixture_test"]["rule_ppl"] == pytest.approx(g["test"][key], rel=1e-6)  # the rule scores in float32
 
 
 def _unrepresentative(seed: int, docs: int, right_in: int, n_per_doc: int = 80) -> TokenScores:

@@ -100,10 +100,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
     if ngram is not None:
         res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature, base=res))
-    if args.mixture:
-        res.update(mixture_result(load_mixture(args.mixture), ts, res, args.mixture))
+    mixed = mixture_result(load_mixture(args.mixture), ts, res, args.mixture) if args.mixture else {}
+    res.update({k: v for k, v in mixed.items() if k != "mixture"})
     _print_result(res)
     res["leakage"] = leakage
+    if mixed:
+        res["mixture"] = mixed["mixture"]  # the fit applied, recorded (not printed)
     write_json(args.json, res)
 
 

@@ -98,7 +98,8 @@ def fit_dump(
     cache_temperatures: Sequence[float] = (1.0,),
     options: FitOptions | None = None,
 ) -> DumpMixture:
-    """The guarded mixture of every memory of ``ts`` (module docstring), τ (and τc) searched on the kept part."""
+    """The guarded mixture of every memory of ``ts`` (module docstring), τ (and τc) searched on the kept part. The
+    fit's size warnings are in ``fit.warnings`` (logged by the fit once per τ otherwise: the caller shows them)."""
     taus: Sequence[float | None] = temperatures if ts.knn_scores is not None else [None]
     cache_taus: Sequence[float | None] = cache_temperatures if ts.cache_scores is not None else [None]
     k_used = (k or ts.knn_scores.shape[1]) if ts.knn_scores is not None else None
@@ -106,7 +107,7 @@ def fit_dump(
     search = []
     quiet = logging.getLogger("memlm.core.mixture")
     level = quiet.level
-    quiet.setLevel(logging.ERROR)  # the size warning once, below, not once per τ
+    quiet.setLevel(logging.ERROR)  # the size warning is the caller's to show, once, not once per τ
     try:
         for tau, cache_tau in itertools.product(taus, cache_taus):
             inp = mixture_inputs(ts, tau or 1.0, k_used, cache_tau or 1.0)
@@ -120,8 +121,6 @@ def fit_dump(
     finally:
         quiet.setLevel(level)
     assert best is not None
-    for w in best[1].warnings:
-        quiet.warning(w)
     return DumpMixture(best[1], best[2], k_used, best[3], search)
 
 
