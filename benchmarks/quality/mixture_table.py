@@ -1,9 +1,10 @@
 """Issue 35's table: the fixed-weight rule beside the learned mixture on WikiText-2 test, test tokens only.
 
-SmolLM2-135M (float32, windows 1024 / 512) with the memories of benchmarks/intervals.sh (read from ``--data``): the
-∞-gram over all of WikiText-2 train (``wt2``, 2.55M tokens, --holdout 0) and the datastore over the first 50k
-WikiText-2 train tokens (``ds50k``, 43,344 entries); the continuous cache. Both weightings are tuned on the same
-WikiText-2 VALID dump (the first ~20k tokens, every memory in one forward pass) and applied to a test dump:
+SmolLM2-135M (float32, windows 1024 / 512) with the memories of benchmarks/quality/intervals.sh (read from
+``--data``): the ∞-gram over all of WikiText-2 train (``wt2``, 2.55M tokens, --holdout 0) and the datastore over the
+first 50k WikiText-2 train tokens (``ds50k``, 43,344 entries); the continuous cache. Both weightings are tuned on the
+same WikiText-2 VALID dump (``--max-tokens 20000``: the first 4 articles, 9,175 scored tokens, every memory in one
+forward pass) and applied to a test dump:
 
 * (a) LM + ∞-gram, (b) LM + datastore, (c) LM + both, (d) LM + both + cache;
 * ``memlm tune --valid V --test T --mixture gate``: the rule (λ, τ / λ_sparse, λ_dense grid-searched, the cache's
@@ -15,11 +16,11 @@ not depend on the others). Test dumps: the first 59,848 test tokens (11 articles
 a-c) and the first 19,711 (4 articles, scored here again with --cache: rows a-d). Stages are skipped when their output
 exists; the commands run are recorded in the JSON::
 
-    python benchmarks/mixture_table.py --data /work/data/ev-intervals --work /work/data/mixture-wire \
+    python benchmarks/quality/mixture_table.py --data /work/data/ev-intervals --work /work/data/mixture-wire \
         --stdlib /work/data/mixture --out docs/results/mixture/wikitext2.json
 
-``--stdlib``: issue 35's code case too (benchmarks/mixture_stdlib.py's dumps: its 16 small modules together as the
-valid dump, its 4 test modules as the test dump).
+``--stdlib``: issue 35's code case too (benchmarks/quality/mixture_stdlib.py's dumps: its 16 small modules together as
+the valid dump, its 4 test modules as the test dump).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/work/data/mixture-wire"))
     ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/wikitext2.json"))
     ap.add_argument("--evals-only", action="store_true")
-    ap.add_argument("--stdlib", type=Path, default=None, help="benchmarks/mixture_stdlib.py's --work (its dumps)")
+    ap.add_argument("--stdlib", type=Path, default=None, help="mixture_stdlib.py's --work (its dumps)")
     args = ap.parse_args()
     res = args.out.parent
     args.work.mkdir(parents=True, exist_ok=True)
@@ -162,13 +163,13 @@ def main() -> None:
             out = res / f"tune_{row}_{name}.json"
             tune(v, t, out, log, ran)
             rows.append({"test": name, **summary(out, row)})
-    if args.stdlib is not None:  # benchmarks/mixture_stdlib.py's dumps: all 16 small modules as valid, 4 as test
+    if args.stdlib is not None:  # mixture_stdlib.py's dumps: all 16 small modules as valid, 4 as test
         out = res / "tune_stdlib.json"
         tune(args.stdlib / "small.npz", args.stdlib / "test.npz", out, log, ran)
         rows.append({"test": "stdlib", **summary(out, "a"), "memories": "LM + ∞-gram (Python 3.11 stdlib, 3.16M)"})
     from memlm.storage.fileio import atomic_write_json
 
-    atomic_write_json(args.out, {"script": "python benchmarks/mixture_table.py " + " ".join(sys.argv[1:]),
+    atomic_write_json(args.out, {"script": "python benchmarks/quality/mixture_table.py " + " ".join(sys.argv[1:]),
                                  "commands": ran, "rows": rows})  # fmt: skip
     print(markdown(rows))
 
