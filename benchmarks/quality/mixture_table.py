@@ -55,15 +55,14 @@ def run(cmd: list[str], done: Path, log: Path, ran: list[str]) -> None:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
 
 
-def evals(data: Path, work: Path, res: Path) -> list[tuple[list[str], Path]]:
+def evals(data: Path, work: Path, res: Path, valid_tokens: int) -> list[tuple[list[str], Path]]:
     memlm = [sys.executable, "-m", "memlm.cli", "eval", "--model", "smollm2-135m", "--dtype", "float32", "--corpus",
-             "wikitext2", "--max-tokens", "20000", "--ngram", str(data / "wt2"), "--datastore", str(data / "ds50k"),
-             "--cache"]  # fmt: skip
+             "wikitext2", "--ngram", str(data / "wt2"), "--datastore", str(data / "ds50k"), "--cache"]  # fmt: skip
     out = []
-    for split in ("valid", "test"):
-        dump = work / f"{split}20k_knn_ngram_cache.npz"
-        out.append(([*memlm, "--split", split, "--dump", str(dump), "--json",
-                     str(res / f"eval_{split}20k_knn_ngram_cache.json")], dump))  # fmt: skip
+    for split, tokens in (("valid", valid_tokens), ("test", 20000)):
+        name = f"{split}{tokens // 1000}k_knn_ngram_cache"
+        out.append(([*memlm, "--split", split, "--max-tokens", str(tokens), "--dump", str(work / f"{name}.npz"),
+                     "--json", str(res / f"eval_{name}.json")], work / f"{name}.npz"))  # fmt: skip
     return out
 
 
@@ -140,27 +139,29 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/work/data/mixture-wire"))
     ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/wikitext2.json"))
     ap.add_argument("--evals-only", action="store_true")
+    ap.add_argument("--valid-max-tokens", type=int, default=20000, help="--max-tokens of the valid dump")
     ap.add_argument("--stdlib", type=Path, default=None, help="mixture_stdlib.py's --work (its dumps)")
     args = ap.parse_args()
     res = args.out.parent
     args.work.mkdir(parents=True, exist_ok=True)
     res.mkdir(parents=True, exist_ok=True)
     log, ran = res / "wikitext2.log", []
-    for cmd, done in evals(args.data, args.work, res):
+    tag = "" if args.valid_max_tokens == 20000 else f"_valid{args.valid_max_tokens // 1000}k"  # the files' names
+    for cmd, done in evals(args.data, args.work, res, args.valid_max_tokens):
         run(cmd, done, log, ran)
     if args.evals_only:
         return
-    valid = args.work / "valid20k_knn_ngram_cache.npz"
+    valid = args.work / f"valid{args.valid_max_tokens // 1000}k_knn_ngram_cache.npz"
     tests = {"test20k": (args.work / "test20k_knn_ngram_cache.npz", "abcd"),
              "test60k": (args.data / "test60k_knn_ngram.npz", "abc")}  # fmt: skip
     rows = []
     for name, (test, which) in tests.items():
         for row in which:
             keep = ROWS[row][0]
-            v, t = args.work / f"view_{row}_valid.npz", args.work / f"view_{row}_{name}.npz"
+            v, t = args.work / f"view_{row}_valid{tag}.npz", args.work / f"view_{row}_{name}.npz"
             view(valid, v, keep)
             view(test, t, keep)
-            out = res / f"tune_{row}_{name}.json"
+            out = res / f"tune_{row}_{name}{tag}.json"
             tune(v, t, out, log, ran)
             rows.append({"test": name, **summary(out, row)})
     if args.stdlib is not None:  # mixture_stdlib.py's dumps: all 16 small modules as valid, 4 as test
