@@ -100,9 +100,71 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
     if ngram is not None:
         res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature, base=res))
+    mixed = mixture_result(load_mixture(args.mixture), ts, res, args.mixture) if args.mixture else {}
+    res.update({k: v for k, v in mixed.items() if k != "mixture"})
     _print_result(res)
     res["leakage"] = leakage
+    if mixed:
+        res["mixture"] = mixed["mixture"]  # the fit applied, recorded (not printed)
     write_json(args.json, res)
+
+
+def load_mixture(path: str):
+    """The fitted mixture of ``memlm eval --mixture FILE`` (a tune --mixture gate result, or its record)."""
+    import json
+
+    from memlm.knnlm.dump_mixture import DumpMixture
+
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as error:
+        raise MemlmError(f"--mixture {path}: not a readable JSON file ({error})") from error
+    return DumpMixture.from_dict(data, f"--mixture {path}")
+
+
+def _rule_rows(ts, res: dict[str, Any]) -> dict[str, Any]:
+    """Per-token log p of each fixed-weight row of eval's result ``res`` (its own weights), for the paired
+    differences of the learned mixture against them."""
+    from memlm.knnlm.dump_mixture import rule_logprob
+
+    lam = res.get("lambda") if isinstance(res.get("lambda"), float | int) else None
+    knn = {"lam": lam, "temperature": res.get("temperature") or 1.0, "k": res.get("k")}
+    specs: dict[str, dict[str, Any]] = {}
+    if lam is not None:
+        specs["knn_ppl"] = knn
+    for key in ("knn_cache_ppl", "lm_cache_ppl"):
+        if key in res and (key != "knn_cache_ppl" or lam is not None):
+            specs[key] = {**knn, "cache": (res["cache_lambda"], res["cache_temperature"])}
+    if "lambda_sparse" in res and "ngrams" not in res:  # one ∞-gram index
+        specs["ngram_ppl"] = {"ngram_weights": [[res["lambda_sparse"], res["lambda_dense"]]]}
+        if "knn_ngram_weights" in res:
+            w = res["knn_ngram_weights"]
+            specs["knn_ngram_ppl"] = {**knn, "ngram_weights": [[w["lambda_sparse"], w["lambda_dense"]]]}
+    if "multi_ngram_weights" in res:
+        specs["multi_ngram_ppl"] = {"ngram_weights": res["multi_ngram_weights"]}
+        if "knn_multi_ngram_weights" in res:
+            specs["knn_multi_ngram_ppl"] = {**knn, "ngram_weights": res["knn_multi_ngram_weights"]["weights"]}
+    return {key: rule_logprob(ts, **spec) for key, spec in specs.items()}
+
+
+def mixture_result(dm, ts, res: dict[str, Any], path: str) -> dict[str, Any]:
+    """``memlm eval --mixture``: ``mixture_ppl`` of the stored fit on this eval's tokens, its interval and its paired
+    differences against the base LM and each fixed-weight row of ``res``, merged into ``res``'s evidence."""
+    import torch
+
+    from memlm.core.bootstrap import evidence
+    from memlm.core.distribution import perplexity
+
+    rows = {"base_ppl": torch.from_numpy(ts.lm_logprob), **_rule_rows(ts, res),
+            "mixture_ppl": dm.logprob(ts, "this eval (its --datastore, --ngram and --cache)")}  # fmt: skip
+    own = evidence(rows, ts.doc_index, pairs=[(key, "mixture_ppl") for key in rows if key != "mixture_ppl"])
+    return {
+        "mixture_ppl": perplexity(rows["mixture_ppl"]),
+        "mixture_form": dm.fit.form,
+        "mixture": {"from": path, **dm.to_dict()},
+        "intervals": {**res.get("intervals", {}), "mixture_ppl": own["intervals"]["mixture_ppl"]},
+        "differences": {**res.get("differences", {}), **own["differences"]},
+    }
 
 
 def _print_result(res: dict[str, Any]) -> None:
@@ -111,14 +173,25 @@ def _print_result(res: dict[str, Any]) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, perplexities, tune
+    from memlm.knnlm.evaluate import TokenScores
     from memlm.leakage import check_dumps
 
     valid = TokenScores.load(args.valid)
     test = TokenScores.load(args.test) if args.test else None
     leakage = check_dumps(valid, test, allow_overlap=args.allow_overlap)  # every path: the same memories, no leak
     if valid.ngram_logprob is not None:
-        return ngram_cli.tune_with_ngram(args, valid, test, leakage)
+        out = ngram_cli.tune_with_ngram(args, valid, test, leakage)
+    else:
+        out = _tune_rule(args, valid, test, leakage)
+    if args.mixture == "gate":
+        out.update(tune_mixture(args, valid, test, out["valid"]["best"]))
+    write_json(args.json, out)
+
+
+def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -> dict[str, Any]:
+    """The fixed-weight rule: λ, τ (and the cache's λc, τc) grid-searched on ``valid``, applied to ``test``."""
+    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, perplexities, tune
+
     result = tune(
         valid,
         lambdas=args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS),
@@ -146,7 +219,57 @@ def cmd_tune(args: argparse.Namespace) -> None:
         _print_result(res)
     out["grid"] = result["grid"]
     out["leakage"] = leakage
-    write_json(args.json, out)
+    return out
+
+
+def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
+    """memlm.knnlm.dump_mixture.rule_logprob's arguments from the rule's best weights on valid (any tune path)."""
+    ngram = best.get("weights") or (
+        [[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else None
+    )
+    cache = (best.get("cache_lambda") or 0.0, best.get("cache_temperature") or 1.0)
+    lam = best.get("lambda") if has_knn else None
+    return {"lam": lam, "temperature": best.get("temperature") or 1.0, "ngram_weights": ngram, "cache": cache}
+
+
+def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any]) -> dict[str, Any]:
+    """``memlm tune --mixture gate``: the guarded learned mixture of every memory of ``valid`` (τ searched on the
+    fit's kept part, memlm.knnlm.dump_mixture.fit_dump), applied to ``test`` beside the base LM and the fixed-weight
+    rule tuned on the same ``valid`` (``rule_best``), with intervals and paired differences."""
+    import torch
+
+    from memlm.core.bootstrap import evidence
+    from memlm.core.distribution import perplexity
+    from memlm.knnlm.dump_mixture import fit_dump, rule_logprob
+    from memlm.knnlm.evaluate import DEFAULT_TEMPERATURES
+
+    temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
+    dm = fit_dump(valid, temperatures, args.k, args.cache_temperatures)
+    fit = dm.fit
+    print(
+        f"learned mixture on valid: {fit.tokens:,} tokens of {fit.documents:,} documents (fitted on {fit.fit_tokens:,}"
+        f", checked on the {fit.kept_tokens:,} kept apart); chosen form {fit.form}"
+        + (f", temperature={dm.temperature:g}" if dm.temperature is not None else "")
+        + "; held-out log-likelihood per token "
+        + ", ".join(f"{f} {v:.4f}" for f, v in fit.heldout_loglik.items())
+    )
+    for w in fit.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    out: dict[str, Any] = {"mixture": dm.to_dict()}
+    if test is None:
+        return out
+    has_knn = valid.knn_scores is not None
+    rows = {
+        "base_ppl": torch.from_numpy(test.lm_logprob),
+        "rule_ppl": rule_logprob(test, k=args.k, **_rule_weights(rule_best, has_knn)),
+        "mixture_ppl": dm.logprob(test, "the --test dump"),
+    }
+    res: dict[str, Any] = {"tokens": len(test), "form": fit.form, **{k: perplexity(v) for k, v in rows.items()}}
+    pairs = (("base_ppl", "rule_ppl"), ("base_ppl", "mixture_ppl"), ("rule_ppl", "mixture_ppl"))
+    res.update(evidence(rows, test.doc_index, pairs=pairs))
+    print("on test (rule_ppl: the fixed-weight rule tuned on the same valid dump; mixture_ppl: the learned mixture):")
+    _print_result(res)
+    return {**out, "mixture_test": res}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -221,6 +344,23 @@ def check_eval(args: argparse.Namespace) -> None:
         raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
     if args.index:
         _index_of_datastore(args.index, args.datastore)
+    if args.mixture:
+        _mixture_of_memories(args)
+
+
+def _mixture_of_memories(args: argparse.Namespace) -> None:
+    """``--mixture``: a fit whose components are this eval's memories, before the model loads (the features are
+    checked again on the scored tokens)."""
+    from memlm.knnlm.dump_mixture import components_of
+
+    dm = load_mixture(args.mixture)
+    given = components_of(bool(args.datastore), len(args.ngram or []), bool(args.cache))
+    if dm.mixture.components != given:
+        raise MemlmError(
+            f"--mixture {args.mixture} mixes {', '.join(dm.mixture.components)}, this eval gives "
+            f"{', '.join(given)}: give the same memories (--datastore, each --ngram in the same order, --cache) as "
+            "the valid dump it was fitted on, or fit again with memlm tune --mixture gate"
+        )
 
 
 def _index_of_datastore(index: str, datastore: str) -> None:
@@ -324,6 +464,14 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="search each forward batch in a background thread while the model computes the next",
     )
+    e.add_argument(
+        "--mixture",
+        type=V.existing_file,
+        default=None,
+        metavar="FIT.json",
+        help="also score the learned mixture fitted by memlm tune --mixture gate --json FIT.json (same memories: "
+        "--datastore, each --ngram in order, --cache) and report mixture_ppl beside the fixed-weight rows",
+    )
     ngram_cli.add_eval_args(e)
     e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
 
@@ -336,6 +484,14 @@ def add_parsers(sub) -> None:
     t.add_argument("--cache-temperatures", type=V.positive_float, nargs="+", default=[1.0])
     t.add_argument("--k", type=V.neighbours, default=None, help="use only the k best of the dumped neighbours")
     t.add_argument("--json", type=V.output_file, default=None)
+    t.add_argument(
+        "--mixture",
+        choices=["rule", "gate"],
+        default="rule",
+        help="rule: the fixed weights grid-searched (default); gate: also the learned mixture of every memory of the "
+        "dump (per-token weights from a small gate, fitted on valid with part of it kept apart, docs/MIXTURE.md), "
+        "applied to --test beside the rule; its fit goes into --json for memlm eval --mixture",
+    )
     common.add_allow_overlap(t)
     ngram_cli.add_tune_args(t)
     t.set_defaults(func=cmd_tune)

@@ -10,7 +10,7 @@ from typing import Any
 
 from memlm.cli import common
 from memlm.cli import validate as V
-from memlm.cli.common import add_corpus, add_model, load_documents, write_json
+from memlm.cli.common import add_corpus, add_model, load_documents
 from memlm.cli.report import print_result
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import holdout_split
@@ -332,10 +332,12 @@ def _grids(args: argparse.Namespace) -> dict[str, Any]:
     return {"lambdas": lambdas, "knn_lambdas": args.lambdas, "temperatures": args.temperatures, "k": args.k}
 
 
-def tune_with_ngram(args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None) -> None:
+def tune_with_ngram(
+    args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``memlm tune`` on a dump with ∞-gram scores: λ_sparse, λ_dense (and λ, τ of its kNN term) tuned jointly.
     ``test``: the ``--test`` dump, checked by the caller against ``valid`` (memlm.leakage.check_dumps: the same
-    model and memories), whose record ``leakage`` goes into the result."""
+    model and memories), whose record ``leakage`` goes into the result. Returns the result (the caller writes it)."""
     from memlm.ngram.mixture import ngram_report, tune_ngram
 
     if any(args.cache_lambdas):
@@ -363,10 +365,12 @@ def tune_with_ngram(args: argparse.Namespace, valid, test=None, leakage: dict[st
         print_result(res)
     out["grid"] = result["grid"]
     out["leakage"] = leakage
-    write_json(args.json, out)
+    return out
 
 
-def tune_with_ngrams(args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None) -> None:
+def tune_with_ngrams(
+    args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``memlm tune`` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``): each index's
     (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
     :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
@@ -402,7 +406,7 @@ def tune_with_ngrams(args: argparse.Namespace, valid, test=None, leakage: dict[s
         out["test"] = res
         print_result(res)
     out["leakage"] = leakage
-    write_json(args.json, out)
+    return out
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

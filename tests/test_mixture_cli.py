@@ -1,0 +1,217 @@
+"""``memlm tune --mixture gate`` and ``memlm eval --mixture FIT.json`` (issue 35): the learned mixture of every memory
+of a dump, fitted on valid with τ searched, applied to test beside the base LM and the fixed-weight rule tuned on the
+same valid dump; its numbers checked against the formulas by hand (P = Σ_i λ_i P_i with the stored gate's weights)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import make_toy_docs  # noqa: E402
+from test_mixture import synthetic_dump  # noqa: E402
+
+from memlm.cli import main  # noqa: E402
+from memlm.knnlm.dump_mixture import DumpMixture, components_of, rule_logprob  # noqa: E402
+from memlm.knnlm.evaluate import TokenScores  # noqa: E402
+
+
+def _save(ts: TokenScores, path: Path) -> str:
+    ts.save(path)
+    return str(path)
+
+
+def _by_hand(fit: dict, ts: TokenScores) -> np.ndarray:
+    """log Σ_i λ_ti p_ti with λ_t = softmax(W (φ_t - mean) / std + b) from the stored fit, in NumPy float64."""
+    from memlm.knnlm.mixture_inputs import mixture_inputs
+
+    rec = fit["mixture"]
+    inp = mixture_inputs(ts, rec["temperature"] or 1.0, rec["k"], rec["cache_temperature"] or 1.0)
+    m = rec["fit"]["mixture"]
+    assert list(inp.components) == m["components"] and list(inp.feature_names) == m["feature_names"]
+    z = (inp.features - np.asarray(m["feature_mean"])) / np.asarray(m["feature_std"])
+    b = np.asarray([-np.inf if x is None else x for x in m["b"]])
+    a = z @ np.asarray(m["W"]).T + b
+    lam = np.exp(a - a.max(1, keepdims=True))
+    lam /= lam.sum(1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        return np.log((lam * np.exp(inp.logprobs)).sum(1))
+
+
+def test_tune_gate_fits_every_memory_and_compares_with_the_rule(tmp_path, capsys):
+    """A dump with kNN neighbours, an ∞-gram and the cache: the fit mixes all four; on test the mixture's perplexity
+    is the stored gate's by hand, the rule's is tune's own test row, each with its interval and paired differences;
+    the small slice is warned about; --mixture rule (the default) writes what tune wrote before."""
+    valid, test = _save(synthetic_dump(0, n=600), tmp_path / "v.npz"), _save(synthetic_dump(1), tmp_path / "t.npz")
+    taus = ["1", "3"]
+    gate = ["tune", "--valid", valid, "--test", test, "--temperatures", *taus, "--json", str(tmp_path / "g.json")]
+    assert main([*gate, "--mixture", "gate"]) == 0
+    err = capsys.readouterr().err
+    assert "600 tokens of 12 documents, below the 4,096 tokens" in err  # said once, not once per τ
+    assert err.count("below the 4,096 tokens") == 1
+    g = json.loads((tmp_path / "g.json").read_text())
+    fit = g["mixture"]
+    assert fit["fit"]["mixture"]["components"] == ["lm", "knn", "ngram", "cache"]
+    assert fit["fit"]["tokens"] == 600 and fit["fit"]["warnings"]
+    assert fit["temperature"] in (1.0, 3.0) and fit["k"] == 8 and [s["temperature"] for s in fit["search"]] == [1, 3]
+    chosen = max(fit["search"], key=lambda s: s["heldout_loglik"][s["form"]])  # τ by the kept part's likelihood
+    assert chosen["temperature"] == fit["temperature"] and chosen["form"] == fit["fit"]["form"]
+    res = g["mixture_test"]
+    ts = TokenScores.load(test)
+    assert res["mixture_ppl"] == pytest.approx(float(np.exp(-_by_hand(g, ts).mean())), rel=1e-9)
+    assert res["rule_ppl"] == pytest.approx(g["test"]["knn_ngram_ppl"], rel=1e-9)  # the rule tuned on this valid
+    assert res["base_ppl"] == pytest.approx(g["test"]["base_ppl"], rel=1e-12)
+    assert set(res["differences"]) == {"rule_ppl vs base_ppl", "mixture_ppl vs base_ppl", "mixture_ppl vs rule_ppl"}
+    d = res["differences"]["mixture_ppl vs rule_ppl"]
+    assert d["relative_change"] == pytest.approx(res["mixture_ppl"] / res["rule_ppl"] - 1, rel=1e-9)
+    assert res["intervals"]["mixture_ppl"]["low"] <= res["mixture_ppl"] <= res["intervals"]["mixture_ppl"]["high"]
+    rule = ["tune", "--valid", valid, "--test", test, "--temperatures", *taus, "--json", str(tmp_path / "r.json")]
+    assert main(rule) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert "mixture" not in r and r["test"] == g["test"] and r["valid"]["best"] == g["valid"]["best"]
+
+
+def test_tune_gate_on_a_knn_and_cache_dump_compares_with_the_tuned_cache_rule(tmp_path):
+    """Without the ∞-gram the rule is Khandelwal's λ with the cache's λc (Table 1): its test row is the rule's."""
+    v, t = synthetic_dump(2, n=400), synthetic_dump(3)
+    for ts in (v, t):
+        ts.ngram_logprob = ts.ngram_n = ts.ngram_count = ts.ngram_sparse = None
+    argv = ["tune", "--valid", _save(v, tmp_path / "v.npz"), "--test", _save(t, tmp_path / "t.npz"), "--mixture",
+            "gate", "--cache-lambdas", "0", "0.1", "0.2", "--json", str(tmp_path / "g.json")]  # fmt: skip
+    assert main(argv) == 0
+    g = json.loads((tmp_path / "g.json").read_text())
+    assert g["mixture"]["fit"]["mixture"]["components"] == ["lm", "knn", "cache"]
+    key = "knn_cache_ppl" if g["valid"]["best"]["cache_lambda"] else "knn_ppl"
+    assert g["mixture_test"]["rule_ppl"] == pytest.approx(g["test"][key], rel=1e-6)  # the rule scores in float32
+
+
+def _unrepresentative(seed: int, docs: int, right_in: int, n_per_doc: int = 80) -> TokenScores:
+    """LM p ~ U(0.05, 0.6); the ∞-gram sparse on 40% of tokens, its estimate right (P∞ = 1) in the first
+    ``right_in`` documents and wrong (P∞ = 0) in the others; dense: P∞ = 0.02."""
+    ts = synthetic_dump(seed, n=docs * n_per_doc)
+    n = len(ts)
+    rng = np.random.default_rng(seed + 100)
+    ts.lm_logprob = np.log(rng.uniform(0.05, 0.6, n)).astype(np.float32)
+    ts.doc_index = (np.arange(n) // n_per_doc).astype(np.int32)
+    ts.ngram_sparse = rng.random(n) < 0.4
+    right = ts.doc_index < right_in
+    with np.errstate(divide="ignore"):
+        ts.ngram_logprob = np.where(ts.ngram_sparse, np.log(right.astype(float)), np.log(0.02)).astype(np.float32)
+    ts.knn_scores = ts.knn_values = ts.cache_scores = ts.cache_values = None
+    return ts
+
+
+def test_a_gate_fitted_where_it_overfits_ends_no_worse_than_the_lm_on_test(tmp_path, capsys):
+    """Valid: the ∞-gram's sparse estimates are right in 6 of 8 documents, wrong in the last 2; test: wrong
+    everywhere. The rule tuned on valid (a large λ_sparse) and the gate fitted on the first documents (a large weight
+    on the sparse flag) are worse than the LM on test; the guard sees the kept documents disagree and keeps the LM,
+    so the learned mixture is no worse than the LM on test."""
+    valid = _save(_unrepresentative(0, docs=8, right_in=6), tmp_path / "v.npz")
+    test = _save(_unrepresentative(1, docs=4, right_in=0), tmp_path / "t.npz")
+    assert (
+        main(["tune", "--valid", valid, "--test", test, "--mixture", "gate", "--json", str(tmp_path / "g.json")]) == 0
+    )
+    g = json.loads((tmp_path / "g.json").read_text())
+    fit, res = g["mixture"]["fit"], g["mixture_test"]
+    assert fit["heldout_loglik"]["gate"] < fit["heldout_loglik"]["lm"]  # the gate fitted on 6 documents loses there
+    assert fit["form"] == "lm" and res["form"] == "lm"
+    assert res["rule_ppl"] > 1.05 * res["base_ppl"]  # the tuned λ's hurt on test, by more than 5%
+    assert res["mixture_ppl"] <= res["base_ppl"] * (1 + 1e-12)
+    assert "below the 4,096 tokens" in capsys.readouterr().err
+
+
+def test_rule_logprob_is_each_rules_formula():
+    """rule_logprob against the formulas by hand: (1-λ-λc) p_LM + λ p_kNN + λc p_cache; (1-λ-λ∞) p_LM + λ p_kNN +
+    λ∞ P∞ with λ∞ = λ_sparse where sparse, else λ_dense."""
+    from memlm.knnlm.mixture_inputs import mixture_inputs
+
+    ts = synthetic_dump(4)
+    lam, tau, lc, tc, ls, ld = 0.2, 2.0, 0.1, 0.5, 0.4, 0.05
+    p = np.exp(mixture_inputs(ts, tau, None, tc).logprobs)  # lm, knn, ngram, cache
+    got = rule_logprob(ts, lam, tau, cache=(lc, tc)).numpy()
+    assert np.allclose(got, np.log((1 - lam - lc) * p[:, 0] + lam * p[:, 1] + lc * p[:, 3]), atol=1e-12)
+    lam_ng = np.where(ts.ngram_sparse, ls, ld)
+    got = rule_logprob(ts, lam, tau, ngram_weights=[[ls, ld]]).numpy()
+    assert np.allclose(got, np.log((1 - lam - lam_ng) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2]), atol=1e-9)
+    with pytest.raises(Exception, match="cache with the ∞-gram"):
+        rule_logprob(ts, lam, tau, ngram_weights=[[ls, ld]], cache=(lc, tc))
+
+
+def test_a_stored_fit_refuses_other_memories(tmp_path):
+    v = synthetic_dump(5, n=400)
+    argv = ["tune", "--valid", _save(v, tmp_path / "v.npz"), "--mixture", "gate", "--json", str(tmp_path / "g.json")]
+    assert main(argv) == 0
+    dm = DumpMixture.from_dict(json.loads((tmp_path / "g.json").read_text()))
+    assert dm.mixture.components == components_of(True, 1, True)
+    other = synthetic_dump(6)
+    other.cache_scores = other.cache_values = None
+    with pytest.raises(Exception, match="fitted on components lm, knn, ngram, cache .* gives lm, knn, ngram"):
+        dm.logprob(other)
+    assert torch.isfinite(dm.logprob(synthetic_dump(6))).all()
+    with pytest.raises(Exception, match="holds no fitted mixture"):
+        DumpMixture.from_dict({"valid": {}}, "x.json")
+
+
+# ------------------------------------------------------------------------------- memlm eval --mixture, end to end
+
+
+@pytest.fixture(scope="module")
+def memories(tmp_path_factory, tiny_lm):
+    """A datastore of the tiny LM (exact index) and an ∞-gram index over the toy documents."""
+    pytest.importorskip("infini_gram")
+    from conftest import gpt2_tokenizer
+
+    from memlm.ngram.index import build_ngram_index
+    from memlm.storage.datastore import build_datastore
+
+    model, tok = tiny_lm
+    root = tmp_path_factory.mktemp("mix")
+    store = build_datastore(model, tok, make_toy_docs(), root / "ds", window=64, min_context=32, progress=False)
+    store.build_index(factory="Flat", metric="l2", progress=False)
+    index = build_ngram_index(gpt2_tokenizer(), make_toy_docs(60, seed=3), root / "ix", source={"corpus": "toy-a"},
+                              progress=False)  # fmt: skip
+    return store, index
+
+
+def _eval(tiny_lm_dir, tmp_path, name, seed, extra) -> tuple[dict, str]:
+    docs = tmp_path / f"{name}.jsonl"
+    docs.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(12, seed=seed)))
+    dump, res = tmp_path / f"{name}.npz", tmp_path / f"{name}.json"
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--window", "64", "--min-context", "32",
+            "--dtype", "float32", "--search", "exact", "--k", "16", "--dump", str(dump), "--json", str(res),
+            "--allow-overlap", *extra]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(res.read_text()), str(docs)
+
+
+def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, memories, tmp_path, capsys):
+    store, index = memories
+    mem = ["--datastore", str(store.path), "--ngram", str(index.path), "--lambda", "0.25", "--temperature", "5"]
+    _eval(tiny_lm_dir, tmp_path, "valid", 41, mem)
+    _, test_docs = _eval(tiny_lm_dir, tmp_path, "test", 42, mem)
+    fit = str(tmp_path / "fit.json")
+    tune = ["tune", "--valid", str(tmp_path / "valid.npz"), "--test", str(tmp_path / "test.npz"), "--mixture", "gate",
+            "--temperatures", "1", "5", "--allow-overlap", "--json", fit]  # fmt: skip
+    assert main(tune) == 0
+    g = json.loads(Path(fit).read_text())
+    res, _ = _eval(tiny_lm_dir, tmp_path, "again", 42, [*mem, "--mixture", fit])
+    # the same tokens as tune's test dump: the same mixture perplexity, recorded with the fit
+    assert res["mixture_ppl"] == pytest.approx(g["mixture_test"]["mixture_ppl"], rel=1e-6)
+    assert res["mixture"]["fit"] == g["mixture"]["fit"] and res["mixture_form"] == g["mixture"]["fit"]["form"]
+    for ref in ("base_ppl", "knn_ppl", "ngram_ppl", "knn_ngram_ppl"):
+        d = res["differences"][f"mixture_ppl vs {ref}"]
+        assert d["relative_change"] == pytest.approx(res["mixture_ppl"] / res[ref] - 1, rel=1e-6), ref
+    assert "mixture_ppl" in res["intervals"] and "knn_ppl vs base_ppl" in res["differences"]  # eval's own rows kept
+    assert "mixture_ppl" in capsys.readouterr().out
+    # other memories: one clear error before the model loads
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--ngram", str(index.path), "--mixture", fit]
+    assert main(argv) == 2
+    assert "mixes lm, knn, ngram, this eval gives lm, ngram" in capsys.readouterr().err
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--mixture", str(tmp_path / "valid.json")]
+    assert main(argv) == 2
+    assert "holds no fitted mixture" in capsys.readouterr().err
