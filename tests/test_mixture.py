@@ -371,7 +371,7 @@ def test_a_small_slice_warns_in_the_result_and_the_log(caplog):
     with caplog.at_level(logging.WARNING, logger="memlm.core.mixture"):
         fit = fit_guarded(logp, feats, doc, ("lm", "mem"), names)
     assert fit.split == "tokens" and fit.tokens == 900 and fit.documents == 1
-    assert len(fit.warnings) == 1 and "900 tokens of 1 documents" in fit.warnings[0]
+    assert len(fit.warnings) == 1 and "900 tokens (fewer than 4,096) and 1 documents (fewer than 8)" in fit.warnings[0]
     assert fit.warnings[0] in caplog.text
 
 

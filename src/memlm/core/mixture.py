@@ -398,9 +398,11 @@ def fit_guarded(
     n_docs = len(np.unique(doc))
     warnings = []
     if lp.shape[0] < options.min_tokens or n_docs < options.min_documents:
-        warnings.append(f"fitted on {lp.shape[0]:,} tokens of {n_docs:,} documents, below the {options.min_tokens:,} "
-                        f"tokens and {options.min_documents} documents this fit wants: the weights may not carry over "
-                        "to other text; fit on a larger held-out slice")  # fmt: skip
+        short = [f"{have:,} {what} (fewer than {need:,})" for have, need, what in
+                 ((lp.shape[0], options.min_tokens, "tokens"), (n_docs, options.min_documents, "documents"))
+                 if have < need]  # fmt: skip
+        warnings.append(f"fitted on {' and '.join(short)}: the weights may not carry over to other text; fit on a "
+                        "larger held-out slice")  # fmt: skip
     for w in warnings:
         log.warning(w)
     mean_weights = mixture.log_weights(ft).exp().mean(0).tolist()
