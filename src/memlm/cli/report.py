@@ -18,6 +18,8 @@ PPL_LABELS = {
     "knn_ngram_ppl": "LM + kNN + ∞-gram",
     "multi_ngram_ppl": "LM + every ∞-gram",
     "knn_multi_ngram_ppl": "LM + kNN + every ∞-gram",
+    "rule_ppl": "the fixed weights tuned on valid",
+    "mixture_ppl": "the learned mixture (memlm tune --mixture gate)",
 }
 EVIDENCE_KEYS = ("bootstrap", "intervals", "differences", "frequency_buckets")
 
