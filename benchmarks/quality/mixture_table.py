@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from mixture_stdlib import run  # one resumable command runner for both mixture benchmarks (same folder)
 
 ROWS = {  # row: (memories kept, what the row is)
     "a": (("ngram",), "LM + ∞-gram (WikiText-2 train)"),
@@ -43,16 +44,6 @@ FIELDS = {
     "cache": ("cache_scores", "cache_values"),
 }
 META = {"knn": ("datastore", "datastore_build_id", "datastore_entries"), "ngram": ("ngram", "ngram_build_id", "ngrams")}
-
-
-def run(cmd: list[str], done: Path, log: Path, ran: list[str]) -> None:
-    ran.append(" ".join(cmd))
-    if done.exists():
-        return
-    with log.open("a") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
 
 
 def evals(data: Path, work: Path, res: Path, valid_tokens: int) -> list[tuple[list[str], Path]]:
