@@ -26,7 +26,7 @@ import torch
 from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import TokenScores
-from memlm.knnlm.mixture_inputs import MixtureInputs, mixture_inputs
+from memlm.knnlm.mixture_inputs import MixtureInputs, mixture_inputs, ngram_component
 
 __all__ = ["DumpMixture", "components_of", "fit_dump", "rule_logprob"]
 
@@ -34,7 +34,7 @@ __all__ = ["DumpMixture", "components_of", "fit_dump", "rule_logprob"]
 def components_of(datastore: bool, ngrams: int, cache: bool) -> tuple[str, ...]:
     """The mixture's components for these memories, in :func:`mixture_inputs`' order (to check a stored fit against
     ``memlm eval``'s options before anything is scored)."""
-    names = ["lm"] + (["knn"] if datastore else []) + ["ngram" if r == 0 else f"ngram{r + 1}" for r in range(ngrams)]
+    names = ["lm"] + (["knn"] if datastore else []) + [ngram_component(r) for r in range(ngrams)]
     return tuple(names + (["cache"] if cache else []))
 
 

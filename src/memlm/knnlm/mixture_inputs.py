@@ -34,7 +34,12 @@ from memlm.core.distribution import memory_lse
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import TokenScores, memory_logprob
 
-__all__ = ["MixtureInputs", "mixture_inputs"]
+__all__ = ["MixtureInputs", "mixture_inputs", "ngram_component"]
+
+
+def ngram_component(r: int) -> str:
+    """The mixture component name of the dump's ``r``-th ∞-gram reference (0-based): ngram, ngram2, ngram3, ..."""
+    return "ngram" if r == 0 else f"ngram{r + 1}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ def mixture_inputs(
         found = _retrieval_features(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
         feats.update({f"knn_{name}": col for name, col in found.items()})
     for r, (logprob, n, count, sparse) in enumerate(_ngram_columns(ts)):
-        name = "ngram" if r == 0 else f"ngram{r + 1}"
+        name = ngram_component(r)
         comps[name] = logprob.astype(np.float64)
         feats[f"{name}_log_n"] = np.log1p(np.maximum(n, 0).astype(np.float64))
         feats[f"{name}_log_count"] = np.log1p(np.maximum(count, 0).astype(np.float64))
