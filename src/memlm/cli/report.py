@@ -53,7 +53,8 @@ def print_result(res: dict[str, Any]) -> None:
         print("differences (relative change of perplexity, paired over the same resampled documents):")
     for name, d in diffs.items():
         ci = "" if d.get("low") is None else f"  [{_percent(d['low'])}, {_percent(d['high'])}]"
-        verdict = ("  excludes 0" if d.get("excludes_zero") else "  includes 0") if ci else f"  ({d.get('note', '')})"
+        note = d.get("note") or "no interval (see the intervals line)"
+        verdict = ("  excludes 0" if d.get("excludes_zero") else "  includes 0") if ci else f"  ({note})"
         print(f"  {name:36s} {_percent(d.get('relative_change'))}{ci}{verdict}")
     for system, table in (res.get("frequency_buckets") or {}).items():
         print_buckets(system, table)
