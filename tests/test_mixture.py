@@ -23,6 +23,8 @@ from memlm.core.mixture import (
     fit_guarded,
     gate_objective,
     kept_apart,
+    rule_mixture,
+    sparse_state_features,
 )
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import TokenScores, perplexities
@@ -422,3 +424,110 @@ def test_bad_mixtures_are_refused():
         Mixture.from_dict({"form": "gate"})
     with pytest.raises(MemlmError, match="features must be finite"):
         Mixture.constant(("lm", "a"), [0.5, 0.5], ("x",)).log_weights(np.zeros((3, 2)))
+
+
+# ----------------------------------------------------------------- the fixed-weight rule as a Mixture, mixed by name
+
+
+def np_rule(lm, memories, fixed, pairs):
+    """Liu et al. (2024, Sec. 5) with a kNN term (Khandelwal et al. Eq. 3) and several references, per token, in
+    plain NumPy: P = (1 - Λ - Σ_r λ_r(c)) p_LM + Σ_j λ_j p_j + Σ_r λ_r(c) P∞_r, λ_r(c) = λ_sparse,r if sparse_r."""
+    p = np.exp(lm)
+    w_lm = 1.0 - sum(fixed.values())
+    out = 0.0
+    for name, w in fixed.items():
+        out = out + w * np.exp(memories[name][0])
+    for name, (ls, ld) in pairs.items():
+        logp, sparse = memories[name]
+        lam = np.where(sparse, ls, ld)
+        w_lm = w_lm - lam
+        out = out + lam * np.exp(logp)
+    with np.errstate(divide="ignore"):
+        return np.log(w_lm * p + out)
+
+
+@pytest.mark.parametrize("refs", [1, 2, 3])
+def test_rule_mixture_is_the_papers_rule_for_any_number_of_references(refs):
+    rng = np.random.default_rng(refs)
+    n = 400
+    logp = random_logp(rng, n, 2 + refs)
+    names = ["ngram"] + [f"ngram{r + 1}" for r in range(1, refs)]
+    comps = ("lm", "knn", *names)
+    flags = {c: rng.random(n) < 0.4 for c in names}
+    pairs = {c: (float(rng.uniform(0.05, 0.3)), float(rng.uniform(0, 0.1))) for c in names}
+    pairs[names[0]] = (0.4, 0.0)  # a weight 0 in the dense state only
+    fixed = {"knn": 0.15}
+    mix = rule_mixture(comps, {**fixed, **pairs})
+    assert mix.form == "rule"
+    by_name = {c: torch.from_numpy(logp[:, i]) for i, c in enumerate(comps)}
+    got = mix.mix(by_name, sparse_state_features(flags)).numpy()
+    want = np_rule(logp[:, 0], {c: (logp[:, i], flags.get(c)) for i, c in enumerate(comps)}, fixed, pairs)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # the order the memories come in does not matter: they are mixed by name
+    shuffled = dict(reversed(list(by_name.items())))
+    np.testing.assert_allclose(mix.mix(shuffled, sparse_state_features(flags)).numpy(), got, rtol=0, atol=0)
+
+
+def test_rule_mixture_scales_weights_calibrated_apart_so_the_lm_keeps_its_share():
+    # Λ = 0.3, S = 0.8 + 0.4 > 0.7: both pairs scaled by (1 - 0.3) * 0.8 / 1.2
+    mix = rule_mixture(("lm", "knn", "ngram", "ngram2"), {"knn": 0.3, "ngram": (0.8, 0.1), "ngram2": (0.4, 0.2)})
+    flags = {"ngram": np.array([1, 1, 0, 0], bool), "ngram2": np.array([1, 0, 1, 0], bool)}
+    lam = mix.log_weights(mix.features_of(sparse_state_features(flags), 4)).exp().numpy()
+    s = 0.7 * 0.8 / 1.2
+    want_ng = np.array([0.8, 0.8, 0.1, 0.1]) * s
+    want_ng2 = np.array([0.4, 0.2, 0.4, 0.2]) * s
+    np.testing.assert_allclose(lam[:, 2], want_ng, atol=1e-15)
+    np.testing.assert_allclose(lam[:, 3], want_ng2, atol=1e-15)
+    np.testing.assert_allclose(lam[:, 1], 0.3, atol=1e-15)
+    np.testing.assert_allclose(lam[:, 0], 1 - 0.3 - want_ng - want_ng2, atol=1e-15)
+    with pytest.raises(MemlmError, match="LM's weight would be <= 0"):
+        rule_mixture(("lm", "knn", "cache"), {"knn": 0.7, "cache": 0.4})
+    with pytest.raises(MemlmError, match="not memories of this mixture"):
+        rule_mixture(("lm", "knn"), {"ngram": (0.1, 0.1)})
+
+
+def test_rule_mixture_constant_weights_are_khandelwals_lambda_and_the_cache():
+    rng = np.random.default_rng(7)
+    logp = random_logp(rng, 300, 3)
+    mix = rule_mixture(("lm", "knn", "cache"), {"knn": 0.25, "cache": 0.1})
+    assert mix.form == "constant"
+    got = mix.mix({"lm": torch.from_numpy(logp[:, 0]), "knn": torch.from_numpy(logp[:, 1]),
+                   "cache": torch.from_numpy(logp[:, 2])})  # fmt: skip
+    with np.errstate(divide="ignore"):
+        want = np.log(0.65 * np.exp(logp[:, 0]) + 0.25 * np.exp(logp[:, 1]) + 0.1 * np.exp(logp[:, 2]))
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+    # λ = 1: the memory alone, to float precision (the LM keeps e^-700)
+    alone = rule_mixture(("lm", "knn"), {"knn": 1.0}).mix({"lm": torch.from_numpy(logp[:, 0]),
+                                                           "knn": torch.from_numpy(logp[:, 1])})  # fmt: skip
+    finite = np.isfinite(logp[:, 1])
+    np.testing.assert_allclose(alone.numpy()[finite], logp[finite, 1], rtol=0, atol=1e-12)
+
+
+def test_mixing_whole_distributions_is_the_rule_at_every_word():
+    rng = np.random.default_rng(3)
+    rows, vocab = 5, 50
+    dists = {}
+    for c in ("lm", "knn", "ngram"):
+        x = rng.random((rows, vocab))
+        if c != "lm":
+            x[rng.random((rows, vocab)) < 0.5] = 0.0
+        dists[c] = x / x.sum(1, keepdims=True)
+    flags = {"ngram": np.array([1, 0, 1, 0, 0], bool)}
+    mix = rule_mixture(("lm", "knn", "ngram"), {"knn": 0.2, "ngram": (0.5, 0.05)})
+    with np.errstate(divide="ignore"):
+        got = mix.mix({c: torch.from_numpy(np.log(d)).float() for c, d in dists.items()},
+                      sparse_state_features(flags))  # fmt: skip
+    assert got.shape == (rows, vocab) and got.dtype == torch.float32
+    lam = np.where(flags["ngram"], 0.5, 0.05)[:, None]
+    want = (0.8 - lam) * dists["lm"] + 0.2 * dists["knn"] + lam * dists["ngram"]
+    np.testing.assert_allclose(got.exp().numpy(), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got.exp().sum(1).numpy(), 1.0, atol=1e-5)
+
+
+def test_mixing_by_name_refuses_other_memories_or_missing_features():
+    mix = rule_mixture(("lm", "ngram"), {"ngram": (0.3, 0.1)})
+    lp = torch.zeros(3)
+    with pytest.raises(MemlmError, match="the memories gave lm, knn"):
+        mix.mix({"lm": lp, "knn": lp}, sparse_state_features({"ngram": np.ones(3, bool)}))
+    with pytest.raises(MemlmError, match="needs the features sparse_state"):
+        mix.mix({"lm": lp, "ngram": lp}, {})

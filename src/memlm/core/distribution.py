@@ -52,6 +52,7 @@ __all__ = [
     "knn_weights",
     "mask_to_k",
     "memory_lse",
+    "mix_log_distributions",
     "mix_logprobs",
     "mix_logprobs_per_token",
     "mixture_posterior",
@@ -335,6 +336,31 @@ def log_weights_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """``log softmax_i(a_i)`` over the last dim: a gate's mixture weights ``log λ_i = a_i - log sum_j e^{a_j}``
     (:mod:`memlm.core.mixture`, ``a = W φ + b``). ``logits`` float ``[..., C]``, finite."""
     return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def mix_log_distributions(logprobs: Sequence[torch.Tensor], log_weights: torch.Tensor) -> torch.Tensor:
+    """``log sum_i λ_ti p_ti`` with per-row weights, for targets or whole distributions::
+
+        log P(w | c_t) = logsumexp_i(log λ_ti + log p_i(w | c_t))
+
+    ``logprobs[i]`` is component i's log-probabilities, ``[N]`` (of each target) or ``[N, V]`` (over the
+    vocabulary); ``log_weights`` ``[N, C]`` (``-inf`` = weight 0: that component contributes nothing there, whatever
+    it holds). Accumulated one component at a time (no ``[N, V, C]`` tensor), in the floating dtype of the
+    log-probabilities (float64 when the weights are and the inputs are one value per row)."""
+    if not logprobs or log_weights.ndim != 2 or log_weights.shape[1] != len(logprobs):
+        raise MemlmError(f"mix_log_distributions needs [rows, {len(logprobs)}] log-weights, one column per "
+                         f"component; got {tuple(log_weights.shape)}")  # fmt: skip
+    first = torch.as_tensor(logprobs[0])
+    dtype = torch.promote_types(first.dtype, torch.float32)
+    if first.ndim == 1:
+        dtype = torch.promote_types(dtype, log_weights.dtype)
+    out = None
+    for i, lp in enumerate(logprobs):
+        lp = torch.as_tensor(lp).to(dtype)
+        lw = log_weights[:, i].to(device=lp.device, dtype=dtype).reshape(-1, *([1] * (lp.ndim - 1)))
+        term = torch.where(torch.isneginf(lw), _NINF, lw + lp)
+        out = term if out is None else torch.logaddexp(out, term)
+    return out
 
 
 def mixture_posterior(logprobs: torch.Tensor, log_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from memlm.core.distribution import log_weights_from_logits, mixture_posterior
+from memlm.core.distribution import log_weights_from_logits, mix_log_distributions, mixture_posterior
 from memlm.errors import MemlmError
 
 __all__ = [
@@ -47,6 +47,9 @@ __all__ = [
     "FitOptions",
     "Mixture",
     "MixtureFit",
+    "LOG_WEIGHT_FLOOR",
+    "rule_mixture",
+    "sparse_state_features",
     "fit_constant",
     "fit_gate",
     "fit_guarded",
@@ -56,8 +59,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMS = ("lm", "constant", "gate")
-"""The forms a fitted mixture takes: the LM alone, constant weights, the gate."""
+FORMS = ("lm", "constant", "gate", "rule")
+"""The forms a mixture takes: the LM alone, constant weights, the gate, and the fixed-weight rule (constant weights
+switched by each ∞-gram's sparse flag, :func:`rule_mixture`)."""
+
+LOG_WEIGHT_FLOOR = -700.0
+"""The log-weight a rule gives a component whose weight is 0 in some states only (a gate's logits are finite):
+e^-700 < 1e-304, below float64's precision beside the LM's term (log p_LM > -700 on any real token)."""
 
 # Below these sizes the guard's comparison is mostly noise and the slice rarely represents the text it will be used
 # on. The kept quarter of 4,096 tokens holds 1,024. On issue 35's stdlib case (benchmarks/quality/mixture_stdlib.py) the
@@ -185,6 +193,32 @@ class Mixture:
         """``log P(target)`` per token, float64 ``[N]``."""
         lp, ft = self._inputs(logprobs, features)
         return mixture_posterior(lp, self._log_weights(ft))[0]
+
+    def features_of(self, named: Mapping[str, Any], rows: int) -> torch.Tensor:
+        """``φ [rows, F]`` float64 from features given by name (each ``[rows]``): the columns this mixture uses, in
+        its order, or one MemlmError naming the features missing."""
+        missing = [f for f in self.feature_names if f not in named]
+        if missing:
+            raise MemlmError(f"the mixture needs the features {', '.join(missing)}, which its memories did not give "
+                             f"(it was made for components {', '.join(self.components)}): give the same memories "
+                             "it was fitted on")  # fmt: skip
+        if not self.feature_names:
+            return torch.zeros(rows, 0, dtype=torch.float64)
+        return torch.stack([_float64(named[f], f).reshape(rows) for f in self.feature_names], dim=1)
+
+    def mix(self, logprobs: Mapping[str, Any], features: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """``log P`` of the mixture from each component's log-probabilities by name: ``[N]`` (of each target) or
+        ``[N, V]`` (over the vocabulary: a generation step, a wrapped forward pass), and the features by name
+        (:meth:`features_of`); one row of weights ``λ(c_t)`` per context. The one place every consumer mixes."""
+        missing = [c for c in self.components if c not in logprobs]
+        extra = [c for c in logprobs if c not in self.components]
+        if missing or extra:
+            raise MemlmError(f"the mixture mixes {', '.join(self.components)}; the memories gave "
+                             f"{', '.join(logprobs) or 'nothing'}: give the memories it was made for, in any order "
+                             "(a stored fit: the ones it was fitted on)")  # fmt: skip
+        comps = [torch.as_tensor(logprobs[c]) for c in self.components]
+        rows = comps[0].shape[0]
+        return mix_log_distributions(comps, self._log_weights(self.features_of(features or {}, rows)))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (``b = -inf``, weight 0, is written as null)."""
@@ -408,3 +442,108 @@ def fit_guarded(
     mean_weights = mixture.log_weights(ft).exp().mean(0).tolist()
     return MixtureFit(mixture, int(lp.shape[0]), n_docs, int((~kept).sum()), int(kept.sum()), split, heldout,
                       mean_weights, warnings, options)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the fixed-weight rule
+
+
+def sparse_state_features(flags: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """One-hot columns of the joint state of each ∞-gram's sparse flag (by component name, in the order given):
+    ``sparse_state:<c1>=0,<c2>=1`` is 1 where ``c1``'s P∞ is not sparse and ``c2``'s is. A gate on them is any
+    table of weights per state (:func:`rule_mixture`)."""
+    names = list(flags)
+    cols = [torch.as_tensor(np.asarray(flags[c])).reshape(-1).bool() for c in names]
+    out = {}
+    for bits in _states(len(names)):
+        on = torch.ones_like(cols[0]) if cols else torch.ones(0, dtype=torch.bool)
+        for col, bit in zip(cols, bits, strict=True):
+            on = on & (col if bit else ~col)
+        out[_state_name(names, bits)] = on.double()
+    return out
+
+
+def _states(r: int) -> list[tuple[bool, ...]]:
+    return [tuple(bool(i >> (r - 1 - j) & 1) for j in range(r)) for i in range(2**r)]
+
+
+def _state_name(names: Sequence[str], bits: Sequence[bool]) -> str:
+    return "sparse_state:" + ",".join(f"{c}={int(b)}" for c, b in zip(names, bits, strict=True))
+
+
+def rule_mixture(components: Sequence[str], weights: Mapping[str, float | Sequence[float]]) -> Mixture:
+    """The fixed-weight rule as a :class:`Mixture`: every paper's constant λ, and infini-gram's λ_sparse / λ_dense.
+
+    ``weights`` by component (missing: 0): a number is a constant weight (the kNN-LM's λ, Khandelwal et al. 2020
+    Eq. 3; the cache's λc, Table 1); a pair ``(λ_sparse, λ_dense)`` is an ∞-gram's weight, λ_sparse where its P∞ is
+    sparse (Liu et al. 2024, Sec. 5). The LM takes what is left::
+
+        λ_0(c) = 1 - Σ_j λ_j - Σ_r λ_r(c),     λ_r(c) = λ_sparse,r if P∞_r(· | c) is sparse else λ_dense,r
+
+    When the ∞-gram weights do not fit beside the constant ones (Λ + S > 1, ``Λ = Σ_j λ_j``,
+    ``S = Σ_r max(λ_sparse,r, λ_dense,r)``: weights calibrated apart, one memory at a time), they are all scaled by
+    ``(1 - Λ) W / S`` (W the largest of them): the references share, in proportion, what one reference of weight W
+    would get beside the constant ones, so the LM keeps at least ``(1 - Λ)(1 - W)``. Constant weights alone must
+    leave the LM > 0. With ∞-grams the result is a gate on :func:`sparse_state_features` (one weight table per joint
+    state, exact for any number of references; a weight 0 in some states only is :data:`LOG_WEIGHT_FLOOR`)."""
+    components = tuple(components)
+    if not components or components[0] != "lm":
+        raise MemlmError(f"the rule's components start with the LM ('lm'), got {components}")
+    unknown = [c for c in weights if c not in components[1:]]
+    if unknown:
+        raise MemlmError(f"weights given for {', '.join(unknown)}, which are not memories of this mixture "
+                         f"({', '.join(components[1:]) or 'none'})")  # fmt: skip
+    fixed: dict[str, float] = {}
+    pairs: dict[str, tuple[float, float]] = {}
+    for c in components[1:]:
+        w = weights.get(c, 0.0)
+        if isinstance(w, int | float):
+            fixed[c] = float(w)
+        else:
+            w = tuple(float(x) for x in w)
+            if len(w) != 2:
+                raise MemlmError(f"{c}: give one weight, or (λ_sparse, λ_dense); got {w}")
+            pairs[c] = w  # type: ignore[assignment]
+    values = list(fixed.values()) + [x for p in pairs.values() for x in p]
+    if any(not math.isfinite(v) or v < 0 or v > 1 for v in values):
+        raise MemlmError(f"every weight must be in [0, 1], got {dict(weights)}")
+    total_fixed = sum(fixed.values())
+    if total_fixed >= 1.0 - 1e-12 and (total_fixed > 1.0 + 1e-9 or any(max(p) > 0 for p in pairs.values())):
+        raise MemlmError(f"the memories' constant weights sum to {total_fixed:g}: the LM's weight would be <= 0; "
+                         "give smaller weights")  # fmt: skip
+    tops = [max(p) for p in pairs.values()]
+    if tops and total_fixed + sum(tops) > 1.0:
+        scale = (1.0 - total_fixed) * max(tops) / sum(tops)
+        pairs = {c: (p[0] * scale, p[1] * scale) for c, p in pairs.items()}
+    if not pairs:
+        w0 = max(0.0, 1.0 - total_fixed)
+        if w0 <= 0:  # λ = 1: the memory alone (a tuning grid's end); the LM keeps e^-700, below float precision
+            return _table_mixture(components, [], {(): [math.exp(LOG_WEIGHT_FLOOR), *fixed.values()]})
+        return Mixture.constant(components, [w0, *(fixed[c] for c in components[1:])])
+    names = list(pairs)
+    table = {}
+    for bits in _states(len(names)):
+        w = {c: (pairs[c][0] if bit else pairs[c][1]) for c, bit in zip(names, bits, strict=True)}
+        w.update(fixed)
+        table[bits] = [max(0.0, 1.0 - sum(w.values())), *(w[c] for c in components[1:])]
+    return _table_mixture(components, names, table)
+
+
+def _table_mixture(components: tuple[str, ...], names: list[str], table: dict) -> Mixture:
+    """A gate on :func:`sparse_state_features` of ``names`` giving ``table[state]`` (weights, LM first) in each
+    state: ``b = 0``, ``W[i, state] = log(λ_i / λ_0)`` there (floored), ``b_i = -inf`` for a memory at 0 in every
+    state. Without states (``names`` empty) a constant mixture whose weights may floor the LM."""
+    states = list(table)
+    feature_names = tuple(_state_name(names, bits) for bits in states) if names else ()
+    W = np.zeros((len(components), len(feature_names)))
+    b = np.zeros(len(components))
+    with np.errstate(divide="ignore"):
+        logs = {s: np.maximum(np.log(np.asarray(table[s], dtype=np.float64)), LOG_WEIGHT_FLOOR) for s in states}
+    for i in range(1, len(components)):
+        if all(table[s][i] == 0 for s in states):
+            b[i] = -math.inf
+        elif not names:
+            b[i] = logs[()][i] - logs[()][0]
+        else:
+            W[i] = [logs[s][i] - logs[s][0] for s in states]
+    f = len(feature_names)
+    return Mixture(components, feature_names, W, b, np.zeros(f), np.ones(f), "rule")

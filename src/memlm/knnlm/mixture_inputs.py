@@ -34,7 +34,7 @@ from memlm.core.distribution import memory_lse
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import TokenScores, memory_logprob
 
-__all__ = ["MixtureInputs", "mixture_inputs", "ngram_component"]
+__all__ = ["MixtureInputs", "lm_features", "mixture_inputs", "ngram_component", "ngram_features", "retrieval_features"]
 
 
 def ngram_component(r: int) -> str:
@@ -54,7 +54,35 @@ class MixtureInputs:
     doc_index: np.ndarray
 
 
-def _retrieval_features(scores, values, targets, temperature, k, log_counts) -> dict[str, np.ndarray]:
+def lm_features(lm_logprobs: torch.Tensor) -> dict[str, np.ndarray]:
+    """``lm_entropy``, ``lm_max_logprob`` of each row of the LM's log-distribution ``[N, V]`` (a generation step, a
+    wrapped forward pass; a dump stores them from the forward pass)."""
+    lp = lm_logprobs.double()
+    return {"lm_entropy": -(lp.exp() * lp).nan_to_num(0.0).sum(-1).cpu().numpy(),
+            "lm_max_logprob": lp.max(-1).values.cpu().numpy()}  # fmt: skip
+
+
+def ngram_features(name: str, n, count, sparse) -> dict[str, np.ndarray]:
+    """``<name>_log_n``, ``<name>_log_count``, ``<name>_sparse`` of an ∞-gram's effective n, suffix count and sparse
+    flag per row (module docstring)."""
+    return {
+        f"{name}_log_n": np.log1p(np.maximum(np.asarray(n), 0).astype(np.float64)),
+        f"{name}_log_count": np.log1p(np.maximum(np.asarray(count), 0).astype(np.float64)),
+        f"{name}_sparse": np.asarray(sparse).astype(np.float64),
+    }
+
+
+def retrieval_features(name: str, scores, values, temperature: float, k: int | None = None, log_counts=None,
+                       cache: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
+    """A dense memory's features from its k retrieved (score, value) rows ``[N, k]``: ``<name>_top_score``,
+    ``<name>_logsumexp``, ``<name>_top_value_share``, ``<name>_empty`` (the cache: top score and empty only)."""
+    found = _retrieval_features(np.asarray(scores), np.asarray(values), temperature, k,
+                                None if log_counts is None else np.asarray(log_counts))  # fmt: skip
+    keep = ("top_score", "empty") if cache else tuple(found)
+    return {f"{name}_{f}": found[f] for f in keep}
+
+
+def _retrieval_features(scores, values, temperature, k, log_counts) -> dict[str, np.ndarray]:
     """Top score, log-sum-exp of the scores / τ, the top value's share and the empty flag of k retrieved entries."""
     k = scores.shape[1] if k is None else k
     s = torch.from_numpy(np.ascontiguousarray(scores[:, :k]))
@@ -95,20 +123,16 @@ def mixture_inputs(
     if ts.knn_scores is not None:
         comps["knn"] = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k,
                                       ts.knn_log_counts).double().numpy()  # fmt: skip
-        found = _retrieval_features(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
-        feats.update({f"knn_{name}": col for name, col in found.items()})
+        feats.update(retrieval_features("knn", ts.knn_scores, ts.knn_values, temperature, k, ts.knn_log_counts))
     for r, (logprob, n, count, sparse) in enumerate(_ngram_columns(ts)):
         name = ngram_component(r)
         comps[name] = logprob.astype(np.float64)
-        feats[f"{name}_log_n"] = np.log1p(np.maximum(n, 0).astype(np.float64))
-        feats[f"{name}_log_count"] = np.log1p(np.maximum(count, 0).astype(np.float64))
-        feats[f"{name}_sparse"] = sparse.astype(np.float64)
+        feats.update(ngram_features(name, n, count, sparse))
     if ts.cache_scores is not None:
         comps["cache"] = (
             memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature).double().numpy()
         )
-        found = _retrieval_features(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature, None, None)
-        feats.update(cache_top_score=found["top_score"], cache_empty=found["empty"])
+        feats.update(retrieval_features("cache", ts.cache_scores, ts.cache_values, cache_temperature, cache=True))
     return MixtureInputs(
         logprobs=np.stack(list(comps.values()), axis=1),
         features=np.stack([np.asarray(c, dtype=np.float64) for c in feats.values()], axis=1),
