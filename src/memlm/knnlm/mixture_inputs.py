@@ -34,12 +34,26 @@ from memlm.core.distribution import memory_lse
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import TokenScores, memory_logprob
 
-__all__ = ["MixtureInputs", "lm_features", "mixture_inputs", "ngram_component", "ngram_features", "retrieval_features"]
+__all__ = [
+    "MixtureInputs",
+    "component_name",
+    "lm_features",
+    "mixture_inputs",
+    "ngram_component",
+    "ngram_features",
+    "retrieval_features",
+]
+
+
+def component_name(kind: str, r: int) -> str:
+    """The mixture component name of the ``r``-th memory (0-based) of a kind (``knn``, ``ngram``, ``cache``): the
+    kind, then ``<kind>2``, ``<kind>3``, ... (two datastores: knn, knn2; two ∞-gram indexes: ngram, ngram2)."""
+    return kind if r == 0 else f"{kind}{r + 1}"
 
 
 def ngram_component(r: int) -> str:
     """The mixture component name of the dump's ``r``-th ∞-gram reference (0-based): ngram, ngram2, ngram3, ..."""
-    return "ngram" if r == 0 else f"ngram{r + 1}"
+    return component_name("ngram", r)
 
 
 @dataclass(frozen=True)
