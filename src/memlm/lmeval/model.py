@@ -161,28 +161,29 @@ def _read_fit(mixture: Any) -> DumpMixture | Mixture | None:
     return DumpMixture.from_dict(mixture, "mixture=")
 
 
-def _split_memories(items: Sequence[Any], max_n: int | None) -> tuple[list, list]:
-    """``(dense, ngram)``: each memory of ``items`` by kind, in order. A folder is opened as what it holds (a
-    datastore, plain or sharded, or an ∞-gram index); an open datastore, any memory with a ``key_spec``, an open
+def _split_memories(datastore: Any, ngram: Any, memories: Any, max_n: int | None) -> tuple[list, list]:
+    """``(dense, ngram)``: each memory by kind, in order (``datastore=``'s, then ``ngram=``'s, then ``memories``).
+    A folder of ``memories`` is opened as what it holds (a datastore, plain or sharded, or an ∞-gram index;
+    :func:`memlm.storage.folder.artifact_kind`), one of ``datastore=`` / ``ngram=`` as that kind (another kind is
+    refused, named); an open datastore, any memory with a ``key_spec``, an open
     :class:`memlm.ngram.memory.NgramMemory` or :class:`memlm.ngram.index.NgramIndex` is taken as it is."""
-    dense, ngram = [], []
-    for item in items:
-        if isinstance(item, str | Path) and artifact_kind(item) == "∞-gram index":
-            from memlm.ngram.memory import NgramMemory
+    dense, ngrams = [], []
+    for kind, items in (("datastore", datastore), ("∞-gram index", ngram), (None, memories)):
+        for item in _as_list(items):
+            path = isinstance(item, str | Path)
+            opened = type(item).__name__ in ("NgramMemory", "NgramIndex")  # without importing infini-gram
+            if opened or (kind or (artifact_kind(item) if path else None)) == "∞-gram index":
+                from memlm.ngram.memory import NgramMemory
 
-            ngram.append(NgramMemory(item, max_n))
-        elif isinstance(item, str | Path):
-            dense.append(open_datastore(item))
-        elif type(item).__name__ in ("NgramMemory", "NgramIndex"):
-            from memlm.ngram.memory import NgramMemory
-
-            ngram.append(item if isinstance(item, NgramMemory) else NgramMemory(item, max_n))
-        elif isinstance(item, DatastoreBase | Memory):
-            dense.append(item)
-        else:
-            raise MemlmError(f"memories= holds a {type(item).__name__}: give datastore or ∞-gram index folders, "
-                             "open datastores, memories (search + key_spec) or NgramMemory objects")  # fmt: skip
-    return dense, ngram
+                ngrams.append(item if isinstance(item, NgramMemory) else NgramMemory(item, max_n))
+            elif path:
+                dense.append(open_datastore(item))
+            elif isinstance(item, DatastoreBase | Memory):
+                dense.append(item)
+            else:
+                raise MemlmError(f"memories= holds a {type(item).__name__}: give datastore or ∞-gram index folders, "
+                                 "open datastores, memories (search + key_spec) or NgramMemory objects")  # fmt: skip
+    return dense, ngrams
 
 
 def _fit_record(fit: DumpMixture) -> dict[str, Any]:
@@ -252,8 +253,7 @@ class MemlmLM(TemplateLM):
             raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        dense, ngrams = _split_memories([*_as_list(datastore), *_as_list(ngram), *_as_list(memories)],
-                                        ngram_options.get("ngram_max_n"))  # fmt: skip
+        dense, ngrams = _split_memories(datastore, ngram, memories, ngram_options.get("ngram_max_n"))
         self.cache = config.cache
         config = self._open_dense(dense, config, weights, retrieval.get("k"))
         self.window, self.min_context = int(config.window or DEFAULT_WINDOW), int(config.min_context or 0)
@@ -306,7 +306,7 @@ class MemlmLM(TemplateLM):
             name, origin = component_name("knn", r), None
             if fit is None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
                 lam_r, tau_r, origin = knn_parameters(source, lam_r, tau_r, setting=setting)
-            elif fit is not None and name == "knn" and fit.temperature is not None:
+            elif fit is not None and fit.temperature is not None:  # the fit's kNN τ: every datastore's
                 tau_r, origin = fit.temperature, "the fitted mixture's"
             self.dense.append(_Dense(name, source, None, lam_r, 1.0 if tau_r is None else float(tau_r), origin))
         self.cache_lambda = float(config.cache_lambda) if self.cache and self.fit is None else 0.0
