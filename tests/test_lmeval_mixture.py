@@ -307,3 +307,32 @@ def test_cli_lm_eval_with_a_fit_records_the_mixture_and_refuses_other_memories(
     )
     got = json.loads(out.read_text())["results"]["memlm_wikitext2"]["word_perplexity,none"]
     assert got == pytest.approx(math.exp(-ll / len(re.split(r"\s+", page))), rel=1e-6)
+
+
+def test_lm_eval_and_memlm_eval_mix_a_fit_alike(tiny_lm, memories, tmp_path):
+    """The same stored gate on the same text over several sliding windows: MemlmLM's rolling log P of every token
+    equals memlm eval's (its dump of the datastore, ∞-gram and cache, mixed by DumpMixture.logprob): one mixture, the
+    same features in both places."""
+    from conftest import Doc
+
+    from memlm.knnlm.evaluate import score_tokens
+    from memlm.ngram.memory import NgramMemory
+
+    model, tok = tiny_lm
+    (ds1, _), (ng1, _), _ = memories
+    fit, _ = _gate_file(tmp_path / "fit.json", ["lm", "knn", "ngram", "cache"], seed=7)
+    text = " ".join(d.text for d in make_toy_docs(6, seed=5))
+    window, min_context = 40, 12
+    lm = MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ng1.path], cache=True, mixture=str(fit),
+                 window=window, min_context=min_context, batch_size=3, prefix_token_id=tok.eos_token_id)  # fmt: skip
+    tokens = _ids(tok, text)
+    assert len(tokens) > 3 * window  # several windows
+    got = lm.rolling_token_logprobs(tokens)
+    # memlm eval on the stream [EOS] + text + [EOS]: an empty document, then the text
+    docs = [Doc("empty", ""), Doc("text", text)]
+    ts = score_tokens(model, tok, docs, ds1, k=K, window=window, min_context=min_context, cache=True, progress=False)
+    NgramMemory(ng1).attach(ts, docs, tok)
+    dump_mixture = DumpMixture.from_dict(json.loads(fit.read_text()))
+    want = dump_mixture.logprob(ts).numpy()
+    assert len(want) == len(tokens) + 1  # the text's tokens, then the final EOS
+    np.testing.assert_allclose(got, want[: len(tokens)], rtol=1e-5)
