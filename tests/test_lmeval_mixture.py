@@ -241,6 +241,14 @@ def test_memories_as_one_list_equal_the_keyword_form_and_the_rule(tiny_lm, memor
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert listed.memory_settings["ngram_lambda_sparse"] == [0.9, 0.6]  # as given; the mixture records what mixed
     assert listed.memory_settings["mixture"] == keyword.memory_settings["mixture"]
+    # generation mixes the same shared weights: greedy decoding picks the argmax of the mixture by hand at each step
+    from lm_eval.api.instance import Instance
+    from test_ngram_multi import _greedy_by_hand
+
+    prompt = "the old river"
+    (text,) = listed.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 4}), 0)])
+    want = _greedy_by_hand(model, _ids(tok, prompt), 4, [b1, b2], pairs, lam=0.5, ds=ds1, k=K, tau=TAU)
+    assert text == tok.decode(want)
 
 
 def test_two_datastores_each_at_its_own_weight(tiny_lm, memories):
