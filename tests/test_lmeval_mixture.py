@@ -201,6 +201,9 @@ def test_a_fit_for_other_memories_is_refused_before_scoring(tiny_lm, memories, t
         MemlmLM(**base, memories=[ng1.path, ng2.path], cache=True)
     with pytest.raises(MemlmError, match="these memories give lm, knn, ngram:"):
         MemlmLM(**base, memories=[ds1.path, ng1.path])  # no cache
+    with pytest.raises(MemlmError, match="these memories give lm, knn, knn2, cache:"):
+        # refused before the model loads (there is none at that path)
+        MemlmLM(model=str(tmp_path / "no-model"), mixture=str(fit), memories=[ds1.path, ds1.path], cache=True)
     with pytest.raises(MemlmError, match="mixture= gives the weights; lam would be ignored"):
         MemlmLM(**base, memories=[ds1.path, ng1.path], cache=True, lam=0.2)
     with pytest.raises(MemlmError, match="fitted with k=8"):

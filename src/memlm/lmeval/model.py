@@ -245,6 +245,12 @@ class MemlmLM(TemplateLM):
         if self.fit is not None and given:
             raise MemlmError(f"mixture= gives the weights; {', '.join(given)} would be ignored: leave them out, or "
                              "drop mixture= to mix with the fixed weights")  # fmt: skip
+        dense, ngrams = _split_memories(datastore, ngram, memories, ngram_options.get("ngram_max_n"))
+        self.cache = config.cache
+        self.ngram_names = [component_name("ngram", r) for r in range(len(ngrams))]
+        self.components = ("lm", *(component_name("knn", r) for r in range(len(dense))), *self.ngram_names,
+                           *(["cache"] if self.cache else []))  # fmt: skip
+        self._check_fit()  # before the model loads
         if isinstance(model, str | Path):
             from memlm.models.resources import load_causal_lm
 
@@ -253,8 +259,6 @@ class MemlmLM(TemplateLM):
             raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        dense, ngrams = _split_memories(datastore, ngram, memories, ngram_options.get("ngram_max_n"))
-        self.cache = config.cache
         config = self._open_dense(dense, config, weights, retrieval.get("k"))
         self.window, self.min_context = int(config.window or DEFAULT_WINDOW), int(config.min_context or 0)
         if self.window < 2 or not 1 <= self.min_context < self.window:
@@ -263,8 +267,7 @@ class MemlmLM(TemplateLM):
                 "need window >= 2 and 1 <= min_context < window"
             )
         self._approximate: dict[str, dict[str, Any]] = {}  # what was approximate, by request type (memory_settings)
-        self.ngrams, self.ngram_names, self.ngram_weights = self._open_ngrams(ngrams, ngram_options)
-        self.components = ("lm", *(d.name for d in self.dense), *self.ngram_names, *(["cache"] if self.cache else []))
+        self.ngrams, self.ngram_weights = self._open_ngrams(ngrams, ngram_options)
         self.mixture = self._make_mixture()
         max_length = harness.get("max_length")
         self._max_length = int(max_length) if max_length is not None else self.window
@@ -306,7 +309,7 @@ class MemlmLM(TemplateLM):
             name, origin = component_name("knn", r), None
             if fit is None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
                 lam_r, tau_r, origin = knn_parameters(source, lam_r, tau_r, setting=setting)
-            elif fit is not None and fit.temperature is not None:  # the fit's kNN τ: every datastore's
+            elif fit.temperature is not None:  # the fit's kNN τ: every datastore's
                 tau_r, origin = fit.temperature, "the fitted mixture's"
             self.dense.append(_Dense(name, source, None, lam_r, 1.0 if tau_r is None else float(tau_r), origin))
         self.cache_lambda = float(config.cache_lambda) if self.cache and self.fit is None else 0.0
@@ -325,38 +328,42 @@ class MemlmLM(TemplateLM):
                                      cache_temperature=cache_temperature)  # fmt: skip
         return self.config
 
-    def _open_ngrams(self, memories: list, options: dict) -> tuple[list, list[str], list[tuple[float, float]]]:
-        """The ∞-gram memories checked against the tokenizer (each index once), their component names, and each
-        one's (λ_sparse, λ_dense) (given: one value or one per index; else its calibration; none with a fit)."""
+    def _open_ngrams(self, memories: list, options: dict) -> tuple[list, list[tuple[float, float]]]:
+        """The ∞-gram memories checked against the tokenizer (each index once) and each one's (λ_sparse, λ_dense)
+        (given: one value or one per index; else its calibration; none with a fit)."""
         from memlm.ngram.mixture import ngram_parameters, per_index_lambdas
 
         if not memories:
-            return [], [], []
+            return [], []
         paths = [Path(m.index.path).resolve() for m in memories]
         if len(set(paths)) < len(paths):
             raise MemlmError(f"ngram= needs each ∞-gram index once, got {[str(p) for p in paths]}")
         for memory in memories:
             memory.index.check_tokenizer(self.tokenizer)
-        names = [component_name("ngram", r) for r in range(len(memories))]
         if self.fit is not None:
-            return memories, names, []
+            return memories, []
         given = per_index_lambdas(options.get("ngram_lambda_sparse"), options.get("ngram_lambda_dense"),
                                   len(memories), ("ngram_lambda_sparse", "ngram_lambda_dense"))  # fmt: skip
         weights = [ngram_parameters(m.index, *p, announce=False)[:2] for m, p in zip(memories, given, strict=True)]
-        return memories, names, weights
+        return memories, weights
+
+    def _check_fit(self) -> None:
+        """A fit made for other memories (other kinds, counts or cache) is refused, naming both."""
+        if self.fit is None:
+            return
+        mixture = self.fit.mixture if isinstance(self.fit, DumpMixture) else self.fit
+        if tuple(mixture.components) != self.components:
+            raise MemlmError(
+                f"the mixture mixes {', '.join(mixture.components)}; these memories give "
+                f"{', '.join(self.components)}: give the memories it was fitted on (each datastore and ∞-gram "
+                "index in the same order, the cache if it had one), or fit again with memlm tune --mixture gate"
+            )
 
     def _make_mixture(self) -> Mixture:
-        """The fit's mixture, refused unless made for these memories; else the fixed-weight rule of the weights
-        (each datastore's λ, each ∞-gram's (λ_sparse, λ_dense), the cache's λc; shared as memlm eval shares them)."""
+        """The fit's mixture (:meth:`_check_fit`); else the fixed-weight rule of the weights (each datastore's λ,
+        each ∞-gram's (λ_sparse, λ_dense), the cache's λc; shared as memlm eval shares them)."""
         if self.fit is not None:
-            mixture = self.fit.mixture if isinstance(self.fit, DumpMixture) else self.fit
-            if tuple(mixture.components) != self.components:
-                raise MemlmError(
-                    f"the mixture mixes {', '.join(mixture.components)}; these memories give "
-                    f"{', '.join(self.components)}: give the memories it was fitted on (each datastore and ∞-gram "
-                    "index in the same order, the cache if it had one), or fit again with memlm tune --mixture gate"
-                )
-            return mixture
+            return self.fit.mixture if isinstance(self.fit, DumpMixture) else self.fit
         weights: dict[str, Any] = {d.name: float(d.lam or 0.0) for d in self.dense}
         weights.update(zip(self.ngram_names, self.ngram_weights, strict=True))
         if self.cache:
