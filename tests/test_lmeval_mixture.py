@@ -318,6 +318,15 @@ def test_cli_lm_eval_with_a_fit_records_the_mixture_and_refuses_other_memories(
     )
     got = json.loads(out.read_text())["results"]["memlm_wikitext2"]["word_perplexity,none"]
     assert got == pytest.approx(math.exp(-ll / len(re.split(r"\s+", page))), rel=1e-6)
+    # two --datastore: two memories at the rule's weights, both checked for leakage
+    (_, ds2), _, _ = memories
+    two = [*base[: base.index("--mixture")], "--out", str(out), "--datastore", str(ds1.path), "--datastore",
+           str(ds2.path), "--lambda", "0.1", "--k", "8"]  # fmt: skip
+    assert main(two) == 0
+    record = json.loads(out.read_text())
+    assert [m["component"] for m in record["memlm"]["memories"]] == ["knn", "knn2"]
+    assert record["memlm"]["mixture"]["components"] == ["lm", "knn", "knn2"] and record["memlm"]["mixture_fit"] is None
+    assert record["leakage"]["memlm_wikitext2"]["memories"] == [f"datastore {ds1.path}", f"datastore {ds2.path}"]
 
 
 def test_lm_eval_and_memlm_eval_mix_a_fit_alike(tiny_lm, memories, tmp_path):
