@@ -261,7 +261,8 @@ def test_two_datastores_each_at_its_own_weight(tiny_lm, memories):
 
     model, tok = tiny_lm
     (ds1, ds2), _, _ = memories
-    lm = MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ds2.path], lam="0.3|0.2", temperature=TAU, k=K,
+    # lm_eval's --model_args form: memories=DS1|DS2,lam=0.3|0.2
+    lm = MemlmLM(model=model, tokenizer=tok, memories=f"{ds1.path}|{ds2.path}", lam="0.3|0.2", temperature=TAU, k=K,
                  window=64, min_context=32)  # fmt: skip
     assert lm.components == ("lm", "knn", "knn2")
     assert [m["lambda"] for m in lm.memory_settings["memories"]] == [0.3, 0.2]
