@@ -67,8 +67,8 @@ def _forward(model, tok, texts, spec, args, path: Path) -> tuple[TokenScores, np
     prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     t0 = time.perf_counter()
-    lm, targets, docs, keys = rolling_forward(model, ids, [spec], args.window, args.min_context, args.batch_size,
-                                              prefix, pad)  # fmt: skip
+    lm, targets, docs, keys, *_ = rolling_forward(model, ids, [spec], args.window, args.min_context, args.batch_size,
+                                                  prefix, pad)  # fmt: skip
     meta = {"tokens": int(len(targets)), "window": args.window, "min_context": args.min_context,
             "protocol": "lm_eval loglikelihood_rolling (BOS prefix, per article)",
             "seconds_forward": time.perf_counter() - t0}  # fmt: skip

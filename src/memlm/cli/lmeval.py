@@ -42,9 +42,16 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
             f"unknown lm-eval task(s) {unknown}: memlm's offline tasks are {', '.join(TASKS)}; add "
             "--lm-eval-tasks for lm_eval's own tasks (they download their data from the dataset hub)"
         )
+    fit = None
+    if args.mixture:
+        from memlm.cli.knnlm import load_mixture
+
+        fit = load_mixture(args.mixture)
     lm = MemlmLM(
         model=args.model or DEFAULT_MODEL,
         datastore=args.datastore,
+        ngram=args.ngram,
+        mixture=fit,
         lam=args.lam,
         temperature=args.temperature,
         k=args.k,
@@ -58,7 +65,6 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         dtype=args.dtype,
         progress=True,
-        ngram=args.ngram,
         ngram_lambda_sparse=args.ngram_lambda_sparse,
         ngram_lambda_dense=args.ngram_lambda_dense,
         ngram_max_n=args.ngram_max_n,
@@ -96,7 +102,7 @@ def _check_leakage(args: argparse.Namespace, tasks: list[str], lm) -> dict:
     from memlm.leakage import Evaluated, check_leakage
 
     out: dict = {}
-    if lm.datastore is None and not lm.ngrams:
+    if not lm.datastores and not lm.ngrams:
         return out
     for task in tasks:
         if task not in TASK_CORPORA:
@@ -105,7 +111,9 @@ def _check_leakage(args: argparse.Namespace, tasks: list[str], lm) -> dict:
         corpus, split = TASK_CORPORA[task]
         docs = load_documents(corpus, split)
         ev = Evaluated(docs, corpus, split, corpus_fingerprint(docs), label=f"task {task} ({corpus}, split {split})")
-        out[task] = check_leakage(ev, lm.datastore, lm.ngrams, lm.tokenizer, args.allow_overlap)
+        checks = [check_leakage(ev, ds, lm.ngrams if i == 0 else None, lm.tokenizer, args.allow_overlap)
+                  for i, ds in enumerate(lm.datastores or [None])]  # fmt: skip
+        out[task] = {**checks[0], **{k: [x for c in checks for x in c[k]] for k in ("overlap", "notes", "memories")}}
     return out
 
 
@@ -116,13 +124,27 @@ def add_parsers(sub) -> None:
     )
     add_model(le)
     le.add_argument("--tasks", required=True, help="comma-separated: memlm_wikitext2, memlm_imdb, memlm_bbc_topic")
-    le.add_argument("--datastore", default=None, help="kNN-LM datastore folder (none: the bare LM, or cache only)")
+    le.add_argument(
+        "--datastore",
+        default=None,
+        action="append",
+        help="kNN-LM datastore folder (none: the bare LM, or cache only); again for several, each its own memory",
+    )
     add_knn_weights(le)
-    le.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token")
+    le.add_argument("--k", type=V.neighbours, default=None, help="neighbours per token (default 1024; a fit's)")
     le.add_argument("--nprobe", type=V.positive_int, default=32)
     le.add_argument("--cache", action="store_true", help="add the continuous cache (Grave et al. 2017)")
-    le.add_argument("--cache-lambda", type=V.probability, default=0.1)
-    le.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
+    le.add_argument("--cache-lambda", type=V.probability, default=None, help="the cache's weight (default 0.1)")
+    le.add_argument(
+        "--cache-temperature", type=V.positive_float, default=None, help="the cache's τc (default 1; a fit's)"
+    )
+    le.add_argument(
+        "--mixture",
+        default=None,
+        metavar="FIT.json",
+        help="mix with the mixture fitted by memlm tune --mixture gate --json FIT.json (the same memories, in the "
+        "same order, as the dump it was fitted on) instead of the fixed weights",
+    )
     le.add_argument(
         "--window", type=V.positive_int, default=1024, help="sliding window of rolling log-likelihoods (tokens)"
     )

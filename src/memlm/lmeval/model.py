@@ -1,36 +1,42 @@
 """memlm as an lm-evaluation-harness model: any causal LM plus its memories, scored by EleutherAI's ``lm_eval``.
 
-Every score is the memory-augmented distribution of Khandelwal et al. (2020, Eq. 3), with the continuous cache of
-Grave et al. (2017c) as an optional third component (Khandelwal et al., Table 1)::
+Every score is one :class:`memlm.core.mixture.Mixture` of the LM and its memories (issue 35), per scored token::
 
-    p(w | c) = (1 - λ - λc) p_LM(w | c) + λ p_kNN(w | c) + λc p_cache(w | c)
+    p(w | c) = sum_i λ_i(c) p_i(w | c),     i = lm, knn, knn2, ..., ngram, ngram2, ..., cache
 
-    p_kNN(w | c)   = sum_{(k_i, v_i) in top-k of the datastore} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ)
+    p_knn(w | c)   = sum_{(k_j, v_j) in top-k of the datastore} 1[v_j = w] softmax_j(s(h_ds(c), k_j) / τ)   (Eq. 2)
     p_cache(w | c) = the same over the evaluated sequence's own earlier (h, next token) pairs, temperature τc
+    P∞(w | c)      = cnt(suffix · w) / cnt(suffix), the context's longest suffix found in the index (Liu et al. 2024)
+
+Memories are one list (``memories=[...]``: datastores, plain or sharded, any memory with a ``key_spec``, ∞-gram
+indexes; the older ``datastore=`` and ``ngram=`` are folded into it), named by kind and order
+(:func:`memlm.knnlm.mixture_inputs.component_name`). The weights λ(c) are:
+
+- without a fit, the fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`): each datastore's λ (Khandelwal et
+  al. 2020, Eq. 3; given, else its calibration), the cache's λc (Grave et al. 2017c; Khandelwal et al., Table 1),
+  each ∞-gram's λ_sparse where P∞ is sparse, λ_dense elsewhere (Liu et al. 2024, Sec. 5; given, one value or one
+  per index, else its calibration), shared beside the others as ``memlm eval`` shares them; the LM takes the rest;
+- with ``mixture=`` (``memlm tune --mixture gate --json FIT``: a
+  :class:`memlm.knnlm.dump_mixture.DumpMixture`), its gate ``λ(c) = softmax(W φ(c) + b)`` over each memory's
+  features (:mod:`memlm.knnlm.mixture_inputs`) at the τ, k and τc it was fitted with; a fit made for other memories
+  is refused before anything is scored.
 
 The three lm_eval request types:
 
 - ``loglikelihood(context, continuation)``: ``sum_t log p(cont_t | context, cont_<t)`` and whether every
-  continuation token is the argmax of ``p`` (the interpolated distribution, not the bare LM's).
+  continuation token is the argmax of ``p`` (the mixed distribution, not the bare LM's).
 - ``loglikelihood_rolling(text)``: ``sum_t log p(x_t | x_<t)`` over the whole text, the first token predicted from
   a prefix token (BOS, else EOS; as lm_eval's ``hf`` model). Long texts go through memlm's sliding windows
   (:func:`memlm.data.windows.sliding_windows` + :func:`memlm.models.forward.forward_windows`): every window is
   ``window`` tokens and every scored token but those of the first window has at least ``min_context`` tokens of context,
   so the cost is linear in the text length. A text of at most ``window`` tokens is one forward pass.
 - ``generate_until(context, gen_kwargs)``: greedy (or sampled) decoding from ``p`` through
-  :class:`memlm.knnlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string.
+  :class:`memlm.knnlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string (the fixed-weight rule, one
+  datastore at most; the cache takes no part in generation).
 
-With an ∞-gram index (``ngram=DIR``, Liu et al. 2024; :mod:`memlm.ngram`) P∞ joins as one more component whose
-weight depends on the token: ``λ_∞(c) = λ_sparse`` where one token follows every occurrence of the context's longest
-matching suffix, ``λ_dense`` elsewhere (``memlm eval``'s mixture)::
-
-    p(w | c) = (1 - λ - λc - λ_∞(c)) p_LM + λ p_kNN + λc p_cache + λ_∞(c) P∞(w | c)
-
-Several indexes (``ngram=[DIR1, DIR2]``, or ``ngram=DIR1|DIR2`` in lm_eval's ``--model_args``) each join with their
-own pair of weights (``ngram_lambda_sparse=[a, b]`` or ``a|b``; one value: every index), as ``memlm eval --ngram A
---ngram B`` mixes them (:func:`memlm.ngram.mixture.multi_ngram_mixture`)::
-
-    p(w | c) = (1 - λ - λc - Σ_r λ_r(c)) p_LM + λ p_kNN + λc p_cache + Σ_r λ_r(c) P∞_r(w | c)
+Several ∞-gram indexes come as ``ngram=[DIR1, DIR2]`` (or ``ngram=DIR1|DIR2`` in lm_eval's ``--model_args``), each
+with its own weights (``ngram_lambda_sparse=[a, b]`` or ``a|b``; one value: every index); several datastores as
+``memories=[DS1, DS2]`` with ``lam=[a, b]`` (one value: every datastore).
 
 A request's context starts the ∞-gram's document (the suffix can reach back to its first token; the prefix token of
 an empty context is not part of it). The ∞-gram reads the whole request even where the LM reads only its last
@@ -47,7 +53,9 @@ nothing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +66,20 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
-from memlm.core.distribution import knn_distribution, mix_logprobs
+from memlm.core.distribution import knn_distribution
 from memlm.core.memory import Memory
+from memlm.core.mixture import Mixture, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.calibration import knn_parameters
+from memlm.knnlm.dump_mixture import DumpMixture
 from memlm.knnlm.evaluate import CACHE_KEY, memory_logprob
+from memlm.knnlm.mixture_inputs import component_name, lm_features, ngram_features, retrieval_features
 from memlm.models.forward import rolling_forward
 from memlm.models.keys import KeyCapture, KeySpec, num_layers
-from memlm.retrieval import as_memory
+from memlm.retrieval import as_memory, describe_memory
 from memlm.storage.datastore import DatastoreBase
+from memlm.storage.folder import artifact_kind
 from memlm.storage.sharded import open_datastore
 
 __all__ = ["MemlmLM"]
@@ -89,7 +101,7 @@ def _batch_size(value: Any) -> int:
 
 
 def _per_index(value: Any) -> Any:
-    """One value, or one per ∞-gram index: a list, or from lm_eval's ``--model_args`` a string ``a|b``."""
+    """One value, or one per memory of a kind: a list, or from lm_eval's ``--model_args`` a string ``a|b``."""
     return value.split("|") if isinstance(value, str) and "|" in value else value
 
 
@@ -98,14 +110,22 @@ def _floats(value: Any) -> float | list[float]:
     return [float(v) for v in value] if isinstance(value, list | tuple) else float(value)
 
 
-# lm_eval's model arguments by group, each with its type (values from the command line arrive as strings)
-_RETRIEVAL_ARGUMENTS = {"lam": float, "temperature": float, "k": int, "nprobe": int, "cache": _as_bool,
+def _as_list(value: Any) -> list:
+    value = _per_index(value)
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+
+
+# lm_eval's model arguments by group, each with its type (values from the command line arrive as strings); lam and
+# temperature: one value, or one per datastore
+_RETRIEVAL_ARGUMENTS = {"lam": _floats, "temperature": _floats, "k": int, "nprobe": int, "cache": _as_bool,
                         "cache_lambda": float, "cache_temperature": float, "cache_k": int, "cache_max_len": int,
                         "window": int, "min_context": int}  # fmt: skip
 _HARNESS_ARGUMENTS = {"max_length": int, "batch_size": _batch_size, "dtype": str, "prefix_token_id": int,
                       "max_gen_toks": int, "progress": _as_bool}  # fmt: skip
 _NGRAM_ARGUMENTS = {"ngram_lambda_sparse": _floats, "ngram_lambda_dense": _floats, "ngram_max_n": int}
-_ARGUMENTS = ("model", "datastore", "config", "ngram", *_RETRIEVAL_ARGUMENTS, *_HARNESS_ARGUMENTS, *_NGRAM_ARGUMENTS)
+_ARGUMENTS = ("model", "datastore", "config", "ngram", "memories", "mixture", *_RETRIEVAL_ARGUMENTS,
+              *_HARNESS_ARGUMENTS, *_NGRAM_ARGUMENTS)  # fmt: skip
+_WEIGHT_ARGUMENTS = ("lam", "cache_lambda", "ngram_lambda_sparse", "ngram_lambda_dense")  # the rule's, not a fit's
 
 LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MIN_CONTEXT, cache_lambda=0.1)
 """MemlmLM's defaults: scoring's (k 1024, nprobe 32, windows 1024 / 512); the cache, when on, weighs 0.1."""
@@ -113,28 +133,94 @@ LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MI
 
 def _settings(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """MemlmLM's keyword ``options`` (lm_eval's ``--model_args``) as typed (retrieval, harness, ∞-gram) settings;
-    an unknown name is refused with the known ones. ``None`` stays ``None`` (not set)."""
+    an unknown name is refused with the known ones. ``None`` is left out (not set)."""
     unknown = sorted(set(options) - set(_ARGUMENTS))
     if unknown:
         raise MemlmError(f"unknown MemlmLM argument(s) {unknown}: use {', '.join(_ARGUMENTS)}")
     groups: list[dict[str, Any]] = [{}, {}, {}]
     for group, types in zip(groups, (_RETRIEVAL_ARGUMENTS, _HARNESS_ARGUMENTS, _NGRAM_ARGUMENTS), strict=True):
         for name, convert in types.items():
-            if name in options:
-                group[name] = None if options[name] is None else convert(options[name])
+            if options.get(name) is not None:
+                group[name] = convert(options[name])
     return groups[0], groups[1], groups[2]
+
+
+def _read_fit(mixture: Any) -> DumpMixture | Mixture | None:
+    """``mixture=``: a :class:`DumpMixture`, a :class:`Mixture`, their JSON record, or a JSON file holding one (the
+    output of ``memlm tune --mixture gate --json FIT``)."""
+    if mixture is None or isinstance(mixture, DumpMixture | Mixture):
+        return mixture
+    if isinstance(mixture, str | Path):  # lm_eval's --model_args mixture=FIT.json
+        try:
+            record = json.loads(Path(mixture).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise MemlmError(f"mixture={mixture}: not a readable JSON file ({error})") from error
+        return DumpMixture.from_dict(record, f"mixture={mixture}")
+    if isinstance(mixture, dict) and "components" in mixture:
+        return Mixture.from_dict(mixture)
+    return DumpMixture.from_dict(mixture, "mixture=")
+
+
+def _split_memories(datastore: Any, ngram: Any, memories: Any, max_n: int | None) -> tuple[list, list]:
+    """``(dense, ngram)``: each memory by kind, in order (``datastore=``'s, then ``ngram=``'s, then ``memories``).
+    A folder of ``memories`` is opened as what it holds (a datastore, plain or sharded, or an ∞-gram index;
+    :func:`memlm.storage.folder.artifact_kind`), one of ``datastore=`` / ``ngram=`` as that kind (another kind is
+    refused, named); an open datastore, any memory with a ``key_spec``, an open
+    :class:`memlm.ngram.memory.NgramMemory` or :class:`memlm.ngram.index.NgramIndex` is taken as it is."""
+    dense, ngrams = [], []
+    for kind, items in (("datastore", datastore), ("∞-gram index", ngram), (None, memories)):
+        for item in _as_list(items):
+            path = isinstance(item, str | Path)
+            opened = type(item).__name__ in ("NgramMemory", "NgramIndex")  # without importing infini-gram
+            if opened or (kind or (artifact_kind(item) if path else None)) == "∞-gram index":
+                from memlm.ngram.memory import NgramMemory
+
+                ngrams.append(item if isinstance(item, NgramMemory) else NgramMemory(item, max_n))
+            elif path:
+                dense.append(open_datastore(item))
+            elif isinstance(item, DatastoreBase | Memory):
+                dense.append(item)
+            else:
+                raise MemlmError(f"memories= holds a {type(item).__name__}: give datastore or ∞-gram index folders, "
+                                 "open datastores, memories (search + key_spec) or NgramMemory objects")  # fmt: skip
+    return dense, ngrams
+
+
+def _fit_record(fit: DumpMixture) -> dict[str, Any]:
+    """How a fit was made (its τ, k, τc, sizes, held-out log-likelihoods, warnings), for result files."""
+    made = {k: v for k, v in fit.fit.to_dict().items() if k != "mixture"}  # the mixture is recorded beside it
+    return {"temperature": fit.temperature, "k": fit.k, "cache_temperature": fit.cache_temperature, **made}
+
+
+@dataclass
+class _Dense:
+    """A dense memory of the mixture (a datastore, plain or sharded, or any memory): its component name, what was
+    given, what is searched, the rule's λ and τ, and where they came from."""
+
+    name: str
+    source: Any
+    memory: Any
+    lam: float | None
+    temperature: float
+    parameters_from: str | None
+
+    @property
+    def datastore(self) -> DatastoreBase | None:
+        return self.source if isinstance(self.source, DatastoreBase) else getattr(self.source, "datastore", None)
 
 
 @register_model("memlm")
 class MemlmLM(TemplateLM):
-    """An lm_eval ``LM`` over a memlm model with a kNN-LM datastore and/or a continuous cache.
+    """An lm_eval ``LM`` over a memlm model mixed with its memories through one :class:`Mixture`.
 
     ``model`` is a named model (``memlm models``), a local folder or HF id, or an already loaded
-    ``PreTrainedModel`` (then pass ``tokenizer``). ``datastore`` is a folder built by ``memlm datastore build`` with
-    this model; ``lam`` / ``temperature`` / ``k`` / ``nprobe`` are Eq. 3's λ, τ, the number of neighbours and the
-    IVF probes. ``cache=True`` adds the continuous cache with weight ``cache_lambda``. ``window`` and
-    ``min_context`` are the sliding windows of ``loglikelihood_rolling``; ``max_length`` (default ``window``) caps
-    the tokens of a ``loglikelihood`` request (its context is cut on the left). From the lm_eval command line:
+    ``PreTrainedModel`` (then pass ``tokenizer``). ``memories`` is the list of memories (module docstring);
+    ``datastore`` (a folder built by ``memlm datastore build`` with this model, or a memory) and ``ngram`` (∞-gram
+    indexes) are added to it. ``lam`` / ``temperature`` / ``k`` / ``nprobe`` are Eq. 3's λ, τ, the number of
+    neighbours and the IVF probes. ``cache=True`` adds the continuous cache with weight ``cache_lambda``. ``mixture``:
+    a fitted mixture (module docstring) instead of the fixed weights. ``window`` and ``min_context`` are the sliding
+    windows of ``loglikelihood_rolling``; ``max_length`` (default ``window``) caps the tokens of a ``loglikelihood``
+    request (its context is cut on the left). From the lm_eval command line:
     ``--model memlm --model_args model=smollm2-135m,datastore=DIR,lam=0.25``.
     """
 
@@ -146,11 +232,25 @@ class MemlmLM(TemplateLM):
         config: RetrievalConfig | None = None,
         *,
         ngram: Any = None,
+        memories: Sequence[Any] | str | None = None,
+        mixture: Any = None,
         **options: Any,
     ) -> None:
         super().__init__()
         retrieval, harness, ngram_options = _settings(options)
+        weights = {"lam": retrieval.pop("lam", None), "temperature": retrieval.pop("temperature", None)}
         config = RetrievalConfig.with_options(config or LMEVAL_RETRIEVAL, **retrieval)
+        self.fit = _read_fit(mixture)
+        given = [n for n in _WEIGHT_ARGUMENTS if (weights | retrieval | ngram_options).get(n) is not None]
+        if self.fit is not None and given:
+            raise MemlmError(f"mixture= gives the weights; {', '.join(given)} would be ignored: leave them out, or "
+                             "drop mixture= to mix with the fixed weights")  # fmt: skip
+        dense, ngrams = _split_memories(datastore, ngram, memories, ngram_options.get("ngram_max_n"))
+        self.cache = config.cache
+        self.ngram_names = [component_name("ngram", r) for r in range(len(ngrams))]
+        self.components = ("lm", *(component_name("knn", r) for r in range(len(dense))), *self.ngram_names,
+                           *(["cache"] if self.cache else []))  # fmt: skip
+        self._check_fit()  # before the model loads
         if isinstance(model, str | Path):
             from memlm.models.resources import load_causal_lm
 
@@ -159,86 +259,146 @@ class MemlmLM(TemplateLM):
             raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        source = open_datastore(datastore) if isinstance(datastore, str | Path) else datastore  # or any memory
-        self.datastore = source if isinstance(source, DatastoreBase) else getattr(source, "datastore", None)
-        self.cache = config.cache
-        self.parameters_from = None
-        lam, temperature = config.lam, config.temperature
-        if source is not None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
-            setting = {"k": config.k, "nprobe": config.nprobe, "search": "index"}  # a notice if calibrated otherwise
-            lam, temperature, self.parameters_from = knn_parameters(source, lam, temperature, setting=setting)
-        self.lam = float(lam) if lam is not None else 0.0
-        self.cache_lambda = float(config.cache_lambda) if self.cache else 0.0
-        if source is None and self.lam:
-            raise MemlmError(f"lam={self.lam} needs a datastore: pass datastore=DIR (or lam=0)")
-        if not 0.0 <= self.lam + self.cache_lambda <= 1.0 or self.lam < 0 or self.cache_lambda < 0:
-            raise MemlmError(f"lam={self.lam} and cache_lambda={self.cache_lambda} must be >= 0 and sum to at most 1")
-        self.temperature = 1.0 if temperature is None else float(temperature)
-        self.config = config.replace(lam=self.lam, temperature=self.temperature, cache_lambda=self.cache_lambda)
+        config = self._open_dense(dense, config, weights, retrieval.get("k"))
         self.window, self.min_context = int(config.window or DEFAULT_WINDOW), int(config.min_context or 0)
         if self.window < 2 or not 1 <= self.min_context < self.window:
             raise MemlmError(
                 f"window={self.window} and min_context={self.min_context}: "
                 "need window >= 2 and 1 <= min_context < window"
             )
-        self.ngrams, self.ngram_weights = [], []
         self._approximate: dict[str, dict[str, Any]] = {}  # what was approximate, by request type (memory_settings)
-        if ngram is not None:
-            self.ngrams, self.ngram_weights = self._open_ngrams(
-                ngram,
-                ngram_options.get("ngram_max_n"),
-                ngram_options.get("ngram_lambda_sparse"),
-                ngram_options.get("ngram_lambda_dense"),
-            )
+        self.ngrams, self.ngram_weights = self._open_ngrams(ngrams, ngram_options)
+        self.mixture = self._make_mixture()
         max_length = harness.get("max_length")
         self._max_length = int(max_length) if max_length is not None else self.window
         self.batch_size = harness.get("batch_size", 4)
         self._max_gen_toks = harness.get("max_gen_toks", 256)
         self.progress = harness.get("progress", False)
-        self._open_memories(source)
+        self._open_memories()
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eot_token_id
         prefix_token_id = harness.get("prefix_token_id")
         self._prefix = int(prefix_token_id if prefix_token_id is not None else bos)  # an empty context's prefix
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else int(self.eot_token_id)
 
-    def _open_ngrams(self, ngram, max_n, lambda_sparse, lambda_dense) -> tuple[list, list[tuple[float, float]]]:
-        """The ∞-gram memories (index folders or open :class:`NgramMemory`: one, a list, or ``DIR1|DIR2``) checked
-        against the tokenizer, and each one's (λ_sparse, λ_dense) (given: one value or one per index; else its
-        calibration) as ``memlm eval`` shares the weights beside the kNN term and the cache
-        (:func:`memlm.ngram.mixture.shared_weights`)."""
-        from memlm.ngram.memory import NgramMemory
-        from memlm.ngram.mixture import ngram_parameters, per_index_lambdas, shared_weights
+    def _open_dense(self, sources: list, config: RetrievalConfig, weights: dict, k_given: int | None):
+        """Each dense memory's λ and τ (given: one value or one per datastore; else its calibration, see
+        :func:`memlm.knnlm.calibration.knn_parameters`; a fit: its τ and k), checked; returns the config that
+        records them (the first datastore's λ, τ)."""
+        from memlm.ngram.mixture import per_index_lambdas
 
-        sources = _per_index(ngram)
-        sources = list(sources) if isinstance(sources, list | tuple) else [sources]
-        memories = [s if isinstance(s, NgramMemory) else NgramMemory(s, max_n) for s in sources]
+        fit = self.fit if isinstance(self.fit, DumpMixture) else None
+        k = config.k
+        if fit is not None and fit.k is not None:
+            if k_given is not None and k_given != fit.k:
+                raise MemlmError(f"k={k_given}, but the mixture was fitted with k={fit.k}: leave k out (the fit's "
+                                 "is used) or fit again with this k")  # fmt: skip
+            k = fit.k
+        lam = config.lam if weights["lam"] is None else weights["lam"]
+        tau = config.temperature if weights["temperature"] is None else weights["temperature"]
+        if not sources and lam:
+            raise MemlmError(f"lam={lam} needs a datastore: pass datastore=DIR (or lam=0)")
+        for name, value in (("lam", lam), ("temperature", tau)):
+            if isinstance(value, list) and len(value) not in (1, len(sources)):
+                raise MemlmError(f"{name} got {len(value)} values for {len(sources)} datastore(s): give one, or one "
+                                 "per datastore")  # fmt: skip
+        pairs = per_index_lambdas(lam, tau, len(sources), ("lam", "temperature")) if sources else []
+        setting = {"k": k, "nprobe": config.nprobe, "search": "index"}  # a notice if calibrated otherwise
+        self.dense = []
+        for r, (source, (lam_r, tau_r)) in enumerate(zip(sources, pairs, strict=True)):
+            name, origin = component_name("knn", r), None
+            if fit is None:  # λ/τ not given: the datastore's calibrated values (memlm.knnlm.calibration)
+                lam_r, tau_r, origin = knn_parameters(source, lam_r, tau_r, setting=setting)
+            elif fit.temperature is not None:  # the fit's kNN τ: every datastore's
+                tau_r, origin = fit.temperature, "the fitted mixture's"
+            self.dense.append(_Dense(name, source, None, lam_r, 1.0 if tau_r is None else float(tau_r), origin))
+        self.cache_lambda = float(config.cache_lambda) if self.cache and self.fit is None else 0.0
+        lams = [float(d.lam or 0.0) for d in self.dense]
+        over = sum(lams) + self.cache_lambda > 1.0 + 1e-9 and self.fit is None  # a fit's λ are its own
+        if any(x < 0 for x in lams) or self.cache_lambda < 0 or over:
+            raise MemlmError(f"lam={_one_or_all(lams) if lams else 0.0} and cache_lambda={self.cache_lambda} must "
+                             "be >= 0 and sum to at most 1")  # fmt: skip
+        self.lam = lams[0] if lams else 0.0
+        first_tau = self.dense[0].temperature if self.dense else tau
+        self.temperature = 1.0 if first_tau is None or isinstance(first_tau, list) else float(first_tau)
+        cache_temperature = config.cache_temperature
+        if fit is not None and fit.cache_temperature is not None:
+            cache_temperature = fit.cache_temperature
+        self.config = config.replace(lam=self.lam, temperature=self.temperature, cache_lambda=self.cache_lambda, k=k,
+                                     cache_temperature=cache_temperature)  # fmt: skip
+        return self.config
+
+    def _open_ngrams(self, memories: list, options: dict) -> tuple[list, list[tuple[float, float]]]:
+        """The ∞-gram memories checked against the tokenizer (each index once) and each one's (λ_sparse, λ_dense)
+        (given: one value or one per index; else its calibration; none with a fit)."""
+        from memlm.ngram.mixture import ngram_parameters, per_index_lambdas
+
+        if not memories:
+            return [], []
         paths = [Path(m.index.path).resolve() for m in memories]
-        if not memories or len(set(paths)) < len(paths):
+        if len(set(paths)) < len(paths):
             raise MemlmError(f"ngram= needs each ∞-gram index once, got {[str(p) for p in paths]}")
-        given = per_index_lambdas(lambda_sparse, lambda_dense, len(memories), ("ngram_lambda_sparse",
-                                                                                "ngram_lambda_dense"))  # fmt: skip
-        weights = []
-        for memory, pair in zip(memories, given, strict=True):
+        for memory in memories:
             memory.index.check_tokenizer(self.tokenizer)
-            weights.append(ngram_parameters(memory.index, *pair, announce=False)[:2])
-        return memories, shared_weights(self.lam + self.cache_lambda, weights)
+        if self.fit is not None:
+            return memories, []
+        given = per_index_lambdas(options.get("ngram_lambda_sparse"), options.get("ngram_lambda_dense"),
+                                  len(memories), ("ngram_lambda_sparse", "ngram_lambda_dense"))  # fmt: skip
+        weights = [ngram_parameters(m.index, *p, announce=False)[:2] for m, p in zip(memories, given, strict=True)]
+        return memories, weights
 
-    def _open_memories(self, source) -> None:
-        """The datastore (plain or sharded, on its own index) or memory searched, and the continuous cache: the key
-        specs one forward pass must capture."""
+    def _check_fit(self) -> None:
+        """A fit made for other memories (other kinds, counts or cache) is refused, naming both."""
+        if self.fit is None:
+            return
+        mixture = self.fit.mixture if isinstance(self.fit, DumpMixture) else self.fit
+        if tuple(mixture.components) != self.components:
+            raise MemlmError(
+                f"the mixture mixes {', '.join(mixture.components)}; these memories give "
+                f"{', '.join(self.components)}: give the memories it was fitted on (each datastore and ∞-gram "
+                "index in the same order, the cache if it had one), or fit again with memlm tune --mixture gate"
+            )
+
+    def _make_mixture(self) -> Mixture:
+        """The fit's mixture (:meth:`_check_fit`); else the fixed-weight rule of the weights (each datastore's λ,
+        each ∞-gram's (λ_sparse, λ_dense), the cache's λc; shared as memlm eval shares them)."""
+        if self.fit is not None:
+            return self.fit.mixture if isinstance(self.fit, DumpMixture) else self.fit
+        weights: dict[str, Any] = {d.name: float(d.lam or 0.0) for d in self.dense}
+        weights.update(zip(self.ngram_names, self.ngram_weights, strict=True))
+        if self.cache:
+            weights["cache"] = self.cache_lambda
+        return rule_mixture(self.components, weights)
+
+    def _open_memories(self) -> None:
+        """Each dense memory (a datastore, plain or sharded, on its own index, or any memory) checked against the
+        model and opened for search, and the continuous cache: the key specs one forward pass must capture."""
         self.specs: list[KeySpec] = []
-        self.index = self.memory = None
-        if source is not None:
-            check = getattr(source, "check_compatible", None)  # a datastore's: before its index is read
+        for d in self.dense:
+            check = getattr(d.source, "check_compatible", None)  # a datastore's: before its index is read
             if check is not None:
                 check(self.model, self.tokenizer)
-            self.memory = as_memory(source, self.config.nprobe)
-            self.index = getattr(self.memory, "searcher", None)
-            self.specs.append(self.memory.key_spec)
+            d.memory = as_memory(d.source, self.config.nprobe)
+            if d.memory.key_spec not in self.specs:
+                self.specs.append(d.memory.key_spec)
         self.cache_spec = CACHE_KEY.normalized(num_layers(self.model)) if self.cache else None
         if self.cache_spec is not None and self.cache_spec not in self.specs:
             self.specs.append(self.cache_spec)
+
+    @property
+    def datastores(self) -> list[DatastoreBase]:
+        """The datastores among the memories (their builds are what the leakage check reads)."""
+        return [d.datastore for d in self.dense if d.datastore is not None]
+
+    @property
+    def datastore(self) -> DatastoreBase | None:
+        """The first datastore (as before several were taken)."""
+        return self.datastores[0] if self.datastores else None
+
+    @property
+    def memory(self) -> Any:
+        """The first dense memory searched (as before several were taken)."""
+        return self.dense[0].memory if self.dense else None
 
     # ------------------------------------------------------------------------------------------- lm_eval plumbing
 
@@ -273,26 +433,50 @@ class MemlmLM(TemplateLM):
 
     @property
     def memory_settings(self) -> dict[str, Any]:
-        """What this LM interpolates, for result files."""
+        """What this LM mixes, for result files: the memories (each with its rule weights: as given or calibrated,
+        before the rule shares them), the settings, and ``mixture``, the :class:`Mixture` every score went through
+        (the weights used)."""
+        first = self.dense[0] if self.dense else None
+        fit = self.fit if isinstance(self.fit, DumpMixture) else None
+        no_fit_weights = [(0.0, 0.0)] if self.fit is None else [(None, None)]
         return {
             "datastore": str(self.datastore.path) if self.datastore is not None else None,
-            "lambda": self.lam,
+            "lambda": self.lam if self.fit is None else None,
             "temperature": self.temperature,
-            "parameters_from": self.parameters_from,
+            "parameters_from": first.parameters_from if first is not None else None,
             "k": self.config.k,
             "nprobe": self.config.nprobe,
             "cache": self.cache,
-            "cache_lambda": self.cache_lambda,
+            "cache_lambda": self.cache_lambda if self.fit is None else None,
             "cache_temperature": self.config.cache_temperature,
             "window": self.window,
             "min_context": self.min_context,
             "max_length": self.max_length,
             "prefix_token_id": self.prefix_token_id,
             "ngram": _one_or_all([str(m.index.path) for m in self.ngrams]) if self.ngrams else None,
-            "ngram_lambda_sparse": _one_or_all([w[0] for w in self.ngram_weights or [(0.0, 0.0)]]),
-            "ngram_lambda_dense": _one_or_all([w[1] for w in self.ngram_weights or [(0.0, 0.0)]]),
+            "ngram_lambda_sparse": _one_or_all([w[0] for w in self.ngram_weights or no_fit_weights]),
+            "ngram_lambda_dense": _one_or_all([w[1] for w in self.ngram_weights or no_fit_weights]),
+            "memories": self._describe_memories(),
+            "mixture": self.mixture.to_dict(),
+            "mixture_fit": None if fit is None else _fit_record(fit),
             "approximate": dict(self._approximate) or None,
         }
+
+    def _describe_memories(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for d in self.dense:
+            where = {"path": str(d.datastore.path)} if d.datastore is not None else describe_memory(d.memory)
+            out.append({"component": d.name, "kind": "datastore" if d.datastore is not None else "memory", **where,
+                        "lambda": d.lam if self.fit is None else None, "temperature": d.temperature,
+                        "parameters_from": d.parameters_from})  # fmt: skip
+        for r, (name, m) in enumerate(zip(self.ngram_names, self.ngrams, strict=True)):
+            pair = self.ngram_weights[r] if self.ngram_weights else (None, None)
+            out.append({"component": name, "kind": "∞-gram index", "path": str(m.index.path),
+                        "lambda_sparse": pair[0], "lambda_dense": pair[1]})  # fmt: skip
+        if self.cache:
+            out.append({"component": "cache", "kind": "continuous cache", "lambda": self.cache_lambda if
+                        self.fit is None else None, "temperature": self.config.cache_temperature})  # fmt: skip
+        return out
 
     def _note_approximate(self, kind: str, detail: dict[str, Any] | None) -> None:
         """Count a request of ``kind`` whose result rests on an approximate P∞ (``detail``: its reason)."""
@@ -306,34 +490,21 @@ class MemlmLM(TemplateLM):
 
     # ------------------------------------------------------------------------------------------- memories
 
-    def _weights(self) -> list[float]:
-        """The mixture weights, LM first, then the datastore's and the cache's (those present)."""
-        weights = [1.0 - self.lam - self.cache_lambda]
-        if self.memory is not None:
-            weights.append(self.lam)
-        if self.cache:
-            weights.append(self.cache_lambda)
-        return weights
+    def _ngram_targets(self, doc: Sequence[int], positions: np.ndarray) -> list:
+        """:class:`memlm.ngram.memory.NgramScores` (log P∞_r of the target, effective n, suffix count, sparse) of
+        every index ``r`` for each ``doc[p]``, ``p`` in ``positions`` (exact counts)."""
+        return [m.score_documents([np.asarray(doc, dtype=np.int64)], [positions]) for m in self.ngrams]
 
-    def _ngram_targets(self, doc: Sequence[int], positions: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(log P∞_r(doc[p] | doc[:p]), sparse_r)`` of every index ``r`` for each ``p`` in ``positions`` (exact
-        counts)."""
-        out = []
-        for memory in self.ngrams:
-            r = memory.score_documents([np.asarray(doc, dtype=np.int64)], [positions])
-            out.append((torch.from_numpy(r.logprob), torch.as_tensor(r.sparse)))
-        return out
-
-    def _ngram_full(self, doc: Sequence[int], targets: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(log P∞_r(. | doc[:t]) [n, V], sparse_r [n, 1])`` of every index ``r`` for each target offset ``t``;
-        a row that leaves some mass unassigned is noted (:meth:`_note_approximate`)."""
+    def _ngram_full(self, doc: Sequence[int], targets: np.ndarray) -> list[torch.Tensor]:
+        """``log P∞_r(. | doc[:t])`` ``[n, V]`` of every index ``r`` for each target offset ``t``; a row that
+        leaves some mass unassigned is noted (:meth:`_note_approximate`)."""
         from memlm.ngram.generate import next_token_distribution
 
         contexts = [list(doc[:t]) for t in targets.tolist()]
         out, notes = [], {}
         for r, memory in enumerate(self.ngrams):
-            dist, sparse, nt = next_token_distribution(memory, contexts, self.vocab_size)
-            out.append((dist, sparse[:, None]))
+            dist, _, nt = next_token_distribution(memory, contexts, self.vocab_size)
+            out.append(dist)
             if (a := nt.approximate()) is not None:
                 notes[f"reference {r + 1}"] = a
         self._note_approximate("loglikelihood greedy flag", notes or None)
@@ -346,50 +517,49 @@ class MemlmLM(TemplateLM):
         empty = strings is not None and len(strings) == 2 and strings[0] == "" and list(ctx) == [self.prefix_token_id]
         return [*([] if empty else ctx), *cont]
 
-    def _with_ngrams(self, comps: list[torch.Tensor], refs) -> torch.Tensor:
-        """``comps`` (the LM, then the datastore's and the cache's log-probabilities) mixed with every ∞-gram
-        ``refs`` (``(log P∞_r, sparse_r)``, each at its own (λ_sparse, λ_dense)): ``memlm eval``'s mixture."""
-        from memlm.ngram.mixture import multi_ngram_mixture
-
-        others = list(zip(comps[1:], self._weights()[1:], strict=True))
-        return multi_ngram_mixture(comps[0], refs, self.ngram_weights, others=others)
-
-    def _memories(self, keys: dict[KeySpec, np.ndarray], targets: np.ndarray, rows: np.ndarray) -> list[tuple]:
-        """(scores, values, τ, log counts or None) of each memory for the positions ``rows`` of one sequence.
+    def _retrieve(self, keys: dict[KeySpec, np.ndarray], targets: np.ndarray, rows: np.ndarray) -> list[tuple]:
+        """``(name, scores, values, τ, log counts or None, is the cache)`` of each dense memory and the cache for the
+        positions ``rows`` of one sequence.
 
         ``keys[spec]`` holds the key at every position of the sequence that predicts a token (``targets`` are those
         tokens); the cache of row ``n`` sees positions ``< n`` of the same sequence only.
         """
         out = []
-        if self.memory is not None:
-            r = self.memory.search(keys[self.memory.key_spec][rows], self.config.k)
-            out.append((r.scores, r.values, self.temperature, r.log_counts))
+        for d in self.dense:
+            r = d.memory.search(keys[d.memory.key_spec][rows], self.config.k)
+            out.append((d.name, r.scores, r.values, d.temperature, r.log_counts, False))
         if self.cache_spec is not None:
             c = self.config
             doc = np.zeros(len(targets), dtype=np.int32)
             cs, cv = continuous_cache(keys[self.cache_spec], targets, doc, c.cache_k, c.cache_max_len)
-            out.append((cs[rows], cv[rows], self.config.cache_temperature, None))
+            out.append(("cache", cs[rows], cv[rows], c.cache_temperature, None, True))
         return out
 
-    def _mixed_target_logprob(self, lm: np.ndarray, targets: np.ndarray, memories, ngram=None) -> torch.Tensor:
-        """``log p(target)`` per position under the interpolation (Eq. 3; + cache; + each ∞-gram's
-        ``(log P∞_r, sparse_r)``)."""
-        comps = [torch.from_numpy(np.asarray(lm, dtype=np.float32))]
-        for sc, val, tau, counts in memories:
-            comps.append(memory_logprob(sc, val, np.asarray(targets, dtype=np.int64), tau, None, counts))
-        if not ngram:
-            return mix_logprobs(comps, self._weights())
-        return self._with_ngrams(comps, ngram)
+    def _components(self, lm_target, lm_feats: dict, retrieved: list[tuple], targets: np.ndarray, ngram: list):
+        """``(log p_i(target) [n] by component, features by name)``: the LM's, each retrieval's (Eq. 2 at its τ)
+        and each ∞-gram's (exact counts), with their features (:mod:`memlm.knnlm.mixture_inputs`) and the joint
+        sparse state the rule reads (:func:`memlm.core.mixture.sparse_state_features`)."""
+        logprobs = {"lm": torch.as_tensor(np.asarray(lm_target, dtype=np.float32))}
+        features = dict(lm_feats)
+        for name, scores, values, tau, counts, cache in retrieved:
+            logprobs[name] = memory_logprob(scores, values, np.asarray(targets, dtype=np.int64), tau, None, counts)
+            features.update(retrieval_features(name, scores, values, tau, None, counts, cache=cache))
+        for name, r in zip(self.ngram_names, ngram, strict=True):
+            logprobs[name] = torch.from_numpy(r.logprob)
+            features.update(ngram_features(name, r.n, r.count, r.sparse))
+        if ngram:
+            features.update(sparse_state_features({n: r.sparse for n, r in zip(self.ngram_names, ngram, strict=True)}))
+        return logprobs, features
 
-    def _mixed_distribution(self, lm_full: torch.Tensor, memories, ngram=None) -> torch.Tensor:
-        """``log p(. | c)`` over the vocabulary, ``[n, V]`` (for greedy checks)."""
-        comps = [lm_full]
-        for sc, val, tau, counts in memories:
+    def _distributions(self, lm_full: torch.Tensor, retrieved: list[tuple], ngram_full: list) -> dict[str, Any]:
+        """``log p_i(. | c)`` ``[n, V]`` by component (for the greedy check)."""
+        out: dict[str, Any] = {"lm": lm_full}
+        for name, scores, values, tau, counts, _ in retrieved:
             counts = None if counts is None else torch.from_numpy(counts)
-            comps.append(knn_distribution(torch.from_numpy(sc), torch.from_numpy(val), lm_full.shape[-1], tau, counts))
-        if not ngram:
-            return mix_logprobs(comps, self._weights())
-        return self._with_ngrams(comps, ngram)
+            out[name] = knn_distribution(torch.from_numpy(scores), torch.from_numpy(values), lm_full.shape[-1], tau,
+                                         counts)  # fmt: skip
+        out.update(zip(self.ngram_names, ngram_full, strict=True))
+        return out
 
     # ------------------------------------------------------------------------------------------- loglikelihood
 
@@ -400,7 +570,8 @@ class MemlmLM(TemplateLM):
         """Score continuation tokens after their contexts; ``(sum log p, all greedy)`` per request.
 
         Each request's tokens are cut on the left to ``max_length``; requests are batched right-padded (causal
-        attention never reads the padding on its right).
+        attention never reads the padding on its right). ``log p`` of each target is :meth:`Mixture.mix` of the
+        components' log-probabilities of it; the greedy flag reads the mixed distribution over the vocabulary.
         """
         results: list[tuple[float, bool]] = [(0.0, True)] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
@@ -430,25 +601,27 @@ class MemlmLM(TemplateLM):
                 targets = np.asarray(seq[1:], dtype=np.int64)  # target of every position 0 .. len-2
                 lm_full = torch.log_softmax(out.logits[b, torch.from_numpy(positions)].float(), dim=-1).cpu()
                 keys = {s: captured[s][b, : len(seq) - 1].float().cpu().numpy() for s in self.specs}
-                memories = self._memories(keys, targets, positions)
-                full = target = None
-                if self.ngrams:  # the same targets in the ∞-gram's (uncut) document
-                    at = np.arange(len(docs[b]) - n, len(docs[b]))
-                    full = self._ngram_full(docs[b], at)
-                    target = self._ngram_targets(docs[b], at)
-                mixed = self._mixed_distribution(lm_full, memories, full)
-                tgt = torch.from_numpy(targets[positions])
-                if target is None:
-                    logp = mixed.gather(-1, tgt[:, None]).squeeze(-1)
-                else:  # the target's P∞ from exact counts (the vocabulary-wide one may be sampled)
-                    lm_t = lm_full.gather(-1, tgt[:, None]).squeeze(-1).numpy()
-                    logp = self._mixed_target_logprob(lm_t, targets[positions], memories, target)
-                greedy = bool((mixed.argmax(-1) == tgt).all())
-                results[i] = (float(logp.double().sum()), greedy)
+                results[i] = self._score_continuation(lm_full, keys, targets, positions, docs[b])
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
             bar.update(len(idx))
         bar.close()
         return results
+
+    def _score_continuation(self, lm_full, keys, targets: np.ndarray, positions: np.ndarray, doc) -> tuple[float, bool]:
+        """``(sum log p, all greedy)`` of one request's continuation: the targets ``targets[positions]``, the LM's
+        log-distribution ``lm_full [n, V]`` at them, the keys of the sequence, the ∞-gram's document ``doc``."""
+        n = len(positions)
+        tgt = torch.from_numpy(targets[positions])
+        retrieved = self._retrieve(keys, targets, positions)
+        ngram, ngram_full = [], []
+        if self.ngrams:  # the same targets in the ∞-gram's (uncut) document
+            at = np.arange(len(doc) - n, len(doc))
+            ngram, ngram_full = self._ngram_targets(doc, at), self._ngram_full(doc, at)
+        lm_target = lm_full.gather(-1, tgt[:, None]).squeeze(-1).numpy()
+        logprobs, features = self._components(lm_target, lm_features(lm_full), retrieved, targets[positions], ngram)
+        logp = self.mixture.mix(logprobs, features)
+        mixed = self.mixture.mix(self._distributions(lm_full, retrieved, ngram_full), features)
+        return float(logp.double().sum()), bool((mixed.argmax(-1) == tgt).all())
 
     # ------------------------------------------------------------------------------------------- rolling
 
@@ -457,21 +630,25 @@ class MemlmLM(TemplateLM):
 
         The stream ``[prefix] + tokens`` is cut by :func:`memlm.data.windows.sliding_windows` into windows of ``window``
         tokens advancing by ``window - min_context``; :func:`memlm.models.forward.forward_windows` gives each target's
-        LM log-probability and its queries, then the memories are attached. Linear in ``len(tokens)``.
+        LM log-probability, its LM features and its queries, then the memories are attached and mixed
+        (:meth:`Mixture.mix`). Linear in ``len(tokens)``.
         """
         if not len(tokens):
             return np.zeros(0)
-        lm_lp, tgt, _, all_keys = rolling_forward(
+        r = rolling_forward(
             self.model, [tokens], self.specs, self.window, self.min_context, self.batch_size, self.prefix_token_id,
             self.pad_id,
         )  # fmt: skip
-        if len(tgt) != len(tokens):
-            raise MemlmError(f"internal error: {len(tgt)} scored targets for {len(tokens)} tokens")
-        if not self.specs and not self.ngrams:
-            return lm_lp.astype(np.float64)
-        memories = self._memories(all_keys, tgt, np.arange(len(tgt))) if self.specs else []
-        ngram = self._ngram_targets(tokens, np.arange(len(tokens))) if self.ngrams else None
-        return self._mixed_target_logprob(lm_lp, tgt, memories, ngram).double().numpy()
+        if len(r.targets) != len(tokens):
+            raise MemlmError(f"internal error: {len(r.targets)} scored targets for {len(tokens)} tokens")
+        if self.components == ("lm",):
+            return r.lm_logprob.astype(np.float64)
+        rows = np.arange(len(r.targets))
+        memories = self._retrieve(r.keys, r.targets, rows) if self.specs else []
+        ngram = self._ngram_targets(tokens, np.arange(len(tokens))) if self.ngrams else []
+        lm_feats = {"lm_entropy": r.lm_entropy, "lm_max_logprob": r.lm_max_logprob}
+        logprobs, features = self._components(r.lm_logprob, lm_feats, memories, r.targets, ngram)
+        return self.mixture.mix(logprobs, features).double().numpy()
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Total log-likelihood of each request's text (``Instance.args == (text,)``), see
@@ -486,13 +663,29 @@ class MemlmLM(TemplateLM):
 
     # ------------------------------------------------------------------------------------------- generation
 
+    def _shared_ngram_weights(self) -> list[tuple[float, float]]:
+        """Each ∞-gram's (λ_sparse, λ_dense) as the rule mixes it (shared beside the datastore's λ and the cache's):
+        its weight where every index is sparse and where none is (an index's weight depends on its own flag only)."""
+        states = sparse_state_features({n: torch.tensor([True, False]) for n in self.ngram_names})
+        w = self.mixture.log_weights(self.mixture.features_of(states, 2)).exp()
+        return [(float(w[0, i]), float(w[1, i])) for i, c in enumerate(self.components) if c in self.ngram_names]
+
+    def _check_generation(self) -> None:
+        """Generation (memlm.knnlm.generate) mixes the fixed-weight rule with one datastore at most."""
+        if self.fit is not None or len(self.dense) > 1:
+            raise MemlmError(
+                f"generate_until mixes the fixed weights with one datastore at most; this model has "
+                f"{'a fitted mixture' if self.fit is not None else f'{len(self.dense)} datastores'}: score "
+                "loglikelihood tasks with it, or give one datastore without mixture= for generation tasks"
+            )
+
     def _ngram_processor(self, prefix: Sequence[int] = ()) -> tuple[Any, Any]:
         """``(processor, ∞-gram step)``: the generation step with the ∞-gram(s) (and the datastore when there is one),
         as ``memlm generate``'s; ``prefix``: the context's tokens cut off for the LM, which the ∞-gram still reads."""
         from memlm.knnlm.generate import KNNLogitsProcessor
         from memlm.ngram.generate import ngram_logits_processor
 
-        ngram = ngram_logits_processor(self.ngrams, self.ngram_weights)
+        ngram = ngram_logits_processor(self.ngrams, self._shared_ngram_weights())
         ngram.set_prefix(prefix)
         if self.memory is None or not self.lam:
             return ngram, ngram
@@ -502,6 +695,7 @@ class MemlmLM(TemplateLM):
         """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
         from memlm.knnlm.generate import generate_text
 
+        self._check_generation()
         out = []
         for req in tqdm(requests, desc="generate", disable=disable_tqdm or not self.progress):
             context, gen_kwargs = req.args

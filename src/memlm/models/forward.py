@@ -11,6 +11,7 @@ import inspect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from memlm.data.windows import TokenChunk, Window, batched, sliding_windows
 from memlm.errors import MemlmError
 from memlm.models.keys import KeyCapture, KeySpec
 
-__all__ = ["WindowOutput", "collate", "forward_windows", "fp32_head", "rolling_forward"]
+__all__ = ["RollingScores", "WindowOutput", "collate", "forward_windows", "fp32_head", "rolling_forward"]
 
 
 @dataclass
@@ -150,6 +151,17 @@ def forward_windows(
         yield outputs
 
 
+class RollingScores(NamedTuple):
+    """:func:`rolling_forward`'s result, per scored target in document order."""
+
+    lm_logprob: np.ndarray  # [N] float32: log p_LM(target | context)
+    targets: np.ndarray  # [N] int64
+    doc_index: np.ndarray  # [N] int32
+    keys: dict[KeySpec, np.ndarray]  # spec -> [N, D] float32: the key at each target's context
+    lm_entropy: np.ndarray  # [N] float32: H(p_LM(. | context)) (a learned mixture's LM features)
+    lm_max_logprob: np.ndarray  # [N] float32: max_w log p_LM(w | context)
+
+
 def rolling_forward(
     model: torch.nn.Module,
     token_lists: Sequence[Sequence[int]],
@@ -159,33 +171,37 @@ def rolling_forward(
     batch_size: int = 4,
     prefix_id: int = 0,
     pad_id: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[KeySpec, np.ndarray]]:
+) -> RollingScores:
     """Every token of every document scored on its own, after ``prefix_id``: lm-evaluation-harness's
     ``loglikelihood_rolling`` protocol, through memlm's sliding windows (linear in document length).
 
     Each stream ``[prefix_id] + tokens`` is cut by :func:`memlm.data.windows.sliding_windows` (no context crosses a
-    document boundary); windows of different documents share batches. Returns ``(lm_logprob [N] float32, targets [N]
-    int64, doc_index [N] int32, keys {spec: [N, D] float32})`` in document order, ``N = sum(len(tokens))``.
+    document boundary); windows of different documents share batches. Returns :class:`RollingScores` in document
+    order, ``N = sum(len(tokens))``.
     """
     specs = list(key_specs)
     chunks = [
         TokenChunk(np.asarray([prefix_id, *t], dtype=np.int64), i, 0) for i, t in enumerate(token_lists) if len(t)
     ]
     windows = itertools.chain.from_iterable(sliding_windows([c], window, min_context) for c in chunks)
-    lm, targets, docs = [], [], []
+    lm, targets, docs, entropy, max_lp = [], [], [], [], []
     keys: dict[KeySpec, list[np.ndarray]] = {s: [] for s in specs}
     for outputs in forward_windows(model, batched(windows, batch_size), specs, pad_id=pad_id):
         for o in outputs:
             lm.append(o.lm_logprob)
+            entropy.append(o.lm_entropy)
+            max_lp.append(o.lm_max_logprob)
             targets.append(o.targets)
             docs.append(o.window.doc_index[o.window.score_from :])
             for s in specs:
                 keys[s].append(o.keys[s])
     if not targets:
         raise MemlmError("no document has a token to score; give some text")
-    return (
+    return RollingScores(
         np.concatenate(lm).astype(np.float32),
         np.concatenate(targets).astype(np.int64),
         np.concatenate(docs).astype(np.int32),
         {s: np.concatenate(v) for s, v in keys.items()},
+        np.concatenate(entropy).astype(np.float32),
+        np.concatenate(max_lp).astype(np.float32),
     )
