@@ -456,8 +456,6 @@ def _calibrated(memory) -> tuple[Any, str]:
     """``(owner, kind)``: the datastore (plain or sharded) or ∞-gram index whose manifest holds ``memory``'s
     calibration (a :class:`~memlm.retrieval.DatastoreMemory`'s datastore, an :class:`~memlm.ngram.memory.NgramMemory`'s
     index, or the object itself) and its mixture component (``knn`` or ``ngram``)."""
-    from memlm.ngram.index import NgramIndex
-
     owner = memory
     for inner in ("datastore", "index"):
         if not hasattr(owner, "manifest"):
@@ -465,7 +463,7 @@ def _calibrated(memory) -> tuple[Any, str]:
     if not hasattr(owner, "manifest"):
         raise MemlmError(f"{type(memory).__name__} records no calibration: give a datastore, an ∞-gram index or a "
                          "memory over one (DatastoreMemory, NgramMemory)")  # fmt: skip
-    return owner, "ngram" if isinstance(owner, NgramIndex) else "knn"
+    return owner, "knn" if hasattr(owner, "key_spec") else "ngram"  # a datastore's keys; an index has none
 
 
 def _recalibrate_hint(owner, kind: str) -> str:
