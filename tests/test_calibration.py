@@ -298,6 +298,8 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     k says so; the result's retrieval record holds the λ, τ and index used."""
     import shutil
 
+    from memlm.knnlm.dump_mixture import DumpMixture
+
     root, ds0, args, _ = onefile
     r = memlm("datastore", "build", *args, "--out", str(ds0), "--holdout", "0")
     assert r.returncode == 2 and "held-out slice" in r.stderr and "datastore calibrate" in r.stderr, r.stderr
@@ -316,6 +318,10 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     assert r.returncode == 0 and "calibrated: λ=" in r.stderr, r.stderr
     cal = json.loads((ds / "manifest.json").read_text())["calibration"]
     assert cal["text"]["named"] and cal["text"]["corpus"] == str(tmp_path / "other.txt") and cal["k"] == 16
+    # the mixture is fitted on the named text too, and said so (with the size warning: 30 short documents)
+    fit = DumpMixture.from_dict(cal["mixture"])
+    assert (fit.fit.tokens, fit.k, fit.mixture.components) == (cal["tokens"], 16, ("lm", "knn"))
+    assert f"mixture of lm + knn: {fit.fit.form}" in r.stderr and "warning: fitted on" in r.stderr
     common = ["eval", "--corpus", str(tmp_path / "other.txt"), "--datastore", str(ds), "--window", "32",
               "--min-context", "8", "--cache", "--cache-lambda", "0.05"]  # fmt: skip
     r = memlm(*common, "--k", "16", "--json", str(tmp_path / "a.json"))

@@ -37,9 +37,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memlm.errors import MemlmError
+
+if TYPE_CHECKING:
+    from memlm.knnlm.dump_mixture import DumpMixture
 
 __all__ = [
     "HOLDOUT_FRACTION",
@@ -307,8 +310,8 @@ def calibrate(
     search when it has none) gives ``k`` neighbours per token. Text whose documents are in the datastore (same id
     and text) is refused. Returns the record stored under ``calibration``: λ, τ, and what they were measured with
     (``k``, ``search``, ``scores``, ``nprobe``, ``index``: file, factory, metric, checksum; ``grid``; ``text``: the
-    held-out slice or the corpus a user named), the fit (``mixture``: :meth:`DumpMixture.to_dict`, read back by
-    :func:`stored_mixture`) and the documents scored.
+    held-out slice or the corpus a user named) and the fit (``mixture``: :meth:`DumpMixture.to_dict`, read back by
+    :func:`stored_mixture`).
     """
     import numpy as np
 
@@ -475,7 +478,7 @@ def _recalibrate_hint(owner, kind: str) -> str:
     )
 
 
-def _read_fit(owner, kind: str, record: Any):
+def _read_fit(owner, kind: str, record: Any) -> DumpMixture:
     """The :class:`~memlm.knnlm.dump_mixture.DumpMixture` of a calibration's ``mixture`` record (the LM and this one
     memory), or one MemlmError naming the file, what is wrong and how to recalibrate."""
     from memlm.knnlm.dump_mixture import DumpMixture
@@ -498,7 +501,7 @@ def _read_fit(owner, kind: str, record: Any):
     return fit
 
 
-def stored_mixture(memory):
+def stored_mixture(memory) -> DumpMixture | None:
     """The guarded mixture of the LM and this memory fitted when it was calibrated (issue 35; components ``lm``,
     ``knn`` for a datastore, ``lm``, ``ngram`` for an ∞-gram index), a
     :class:`~memlm.knnlm.dump_mixture.DumpMixture`, or None when the memory records no current calibration or its
@@ -520,7 +523,7 @@ def has_stored_mixture(memory) -> bool:
         return False
 
 
-def mixture_summary(fit) -> dict[str, Any]:
+def mixture_summary(fit: DumpMixture) -> dict[str, Any]:
     """What a stored fit (:class:`~memlm.knnlm.dump_mixture.DumpMixture`) is, for ``info`` and the build's message:
     its form, the tokens and documents it was fitted on (and kept apart), τ and k, the mean weight of each component
     over those tokens, the held-out log-likelihood per token of each form tried, and its warnings."""
@@ -555,7 +558,7 @@ def calibration_summary(memory) -> dict[str, Any] | None:
     return out
 
 
-def report_mixture(fit, fix: str, file=None) -> None:
+def report_mixture(fit: DumpMixture, fix: str, file=None) -> None:
     """Print on stderr (or ``file``) what the calibration's fit is: the form chosen, the tokens and documents it was
     fitted on, the held-out log-likelihood of each form, the mean weights; then each size warning of the fit
     (:data:`memlm.core.mixture.MIN_FIT_TOKENS`, ``MIN_FIT_DOCUMENTS``) followed by ``fix``."""
