@@ -298,6 +298,8 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     k says so; the result's retrieval record holds the λ, τ and index used."""
     import shutil
 
+    from memlm.knnlm.dump_mixture import DumpMixture
+
     root, ds0, args, _ = onefile
     r = memlm("datastore", "build", *args, "--out", str(ds0), "--holdout", "0")
     assert r.returncode == 2 and "held-out slice" in r.stderr and "datastore calibrate" in r.stderr, r.stderr
@@ -316,6 +318,10 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     assert r.returncode == 0 and "calibrated: λ=" in r.stderr, r.stderr
     cal = json.loads((ds / "manifest.json").read_text())["calibration"]
     assert cal["text"]["named"] and cal["text"]["corpus"] == str(tmp_path / "other.txt") and cal["k"] == 16
+    # the mixture is fitted on the named text too, and said so (with the size warning: 30 short documents)
+    fit = DumpMixture.from_dict(cal["mixture"])
+    assert (fit.fit.tokens, fit.k, fit.mixture.components) == (cal["tokens"], 16, ("lm", "knn"))
+    assert f"mixture of lm + knn: {fit.fit.form}" in r.stderr and "warning: fitted on" in r.stderr
     common = ["eval", "--corpus", str(tmp_path / "other.txt"), "--datastore", str(ds), "--window", "32",
               "--min-context", "8", "--cache", "--cache-lambda", "0.05"]  # fmt: skip
     r = memlm(*common, "--k", "16", "--json", str(tmp_path / "a.json"))
@@ -333,3 +339,161 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
         r.returncode == 0
         and "note: this run uses index index.faiss (IVF4,Flat) (calibrated on index.faiss (Flat))" in r.stderr
     ), r.stderr
+
+
+# ----------------------------------------------------------------- the guarded mixture fitted at calibration (issue 35)
+
+
+def _held_out_dump(ds, docs, tok, model, k=16):
+    """The build's held-out slice scored again, independently of memlm.knnlm.calibration (as the test above)."""
+    from memlm.knnlm.evaluate import add_neighbours, lm_scores
+
+    _, held, _ = holdout_split(docs, tok, fraction=0.1)
+    ts, q, _ = lm_scores(model, tok, held, [ds.key_spec], window=32, min_context=8, progress=False)
+    add_neighbours(ts, q[ds.key_spec], ds, k=k, progress=False)
+    return ts
+
+
+def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
+    """The fit stored in the manifest is fit_dump's on the held-out dump (τ over the calibration's grid): same form,
+    τ, sizes, weights and held-out log-likelihoods, and the same log P on every token; the build says what it
+    fitted on and warns that the slice is under memlm.core.mixture's minimum sizes."""
+    from memlm.core.mixture import MIN_FIT_TOKENS
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.dump_mixture import DumpMixture, fit_dump
+    from memlm.storage.datastore import Datastore
+
+    root, ds_path, docs, r = built
+    model, tok = tiny_lm
+    ds = Datastore.open(ds_path)
+    cal = ds.manifest["calibration"]
+    stored = stored_mixture(ds)
+    assert isinstance(stored, DumpMixture) and stored.mixture.components == ("lm", "knn")
+    ts = _held_out_dump(ds, docs, tok, model)
+    again = fit_dump(ts, cal["grid"]["temperatures"], 16)
+    assert (stored.fit.form, stored.temperature, stored.k) == (again.fit.form, again.temperature, 16)
+    sizes = ("tokens", "documents", "fit_tokens", "kept_tokens")
+    assert [getattr(stored.fit, s) for s in sizes] == [getattr(again.fit, s) for s in sizes]
+    assert stored.fit.tokens == cal["tokens"]
+    assert [s["temperature"] for s in stored.search] == cal["grid"]["temperatures"]  # τ searched over the grid
+    for form, value in again.fit.heldout_loglik.items():
+        assert stored.fit.heldout_loglik[form] == pytest.approx(value, rel=1e-6, abs=1e-9)
+    np.testing.assert_allclose(stored.fit.mean_weights, again.fit.mean_weights, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(stored.logprob(ts).numpy(), again.logprob(ts).numpy(), rtol=1e-6, atol=1e-8)
+    assert DumpMixture.from_dict(stored.to_dict()).to_dict() == stored.to_dict()  # round-trips
+    # the build's messages: sizes, the form chosen, and the warning below the stated size
+    f = stored.fit
+    assert f"mixture of lm + knn: {f.form}, τ={stored.temperature:g}, fitted on {f.tokens:,} held-out tokens of " \
+        f"{f.documents:,} documents" in r.stderr, r.stderr  # fmt: skip
+    assert f.tokens < MIN_FIT_TOKENS
+    assert f"warning: fitted on {f.tokens:,} tokens (fewer than {MIN_FIT_TOKENS:,})" in r.stderr
+    assert "memlm datastore calibrate" in r.stderr.split("warning: fitted on")[1]  # with the fix
+
+
+def test_datastore_info_shows_the_stored_fit(built):
+    root, ds_path, _, _ = built
+    r = memlm("datastore", "info", str(ds_path))
+    assert r.returncode == 0, r.stderr
+    fit = json.loads(r.stdout)["calibration"]["mixture"]
+    assert fit["form"] in ("lm", "constant", "gate") and fit["tokens"] > 0 and fit["documents"] > 0
+    assert set(fit["mean_weights"]) == {"lm", "knn"} and sum(fit["mean_weights"].values()) == pytest.approx(1.0)
+    assert "W" not in json.dumps(fit) and fit["warnings"]  # a summary, not the matrices
+
+
+def test_calibration_warns_below_the_stated_size_only(built, tiny_lm, capsys):
+    """Under MIN_FIT_TOKENS tokens or MIN_FIT_DOCUMENTS documents the fit warns (with the fix); a slice of 4,096+
+    tokens in 8+ documents does not."""
+    from memlm.core.mixture import MIN_FIT_DOCUMENTS, MIN_FIT_TOKENS
+    from memlm.knnlm.calibration import calibrate, report_mixture
+    from memlm.knnlm.dump_mixture import DumpMixture
+    from memlm.storage.datastore import Datastore
+
+    model, tok = tiny_lm
+    ds = Datastore.open(built[1])
+    large = make_toy_docs(170, seed=71)
+    fit = DumpMixture.from_dict(calibrate(model, tok, ds, large, k=16, progress=False)["mixture"])
+    assert fit.fit.tokens >= MIN_FIT_TOKENS and fit.fit.documents >= MIN_FIT_DOCUMENTS and not fit.fit.warnings
+    report_mixture(fit, "FIX")
+    assert "warning" not in capsys.readouterr().err
+    few = large[:5]  # fewer documents and tokens
+    fit = DumpMixture.from_dict(calibrate(model, tok, ds, few, k=16, progress=False)["mixture"])
+    assert fit.fit.documents == 5 and len(fit.fit.warnings) == 1
+    report_mixture(fit, "FIX")
+    err = capsys.readouterr().err
+    assert f"(fewer than {MIN_FIT_TOKENS:,}) and 5 documents (fewer than {MIN_FIT_DOCUMENTS:,})" in err
+    assert err.count("warning:") == 1 and err.rstrip().endswith("(FIX)")
+
+
+def test_calibration_adds_no_forward_pass(built, tiny_lm):
+    """λ/τ and the mixture come from one LM pass over the slice: as many forward calls, on as many tokens, as
+    lm_scores alone makes."""
+    from memlm.knnlm.calibration import calibrate
+    from memlm.knnlm.evaluate import lm_scores
+    from memlm.storage.datastore import Datastore
+
+    model, tok = tiny_lm
+    ds = Datastore.open(built[1])
+    held = make_toy_docs(20, seed=72)
+    calls = []
+    hook = model.register_forward_hook(lambda m, a, kw, out: calls.append(int(kw["input_ids"].numel())),
+                                       with_kwargs=True)  # fmt: skip
+    try:
+        cal = calibrate(model, tok, ds, held, k=16, progress=False)
+        during = list(calls)
+        calls.clear()
+        lm_scores(model, tok, held, [ds.key_spec], window=32, min_context=8, progress=False)
+    finally:
+        hook.remove()
+    assert during and during == calls and "mixture" in cal
+
+
+def _corrupt_copy(ds_path, tmp_path, edit):
+    import shutil
+
+    from memlm.storage.folder import manifest_digest
+
+    out = tmp_path / "corrupt"
+    shutil.copytree(ds_path, out)
+    m = json.loads((out / "manifest.json").read_text())
+    edit(m["calibration"]["mixture"])
+    m["manifest_sha256"] = manifest_digest(m)
+    (out / "manifest.json").write_text(json.dumps(m))
+    return out
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda r: r["fit"]["mixture"].__setitem__("W", [[1.0]]),  # wrong shape
+        lambda r: r["fit"]["mixture"].__setitem__("components", ["lm", "ngram"]),  # not this memory's
+        lambda r: r.__setitem__("temperature", "hot"),
+        lambda r: r["fit"].pop("options"),
+        lambda r: r.__setitem__("fit", 3),
+    ],
+)
+def test_a_corrupt_stored_fit_is_one_clear_error(built, tmp_path, edit):
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import calibration_summary, has_stored_mixture, stored_mixture
+    from memlm.retrieval import DatastoreMemory
+    from memlm.storage.datastore import Datastore
+
+    ds = Datastore.open(_corrupt_copy(built[1], tmp_path, edit))
+    for memory in (ds, DatastoreMemory(ds)):
+        with pytest.raises(MemlmError, match=r"manifest.json: the mixture stored with its calibration cannot be used"
+                           r".*recalibrate it: rerun the `memlm datastore build`"):  # fmt: skip
+            stored_mixture(memory)
+    assert not has_stored_mixture(ds) and "cannot be used" in calibration_summary(ds)["mixture"]["problem"]
+
+
+def test_a_rerun_recalibrates_a_corrupt_or_missing_fit(built, tmp_path):
+    """A datastore calibrated before the fit existed (or with a corrupt one) gets one from a rerun of its build."""
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.storage.datastore import Datastore
+
+    root, ds_path, _, r = built
+    out = _corrupt_copy(ds_path, tmp_path, lambda rec: rec.clear())
+    args = r.args[r.args.index("build") + 1 :]
+    r2 = memlm("datastore", "build", *[str(out) if a == str(ds_path) else a for a in args])
+    assert r2.returncode == 0 and "calibrating λ, τ and the mixture" in r2.stderr, r2.stderr
+    assert stored_mixture(Datastore.open(out)).to_dict()["fit"]["mixture"] == stored_mixture(
+        Datastore.open(ds_path)).to_dict()["fit"]["mixture"]  # fmt: skip

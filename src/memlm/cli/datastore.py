@@ -13,7 +13,17 @@ from memlm.cli import common
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
 from memlm.errors import MemlmError
-from memlm.knnlm.calibration import OVERLAP_LIMIT, OVERLAP_NGRAM, calibrate, holdout_split, text_overlap
+from memlm.knnlm.calibration import (
+    OVERLAP_LIMIT,
+    OVERLAP_NGRAM,
+    calibrate,
+    calibration_summary,
+    has_stored_mixture,
+    holdout_split,
+    report_mixture,
+    stored_mixture,
+    text_overlap,
+)
 from memlm.leakage import document_record, shown_sources
 from memlm.storage.locking import folder_lock
 
@@ -64,7 +74,8 @@ def _holdout(docs, tok, args: argparse.Namespace):
 
 
 def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace) -> None:
-    """Tune λ and τ on the build's held-out slice and record them with the datastore (memlm.knnlm.calibration)."""
+    """Tune λ and τ and fit the mixture of the LM and the datastore on the build's held-out slice, and record them
+    with the datastore (memlm.knnlm.calibration); a rerun recalibrates a record without a usable fit."""
     from memlm.storage.datastore import holdout_key
 
     if not held_out:
@@ -80,15 +91,23 @@ def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace
     if cal is not None and cal.get("count") == len(ds) and (cal.get("text") or {}).get("named"):
         print(f"calibration on {cal['text'].get('corpus')} (memlm datastore calibrate) kept: λ={cal['lambda']:g}, "
               f"τ={cal['temperature']:g}", file=sys.stderr)  # fmt: skip
+        if not has_stored_mixture(ds):
+            print(f"note: it records no usable fitted mixture; rerun `memlm datastore calibrate {ds.path} --corpus "
+                  "FILE` to fit one", file=sys.stderr)  # fmt: skip
         return
-    if cal is not None and cal.get("count") == len(ds) and cal.get("holdout_ids") == holdout.get("ids_sha256"):
+    if (
+        cal is not None
+        and cal.get("count") == len(ds)
+        and cal.get("holdout_ids") == holdout.get("ids_sha256")
+        and has_stored_mixture(ds)
+    ):
         print(f"calibration already recorded: λ={cal['lambda']:g}, τ={cal['temperature']:g}", file=sys.stderr)
         return
     if holdout.get("short_of_minimum"):
         print(f"note: {holdout['short_of_minimum']}", file=sys.stderr)
     n, tails = holdout["documents"], len(holdout.get("tails") or [])
     what = f"{n} document{'s' if n != 1 else ''}" + (f", {tails} of them a document's tail" if tails else "")
-    print(f"calibrating λ and τ on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
+    print(f"calibrating λ, τ and the mixture on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
     text = {"held_out": True, "documents": holdout["documents"], "ids_sha256": holdout.get("ids_sha256")}
     cal = calibrate(model, tok, ds, held_out, k=args.calibration_k, batch_size=args.batch_size, text=text)
     cal["holdout_ids"] = holdout.get("ids_sha256")
@@ -102,10 +121,14 @@ def _say_calibrated(cal: dict, ds) -> None:
           f"{cal['knn_ppl']:.3f}; k={cal['k']}, {cal['search']} search"
           + (f", still on the grid's edge in {', '.join(edge)}" if edge else "")
           + f"); recorded in {ds.path}", file=sys.stderr)  # fmt: skip
+    report_mixture(stored_mixture(ds), f"calibrate on more text outside the datastore: `memlm datastore calibrate "
+                   f"{ds.path} --corpus FILE`, or tune on your own valid text: `memlm eval --dump` + `memlm tune "
+                   "--mixture gate`")  # fmt: skip
 
 
 def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
-    """``memlm datastore calibrate DS --corpus FILE``: λ and τ tuned on text the user names, outside the datastore."""
+    """``memlm datastore calibrate DS --corpus FILE``: λ, τ and the mixture fitted on text the user names, outside the
+    datastore."""
     from memlm.storage.sharded import open_datastore
 
     ds = open_datastore(args.dir)
@@ -132,10 +155,7 @@ def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
     with folder_lock(args.dir, "calibrate a datastore"):
         old = ds.manifest.get("calibration")
         cal = calibrate(model, tok, ds, docs, k=args.k, nprobe=args.nprobe, batch_size=args.batch_size, text=text)
-        if cal["tokens"] < 4096:
-            print(f"note: {cal['tokens']:,} tokens to calibrate on, fewer than the 4,096 a build holds out",
-                  file=sys.stderr)  # fmt: skip
-        ds.record_calibration(cal)
+        ds.record_calibration(cal)  # a slice under memlm.core.mixture.MIN_FIT_TOKENS: the fit's warning says so
     if old is not None:
         print(f"replaced the calibration λ={old['lambda']:g}, τ={old['temperature']:g}", file=sys.stderr)
     _say_calibrated(cal, ds)
@@ -229,15 +249,17 @@ def cmd_datastore_info(args: argparse.Namespace) -> None:
 
     ds = open_datastore(args.dir, verify=args.verify)
     m = ds.manifest
+    calibration = {"calibration": calibration_summary(ds)} if "calibration" in m else {}  # the fit summarised
     if hasattr(ds, "shards"):  # a sharded datastore: its manifest lists the shards (each a datastore)
         keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "sharded")
-        print(json.dumps({**{k: m[k] for k in keys if k in m}, "sources": shown_sources(m["sources"])}, indent=2))
+        print(json.dumps({**{k: m[k] for k in keys if k in m}, "sources": shown_sources(m["sources"]), **calibration},
+                         indent=2))  # fmt: skip
         if args.verify:
             print(f"checksums OK ({ds.checksum()[:16]}): every shard's manifest, sizes and full SHA-256")
         return
-    keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources", "calibration")
+    keys = ("model", "tokenizer", "key", "count", "window", "min_context", "sources")
     info = {k: m[k] for k in keys if k in m}
-    info.update(sources=shown_sources(m["sources"]), build_id=m.get("build_id"))
+    info.update(sources=shown_sources(m["sources"]), **calibration, build_id=m.get("build_id"))
     problem = ds.index_problem()
     if not ds.index_path.exists():
         info["index"] = None
@@ -336,7 +358,7 @@ def add_parsers(sub) -> None:
         "--no-index",
         dest="index",
         action="store_false",
-        help="do not build the FAISS index afterwards (nor calibrate λ and τ, which needs it)",
+        help="do not build the FAISS index afterwards (nor calibrate λ, τ and the mixture, which need it)",
     )
     b.add_argument(
         "--holdout",
@@ -349,7 +371,8 @@ def add_parsers(sub) -> None:
         "documents), the tail of the longest document(s), at most half of each, cut where a paragraph "
         "(else a line, sentence, word) starts; the head stays in the datastore. Deterministic (a rerun resumes), "
         "recorded in the manifest (sources[].holdout) and part of the settings a rerun compares; eval, generate and "
-        "lm-eval use the tuned values when no --lambda/--temperature is given",
+        "lm-eval use the tuned values when no --lambda/--temperature is given; the guarded mixture of the LM and the "
+        "datastore is fitted on the same tokens (memlm datastore info shows it)",
     )
     b.add_argument(
         "--calibration-k",
@@ -371,7 +394,8 @@ def add_parsers(sub) -> None:
     b.set_defaults(func=cmd_datastore_build, check=check_datastore_build)
     c = ds.add_parser(
         "calibrate",
-        help="tune a datastore's default λ and τ on text you name (outside it), e.g. one built without --holdout",
+        help="tune a datastore's default λ, τ and mixture on text you name (outside it), e.g. one built without "
+        "--holdout",
     )
     c.add_argument("dir", type=V.existing_dir, help="the datastore folder")
     add_model(c)

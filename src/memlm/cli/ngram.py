@@ -43,6 +43,7 @@ def decontaminate_documents(args: argparse.Namespace, docs: list, tok) -> tuple[
 
 
 def cmd_ngram_build(args: argparse.Namespace) -> None:
+    from memlm.knnlm.calibration import has_stored_mixture, report_mixture, stored_mixture
     from memlm.ngram.index import build_ngram_index
 
     model, tok = common._load_model(args.model, args.dtype)
@@ -73,26 +74,34 @@ def cmd_ngram_build(args: argparse.Namespace) -> None:
             print(f"no calibration ({why}): eval falls back to λ_sparse=0.1, λ_dense=0.03", file=sys.stderr)
             return
         cal = m.get("calibration")
-        if cal is not None and cal.get("holdout_ids") == source["holdout"].get("ids_sha256"):
+        if (
+            cal is not None
+            and cal.get("holdout_ids") == source["holdout"].get("ids_sha256")
+            and has_stored_mixture(index)  # an index calibrated before the fit existed (or a corrupt one): again
+        ):
             print(
                 f"calibration already recorded: λ_sparse={cal['lambda_sparse']:g}, λ_dense={cal['lambda_dense']:g}",
                 file=sys.stderr,
             )
             return
+        from memlm.ngram.calibration import calibrate_ngram
         from memlm.ngram.memory import NgramMemory
-        from memlm.ngram.mixture import calibrate_ngram
 
-        print(f"calibrating λ_sparse and λ_dense on {source['holdout']['tokens']:,} held-out tokens", file=sys.stderr)
+        hold = source["holdout"]
+        print(f"calibrating λ_sparse, λ_dense and the mixture on {hold['tokens']:,} held-out tokens "
+              f"({hold['documents']:,} document{'s' if hold['documents'] != 1 else ''})", file=sys.stderr)  # fmt: skip
         cal = calibrate_ngram(
             model, tok, NgramMemory(index), held_out, window=args.window, stride=args.stride, batch_size=args.batch_size
         )
-        cal["holdout_ids"] = source["holdout"].get("ids_sha256")
+        cal["holdout_ids"] = hold.get("ids_sha256")
         index.record_calibration(cal)
         print(
             f"calibrated: λ_sparse={cal['lambda_sparse']:g}, λ_dense={cal['lambda_dense']:g} (held-out ppl "
             f"{cal['base_ppl']:.3f} -> {cal['ngram_ppl']:.3f}); recorded in {index.path}",
             file=sys.stderr,
         )
+        report_mixture(stored_mixture(index), f"the slice is capped by the corpus: tune on your own valid text "
+                       f"with `memlm eval --ngram {index.path} --dump` + `memlm tune --mixture gate`")  # fmt: skip
 
 
 def check_ngram_build(args: argparse.Namespace) -> None:
@@ -105,6 +114,7 @@ def check_ngram_build(args: argparse.Namespace) -> None:
 
 
 def cmd_ngram_info(args: argparse.Namespace) -> None:
+    from memlm.knnlm.calibration import calibration_summary
     from memlm.ngram.index import NgramIndex
 
     index = NgramIndex.open(args.index, verify=args.verify)
@@ -123,8 +133,8 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
         "infini_gram_version",
         "created",
     )
-    print(json.dumps({**{k: m.get(k) for k in keys}, "sources": shown_sources(m["sources"])}, indent=2,
-                     ensure_ascii=False))  # fmt: skip
+    shown = {"sources": shown_sources(m["sources"]), "calibration": calibration_summary(index)}  # the fit summarised
+    print(json.dumps({**{k: m.get(k) for k in keys}, **shown}, indent=2, ensure_ascii=False))
     print(f"checksums {index.integrity['note']}", file=sys.stderr)
 
 

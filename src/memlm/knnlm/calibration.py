@@ -7,15 +7,18 @@ tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, doc
 build`` holds out a small deterministic slice of its corpus (:func:`holdout_split`: 2% of the tokens, at least 4,096,
 at most 8,192, never more than 20%; whole documents first, then, for a corpus of one document or a few long ones, the
 tails of the longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the
-rest, then scores
-the slice with the new datastore and grid-searches λ and τ on it, widening the grid while the best value sits on its
-edge (:func:`calibrate`); the result, with what it was measured with (k, search and score mode, nprobe, index file and
-factory), is recorded with the datastore (``manifest.json`` → ``calibration``). The slice is part of the build's
-settings: a rerun with another ``--holdout`` (or over a datastore built without one) is refused, never calibrated on
-text inside the datastore; such a datastore is calibrated on text the user names (``memlm datastore calibrate DS
---corpus FILE``). ``memlm eval``, ``generate``, the lm-eval adapter and the Python API take those values when none are
-given (:func:`knn_parameters`), say which they used and where they came from, and add one notice when they search with
-another k, mode or index than the calibration did.
+rest, then scores the slice with the new datastore and grid-searches λ and τ on it, widening the grid while the best
+value sits on its edge (:func:`calibrate`). On the same scored tokens (no second forward pass) it fits the guarded
+mixture of the LM and the datastore (issue 35: :func:`memlm.knnlm.dump_mixture.fit_dump`, τ searched over the same
+grid; the LM alone, constant weights or the gate, whichever the part of the slice kept apart prefers). The result,
+with what it was measured with (k, search and score mode, nprobe, index file and factory), is recorded with the
+datastore (``manifest.json`` → ``calibration``; the fit under ``calibration.mixture``, read back by
+:func:`stored_mixture`). The slice is part of the build's settings: a rerun with another ``--holdout`` (or over a
+datastore built without one) is refused, never calibrated on text inside the datastore; such a datastore is
+calibrated on text the user names (``memlm datastore calibrate DS --corpus FILE``). ``memlm eval``, ``generate``,
+the lm-eval adapter and the Python API take those values when none are given (:func:`knn_parameters`), say which
+they used and where they came from, and add one notice when they search with another k, mode or index than the
+calibration did.
 
 The slice is in-domain text the datastore has not seen, so its λ/τ are a good default for text like the datastore's
 corpus. For text from another domain (domain adaptation, or a datastore much larger than the slice's context), tune on
@@ -34,9 +37,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memlm.errors import MemlmError
+
+if TYPE_CHECKING:
+    from memlm.knnlm.dump_mixture import DumpMixture
 
 __all__ = [
     "HOLDOUT_FRACTION",
@@ -47,6 +53,11 @@ __all__ = [
     "holdout_split",
     "calibrate",
     "calibration_mismatch",
+    "calibration_summary",
+    "mixture_summary",
+    "report_mixture",
+    "has_stored_mixture",
+    "stored_mixture",
     "index_identity",
     "knn_parameters",
     "tune_widening",
@@ -291,17 +302,21 @@ def calibrate(
     progress: bool = True,
     text: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Score ``held_out`` with ``datastore`` and grid-search λ and τ on it (:func:`tune_widening`).
+    """Score ``held_out`` with ``datastore``, grid-search λ and τ on it (:func:`tune_widening`) and fit the guarded
+    mixture of the LM and the datastore on the same scored tokens (:func:`memlm.knnlm.dump_mixture.fit_dump`, τ over
+    the same grid; one forward pass in all).
 
     The slice is read with the datastore's own windows (``window``, ``stride``); the datastore's index (or exact
     search when it has none) gives ``k`` neighbours per token. Text whose documents are in the datastore (same id
     and text) is refused. Returns the record stored under ``calibration``: λ, τ, and what they were measured with
     (``k``, ``search``, ``scores``, ``nprobe``, ``index``: file, factory, metric, checksum; ``grid``; ``text``: the
-    held-out slice or the corpus a user named).
+    held-out slice or the corpus a user named) and the fit (``mixture``: :meth:`DumpMixture.to_dict`, read back by
+    :func:`stored_mixture`).
     """
     import numpy as np
 
     from memlm.data.windows import doc_hash
+    from memlm.knnlm.dump_mixture import fit_dump
     from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
 
     if not held_out:
@@ -326,6 +341,7 @@ def calibrate(
     add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=nprobe, progress=progress)
     best, grid = tune_widening(ts)
     res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
+    mixture = fit_dump(ts, grid["temperatures"], k)
     return {
         "lambda": float(best["lambda"]),
         "temperature": float(best["temperature"]),
@@ -338,6 +354,7 @@ def calibrate(
         "tokens": len(ts),
         "base_ppl": float(res["base_ppl"]),
         "knn_ppl": float(res["knn_ppl"]),
+        "mixture": mixture.to_dict(),
         "window": window,
         "stride": stride,
         "seconds": time.perf_counter() - t0,
@@ -388,9 +405,7 @@ def knn_parameters(
     used with another setting than they were measured with (:func:`calibration_mismatch`), one notice says so.
     """
     datastore = getattr(datastore, "datastore", datastore)  # a DatastoreMemory: its datastore's calibration
-    cal = (getattr(datastore, "manifest", None) or {}).get("calibration") if datastore is not None else None
-    if cal is not None and int(cal.get("count", -1)) != len(datastore):
-        cal = None  # recorded for another version of the datastore (e.g. before an --append)
+    cal = _current_calibration(datastore, counted=True) if datastore is not None else None
     missing = [n for n, v in (("λ", lam), ("τ", temperature)) if v is None]
     notice = None
     if not missing:
@@ -429,6 +444,135 @@ def knn_parameters(
         if notice:
             print(notice, file=sys.stderr, flush=True)
     return float(lam), float(temperature), origin
+
+
+def _current_calibration(owner, counted: bool) -> dict[str, Any] | None:
+    """The calibration ``owner``'s manifest records, or None; ``counted`` (a datastore): None too when it was
+    recorded for another version of the datastore (another entry count, e.g. before an ``--append``)."""
+    cal = (getattr(owner, "manifest", None) or {}).get("calibration")
+    if cal is not None and counted and int(cal.get("count", -1)) != len(owner):
+        return None
+    return cal
+
+
+def _calibrated(memory) -> tuple[Any, str]:
+    """``(owner, kind)``: the datastore (plain or sharded) or ∞-gram index whose manifest holds ``memory``'s
+    calibration (a :class:`~memlm.retrieval.DatastoreMemory`'s datastore, an :class:`~memlm.ngram.memory.NgramMemory`'s
+    index, or the object itself) and its mixture component (``knn`` or ``ngram``)."""
+    owner = memory
+    for inner in ("datastore", "index"):
+        if not hasattr(owner, "manifest"):
+            owner = getattr(memory, inner, None)
+    if not hasattr(owner, "manifest"):
+        raise MemlmError(f"{type(memory).__name__} records no calibration: give a datastore, an ∞-gram index or a "
+                         "memory over one (DatastoreMemory, NgramMemory)")  # fmt: skip
+    return owner, "knn" if hasattr(owner, "key_spec") else "ngram"  # a datastore's keys; an index has none
+
+
+def _recalibrate_hint(owner, kind: str) -> str:
+    if kind == "ngram":
+        return f"recalibrate it: rerun the `memlm ngram build` command that built {owner.path}"
+    return (
+        f"recalibrate it: rerun the `memlm datastore build` command that built {owner.path} (a build with a "
+        f"held-out slice), or `memlm datastore calibrate {owner.path} --corpus FILE` on text outside it"
+    )
+
+
+def _read_fit(owner, kind: str, record: Any) -> DumpMixture:
+    """The :class:`~memlm.knnlm.dump_mixture.DumpMixture` of a calibration's ``mixture`` record (the LM and this one
+    memory), or one MemlmError naming the file, what is wrong and how to recalibrate."""
+    from memlm.knnlm.dump_mixture import DumpMixture
+
+    where = Path(owner.path) / ("shards.json" if hasattr(owner, "shards") else "manifest.json")
+    try:
+        fit = DumpMixture.from_dict(record, "the record")
+        problem = None
+        if fit.mixture.components != ("lm", kind):
+            problem = f"it mixes {', '.join(fit.mixture.components)}, not the LM and this {kind} memory"
+        elif fit.cache_temperature is not None or (kind == "ngram") != (fit.temperature is None):
+            problem = f"temperature {fit.temperature!r}, cache temperature {fit.cache_temperature!r}"
+        elif kind == "knn" and not (float(fit.temperature) > 0 and math.isfinite(fit.temperature) and int(fit.k) > 0):
+            problem = f"temperature {fit.temperature!r} and k {fit.k!r} must be positive"
+    except (MemlmError, TypeError, ValueError, AttributeError) as error:
+        problem = str(error)
+    if problem is not None:
+        raise MemlmError(f"{where}: the mixture stored with its calibration cannot be used ({problem}); "
+                         f"{_recalibrate_hint(owner, kind)}")  # fmt: skip
+    return fit
+
+
+def stored_mixture(memory) -> DumpMixture | None:
+    """The guarded mixture of the LM and this memory fitted when it was calibrated (issue 35; components ``lm``,
+    ``knn`` for a datastore, ``lm``, ``ngram`` for an ∞-gram index), a
+    :class:`~memlm.knnlm.dump_mixture.DumpMixture`, or None when the memory records no current calibration or its
+    calibration has no fit (written by an older memlm; a datastore's calibration made before an ``--append`` is not
+    current). ``memory``: a datastore (plain or sharded), an ∞-gram index, or a memory over one. A record that cannot
+    be read or does not fit this memory is one MemlmError naming the file and how to recalibrate."""
+    owner, kind = _calibrated(memory)
+    cal = _current_calibration(owner, counted=kind == "knn")
+    if cal is None or cal.get("mixture") is None:
+        return None
+    return _read_fit(owner, kind, cal["mixture"])
+
+
+def has_stored_mixture(memory) -> bool:
+    """Whether :func:`stored_mixture` gives a usable fit (a build's rerun recalibrates when it does not)."""
+    try:
+        return stored_mixture(memory) is not None
+    except MemlmError:
+        return False
+
+
+def mixture_summary(fit: DumpMixture) -> dict[str, Any]:
+    """What a stored fit (:class:`~memlm.knnlm.dump_mixture.DumpMixture`) is, for ``info`` and the build's message:
+    its form, the tokens and documents it was fitted on (and kept apart), τ and k, the mean weight of each component
+    over those tokens, the held-out log-likelihood per token of each form tried, and its warnings."""
+    f = fit.fit
+    return {
+        "form": f.form,
+        "tokens": f.tokens,
+        "documents": f.documents,
+        "fit_tokens": f.fit_tokens,
+        "kept_tokens": f.kept_tokens,
+        "temperature": fit.temperature,
+        "k": fit.k,
+        "mean_weights": dict(zip(fit.mixture.components, f.mean_weights, strict=True)),
+        "heldout_loglik": f.heldout_loglik,
+        "warnings": list(f.warnings),
+    }
+
+
+def calibration_summary(memory) -> dict[str, Any] | None:
+    """The calibration record of a memory's manifest as ``info`` shows it: its ``mixture`` as
+    :func:`mixture_summary` (``{"problem": ...}`` when it cannot be read), None without a calibration."""
+    owner, kind = _calibrated(memory)
+    cal = _current_calibration(owner, counted=False)
+    if cal is None:
+        return None
+    out = dict(cal)
+    if cal.get("mixture") is not None:
+        try:
+            out["mixture"] = mixture_summary(_read_fit(owner, kind, cal["mixture"]))
+        except MemlmError as error:
+            out["mixture"] = {"problem": str(error)}
+    return out
+
+
+def report_mixture(fit: DumpMixture, fix: str, file=None) -> None:
+    """Print on stderr (or ``file``) what the calibration's fit is: the form chosen, the tokens and documents it was
+    fitted on, the held-out log-likelihood of each form, the mean weights; then each size warning of the fit
+    (:data:`memlm.core.mixture.MIN_FIT_TOKENS`, ``MIN_FIT_DOCUMENTS``) followed by ``fix``."""
+    out = file or sys.stderr
+    s = mixture_summary(fit)
+    tau = f", τ={s['temperature']:g}" if s["temperature"] is not None else ""
+    print(f"mixture of {' + '.join(s['mean_weights'])}: {s['form']}{tau}, fitted on {s['tokens']:,} held-out tokens "
+          f"of {s['documents']:,} document{'s' if s['documents'] != 1 else ''} ({s['fit_tokens']:,} to fit, "
+          f"{s['kept_tokens']:,} kept apart to choose the form; log-likelihood per token on those: "
+          + ", ".join(f"{k} {v:.4f}" for k, v in s["heldout_loglik"].items())
+          + "); mean weights " + ", ".join(f"{k} {v:.3f}" for k, v in s["mean_weights"].items()),
+          file=out, flush=True)  # fmt: skip
+    for w in s["warnings"]:
+        print(f"warning: {w} ({fix})", file=out, flush=True)
 
 
 OVERLAP_NGRAM = 16  # tokens per span compared by text_overlap

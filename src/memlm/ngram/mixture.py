@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +48,6 @@ __all__ = [
     "DEFAULT_LAMBDA_SPARSE",
     "DEFAULT_LAMBDA_DENSE",
     "add_ngram",
-    "calibrate_ngram",
     "ngram_mixture",
     "ngram_parameters",
     "ngram_report",
@@ -310,43 +308,6 @@ def ngram_parameters(
     if announce:
         print(f"∞-gram parameters: λ_sparse={lambda_sparse:g}, λ_dense={lambda_dense:g}: {origin}", file=sys.stderr)
     return float(lambda_sparse), float(lambda_dense), origin
-
-
-def calibrate_ngram(
-    model,
-    tokenizer,
-    memory,
-    held_out: Sequence,
-    window: int = 1024,
-    stride: int = 512,
-    batch_size: int = 4,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Score ``held_out`` with the LM and the ∞-gram and tune λ_sparse, λ_dense on it (the record stored under the
-    index's ``calibration``)."""
-    from memlm.knnlm.evaluate import lm_scores
-
-    if not held_out:
-        raise MemlmError("nothing to calibrate on: the held-out slice is empty")
-    t0 = time.perf_counter()
-    ts, _, _ = lm_scores(
-        model, tokenizer, held_out, window=window, stride=stride, batch_size=batch_size, progress=progress
-    )
-    add_ngram(ts, held_out, tokenizer, memory)
-    best = tune_ngram(ts)["best"]
-    rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
-    return {
-        "lambda_sparse": best["lambda_sparse"],
-        "lambda_dense": best["lambda_dense"],
-        "tokens": len(ts),
-        "base_ppl": rep["base_ppl"],
-        "ngram_ppl": rep["ngram_ppl"],
-        "sparse_share": rep["sparse_share"],
-        "effective_n_median": rep["effective_n"]["median"],
-        "window": window,
-        "stride": stride,
-        "seconds": time.perf_counter() - t0,
-    }
 
 
 def multi_ngram_mixture(
