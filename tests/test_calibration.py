@@ -355,11 +355,11 @@ def _held_out_dump(ds, docs, tok, model, k=16):
 
 
 def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
-    """The fit stored in the manifest is fit_dump's on the held-out dump (τ over the calibration's grid): same form,
-    τ, sizes, weights and held-out log-likelihoods, and the same log P on every token; the build says what it
+    """The fit stored in the manifest is fit_dump's on the held-out dump (τ: the rule's and its grid neighbours):
+    same form, τ, sizes, weights and held-out log-likelihoods, and the same log P on every token; the build says what it
     fitted on and warns that the slice is under memlm.core.mixture's minimum sizes."""
     from memlm.core.mixture import MIN_FIT_TOKENS
-    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.calibration import near_temperatures, stored_mixture
     from memlm.knnlm.dump_mixture import DumpMixture, fit_dump
     from memlm.storage.datastore import Datastore
 
@@ -370,12 +370,15 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     stored = stored_mixture(ds)
     assert isinstance(stored, DumpMixture) and stored.mixture.components == ("lm", "knn")
     ts = _held_out_dump(ds, docs, tok, model)
-    again = fit_dump(ts, cal["grid"]["temperatures"], 16)
+    again = fit_dump(ts, near_temperatures(cal["grid"]["temperatures"], cal["temperature"]), 16)
     assert (stored.fit.form, stored.temperature, stored.k) == (again.fit.form, again.temperature, 16)
     sizes = ("tokens", "documents", "fit_tokens", "kept_tokens")
     assert [getattr(stored.fit, s) for s in sizes] == [getattr(again.fit, s) for s in sizes]
     assert stored.fit.tokens == cal["tokens"]
-    assert [s["temperature"] for s in stored.search] == cal["grid"]["temperatures"]  # τ searched over the grid
+    # τ searched next to the rule's
+    assert [s["temperature"] for s in stored.search] == near_temperatures(
+        cal["grid"]["temperatures"], cal["temperature"]
+    )
     for form, value in again.fit.heldout_loglik.items():
         assert stored.fit.heldout_loglik[form] == pytest.approx(value, rel=1e-6, abs=1e-9)
     np.testing.assert_allclose(stored.fit.mean_weights, again.fit.mean_weights, rtol=1e-5, atol=1e-7)
@@ -497,3 +500,12 @@ def test_a_rerun_recalibrates_a_corrupt_or_missing_fit(built, tmp_path):
     assert r2.returncode == 0 and "calibrating λ, τ and the mixture" in r2.stderr, r2.stderr
     assert stored_mixture(Datastore.open(out)).to_dict()["fit"]["mixture"] == stored_mixture(
         Datastore.open(ds_path)).to_dict()["fit"]["mixture"]  # fmt: skip
+
+
+def test_calibration_searches_the_mixtures_temperature_next_to_the_rules():
+    from memlm.knnlm.calibration import near_temperatures
+
+    grid = [0.1, 1.0, 3.0, 10.0, 100.0]
+    assert near_temperatures(grid, 3.0) == [1.0, 3.0, 10.0]
+    assert near_temperatures(grid, 0.1) == [0.1, 1.0]
+    assert near_temperatures(list(reversed(grid)), 100.0) == [10.0, 100.0]

@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "holdout_split",
     "calibrate",
+    "near_temperatures",
     "calibration_mismatch",
     "calibration_summary",
     "mixture_summary",
@@ -254,6 +255,17 @@ def index_identity(datastore, index_path: str | Path | None = None) -> dict[str,
     }
 
 
+def near_temperatures(grid, best: float) -> list[float]:
+    """The rule's best τ and its neighbours in ``grid`` (up to 3 values): where the guarded mixture searches τ at
+    calibration. One guarded fit costs seconds per τ on 8k tokens with k = 1024 (an L-BFGS gate fit and the kNN
+    features at that τ), so the 14-20 τ of the whole grid would make the fit the slowest part of a build (issue 34:
+    calibration that costs little); the mixture's τ landed next to the rule's in every fit of docs/MIXTURE.md
+    (gate τ 2-3 where the rule chose 3)."""
+    grid = sorted(float(t) for t in grid)
+    i = min(range(len(grid)), key=lambda j: abs(grid[j] - float(best)))
+    return grid[max(0, i - 1) : i + 2]
+
+
 def tune_widening(ts, max_widenings: int = 3) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(best, grid)``: :func:`memlm.knnlm.evaluate.tune` on ``ts``, the grid widened while the best value sits on
     its edge: τ at the grid's lowest (highest) value adds τ/2, τ/5, τ/10 (2τ, 5τ, 10τ); λ at the smallest positive
@@ -341,7 +353,7 @@ def calibrate(
     add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=nprobe, progress=progress)
     best, grid = tune_widening(ts)
     res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
-    mixture = fit_dump(ts, grid["temperatures"], k)
+    mixture = fit_dump(ts, near_temperatures(grid["temperatures"], best["temperature"]), k)
     return {
         "lambda": float(best["lambda"]),
         "temperature": float(best["temperature"]),
