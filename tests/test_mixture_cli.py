@@ -17,6 +17,7 @@ from conftest import make_toy_docs  # noqa: E402
 from test_mixture import synthetic_dump  # noqa: E402
 
 from memlm.cli import main  # noqa: E402
+from memlm.errors import MemlmError  # noqa: E402
 from memlm.knnlm.dump_mixture import DumpMixture, components_of, rule_logprob  # noqa: E402
 from memlm.knnlm.evaluate import TokenScores  # noqa: E402
 
@@ -127,19 +128,22 @@ def test_a_gate_fitted_where_it_overfits_ends_no_worse_than_the_lm_on_test(tmp_p
 
 def test_rule_logprob_is_each_rules_formula():
     """rule_logprob against the formulas by hand: (1-λ-λc) p_LM + λ p_kNN + λc p_cache; (1-λ-λ∞) p_LM + λ p_kNN +
-    λ∞ P∞ with λ∞ = λ_sparse where sparse, else λ_dense."""
+    λ∞ P∞ with λ∞ = λ_sparse where sparse, else λ_dense; all four at once (one rule, no special case)."""
     from memlm.knnlm.mixture_inputs import mixture_inputs
 
     ts = synthetic_dump(4)
     lam, tau, lc, tc, ls, ld = 0.2, 2.0, 0.1, 0.5, 0.4, 0.05
     p = np.exp(mixture_inputs(ts, tau, None, tc).logprobs)  # lm, knn, ngram, cache
-    got = rule_logprob(ts, lam, tau, cache=(lc, tc)).numpy()
+    got = rule_logprob(ts, {"knn": lam, "cache": lc}, tau, None, tc).numpy()
     assert np.allclose(got, np.log((1 - lam - lc) * p[:, 0] + lam * p[:, 1] + lc * p[:, 3]), atol=1e-12)
     lam_ng = np.where(ts.ngram_sparse, ls, ld)
-    got = rule_logprob(ts, lam, tau, ngram_weights=[[ls, ld]]).numpy()
-    assert np.allclose(got, np.log((1 - lam - lam_ng) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2]), atol=1e-9)
-    with pytest.raises(Exception, match="cache with the ∞-gram"):
-        rule_logprob(ts, lam, tau, ngram_weights=[[ls, ld]], cache=(lc, tc))
+    got = rule_logprob(ts, {"knn": lam, "ngram": (ls, ld)}, tau).numpy()
+    assert np.allclose(got, np.log((1 - lam - lam_ng) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2]), atol=1e-12)
+    got = rule_logprob(ts, {"knn": lam, "ngram": (ls, ld), "cache": lc}, tau, None, tc).numpy()
+    want = (1 - lam - lam_ng - lc) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2] + lc * p[:, 3]
+    assert np.allclose(got, np.log(want), atol=1e-12)
+    with pytest.raises(MemlmError, match="this dump has no knn2"):
+        rule_logprob(ts, {"knn2": lam})
 
 
 def test_a_stored_fit_refuses_other_memories(tmp_path):

@@ -123,28 +123,16 @@ def load_mixture(path: str):
 
 
 def _rule_rows(ts, res: dict[str, Any]) -> dict[str, Any]:
-    """Per-token log p of each fixed-weight row of eval's result ``res`` (its own weights), for the paired
-    differences of the learned mixture against them."""
+    """Per-token log p of each fixed-weight row of eval's result ``res``, re-mixed by the rule it recorded under
+    ``mixtures`` (its weights, at its τ and k), for the paired differences of the learned mixture against them."""
+    from memlm.core.mixture import Mixture
     from memlm.knnlm.dump_mixture import rule_logprob
 
-    lam = res.get("lambda") if isinstance(res.get("lambda"), float | int) else None
-    knn = {"lam": lam, "temperature": res.get("temperature") or 1.0, "k": res.get("k")}
-    specs: dict[str, dict[str, Any]] = {}
-    if lam is not None:
-        specs["knn_ppl"] = knn
-    for key in ("knn_cache_ppl", "lm_cache_ppl"):
-        if key in res and (key != "knn_cache_ppl" or lam is not None):
-            specs[key] = {**knn, "cache": (res["cache_lambda"], res["cache_temperature"])}
-    if "lambda_sparse" in res and "ngrams" not in res:  # one ∞-gram index
-        specs["ngram_ppl"] = {"ngram_weights": [[res["lambda_sparse"], res["lambda_dense"]]]}
-        if "knn_ngram_weights" in res:
-            w = res["knn_ngram_weights"]
-            specs["knn_ngram_ppl"] = {**knn, "ngram_weights": [[w["lambda_sparse"], w["lambda_dense"]]]}
-    if "multi_ngram_weights" in res:
-        specs["multi_ngram_ppl"] = {"ngram_weights": res["multi_ngram_weights"]}
-        if "knn_multi_ngram_weights" in res:
-            specs["knn_multi_ngram_ppl"] = {**knn, "ngram_weights": res["knn_multi_ngram_weights"]["weights"]}
-    return {key: rule_logprob(ts, **spec) for key, spec in specs.items()}
+    rows = {}
+    for key, record in (res.get("mixtures") or {}).items():
+        taus = res.get("temperatures") or res.get("temperature") or 1.0  # several datastores: one τ each
+        rows[key] = rule_logprob(ts, Mixture.from_dict(record), taus, res.get("k"), res.get("cache_temperature") or 1.0)
+    return rows
 
 
 def mixture_result(dm, ts, res: dict[str, Any], path: str) -> dict[str, Any]:
@@ -223,13 +211,16 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
 
 
 def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
-    """memlm.knnlm.dump_mixture.rule_logprob's arguments from the rule's best weights on valid (any tune path)."""
-    ngram = best.get("weights") or (
-        [[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else None
-    )
-    cache = (best.get("cache_lambda") or 0.0, best.get("cache_temperature") or 1.0)
-    lam = best.get("lambda") if has_knn else None
-    return {"lam": lam, "temperature": best.get("temperature") or 1.0, "ngram_weights": ngram, "cache": cache}
+    """The rule's weights by component (memlm.knnlm.dump_mixture.rule_for) from its best point on valid (any tune
+    path: λ, the cache's λc, one (λ_sparse, λ_dense) or a list of them)."""
+    from memlm.knnlm.mixture_inputs import ngram_component
+
+    pairs = best.get("weights") or ([[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else [])
+    weights: dict[str, Any] = {"knn": best["lambda"]} if has_knn else {}
+    weights.update({ngram_component(r): tuple(w) for r, w in enumerate(pairs)})
+    if best.get("cache_lambda"):
+        weights["cache"] = best["cache_lambda"]
+    return weights
 
 
 def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +231,7 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
 
     from memlm.core.bootstrap import evidence
     from memlm.core.distribution import perplexity
-    from memlm.knnlm.dump_mixture import fit_dump, rule_logprob
+    from memlm.knnlm.dump_mixture import fit_dump, rule_for, rule_logprob
     from memlm.knnlm.evaluate import DEFAULT_TEMPERATURES
 
     temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
@@ -258,13 +249,15 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     out: dict[str, Any] = {"mixture": dm.to_dict()}
     if test is None:
         return out
-    has_knn = valid.knn_scores is not None
+    weights = _rule_weights(rule_best, valid.knn_scores is not None)
+    taus = (rule_best.get("temperature") or 1.0, rule_best.get("cache_temperature") or 1.0)
     rows = {
         "base_ppl": torch.from_numpy(test.lm_logprob),
-        "rule_ppl": rule_logprob(test, k=args.k, **_rule_weights(rule_best, has_knn)),
+        "rule_ppl": rule_logprob(test, weights, taus[0], args.k, taus[1]),
         "mixture_ppl": dm.logprob(test, "the --test dump"),
     }
-    res: dict[str, Any] = {"tokens": len(test), "form": fit.form, **{k: perplexity(v) for k, v in rows.items()}}
+    res: dict[str, Any] = {"tokens": len(test), "form": fit.form, **{k: perplexity(v) for k, v in rows.items()},
+                           "mixtures": {"rule_ppl": rule_for(test, weights).to_dict()}}  # fmt: skip
     pairs = (("base_ppl", "rule_ppl"), ("base_ppl", "mixture_ppl"), ("rule_ppl", "mixture_ppl"))
     res.update(evidence(rows, test.doc_index, pairs=pairs))
     print("on test (rule_ppl: the fixed-weight rule tuned on the same valid dump; mixture_ppl: the learned mixture):")

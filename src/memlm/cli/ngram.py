@@ -209,32 +209,35 @@ def ngram_result(
     args: argparse.Namespace, ts, memory, lam: float | None, temperature: float, base: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one). With ``base`` (the
-    result of :func:`memlm.knnlm.evaluate.perplexities` it joins), its ``intervals``, ``differences`` and
-    ``frequency_buckets`` are returned merged with the ∞-gram's (the ∞-gram's buckets count each target among the
-    index's tokens)."""
+    result of :func:`memlm.knnlm.evaluate.perplexities` it joins), its ``intervals``, ``differences``,
+    ``frequency_buckets`` and ``mixtures`` are returned merged with the ∞-gram's (the ∞-gram's buckets count each
+    target among the index's tokens). Weights calibrated apart that sum past 1 are scaled by the rule
+    (:func:`memlm.core.mixture.rule_mixture`); ``knn_ngram_weights`` records the weights it used."""
+    from memlm.core.mixture import Mixture
+    from memlm.knnlm.dump_mixture import rule_weights
     from memlm.ngram.memory import NgramMemories
-    from memlm.ngram.mixture import ngram_logprobs, ngram_parameters, ngram_report, three_way_weights
+    from memlm.ngram.mixture import ngram_logprobs, ngram_parameters, ngram_report
 
     if isinstance(memory, NgramMemories):
         return multi_ngram_result(args, ts, memory, lam, temperature, base)
     ls, ld, origin = ngram_parameters(memory.index, *given_lambdas(args, 1)[0])
-    rep = ngram_report(ts, ls, ld)
-    rows = ngram_logprobs(ts, (ls, ld))
-    if ts.knn_scores is not None and lam is not None:
-        s3, d3 = three_way_weights(lam, ls, ld)  # weights tuned apart can sum past 1
-        three = ngram_report(ts, s3, d3, lam=lam, temperature=temperature)
-        rep["knn_ngram_ppl"] = three["knn_ngram_ppl"]
+    has_knn = ts.knn_scores is not None and lam is not None
+    rep = ngram_report(ts, ls, ld, lam=lam if has_knn else None, temperature=temperature)
+    rows, _ = ngram_logprobs(ts, (ls, ld), lam if has_knn else None, temperature)
+    rows.pop("knn_ppl", None)  # eval's own row (base)
+    if has_knn:
+        used = rule_weights(Mixture.from_dict(rep["mixtures"]["knn_ngram_ppl"]))
         rep["knn_ngram_weights"] = {
-            "lambda": lam,
-            "lambda_sparse": s3,
-            "lambda_dense": d3,
+            "lambda": used["knn"],
+            "lambda_sparse": used["ngram"][0],
+            "lambda_dense": used["ngram"][1],
             "note": "tune all four jointly on a valid dump with memlm tune",
         }
-        rep["intervals"]["knn_ngram_ppl"] = three["intervals"]["knn_ngram_ppl"]
-        refs = ("base_ppl", "knn_ppl") + (("ngram_ppl",) if (s3, d3) == (ls, ld) else ())  # the same ∞-gram row
-        rep["differences"].update({k: v for k, v in three["differences"].items()
-                                   if v["system"] == "knn_ngram_ppl" and v["reference"] in refs})  # fmt: skip
-        rows["knn_ngram_ppl"] = ngram_logprobs(ts, (s3, d3), lam, temperature)["knn_ngram_ppl"]
+        scaled = lam + max(ls, ld) > 1.0  # the rule scaled the ∞-gram's weights: another ∞-gram row than ngram_ppl
+        refs = ("base_ppl", "knn_ppl") + (() if scaled else ("ngram_ppl",))
+        rep["differences"] = {k: v for k, v in rep["differences"].items()
+                              if v["system"] != "knn_ngram_ppl" or v["reference"] in refs}  # fmt: skip
+        rep["mixtures"].pop("knn_ppl")  # eval's own row (base)
     buckets = _bucket_tables(ts, rows, memory)
     own = {k: v for k, v in rep.items() if k not in _NOT_NGRAM}
     return {**own, **_merged(base, own, buckets), "ngram_parameters_from": origin, **memory.describe()}
@@ -250,13 +253,15 @@ def _bucket_tables(ts, rows: dict[str, Any], memory) -> dict[str, Any]:
 
 
 def _merged(base: dict[str, Any] | None, own: dict[str, Any], buckets: dict[str, Any]) -> dict[str, Any]:
-    """``intervals``, ``differences`` and ``frequency_buckets`` of eval's result with the ∞-gram's added (the
-    result's own rows kept where both have one: base and kNN-LM come from the same dump)."""
+    """``intervals``, ``differences``, ``frequency_buckets`` and ``mixtures`` (each fixed-weight row's rule) of
+    eval's result with the ∞-gram's added (the result's own rows kept where both have one: base and kNN-LM come
+    from the same dump)."""
     base = base or {}
     return {
         "intervals": {**own.get("intervals", {}), **base.get("intervals", {})},
         "differences": {**own.get("differences", {}), **base.get("differences", {})},
         "frequency_buckets": {**base.get("frequency_buckets", {}), **buckets},
+        "mixtures": {**base.get("mixtures", {}), **own.get("mixtures", {})},
     }
 
 
@@ -264,54 +269,49 @@ def multi_ngram_result(
     args: argparse.Namespace, ts, memories, lam: float | None, temperature: float, base: dict[str, Any] | None = None
 ) -> dict:
     """``memlm eval`` with several ``--ngram``: each index alone beside the LM (its own λ's: the flags, else its
-    calibration, as for one index), and all of them together, each with its own λ's, scaled to leave the LM a weight
-    >= 0 (:func:`~memlm.ngram.mixture.multi_weights`); with a datastore, with the kNN term too. The weights are set
-    apart here: ``--dump`` and ``memlm tune`` tune them jointly. Intervals of the combined rows (each index's own
-    rows have theirs under ``ngrams``) merged with ``base``'s as :func:`ngram_result` does."""
+    calibration, as for one index), and all of them together, each with its own λ's, mixed by the rule
+    (:func:`memlm.core.mixture.rule_mixture`, which scales weights that sum past 1 to leave the LM a weight > 0);
+    with a datastore, with the kNN term too. ``multi_ngram_weights`` records the weights the rule used. The weights
+    are set apart here: ``--dump`` and ``memlm tune`` tune them jointly. Intervals of the combined rows (each
+    index's own rows have theirs under ``ngrams``) merged with ``base``'s as :func:`ngram_result` does."""
     from memlm.core.bootstrap import evidence
     from memlm.core.distribution import perplexity
-    from memlm.ngram.mixture import multi_weights, ngram_parameters, ngram_report, ngrams_logprob, reference_view
+    from memlm.core.mixture import Mixture
+    from memlm.knnlm.dump_mixture import rule_rows, rule_weights
+    from memlm.knnlm.mixture_inputs import ngram_component
+    from memlm.ngram.mixture import ngram_parameters, ngram_report, reference_view
 
-    refs, weights = [], []
+    refs, weights = [], {}
     given = given_lambdas(args, len(memories.memories))
     for r, memory in enumerate(memories.memories):
         ls, ld, origin = ngram_parameters(memory.index, *given[r])
         rep = ngram_report(reference_view(ts, r), ls, ld)
         refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in _NOT_NGRAM},
                      "ngram_parameters_from": origin})  # fmt: skip
-        weights.append([ls, ld])
-    shared = multi_weights(0.0, weights)
-    rows = {"base_ppl": ts.lm_logprob, "multi_ngram_ppl": ngrams_logprob(ts, shared)}
+        weights[ngram_component(r)] = (ls, ld)
+    specs = {"multi_ngram_ppl": weights}
+    has_knn = ts.knn_scores is not None and lam is not None
+    if has_knn:
+        specs["knn_multi_ngram_ppl"] = {"knn": lam, **weights}
+    if base is not None and "knn_ppl" in (base.get("intervals") or {}) and ts.knn_lambda is None:
+        specs["knn_ppl"] = {"knn": base["lambda"]}  # the kNN-LM's row, for its difference
+    mixed, mixtures = rule_rows(ts, specs, temperature)
+    used = {key: rule_weights(Mixture.from_dict(m)) for key, m in mixtures.items()}
+    names = list(weights)
     out: dict[str, Any] = {
         "ngrams": refs,
-        "multi_ngram_ppl": perplexity(rows["multi_ngram_ppl"]),
-        "multi_ngram_weights": shared,
+        "multi_ngram_ppl": perplexity(mixed["multi_ngram_ppl"]),
+        "multi_ngram_weights": [used["multi_ngram_ppl"][c] for c in names],
         "multi_ngram_note": "each index's own (λ_sparse, λ_dense), scaled to sum <= 1; tune them jointly with "
         "memlm eval --dump on valid text and memlm tune",
     }
-    if ts.knn_scores is not None and lam is not None:
-        w3 = multi_weights(lam, weights)
-        rows["knn_multi_ngram_ppl"] = ngrams_logprob(ts, w3, lam, temperature)
-        out["knn_multi_ngram_ppl"] = perplexity(rows["knn_multi_ngram_ppl"])
-        out["knn_multi_ngram_weights"] = {"lambda": lam, "temperature": temperature, "weights": w3}
-    if base is not None and "knn_ppl" in (base.get("intervals") or {}):  # the kNN-LM's rows, for their difference
-        rows["knn_ppl"] = _knn_rows(ts, base)
-    own = evidence({k: v for k, v in rows.items() if v is not None}, ts.doc_index)
+    if has_knn:
+        out["knn_multi_ngram_ppl"] = perplexity(mixed["knn_multi_ngram_ppl"])
+        out["knn_multi_ngram_weights"] = {"lambda": lam, "temperature": temperature,
+                                          "weights": [used["knn_multi_ngram_ppl"][c] for c in names]}  # fmt: skip
+    mixtures.pop("knn_ppl", None)  # eval's own row (base)
+    own = {**evidence({"base_ppl": ts.lm_logprob, **mixed}, ts.doc_index), "mixtures": mixtures}
     return {**out, **_merged(base, own, {})}
-
-
-def _knn_rows(ts, base: dict[str, Any]):
-    """log p per token of the kNN-LM row of ``base`` (its λ, τ, k), or None for an adaptive λ."""
-    import torch
-
-    from memlm.core.distribution import mix_logprobs
-    from memlm.knnlm.evaluate import memory_logprob
-
-    if ts.knn_lambda is not None or not isinstance(base.get("lambda"), float | int):
-        return None
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, base["temperature"], base.get("k"),
-                         ts.knn_log_counts)  # fmt: skip
-    return mix_logprobs([torch.from_numpy(ts.lm_logprob), knn], [1 - base["lambda"], base["lambda"]])
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:

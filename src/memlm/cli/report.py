@@ -22,6 +22,7 @@ PPL_LABELS = {
     "mixture_ppl": "the learned mixture (memlm tune --mixture gate)",
 }
 EVIDENCE_KEYS = ("bootstrap", "intervals", "differences", "frequency_buckets")
+RECORDED_ONLY = ("mixtures",)  # each fixed-weight row's rule (Mixture.to_dict): in the JSON, not printed
 
 
 def _interval(row: dict[str, Any] | None) -> str:
@@ -38,7 +39,7 @@ def print_result(res: dict[str, Any]) -> None:
     """Every scalar of ``res`` (perplexities with their interval), then the differences and the buckets."""
     intervals = res.get("intervals") or {}
     for k, v in res.items():
-        if k in EVIDENCE_KEYS:
+        if k in EVIDENCE_KEYS or k in RECORDED_ONLY:
             continue
         label = f"  ({PPL_LABELS[k]})" if k in PPL_LABELS else ""
         text = f"{v:.4g}" if isinstance(v, float) else f"{v}"

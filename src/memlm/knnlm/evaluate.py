@@ -110,8 +110,10 @@ class TokenScores(TokenDump):
                                           "knn_lambda": 1, "searched": 1, "ngram_logprob": 1, "ngram_count": 1,
                                           "ngram_n": 1, "ngram_sparse": 1, "ngram_extra_logprob": 2,
                                           "ngram_extra_count": 2, "ngram_extra_n": 2,
-                                          "ngram_extra_sparse": 2}  # fmt: skip
-    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"))
+                                          "ngram_extra_sparse": 2, "knn_extra_scores": 3, "knn_extra_values": 3,
+                                          "knn_extra_log_counts": 3}  # fmt: skip
+    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"),
+                                                    ("knn_extra_scores", "knn_extra_values"))  # fmt: skip
     HINT: ClassVar[str] = "rerun memlm eval --dump {path}"
 
     targets: np.ndarray  # [N] int64
@@ -138,6 +140,11 @@ class TokenScores(TokenDump):
     ngram_extra_count: np.ndarray | None = None  # [N, R-1] int64
     ngram_extra_n: np.ndarray | None = None  # [N, R-1] int32
     ngram_extra_sparse: np.ndarray | None = None  # [N, R-1] bool
+    # further datastores (memlm eval --datastore A --datastore B ...): their k best (score, value) and merged counts,
+    # one slice per datastore after the first (mixture components knn2, knn3, ...)
+    knn_extra_scores: np.ndarray | None = None  # [N, D-1, k] float32
+    knn_extra_values: np.ndarray | None = None  # [N, D-1, k] int32
+    knn_extra_log_counts: np.ndarray | None = None  # [N, D-1, k] float32 (0 for a datastore without merged counts)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def lm_only(self) -> TokenScores:
@@ -538,32 +545,42 @@ def perplexities(
     ``knn_cache_ppl`` (LM + kNN + cache) or ``lm_cache_ppl`` (LM + cache, no datastore); files written before
     issue 24 called either ``cache_ppl``.
 
+    Every fixed-weight row is mixed by the rule's :class:`~memlm.core.mixture.Mixture`
+    (:func:`memlm.knnlm.dump_mixture.rule_logprob`), recorded under ``mixtures`` (row key -> ``Mixture.to_dict()``);
+    an adaptive dump's per-token λ is not a fixed weight and is mixed as above.
+
     Evidence (:mod:`memlm.core.bootstrap`): ``intervals`` gives each perplexity's 95% bootstrap interval over the
     dump's documents, ``differences`` the paired interval of each relative change (``knn_ppl vs base_ppl``:
     ``knn_ppl / base_ppl - 1``; the cache rows against base and against the kNN-LM), ``bootstrap`` the documents and
     resamples. With ``target_counts`` (c(w_t) of every target in the memory's corpus, ``counted_in`` naming it),
     ``frequency_buckets`` breaks the kNN-LM's change down by that frequency (:mod:`memlm.core.frequency`).
     """
+    from memlm.knnlm.dump_mixture import rule_rows
+
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
     rows: dict[str, torch.Tensor] = {"base_ppl": lm}  # each perplexity's per-token log p, for the intervals
-    if ts.knn_scores is None:
-        lam = 0.0  # no datastore in this dump: the kNN term is absent
-    comps, weights = [lm], [1.0 - lam - cache_lambda]
-    if ts.knn_scores is not None:
+    mixtures: dict[str, Any] = {}  # each fixed-weight row's rule (Mixture.to_dict), recorded in the result
+    has_knn, adaptive = ts.knn_scores is not None, ts.knn_lambda is not None
+
+    def rule_row(key: str, weights: dict[str, float]) -> torch.Tensor:
+        logprobs, mixture = rule_rows(ts, {key: weights}, temperature, k, cache_temperature)
+        mixtures.update(mixture)
+        return logprobs[key]
+
+    if has_knn:
         knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
-        comps.append(knn)
-        weights.append(lam)
-        mixed = mix_logprobs([lm, knn], [1.0 - lam, lam]) if ts.knn_lambda is None else None
-        if ts.knn_lambda is not None:
+        if adaptive:  # He et al.'s per-token λ: not a fixed weight
             mixed = interpolate_per_token(lm, knn, torch.from_numpy(ts.knn_lambda))
+        else:
+            mixed = rule_row("knn_ppl", {"knn": lam})
         out.update(
             knn_ppl=perplexity(mixed),
             knn_only_ppl=perplexity(knn),
             oracle_ppl=perplexity(torch.maximum(lm, knn)),
             target_in_neighbours=float(torch.isfinite(knn).float().mean()),
             knn_beats_lm=float((knn > lm).float().mean()),  # tokens where the oracle picks the memory
-            **{"lambda": lam if ts.knn_lambda is None else "adaptive", "temperature": temperature},
+            **{"lambda": lam if not adaptive else "adaptive", "temperature": temperature},
             k=k or ts.knn_scores.shape[1],
         )
         rows.update(knn_ppl=mixed, knn_only_ppl=knn, oracle_ppl=torch.maximum(lm, knn))
@@ -572,20 +589,17 @@ def perplexities(
     if cache_lambda:
         if ts.cache_scores is None:
             raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")
-        cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature)
-        comps.append(cache)
-        weights.append(cache_lambda)
-        if ts.knn_scores is not None and ts.knn_lambda is not None:  # the gate's λ_t, capped so λ_t + λc <= 1
+        key = CACHE_PPL_KEYS[has_knn]
+        if has_knn and adaptive:  # the gate's λ_t, capped so λ_t + λc <= 1
+            cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature)
             lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache_lambda)
-            with_cache = mix_logprobs_per_token(comps, [1.0 - lam_t - cache_lambda, lam_t, cache_lambda])
+            with_cache = mix_logprobs_per_token([lm, knn, cache], [1.0 - lam_t - cache_lambda, lam_t, cache_lambda])
         else:
-            with_cache = mix_logprobs(comps, weights)
-        out.update(
-            **{CACHE_PPL_KEYS[ts.knn_scores is not None]: perplexity(with_cache)},
-            cache_lambda=cache_lambda,
-            cache_temperature=cache_temperature,
-        )
-        rows[CACHE_PPL_KEYS[ts.knn_scores is not None]] = with_cache
+            with_cache = rule_row(key, {**({"knn": lam} if has_knn else {}), "cache": cache_lambda})
+        out.update(**{key: perplexity(with_cache)}, cache_lambda=cache_lambda, cache_temperature=cache_temperature)
+        rows[key] = with_cache
+    if mixtures:
+        out["mixtures"] = mixtures
     out.update(evidence(rows, ts.doc_index))
     if target_counts is not None and "knn_ppl" in rows:
         out["frequency_buckets"] = {"knn_ppl": bucket_table(ts, rows["knn_ppl"], target_counts, counted_in)}
