@@ -39,6 +39,7 @@ __all__ = [
     "ngram_refs",
     "multi_ngram_report",
     "tune_ngrams",
+    "refs_logprob",
     "tune_multi_ngram",
     "NGRAM_LAMBDAS",
     "DEFAULT_LAMBDA_SPARSE",
@@ -286,6 +287,26 @@ def calibrate_ngram(
     }
 
 
+def refs_logprob(
+    lm: torch.Tensor,
+    refs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    weights: Sequence[Sequence[float]],
+    knn: torch.Tensor | None = None,
+    lam: float = 0.0,
+) -> torch.Tensor:
+    """``log P(target)`` of the fixed-weight rule (:func:`memlm.knnlm.dump_mixture.mix_by_rule`) over the LM, a kNN
+    term at weight ``lam`` and ∞-gram references ``refs`` (``(log P∞_r(target), sparse_r)``, components ngram,
+    ngram2, ...) with their ``(λ_sparse, λ_dense)`` in ``weights``: what :func:`tune_multi_ngram` scores."""
+    from memlm.knnlm.dump_mixture import mix_by_rule
+    from memlm.knnlm.mixture_inputs import ngram_component
+
+    names = [ngram_component(r) for r in range(len(refs))]
+    comps = {"lm": lm, **({"knn": knn} if knn is not None else {})}
+    comps.update({c: ng for c, (ng, _) in zip(names, refs, strict=True)})
+    rule = {**({"knn": lam} if knn is not None else {}), **{c: tuple(w) for c, w in zip(names, weights, strict=True)}}
+    return mix_by_rule(comps, rule, {c: sp for c, (_, sp) in zip(names, refs, strict=True)})
+
+
 def tune_multi_ngram(
     lm: torch.Tensor,
     refs: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -301,19 +322,10 @@ def tune_multi_ngram(
     (so the result on the tuning text is never worse than the best single reference), until a sweep changes
     nothing. Returns ``{"weights", "ppl", "starts"}``."""
 
-    from memlm.knnlm.dump_mixture import mix_by_rule
-    from memlm.knnlm.mixture_inputs import ngram_component
-
-    names = [ngram_component(r) for r in range(len(refs))]
-    comps = {"lm": lm, **({"knn": knn} if knn is not None else {})}
-    comps.update({c: ng for c, (ng, _) in zip(names, refs, strict=True)})
-    flags = {c: sp for c, (_, sp) in zip(names, refs, strict=True)}
-
     def ppl(ws: list[tuple[float, float]]) -> float:
         if lam + sum(max(w) for w in ws) > 1.0 + 1e-9:
             return math.inf
-        weights = {**({"knn": lam} if knn is not None else {}), **dict(zip(names, ws, strict=True))}
-        return perplexity(mix_by_rule(comps, weights, flags))
+        return perplexity(refs_logprob(lm, refs, ws, knn, lam))
 
     starts = []
     for r, (ng, sp) in enumerate(refs):
