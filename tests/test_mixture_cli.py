@@ -219,3 +219,73 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--mixture", str(tmp_path / "valid.json")]
     assert main(argv) == 2
     assert "holds no fitted mixture" in capsys.readouterr().err
+
+
+def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_dir, tiny_lm, memories, tmp_path,
+                                                                        capsys):  # fmt: skip
+    """eval --datastore A --datastore B: B's neighbours are what B alone dumps (knn_extra_*); multi_knn_ppl is
+    (1 - λ_A - λ_B) p_LM + λ_A p_A + λ_B p_B by hand, knn2_ppl is B alone's kNN-LM; tune --mixture gate fits lm,
+    knn, knn2 and eval --mixture applies it to the same two datastores (and refuses one)."""
+    from memlm.knnlm.evaluate import memory_logprob
+    from memlm.storage.datastore import build_datastore
+
+    model, tok = tiny_lm
+    a, _ = memories
+    b = build_datastore(model, tok, make_toy_docs(8, seed=77), tmp_path / "ds-b", window=64, min_context=32,
+                        progress=False)  # fmt: skip
+    b.build_index(factory="Flat", metric="l2", progress=False)
+    both = ["--datastore", str(a.path), "--datastore", str(b.path), "--lambda", "0.2", "--temperature", "5"]
+    res, _ = _eval(tiny_lm_dir, tmp_path, "ab", 43, both)
+    alone_b, _ = _eval(tiny_lm_dir, tmp_path, "b", 43, ["--datastore", str(b.path), "--lambda", "0.2",
+                                                         "--temperature", "5"])  # fmt: skip
+    ts, ts_b = TokenScores.load(tmp_path / "ab.npz"), TokenScores.load(tmp_path / "b.npz")
+    assert ts.knn_extra_scores.shape == (len(ts), 1, 16)
+    np.testing.assert_array_equal(ts.knn_extra_scores[:, 0], ts_b.knn_scores)
+    np.testing.assert_array_equal(ts.knn_extra_values[:, 0], ts_b.knn_values)
+    p = [np.exp(ts.lm_logprob.astype(np.float64))] + [
+        np.exp(memory_logprob(s, v, ts.targets, 5.0).numpy().astype(np.float64))
+        for s, v in ((ts.knn_scores, ts.knn_values), (ts_b.knn_scores, ts_b.knn_values))
+    ]
+    want = np.log(0.6 * p[0] + 0.2 * p[1] + 0.2 * p[2])
+    assert res["multi_knn_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-9)
+    assert res["knn2_ppl"] == pytest.approx(alone_b["knn_ppl"], rel=1e-9)
+    assert res["mixtures"]["multi_knn_ppl"]["components"] == ["lm", "knn", "knn2"]
+    assert [d["lambda"] for d in res["datastores"]] == [0.2, 0.2] and res["temperatures"] == [5.0, 5.0]
+    assert "multi_knn_ppl vs base_ppl" in res["differences"]
+    _eval(tiny_lm_dir, tmp_path, "ab-test", 44, both)
+    fit = str(tmp_path / "fit2.json")
+    tune = ["tune", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "ab-test.npz"), "--mixture",
+            "gate", "--temperatures", "1", "5", "--allow-overlap", "--json", fit]  # fmt: skip
+    assert main(tune) == 0
+    g = json.loads(Path(fit).read_text())
+    assert g["mixture"]["fit"]["mixture"]["components"] == ["lm", "knn", "knn2"]
+    again, _ = _eval(tiny_lm_dir, tmp_path, "ab-again", 44, [*both, "--mixture", fit])
+    assert again["mixture_ppl"] == pytest.approx(g["mixture_test"]["mixture_ppl"], rel=1e-6)
+    d = again["differences"]["mixture_ppl vs multi_knn_ppl"]
+    assert d["relative_change"] == pytest.approx(again["mixture_ppl"] / again["multi_knn_ppl"] - 1, rel=1e-6)
+    capsys.readouterr()
+    one = ["--datastore", str(a.path), "--lambda", "0.2", "--temperature", "5", "--mixture", fit]
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(tmp_path / "ab.jsonl"), *one]
+    assert main(argv) == 2
+    assert "mixes lm, knn, knn2, this eval gives lm, knn" in capsys.readouterr().err
+
+
+def test_score_tokens_takes_every_memory_as_one_list(tiny_lm, memories, tmp_path):
+    """memories=[A, ∞-gram, B] dumps what datastore=A, ngram=..., memories=[B] dumps (the old keywords fold into the
+    list), and B's neighbours are B's own search."""
+    from memlm.knnlm.evaluate import score_tokens
+    from memlm.ngram.memory import NgramMemory
+
+    model, tok = tiny_lm
+    a, index = memories
+    b = a.__class__.open(a.path)  # the same datastore opened twice: two memories, one list
+    docs = make_toy_docs(3, seed=45)
+    opts = {"k": 8, "window": 64, "min_context": 32, "search": "exact", "progress": False}
+    one = score_tokens(model, tok, docs, memories=[a, NgramMemory(index), b], **opts)
+    kw = score_tokens(model, tok, docs, a, ngram=NgramMemory(index), memories=[b], **opts)
+    for f in ("knn_scores", "knn_values", "knn_extra_scores", "knn_extra_values", "ngram_logprob", "ngram_sparse"):
+        np.testing.assert_array_equal(getattr(one, f), getattr(kw, f), err_msg=f)
+    np.testing.assert_array_equal(one.knn_extra_scores[:, 0], one.knn_scores)  # B is A: the same neighbours
+    assert [d["datastore"] for d in one.meta["datastores"]] == [str(a.path), str(a.path)]
+    with pytest.raises(MemlmError, match="one datastore"):
+        score_tokens(model, tok, docs, memories=[a, b], pointer_min=4, **opts)

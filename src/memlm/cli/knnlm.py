@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from memlm.cli import common
@@ -35,17 +36,29 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.models.keys import KeySpec
     from memlm.storage.sharded import open_datastore
 
-    ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
+    stores = [open_datastore(p, ray=args.ray, mmap_index=args.mmap_index) for p in args.datastore or []]
+    ds = stores[0] if stores else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
     model, tok = common._load_model(model_name, args.dtype, args)
     model = common.place_model(model, args.device)
-    if ds is not None:
-        ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
+    for store in stores:
+        store.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
     ngram = ngram_cli.open_ngram(args, tok)
     V.check_against_model(args, model)
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
-    leakage = check_leakage(Evaluated(docs, args.corpus, args.split, source["fingerprint"]), ds, ngram, tok,
-                            args.allow_overlap)  # fmt: skip
+    evaluated = Evaluated(docs, args.corpus, args.split, source["fingerprint"])
+    leakage = check_leakage(evaluated, ds, ngram, tok, args.allow_overlap)
+    for store in stores[1:]:  # each further datastore checked as the first
+        more = check_leakage(evaluated, store, None, tok, args.allow_overlap)
+        for key in ("overlap", "notes", "memories"):
+            leakage[key] = leakage[key] + more[key]
+    setting = {k: getattr(args, k) for k in ("k", "search", "scores", "nprobe", "index")}  # noticed if uncalibrated
+    weights = [knn_parameters(store, args.lam, args.temperature, setting=setting) for store in stores]
+    total = sum(w[0] for w in weights) + (args.cache_lambda if args.cache else 0.0)
+    if len(stores) > 1 and total >= 1.0:
+        given = ", ".join(f"{w[0]:g}" for w in weights)
+        raise MemlmError(f"the datastores' λ's ({given}) and the cache's sum to {total:g}: the LM would keep no "
+                         "weight; give a smaller --lambda (each datastore's)")  # fmt: skip
     config = RetrievalConfig.with_options(  # built once here, passed down (recorded in the result's retrieval)
         k=args.k,
         **window_kwargs(args),
@@ -64,14 +77,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     meta = {"model": model_name, "source": source, "leakage": leakage}  # memlm tune compares these
     if ds is not None:
         meta["datastore_build_id"] = ds.manifest.get("build_id")
-    ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram)
+    ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram,
+                      memories=stores[1:])  # fmt: skip
     if args.dump:
         ts.save(args.dump)
         print(f"wrote {args.dump}", file=sys.stderr)
     lam, temperature, origin = 0.0, args.temperature or 1.0, None
     if ds is not None:
-        setting = {k: getattr(args, k) for k in ("k", "search", "scores", "nprobe", "index")}  # noticed if uncalibrated
-        lam, temperature, origin = knn_parameters(ds, args.lam, args.temperature, setting=setting)
+        lam, temperature, origin = weights[0]
         if args.cache and args.lam is None and lam + args.cache_lambda > 1:
             lam = 1.0 - args.cache_lambda  # the calibrated λ was tuned without the cache: leave the cache its weight
             print(f"λ lowered to {lam:g} so that λ + --cache-lambda <= 1", file=sys.stderr)
@@ -82,12 +95,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
         cache_lambda=args.cache_lambda if args.cache else 0.0,
         cache_temperature=args.cache_temperature,
         target_counts=value_counts(ds, ts.targets) if ds is not None else None,
+        datastores=[(w[0], w[1]) for w in weights[1:]],
     )
     res.update(
         model=model_name,
         corpus=args.corpus,
         split=args.split,
         **({"parameters_from": origin} if origin else {}),
+        **({"datastores": each} if (each := _each_datastore(ts, weights)) else {}),
         **{
             k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
         },
@@ -107,6 +122,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if mixed:
         res["mixture"] = mixed["mixture"]  # the fit applied, recorded (not printed)
     write_json(args.json, res)
+
+
+def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
+    """With several datastores: each one's description and the λ, τ it was mixed with (and where they came from)."""
+    if len(weights) < 2:
+        return []
+    return [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
+            for d, w in zip(ts.meta["datastores"], weights, strict=True)]  # fmt: skip
 
 
 def load_mixture(path: str):
@@ -325,7 +348,16 @@ def check_eval(args: argparse.Namespace) -> None:
         from memlm.models.keys import KeySpec
 
         KeySpec.parse(args.key)
-    V.check_datastore_k(args.datastore, args.k)
+    paths = args.datastore or []
+    for path in paths:
+        V.check_datastore_k(path, args.k)
+    if len({str(Path(p).resolve()) for p in paths}) < len(paths):
+        raise MemlmError(f"--datastore names the same datastore twice ({', '.join(paths)}): give each once")
+    several = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min),
+                               ("--index", args.index)) if on]  # fmt: skip
+    if len(paths) > 1 and several:
+        raise MemlmError(f"{several[0]} applies to one datastore; give one --datastore with it, or leave it out to "
+                         "mix several")  # fmt: skip
     fast = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min)) if on]
     if args.pipeline and fast:
         raise MemlmError(f"--pipeline searches each batch as it comes, {fast[0]} needs every query first: use one")
@@ -336,7 +368,7 @@ def check_eval(args: argparse.Namespace) -> None:
     if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:
         raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
     if args.index:
-        _index_of_datastore(args.index, args.datastore)
+        _index_of_datastore(args.index, paths[0])
     if args.mixture:
         _mixture_of_memories(args)
 
@@ -347,7 +379,7 @@ def _mixture_of_memories(args: argparse.Namespace) -> None:
     from memlm.knnlm.dump_mixture import components_of
 
     dm = load_mixture(args.mixture)
-    given = components_of(bool(args.datastore), len(args.ngram or []), bool(args.cache))
+    given = components_of(len(args.datastore or []), len(args.ngram or []), bool(args.cache))
     if dm.mixture.components != given:
         raise MemlmError(
             f"--mixture {args.mixture} mixes {', '.join(dm.mixture.components)}, this eval gives "
@@ -377,7 +409,12 @@ def add_parsers(sub) -> None:
     common.add_compute_path(e)
     add_corpus(e, "test")
     e.add_argument(
-        "--datastore", type=V.existing_dir, default=None, help="datastore folder (its model and key are used)"
+        "--datastore",
+        type=V.existing_dir,
+        default=None,
+        action="append",
+        help="datastore folder (its model and key are used); give it again for several datastores, each with its "
+        "calibrated λ, τ (or --lambda / --temperature for every one), mixed by one rule (row multi_knn_ppl)",
     )
     e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
     e.add_argument(

@@ -18,6 +18,7 @@ PPL_LABELS = {
     "knn_ngram_ppl": "LM + kNN + ∞-gram",
     "multi_ngram_ppl": "LM + every ∞-gram",
     "knn_multi_ngram_ppl": "LM + kNN + every ∞-gram",
+    "multi_knn_ppl": "LM + every datastore, each its λ",
     "rule_ppl": "the fixed weights tuned on valid",
     "mixture_ppl": "the learned mixture (memlm tune --mixture gate)",
 }

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memlm.core.bootstrap import DocumentBootstrap, evidence
+from memlm.core.bootstrap import DIFFERENCES, DocumentBootstrap, evidence
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import (
     interpolate_per_token,
@@ -389,31 +389,71 @@ def _scoring_memory(datastore: Any, config: RetrievalConfig, progress: bool) -> 
 
 
 def _forward_and_search(
-    model, tokenizer, documents, memory, config: RetrievalConfig, specs, batch_size: int, progress: bool, meta
+    model, tokenizer, documents, dense: list, config: RetrievalConfig, specs, batch_size: int, progress: bool, meta
 ) -> tuple[TokenScores, dict[KeySpec, np.ndarray]]:
-    """:func:`lm_scores` and, with a memory, :func:`attach_neighbours` (pipelined: each forward batch's queries are
-    searched in a background thread while the model computes the next)."""
-    pending: list[Future] = []
-    pipelined = config.pipeline and memory is not None
+    """:func:`lm_scores` and, for each dense memory, :func:`attach_neighbours` (pipelined: each forward batch's
+    queries are searched in a background thread while the model computes the next). The first memory's neighbours
+    go into ``knn_*``, the others' into ``knn_extra_*`` (:func:`_stack_extra`)."""
+    pending: list[list[Future]] = [[] for _ in dense]
+    pipelined = config.pipeline and bool(dense)
     window = config.window
     min_context = config.min_context if config.min_context is not None else DEFAULT_MIN_CONTEXT
     with ThreadPoolExecutor(max_workers=1) if pipelined else contextlib.nullcontext() as pool:
         on_batch = None
         if pipelined:
-            spec = memory.key_spec
-            on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], config.k))  # noqa: E731
+
+            def on_batch(q: dict[KeySpec, np.ndarray]) -> None:
+                for futures, memory in zip(pending, dense, strict=True):
+                    futures.append(pool.submit(memory.search_ids, q[memory.key_spec], config.k))
+
         ts, queries, provenance = lm_scores(model, tokenizer, documents, specs, window, min_context, batch_size,
                                             progress, meta, config.stride, config.block_start, on_batch)  # fmt: skip
         t1 = time.perf_counter()
-        if memory is not None:
+        prov = provenance if config.drop_self_matches else None
+        extra, lm_meta = [], set(ts.meta)
+        for r, (memory, futures) in enumerate(zip(dense, pending, strict=True)):
             found = None
-            if pending:
-                parts = [f.result() for f in pending]
+            if futures:
+                parts = [f.result() for f in futures]
                 found = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-            prov = provenance if config.drop_self_matches else None
-            attach_neighbours(ts, queries[memory.key_spec], memory, config, prov, found, progress)
+            into = ts if r == 0 else ts.lm_only()
+            attach_neighbours(into, queries[memory.key_spec], memory, config, prov, found, progress)
+            if r > 0:
+                extra.append(into)
+        if dense:
             ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
+        if extra:
+            _stack_extra(ts, extra, lm_meta)
     return ts, queries
+
+
+def _stack_extra(ts: TokenScores, extra: list[TokenScores], lm_meta: set[str]) -> None:
+    """The neighbours of the datastores after the first (each attached to its own copy of ``ts``) as ``knn_extra_*``
+    ``[N, D-1, k]``, described in ``meta["datastores"]`` (the first's description included, in order; the meta
+    keys not in ``lm_meta``, what the forward pass wrote, are each datastore's)."""
+    ts.knn_extra_scores = np.stack([e.knn_scores for e in extra], axis=1)
+    ts.knn_extra_values = np.stack([e.knn_values for e in extra], axis=1)
+    if any(e.knn_log_counts is not None for e in extra):  # log 1 = 0 for a datastore without merged entries
+        ts.knn_extra_log_counts = np.stack([np.zeros_like(e.knn_scores) if e.knn_log_counts is None else
+                                            e.knn_log_counts for e in extra], axis=1).astype(np.float32)  # fmt: skip
+    ts.meta["datastores"] = [{k: v for k, v in d.meta.items() if k not in lm_meta} for d in [ts, *extra]]
+
+
+def _split_memories(memories: Sequence, datastore: Any, ngram: Any) -> tuple[list, Any]:
+    """``memories`` (with ``datastore`` and ``ngram`` folded in front) as the dense memories, in order, and the
+    ∞-gram memory (an NgramMemory, or NgramMemories for several), or None."""
+    from memlm.ngram.memory import NgramMemories, NgramMemory
+
+    dense, ngrams = [], []
+    for m in [*([datastore] if datastore is not None else []), *([ngram] if ngram is not None else []), *memories]:
+        if isinstance(m, NgramMemories):
+            ngrams.extend(m.memories)
+        elif isinstance(m, NgramMemory):
+            ngrams.append(m)
+        else:
+            dense.append(m)
+    ngram_memory = None if not ngrams else ngrams[0] if len(ngrams) == 1 else NgramMemories(ngrams)
+    return dense, ngram_memory
 
 
 def score_tokens(
@@ -427,6 +467,7 @@ def score_tokens(
     progress: bool = True,
     meta: dict[str, Any] | None = None,
     ngram: Any | None = None,
+    memories: Sequence[Any] = (),
     **options: Any,
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
@@ -447,6 +488,12 @@ def score_tokens(
     ``ngram`` (a :class:`memlm.ngram.memory.NgramMemory`) adds the ∞-gram's per-target statistics
     (:func:`memlm.ngram.mixture.add_ngram`), alone or beside the datastore's neighbours.
 
+    ``memories``: every memory as one list, in order (``datastore`` and ``ngram``, when given, are folded in
+    front): datastores (plain, sharded, or any memory with a ``key_spec``) and ∞-gram memories (``NgramMemory``,
+    ``NgramMemories``). The first datastore's neighbours go into ``knn_*``, each further one's into ``knn_extra_*``
+    (mixture components knn2, knn3, ...: :mod:`memlm.knnlm.mixture_inputs`); the ∞-gram memories into ``ngram_*``
+    and ``ngram_extra_*``. ``adaptive`` and ``pointer_min`` decide per token for one datastore: one only with them.
+
     Efficiency options (:mod:`memlm.knnlm`; :data:`EFFICIENCY_STRATEGIES`, chosen by ``config.efficiency``):
 
     * ``adaptive``: a trained gate file (:class:`memlm.knnlm.adaptive.AdaptiveGate`, He et al. 2021) gives each
@@ -465,16 +512,24 @@ def score_tokens(
     min_context = None if config.stride is not None else min_context
     config = config.replace(window=config.window or DEFAULT_WINDOW, min_context=min_context)
     specs: list[KeySpec] = []
-    memory = None
-    if datastore is not None:
-        memory, config = _scoring_memory(datastore, config, progress)
+    sources, ngram = _split_memories(memories, datastore, ngram)
+    if len(sources) > 1 and (config.adaptive is not None or config.pointer_min or config.index is not None):
+        raise MemlmError("adaptive retrieval and pointer reuse decide per token for one datastore, and another "
+                         "index is one datastore's: give one datastore with them, or leave them out to search "
+                         "several")  # fmt: skip
+    dense, first_config = [], config
+    for r, source in enumerate(sources):
+        memory, used = _scoring_memory(source, config, progress)
+        first_config = used if r == 0 else first_config
         check = getattr(memory, "check_compatible", None)
         if check is not None:
             check(model, tokenizer)
+        dense.append(memory)
         specs.append(memory.key_spec)
+    config = first_config
     if config.cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
-    ts, queries = _forward_and_search(model, tokenizer, documents, memory, config, specs, batch_size, progress, meta)
+    ts, queries = _forward_and_search(model, tokenizer, documents, dense, config, specs, batch_size, progress, meta)
     ts.meta["retrieval"] = config.to_dict()
     if config.cache:
         add_cache(ts, queries[specs[-1]], config.cache_k, config.cache_max_len, config.cache_metric)
@@ -528,8 +583,13 @@ def perplexities(
     cache_temperature: float = 1.0,
     target_counts: np.ndarray | None = None,
     counted_in: str = "the datastore's values",
+    datastores: Sequence[tuple[float, float]] = (),
 ) -> dict[str, Any]:
     """Base, memory-interpolated and oracle perplexity of a dump under the given parameters, with their evidence.
+
+    A dump of several datastores (``knn_extra_*``) with ``datastores``, each further datastore's ``(λ, τ)`` in
+    order, adds each alone beside the LM (``knn2_ppl``, ...) and all of them together, ``multi_knn_ppl``, mixed by
+    the rule (each its λ; Khandelwal et al.'s Eq. 3 with one term per datastore), ``temperatures`` (one τ each).
 
     ``knn_only_ppl`` (the memory alone, λ = 1) is infinite when some target is never among its retrieved neighbours
     (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``. A dump with a per-token ``knn_lambda``
@@ -586,6 +646,22 @@ def perplexities(
         rows.update(knn_ppl=mixed, knn_only_ppl=knn, oracle_ppl=torch.maximum(lm, knn))
         if ts.searched is not None:
             out["searched_fraction"] = float(ts.searched.mean())
+    extra = ts.knn_extra_scores.shape[1] if ts.knn_extra_scores is not None else 0
+    if datastores and len(datastores) != extra:
+        raise MemlmError(f"{len(datastores)} (λ, τ) given for the {extra} further datastores of this dump: give one "
+                         "per datastore after the first")  # fmt: skip
+    if datastores and has_knn and not adaptive:
+        from memlm.knnlm.mixture_inputs import component_name
+
+        names = [component_name("knn", r) for r in range(extra + 1)]
+        taus = [temperature] + [t for _, t in datastores]
+        weights = dict(zip(names, [lam] + [w for w, _ in datastores], strict=True))
+        rows_d, mixtures_d = rule_rows(ts, {**{f"{c}_ppl": {c: weights[c]} for c in names[1:]},
+                                            "multi_knn_ppl": weights}, taus, k)  # fmt: skip
+        rows.update(rows_d)
+        mixtures.update(mixtures_d)
+        out.update({key: perplexity(v) for key, v in rows_d.items()}, temperatures=taus,
+                   lambdas=[weights[c] for c in names])  # fmt: skip
     if cache_lambda:
         if ts.cache_scores is None:
             raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")
@@ -600,7 +676,9 @@ def perplexities(
         rows[key] = with_cache
     if mixtures:
         out["mixtures"] = mixtures
-    out.update(evidence(rows, ts.doc_index))
+    several = [(ref, key) for key in rows if key.startswith("knn") and key[3:4].isdigit() or key == "multi_knn_ppl"
+               for ref in ("base_ppl", "knn_ppl")]  # fmt: skip
+    out.update(evidence(rows, ts.doc_index, pairs=(*DIFFERENCES, *several)))
     if target_counts is not None and "knn_ppl" in rows:
         out["frequency_buckets"] = {"knn_ppl": bucket_table(ts, rows["knn_ppl"], target_counts, counted_in)}
     return out
