@@ -289,3 +289,35 @@ def test_score_tokens_takes_every_memory_as_one_list(tiny_lm, memories, tmp_path
     assert [d["datastore"] for d in one.meta["datastores"]] == [str(a.path), str(a.path)]
     with pytest.raises(MemlmError, match="one datastore"):
         score_tokens(model, tok, docs, memories=[a, b], pointer_min=4, **opts)
+
+
+def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
+    """memlm tune on a dump with kNN, ∞-gram and cache: λ, τ, λ_sparse, λ_dense as before, then λc, τc with them
+    fixed: the best of a NumPy grid of (1 - λ - λ∞ - λc) p_LM + λ p_kNN + λ∞ P∞ + λc p_cache on valid; the test row
+    cache_rule_ppl is that formula on test, and tune --mixture gate's rule_ppl is that row (docs/MIXTURE.md row d)."""
+    from memlm.knnlm.mixture_inputs import mixture_inputs
+
+    valid, test = _save(synthetic_dump(6, n=400), tmp_path / "v.npz"), _save(synthetic_dump(7), tmp_path / "t.npz")
+    cache_grid, cache_taus = (0.0, 0.05, 0.1, 0.2), (0.5, 2.0)
+    argv = ["tune", "--valid", valid, "--test", test, "--lambdas", "0", "0.1", "0.2", "--temperatures", "1", "3",
+            "--ngram-lambdas", "0", "0.1", "0.3", "--cache-lambdas", *map(str, cache_grid), "--cache-temperatures",
+            *map(str, cache_taus), "--mixture", "gate", "--json", str(tmp_path / "c.json")]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "c.json").read_text())
+    best = out["valid"]["best"]
+
+    def by_hand(ts, lc, tc):
+        p = np.exp(mixture_inputs(ts, best["temperature"], None, tc).logprobs)  # lm, knn, ngram, cache
+        lam, lam_inf = best["lambda"], np.where(ts.ngram_sparse, best["lambda_sparse"], best["lambda_dense"])
+        mix = (1 - lam - lam_inf - lc) * p[:, 0] + lam * p[:, 1] + lam_inf * p[:, 2] + lc * p[:, 3]
+        return float(np.exp(-np.log(mix).mean()))
+
+    v, t = TokenScores.load(valid), TokenScores.load(test)
+    grid = {(lc, tc): by_hand(v, lc, tc) for lc in cache_grid for tc in cache_taus}
+    lc, tc = min(grid, key=grid.get)
+    assert (best["cache_lambda"], best["cache_temperature"]) == (lc, tc) and lc > 0  # the cache helps here
+    assert best["cache_ppl"] == pytest.approx(grid[(lc, tc)], rel=1e-9)
+    assert out["test"]["cache_rule_ppl"] == pytest.approx(by_hand(t, lc, tc), rel=1e-9)
+    assert out["test"]["mixtures"]["cache_rule_ppl"]["components"] == ["lm", "knn", "ngram", "cache"]
+    assert "cache_rule_ppl vs knn_ngram_ppl" in out["test"]["differences"]
+    assert out["mixture_test"]["rule_ppl"] == pytest.approx(out["test"]["cache_rule_ppl"], rel=1e-9)

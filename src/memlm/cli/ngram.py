@@ -340,8 +340,6 @@ def tune_with_ngram(
     model and memories), whose record ``leakage`` goes into the result. Returns the result (the caller writes it)."""
     from memlm.ngram.mixture import ngram_report, tune_ngram
 
-    if any(args.cache_lambdas):
-        raise MemlmError("--cache-lambdas is not tuned together with the ∞-gram; drop it")
     if valid.ngram_extra_logprob is not None:
         return tune_with_ngrams(args, valid, test, leakage)
     result = tune_ngram(valid, **_grids(args))
@@ -353,10 +351,14 @@ def tune_with_ngram(
         + f" ppl={best['ppl']:.4f}"
     )
 
+    weights = {**({"knn": best["lambda"]} if has_knn else {}), "ngram": (best["lambda_sparse"], best["lambda_dense"])}
+    best.update(_tune_cache(args, valid, weights, best))
+
     def report(ts) -> dict[str, Any]:
         lam = best["lambda"] if has_knn else None
-        return ngram_report(ts, best["lambda_sparse"], best["lambda_dense"], lam=lam,
-                            temperature=best["temperature"], k=args.k)  # fmt: skip
+        rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"], lam=lam,
+                           temperature=best["temperature"], k=args.k)  # fmt: skip
+        return _with_cache_row(ts, rep, weights, best, args.k)
 
     out: dict[str, Any] = {"valid": {"best": best, "grid_points": len(result["grid"]), "report": report(valid)}}
     if test is not None:
@@ -374,6 +376,7 @@ def tune_with_ngrams(
     """``memlm tune`` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``): each index's
     (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
     :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
+    from memlm.knnlm.mixture_inputs import ngram_component
     from memlm.ngram.mixture import multi_ngram_report, tune_ngrams
 
     result = tune_ngrams(valid, **_grids(args))
@@ -393,20 +396,59 @@ def tune_with_ngrams(
         **({"lambda": result["lambda"], "temperature": result["temperature"]} if has_knn else {}),
         "ppl": result["ppl"],
     }
+    rule = {**({"knn": lam} if has_knn else {}), **{ngram_component(r): tuple(w) for r, w in enumerate(weights)}}
+    best.update(_tune_cache(args, valid, rule, best))
+
+    def report(ts) -> dict[str, Any]:
+        return _with_cache_row(ts, multi_ngram_report(ts, weights, lam, result["temperature"], args.k), rule, best,
+                               args.k)  # fmt: skip
+
     out: dict[str, Any] = {
-        "valid": {
-            "best": best,
-            "alone": result["alone"],
-            "starts": result["starts"],
-            "report": multi_ngram_report(valid, weights, lam, result["temperature"], args.k),
-        }
+        "valid": {"best": best, "alone": result["alone"], "starts": result["starts"], "report": report(valid)}
     }
     if test is not None:
-        res = multi_ngram_report(test, weights, lam, result["temperature"], args.k)
+        res = report(test)
         out["test"] = res
         print_result(res)
     out["leakage"] = leakage
     return out
+
+
+def _tune_cache(args: argparse.Namespace, valid, weights: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
+    """``--cache-lambdas`` on a dump with the cache: λc and τc tuned beside the ∞-gram rule found on ``valid`` (its
+    ``weights`` fixed; memlm.knnlm.dump_mixture.tune_beside): ``{"cache_lambda", "cache_temperature",
+    "cache_ppl"}``, or {} when not asked (or the dump has no cache)."""
+    from memlm.knnlm.dump_mixture import tune_beside
+
+    if not any(args.cache_lambdas) or valid.cache_scores is None:
+        return {}
+    grid = (args.cache_lambdas, args.cache_temperatures)
+    b = tune_beside(valid, weights, "cache", grid, best.get("temperature") or 1.0, args.k)["best"]
+    print(f"the cache beside them on valid: cache_lambda={b['lambda']} cache_temperature={b['temperature']} "
+          f"ppl={b['ppl']:.4f}")  # fmt: skip
+    return {"cache_lambda": b["lambda"], "cache_temperature": b["temperature"], "cache_ppl": b["ppl"]}
+
+
+def _with_cache_row(ts, rep: dict[str, Any], weights: dict[str, Any], best: dict[str, Any], k) -> dict[str, Any]:
+    """``rep`` (an ∞-gram report of ``ts``) with ``cache_rule_ppl``, the tuned rule plus the cache at ``best``'s λc,
+    τc, its interval, its differences against the base LM and the rule without the cache, and its mixture."""
+    from memlm.core.bootstrap import evidence
+    from memlm.core.distribution import perplexity
+    from memlm.knnlm.dump_mixture import rule_rows
+
+    if not best.get("cache_lambda"):
+        return rep
+    ref = "knn_ngram_ppl" if "knn" in weights else "ngram_ppl"
+    rows, mixtures = rule_rows(ts, {ref: weights, "cache_rule_ppl": {**weights, "cache": best["cache_lambda"]}},
+                               best.get("temperature") or 1.0, k, best["cache_temperature"])  # fmt: skip
+    ev = evidence({"base_ppl": ts.lm_logprob, **rows}, ts.doc_index, pairs=[("base_ppl", "cache_rule_ppl"),
+                                                                          (ref, "cache_rule_ppl")])  # fmt: skip
+    rep.update(cache_rule_ppl=perplexity(rows["cache_rule_ppl"]), cache_lambda=best["cache_lambda"],
+               cache_temperature=best["cache_temperature"])  # fmt: skip
+    rep["intervals"]["cache_rule_ppl"] = ev["intervals"]["cache_rule_ppl"]
+    rep["differences"].update(ev["differences"])
+    rep["mixtures"]["cache_rule_ppl"] = mixtures["cache_rule_ppl"]
+    return rep
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ PPL_LABELS = {
     "knn_multi_ngram_ppl": "LM + kNN + every ∞-gram",
     "multi_knn_ppl": "LM + every datastore, each its λ",
     "rule_ppl": "the fixed weights tuned on valid",
+    "cache_rule_ppl": "the ∞-gram rule + the cache, λc tuned beside it",
     "mixture_ppl": "the learned mixture (memlm tune --mixture gate)",
 }
 EVIDENCE_KEYS = ("bootstrap", "intervals", "differences", "frequency_buckets")

@@ -39,7 +39,7 @@ from memlm.knnlm.mixture_inputs import (
 )
 
 __all__ = ["DumpMixture", "components_of", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
-           "rule_weights"]  # fmt: skip
+           "rule_weights", "tune_beside"]  # fmt: skip
 
 
 def components_of(datastores: int, ngrams: int, cache: bool) -> tuple[str, ...]:
@@ -202,6 +202,40 @@ def rule_rows(
     :func:`rule_logprob` and its rule (``Mixture.to_dict()``, what a result records under ``mixtures``)."""
     logprobs = {key: rule_logprob(ts, w, temperature, k, cache_temperature) for key, w in rows.items()}
     return logprobs, {key: rule_for(ts, w).to_dict() for key, w in rows.items()}
+
+
+def tune_beside(
+    ts: TokenScores,
+    weights: Mapping[str, float | Sequence[float]],
+    component: str,
+    grid: tuple[Sequence[float], Sequence[float]],
+    temperature: float | Sequence[float] = 1.0,
+    k: int | None = None,
+    cache_temperature: float = 1.0,
+) -> dict[str, Any]:
+    """One memory's constant weight and temperature (a further datastore's λ_j, τ_j, or the cache's λc, τc) tuned
+    beside the rule's other ``weights``, fixed, for the lowest perplexity of :func:`rule_logprob` on ``ts``: a grid
+    search (:func:`memlm.core.tuning.grid_search`) over ``grid = (lambdas, temperatures)``, points whose constant
+    weights leave the LM nothing skipped (∞-gram weights are scaled by the rule as eval scales them). Returns
+    ``{"best", "grid"}`` with points ``{"lambda", "temperature", "ppl"}``."""
+    from memlm.core.distribution import perplexity
+    from memlm.core.tuning import grid_search
+
+    datastores = [c for c in dump_components(ts) if c.startswith("knn")]
+    if component != "cache" and component not in datastores:
+        raise MemlmError(f"{component} is not a datastore or the cache of this dump ({', '.join(datastores)})")
+    taus = [float(temperature)] * len(datastores) if isinstance(temperature, int | float) else list(temperature)
+    others = sum(float(w) for c, w in weights.items() if c != component and isinstance(w, int | float))
+
+    def ppl(lam: float, tau: float) -> float:
+        if component == "cache":
+            return perplexity(rule_logprob(ts, {**weights, component: lam}, taus, k, tau))
+        at = [tau if c == component else t for c, t in zip(datastores, taus, strict=True)]
+        return perplexity(rule_logprob(ts, {**weights, component: lam}, at, k, cache_temperature))
+
+    return grid_search(lambda **p: ppl(p["lambda"], p["temperature"]),
+                       {"lambda": list(grid[0]), "temperature": list(grid[1])},
+                       keep=lambda p: others + p["lambda"] < 1.0)  # fmt: skip
 
 
 def rule_weights(mixture: Mixture) -> dict[str, Any]:
