@@ -259,6 +259,25 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     assert main(tune) == 0
     g = json.loads(Path(fit).read_text())
     assert g["mixture"]["fit"]["mixture"]["components"] == ["lm", "knn", "knn2"]
+    # the rule: the first datastore's λ, τ by tune's grid, then B's beside it (the best of the grid, by hand)
+    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS
+
+    best = g["valid"]["best"]
+    lam, tau = best["lambda"], best["temperature"]
+
+    def knn_p(ts, scores, values, t):
+        return np.exp(memory_logprob(scores, values, ts.targets, t).numpy().astype(np.float64))
+
+    v = TokenScores.load(tmp_path / "ab.npz")
+    p_lm, p_a = np.exp(v.lm_logprob.astype(np.float64)), knn_p(v, v.knn_scores, v.knn_values, tau)
+    grid = {(l2, t2): float(np.exp(-np.log((1 - lam - l2) * p_lm + lam * p_a + l2 * knn_p(
+        v, v.knn_extra_scores[:, 0], v.knn_extra_values[:, 0], t2)).mean()))
+        for l2 in DEFAULT_LAMBDAS for t2 in (1.0, 5.0) if lam + l2 < 1}  # fmt: skip
+    l2, t2 = min(grid, key=grid.get)
+    assert best["datastores"] == [{"component": "knn2", "lambda": l2, "temperature": t2,
+                                   "ppl": pytest.approx(grid[(l2, t2)], rel=1e-9)}]  # fmt: skip
+    assert g["test"]["lambdas"] == [lam, l2] and g["test"]["temperatures"] == [tau, t2]
+    assert g["mixture_test"]["rule_ppl"] == pytest.approx(g["test"]["multi_knn_ppl"], rel=1e-9)
     again, _ = _eval(tiny_lm_dir, tmp_path, "ab-again", 44, [*both, "--mixture", fit])
     assert again["mixture_ppl"] == pytest.approx(g["mixture_test"]["mixture_ppl"], rel=1e-6)
     d = again["differences"]["mixture_ppl vs multi_knn_ppl"]

@@ -203,10 +203,12 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
     """The fixed-weight rule: λ, τ (and the cache's λc, τc) grid-searched on ``valid``, applied to ``test``."""
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, perplexities, tune
 
+    lambdas = args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS)
+    temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
     result = tune(
         valid,
-        lambdas=args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS),
-        temperatures=args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES),
+        lambdas=lambdas,
+        temperatures=temperatures,
         k=args.k,
         cache_lambdas=args.cache_lambdas,
         cache_temperatures=args.cache_temperatures,
@@ -217,6 +219,8 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
         f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
         f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
     )
+    if valid.knn_extra_scores is not None:
+        best["datastores"] = _tune_further_datastores(valid, best, (lambdas, temperatures), args.k)
     if test is not None:
         res = perplexities(
             test,
@@ -225,12 +229,33 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
             k=args.k,
             cache_lambda=best["cache_lambda"],
             cache_temperature=best["cache_temperature"],
+            datastores=[(d["lambda"], d["temperature"]) for d in best.get("datastores") or []],
         )
         out["test"] = res
         _print_result(res)
     out["grid"] = result["grid"]
     out["leakage"] = leakage
     return out
+
+
+def _tune_further_datastores(valid, best: dict[str, Any], grid: tuple, k: int | None) -> list[dict[str, Any]]:
+    """Each datastore after the first (components knn2, ...): its λ_j, τ_j over ``grid`` (tune's λ and τ
+    candidates) beside the rule found so far, fixed (the first datastore's λ, τ, the cache, the datastores before
+    it; memlm.knnlm.dump_mixture.tune_beside): one pass of coordinate search, never worse on valid than without it
+    (λ_j = 0 is in the grid)."""
+    from memlm.knnlm.dump_mixture import tune_beside
+    from memlm.knnlm.mixture_inputs import component_name
+
+    weights = {"knn": best["lambda"], **({"cache": best["cache_lambda"]} if best.get("cache_lambda") else {})}
+    taus = [best["temperature"]] + [1.0] * valid.knn_extra_scores.shape[1]
+    found = []
+    for r in range(1, len(taus)):
+        name = component_name("knn", r)
+        b = tune_beside(valid, weights, name, grid, taus, k, best.get("cache_temperature") or 1.0)["best"]
+        weights[name], taus[r] = b["lambda"], b["temperature"]
+        found.append({"component": name, "lambda": b["lambda"], "temperature": b["temperature"], "ppl": b["ppl"]})
+        print(f"{name} beside them on valid: lambda={b['lambda']} temperature={b['temperature']} ppl={b['ppl']:.4f}")
+    return found
 
 
 def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
@@ -243,6 +268,7 @@ def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
     weights.update({ngram_component(r): tuple(w) for r, w in enumerate(pairs)})
     if best.get("cache_lambda"):
         weights["cache"] = best["cache_lambda"]
+    weights.update({d["component"]: d["lambda"] for d in best.get("datastores") or []})
     return weights
 
 
@@ -273,7 +299,8 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     if test is None:
         return out
     weights = _rule_weights(rule_best, valid.knn_scores is not None)
-    taus = (rule_best.get("temperature") or 1.0, rule_best.get("cache_temperature") or 1.0)
+    knn_taus = [rule_best.get("temperature") or 1.0] + [d["temperature"] for d in rule_best.get("datastores") or []]
+    taus = (knn_taus if len(knn_taus) > 1 else knn_taus[0], rule_best.get("cache_temperature") or 1.0)
     rows = {
         "base_ppl": torch.from_numpy(test.lm_logprob),
         "rule_ppl": rule_logprob(test, weights, taus[0], args.k, taus[1]),
