@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from memlm.core.dumps import TokenDump
 from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import TokenScores
 from memlm.knnlm.mixture_inputs import (
     MixtureInputs,
     component_logprobs,
@@ -67,7 +67,7 @@ class DumpMixture:
     def mixture(self) -> Mixture:
         return self.fit.mixture
 
-    def inputs(self, ts: TokenScores, where: str = "this dump") -> MixtureInputs:
+    def inputs(self, ts: TokenDump, where: str = "this dump") -> MixtureInputs:
         """The mixture's inputs on ``ts``, or one MemlmError when its memories are not the fit's."""
         inp = mixture_inputs(ts, self.temperature or 1.0, self.k, self.cache_temperature or 1.0)
         m = self.mixture
@@ -80,7 +80,7 @@ class DumpMixture:
             )
         return inp
 
-    def logprob(self, ts: TokenScores, where: str = "this dump") -> torch.Tensor:
+    def logprob(self, ts: TokenDump, where: str = "this dump") -> torch.Tensor:
         """``log P(target)`` per token of the fitted mixture on ``ts``, float64 ``[N]``."""
         inp = self.inputs(ts, where)
         return self.mixture.logprob(inp.logprobs, inp.features)
@@ -105,7 +105,7 @@ class DumpMixture:
 
 
 def fit_dump(
-    ts: TokenScores,
+    ts: TokenDump,
     temperatures: Sequence[float],
     k: int | None = None,
     cache_temperatures: Sequence[float] = (1.0,),
@@ -137,7 +137,7 @@ def fit_dump(
     return DumpMixture(best[1], best[2], k_used, best[3], search)
 
 
-def rule_for(ts: TokenScores, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
+def rule_for(ts: TokenDump, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
     """The fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`) over the LM and the memories of ``ts`` that
     ``weights`` names (by component: ``knn``, ``knn2``, ... a constant λ; ``ngram``, ``ngram2``, ... a pair
     ``(λ_sparse, λ_dense)``, or a constant; ``cache`` λc), in the dump's order; one MemlmError for a memory the dump
@@ -151,7 +151,7 @@ def rule_for(ts: TokenScores, weights: Mapping[str, float | Sequence[float]]) ->
 
 
 def rule_logprob(
-    ts: TokenScores,
+    ts: TokenDump,
     rule: Mixture | Mapping[str, float | Sequence[float]],
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
@@ -192,7 +192,7 @@ def mix_by_rule(
 
 
 def rule_rows(
-    ts: TokenScores,
+    ts: TokenDump,
     rows: Mapping[str, Mapping[str, float | Sequence[float]]],
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
@@ -205,7 +205,7 @@ def rule_rows(
 
 
 def tune_beside(
-    ts: TokenScores,
+    ts: TokenDump,
     weights: Mapping[str, float | Sequence[float]],
     component: str,
     grid: tuple[Sequence[float], Sequence[float]],

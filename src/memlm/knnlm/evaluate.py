@@ -30,7 +30,6 @@ from memlm.core.bootstrap import DIFFERENCES, DocumentBootstrap, evidence
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import (
     interpolate_per_token,
-    knn_target_logprob,
     mix_logprobs,
     mix_logprobs_per_token,
     perplexity,
@@ -43,6 +42,8 @@ from memlm.data.windows import batched, count_targets, resolve_stride, sliding_w
 from memlm.errors import MemlmError
 from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
 from memlm.knnlm.cache import continuous_cache
+from memlm.knnlm.dump_mixture import rule_rows
+from memlm.knnlm.mixture_inputs import component_name, memory_logprob
 from memlm.knnlm.pointer import pointer_retrieve
 from memlm.models.forward import forward_windows
 from memlm.models.keys import KeySpec, num_layers
@@ -538,29 +539,6 @@ def score_tokens(
     return ts
 
 
-def memory_logprob(
-    scores: np.ndarray,
-    values: np.ndarray,
-    targets: np.ndarray,
-    temperature: float,
-    k: int | None = None,
-    log_counts: np.ndarray | None = None,
-) -> torch.Tensor:
-    """``log p_mem(target)`` from dumped neighbours, keeping the ``k`` best (Eq. 2; merged counts when pruned)."""
-    k = scores.shape[1] if k is None else k
-    if k > scores.shape[1]:
-        raise MemlmError(
-            f"k={k} is larger than the {scores.shape[1]} neighbours in the dump; rerun memlm eval with --k {k}"
-        )
-    return knn_target_logprob(
-        torch.from_numpy(scores[:, :k]),
-        torch.from_numpy(values[:, :k].astype(np.int64)),
-        torch.from_numpy(targets),
-        temperature,
-        None if log_counts is None else torch.from_numpy(log_counts[:, :k]),
-    )
-
-
 #: The key of the perplexity with the cache, by whether a kNN term is in the mixture (``LM + cache`` / ``LM + kNN +
 #: cache``); results written before issue 24 used ``cache_ppl`` for either (:func:`cache_mixture_ppl` reads both).
 CACHE_PPL_KEYS = {False: "lm_cache_ppl", True: "knn_cache_ppl"}
@@ -587,10 +565,6 @@ def perplexities(
 ) -> dict[str, Any]:
     """Base, memory-interpolated and oracle perplexity of a dump under the given parameters, with their evidence.
 
-    A dump of several datastores (``knn_extra_*``) with ``datastores``, each further datastore's ``(λ, τ)`` in
-    order, adds each alone beside the LM (``knn2_ppl``, ...) and all of them together, ``multi_knn_ppl``, mixed by
-    the rule (each its λ; Khandelwal et al.'s Eq. 3 with one term per datastore), ``temperatures`` (one τ each).
-
     ``knn_only_ppl`` (the memory alone, λ = 1) is infinite when some target is never among its retrieved neighbours
     (``p_kNN = 0``); JSON files (``memlm eval --json``) write it as ``null``. A dump with a per-token ``knn_lambda``
     (adaptive retrieval, :mod:`memlm.knnlm.adaptive`) interpolates with it instead of ``lam`` (``lambda`` is then
@@ -605,9 +579,8 @@ def perplexities(
     ``knn_cache_ppl`` (LM + kNN + cache) or ``lm_cache_ppl`` (LM + cache, no datastore); files written before
     issue 24 called either ``cache_ppl``.
 
-    Every fixed-weight row is mixed by the rule's :class:`~memlm.core.mixture.Mixture`
-    (:func:`memlm.knnlm.dump_mixture.rule_logprob`), recorded under ``mixtures`` (row key -> ``Mixture.to_dict()``);
-    an adaptive dump's per-token λ is not a fixed weight and is mixed as above.
+    Each fixed-weight row is the rule's :class:`~memlm.core.mixture.Mixture` (``mixtures``: row -> ``to_dict()``).
+    ``datastores``: each further datastore's ``(λ, τ)`` (``knn2_ppl``, ``multi_knn_ppl``: :func:`_several_datastores`).
 
     Evidence (:mod:`memlm.core.bootstrap`): ``intervals`` gives each perplexity's 95% bootstrap interval over the
     dump's documents, ``differences`` the paired interval of each relative change (``knn_ppl vs base_ppl``:
@@ -615,8 +588,6 @@ def perplexities(
     resamples. With ``target_counts`` (c(w_t) of every target in the memory's corpus, ``counted_in`` naming it),
     ``frequency_buckets`` breaks the kNN-LM's change down by that frequency (:mod:`memlm.core.frequency`).
     """
-    from memlm.knnlm.dump_mixture import rule_rows
-
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
     rows: dict[str, torch.Tensor] = {"base_ppl": lm}  # each perplexity's per-token log p, for the intervals
@@ -646,42 +617,54 @@ def perplexities(
         rows.update(knn_ppl=mixed, knn_only_ppl=knn, oracle_ppl=torch.maximum(lm, knn))
         if ts.searched is not None:
             out["searched_fraction"] = float(ts.searched.mean())
-    extra = ts.knn_extra_scores.shape[1] if ts.knn_extra_scores is not None else 0
-    if datastores and len(datastores) != extra:
-        raise MemlmError(f"{len(datastores)} (λ, τ) given for the {extra} further datastores of this dump: give one "
-                         "per datastore after the first")  # fmt: skip
     if datastores and has_knn and not adaptive:
-        from memlm.knnlm.mixture_inputs import component_name
-
-        names = [component_name("knn", r) for r in range(extra + 1)]
-        taus = [temperature] + [t for _, t in datastores]
-        weights = dict(zip(names, [lam] + [w for w, _ in datastores], strict=True))
-        rows_d, mixtures_d = rule_rows(ts, {**{f"{c}_ppl": {c: weights[c]} for c in names[1:]},
-                                            "multi_knn_ppl": weights}, taus, k)  # fmt: skip
-        rows.update(rows_d)
-        mixtures.update(mixtures_d)
-        out.update({key: perplexity(v) for key, v in rows_d.items()}, temperatures=taus,
-                   lambdas=[weights[c] for c in names])  # fmt: skip
+        _several_datastores(ts, (lam, temperature), k, datastores, (out, rows, mixtures))
     if cache_lambda:
-        if ts.cache_scores is None:
-            raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")
         key = CACHE_PPL_KEYS[has_knn]
-        if has_knn and adaptive:  # the gate's λ_t, capped so λ_t + λc <= 1
-            cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature)
-            lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache_lambda)
-            with_cache = mix_logprobs_per_token([lm, knn, cache], [1.0 - lam_t - cache_lambda, lam_t, cache_lambda])
-        else:
-            with_cache = rule_row(key, {**({"knn": lam} if has_knn else {}), "cache": cache_lambda})
-        out.update(**{key: perplexity(with_cache)}, cache_lambda=cache_lambda, cache_temperature=cache_temperature)
-        rows[key] = with_cache
+        rows[key] = _with_cache(ts, (lm, knn if has_knn else None), lam, (cache_lambda, cache_temperature),
+                                lambda w: rule_row(key, w))  # fmt: skip
+        out.update(**{key: perplexity(rows[key])}, cache_lambda=cache_lambda, cache_temperature=cache_temperature)
     if mixtures:
         out["mixtures"] = mixtures
-    several = [(ref, key) for key in rows if key.startswith("knn") and key[3:4].isdigit() or key == "multi_knn_ppl"
+    several = [(ref, key) for key in rows if key == "multi_knn_ppl" or (key[:3] == "knn" and key[3:4].isdigit())
                for ref in ("base_ppl", "knn_ppl")]  # fmt: skip
     out.update(evidence(rows, ts.doc_index, pairs=(*DIFFERENCES, *several)))
     if target_counts is not None and "knn_ppl" in rows:
         out["frequency_buckets"] = {"knn_ppl": bucket_table(ts, rows["knn_ppl"], target_counts, counted_in)}
     return out
+
+
+def _with_cache(ts: TokenScores, lm_knn: tuple, lam: float, cache: tuple[float, float], rule_row) -> torch.Tensor:
+    """:func:`perplexities`' row with the cache at ``cache = (λc, τc)``: the rule through ``rule_row(weights)``, or
+    for an adaptive dump the gate's per-token λ_t, capped so that λ_t + λc <= 1."""
+    if ts.cache_scores is None:
+        raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")
+    lm, knn = lm_knn
+    if knn is None or ts.knn_lambda is None:
+        return rule_row({**({"knn": lam} if knn is not None else {}), "cache": cache[0]})
+    p_cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache[1])
+    lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache[0])
+    return mix_logprobs_per_token([lm, knn, p_cache], [1.0 - lam_t - cache[0], lam_t, cache[0]])
+
+
+def _several_datastores(ts: TokenScores, first: tuple[float, float], k: int | None, datastores, into: tuple) -> None:
+    """:func:`perplexities`' rows of a dump of several datastores: each further one alone beside the LM
+    (``knn2_ppl``, ...) and all together (``multi_knn_ppl``), each at its ``(λ, τ)`` (the first's is ``first``),
+    by the rule, added to ``into = (out, rows, mixtures)``."""
+    out, rows, mixtures = into
+    extra = ts.knn_extra_scores.shape[1] if ts.knn_extra_scores is not None else 0
+    if len(datastores) != extra:
+        raise MemlmError(f"{len(datastores)} (λ, τ) given for the {extra} further datastores of this dump: give one "
+                         "per datastore after the first")  # fmt: skip
+    names = [component_name("knn", r) for r in range(extra + 1)]
+    taus = [first[1]] + [t for _, t in datastores]
+    weights = dict(zip(names, [first[0]] + [w for w, _ in datastores], strict=True))
+    found, rules = rule_rows(ts, {**{f"{c}_ppl": {c: weights[c]} for c in names[1:]}, "multi_knn_ppl": weights},
+                             taus, k)  # fmt: skip
+    rows.update(found)
+    mixtures.update(rules)
+    out.update({key: perplexity(v) for key, v in found.items()}, temperatures=taus,
+               lambdas=[weights[c] for c in names])  # fmt: skip
 
 
 def bucket_table(ts: TokenScores, memory: torch.Tensor, target_counts: np.ndarray, counted_in: str) -> dict[str, Any]:

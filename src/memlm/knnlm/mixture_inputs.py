@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from memlm.core.distribution import memory_lse
+from memlm.core.distribution import knn_target_logprob, memory_lse
+from memlm.core.dumps import TokenDump
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import TokenScores, memory_logprob
 
 __all__ = [
     "MixtureInputs",
@@ -43,6 +43,7 @@ __all__ = [
     "dump_components",
     "knn_columns",
     "lm_features",
+    "memory_logprob",
     "mixture_inputs",
     "ngram_component",
     "ngram_features",
@@ -119,7 +120,30 @@ def _retrieval_features(scores, values, temperature, k, log_counts) -> dict[str,
     }
 
 
-def _ngram_columns(ts: TokenScores) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+def memory_logprob(
+    scores: np.ndarray,
+    values: np.ndarray,
+    targets: np.ndarray,
+    temperature: float,
+    k: int | None = None,
+    log_counts: np.ndarray | None = None,
+) -> torch.Tensor:
+    """``log p_mem(target)`` from dumped neighbours, keeping the ``k`` best (Eq. 2; merged counts when pruned)."""
+    k = scores.shape[1] if k is None else k
+    if k > scores.shape[1]:
+        raise MemlmError(
+            f"k={k} is larger than the {scores.shape[1]} neighbours in the dump; rerun memlm eval with --k {k}"
+        )
+    return knn_target_logprob(
+        torch.from_numpy(scores[:, :k]),
+        torch.from_numpy(values[:, :k].astype(np.int64)),
+        torch.from_numpy(targets),
+        temperature,
+        None if log_counts is None else torch.from_numpy(log_counts[:, :k]),
+    )
+
+
+def _ngram_columns(ts: TokenDump) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """``(log P∞, effective n, suffix count, sparse)`` of each ∞-gram reference of the dump, in order."""
     if ts.ngram_logprob is None:
         return []
@@ -130,7 +154,7 @@ def _ngram_columns(ts: TokenScores) -> list[tuple[np.ndarray, np.ndarray, np.nda
     return refs
 
 
-def knn_columns(ts: TokenScores) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+def knn_columns(ts: TokenDump) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
     """``(scores, values, log_counts)`` ``[N, k]`` of each datastore of the dump, in order: the first from
     ``knn_scores`` / ``knn_values`` / ``knn_log_counts``, the others from ``knn_extra_*[:, r]``."""
     if ts.knn_scores is None:
@@ -151,7 +175,7 @@ def _per_datastore(temperature: float | Sequence[float], n: int) -> list[float]:
     return taus
 
 
-def dump_components(ts: TokenScores) -> tuple[str, ...]:
+def dump_components(ts: TokenDump) -> tuple[str, ...]:
     """The component names of every memory a dump holds, in :func:`mixture_inputs`' order."""
     names = ["lm"] + [component_name("knn", r) for r in range(len(knn_columns(ts)))]
     names += [ngram_component(r) for r in range(len(_ngram_columns(ts)))]
@@ -159,7 +183,7 @@ def dump_components(ts: TokenScores) -> tuple[str, ...]:
 
 
 def component_logprobs(
-    ts: TokenScores,
+    ts: TokenDump,
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
     cache_temperature: float = 1.0,
@@ -189,14 +213,14 @@ def component_logprobs(
     return out
 
 
-def ngram_sparse(ts: TokenScores) -> dict[str, np.ndarray]:
+def ngram_sparse(ts: TokenDump) -> dict[str, np.ndarray]:
     """Each ∞-gram reference's sparse flag per token by component name (what :func:`rule_mixture`'s λ_sparse /
     λ_dense switch on, through :func:`memlm.core.mixture.sparse_state_features`)."""
     return {ngram_component(r): np.asarray(sparse) for r, (_, _, _, sparse) in enumerate(_ngram_columns(ts))}
 
 
 def mixture_inputs(
-    ts: TokenScores,
+    ts: TokenDump,
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
     cache_temperature: float = 1.0,
