@@ -211,6 +211,15 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
         d = res["differences"][f"mixture_ppl vs {ref}"]
         assert d["relative_change"] == pytest.approx(res["mixture_ppl"] / res[ref] - 1, rel=1e-6), ref
     assert "mixture_ppl" in res["intervals"] and "knn_ppl vs base_ppl" in res["differences"]  # eval's own rows kept
+    # each fixed-weight row records the rule it was mixed by: re-mixing the dump by it gives the row's perplexity
+    from memlm.core.distribution import perplexity
+    from memlm.core.mixture import Mixture
+
+    again = TokenScores.load(tmp_path / "again.npz")
+    assert set(res["mixtures"]) == {"knn_ppl", "ngram_ppl", "knn_ngram_ppl"}
+    for key, record in res["mixtures"].items():
+        assert record["form"] == "rule" or key == "knn_ppl"
+        assert perplexity(rule_logprob(again, Mixture.from_dict(record), 5.0)) == pytest.approx(res[key], rel=1e-9)
     assert "mixture_ppl" in capsys.readouterr().out
     # other memories: one clear error before the model loads
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--ngram", str(index.path), "--mixture", fit]
