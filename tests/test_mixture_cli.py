@@ -349,3 +349,36 @@ def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
     assert out["test"]["mixtures"]["cache_rule_ppl"]["components"] == ["lm", "knn", "ngram", "cache"]
     assert "cache_rule_ppl vs knn_ngram_ppl" in out["test"]["differences"]
     assert out["mixture_test"]["rule_ppl"] == pytest.approx(out["test"]["cache_rule_ppl"], rel=1e-9)
+
+
+def test_tune_with_ngram_tunes_a_second_datastore_beside_the_rule(tmp_path):
+    """A dump with two datastores and an ∞-gram: tune finds λ, τ, λ_sparse, λ_dense, then knn2's λ_2, τ_2 beside
+    them; tune --mixture gate's rule_ppl on test is (1 - λ - λ_2 - λ∞) p_LM + λ p_kNN + λ_2 p_kNN2 + λ∞ P∞ by hand."""
+    from memlm.knnlm.evaluate import memory_logprob
+
+    def two(seed, n):
+        ts = synthetic_dump(seed, n=n)
+        ts.cache_scores = ts.cache_values = None
+        ts.knn_extra_scores = (ts.knn_scores * 0.5)[:, None]  # another datastore's neighbours: other scores
+        ts.knn_extra_values = np.roll(ts.knn_values, 1, axis=0)[:, None]
+        ts.knn_extra_scores[np.roll(ts.knn_values, 1, axis=0)[:, None] < 0] = -np.inf
+        return ts
+
+    valid, test = _save(two(8, 400), tmp_path / "v.npz"), _save(two(9, 300), tmp_path / "t.npz")
+    argv = ["tune", "--valid", valid, "--test", test, "--lambdas", "0", "0.1", "0.2", "0.4", "--temperatures", "1",
+            "3", "--ngram-lambdas", "0", "0.1", "0.3", "--mixture", "gate", "--json",
+            str(tmp_path / "n.json")]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "n.json").read_text())
+    best = out["valid"]["best"]
+    (d,) = best["datastores"]
+    assert d["component"] == "knn2" and d["lambda"] in (0, 0.1, 0.2, 0.4) and d["temperature"] in (1, 3)
+    t = TokenScores.load(test)
+    p = [np.exp(x.astype(np.float64)) for x in (
+        t.lm_logprob, memory_logprob(t.knn_scores, t.knn_values, t.targets, best["temperature"]).numpy(),
+        memory_logprob(t.knn_extra_scores[:, 0], t.knn_extra_values[:, 0], t.targets, d["temperature"]).numpy(),
+        t.ngram_logprob)]  # fmt: skip
+    lam_inf = np.where(t.ngram_sparse, best["lambda_sparse"], best["lambda_dense"])
+    lam, lam2 = best["lambda"], d["lambda"]
+    want = np.log((1 - lam - lam2 - lam_inf) * p[0] + lam * p[1] + lam2 * p[2] + lam_inf * p[3])
+    assert out["mixture_test"]["rule_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-9)

@@ -220,7 +220,8 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
         f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
     )
     if valid.knn_extra_scores is not None:
-        best["datastores"] = _tune_further_datastores(valid, best, (lambdas, temperatures), args.k)
+        grid = (lambdas, temperatures)
+        best["datastores"] = ngram_cli.further_datastores(valid, _rule_weights(best, True), best, grid, args.k)
     if test is not None:
         res = perplexities(
             test,
@@ -236,26 +237,6 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
     out["grid"] = result["grid"]
     out["leakage"] = leakage
     return out
-
-
-def _tune_further_datastores(valid, best: dict[str, Any], grid: tuple, k: int | None) -> list[dict[str, Any]]:
-    """Each datastore after the first (components knn2, ...): its λ_j, τ_j over ``grid`` (tune's λ and τ
-    candidates) beside the rule found so far, fixed (the first datastore's λ, τ, the cache, the datastores before
-    it; memlm.knnlm.dump_mixture.tune_beside): one pass of coordinate search, never worse on valid than without it
-    (λ_j = 0 is in the grid)."""
-    from memlm.knnlm.dump_mixture import tune_beside
-    from memlm.knnlm.mixture_inputs import component_name
-
-    weights = {"knn": best["lambda"], **({"cache": best["cache_lambda"]} if best.get("cache_lambda") else {})}
-    taus = [best["temperature"]] + [1.0] * valid.knn_extra_scores.shape[1]
-    found = []
-    for r in range(1, len(taus)):
-        name = component_name("knn", r)
-        b = tune_beside(valid, weights, name, grid, taus, k, best.get("cache_temperature") or 1.0)["best"]
-        weights[name], taus[r] = b["lambda"], b["temperature"]
-        found.append({"component": name, "lambda": b["lambda"], "temperature": b["temperature"], "ppl": b["ppl"]})
-        print(f"{name} beside them on valid: lambda={b['lambda']} temperature={b['temperature']} ppl={b['ppl']:.4f}")
-    return found
 
 
 def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:

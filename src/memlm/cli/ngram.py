@@ -353,6 +353,12 @@ def tune_with_ngram(
 
     weights = {**({"knn": best["lambda"]} if has_knn else {}), "ngram": (best["lambda_sparse"], best["lambda_dense"])}
     best.update(_tune_cache(args, valid, weights, best))
+    if has_knn and valid.knn_extra_scores is not None:  # several datastores: the others beside this rule
+        from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+
+        grid = (args.lambdas or DEFAULT_LAMBDAS, args.temperatures or DEFAULT_TEMPERATURES)
+        rule = {**weights, **({"cache": best["cache_lambda"]} if best.get("cache_lambda") else {})}
+        best["datastores"] = further_datastores(valid, rule, best, grid, args.k)
 
     def report(ts) -> dict[str, Any]:
         lam = best["lambda"] if has_knn else None
@@ -427,6 +433,19 @@ def _tune_cache(args: argparse.Namespace, valid, weights: dict[str, Any], best: 
     print(f"the cache beside them on valid: cache_lambda={b['lambda']} cache_temperature={b['temperature']} "
           f"ppl={b['ppl']:.4f}")  # fmt: skip
     return {"cache_lambda": b["lambda"], "cache_temperature": b["temperature"], "cache_ppl": b["ppl"]}
+
+
+def further_datastores(valid, weights: dict[str, Any], best: dict[str, Any], grid: tuple, k) -> list[dict[str, Any]]:
+    """memlm tune on a dump of several datastores: each further one's λ_j, τ_j beside the rule ``weights`` tuned
+    so far (memlm.knnlm.dump_mixture.tune_datastores_beside, ``grid`` = tune's λ and τ candidates), printed."""
+    from memlm.knnlm.dump_mixture import tune_datastores_beside
+
+    found = tune_datastores_beside(valid, weights, grid, best.get("temperature") or 1.0, k,
+                                   best.get("cache_temperature") or 1.0)  # fmt: skip
+    for d in found:
+        print(f"{d['component']} beside them on valid: lambda={d['lambda']} temperature={d['temperature']} "
+              f"ppl={d['ppl']:.4f}")  # fmt: skip
+    return found
 
 
 def _with_cache_row(ts, rep: dict[str, Any], weights: dict[str, Any], best: dict[str, Any], k) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from memlm.knnlm.mixture_inputs import (
 )
 
 __all__ = ["DumpMixture", "components_of", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
-           "rule_weights", "tune_beside"]  # fmt: skip
+           "rule_weights", "tune_beside", "tune_datastores_beside"]  # fmt: skip
 
 
 def components_of(datastores: int, ngrams: int, cache: bool) -> tuple[str, ...]:
@@ -236,6 +236,29 @@ def tune_beside(
     return grid_search(lambda **p: ppl(p["lambda"], p["temperature"]),
                        {"lambda": list(grid[0]), "temperature": list(grid[1])},
                        keep=lambda p: others + p["lambda"] < 1.0)  # fmt: skip
+
+
+def tune_datastores_beside(
+    ts: TokenDump,
+    weights: Mapping[str, float | Sequence[float]],
+    grid: tuple[Sequence[float], Sequence[float]],
+    temperature: float = 1.0,
+    k: int | None = None,
+    cache_temperature: float = 1.0,
+) -> list[dict[str, Any]]:
+    """Each datastore after the first of a dump of several (components knn2, ...): its λ_j, τ_j over ``grid`` beside
+    the rule found so far, fixed (``weights``, the first datastore's at ``temperature``, and the datastores tuned
+    before it; :func:`tune_beside`): one pass of coordinate search, never worse on ``ts`` than without the datastore
+    when 0 is among the λ's. Returns ``[{"component", "lambda", "temperature", "ppl"}, ...]``."""
+    weights = dict(weights)
+    taus = [float(temperature)] + [1.0] * (0 if ts.knn_extra_scores is None else ts.knn_extra_scores.shape[1])
+    found = []
+    for r in range(1, len(taus)):
+        name = component_name("knn", r)
+        b = tune_beside(ts, weights, name, grid, taus, k, cache_temperature)["best"]
+        weights[name], taus[r] = b["lambda"], b["temperature"]
+        found.append({"component": name, "lambda": b["lambda"], "temperature": b["temperature"], "ppl": b["ppl"]})
+    return found
 
 
 def rule_weights(mixture: Mixture) -> dict[str, Any]:
