@@ -29,7 +29,7 @@ from memlm.core.mixture import (
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import TokenScores, perplexities
 from memlm.knnlm.mixture_inputs import mixture_inputs
-from memlm.ngram.mixture import ngram_mixture, ngram_report
+from memlm.ngram.mixture import ngram_report
 
 # ------------------------------------------------------------------------------------------------ NumPy references
 
@@ -243,9 +243,9 @@ def test_a_gate_on_the_sparse_flag_is_infinigrams_two_lambdas():
     assert inp.components == ("lm", "ngram")
     mix = sparse_flag_gate(inp.components, inp.feature_names, [1 - ls, ls], [1 - ld, ld])
     got = mix.logprob(inp.logprobs, inp.features)
-    lm, ng = torch.from_numpy(inp.logprobs[:, 0]), torch.from_numpy(inp.logprobs[:, 1])
-    want = ngram_mixture(lm, ng, torch.from_numpy(ts.ngram_sparse), ls, ld)
-    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    lam_inf = np.where(ts.ngram_sparse, ls, ld)  # Liu et al. 2024, Sec. 5, in NumPy
+    want = np.log((1 - lam_inf) * np.exp(inp.logprobs[:, 0]) + lam_inf * np.exp(inp.logprobs[:, 1]))
+    assert np.allclose(got.numpy(), want, rtol=0, atol=1e-12)
     lam = mix.log_weights(inp.features).exp()[:, 1].numpy()
     assert np.allclose(lam, np.where(ts.ngram_sparse, ls, ld), rtol=0, atol=1e-15)
     assert np.isclose(perplexity(got), ngram_report(ts, ls, ld)["ngram_ppl"], rtol=1e-6)
@@ -259,9 +259,10 @@ def test_a_gate_on_the_sparse_flag_is_the_three_way_kNN_and_ngram_mixture():
     assert inp.components == ("lm", "knn", "ngram")
     mix = sparse_flag_gate(inp.components, inp.feature_names, [1 - lam - ls, lam, ls], [1 - lam - ld, lam, ld])
     got = mix.logprob(inp.logprobs, inp.features)
-    lm, knn, ng = (torch.from_numpy(inp.logprobs[:, i]) for i in range(3))
-    want = ngram_mixture(lm, ng, torch.from_numpy(ts.ngram_sparse), ls, ld, knn=knn, lam=lam)
-    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    p = np.exp(inp.logprobs)  # lm, knn, ngram
+    lam_inf = np.where(ts.ngram_sparse, ls, ld)  # (1 - λ - λ∞) p_LM + λ p_kNN + λ∞ P∞, in NumPy
+    want = np.log((1 - lam - lam_inf) * p[:, 0] + lam * p[:, 1] + lam_inf * p[:, 2])
+    assert np.allclose(got.numpy(), want, rtol=0, atol=1e-12)
     today = ngram_report(ts, ls, ld, lam=lam, temperature=tau)["knn_ngram_ppl"]
     assert np.isclose(perplexity(got), today, rtol=1e-6)
 

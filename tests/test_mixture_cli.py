@@ -17,6 +17,7 @@ from conftest import make_toy_docs  # noqa: E402
 from test_mixture import synthetic_dump  # noqa: E402
 
 from memlm.cli import main  # noqa: E402
+from memlm.errors import MemlmError  # noqa: E402
 from memlm.knnlm.dump_mixture import DumpMixture, components_of, rule_logprob  # noqa: E402
 from memlm.knnlm.evaluate import TokenScores  # noqa: E402
 
@@ -127,19 +128,22 @@ def test_a_gate_fitted_where_it_overfits_ends_no_worse_than_the_lm_on_test(tmp_p
 
 def test_rule_logprob_is_each_rules_formula():
     """rule_logprob against the formulas by hand: (1-λ-λc) p_LM + λ p_kNN + λc p_cache; (1-λ-λ∞) p_LM + λ p_kNN +
-    λ∞ P∞ with λ∞ = λ_sparse where sparse, else λ_dense."""
+    λ∞ P∞ with λ∞ = λ_sparse where sparse, else λ_dense; all four at once (one rule, no special case)."""
     from memlm.knnlm.mixture_inputs import mixture_inputs
 
     ts = synthetic_dump(4)
     lam, tau, lc, tc, ls, ld = 0.2, 2.0, 0.1, 0.5, 0.4, 0.05
     p = np.exp(mixture_inputs(ts, tau, None, tc).logprobs)  # lm, knn, ngram, cache
-    got = rule_logprob(ts, lam, tau, cache=(lc, tc)).numpy()
+    got = rule_logprob(ts, {"knn": lam, "cache": lc}, tau, None, tc).numpy()
     assert np.allclose(got, np.log((1 - lam - lc) * p[:, 0] + lam * p[:, 1] + lc * p[:, 3]), atol=1e-12)
     lam_ng = np.where(ts.ngram_sparse, ls, ld)
-    got = rule_logprob(ts, lam, tau, ngram_weights=[[ls, ld]]).numpy()
-    assert np.allclose(got, np.log((1 - lam - lam_ng) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2]), atol=1e-9)
-    with pytest.raises(Exception, match="cache with the ∞-gram"):
-        rule_logprob(ts, lam, tau, ngram_weights=[[ls, ld]], cache=(lc, tc))
+    got = rule_logprob(ts, {"knn": lam, "ngram": (ls, ld)}, tau).numpy()
+    assert np.allclose(got, np.log((1 - lam - lam_ng) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2]), atol=1e-12)
+    got = rule_logprob(ts, {"knn": lam, "ngram": (ls, ld), "cache": lc}, tau, None, tc).numpy()
+    want = (1 - lam - lam_ng - lc) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2] + lc * p[:, 3]
+    assert np.allclose(got, np.log(want), atol=1e-12)
+    with pytest.raises(MemlmError, match="this dump has no knn2"):
+        rule_logprob(ts, {"knn2": lam})
 
 
 def test_a_stored_fit_refuses_other_memories(tmp_path):
@@ -207,6 +211,15 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
         d = res["differences"][f"mixture_ppl vs {ref}"]
         assert d["relative_change"] == pytest.approx(res["mixture_ppl"] / res[ref] - 1, rel=1e-6), ref
     assert "mixture_ppl" in res["intervals"] and "knn_ppl vs base_ppl" in res["differences"]  # eval's own rows kept
+    # each fixed-weight row records the rule it was mixed by: re-mixing the dump by it gives the row's perplexity
+    from memlm.core.distribution import perplexity
+    from memlm.core.mixture import Mixture
+
+    again = TokenScores.load(tmp_path / "again.npz")
+    assert set(res["mixtures"]) == {"knn_ppl", "ngram_ppl", "knn_ngram_ppl"}
+    for key, record in res["mixtures"].items():
+        assert record["form"] == "rule" or key == "knn_ppl"
+        assert perplexity(rule_logprob(again, Mixture.from_dict(record), 5.0)) == pytest.approx(res[key], rel=1e-9)
     assert "mixture_ppl" in capsys.readouterr().out
     # other memories: one clear error before the model loads
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--ngram", str(index.path), "--mixture", fit]
@@ -215,3 +228,157 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--mixture", str(tmp_path / "valid.json")]
     assert main(argv) == 2
     assert "holds no fitted mixture" in capsys.readouterr().err
+
+
+def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_dir, tiny_lm, memories, tmp_path,
+                                                                        capsys):  # fmt: skip
+    """eval --datastore A --datastore B: B's neighbours are what B alone dumps (knn_extra_*); multi_knn_ppl is
+    (1 - λ_A - λ_B) p_LM + λ_A p_A + λ_B p_B by hand, knn2_ppl is B alone's kNN-LM; tune --mixture gate fits lm,
+    knn, knn2 and eval --mixture applies it to the same two datastores (and refuses one)."""
+    from memlm.knnlm.evaluate import memory_logprob
+    from memlm.storage.datastore import build_datastore
+
+    model, tok = tiny_lm
+    a, _ = memories
+    b = build_datastore(model, tok, make_toy_docs(8, seed=77), tmp_path / "ds-b", window=64, min_context=32,
+                        progress=False)  # fmt: skip
+    b.build_index(factory="Flat", metric="l2", progress=False)
+    both = ["--datastore", str(a.path), "--datastore", str(b.path), "--lambda", "0.2", "--temperature", "5"]
+    res, _ = _eval(tiny_lm_dir, tmp_path, "ab", 43, both)
+    alone_b, _ = _eval(tiny_lm_dir, tmp_path, "b", 43, ["--datastore", str(b.path), "--lambda", "0.2",
+                                                         "--temperature", "5"])  # fmt: skip
+    ts, ts_b = TokenScores.load(tmp_path / "ab.npz"), TokenScores.load(tmp_path / "b.npz")
+    assert ts.knn_extra_scores.shape == (len(ts), 1, 16)
+    np.testing.assert_array_equal(ts.knn_extra_scores[:, 0], ts_b.knn_scores)
+    np.testing.assert_array_equal(ts.knn_extra_values[:, 0], ts_b.knn_values)
+    p = [np.exp(ts.lm_logprob.astype(np.float64))] + [
+        np.exp(memory_logprob(s, v, ts.targets, 5.0).numpy().astype(np.float64))
+        for s, v in ((ts.knn_scores, ts.knn_values), (ts_b.knn_scores, ts_b.knn_values))
+    ]
+    want = np.log(0.6 * p[0] + 0.2 * p[1] + 0.2 * p[2])
+    assert res["multi_knn_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-9)
+    assert res["knn2_ppl"] == pytest.approx(alone_b["knn_ppl"], rel=1e-9)
+    assert res["mixtures"]["multi_knn_ppl"]["components"] == ["lm", "knn", "knn2"]
+    assert [d["lambda"] for d in res["datastores"]] == [0.2, 0.2] and res["temperatures"] == [5.0, 5.0]
+    assert "multi_knn_ppl vs base_ppl" in res["differences"]
+    _eval(tiny_lm_dir, tmp_path, "ab-test", 44, both)
+    fit = str(tmp_path / "fit2.json")
+    tune = ["tune", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "ab-test.npz"), "--mixture",
+            "gate", "--temperatures", "1", "5", "--allow-overlap", "--json", fit]  # fmt: skip
+    assert main(tune) == 0
+    g = json.loads(Path(fit).read_text())
+    assert g["mixture"]["fit"]["mixture"]["components"] == ["lm", "knn", "knn2"]
+    # the rule: the first datastore's λ, τ by tune's grid, then B's beside it (the best of the grid, by hand)
+    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS
+
+    best = g["valid"]["best"]
+    lam, tau = best["lambda"], best["temperature"]
+
+    def knn_p(ts, scores, values, t):
+        return np.exp(memory_logprob(scores, values, ts.targets, t).numpy().astype(np.float64))
+
+    v = TokenScores.load(tmp_path / "ab.npz")
+    p_lm, p_a = np.exp(v.lm_logprob.astype(np.float64)), knn_p(v, v.knn_scores, v.knn_values, tau)
+    grid = {(l2, t2): float(np.exp(-np.log((1 - lam - l2) * p_lm + lam * p_a + l2 * knn_p(
+        v, v.knn_extra_scores[:, 0], v.knn_extra_values[:, 0], t2)).mean()))
+        for l2 in DEFAULT_LAMBDAS for t2 in (1.0, 5.0) if lam + l2 < 1}  # fmt: skip
+    l2, t2 = min(grid, key=grid.get)
+    assert best["datastores"] == [{"component": "knn2", "lambda": l2, "temperature": t2,
+                                   "ppl": pytest.approx(grid[(l2, t2)], rel=1e-9)}]  # fmt: skip
+    assert g["test"]["lambdas"] == [lam, l2] and g["test"]["temperatures"] == [tau, t2]
+    assert g["mixture_test"]["rule_ppl"] == pytest.approx(g["test"]["multi_knn_ppl"], rel=1e-9)
+    again, _ = _eval(tiny_lm_dir, tmp_path, "ab-again", 44, [*both, "--mixture", fit])
+    assert again["mixture_ppl"] == pytest.approx(g["mixture_test"]["mixture_ppl"], rel=1e-6)
+    d = again["differences"]["mixture_ppl vs multi_knn_ppl"]
+    assert d["relative_change"] == pytest.approx(again["mixture_ppl"] / again["multi_knn_ppl"] - 1, rel=1e-6)
+    capsys.readouterr()
+    one = ["--datastore", str(a.path), "--lambda", "0.2", "--temperature", "5", "--mixture", fit]
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(tmp_path / "ab.jsonl"), *one]
+    assert main(argv) == 2
+    assert "mixes lm, knn, knn2, this eval gives lm, knn" in capsys.readouterr().err
+
+
+def test_score_tokens_takes_every_memory_as_one_list(tiny_lm, memories, tmp_path):
+    """memories=[A, ∞-gram, B] dumps what datastore=A, ngram=..., memories=[B] dumps (the old keywords fold into the
+    list), and B's neighbours are B's own search."""
+    from memlm.knnlm.evaluate import score_tokens
+    from memlm.ngram.memory import NgramMemory
+
+    model, tok = tiny_lm
+    a, index = memories
+    b = a.__class__.open(a.path)  # the same datastore opened twice: two memories, one list
+    docs = make_toy_docs(3, seed=45)
+    opts = {"k": 8, "window": 64, "min_context": 32, "search": "exact", "progress": False}
+    one = score_tokens(model, tok, docs, memories=[a, NgramMemory(index), b], **opts)
+    kw = score_tokens(model, tok, docs, a, ngram=NgramMemory(index), memories=[b], **opts)
+    for f in ("knn_scores", "knn_values", "knn_extra_scores", "knn_extra_values", "ngram_logprob", "ngram_sparse"):
+        np.testing.assert_array_equal(getattr(one, f), getattr(kw, f), err_msg=f)
+    np.testing.assert_array_equal(one.knn_extra_scores[:, 0], one.knn_scores)  # B is A: the same neighbours
+    assert [d["datastore"] for d in one.meta["datastores"]] == [str(a.path), str(a.path)]
+    with pytest.raises(MemlmError, match="one datastore"):
+        score_tokens(model, tok, docs, memories=[a, b], pointer_min=4, **opts)
+
+
+def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
+    """memlm tune on a dump with kNN, ∞-gram and cache: λ, τ, λ_sparse, λ_dense as before, then λc, τc with them
+    fixed: the best of a NumPy grid of (1 - λ - λ∞ - λc) p_LM + λ p_kNN + λ∞ P∞ + λc p_cache on valid; the test row
+    cache_rule_ppl is that formula on test, and tune --mixture gate's rule_ppl is that row (docs/MIXTURE.md row d)."""
+    from memlm.knnlm.mixture_inputs import mixture_inputs
+
+    valid, test = _save(synthetic_dump(6, n=400), tmp_path / "v.npz"), _save(synthetic_dump(7), tmp_path / "t.npz")
+    cache_grid, cache_taus = (0.0, 0.05, 0.1, 0.2), (0.5, 2.0)
+    argv = ["tune", "--valid", valid, "--test", test, "--lambdas", "0", "0.1", "0.2", "--temperatures", "1", "3",
+            "--ngram-lambdas", "0", "0.1", "0.3", "--cache-lambdas", *map(str, cache_grid), "--cache-temperatures",
+            *map(str, cache_taus), "--mixture", "gate", "--json", str(tmp_path / "c.json")]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "c.json").read_text())
+    best = out["valid"]["best"]
+
+    def by_hand(ts, lc, tc):
+        p = np.exp(mixture_inputs(ts, best["temperature"], None, tc).logprobs)  # lm, knn, ngram, cache
+        lam, lam_inf = best["lambda"], np.where(ts.ngram_sparse, best["lambda_sparse"], best["lambda_dense"])
+        mix = (1 - lam - lam_inf - lc) * p[:, 0] + lam * p[:, 1] + lam_inf * p[:, 2] + lc * p[:, 3]
+        return float(np.exp(-np.log(mix).mean()))
+
+    v, t = TokenScores.load(valid), TokenScores.load(test)
+    grid = {(lc, tc): by_hand(v, lc, tc) for lc in cache_grid for tc in cache_taus}
+    lc, tc = min(grid, key=grid.get)
+    assert (best["cache_lambda"], best["cache_temperature"]) == (lc, tc) and lc > 0  # the cache helps here
+    assert best["cache_ppl"] == pytest.approx(grid[(lc, tc)], rel=1e-9)
+    assert out["test"]["cache_rule_ppl"] == pytest.approx(by_hand(t, lc, tc), rel=1e-9)
+    assert out["test"]["mixtures"]["cache_rule_ppl"]["components"] == ["lm", "knn", "ngram", "cache"]
+    assert "cache_rule_ppl vs knn_ngram_ppl" in out["test"]["differences"]
+    assert out["mixture_test"]["rule_ppl"] == pytest.approx(out["test"]["cache_rule_ppl"], rel=1e-9)
+
+
+def test_tune_with_ngram_tunes_a_second_datastore_beside_the_rule(tmp_path):
+    """A dump with two datastores and an ∞-gram: tune finds λ, τ, λ_sparse, λ_dense, then knn2's λ_2, τ_2 beside
+    them; tune --mixture gate's rule_ppl on test is (1 - λ - λ_2 - λ∞) p_LM + λ p_kNN + λ_2 p_kNN2 + λ∞ P∞ by hand."""
+    from memlm.knnlm.evaluate import memory_logprob
+
+    def two(seed, n):
+        ts = synthetic_dump(seed, n=n)
+        ts.cache_scores = ts.cache_values = None
+        ts.knn_extra_scores = (ts.knn_scores * 0.5)[:, None]  # another datastore's neighbours: other scores
+        ts.knn_extra_values = np.roll(ts.knn_values, 1, axis=0)[:, None]
+        ts.knn_extra_scores[np.roll(ts.knn_values, 1, axis=0)[:, None] < 0] = -np.inf
+        return ts
+
+    valid, test = _save(two(8, 400), tmp_path / "v.npz"), _save(two(9, 300), tmp_path / "t.npz")
+    argv = ["tune", "--valid", valid, "--test", test, "--lambdas", "0", "0.1", "0.2", "0.4", "--temperatures", "1",
+            "3", "--ngram-lambdas", "0", "0.1", "0.3", "--mixture", "gate", "--json",
+            str(tmp_path / "n.json")]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "n.json").read_text())
+    best = out["valid"]["best"]
+    (d,) = best["datastores"]
+    assert d["component"] == "knn2" and d["lambda"] in (0, 0.1, 0.2, 0.4) and d["temperature"] in (1, 3)
+    t = TokenScores.load(test)
+    p = [np.exp(x.astype(np.float64)) for x in (
+        t.lm_logprob, memory_logprob(t.knn_scores, t.knn_values, t.targets, best["temperature"]).numpy(),
+        memory_logprob(t.knn_extra_scores[:, 0], t.knn_extra_values[:, 0], t.targets, d["temperature"]).numpy(),
+        t.ngram_logprob)]  # fmt: skip
+    lam_inf = np.where(t.ngram_sparse, best["lambda_sparse"], best["lambda_dense"])
+    lam, lam2 = best["lambda"], d["lambda"]
+    want = np.log((1 - lam - lam2 - lam_inf) * p[0] + lam * p[1] + lam2 * p[2] + lam_inf * p[3])
+    assert out["mixture_test"]["rule_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-9)

@@ -316,15 +316,16 @@ def test_rerun_with_other_corpus_is_refused(tok, corpus, index):
 
 
 def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
+    from memlm.knnlm.dump_mixture import rule_logprob
     from memlm.knnlm.evaluate import score_tokens
-    from memlm.ngram.mixture import ngram_mixture, ngram_report, tune_ngram
+    from memlm.ngram.mixture import ngram_report, tune_ngram
 
     model, tok = tiny_lm
     evals = make_toy_docs(5, seed=21)
     ts = score_tokens(model, tok, evals, window=64, min_context=32, progress=False, ngram=NgramMemory(index))
     lm = torch.from_numpy(ts.lm_logprob)
-    mixed = ngram_mixture(lm, torch.from_numpy(ts.ngram_logprob), torch.from_numpy(ts.ngram_sparse), 0.0, 0.0)
-    assert torch.equal(mixed, lm)
+    mixed = rule_logprob(ts, {"ngram": (0.0, 0.0)})  # the rule eval mixes by, at λ_sparse = λ_dense = 0
+    assert torch.equal(mixed, lm.double())
     rep = ngram_report(ts, 0.0, 0.0)
     assert rep["ngram_ppl"] == rep["base_ppl"]
     # the dump's statistics are those of a direct query; tuning never does worse than λ = 0
@@ -344,9 +345,8 @@ def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_d
     """Tuning λ_sparse, λ_dense per subset for each (λ, τ) finds the optimum of the full product grid."""
     import itertools
 
-    from memlm.core.distribution import perplexity
     from memlm.knnlm.evaluate import memory_logprob, score_tokens
-    from memlm.ngram.mixture import ngram_mixture, tune_ngram
+    from memlm.ngram.mixture import tune_ngram
     from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
@@ -365,14 +365,14 @@ def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_d
     )
     lams, taus, ngl = (0.0, 0.2, 0.5), (1.0, 10.0), (0.0, 0.1, 0.3, 0.6)
     res = tune_ngram(ts, lambdas=ngl, knn_lambdas=lams, temperatures=taus)["best"]
-    lm, ng, sp = (torch.from_numpy(a) for a in (ts.lm_logprob, ts.ngram_logprob, ts.ngram_sparse))
-    full = min(
-        perplexity(
-            ngram_mixture(lm, ng, sp, a, b, knn=memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t), lam=lam)
-        )
-        for lam, t, a, b in itertools.product(lams, taus, ngl, ngl)
-        if lam + max(a, b) <= 1
-    )
+    p_lm, p_ng = np.exp(ts.lm_logprob.astype(np.float64)), np.exp(ts.ngram_logprob.astype(np.float64))
+
+    def ppl(lam, t, a, b):  # (1 - λ - λ∞) p_LM + λ p_kNN + λ∞ P∞, λ∞ = a where sparse else b (by hand, NumPy)
+        p_knn = np.exp(memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t).numpy().astype(np.float64))
+        lam_inf = np.where(ts.ngram_sparse, a, b)
+        return float(np.exp(-np.log((1 - lam - lam_inf) * p_lm + lam * p_knn + lam_inf * p_ng).mean()))
+
+    full = min(ppl(*p) for p in itertools.product(lams, taus, ngl, ngl) if p[0] + max(p[2], p[3]) <= 1)
     assert math.isclose(res["ppl"], full, rel_tol=1e-6)
 
 
@@ -639,7 +639,8 @@ def test_several_references_mixture_and_tuning():
     """Two ∞-gram references with their own weights: the mixture equals the formula computed in NumPy, and the tuned
     weights are a coordinate-wise optimum of the grid, no worse than either reference alone (Liu et al. 2024's
     interpolation, one (λ_sparse, λ_dense) pair per reference)."""
-    from memlm.ngram.mixture import multi_ngram_mixture, tune_multi_ngram
+    from memlm.knnlm.dump_mixture import mix_by_rule
+    from memlm.ngram.mixture import tune_multi_ngram
 
     rng = np.random.default_rng(5)
     n = 400
@@ -653,17 +654,21 @@ def test_several_references_mixture_and_tuning():
     refs = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in refs_np]
     knn = np.log(rng.uniform(0.0, 0.6, n))
     ws = [(0.3, 0.05), (0.1, 0.2)]
-    got = multi_ngram_mixture(torch.from_numpy(lm), refs, ws, knn=torch.from_numpy(knn), lam=0.2).numpy()
-    l1 = np.where(refs_np[0][1], 0.3, 0.05)
-    l2 = np.where(refs_np[1][1], 0.1, 0.2)
-    want = np.log((1 - 0.2 - l1 - l2) * np.exp(lm) + 0.2 * np.exp(knn) + l1 * np.exp(refs_np[0][0])
-                  + l2 * np.exp(refs_np[1][0]))  # fmt: skip
-    np.testing.assert_allclose(got, want, rtol=1e-10)
+    comps = {"lm": torch.from_numpy(lm), "knn": torch.from_numpy(knn), "ngram": refs[0][0], "ngram2": refs[1][0]}
+    flags = {"ngram": refs[0][1], "ngram2": refs[1][1]}
+    got = mix_by_rule(comps, {"knn": 0.2, "ngram": ws[0], "ngram2": ws[1]}, flags).numpy()
+
+    def by_hand(w, lam=0.0):  # Σ λ_i P_i with λ_r = λ_sparse,r where reference r is sparse, else λ_dense,r (NumPy)
+        l1, l2 = np.where(refs_np[0][1], *w[0]), np.where(refs_np[1][1], *w[1])
+        return np.log((1 - lam - l1 - l2) * np.exp(lm) + lam * np.exp(knn) + l1 * np.exp(refs_np[0][0])
+                      + l2 * np.exp(refs_np[1][0]))  # fmt: skip
+
+    np.testing.assert_allclose(got, by_hand(ws, 0.2), rtol=1e-10)
     grid = (0.0, 0.05, 0.1, 0.2, 0.4)
     res = tune_multi_ngram(torch.from_numpy(lm), refs, lambdas=grid)
 
     def ppl(w):
-        return float(np.exp(-multi_ngram_mixture(torch.from_numpy(lm), refs, w).numpy().mean()))
+        return float(np.exp(-by_hand(w).mean()))
 
     assert res["ppl"] == pytest.approx(ppl(res["weights"]), rel=1e-9)
     for r in range(2):  # each reference alone, its best pair over the full grid

@@ -92,7 +92,7 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
     probability and perplexity are Σ λ_i P_i by hand; tune then gives each index its own weights (jointly tuned, no
     worse on valid than either alone) and applies them to the test dump."""
     from memlm.cli import main
-    from memlm.ngram.mixture import ngrams_logprob
+    from memlm.knnlm.dump_mixture import rule_logprob
 
     a, b = two_indexes
     res, ts = _eval(tiny_lm_dir, eval_docs, [a, b], tmp_path, "ab")
@@ -111,7 +111,8 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
     assert res["multi_ngram_weights"] == [[0.1, 0.03], [0.1, 0.03]]
     want = _by_hand(ts, res["multi_ngram_weights"])
     assert np.isfinite(want).all() and (ts.ngram_extra_sparse.any() or ts.ngram_sparse.any())
-    np.testing.assert_allclose(ngrams_logprob(ts, res["multi_ngram_weights"]).numpy(), want, rtol=1e-6, atol=1e-9)
+    weights = dict(zip(("ngram", "ngram2"), res["multi_ngram_weights"], strict=True))
+    np.testing.assert_allclose(rule_logprob(ts, weights).numpy(), want, rtol=1e-6, atol=1e-9)
     assert res["multi_ngram_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-6)
     # each index alone beside the LM, as one --ngram reports it
     alone_b = json.loads((tmp_path / "b.json").read_text())

@@ -55,16 +55,18 @@ def per_document(ts: TokenScores, res: dict) -> list[dict]:
     import numpy as np
 
     from memlm.core.bootstrap import DocumentBootstrap
-    from memlm.ngram.mixture import ngram_logprobs
+    from memlm.knnlm.dump_mixture import rule_logprob
 
     rows = {"base_ppl": ts.lm_logprob}
     if ts.ngram_logprob is not None:
         lam = res.get("lambda") if ts.knn_scores is not None else None
-        rows.update(ngram_logprobs(ts, (res["lambda_sparse"], res["lambda_dense"])))
+        rows["ngram_ppl"] = rule_logprob(ts, {"ngram": (res["lambda_sparse"], res["lambda_dense"])})
         if lam is not None:
             w3 = res["knn_ngram_weights"]
-            three = ngram_logprobs(ts, (w3["lambda_sparse"], w3["lambda_dense"]), lam, res["temperature"], res["k"])
-            rows.update(knn_ppl=three["knn_ppl"], knn_ngram_ppl=three["knn_ngram_ppl"])
+            knn = (res["temperature"], res["k"])
+            rows.update(knn_ppl=rule_logprob(ts, {"knn": lam}, *knn),
+                        knn_ngram_ppl=rule_logprob(ts, {"knn": lam, "ngram": (w3["lambda_sparse"], w3["lambda_dense"])},
+                                                   *knn))  # fmt: skip
     boot = DocumentBootstrap(ts.doc_index)
     tokens = boot.per_document(np.ones(len(ts)))
     nll = {k: -boot.per_document(np.asarray(v, dtype=np.float64)) for k, v in rows.items()}
@@ -76,15 +78,15 @@ def buckets_without(ts: TokenScores, res: dict, keep) -> dict:
     """The ∞-gram's frequency buckets on the tokens in ``keep`` only (e.g. without WikiText's formatting tokens)."""
     import dataclasses
 
+    from memlm.knnlm.dump_mixture import rule_logprob
     from memlm.knnlm.evaluate import bucket_table
     from memlm.ngram.memory import NgramMemory
-    from memlm.ngram.mixture import ngram_logprobs
 
     if ts.ngram_logprob is None:
         return {}
     fields = [f.name for f in dataclasses.fields(ts) if f.name != "meta"]
     sub = dataclasses.replace(ts, **{f: getattr(ts, f)[keep] for f in fields if getattr(ts, f) is not None})
-    mixed = ngram_logprobs(sub, (res["lambda_sparse"], res["lambda_dense"]))["ngram_ppl"]
+    mixed = rule_logprob(sub, {"ngram": (res["lambda_sparse"], res["lambda_dense"])})
     return {"ngram_ppl": bucket_table(sub, mixed, NgramMemory(res["ngram"]).token_counts(sub.targets),
                                       f"∞-gram index {res['ngram']}")}  # fmt: skip
 
@@ -95,14 +97,14 @@ def other_reference(ts: TokenScores, res: dict, path: str, fmt) -> dict:
     import numpy as np
 
     from memlm.core.bootstrap import evidence
-    from memlm.ngram.mixture import ngram_logprobs
+    from memlm.knnlm.dump_mixture import rule_logprob
 
     other = TokenScores.load(path)
     for f in ("targets", "doc_index", "lm_logprob"):
         assert np.array_equal(getattr(other, f), getattr(ts, f)), f"{path} is not a swap of this dump ({f})"
     lams = (res["lambda_sparse"], res["lambda_dense"])
-    rows = {"base_ppl": ts.lm_logprob, "ngram_ppl": ngram_logprobs(ts, lams)["ngram_ppl"],
-            "other_ngram_ppl": ngram_logprobs(other, lams)["ngram_ppl"]}  # fmt: skip
+    rows = {"base_ppl": ts.lm_logprob, "ngram_ppl": rule_logprob(ts, {"ngram": lams}),
+            "other_ngram_ppl": rule_logprob(other, {"ngram": lams})}  # fmt: skip
     pairs = [("base_ppl", "other_ngram_ppl"), ("ngram_ppl", "other_ngram_ppl")]
     out = {"dump": path, "index": other.meta.get("ngram"), "lambdas": list(lams), **evidence(rows, ts.doc_index, pairs)}
     if fmt is not None:

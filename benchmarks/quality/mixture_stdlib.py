@@ -107,13 +107,13 @@ def slice_row(small, test, name: str) -> dict:
 
     from memlm.core.distribution import perplexity
     from memlm.core.mixture import fit_guarded
+    from memlm.knnlm.dump_mixture import rule_logprob
     from memlm.knnlm.mixture_inputs import mixture_inputs
-    from memlm.ngram.mixture import ngram_mixture, tune_ngram
+    from memlm.ngram.mixture import tune_ngram
 
     tuned = tune_ngram(small)["best"]
     lm = torch.from_numpy(test.lm_logprob)
-    rule = ngram_mixture(lm, torch.from_numpy(test.ngram_logprob), torch.from_numpy(test.ngram_sparse),
-                         tuned["lambda_sparse"], tuned["lambda_dense"])  # fmt: skip
+    rule = rule_logprob(test, {"ngram": (tuned["lambda_sparse"], tuned["lambda_dense"])})
     fit_in, test_in = mixture_inputs(small), mixture_inputs(test)
     fit = fit_guarded(fit_in.logprobs, fit_in.features, fit_in.doc_index, fit_in.components, fit_in.feature_names)
     base = perplexity(lm)
@@ -139,13 +139,13 @@ def compare(work: Path) -> dict:
     import torch
 
     from memlm.core.distribution import perplexity
+    from memlm.knnlm.dump_mixture import rule_logprob
     from memlm.knnlm.evaluate import TokenScores
-    from memlm.ngram.mixture import DEFAULT_LAMBDA_DENSE, DEFAULT_LAMBDA_SPARSE, ngram_mixture
+    from memlm.ngram.mixture import DEFAULT_LAMBDA_DENSE, DEFAULT_LAMBDA_SPARSE
 
     small, test = TokenScores.load(work / "small.npz"), TokenScores.load(work / "test.npz")
     lm = torch.from_numpy(test.lm_logprob)
-    fallback = perplexity(ngram_mixture(lm, torch.from_numpy(test.ngram_logprob), torch.from_numpy(test.ngram_sparse),
-                                        DEFAULT_LAMBDA_SPARSE, DEFAULT_LAMBDA_DENSE))  # fmt: skip
+    fallback = perplexity(rule_logprob(test, {"ngram": (DEFAULT_LAMBDA_SPARSE, DEFAULT_LAMBDA_DENSE)}))
     slices = [slice_row(subset(small, small.doc_index == d), test, SMALL[d]) for d in range(len(SMALL))]
     slices.append(slice_row(small, test, "all 16 modules"))
     base = perplexity(lm)

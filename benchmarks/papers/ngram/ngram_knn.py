@@ -27,13 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ngram_report import formatting_mask_of  # noqa: E402
 
-from memlm.core.distribution import mix_logprobs, perplexity  # noqa: E402
+from memlm.core.distribution import perplexity  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import limit_documents  # noqa: E402
 from memlm.knnlm.evaluate import TokenScores, memory_logprob, tune  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
 from memlm.ngram.memory import NgramMemory  # noqa: E402
-from memlm.ngram.mixture import add_ngram, multi_ngram_mixture, tune_multi_ngram, tune_ngram  # noqa: E402
+from memlm.ngram.mixture import add_ngram, refs_logprob, tune_multi_ngram, tune_ngram  # noqa: E402
 from memlm.storage.fileio import atomic_write_json  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main() -> None:
     best = tune(dumps["valid"])["best"]
     knn = memory_logprob(test.knn_scores, test.knn_values, test.targets, best["temperature"], None,
                          test.knn_log_counts)  # fmt: skip
-    rows["knn"] = row(mix_logprobs([lm, knn], [1 - best["lambda"], best["lambda"]]), **{
+    rows["knn"] = row(refs_logprob(lm, [], [], knn=knn, lam=best["lambda"]), **{
         "lambda": best["lambda"], "temperature": best["temperature"]})  # fmt: skip
     refs_test, joint_best = [], None
     for name in indexes:
@@ -98,14 +98,14 @@ def main() -> None:
         ng, sp = torch.from_numpy(t.ngram_logprob), torch.from_numpy(t.ngram_sparse)
         refs_test.append((ng, sp))
         a = tune_ngram(_no_knn(v))["best"]
-        rows[f"ngram:{name}"] = row(multi_ngram_mixture(lm, [(ng, sp)], [(a["lambda_sparse"], a["lambda_dense"])]),
+        rows[f"ngram:{name}"] = row(refs_logprob(lm, [(ng, sp)], [(a["lambda_sparse"], a["lambda_dense"])]),
                                     lambda_sparse=a["lambda_sparse"], lambda_dense=a["lambda_dense"],
                                     sparse_share=float(sp.float().mean()),
                                     effective_n_median=float(np.median(t.ngram_n)))  # fmt: skip
         j = tune_ngram(v)["best"]
         k_j = memory_logprob(t.knn_scores, t.knn_values, t.targets, j["temperature"], None, t.knn_log_counts)
         rows[f"knn+ngram:{name}"] = row(
-            multi_ngram_mixture(lm, [(ng, sp)], [(j["lambda_sparse"], j["lambda_dense"])], knn=k_j, lam=j["lambda"]),
+            refs_logprob(lm, [(ng, sp)], [(j["lambda_sparse"], j["lambda_dense"])], knn=k_j, lam=j["lambda"]),
             **{k: j[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")},
         )
         if joint_best is None or j["ppl"] < joint_best["ppl"]:
@@ -115,7 +115,7 @@ def main() -> None:
         v_refs = [(torch.from_numpy(d.ngram_logprob), torch.from_numpy(d.ngram_sparse)) for d in valid_ng]
         v_lm = torch.from_numpy(dumps["valid"].lm_logprob)
         m = tune_multi_ngram(v_lm, v_refs)
-        rows["ngram:" + "+".join(indexes)] = row(multi_ngram_mixture(lm, refs_test, m["weights"]),
+        rows["ngram:" + "+".join(indexes)] = row(refs_logprob(lm, refs_test, m["weights"]),
                                                  weights=m["weights"], valid_ppl=m["ppl"])  # fmt: skip
         vd = dumps["valid"]
         tau, lam = joint_best["temperature"], joint_best["lambda"]
@@ -123,7 +123,7 @@ def main() -> None:
         mk = tune_multi_ngram(v_lm, v_refs, knn=v_knn, lam=lam)
         k_t = memory_logprob(test.knn_scores, test.knn_values, test.targets, tau, None, test.knn_log_counts)
         rows["knn+ngram:" + "+".join(indexes)] = row(
-            multi_ngram_mixture(lm, refs_test, mk["weights"], knn=k_t, lam=lam),
+            refs_logprob(lm, refs_test, mk["weights"], knn=k_t, lam=lam),
             **{"lambda": lam, "temperature": tau, "weights": mk["weights"], "valid_ppl": mk["ppl"]},
         )
     for r in rows.values():

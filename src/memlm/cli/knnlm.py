@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from memlm.cli import common
@@ -35,17 +36,29 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.models.keys import KeySpec
     from memlm.storage.sharded import open_datastore
 
-    ds = open_datastore(args.datastore, ray=args.ray, mmap_index=args.mmap_index) if args.datastore else None
+    stores = [open_datastore(p, ray=args.ray, mmap_index=args.mmap_index) for p in args.datastore or []]
+    ds = stores[0] if stores else None
     model_name = args.model or (ds.model_name if ds else None) or DEFAULT_MODEL
     model, tok = common._load_model(model_name, args.dtype, args)
     model = common.place_model(model, args.device)
-    if ds is not None:
-        ds.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
+    for store in stores:
+        store.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
     ngram = ngram_cli.open_ngram(args, tok)
     V.check_against_model(args, model)
     docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
-    leakage = check_leakage(Evaluated(docs, args.corpus, args.split, source["fingerprint"]), ds, ngram, tok,
-                            args.allow_overlap)  # fmt: skip
+    evaluated = Evaluated(docs, args.corpus, args.split, source["fingerprint"])
+    leakage = check_leakage(evaluated, ds, ngram, tok, args.allow_overlap)
+    for store in stores[1:]:  # each further datastore checked as the first
+        more = check_leakage(evaluated, store, None, tok, args.allow_overlap)
+        for key in ("overlap", "notes", "memories"):
+            leakage[key] = leakage[key] + more[key]
+    setting = {k: getattr(args, k) for k in ("k", "search", "scores", "nprobe", "index")}  # noticed if uncalibrated
+    weights = [knn_parameters(store, args.lam, args.temperature, setting=setting) for store in stores]
+    total = sum(w[0] for w in weights) + (args.cache_lambda if args.cache else 0.0)
+    if len(stores) > 1 and total >= 1.0:
+        given = ", ".join(f"{w[0]:g}" for w in weights)
+        raise MemlmError(f"the datastores' λ's ({given}) and the cache's sum to {total:g}: the LM would keep no "
+                         "weight; give a smaller --lambda (each datastore's)")  # fmt: skip
     config = RetrievalConfig.with_options(  # built once here, passed down (recorded in the result's retrieval)
         k=args.k,
         **window_kwargs(args),
@@ -64,14 +77,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     meta = {"model": model_name, "source": source, "leakage": leakage}  # memlm tune compares these
     if ds is not None:
         meta["datastore_build_id"] = ds.manifest.get("build_id")
-    ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram)
+    ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram,
+                      memories=stores[1:])  # fmt: skip
     if args.dump:
         ts.save(args.dump)
         print(f"wrote {args.dump}", file=sys.stderr)
     lam, temperature, origin = 0.0, args.temperature or 1.0, None
     if ds is not None:
-        setting = {k: getattr(args, k) for k in ("k", "search", "scores", "nprobe", "index")}  # noticed if uncalibrated
-        lam, temperature, origin = knn_parameters(ds, args.lam, args.temperature, setting=setting)
+        lam, temperature, origin = weights[0]
         if args.cache and args.lam is None and lam + args.cache_lambda > 1:
             lam = 1.0 - args.cache_lambda  # the calibrated λ was tuned without the cache: leave the cache its weight
             print(f"λ lowered to {lam:g} so that λ + --cache-lambda <= 1", file=sys.stderr)
@@ -82,12 +95,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
         cache_lambda=args.cache_lambda if args.cache else 0.0,
         cache_temperature=args.cache_temperature,
         target_counts=value_counts(ds, ts.targets) if ds is not None else None,
+        datastores=[(w[0], w[1]) for w in weights[1:]],
     )
     res.update(
         model=model_name,
         corpus=args.corpus,
         split=args.split,
         **({"parameters_from": origin} if origin else {}),
+        **({"datastores": each} if (each := _each_datastore(ts, weights)) else {}),
         **{
             k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
         },
@@ -109,6 +124,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     write_json(args.json, res)
 
 
+def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
+    """With several datastores: each one's description and the λ, τ it was mixed with (and where they came from)."""
+    if len(weights) < 2:
+        return []
+    return [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
+            for d, w in zip(ts.meta["datastores"], weights, strict=True)]  # fmt: skip
+
+
 def load_mixture(path: str):
     """The fitted mixture of ``memlm eval --mixture FILE`` (a tune --mixture gate result, or its record)."""
     import json
@@ -123,28 +146,16 @@ def load_mixture(path: str):
 
 
 def _rule_rows(ts, res: dict[str, Any]) -> dict[str, Any]:
-    """Per-token log p of each fixed-weight row of eval's result ``res`` (its own weights), for the paired
-    differences of the learned mixture against them."""
+    """Per-token log p of each fixed-weight row of eval's result ``res``, re-mixed by the rule it recorded under
+    ``mixtures`` (its weights, at its τ and k), for the paired differences of the learned mixture against them."""
+    from memlm.core.mixture import Mixture
     from memlm.knnlm.dump_mixture import rule_logprob
 
-    lam = res.get("lambda") if isinstance(res.get("lambda"), float | int) else None
-    knn = {"lam": lam, "temperature": res.get("temperature") or 1.0, "k": res.get("k")}
-    specs: dict[str, dict[str, Any]] = {}
-    if lam is not None:
-        specs["knn_ppl"] = knn
-    for key in ("knn_cache_ppl", "lm_cache_ppl"):
-        if key in res and (key != "knn_cache_ppl" or lam is not None):
-            specs[key] = {**knn, "cache": (res["cache_lambda"], res["cache_temperature"])}
-    if "lambda_sparse" in res and "ngrams" not in res:  # one ∞-gram index
-        specs["ngram_ppl"] = {"ngram_weights": [[res["lambda_sparse"], res["lambda_dense"]]]}
-        if "knn_ngram_weights" in res:
-            w = res["knn_ngram_weights"]
-            specs["knn_ngram_ppl"] = {**knn, "ngram_weights": [[w["lambda_sparse"], w["lambda_dense"]]]}
-    if "multi_ngram_weights" in res:
-        specs["multi_ngram_ppl"] = {"ngram_weights": res["multi_ngram_weights"]}
-        if "knn_multi_ngram_weights" in res:
-            specs["knn_multi_ngram_ppl"] = {**knn, "ngram_weights": res["knn_multi_ngram_weights"]["weights"]}
-    return {key: rule_logprob(ts, **spec) for key, spec in specs.items()}
+    rows = {}
+    for key, record in (res.get("mixtures") or {}).items():
+        taus = res.get("temperatures") or res.get("temperature") or 1.0  # several datastores: one τ each
+        rows[key] = rule_logprob(ts, Mixture.from_dict(record), taus, res.get("k"), res.get("cache_temperature") or 1.0)
+    return rows
 
 
 def mixture_result(dm, ts, res: dict[str, Any], path: str) -> dict[str, Any]:
@@ -192,10 +203,12 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
     """The fixed-weight rule: λ, τ (and the cache's λc, τc) grid-searched on ``valid``, applied to ``test``."""
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, perplexities, tune
 
+    lambdas = args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS)
+    temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
     result = tune(
         valid,
-        lambdas=args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS),
-        temperatures=args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES),
+        lambdas=lambdas,
+        temperatures=temperatures,
         k=args.k,
         cache_lambdas=args.cache_lambdas,
         cache_temperatures=args.cache_temperatures,
@@ -206,6 +219,9 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
         f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
         f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
     )
+    if valid.knn_extra_scores is not None:
+        grid = (lambdas, temperatures)
+        best["datastores"] = ngram_cli.further_datastores(valid, _rule_weights(best, True), best, grid, args.k)
     if test is not None:
         res = perplexities(
             test,
@@ -214,6 +230,7 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
             k=args.k,
             cache_lambda=best["cache_lambda"],
             cache_temperature=best["cache_temperature"],
+            datastores=[(d["lambda"], d["temperature"]) for d in best.get("datastores") or []],
         )
         out["test"] = res
         _print_result(res)
@@ -223,13 +240,17 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
 
 
 def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
-    """memlm.knnlm.dump_mixture.rule_logprob's arguments from the rule's best weights on valid (any tune path)."""
-    ngram = best.get("weights") or (
-        [[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else None
-    )
-    cache = (best.get("cache_lambda") or 0.0, best.get("cache_temperature") or 1.0)
-    lam = best.get("lambda") if has_knn else None
-    return {"lam": lam, "temperature": best.get("temperature") or 1.0, "ngram_weights": ngram, "cache": cache}
+    """The rule's weights by component (memlm.knnlm.dump_mixture.rule_for) from its best point on valid (any tune
+    path: λ, the cache's λc, one (λ_sparse, λ_dense) or a list of them)."""
+    from memlm.knnlm.mixture_inputs import ngram_component
+
+    pairs = best.get("weights") or ([[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else [])
+    weights: dict[str, Any] = {"knn": best["lambda"]} if has_knn else {}
+    weights.update({ngram_component(r): tuple(w) for r, w in enumerate(pairs)})
+    if best.get("cache_lambda"):
+        weights["cache"] = best["cache_lambda"]
+    weights.update({d["component"]: d["lambda"] for d in best.get("datastores") or []})
+    return weights
 
 
 def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +261,7 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
 
     from memlm.core.bootstrap import evidence
     from memlm.core.distribution import perplexity
-    from memlm.knnlm.dump_mixture import fit_dump, rule_logprob
+    from memlm.knnlm.dump_mixture import fit_dump, rule_for, rule_logprob
     from memlm.knnlm.evaluate import DEFAULT_TEMPERATURES
 
     temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
@@ -258,13 +279,16 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     out: dict[str, Any] = {"mixture": dm.to_dict()}
     if test is None:
         return out
-    has_knn = valid.knn_scores is not None
+    weights = _rule_weights(rule_best, valid.knn_scores is not None)
+    knn_taus = [rule_best.get("temperature") or 1.0] + [d["temperature"] for d in rule_best.get("datastores") or []]
+    taus = (knn_taus if len(knn_taus) > 1 else knn_taus[0], rule_best.get("cache_temperature") or 1.0)
     rows = {
         "base_ppl": torch.from_numpy(test.lm_logprob),
-        "rule_ppl": rule_logprob(test, k=args.k, **_rule_weights(rule_best, has_knn)),
+        "rule_ppl": rule_logprob(test, weights, taus[0], args.k, taus[1]),
         "mixture_ppl": dm.logprob(test, "the --test dump"),
     }
-    res: dict[str, Any] = {"tokens": len(test), "form": fit.form, **{k: perplexity(v) for k, v in rows.items()}}
+    res: dict[str, Any] = {"tokens": len(test), "form": fit.form, **{k: perplexity(v) for k, v in rows.items()},
+                           "mixtures": {"rule_ppl": rule_for(test, weights).to_dict()}}  # fmt: skip
     pairs = (("base_ppl", "rule_ppl"), ("base_ppl", "mixture_ppl"), ("rule_ppl", "mixture_ppl"))
     res.update(evidence(rows, test.doc_index, pairs=pairs))
     print("on test (rule_ppl: the fixed-weight rule tuned on the same valid dump; mixture_ppl: the learned mixture):")
@@ -332,7 +356,16 @@ def check_eval(args: argparse.Namespace) -> None:
         from memlm.models.keys import KeySpec
 
         KeySpec.parse(args.key)
-    V.check_datastore_k(args.datastore, args.k)
+    paths = args.datastore or []
+    for path in paths:
+        V.check_datastore_k(path, args.k)
+    if len({str(Path(p).resolve()) for p in paths}) < len(paths):
+        raise MemlmError(f"--datastore names the same datastore twice ({', '.join(paths)}): give each once")
+    several = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min),
+                               ("--index", args.index)) if on]  # fmt: skip
+    if len(paths) > 1 and several:
+        raise MemlmError(f"{several[0]} applies to one datastore; give one --datastore with it, or leave it out to "
+                         "mix several")  # fmt: skip
     fast = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min)) if on]
     if args.pipeline and fast:
         raise MemlmError(f"--pipeline searches each batch as it comes, {fast[0]} needs every query first: use one")
@@ -343,7 +376,7 @@ def check_eval(args: argparse.Namespace) -> None:
     if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:
         raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
     if args.index:
-        _index_of_datastore(args.index, args.datastore)
+        _index_of_datastore(args.index, paths[0])
     if args.mixture:
         _mixture_of_memories(args)
 
@@ -354,7 +387,7 @@ def _mixture_of_memories(args: argparse.Namespace) -> None:
     from memlm.knnlm.dump_mixture import components_of
 
     dm = load_mixture(args.mixture)
-    given = components_of(bool(args.datastore), len(args.ngram or []), bool(args.cache))
+    given = components_of(len(args.datastore or []), len(args.ngram or []), bool(args.cache))
     if dm.mixture.components != given:
         raise MemlmError(
             f"--mixture {args.mixture} mixes {', '.join(dm.mixture.components)}, this eval gives "
@@ -384,7 +417,12 @@ def add_parsers(sub) -> None:
     common.add_compute_path(e)
     add_corpus(e, "test")
     e.add_argument(
-        "--datastore", type=V.existing_dir, default=None, help="datastore folder (its model and key are used)"
+        "--datastore",
+        type=V.existing_dir,
+        default=None,
+        action="append",
+        help="datastore folder (its model and key are used); give it again for several datastores, each with its "
+        "calibrated λ, τ (or --lambda / --temperature for every one), mixed by one rule (row multi_knn_ppl)",
     )
     e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
     e.add_argument(

@@ -18,10 +18,13 @@ PPL_LABELS = {
     "knn_ngram_ppl": "LM + kNN + ∞-gram",
     "multi_ngram_ppl": "LM + every ∞-gram",
     "knn_multi_ngram_ppl": "LM + kNN + every ∞-gram",
+    "multi_knn_ppl": "LM + every datastore, each its λ",
     "rule_ppl": "the fixed weights tuned on valid",
+    "cache_rule_ppl": "the ∞-gram rule + the cache, λc tuned beside it",
     "mixture_ppl": "the learned mixture (memlm tune --mixture gate)",
 }
 EVIDENCE_KEYS = ("bootstrap", "intervals", "differences", "frequency_buckets")
+RECORDED_ONLY = ("mixtures",)  # each fixed-weight row's rule (Mixture.to_dict): in the JSON, not printed
 
 
 def _interval(row: dict[str, Any] | None) -> str:
@@ -38,7 +41,7 @@ def print_result(res: dict[str, Any]) -> None:
     """Every scalar of ``res`` (perplexities with their interval), then the differences and the buckets."""
     intervals = res.get("intervals") or {}
     for k, v in res.items():
-        if k in EVIDENCE_KEYS:
+        if k in EVIDENCE_KEYS or k in RECORDED_ONLY:
             continue
         label = f"  ({PPL_LABELS[k]})" if k in PPL_LABELS else ""
         text = f"{v:.4g}" if isinstance(v, float) else f"{v}"

@@ -10,31 +10,44 @@ mixture's components and features (:func:`memlm.knnlm.mixture_inputs.mixture_inp
 
 τ is the one whose chosen form has the highest mean log-likelihood on the part of the slice the fit kept apart.
 The fixed-weight rule of ``memlm tune`` and ``memlm eval`` (Khandelwal et al. 2020, Eq. 3; Liu et al. 2024's
-λ_sparse / λ_dense) is scored by :func:`rule_logprob` from its weights, through the same formulas as its reports.
+λ_sparse / λ_dense) is the same :class:`~memlm.core.mixture.Mixture` (:func:`rule_for`, a gate on the ∞-grams'
+sparse flags), and :func:`rule_logprob` mixes a dump by it: every fixed-weight row eval and tune report.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded
+from memlm.core.dumps import TokenDump
+from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import TokenScores
-from memlm.knnlm.mixture_inputs import MixtureInputs, mixture_inputs, ngram_component
+from memlm.knnlm.mixture_inputs import (
+    MixtureInputs,
+    component_logprobs,
+    component_name,
+    dump_components,
+    mixture_inputs,
+    ngram_component,
+    ngram_sparse,
+)
 
-__all__ = ["DumpMixture", "components_of", "fit_dump", "rule_logprob"]
+__all__ = ["DumpMixture", "components_of", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
+           "rule_weights", "tune_beside", "tune_datastores_beside"]  # fmt: skip
 
 
-def components_of(datastore: bool, ngrams: int, cache: bool) -> tuple[str, ...]:
-    """The mixture's components for these memories, in :func:`mixture_inputs`' order (to check a stored fit against
-    ``memlm eval``'s options before anything is scored)."""
-    names = ["lm"] + (["knn"] if datastore else []) + [ngram_component(r) for r in range(ngrams)]
+def components_of(datastores: int, ngrams: int, cache: bool) -> tuple[str, ...]:
+    """The mixture's components for these memories (how many datastores and ∞-gram indexes), in
+    :func:`mixture_inputs`' order (to check a stored fit against ``memlm eval``'s options before anything is
+    scored)."""
+    names = ["lm"] + [component_name("knn", r) for r in range(int(datastores))]
+    names += [ngram_component(r) for r in range(ngrams)]
     return tuple(names + (["cache"] if cache else []))
 
 
@@ -54,7 +67,7 @@ class DumpMixture:
     def mixture(self) -> Mixture:
         return self.fit.mixture
 
-    def inputs(self, ts: TokenScores, where: str = "this dump") -> MixtureInputs:
+    def inputs(self, ts: TokenDump, where: str = "this dump") -> MixtureInputs:
         """The mixture's inputs on ``ts``, or one MemlmError when its memories are not the fit's."""
         inp = mixture_inputs(ts, self.temperature or 1.0, self.k, self.cache_temperature or 1.0)
         m = self.mixture
@@ -67,7 +80,7 @@ class DumpMixture:
             )
         return inp
 
-    def logprob(self, ts: TokenScores, where: str = "this dump") -> torch.Tensor:
+    def logprob(self, ts: TokenDump, where: str = "this dump") -> torch.Tensor:
         """``log P(target)`` per token of the fitted mixture on ``ts``, float64 ``[N]``."""
         inp = self.inputs(ts, where)
         return self.mixture.logprob(inp.logprobs, inp.features)
@@ -92,7 +105,7 @@ class DumpMixture:
 
 
 def fit_dump(
-    ts: TokenScores,
+    ts: TokenDump,
     temperatures: Sequence[float],
     k: int | None = None,
     cache_temperatures: Sequence[float] = (1.0,),
@@ -124,31 +137,141 @@ def fit_dump(
     return DumpMixture(best[1], best[2], k_used, best[3], search)
 
 
+def rule_for(ts: TokenDump, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
+    """The fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`) over the LM and the memories of ``ts`` that
+    ``weights`` names (by component: ``knn``, ``knn2``, ... a constant λ; ``ngram``, ``ngram2``, ... a pair
+    ``(λ_sparse, λ_dense)``, or a constant; ``cache`` λc), in the dump's order; one MemlmError for a memory the dump
+    does not hold."""
+    held = dump_components(ts)
+    missing = [c for c in weights if c not in held]
+    if missing:
+        raise MemlmError(f"this dump has no {', '.join(missing)} (it holds {', '.join(held)}): rerun memlm eval "
+                         "--dump with those memories (--datastore, --ngram, --cache)")  # fmt: skip
+    return rule_mixture([c for c in held if c == "lm" or c in weights], weights)
+
+
 def rule_logprob(
-    ts: TokenScores,
-    lam: float | None = None,
+    ts: TokenDump,
+    rule: Mixture | Mapping[str, float | Sequence[float]],
+    temperature: float | Sequence[float] = 1.0,
+    k: int | None = None,
+    cache_temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log P(target)`` per token, float64 ``[N]``, of the fixed-weight rule on ``ts`` (its weights by component,
+    :func:`rule_for`, or the rule's :class:`Mixture` as a result recorded it), mixed by :meth:`Mixture.mix` as
+    every consumer mixes: each kNN term at its ``temperature`` (one for all, or one per datastore) over its ``k``
+    best neighbours, the cache at ``cache_temperature``, the ∞-gram weights switched by each reference's sparse flag
+    (:func:`memlm.core.mixture.sparse_state_features`)::
+
+        P = (1 - Σ_j λ_j - Σ_r λ_r(c)) P_LM + Σ_j λ_j P_j + Σ_r λ_r(c) P∞_r,   λ_r(c) = λ_sparse,r or λ_dense,r
+
+    (Khandelwal et al. 2020, Eq. 3 and Table 1; Liu et al. 2024, Sec. 5; weights calibrated apart that sum past 1
+    scaled as :func:`~memlm.core.mixture.rule_mixture` says)."""
+    mixture = rule if isinstance(rule, Mixture) else rule_for(ts, rule)
+    logprobs = component_logprobs(ts, temperature, k, cache_temperature, mixture.components)
+    flags = {c: f for c, f in ngram_sparse(ts).items() if c in _switched(mixture)}
+    return mixture.mix(logprobs, sparse_state_features(flags) if flags else {})
+
+
+def _switched(mixture: Mixture) -> list[str]:
+    """The components whose sparse flags a rule mixture's state features switch on (none: a constant mixture)."""
+    if not mixture.feature_names:
+        return []
+    return [flag.split("=")[0] for flag in mixture.feature_names[0].removeprefix("sparse_state:").split(",")]
+
+
+def mix_by_rule(
+    logprobs: Mapping[str, Any], weights: Mapping[str, float | Sequence[float]], sparse: Mapping[str, Any]
+) -> torch.Tensor:
+    """``log P`` of the fixed-weight rule over the components ``logprobs`` (by name, the LM first: ``[N]`` or
+    ``[N, V]``), each memory at its ``weights`` (a constant, or ``(λ_sparse, λ_dense)`` switched by its flag in
+    ``sparse``, by name): :func:`memlm.core.mixture.rule_mixture` and :meth:`Mixture.mix`."""
+    mixture = rule_mixture(list(logprobs), weights)
+    flags = {c: f for c, f in sparse.items() if c in weights and not isinstance(weights[c], int | float)}
+    return mixture.mix(logprobs, sparse_state_features(flags) if flags else {})
+
+
+def rule_rows(
+    ts: TokenDump,
+    rows: Mapping[str, Mapping[str, float | Sequence[float]]],
+    temperature: float | Sequence[float] = 1.0,
+    k: int | None = None,
+    cache_temperature: float = 1.0,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Several fixed-weight rows of a report at once, by key (``{"knn_ppl": {"knn": λ}, ...}``): each row's
+    :func:`rule_logprob` and its rule (``Mixture.to_dict()``, what a result records under ``mixtures``)."""
+    logprobs = {key: rule_logprob(ts, w, temperature, k, cache_temperature) for key, w in rows.items()}
+    return logprobs, {key: rule_for(ts, w).to_dict() for key, w in rows.items()}
+
+
+def tune_beside(
+    ts: TokenDump,
+    weights: Mapping[str, float | Sequence[float]],
+    component: str,
+    grid: tuple[Sequence[float], Sequence[float]],
+    temperature: float | Sequence[float] = 1.0,
+    k: int | None = None,
+    cache_temperature: float = 1.0,
+) -> dict[str, Any]:
+    """One memory's constant weight and temperature (a further datastore's λ_j, τ_j, or the cache's λc, τc) tuned
+    beside the rule's other ``weights``, fixed, for the lowest perplexity of :func:`rule_logprob` on ``ts``: a grid
+    search (:func:`memlm.core.tuning.grid_search`) over ``grid = (lambdas, temperatures)``, points whose constant
+    weights leave the LM nothing skipped (∞-gram weights are scaled by the rule as eval scales them). Returns
+    ``{"best", "grid"}`` with points ``{"lambda", "temperature", "ppl"}``."""
+    from memlm.core.distribution import perplexity
+    from memlm.core.tuning import grid_search
+
+    datastores = [c for c in dump_components(ts) if c.startswith("knn")]
+    if component != "cache" and component not in datastores:
+        raise MemlmError(f"{component} is not a datastore or the cache of this dump ({', '.join(datastores)})")
+    taus = [float(temperature)] * len(datastores) if isinstance(temperature, int | float) else list(temperature)
+    others = sum(float(w) for c, w in weights.items() if c != component and isinstance(w, int | float))
+
+    def ppl(lam: float, tau: float) -> float:
+        if component == "cache":
+            return perplexity(rule_logprob(ts, {**weights, component: lam}, taus, k, tau))
+        at = [tau if c == component else t for c, t in zip(datastores, taus, strict=True)]
+        return perplexity(rule_logprob(ts, {**weights, component: lam}, at, k, cache_temperature))
+
+    return grid_search(lambda **p: ppl(p["lambda"], p["temperature"]),
+                       {"lambda": list(grid[0]), "temperature": list(grid[1])},
+                       keep=lambda p: others + p["lambda"] < 1.0)  # fmt: skip
+
+
+def tune_datastores_beside(
+    ts: TokenDump,
+    weights: Mapping[str, float | Sequence[float]],
+    grid: tuple[Sequence[float], Sequence[float]],
     temperature: float = 1.0,
     k: int | None = None,
-    ngram_weights: Sequence[Sequence[float]] | None = None,
-    cache: tuple[float, float] = (0.0, 1.0),
-) -> torch.Tensor:
-    """``log P(target)`` per token of the fixed-weight rule: the kNN term at weight ``lam`` (τ, k), each ∞-gram
-    reference with its ``(λ_sparse, λ_dense)`` (:func:`memlm.ngram.mixture.ngram_logprobs`, several:
-    :func:`~memlm.ngram.mixture.ngrams_logprob`), the cache at ``cache = (λc, τc)``; without the ∞-gram the
-    constant mixture ``(1 - λ - λc) p_LM + λ p_kNN + λc p_cache`` (:meth:`Mixture.constant`)."""
-    from memlm.ngram.mixture import ngram_logprobs, ngrams_logprob
+    cache_temperature: float = 1.0,
+) -> list[dict[str, Any]]:
+    """Each datastore after the first of a dump of several (components knn2, ...): its λ_j, τ_j over ``grid`` beside
+    the rule found so far, fixed (``weights``, the first datastore's at ``temperature``, and the datastores tuned
+    before it; :func:`tune_beside`): one pass of coordinate search, never worse on ``ts`` than without the datastore
+    when 0 is among the λ's. Returns ``[{"component", "lambda", "temperature", "ppl"}, ...]``."""
+    weights = dict(weights)
+    taus = [float(temperature)] + [1.0] * (0 if ts.knn_extra_scores is None else ts.knn_extra_scores.shape[1])
+    found = []
+    for r in range(1, len(taus)):
+        name = component_name("knn", r)
+        b = tune_beside(ts, weights, name, grid, taus, k, cache_temperature)["best"]
+        weights[name], taus[r] = b["lambda"], b["temperature"]
+        found.append({"component": name, "lambda": b["lambda"], "temperature": b["temperature"], "ppl": b["ppl"]})
+    return found
 
-    has_knn = lam is not None and ts.knn_scores is not None
-    if ngram_weights:
-        if cache[0]:
-            raise MemlmError("the fixed-weight rule does not mix the cache with the ∞-gram (memlm tune tunes them "
-                             "apart); compare the cache with the learned mixture alone")  # fmt: skip
-        if ts.ngram_extra_logprob is not None:
-            return ngrams_logprob(ts, ngram_weights, lam if has_knn else 0.0, temperature, k)
-        rows = ngram_logprobs(ts, tuple(ngram_weights[0]), lam if has_knn else None, temperature, k)
-        return rows["knn_ngram_ppl" if has_knn else "ngram_ppl"]
-    lam = lam if has_knn else 0.0
-    inp = mixture_inputs(ts, temperature, k, cache[1])
-    want = {"lm": 1.0 - lam - cache[0], "knn": lam, "cache": cache[0]}
-    weights = [want.get(c, 0.0) for c in inp.components]
-    return Mixture.constant(inp.components, weights).logprob(inp.logprobs, None)
+
+def rule_weights(mixture: Mixture) -> dict[str, Any]:
+    """Each memory's weight in a rule mixture (:func:`rule_for`), as the mixture gives it (after any scaling): a
+    number, or ``[λ_sparse, λ_dense]`` for a memory switched by a sparse flag (read where every ∞-gram is sparse,
+    and where none is). Rounded to 12 digits (the rule is exact to ~1e-12)."""
+    if not mixture.feature_names:
+        lam = np.exp(mixture.log_weights(np.zeros((1, 0)))[0].numpy())
+        return {c: round(float(w), 12) for c, w in zip(mixture.components[1:], lam[1:], strict=True)}
+    dense = np.exp(mixture.log_weights(np.eye(len(mixture.feature_names))[:1]).numpy()[0])
+    sparse = np.exp(mixture.log_weights(np.eye(len(mixture.feature_names))[-1:]).numpy()[0])
+    pairs = _switched(mixture)
+    out: dict[str, Any] = {}
+    for i, c in enumerate(mixture.components[1:], 1):
+        out[c] = [round(float(sparse[i]), 12), round(float(dense[i]), 12)] if c in pairs else round(float(dense[i]), 12)
+    return out

@@ -26,11 +26,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memlm.core.bootstrap import DocumentBootstrap, evidence
+from memlm.core.bootstrap import DIFFERENCES, DocumentBootstrap, evidence
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import (
     interpolate_per_token,
-    knn_target_logprob,
     mix_logprobs,
     mix_logprobs_per_token,
     perplexity,
@@ -43,6 +42,8 @@ from memlm.data.windows import batched, count_targets, resolve_stride, sliding_w
 from memlm.errors import MemlmError
 from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
 from memlm.knnlm.cache import continuous_cache
+from memlm.knnlm.dump_mixture import rule_rows
+from memlm.knnlm.mixture_inputs import component_name, memory_logprob
 from memlm.knnlm.pointer import pointer_retrieve
 from memlm.models.forward import forward_windows
 from memlm.models.keys import KeySpec, num_layers
@@ -110,8 +111,10 @@ class TokenScores(TokenDump):
                                           "knn_lambda": 1, "searched": 1, "ngram_logprob": 1, "ngram_count": 1,
                                           "ngram_n": 1, "ngram_sparse": 1, "ngram_extra_logprob": 2,
                                           "ngram_extra_count": 2, "ngram_extra_n": 2,
-                                          "ngram_extra_sparse": 2}  # fmt: skip
-    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"))
+                                          "ngram_extra_sparse": 2, "knn_extra_scores": 3, "knn_extra_values": 3,
+                                          "knn_extra_log_counts": 3}  # fmt: skip
+    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("knn_scores", "knn_values"), ("cache_scores", "cache_values"),
+                                                    ("knn_extra_scores", "knn_extra_values"))  # fmt: skip
     HINT: ClassVar[str] = "rerun memlm eval --dump {path}"
 
     targets: np.ndarray  # [N] int64
@@ -138,6 +141,11 @@ class TokenScores(TokenDump):
     ngram_extra_count: np.ndarray | None = None  # [N, R-1] int64
     ngram_extra_n: np.ndarray | None = None  # [N, R-1] int32
     ngram_extra_sparse: np.ndarray | None = None  # [N, R-1] bool
+    # further datastores (memlm eval --datastore A --datastore B ...): their k best (score, value) and merged counts,
+    # one slice per datastore after the first (mixture components knn2, knn3, ...)
+    knn_extra_scores: np.ndarray | None = None  # [N, D-1, k] float32
+    knn_extra_values: np.ndarray | None = None  # [N, D-1, k] int32
+    knn_extra_log_counts: np.ndarray | None = None  # [N, D-1, k] float32 (0 for a datastore without merged counts)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def lm_only(self) -> TokenScores:
@@ -382,31 +390,71 @@ def _scoring_memory(datastore: Any, config: RetrievalConfig, progress: bool) -> 
 
 
 def _forward_and_search(
-    model, tokenizer, documents, memory, config: RetrievalConfig, specs, batch_size: int, progress: bool, meta
+    model, tokenizer, documents, dense: list, config: RetrievalConfig, specs, batch_size: int, progress: bool, meta
 ) -> tuple[TokenScores, dict[KeySpec, np.ndarray]]:
-    """:func:`lm_scores` and, with a memory, :func:`attach_neighbours` (pipelined: each forward batch's queries are
-    searched in a background thread while the model computes the next)."""
-    pending: list[Future] = []
-    pipelined = config.pipeline and memory is not None
+    """:func:`lm_scores` and, for each dense memory, :func:`attach_neighbours` (pipelined: each forward batch's
+    queries are searched in a background thread while the model computes the next). The first memory's neighbours
+    go into ``knn_*``, the others' into ``knn_extra_*`` (:func:`_stack_extra`)."""
+    pending: list[list[Future]] = [[] for _ in dense]
+    pipelined = config.pipeline and bool(dense)
     window = config.window
     min_context = config.min_context if config.min_context is not None else DEFAULT_MIN_CONTEXT
     with ThreadPoolExecutor(max_workers=1) if pipelined else contextlib.nullcontext() as pool:
         on_batch = None
         if pipelined:
-            spec = memory.key_spec
-            on_batch = lambda q: pending.append(pool.submit(memory.search_ids, q[spec], config.k))  # noqa: E731
+
+            def on_batch(q: dict[KeySpec, np.ndarray]) -> None:
+                for futures, memory in zip(pending, dense, strict=True):
+                    futures.append(pool.submit(memory.search_ids, q[memory.key_spec], config.k))
+
         ts, queries, provenance = lm_scores(model, tokenizer, documents, specs, window, min_context, batch_size,
                                             progress, meta, config.stride, config.block_start, on_batch)  # fmt: skip
         t1 = time.perf_counter()
-        if memory is not None:
+        prov = provenance if config.drop_self_matches else None
+        extra, lm_meta = [], set(ts.meta)
+        for r, (memory, futures) in enumerate(zip(dense, pending, strict=True)):
             found = None
-            if pending:
-                parts = [f.result() for f in pending]
+            if futures:
+                parts = [f.result() for f in futures]
                 found = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-            prov = provenance if config.drop_self_matches else None
-            attach_neighbours(ts, queries[memory.key_spec], memory, config, prov, found, progress)
+            into = ts if r == 0 else ts.lm_only()
+            attach_neighbours(into, queries[memory.key_spec], memory, config, prov, found, progress)
+            if r > 0:
+                extra.append(into)
+        if dense:
             ts.meta["seconds_search"] = time.perf_counter() - t1  # after the forward pass (pipelined: the rest)
+        if extra:
+            _stack_extra(ts, extra, lm_meta)
     return ts, queries
+
+
+def _stack_extra(ts: TokenScores, extra: list[TokenScores], lm_meta: set[str]) -> None:
+    """The neighbours of the datastores after the first (each attached to its own copy of ``ts``) as ``knn_extra_*``
+    ``[N, D-1, k]``, described in ``meta["datastores"]`` (the first's description included, in order; the meta
+    keys not in ``lm_meta``, what the forward pass wrote, are each datastore's)."""
+    ts.knn_extra_scores = np.stack([e.knn_scores for e in extra], axis=1)
+    ts.knn_extra_values = np.stack([e.knn_values for e in extra], axis=1)
+    if any(e.knn_log_counts is not None for e in extra):  # log 1 = 0 for a datastore without merged entries
+        ts.knn_extra_log_counts = np.stack([np.zeros_like(e.knn_scores) if e.knn_log_counts is None else
+                                            e.knn_log_counts for e in extra], axis=1).astype(np.float32)  # fmt: skip
+    ts.meta["datastores"] = [{k: v for k, v in d.meta.items() if k not in lm_meta} for d in [ts, *extra]]
+
+
+def _split_memories(memories: Sequence, datastore: Any, ngram: Any) -> tuple[list, Any]:
+    """``memories`` (with ``datastore`` and ``ngram`` folded in front) as the dense memories, in order, and the
+    ∞-gram memory (an NgramMemory, or NgramMemories for several), or None."""
+    from memlm.ngram.memory import NgramMemories, NgramMemory
+
+    dense, ngrams = [], []
+    for m in [*([datastore] if datastore is not None else []), *([ngram] if ngram is not None else []), *memories]:
+        if isinstance(m, NgramMemories):
+            ngrams.extend(m.memories)
+        elif isinstance(m, NgramMemory):
+            ngrams.append(m)
+        else:
+            dense.append(m)
+    ngram_memory = None if not ngrams else ngrams[0] if len(ngrams) == 1 else NgramMemories(ngrams)
+    return dense, ngram_memory
 
 
 def score_tokens(
@@ -420,6 +468,7 @@ def score_tokens(
     progress: bool = True,
     meta: dict[str, Any] | None = None,
     ngram: Any | None = None,
+    memories: Sequence[Any] = (),
     **options: Any,
 ) -> TokenScores:
     """One forward pass over ``documents`` and one retrieval per token; see the module docstring.
@@ -440,6 +489,12 @@ def score_tokens(
     ``ngram`` (a :class:`memlm.ngram.memory.NgramMemory`) adds the ∞-gram's per-target statistics
     (:func:`memlm.ngram.mixture.add_ngram`), alone or beside the datastore's neighbours.
 
+    ``memories``: every memory as one list, in order (``datastore`` and ``ngram``, when given, are folded in
+    front): datastores (plain, sharded, or any memory with a ``key_spec``) and ∞-gram memories (``NgramMemory``,
+    ``NgramMemories``). The first datastore's neighbours go into ``knn_*``, each further one's into ``knn_extra_*``
+    (mixture components knn2, knn3, ...: :mod:`memlm.knnlm.mixture_inputs`); the ∞-gram memories into ``ngram_*``
+    and ``ngram_extra_*``. ``adaptive`` and ``pointer_min`` decide per token for one datastore: one only with them.
+
     Efficiency options (:mod:`memlm.knnlm`; :data:`EFFICIENCY_STRATEGIES`, chosen by ``config.efficiency``):
 
     * ``adaptive``: a trained gate file (:class:`memlm.knnlm.adaptive.AdaptiveGate`, He et al. 2021) gives each
@@ -458,45 +513,30 @@ def score_tokens(
     min_context = None if config.stride is not None else min_context
     config = config.replace(window=config.window or DEFAULT_WINDOW, min_context=min_context)
     specs: list[KeySpec] = []
-    memory = None
-    if datastore is not None:
-        memory, config = _scoring_memory(datastore, config, progress)
+    sources, ngram = _split_memories(memories, datastore, ngram)
+    if len(sources) > 1 and (config.adaptive is not None or config.pointer_min or config.index is not None):
+        raise MemlmError("adaptive retrieval and pointer reuse decide per token for one datastore, and another "
+                         "index is one datastore's: give one datastore with them, or leave them out to search "
+                         "several")  # fmt: skip
+    dense, first_config = [], config
+    for r, source in enumerate(sources):
+        memory, used = _scoring_memory(source, config, progress)
+        first_config = used if r == 0 else first_config
         check = getattr(memory, "check_compatible", None)
         if check is not None:
             check(model, tokenizer)
+        dense.append(memory)
         specs.append(memory.key_spec)
+    config = first_config
     if config.cache:
         specs.append(CACHE_KEY.normalized(num_layers(model)))
-    ts, queries = _forward_and_search(model, tokenizer, documents, memory, config, specs, batch_size, progress, meta)
+    ts, queries = _forward_and_search(model, tokenizer, documents, dense, config, specs, batch_size, progress, meta)
     ts.meta["retrieval"] = config.to_dict()
     if config.cache:
         add_cache(ts, queries[specs[-1]], config.cache_k, config.cache_max_len, config.cache_metric)
     if ngram is not None:
         ngram.attach(ts, documents, tokenizer)  # the memory adds its own per-target statistics
     return ts
-
-
-def memory_logprob(
-    scores: np.ndarray,
-    values: np.ndarray,
-    targets: np.ndarray,
-    temperature: float,
-    k: int | None = None,
-    log_counts: np.ndarray | None = None,
-) -> torch.Tensor:
-    """``log p_mem(target)`` from dumped neighbours, keeping the ``k`` best (Eq. 2; merged counts when pruned)."""
-    k = scores.shape[1] if k is None else k
-    if k > scores.shape[1]:
-        raise MemlmError(
-            f"k={k} is larger than the {scores.shape[1]} neighbours in the dump; rerun memlm eval with --k {k}"
-        )
-    return knn_target_logprob(
-        torch.from_numpy(scores[:, :k]),
-        torch.from_numpy(values[:, :k].astype(np.int64)),
-        torch.from_numpy(targets),
-        temperature,
-        None if log_counts is None else torch.from_numpy(log_counts[:, :k]),
-    )
 
 
 #: The key of the perplexity with the cache, by whether a kNN term is in the mixture (``LM + cache`` / ``LM + kNN +
@@ -521,6 +561,7 @@ def perplexities(
     cache_temperature: float = 1.0,
     target_counts: np.ndarray | None = None,
     counted_in: str = "the datastore's values",
+    datastores: Sequence[tuple[float, float]] = (),
 ) -> dict[str, Any]:
     """Base, memory-interpolated and oracle perplexity of a dump under the given parameters, with their evidence.
 
@@ -538,6 +579,9 @@ def perplexities(
     ``knn_cache_ppl`` (LM + kNN + cache) or ``lm_cache_ppl`` (LM + cache, no datastore); files written before
     issue 24 called either ``cache_ppl``.
 
+    Each fixed-weight row is the rule's :class:`~memlm.core.mixture.Mixture` (``mixtures``: row -> ``to_dict()``).
+    ``datastores``: each further datastore's ``(λ, τ)`` (``knn2_ppl``, ``multi_knn_ppl``: :func:`_several_datastores`).
+
     Evidence (:mod:`memlm.core.bootstrap`): ``intervals`` gives each perplexity's 95% bootstrap interval over the
     dump's documents, ``differences`` the paired interval of each relative change (``knn_ppl vs base_ppl``:
     ``knn_ppl / base_ppl - 1``; the cache rows against base and against the kNN-LM), ``bootstrap`` the documents and
@@ -547,49 +591,80 @@ def perplexities(
     lm = torch.from_numpy(ts.lm_logprob)
     out: dict[str, Any] = {"tokens": len(ts), "base_ppl": perplexity(lm)}
     rows: dict[str, torch.Tensor] = {"base_ppl": lm}  # each perplexity's per-token log p, for the intervals
-    if ts.knn_scores is None:
-        lam = 0.0  # no datastore in this dump: the kNN term is absent
-    comps, weights = [lm], [1.0 - lam - cache_lambda]
-    if ts.knn_scores is not None:
+    mixtures: dict[str, Any] = {}  # each fixed-weight row's rule (Mixture.to_dict), recorded in the result
+    has_knn, adaptive = ts.knn_scores is not None, ts.knn_lambda is not None
+
+    def rule_row(key: str, weights: dict[str, float]) -> torch.Tensor:
+        logprobs, mixture = rule_rows(ts, {key: weights}, temperature, k, cache_temperature)
+        mixtures.update(mixture)
+        return logprobs[key]
+
+    if has_knn:
         knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
-        comps.append(knn)
-        weights.append(lam)
-        mixed = mix_logprobs([lm, knn], [1.0 - lam, lam]) if ts.knn_lambda is None else None
-        if ts.knn_lambda is not None:
+        if adaptive:  # He et al.'s per-token λ: not a fixed weight
             mixed = interpolate_per_token(lm, knn, torch.from_numpy(ts.knn_lambda))
+        else:
+            mixed = rule_row("knn_ppl", {"knn": lam})
         out.update(
             knn_ppl=perplexity(mixed),
             knn_only_ppl=perplexity(knn),
             oracle_ppl=perplexity(torch.maximum(lm, knn)),
             target_in_neighbours=float(torch.isfinite(knn).float().mean()),
             knn_beats_lm=float((knn > lm).float().mean()),  # tokens where the oracle picks the memory
-            **{"lambda": lam if ts.knn_lambda is None else "adaptive", "temperature": temperature},
+            **{"lambda": lam if not adaptive else "adaptive", "temperature": temperature},
             k=k or ts.knn_scores.shape[1],
         )
         rows.update(knn_ppl=mixed, knn_only_ppl=knn, oracle_ppl=torch.maximum(lm, knn))
         if ts.searched is not None:
             out["searched_fraction"] = float(ts.searched.mean())
+    if datastores and has_knn and not adaptive:
+        _several_datastores(ts, (lam, temperature), k, datastores, (out, rows, mixtures))
     if cache_lambda:
-        if ts.cache_scores is None:
-            raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")
-        cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature)
-        comps.append(cache)
-        weights.append(cache_lambda)
-        if ts.knn_scores is not None and ts.knn_lambda is not None:  # the gate's λ_t, capped so λ_t + λc <= 1
-            lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache_lambda)
-            with_cache = mix_logprobs_per_token(comps, [1.0 - lam_t - cache_lambda, lam_t, cache_lambda])
-        else:
-            with_cache = mix_logprobs(comps, weights)
-        out.update(
-            **{CACHE_PPL_KEYS[ts.knn_scores is not None]: perplexity(with_cache)},
-            cache_lambda=cache_lambda,
-            cache_temperature=cache_temperature,
-        )
-        rows[CACHE_PPL_KEYS[ts.knn_scores is not None]] = with_cache
-    out.update(evidence(rows, ts.doc_index))
+        key = CACHE_PPL_KEYS[has_knn]
+        rows[key] = _with_cache(ts, (lm, knn if has_knn else None), lam, (cache_lambda, cache_temperature),
+                                lambda w: rule_row(key, w))  # fmt: skip
+        out.update(**{key: perplexity(rows[key])}, cache_lambda=cache_lambda, cache_temperature=cache_temperature)
+    if mixtures:
+        out["mixtures"] = mixtures
+    several = [(ref, key) for key in rows if key == "multi_knn_ppl" or (key[:3] == "knn" and key[3:4].isdigit())
+               for ref in ("base_ppl", "knn_ppl")]  # fmt: skip
+    out.update(evidence(rows, ts.doc_index, pairs=(*DIFFERENCES, *several)))
     if target_counts is not None and "knn_ppl" in rows:
         out["frequency_buckets"] = {"knn_ppl": bucket_table(ts, rows["knn_ppl"], target_counts, counted_in)}
     return out
+
+
+def _with_cache(ts: TokenScores, lm_knn: tuple, lam: float, cache: tuple[float, float], rule_row) -> torch.Tensor:
+    """:func:`perplexities`' row with the cache at ``cache = (λc, τc)``: the rule through ``rule_row(weights)``, or
+    for an adaptive dump the gate's per-token λ_t, capped so that λ_t + λc <= 1."""
+    if ts.cache_scores is None:
+        raise MemlmError("this dump has no cache entries; rerun memlm eval with --cache")
+    lm, knn = lm_knn
+    if knn is None or ts.knn_lambda is None:
+        return rule_row({**({"knn": lam} if knn is not None else {}), "cache": cache[0]})
+    p_cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache[1])
+    lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache[0])
+    return mix_logprobs_per_token([lm, knn, p_cache], [1.0 - lam_t - cache[0], lam_t, cache[0]])
+
+
+def _several_datastores(ts: TokenScores, first: tuple[float, float], k: int | None, datastores, into: tuple) -> None:
+    """:func:`perplexities`' rows of a dump of several datastores: each further one alone beside the LM
+    (``knn2_ppl``, ...) and all together (``multi_knn_ppl``), each at its ``(λ, τ)`` (the first's is ``first``),
+    by the rule, added to ``into = (out, rows, mixtures)``."""
+    out, rows, mixtures = into
+    extra = ts.knn_extra_scores.shape[1] if ts.knn_extra_scores is not None else 0
+    if len(datastores) != extra:
+        raise MemlmError(f"{len(datastores)} (λ, τ) given for the {extra} further datastores of this dump: give one "
+                         "per datastore after the first")  # fmt: skip
+    names = [component_name("knn", r) for r in range(extra + 1)]
+    taus = [first[1]] + [t for _, t in datastores]
+    weights = dict(zip(names, [first[0]] + [w for w, _ in datastores], strict=True))
+    found, rules = rule_rows(ts, {**{f"{c}_ppl": {c: weights[c]} for c in names[1:]}, "multi_knn_ppl": weights},
+                             taus, k)  # fmt: skip
+    rows.update(found)
+    mixtures.update(rules)
+    out.update({key: perplexity(v) for key, v in found.items()}, temperatures=taus,
+               lambdas=[weights[c] for c in names])  # fmt: skip
 
 
 def bucket_table(ts: TokenScores, memory: torch.Tensor, target_counts: np.ndarray, counted_in: str) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """A per-token dump as the learned mixture's inputs: each component's log-probability of the target and the features
 of each retrieval (:mod:`memlm.core.mixture`, issue 35).
 
-Components, in order, as far as the dump holds them: ``lm``; ``knn`` (the datastore's neighbours, Eq. 2 at
-temperature τ, the k best); ``ngram`` and ``ngram2``, ``ngram3``, ... (each ∞-gram reference, Liu et al. 2024);
-``cache`` (the continuous cache, Grave et al. 2017, at its own temperature). Features, each memory its own columns:
+Components, in order, as far as the dump holds them: ``lm``; ``knn`` and ``knn2``, ``knn3``, ... (each datastore's
+neighbours, Eq. 2 at temperature τ, the k best); ``ngram`` and ``ngram2``, ``ngram3``, ... (each ∞-gram reference,
+Liu et al. 2024); ``cache`` (the continuous cache, Grave et al. 2017, at its own temperature). Features, each memory
+its own columns:
 
 =========================  ===================================================================================
 ``lm_entropy``             H(p_LM(· | c)), nats
@@ -19,28 +20,34 @@ temperature τ, the k best); ``ngram`` and ``ngram2``, ``ngram3``, ... (each ∞
 ``cache_empty``            1 where the cache holds no entry (a document's first token)
 =========================  ===================================================================================
 
-(further ∞-gram references: ``ngram2_log_n``, ...). ``-inf`` scores of an empty retrieval become 0 with the
-``*_empty`` flag beside them, so every feature is finite.
+(further datastores: ``knn2_top_score``, ...; further ∞-gram references: ``ngram2_log_n``, ...). ``-inf`` scores of
+an empty retrieval become 0 with the ``*_empty`` flag beside them, so every feature is finite.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from memlm.core.distribution import memory_lse
+from memlm.core.distribution import knn_target_logprob, memory_lse
+from memlm.core.dumps import TokenDump
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import TokenScores, memory_logprob
 
 __all__ = [
     "MixtureInputs",
+    "component_logprobs",
     "component_name",
+    "dump_components",
+    "knn_columns",
     "lm_features",
+    "memory_logprob",
     "mixture_inputs",
     "ngram_component",
     "ngram_features",
+    "ngram_sparse",
     "retrieval_features",
 ]
 
@@ -113,7 +120,30 @@ def _retrieval_features(scores, values, temperature, k, log_counts) -> dict[str,
     }
 
 
-def _ngram_columns(ts: TokenScores) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+def memory_logprob(
+    scores: np.ndarray,
+    values: np.ndarray,
+    targets: np.ndarray,
+    temperature: float,
+    k: int | None = None,
+    log_counts: np.ndarray | None = None,
+) -> torch.Tensor:
+    """``log p_mem(target)`` from dumped neighbours, keeping the ``k`` best (Eq. 2; merged counts when pruned)."""
+    k = scores.shape[1] if k is None else k
+    if k > scores.shape[1]:
+        raise MemlmError(
+            f"k={k} is larger than the {scores.shape[1]} neighbours in the dump; rerun memlm eval with --k {k}"
+        )
+    return knn_target_logprob(
+        torch.from_numpy(scores[:, :k]),
+        torch.from_numpy(values[:, :k].astype(np.int64)),
+        torch.from_numpy(targets),
+        temperature,
+        None if log_counts is None else torch.from_numpy(log_counts[:, :k]),
+    )
+
+
+def _ngram_columns(ts: TokenDump) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """``(log P∞, effective n, suffix count, sparse)`` of each ∞-gram reference of the dump, in order."""
     if ts.ngram_logprob is None:
         return []
@@ -124,31 +154,95 @@ def _ngram_columns(ts: TokenScores) -> list[tuple[np.ndarray, np.ndarray, np.nda
     return refs
 
 
+def knn_columns(ts: TokenDump) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """``(scores, values, log_counts)`` ``[N, k]`` of each datastore of the dump, in order: the first from
+    ``knn_scores`` / ``knn_values`` / ``knn_log_counts``, the others from ``knn_extra_*[:, r]``."""
+    if ts.knn_scores is None:
+        return []
+    out = [(ts.knn_scores, ts.knn_values, ts.knn_log_counts)]
+    if ts.knn_extra_scores is not None:
+        for r in range(ts.knn_extra_scores.shape[1]):
+            counts = None if ts.knn_extra_log_counts is None else ts.knn_extra_log_counts[:, r]
+            out.append((ts.knn_extra_scores[:, r], ts.knn_extra_values[:, r], counts))
+    return out
+
+
+def _per_datastore(temperature: float | Sequence[float], n: int) -> list[float]:
+    """One τ per datastore: the same for all (a number), or one each."""
+    taus = [float(temperature)] * n if isinstance(temperature, int | float) else [float(t) for t in temperature]
+    if len(taus) != n:
+        raise MemlmError(f"{len(taus)} temperatures for {n} datastores: give one, or one per datastore")
+    return taus
+
+
+def dump_components(ts: TokenDump) -> tuple[str, ...]:
+    """The component names of every memory a dump holds, in :func:`mixture_inputs`' order."""
+    names = ["lm"] + [component_name("knn", r) for r in range(len(knn_columns(ts)))]
+    names += [ngram_component(r) for r in range(len(_ngram_columns(ts)))]
+    return tuple(names + (["cache"] if ts.cache_scores is not None else []))
+
+
+def component_logprobs(
+    ts: TokenDump,
+    temperature: float | Sequence[float] = 1.0,
+    k: int | None = None,
+    cache_temperature: float = 1.0,
+    names: Sequence[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """log P_i(target) per token, float64 ``[N]``, of each component of the dump by name (``-inf`` = 0): the LM,
+    each datastore's kNN term (Eq. 2) at its ``temperature`` (one for all, or one per datastore) over its ``k`` best
+    neighbours, each ∞-gram's P∞, the cache at ``cache_temperature``. ``names``: only these."""
+    want = dump_components(ts) if names is None else tuple(names)
+    out: dict[str, torch.Tensor] = {}
+    if "lm" in want:
+        out["lm"] = torch.from_numpy(ts.lm_logprob).double()
+    columns = knn_columns(ts)
+    for r, ((scores, values, counts), tau) in enumerate(zip(columns, _per_datastore(temperature, len(columns)),
+                                                            strict=True)):  # fmt: skip
+        if (name := component_name("knn", r)) in want:
+            out[name] = memory_logprob(scores, values, ts.targets, tau, k, counts).double()
+    for r, (logprob, _, _, _) in enumerate(_ngram_columns(ts)):
+        if (name := ngram_component(r)) in want:
+            out[name] = torch.from_numpy(np.asarray(logprob)).double()
+    if "cache" in want and ts.cache_scores is not None:
+        out["cache"] = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature).double()
+    missing = [c for c in want if c not in out]
+    if missing:
+        raise MemlmError(f"this dump has no {', '.join(missing)} (it holds {', '.join(dump_components(ts))}): rerun "
+                         "memlm eval --dump with those memories (--datastore, --ngram, --cache)")  # fmt: skip
+    return out
+
+
+def ngram_sparse(ts: TokenDump) -> dict[str, np.ndarray]:
+    """Each ∞-gram reference's sparse flag per token by component name (what :func:`rule_mixture`'s λ_sparse /
+    λ_dense switch on, through :func:`memlm.core.mixture.sparse_state_features`)."""
+    return {ngram_component(r): np.asarray(sparse) for r, (_, _, _, sparse) in enumerate(_ngram_columns(ts))}
+
+
 def mixture_inputs(
-    ts: TokenScores, temperature: float = 1.0, k: int | None = None, cache_temperature: float = 1.0
+    ts: TokenDump,
+    temperature: float | Sequence[float] = 1.0,
+    k: int | None = None,
+    cache_temperature: float = 1.0,
 ) -> MixtureInputs:
-    """The components and features (module docstring) of every memory a dump holds, the kNN term at ``temperature``
-    over its ``k`` best neighbours (τ is still searched outside the mixture), the cache at ``cache_temperature``."""
+    """The components and features (module docstring) of every memory a dump holds, each kNN term at its
+    ``temperature`` (one for all, or one per datastore) over its ``k`` best neighbours (τ is still searched outside
+    the mixture), the cache at ``cache_temperature``."""
     if ts.lm_entropy is None or ts.lm_max_logprob is None:
         raise MemlmError("this dump has no LM entropy / max log-prob (written by an older memlm): rerun memlm eval "
                          "--dump to get the LM's features")  # fmt: skip
-    comps: dict[str, np.ndarray] = {"lm": ts.lm_logprob.astype(np.float64)}
+    comps = component_logprobs(ts, temperature, k, cache_temperature)
     feats: dict[str, np.ndarray] = {"lm_entropy": ts.lm_entropy, "lm_max_logprob": ts.lm_max_logprob}
-    if ts.knn_scores is not None:
-        comps["knn"] = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k,
-                                      ts.knn_log_counts).double().numpy()  # fmt: skip
-        feats.update(retrieval_features("knn", ts.knn_scores, ts.knn_values, temperature, k, ts.knn_log_counts))
-    for r, (logprob, n, count, sparse) in enumerate(_ngram_columns(ts)):
-        name = ngram_component(r)
-        comps[name] = logprob.astype(np.float64)
-        feats.update(ngram_features(name, n, count, sparse))
+    columns = knn_columns(ts)
+    for r, ((scores, values, counts), tau) in enumerate(zip(columns, _per_datastore(temperature, len(columns)),
+                                                            strict=True)):  # fmt: skip
+        feats.update(retrieval_features(component_name("knn", r), scores, values, tau, k, counts))
+    for r, (_, n, count, sparse) in enumerate(_ngram_columns(ts)):
+        feats.update(ngram_features(ngram_component(r), n, count, sparse))
     if ts.cache_scores is not None:
-        comps["cache"] = (
-            memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature).double().numpy()
-        )
         feats.update(retrieval_features("cache", ts.cache_scores, ts.cache_values, cache_temperature, cache=True))
     return MixtureInputs(
-        logprobs=np.stack(list(comps.values()), axis=1),
+        logprobs=np.stack([c.numpy() for c in comps.values()], axis=1),
         features=np.stack([np.asarray(c, dtype=np.float64) for c in feats.values()], axis=1),
         components=tuple(comps),
         feature_names=tuple(feats),

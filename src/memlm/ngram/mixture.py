@@ -12,9 +12,10 @@ way the continuous cache is, Table 1)::
 
 and tunes λ, τ, λ_sparse and λ_dense jointly on a dump: for every (λ, τ) of the kNN grid, sparse and dense tokens are
 separate sums of the log-likelihood, so the best λ_sparse and λ_dense are found on each subset alone (exactly the
-optimum of the full four-dimensional grid, at the cost of two one-dimensional ones). With λ_∞ = 0 every token's
-probability is the LM's (or the kNN-LM's) exactly: a component with weight 0 is left out
-(:func:`memlm.core.distribution.mix_logprobs`).
+optimum of the full four-dimensional grid, at the cost of two one-dimensional ones). The weights found are applied,
+in every report, by the fixed-weight rule's :class:`~memlm.core.mixture.Mixture`
+(:func:`memlm.core.mixture.rule_mixture`: a gate on the sparse flag, which also scales weights calibrated apart that
+sum past 1), the one mixture eval, tune and generation use (:func:`memlm.knnlm.dump_mixture.rule_logprob`).
 """
 
 from __future__ import annotations
@@ -28,27 +29,21 @@ import numpy as np
 import torch
 
 from memlm.core.bootstrap import evidence
-from memlm.core.distribution import mix_logprobs, mix_logprobs_grid, perplexity
+from memlm.core.distribution import mix_logprobs_grid, perplexity
 from memlm.core.tuning import grid_search
 from memlm.errors import MemlmError
 
 __all__ = [
-    "three_way_weights",
-    "multi_weights",
-    "shared_weights",
     "per_index_lambdas",
-    "per_token_lambda",
     "ngram_refs",
-    "ngrams_logprob",
     "multi_ngram_report",
     "tune_ngrams",
-    "multi_ngram_mixture",
+    "refs_logprob",
     "tune_multi_ngram",
     "NGRAM_LAMBDAS",
     "DEFAULT_LAMBDA_SPARSE",
     "DEFAULT_LAMBDA_DENSE",
     "add_ngram",
-    "ngram_mixture",
     "ngram_parameters",
     "ngram_report",
     "ngram_logprobs",
@@ -66,44 +61,6 @@ def add_ngram(ts, documents: Sequence, tokenizer, memory) -> Any:
     return memory.attach(ts, documents, tokenizer)
 
 
-def ngram_mixture(
-    lm: torch.Tensor,
-    ngram: torch.Tensor,
-    sparse: torch.Tensor,
-    lambda_sparse: float,
-    lambda_dense: float,
-    knn: torch.Tensor | None = None,
-    lam: float = 0.0,
-) -> torch.Tensor:
-    """``log P(target)`` of the mixture in the module docstring, per token (log-probabilities in, ``-inf`` = 0)."""
-    sparse = torch.as_tensor(sparse, dtype=torch.bool)
-    out = torch.empty_like(lm)
-    for mask, weight in ((sparse, lambda_sparse), (~sparse, lambda_dense)):
-        if not bool(mask.any()):
-            continue
-        comps, weights = [lm[mask], ngram[mask]], [1.0 - lam - weight, weight]
-        if knn is not None:
-            comps.append(knn[mask])
-            weights.append(lam)
-        out[mask] = mix_logprobs(comps, weights).to(out.dtype)
-    return out
-
-
-def per_token_lambda(sparse, lambda_sparse: float, lambda_dense: float) -> torch.Tensor:
-    """λ_∞(c) per token, float64: ``lambda_sparse`` where ``sparse``, else ``lambda_dense`` (exact: never through
-    float32)."""
-    sparse = torch.as_tensor(sparse, dtype=torch.bool)
-    return torch.where(sparse, torch.tensor(float(lambda_sparse), dtype=torch.float64),
-                       torch.tensor(float(lambda_dense), dtype=torch.float64))  # fmt: skip
-
-
-def three_way_weights(lam: float, lambda_sparse: float, lambda_dense: float) -> tuple[float, float]:
-    """λ_sparse, λ_dense beside a kNN weight λ: as given, or, when weights set apart (the datastore's and the index's
-    calibrations) sum past 1, scaled by 1 - λ so that the ∞-gram shares what the kNN term leaves (LM weight >= 0)."""
-    scale = 1.0 if lam + max(lambda_sparse, lambda_dense) <= 1.0 else 1.0 - lam
-    return lambda_sparse * scale, lambda_dense * scale
-
-
 def per_index_lambdas(
     lambda_sparse, lambda_dense, n: int, names: tuple[str, str] = ("λ_sparse", "λ_dense")
 ) -> list[tuple[float | None, float | None]]:
@@ -116,27 +73,6 @@ def per_index_lambdas(
             raise MemlmError(f"{name} got {len(values)} values for {n} ∞-gram indexes: give one, or one per index")
         pairs.append([None if v is None else float(v) for v in values] * (n if len(values) == 1 else 1))
     return list(zip(*pairs, strict=True))
-
-
-def shared_weights(lam: float, weights: Sequence[Sequence[float]]) -> list[tuple[float, float]]:
-    """Each reference's ``(λ_sparse, λ_dense)``, set apart (given, or each index's calibration), beside fixed weights
-    that sum to ``lam`` (the kNN term, a cache), as ``memlm eval`` shares them: :func:`three_way_weights` for one
-    reference, :func:`multi_weights` for several."""
-    if len(weights) == 1:
-        return [three_way_weights(lam, float(weights[0][0]), float(weights[0][1]))]
-    return [(w[0], w[1]) for w in multi_weights(lam, weights)]
-
-
-def multi_weights(lam: float, weights: Sequence[Sequence[float]]) -> list[list[float]]:
-    """Every reference's ``(λ_sparse, λ_dense)`` beside a kNN weight λ: as given, or, when weights set apart (each
-    index's calibration) sum past 1 (λ + S > 1, ``S = Σ_r max(λ_sparse,r, λ_dense,r)``), all scaled by
-    ``(1 - λ) W / S`` with ``W = max_r max(λ_sparse,r, λ_dense,r)``: the references then share, in proportion to their
-    weights, what one reference of weight W would get beside the kNN term (:func:`three_way_weights`, which this is
-    for one reference), so the LM keeps a weight >= (1 - λ)(1 - W)."""
-    total = sum(max(w) for w in weights)
-    top = max((max(w) for w in weights), default=0.0)
-    scale = 1.0 if lam + total <= 1.0 else (1.0 - lam) * top / total
-    return [[float(w[0]) * scale, float(w[1]) * scale] for w in weights]
 
 
 def _arrays(ts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,7 +102,7 @@ def ngram_report(
     95% interval over the dump's documents and the paired interval of each relative change
     (:func:`memlm.core.bootstrap.evidence`)."""
     _, ng, sp = _arrays(ts)
-    rows = ngram_logprobs(ts, (lambda_sparse, lambda_dense), lam, temperature, k)
+    rows, mixtures = ngram_logprobs(ts, (lambda_sparse, lambda_dense), lam, temperature, k)
     lm, mixed = rows["base_ppl"], rows["ngram_ppl"]
     keep = torch.ones(len(lm), dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
     n = ts.ngram_n[keep.numpy()]
@@ -199,31 +135,33 @@ def ngram_report(
             knn_ppl=perplexity(rows["knn_ppl"][keep]),
             **{"lambda": lam, "temperature": temperature},
         )
+    out["mixtures"] = mixtures
     out.update(evidence(rows, ts.doc_index, mask=keep.numpy()))  # intervals over documents, paired differences
     return out
 
 
 def ngram_logprobs(
     ts, lambdas: tuple[float, float], lam: float | None = None, temperature: float = 1.0, k: int | None = None
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """log P(target) per token of each system :func:`ngram_report` scores, by its perplexity key: ``base_ppl`` (the
     LM), ``ngram_ppl`` (LM + ∞-gram), and, when the dump has neighbours and ``lam`` is given, ``knn_ppl`` (LM + kNN)
-    and ``knn_ngram_ppl`` (the three-way mixture); ``lambdas`` = (λ_sparse, λ_dense). The intervals of
-    :mod:`memlm.core.bootstrap` are computed on them."""
-    lambda_sparse, lambda_dense = lambdas
-    lm, ng, sp = _arrays(ts)
-    rows = {"base_ppl": lm, "ngram_ppl": ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense)}
+    and ``knn_ngram_ppl`` (the three-way mixture); ``lambdas`` = (λ_sparse, λ_dense). Each mixed row is the rule's
+    :class:`~memlm.core.mixture.Mixture` (:func:`memlm.knnlm.dump_mixture.rule_rows`), returned beside the rows
+    (``Mixture.to_dict()`` by key). The intervals of :mod:`memlm.core.bootstrap` are computed on the rows."""
+    from memlm.knnlm.dump_mixture import rule_rows
+
+    specs: dict[str, dict[str, Any]] = {"ngram_ppl": {"ngram": tuple(lambdas)}}
     if ts.knn_scores is not None and lam is not None:
-        knn = _knn(ts, temperature, k)
-        rows["knn_ppl"] = mix_logprobs([lm, knn], [1 - lam, lam])
-        rows["knn_ngram_ppl"] = ngram_mixture(lm, ng, sp, lambda_sparse, lambda_dense, knn=knn, lam=lam)
-    return rows
+        specs.update(knn_ppl={"knn": lam}, knn_ngram_ppl={"knn": lam, "ngram": tuple(lambdas)})
+    rows, mixtures = rule_rows(ts, specs, temperature, k)
+    return {"base_ppl": _arrays(ts)[0], **rows}, mixtures
 
 
 def _best_weight(lm, ng, knn, lam: float, lambdas: Sequence[float]) -> tuple[float, float]:
     """The ∞-gram weight ``w`` among ``lambdas`` (those with λ + w <= 1) whose mixture ``(1 - λ - w) p_LM + w P∞
     (+ λ p_kNN)`` has the lowest perplexity on these tokens, and that perplexity: what :func:`grid_search` picks over
-    :func:`mix_logprobs` (the first of equal ones; nan never wins), every candidate in one ``[W, n]`` pass."""
+    :func:`memlm.core.distribution.mix_logprobs` (the first of equal ones; nan never wins), every candidate in one
+    ``[W, n]`` pass."""
     cands = [w for w in lambdas if lam + w <= 1.0 + 1e-9]
     comps, rows = [lm, ng], [[1.0 - lam - w for w in cands], cands]
     if knn is not None:
@@ -310,44 +248,24 @@ def ngram_parameters(
     return float(lambda_sparse), float(lambda_dense), origin
 
 
-def multi_ngram_mixture(
+def refs_logprob(
     lm: torch.Tensor,
     refs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    weights: Sequence[tuple[float, float]],
+    weights: Sequence[Sequence[float]],
     knn: torch.Tensor | None = None,
     lam: float = 0.0,
-    others: Sequence[tuple[torch.Tensor, float]] = (),
 ) -> torch.Tensor:
-    """``log P(target)`` with several ∞-gram references (e.g. an in-domain corpus and all the text a user has), each
-    with its own pair of weights::
+    """``log P(target)`` of the fixed-weight rule (:func:`memlm.knnlm.dump_mixture.mix_by_rule`) over the LM, a kNN
+    term at weight ``lam`` and ∞-gram references ``refs`` (``(log P∞_r(target), sparse_r)``, components ngram,
+    ngram2, ...) with their ``(λ_sparse, λ_dense)`` in ``weights``: what :func:`tune_multi_ngram` scores."""
+    from memlm.knnlm.dump_mixture import mix_by_rule
+    from memlm.knnlm.mixture_inputs import ngram_component
 
-        P = (1 - λ - Σ_j λ_j - Σ_r λ_r(c)) P_LM + λ P_kNN + Σ_j λ_j P_j + Σ_r λ_r(c) P∞_r
-        λ_r(c) = λ_sparse,r if P∞_r(· | c) is sparse else λ_dense,r
-
-    ``refs`` are ``(log P∞_r(target), sparse_r)`` per reference; ``weights`` their ``(λ_sparse, λ_dense)``;
-    ``others`` further memories ``(log P_j, λ_j)`` at fixed weights after the kNN term (lm-eval's continuous cache).
-    Log-probabilities of one target ``[n]``, or over the vocabulary ``[n, V]`` with ``sparse_r`` ``[n, 1]``
-    (generation's step).
-    """
-    from memlm.core.distribution import mix_logprobs_per_token
-
-    if len(refs) != len(weights) or not refs:
-        raise MemlmError("multi_ngram_mixture needs one (λ_sparse, λ_dense) per reference")
-    if knn is None and lam:
-        raise MemlmError(f"multi_ngram_mixture got a kNN weight {lam} but no kNN term")
-    fixed = ([] if knn is None else [(knn, lam)]) + list(others)
-    lam_r = [per_token_lambda(sp, ls, ld) for (_, sp), (ls, ld) in zip(refs, weights, strict=True)]
-    w_lm = 1.0
-    for _, w in fixed:  # in order: (1 - λ) - λ_cache, as lm-eval's one-reference mixture has always computed it
-        w_lm = w_lm - w
-    comps, ws = [lm], [w_lm - torch.stack(lam_r).sum(0)]
-    for comp, w in fixed:
-        comps.append(comp)
-        ws.append(w)
-    for (ng, _), w in zip(refs, lam_r, strict=True):
-        comps.append(ng)
-        ws.append(w)
-    return mix_logprobs_per_token(comps, ws)
+    names = [ngram_component(r) for r in range(len(refs))]
+    comps = {"lm": lm, **({"knn": knn} if knn is not None else {})}
+    comps.update({c: ng for c, (ng, _) in zip(names, refs, strict=True)})
+    rule = {**({"knn": lam} if knn is not None else {}), **{c: tuple(w) for c, w in zip(names, weights, strict=True)}}
+    return mix_by_rule(comps, rule, {c: sp for c, (_, sp) in zip(names, refs, strict=True)})
 
 
 def tune_multi_ngram(
@@ -358,15 +276,17 @@ def tune_multi_ngram(
     lambdas: Sequence[float] = NGRAM_LAMBDAS,
     sweeps: int = 10,
 ) -> dict[str, Any]:
-    """Each reference's ``(λ_sparse, λ_dense)`` for the lowest perplexity of :func:`multi_ngram_mixture` (a kNN term,
-    when given, keeps its λ): coordinate descent over the grid ``lambdas``, one weight at a time, started from every
-    reference's own best weights with the others at 0 (so the result on the tuning text is never worse than the best
-    single reference), until a sweep changes nothing. Returns ``{"weights", "ppl", "starts"}``."""
+    """Each reference's ``(λ_sparse, λ_dense)`` for the lowest perplexity of the rule over the LM, the references
+    ``refs`` (``(log P∞_r(target), sparse_r)``) and a kNN term (``knn``, which keeps its λ) beside them
+    (:func:`memlm.knnlm.dump_mixture.mix_by_rule`; sums past 1 are skipped, not scaled): coordinate descent over
+    the grid ``lambdas``, one weight at a time, started from every reference's own best weights with the others at 0
+    (so the result on the tuning text is never worse than the best single reference), until a sweep changes
+    nothing. Returns ``{"weights", "ppl", "starts"}``."""
 
     def ppl(ws: list[tuple[float, float]]) -> float:
         if lam + sum(max(w) for w in ws) > 1.0 + 1e-9:
             return math.inf
-        return perplexity(multi_ngram_mixture(lm, refs, ws, knn, lam))
+        return perplexity(refs_logprob(lm, refs, ws, knn, lam))
 
     starts = []
     for r, (ng, sp) in enumerate(refs):
@@ -432,24 +352,6 @@ def reference_view(ts, r: int):
                                ngram_extra_n=None, ngram_extra_count=None)  # fmt: skip
 
 
-def ngrams_logprob(
-    ts,
-    weights: Sequence[Sequence[float]],
-    lam: float = 0.0,
-    temperature: float = 1.0,
-    k: int | None = None,
-) -> torch.Tensor:
-    """``log P(target)`` per token of :func:`multi_ngram_mixture` over every reference of a dump, each with its
-    ``(λ_sparse, λ_dense)`` in ``weights``, and the dump's kNN term at weight ``lam`` (> 0 needs neighbours)."""
-    refs = ngram_refs(ts)
-    knn = None
-    if lam > 0:
-        if ts.knn_scores is None:
-            raise MemlmError("a kNN weight > 0 needs a dump with datastore neighbours (memlm eval --datastore DS)")
-        knn = _knn(ts, temperature, k)
-    return multi_ngram_mixture(torch.from_numpy(ts.lm_logprob), refs, [tuple(w) for w in weights], knn, lam)
-
-
 def multi_ngram_report(
     ts,
     weights: Sequence[Sequence[float]],
@@ -458,9 +360,18 @@ def multi_ngram_report(
     k: int | None = None,
 ) -> dict[str, Any]:
     """Perplexities with every ∞-gram reference of a dump at ``weights`` (and, with ``lam``, the kNN term too), and
-    each reference's own statistics (sparse share, effective n); intervals as :func:`ngram_report`'s."""
+    each reference's own statistics (sparse share, effective n); intervals as :func:`ngram_report`'s, each mixed row
+    by the rule (:func:`memlm.knnlm.dump_mixture.rule_rows`, recorded under ``mixtures``)."""
+    from memlm.knnlm.dump_mixture import rule_rows
+    from memlm.knnlm.mixture_inputs import ngram_component
+
     lm = torch.from_numpy(ts.lm_logprob)
-    rows = {"base_ppl": lm, "ngram_ppl": ngrams_logprob(ts, weights)}
+    refs = {ngram_component(r): tuple(map(float, w)) for r, w in enumerate(weights)}
+    specs: dict[str, dict[str, Any]] = {"ngram_ppl": refs}
+    if lam is not None and ts.knn_scores is not None:
+        specs.update(knn_ngram_ppl={"knn": lam, **refs}, knn_ppl={"knn": lam})
+    mixed, mixtures = rule_rows(ts, specs, temperature, k)
+    rows = {"base_ppl": lm, **mixed}
     out: dict[str, Any] = {
         "tokens": len(lm),
         "base_ppl": perplexity(lm),
@@ -477,15 +388,13 @@ def multi_ngram_report(
                 "ngram_target_nonzero": float(np.isfinite(v.ngram_logprob).mean()),
             }
         )
-    if lam is not None and ts.knn_scores is not None:
-        knn = _knn(ts, temperature, k)
-        rows.update(knn_ngram_ppl=ngrams_logprob(ts, weights, lam, temperature, k),
-                    knn_ppl=mix_logprobs([lm, knn], [1 - lam, lam]))  # fmt: skip
+    if "knn_ppl" in rows:
         out.update(
             knn_ngram_ppl=perplexity(rows["knn_ngram_ppl"]),
             knn_ppl=perplexity(rows["knn_ppl"]),
             **{"lambda": lam, "temperature": temperature},
         )
+    out["mixtures"] = mixtures
     out.update(evidence(rows, ts.doc_index))
     return out
 
