@@ -171,10 +171,9 @@ def test_one_place_turns_retrieved_entries_into_distributions(pattern):
 # own logsumexp over the retrieved spans, which the line patterns above did not see).
 NORMALISERS_OUTSIDE_CORE = {
     ("models/forward.py", "forward_windows"): "the LM's log-softmax over its vocabulary (p_LM)",
-    ("knnlm/generate.py", "KNNLogitsProcessor.__call__"): "the LM's log-softmax over its vocabulary (p_LM)",
+    ("knnlm/generate.py", "MixtureLogitsProcessor.__call__"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("knnlm/wrap.py", "KNNLM.forward"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("lmeval/model.py", "MemlmLM._loglikelihood_tokens"): "the LM's log-softmax over its vocabulary (p_LM)",
-    ("ngram/generate.py", "_NgramStep.__call__"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("knnlm/adaptive.py", "gate_loss"): "He et al.'s gate loss: the two-term mixture of Eq. 3, differentiable in λ",
     ("npm/mlm.py", "_mask_log_probs"): "the MLM baseline's log-softmax over its vocabulary (no retrieval)",
     ("npm/mlm.py", "mlm_classify"): "the MLM baseline's label scores from its vocabulary log-probs (no retrieval)",

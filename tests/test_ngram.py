@@ -531,7 +531,7 @@ def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tin
     from memlm.cli import main
     from memlm.knnlm.generate import KNNLogitsProcessor
     from memlm.models.keys import KeyCapture
-    from memlm.ngram.generate import NgramLogitsProcessor
+    from memlm.ngram.generate import NgramStep
     from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
@@ -539,7 +539,7 @@ def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tin
     ds.build_index(factory="Flat", metric="l2", progress=False)
     lam, ls, ld, k, tau = 0.3, 0.5, 0.2, 8, 2.0
     seq = _ids(tok, "the old river ran over the")
-    ngram = NgramLogitsProcessor(NgramMemory(index), ls, ld)
+    ngram = NgramStep(NgramMemory(index), ls, ld)
     with torch.no_grad(), KNNLogitsProcessor(model, ds, k=k, lam=lam, temperature=tau, ngram=ngram) as proc:
         logits = model(input_ids=torch.tensor([seq])).logits[:, -1]
         got = torch.exp(proc(torch.tensor([seq]), logits)[0].double()).numpy()

@@ -231,11 +231,11 @@ def test_generation_step_reads_its_prefix_and_says_when_p_inf_was_approximate(to
     """The generation step: with a prefix (the context lm_eval cut off for the LM) its P∞ is that of prefix + row;
     its steps are counted, and those that left P∞ mass unassigned are reported (approximate(), approximation_note),
     an exact run reports nothing."""
-    from memlm.ngram.generate import NgramLogitsProcessor, approximation_note, next_token_distribution
+    from memlm.ngram.generate import NgramStep, approximation_note, next_token_distribution
 
     docs = [Doc(f"m{j}", "so a dog " + w) for j, w in enumerate(COLOURS)] + [Doc("x", "big red a dog " + COLOURS[3])]
     memory = NgramMemory(build_ngram_index(tok, docs, tmp_path / "ix", progress=False))
-    step = NgramLogitsProcessor(memory, 0.5, 0.2)
+    step = NgramStep(memory, 0.5, 0.2)
     row = torch.tensor([_ids(tok, " a dog")])
     p, _ = step.search(row, len(tok))
     assert step.approximate() is None and approximation_note(step) is None and step.steps == 1

@@ -223,8 +223,8 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
     """One generation step, three rows, two ∞-gram references each at its own (λ_sparse, λ_dense): alone beside the
     LM and with the kNN term, every row's distribution is the mixture computed by hand. Fails on the old code (no
     processor for several indexes)."""
-    from memlm.knnlm.generate import KNNLogitsProcessor
-    from memlm.ngram.generate import MultiNgramLogitsProcessor, ngram_logits_processor
+    from memlm.knnlm.generate import KNNLogitsProcessor, MixtureLogitsProcessor
+    from memlm.ngram.generate import NgramStep
     from memlm.ngram.memory import NgramMemory
 
     model, tok = tiny_lm
@@ -237,8 +237,7 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
     ]
     assert len({len(r) for r in rows}) == 1
     ws, lam, k, tau = [(0.5, 0.2), (0.3, 0.1)], 0.15, 8, 2.0
-    proc = ngram_logits_processor([NgramMemory(ix) for ix in two_indexes], ws)
-    assert isinstance(proc, MultiNgramLogitsProcessor) and proc.max_weight == pytest.approx(0.8)
+    proc = MixtureLogitsProcessor(None, [NgramStep(NgramMemory(ix), *w) for ix, w in zip(two_indexes, ws, strict=True)])
     ids = torch.tensor(rows)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, -1]
@@ -255,7 +254,7 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
         np.testing.assert_allclose(both[i], want3, rtol=1e-4, atol=1e-7)
         flags += sparse
     assert True in flags and False in flags  # both weights of the pairs are exercised
-    assert len(proc.parts[0].history) == len(proc.parts[1].history) == 2  # each reference searched at every step
+    assert len(proc.steps[0].history) == len(proc.steps[1].history) == 2  # each reference searched at every step
 
 
 def _greedy_by_hand(model, prompt, steps, brutes, weights, lam=0.0, ds=None, k=8, tau=1.0) -> list[int]:

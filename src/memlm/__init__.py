@@ -43,6 +43,7 @@ _API = {
     "tune": "memlm.knnlm.evaluate",
     "generate_text": "memlm.knnlm.generate",
     "KNNLogitsProcessor": "memlm.knnlm.generate",
+    "MixtureLogitsProcessor": "memlm.knnlm.generate",
     "wrap": "memlm.knnlm.wrap",
     "KNNLM": "memlm.knnlm.wrap",
     "build_ngram_index": "memlm.ngram.index",

@@ -297,24 +297,35 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    """``memlm generate``: the LM and every --datastore and --ngram mixed at each step by one mixture (the fitted
+    --mixture, else the fixed-weight rule of their λ's), streamed; neighbours and ∞-gram sources on request."""
     import torch
 
-    from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
+    from memlm.knnlm.generate import (
+        MixtureLogitsProcessor,
+        NeighbourStreamer,
+        SourceLookup,
+        generate_text,
+        memory_steps,
+    )
     from memlm.storage.sharded import open_datastore
 
-    if not args.datastore:
-        return ngram_cli.generate_with_ngram(args)
-    ds = open_datastore(args.datastore, ray=args.ray)
-    model, tok = common._load_model(args.model or ds.model_name or DEFAULT_MODEL, args.dtype)
-    ds.check_compatible(model, tok)
-    lam, temperature, _ = knn_parameters(ds, args.lam, args.temperature, setting={"k": args.k, "search": "index"})
-    ngram = ngram_cli.ngram_processor(args, tok, lam) if args.ngram else None  # LM + kNN + ∞-gram, as eval mixes
-    common.check_prompt_leakage(args, ds, ngram.memories if ngram is not None else None, tok)
+    fit = _generation_fit(args)
+    datastores = [open_datastore(path, ray=args.ray) for path in args.datastore or []]
+    model, tok = common._load_model(args.model or next((ds.model_name for ds in datastores), None) or DEFAULT_MODEL,
+                                    args.dtype)  # fmt: skip
+    for ds in datastores:
+        ds.check_compatible(model, tok)
+    ngrams, ngram_lambdas = ngram_cli.ngram_memories(args, tok)
+    for i, ds in enumerate(datastores or [None]):
+        common.check_prompt_leakage(args, ds, ngrams if i == 0 else None, tok)
     torch.manual_seed(args.seed)
-    config = GENERATION_RETRIEVAL.replace(k=args.k, lam=lam, temperature=temperature)
-    knn = KNNLogitsProcessor(model, ds, config, record=args.show_neighbours > 0, ngram=ngram)
-    lookup = SourceLookup(ds, tok) if args.show_neighbours > 0 else None
-    streamer = NeighbourStreamer(tok, knn, lookup, n_neighbours=args.show_neighbours)
+    config = GENERATION_RETRIEVAL.replace(k=args.k, lam=args.lam, temperature=args.temperature)
+    steps = memory_steps([*datastores, *ngrams], config, fit, record=args.show_neighbours > 0,
+                         ngram_lambdas=ngram_lambdas, announce=fit is None)  # fmt: skip
+    proc = MixtureLogitsProcessor(model, steps, fit)
+    lookup = SourceLookup(datastores[0], tok) if args.show_neighbours > 0 and datastores else None
+    streamer = NeighbourStreamer(tok, proc, lookup, n_neighbours=args.show_neighbours)
     print(args.prompt, end="" if lookup is None else "\n", flush=True)
     text = generate_text(
         model,
@@ -323,12 +334,41 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         do_sample=not args.greedy,
         streamer=streamer,
-        processor=knn,
+        processor=proc,
     )[0]
-    if ngram is not None:
+    if ngrams:
         prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
-        ngram_cli.print_sources(args, ngram.memories, tok, prompt, text)
-        ngram_cli.note_approximate(ngram)
+        ngram_cli.print_sources(args, ngrams, tok, prompt, text)
+        ngram_cli.note_approximate(proc)
+
+
+def _generation_fit(args: argparse.Namespace):
+    """``memlm generate --mixture FIT.json``: the fit, checked against the memories given (and against weights given
+    beside it) before anything is loaded; None without --mixture."""
+    from memlm.knnlm.mixture_step import check_components, step_components
+
+    if not args.datastore and not args.ngram:
+        raise MemlmError("memlm generate needs --datastore DS or --ngram DIR (each may be given more than once)")
+    if not args.mixture:
+        return None
+    fit = load_mixture(args.mixture)
+    flags = (
+        ("--lambda", args.lam),
+        ("--temperature", args.temperature),
+        ("--ngram-lambda-sparse", args.ngram_lambda_sparse),
+        ("--ngram-lambda-dense", args.ngram_lambda_dense),
+    )
+    given = [name for name, value in flags if value is not None]
+    if given:
+        raise MemlmError(f"--mixture {args.mixture} sets every memory's weight (and the kNN term's τ and k): leave "
+                         f"out {', '.join(given)}")  # fmt: skip
+    kinds = ["knn"] * len(args.datastore or []) + ["ngram"] * len(args.ngram or [])
+    check_components(fit.mixture, step_components(kinds))
+    f = fit.fit
+    print(f"mixture: {f.form} from {args.mixture}, fitted on {f.tokens:,} tokens of {f.documents:,} documents"
+          + (f"; kNN term τ={fit.temperature}, k={fit.k}" if fit.temperature is not None else ""),
+          file=sys.stderr)  # fmt: skip
+    return fit
 
 
 def cmd_gate_train(args: argparse.Namespace) -> None:
@@ -536,7 +576,8 @@ def add_parsers(sub) -> None:
 
     g = sub.add_parser("generate", help="sample from the kNN-LM, streaming tokens as they come")
     add_model(g)
-    g.add_argument("--datastore", type=V.existing_dir, default=None, help="datastore folder (or give --ngram)")
+    several = "datastore folder (or give --ngram); again for several datastores, each its own kNN term"
+    g.add_argument("--datastore", type=V.existing_dir, action="append", help=several)
     g.add_argument("--prompt", type=V.nonempty_text, required=True)
     g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
     g.add_argument("--k", type=V.neighbours, default=GENERATION_RETRIEVAL.k)
@@ -549,6 +590,14 @@ def add_parsers(sub) -> None:
         default=0,
         metavar="N",
         help="print under each generated token the N nearest datastore entries with their source text",
+    )
+    g.add_argument(
+        "--mixture",
+        type=V.existing_file,
+        default=None,
+        metavar="FIT.json",
+        help="mix with the learned mixture of memlm tune --mixture gate --json FIT.json instead of fixed weights "
+        "(the memories it was fitted on: each --datastore, each --ngram in order; its τ and k set the kNN terms)",
     )
     add_ray(g, "search a sharded datastore with one Ray actor per shard")
     common.add_allow_overlap(g)

@@ -493,28 +493,6 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def generate_with_ngram(args: argparse.Namespace) -> None:
-    """``memlm generate --ngram DIR [--ngram DIR2 ...]``: the LM interpolated with P∞ (NgramLogitsProcessor; several
-    indexes: MultiNgramLogitsProcessor), optionally with sources."""
-    import torch
-
-    from memlm.knnlm.generate import generate_text
-
-    if not args.ngram:
-        raise MemlmError("memlm generate needs --datastore DS or --ngram DIR")
-    model, tok = common._load_model(args.model or common.DEFAULT_MODEL, args.dtype)
-    proc = ngram_processor(args, tok)
-    common.check_prompt_leakage(args, None, proc.memories, tok)
-    torch.manual_seed(args.seed)
-    prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
-    text = generate_text(
-        model, tok, [prompt], max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, processor=proc
-    )[0]
-    print(args.prompt + text, flush=True)
-    print_sources(args, proc.memories, tok, prompt, text)
-    note_approximate(proc)
-
-
 def note_approximate(step) -> None:
     """A line on stderr when generation's P∞ was not exact over the vocabulary at some step."""
     from memlm.ngram.generate import approximation_note
@@ -523,18 +501,14 @@ def note_approximate(step) -> None:
         print(note, file=sys.stderr)
 
 
-def ngram_processor(args: argparse.Namespace, tok, lam: float = 0.0):
-    """The ∞-gram step of ``memlm generate``, one index or several (each index's λ_sparse / λ_dense: the flags, else
-    its calibration; beside a kNN weight ``lam``, shared as ``memlm eval`` shares them:
-    :func:`~memlm.ngram.mixture.shared_weights`)."""
-    from memlm.ngram.generate import ngram_logits_processor
-    from memlm.ngram.mixture import ngram_parameters, shared_weights
-
+def ngram_memories(args: argparse.Namespace, tok) -> tuple[list, tuple[list, list]]:
+    """The ``--ngram`` indexes of ``memlm generate`` (checked against the tokenizer), in order, and their
+    ``([λ_sparse], [λ_dense])`` as given (None: each index's calibration; mixed by the fixed-weight rule, which
+    shares weights set apart beside the kNN terms as ``memlm eval`` does: :func:`memlm.core.mixture.rule_mixture`)."""
     memory = open_ngram(args, tok)
-    memories = getattr(memory, "memories", [memory])  # NgramMemories for several --ngram
-    given = given_lambdas(args, len(memories))
-    weights = [ngram_parameters(m.index, *g)[:2] for m, g in zip(memories, given, strict=True)]
-    return ngram_logits_processor(memories, shared_weights(lam, weights))
+    memories = [] if memory is None else list(getattr(memory, "memories", [memory]))  # NgramMemories: several
+    given = given_lambdas(args, len(memories)) if memories else []
+    return memories, ([g[0] for g in given], [g[1] for g in given])
 
 
 def print_sources(args: argparse.Namespace, memories, tok, prompt: list[int], text: str) -> None:

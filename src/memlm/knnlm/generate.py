@@ -1,15 +1,21 @@
-"""Generation from a kNN-LM: a ``transformers`` LogitsProcessor that replaces the LM's next-token distribution by Eq. 3.
+"""Generation through the one mixture of the LM and its memories: a ``transformers`` LogitsProcessor that replaces
+the LM's next-token distribution by the mixture's (issue 35)::
 
-    p(w | c) = (1 - λ) p_LM(w | c) + λ p_kNN(w | c)
-    p_kNN(w | c) = sum_{(k_i, v_i) in top-k} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ)     (Khandelwal et al. 2020)
+    P(w | c) = sum_i λ_i(c) P_i(w | c),     λ(c) = softmax(W φ(c) + b)
+
+over the LM and every memory given as one list (:mod:`memlm.knnlm.mixture_step`): datastores, plain or sharded, with
+p_kNN(w | c) = sum_{(k_i, v_i) in top-k} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ) (Khandelwal et al. 2020, Eq. 2),
+and ∞-gram indexes with P∞ (Liu et al. 2024). The weights are a fitted :class:`memlm.core.mixture.Mixture` (``memlm
+tune --mixture gate``) or, without one, the fixed-weight rule of each memory's own weights: for one datastore
+``(1 - λ) p_LM + λ p_kNN`` (Eq. 3).
 
 Usage::
 
-    with KNNLogitsProcessor(model, datastore, k=64, lam=0.25) as knn:
-        out = model.generate(**inputs, logits_processor=[knn], do_sample=True)
+    with MixtureLogitsProcessor(model, [datastore, ngram_index], k=64) as proc:
+        out = model.generate(**inputs, logits_processor=[proc], do_sample=True)
 
-The processor hooks the model (the datastore's key role) while the ``with`` block is open, reads the query of the
-newest position of every row at each step, searches the datastore and returns interpolated log-probabilities as the
+The processor hooks the model (each datastore's key role) while the ``with`` block is open, reads the query of the
+newest position of every row at each step, searches each memory and returns the mixture's log-probabilities as the
 new scores. Every row is handled on its own, so it works with batched prompts (left padding: the newest position is
 the last column) and with beam search (rows are batch x beams; transformers reorders the KV cache, and the hooked
 forward pass always computes the keys of the rows it is asked to score).
@@ -25,6 +31,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -32,9 +39,10 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
-from memlm.core.distribution import interpolate, knn_distribution
 from memlm.core.memory import Memory
+from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
+from memlm.knnlm.mixture_step import DatastoreStep, StepInputs, StepMixture, load_fit
 from memlm.models.keys import KeyCapture
 from memlm.retrieval import as_memory
 from memlm.storage.datastore import Datastore, DatastoreBase
@@ -42,82 +50,195 @@ from memlm.storage.datastore import Datastore, DatastoreBase
 __all__ = [
     "Decoding",
     "KNNLogitsProcessor",
+    "MixtureLogitsProcessor",
     "generate_text",
+    "is_ngram_index",
+    "memory_steps",
     "NeighbourStreamer",
     "SourceLookup",
     "Neighbour",
 ]
 
 
-class KNNLogitsProcessor(LogitsProcessor):
-    """Interpolate each generation step's distribution with the kNN distribution from ``datastore`` (Eq. 2-3): a
-    datastore (plain or sharded, searched with its own index) or any memory with a ``key_spec``
-    (:func:`memlm.retrieval.as_memory`; λ, τ then given or the defaults).
+def is_ngram_index(item: Any) -> bool:
+    """An ∞-gram index: an open NgramMemory / NgramIndex (by name: no infini-gram import) or such a folder."""
+    if type(item).__name__ in ("NgramMemory", "NgramIndex", "NgramStep"):
+        return True
+    if isinstance(item, str | Path):
+        from memlm.storage.folder import artifact_kind
 
-    ``config`` (:class:`memlm.core.config.RetrievalConfig`; default :data:`GENERATION_RETRIEVAL`, k = 64) gives k, λ, τ
-    and nprobe (λ, τ None: the datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``).
-    ``record=True`` keeps, for every call, the ``(scores, ids)`` of the retrieved entries (``[rows, k]``) in
-    ``history`` (used to show where a generated token came from). ``index`` reuses an already loaded FAISS index.
-    ``ngram`` (a :class:`memlm.ngram.generate.NgramLogitsProcessor`) adds the ∞-gram as a third component, as
-    ``memlm eval`` mixes them: ``(1 - λ - λ_∞(c)) p_LM + λ p_kNN + λ_∞(c) P∞`` (λ_∞ = λ_sparse or λ_dense per step);
-    a :class:`memlm.ngram.generate.MultiNgramLogitsProcessor` adds several, each with its own λ_r(c).
+        return artifact_kind(item) == "∞-gram index"
+    return False
+
+
+def _per_memory(value: Any, n: int, what: str) -> list:
+    """One value per memory of a kind: the same for all (a number or None), or one each."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * n
+    if len(values) != n:
+        raise MemlmError(f"{len(values)} values of {what} for {n} memories: give one, or one per memory")
+    return values
+
+
+def memory_steps(
+    memories: Sequence,
+    config: RetrievalConfig,
+    fit: Any = None,
+    *,
+    index: Any = None,
+    record: bool = False,
+    ngram_lambdas: tuple[Any, Any] = (None, None),
+    announce: bool = False,
+) -> list:
+    """Each memory as its step, datastores first, then ∞-gram indexes (the components' order, :class:`StepMixture`).
+
+    ``memories``: datastores (open, or folders: plain or sharded), any memory with a ``key_spec``, ∞-gram indexes
+    (:class:`memlm.ngram.memory.NgramMemory`, :class:`memlm.ngram.index.NgramIndex` or folders), or steps already
+    made (:class:`DatastoreStep`, :class:`memlm.ngram.generate.NgramStep`: kept as they are). A datastore's k is
+    ``config.k``, its λ and τ ``config.lam`` / ``config.temperature`` (one for all, or a list, one per datastore;
+    None: each datastore's calibration, :func:`memlm.knnlm.calibration.knn_parameters`); an index's (λ_sparse,
+    λ_dense) ``ngram_lambdas`` (each one value or one per index; None: its calibration). ``fit`` (a
+    :class:`memlm.knnlm.dump_mixture.DumpMixture`): the kNN terms take the τ and k it was fitted with. ``index``: a
+    FAISS index already loaded, for the first datastore; ``record``: keep each datastore step's retrievals."""
+    from memlm.knnlm.calibration import knn_parameters
+
+    items = list(memories)
+    ngram_items = [m for m in items if is_ngram_index(m)]
+    dense_items = [m for m in items if not is_ngram_index(m)]
+    k = int(fit.k) if fit is not None and getattr(fit, "k", None) else config.k
+    lams = _per_memory(config.lam, len(dense_items), "λ")
+    taus = _per_memory(config.temperature if fit is None or fit.temperature is None else fit.temperature,
+                       len(dense_items), "τ")  # fmt: skip
+    steps: list = []
+    for i, (item, lam, tau) in enumerate(zip(dense_items, lams, taus, strict=True)):
+        if isinstance(item, DatastoreStep):
+            steps.append(item)
+            continue
+        if isinstance(item, str | Path):
+            from memlm.storage.sharded import open_datastore
+
+            item = open_datastore(item)
+        if not isinstance(item, DatastoreBase | Memory):
+            raise MemlmError(f"memories holds a {type(item).__name__}: give datastores (open or folders), memories "
+                             "(search + key_spec) or ∞-gram indexes (NgramMemory or folders)")  # fmt: skip
+        memory = as_memory(item, config.nprobe, index if i == 0 else None)
+        setting = {"k": k, "nprobe": config.nprobe, "search": "index"}
+        lam, tau, _ = knn_parameters(memory, lam, tau, announce=announce, setting=setting)
+        steps.append(DatastoreStep(memory, k, lam, tau, record))
+    steps += _ngram_steps(ngram_items, ngram_lambdas, announce)
+    return steps
+
+
+def _ngram_steps(items: Sequence, ngram_lambdas: tuple[Any, Any], announce: bool) -> list:
+    if not items:
+        return []
+    from memlm.ngram.memory import NgramMemory
+    from memlm.ngram.mixture import ngram_parameters, per_index_lambdas
+    from memlm.ngram.step import NgramStep
+
+    steps = []
+    given = per_index_lambdas(*ngram_lambdas, len(items))
+    for item, (ls, ld) in zip(items, given, strict=True):
+        if isinstance(item, NgramStep):
+            steps.append(item)
+            continue
+        memory = item if isinstance(item, NgramMemory) else NgramMemory(item)
+        steps.append(NgramStep(memory, *ngram_parameters(memory.index, ls, ld, announce=announce)[:2]))
+    return steps
+
+
+class MixtureLogitsProcessor(LogitsProcessor):
+    """Each generation step's distribution replaced by the mixture of the LM and ``memories`` (one list: datastores,
+    any memory with a ``key_spec``, ∞-gram indexes; :func:`memory_steps`), mixed by one
+    :class:`~memlm.core.mixture.Mixture` (:class:`~memlm.knnlm.mixture_step.StepMixture`).
+
+    ``mixture``: a fit (:class:`memlm.knnlm.dump_mixture.DumpMixture`, its record or JSON file: its τ and k set the
+    kNN terms; a :class:`Mixture`), refused with one MemlmError, before any step, when it was fitted on other
+    memories; None: the fixed-weight rule of each memory's weights. ``config``
+    (:class:`memlm.core.config.RetrievalConfig`; default :data:`GENERATION_RETRIEVAL`, k = 64) gives k, λ, τ and
+    nprobe (λ, τ None: each datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``),
+    and ``ngram_lambdas=(λ_sparse, λ_dense)`` the ∞-grams' weights (each one value or one per index; unset: each
+    index's calibration). ``record=True`` keeps, for every call, the first datastore's ``(scores, ids)`` of the
+    retrieved entries (``[rows, k]``) in ``history``. ``index`` reuses an already loaded FAISS index (the first
+    datastore's). ``model`` may be None when no memory reads the model's hidden states (∞-grams only).
     """
 
-    def __init__(
-        self,
-        model,
-        datastore: DatastoreBase | Memory,
-        config: RetrievalConfig | None = None,
-        *,
-        index=None,
-        record: bool = False,
-        ngram=None,
-        **options: Any,
-    ) -> None:
-        from memlm.knnlm.calibration import knn_parameters
+    def __init__(self, model, memories: Sequence, mixture: Any = None, config: RetrievalConfig | None = None, *,
+                 index=None, record: bool = False, **options: Any) -> None:  # fmt: skip
+        ngram_lambdas = options.pop("ngram_lambdas", None) or (None, None)
+        self.config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **options)
+        fit = load_fit(mixture)
+        dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
+        steps = memory_steps(memories, self.config, dump_fit, index=index, record=record, ngram_lambdas=ngram_lambdas)
+        self.model, self.fit = model, dump_fit
+        self.mixture = StepMixture(steps, fit if dump_fit is None else dump_fit.mixture)
+        self.steps = self.mixture.steps
+        dense = [s for s in self.steps if isinstance(s, DatastoreStep)]
+        self.specs = list(dict.fromkeys(s.key_spec for s in dense))
+        if self.specs and model is None:
+            raise MemlmError("a datastore reads the model's hidden states: give the model")
+        self._capture = KeyCapture(model, self.specs) if self.specs else None
+        first = dense[0] if dense else DatastoreStep(None, self.config.k, 0.0, 1.0)
+        self.memory, self.datastore = first.memory, first.datastore  # the first datastore (or memory), or None
+        self.k, self.lam, self.temperature = first.k, first.lam, first.temperature
+        self.history: list[tuple[np.ndarray, np.ndarray]] = first.history  # the first datastore's retrievals
 
-        config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **options)
-        self.model, self.config = model, config
-        self.memory = as_memory(datastore, config.nprobe, index)  # a datastore (its own index) or any memory
-        self.datastore = getattr(self.memory, "datastore", None)  # where calibrated λ, τ are recorded
-        lam, temperature, _ = knn_parameters(self.memory, config.lam, config.temperature, announce=False)
-        self.k, self.lam, self.temperature = config.k, lam, temperature  # λ, τ: given, else calibrated
-        self._capture = KeyCapture(model, [self.memory.key_spec])
-        self.record = record
-        self.history: list[tuple[np.ndarray, np.ndarray]] = []
-        self.ngram = ngram
-        if ngram is not None and lam + ngram.max_weight > 1 + 1e-9:  # weights scaled to fit can round past 1
-            raise MemlmError(
-                f"λ {lam} + λ_∞ {ngram.max_weight} exceed 1: the LM's weight "
-                "1 - λ - λ_∞ would be negative; give smaller weights"
-            )
+    @property
+    def ngram_steps(self) -> list:
+        return [s for s in self.steps if s.kind == "ngram"]
 
-    def __enter__(self) -> KNNLogitsProcessor:
-        self._capture.__enter__()
+    @property
+    def ngram_memories(self) -> list:
+        """The ∞-gram indexes mixed, in order (their sources, their leakage checks)."""
+        return [s.memory for s in self.ngram_steps]
+
+    def set_prefix(self, tokens: Sequence[int]) -> None:
+        """Every ∞-gram's context starts with ``tokens`` (:class:`memlm.ngram.generate.NgramStep`)."""
+        for step in self.ngram_steps:
+            step.set_prefix(tokens)
+
+    def approximate(self) -> dict | None:
+        """None when every ∞-gram step's P∞ was exact over the vocabulary; else the one index's note, or each
+        index's that is not None by position (``reference 1``, ...)."""
+        notes = {f"reference {i + 1}": a for i, s in enumerate(self.ngram_steps) if (a := s.approximate()) is not None}
+        if len(self.ngram_steps) == 1:
+            return notes.get("reference 1")
+        return notes or None
+
+    def __enter__(self) -> MixtureLogitsProcessor:
+        if self._capture is not None:
+            self._capture.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._capture.__exit__(*exc)
+        if self._capture is not None:
+            self._capture.__exit__(*exc)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        keys = self._capture.keys_by_spec[self.memory.key_spec]
-        if keys is None:
-            raise RuntimeError("KNNLogitsProcessor must be used inside its `with` block")
-        if keys.shape[0] != scores.shape[0]:
-            raise RuntimeError(f"hooked {keys.shape[0]} rows but got scores for {scores.shape[0]}")
-        query = keys[:, -1].float().cpu().numpy()  # [rows, D]: each row's newest position (left padding)
-        r = self.memory.search(query, self.k)
-        r_scores, r_values, counts = r.tensors()
-        if self.record:
-            self.history.append((r_scores.numpy().copy(), torch.as_tensor(r.ids).numpy().copy()))
+        queries = {}
+        for spec in self.specs:
+            keys = self._capture.keys_by_spec[spec]
+            if keys is None:
+                raise RuntimeError(f"{type(self).__name__} must be used inside its `with` block")
+            if keys.shape[0] != scores.shape[0]:
+                raise RuntimeError(f"hooked {keys.shape[0]} rows but got scores for {scores.shape[0]}")
+            queries[spec] = keys[:, -1].float().cpu().numpy()  # [rows, D]: each row's newest position (left padding)
         lm = torch.log_softmax(scores.float(), dim=-1)
-        knn = knn_distribution(
-            r_scores.to(lm.device), r_values.to(lm.device), lm.shape[-1], self.temperature,
-            None if counts is None else counts.to(lm.device),
-        )  # fmt: skip
-        if self.ngram is None:
-            return interpolate(lm, knn, self.lam).to(scores.dtype)
-        return self.ngram.mix(input_ids, lm, knn, self.lam).to(scores.dtype)
+        inputs = StepInputs(queries, lambda: [row.tolist() for row in input_ids.cpu()], lm.shape[-1], lm.device)
+        return self.mixture.mix(lm, inputs).to(scores.dtype)
+
+
+class KNNLogitsProcessor(MixtureLogitsProcessor):
+    """:class:`MixtureLogitsProcessor` of one ``datastore`` (a datastore, plain or sharded, searched with its own
+    index, or any memory with a ``key_spec``): ``(1 - λ) p_LM + λ p_kNN`` (Eq. 3) at each step. ``ngram``: ∞-gram
+    steps (a :class:`memlm.ngram.generate.NgramStep`, a list of them, or a :class:`MixtureLogitsProcessor` of them)
+    mixed in too, each with its own (λ_sparse, λ_dense), as ``memlm eval`` mixes them."""
+
+    def __init__(self, model, datastore: DatastoreBase | Memory, config: RetrievalConfig | None = None, *,
+                 index=None, record: bool = False, ngram=None, **options: Any) -> None:  # fmt: skip
+        if isinstance(ngram, MixtureLogitsProcessor):
+            ngram = ngram.steps
+        ngrams = [] if ngram is None else list(ngram) if isinstance(ngram, list | tuple) else [ngram]
+        super().__init__(model, [datastore, *ngrams], None, config, index=index, record=record, **options)
 
 
 class _Temperature(LogitsProcessor):
@@ -178,28 +299,40 @@ def generate_text(
     model,
     tokenizer,
     prompts: Sequence[str] | Sequence[Sequence[int]],
-    datastore: DatastoreBase | Memory | None = None,
+    memories: Any = None,
     config: RetrievalConfig | None = None,
     decoding: Decoding | None = None,
     *,
-    index=None,
+    mixture: Any = None,
     streamer=None,
-    processor: KNNLogitsProcessor | None = None,
+    processor: MixtureLogitsProcessor | None = None,
     **options: Any,
 ) -> list[str]:
-    """Continue each prompt (strings or token-id lists) from the kNN-LM (bare LM when ``datastore`` is None).
+    """Continue each prompt (strings or token-id lists) from the mixture of the LM and ``memories`` (the bare LM
+    when there are none).
 
-    ``datastore``: a datastore or any memory (:class:`KNNLogitsProcessor`); ``config`` its retrieval settings
-    (default :data:`GENERATION_RETRIEVAL`), ``decoding`` how to decode (:class:`Decoding`); ``options`` set fields of
-    either by name (``k=8, lam=0.5, max_new_tokens=5, num_beams=4``). Prompts are left-padded into one batch.
-    ``processor``: a :class:`KNNLogitsProcessor` already made (then ``datastore`` and ``config`` are not used).
-    Returns the generated text of each prompt (no prompt).
+    ``memories``: one list (or one memory) of datastores, memories with a ``key_spec`` and ∞-gram indexes
+    (:class:`MixtureLogitsProcessor`; ``datastore=`` is one more, first); ``mixture`` a fit (else the fixed-weight
+    rule of their weights); ``config`` the retrieval settings (default :data:`GENERATION_RETRIEVAL`), ``decoding``
+    how to decode (:class:`Decoding`); ``options`` set fields of either by name (``k=8, lam=0.5, max_new_tokens=5,
+    num_beams=4``), ``ngram_lambdas`` the ∞-grams' weights and ``index`` a loaded FAISS index of the first datastore.
+    Prompts are left-padded into one batch. ``processor``: a :class:`MixtureLogitsProcessor` already made (then
+    ``memories``, ``mixture`` and ``config`` are not used). Returns the generated text of each prompt (no prompt).
     """
+    items = [] if memories is None else list(memories) if isinstance(memories, list | tuple) else [memories]
+    if options.get("datastore") is not None:
+        items.insert(0, options["datastore"])
+    step_options = {k: options.pop(k) for k in ("datastore", "index", "ngram_lambdas") if k in options}
     decode_options, retrieval_options = _split_options(options)
     decoding = dataclasses.replace(decoding or Decoding(), **decode_options)
     config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **retrieval_options)
     if streamer is not None and len(prompts) * decoding.num_beams != 1:
         raise MemlmError("streaming shows one sequence: pass one prompt and num_beams=1 to stream")
+    if processor is None and items:
+        processor = MixtureLogitsProcessor(model, items, mixture, config, index=step_options.get("index"),
+                                           ngram_lambdas=step_options.get("ngram_lambdas"))  # fmt: skip
+        if processor.mixture.lm_alone:  # every memory at weight 0 (λ = 0): the LM's own distribution
+            processor = None
     token_prompts = [
         list(tokenizer(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts
     ]
@@ -207,16 +340,7 @@ def generate_text(
     ids, mask = left_pad(token_prompts, pad_id)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    processors: list[LogitsProcessor] = []
-    if processor is None and datastore is not None:
-        from memlm.knnlm.calibration import knn_parameters
-
-        lam, temperature, _ = knn_parameters(datastore, config.lam, config.temperature, announce=False)
-        if lam:
-            config = config.replace(lam=lam, temperature=temperature)
-            processor = KNNLogitsProcessor(model, datastore, config, index=index)
-    if processor is not None:
-        processors.append(processor)
+    processors: list[LogitsProcessor] = [] if processor is None else [processor]
     if decoding.do_sample and decoding.sampling_temperature not in (None, 1.0):
         processors.append(_Temperature(float(decoding.sampling_temperature)))
     kwargs: dict[str, Any] = {
@@ -225,7 +349,7 @@ def generate_text(
         "num_beams": decoding.num_beams,
         "pad_token_id": pad_id,
         "eos_token_id": tokenizer.eos_token_id,
-        # no warpers of the model's generation config: they would run before the kNN interpolation
+        # no warpers of the model's generation config: they would run before the mixture
         "temperature": 1.0,
         "top_k": None,
         "top_p": None,
@@ -319,7 +443,7 @@ class NeighbourStreamer(TextStreamer):
     def __init__(
         self,
         tokenizer,
-        processor: KNNLogitsProcessor | None = None,
+        processor: MixtureLogitsProcessor | None = None,
         lookup: SourceLookup | None = None,
         n_neighbours: int = 3,
         out: TextIO | None = None,

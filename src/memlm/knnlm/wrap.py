@@ -1,15 +1,18 @@
-"""Any Hugging Face causal LM as a kNN-LM in one line: ``model = memlm.wrap(model, datastore)``.
+"""Any Hugging Face causal LM with memories in one line: ``model = memlm.wrap(model, datastore)``.
 
-The wrapped model's ``forward`` returns, at every position, the log of the kNN-LM's next-token distribution
-(Khandelwal et al. 2020, Eq. 2-3) in place of the logits (log-probabilities are logits: their softmax is the
-distribution itself), and the loss on ``labels`` under it::
+The wrapped model's ``forward`` returns, at every position, the log of the mixture's next-token distribution in place
+of the logits (log-probabilities are logits: their softmax is the distribution itself), and the loss on ``labels``
+under it. The mixture is the one every consumer uses (:class:`memlm.knnlm.mixture_step.StepMixture`, issue 35): the
+LM and every memory given (datastores, ∞-gram indexes; ``memories=[...]``), weighted by a fitted
+:class:`memlm.core.mixture.Mixture` or by the fixed-weight rule; for one datastore the kNN-LM (Khandelwal et al.
+2020, Eq. 2-3)::
 
     p(w | c) = (1 - λ) p_LM(w | c) + λ p_kNN(w | c)
     p_kNN(w | c) ∝ Σ_{(k_i, v_i) ∈ top-k} 1[v_i = w] exp(s(h(c), k_i) / τ)
 
-``generate`` decodes from the same distribution (:class:`memlm.knnlm.generate.KNNLogitsProcessor`, plus an ∞-gram
-when given). λ and τ default to the datastore's calibration, as every ``memlm`` command's. Everything else (config,
-device, tokenizer-facing attributes) is the wrapped model's.
+``generate`` decodes from the same mixture (:class:`memlm.knnlm.generate.MixtureLogitsProcessor`). λ and τ default to
+the datastore's calibration, (λ_sparse, λ_dense) to each index's, as every ``memlm`` command's. Everything else
+(config, device, tokenizer-facing attributes) is the wrapped model's.
 """
 
 from __future__ import annotations
@@ -19,50 +22,58 @@ from typing import Any
 
 import torch
 
-from memlm.core.distribution import interpolate, knn_distribution
+from memlm.core.config import RetrievalConfig
+from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
-from memlm.knnlm.calibration import knn_parameters
+from memlm.knnlm.generate import is_ngram_index, memory_steps
+from memlm.knnlm.mixture_step import DatastoreStep, StepInputs, StepMixture, load_fit
 from memlm.models.keys import KeyCapture
-from memlm.retrieval import as_memory
 from memlm.storage.datastore import DatastoreBase
 from memlm.storage.sharded import open_datastore
 
 __all__ = ["KNNLM", "wrap"]
 
+POSITIONS_PER_CHUNK = 256
+"""Positions mixed at once by ``forward`` (each component is ``[positions, V]``)."""
+
+
+def _as_list(items: Any) -> list:
+    return [] if items is None else list(items) if isinstance(items, list | tuple) else [items]
+
 
 class KNNLM:
-    """A causal LM whose outputs are the kNN-LM's (module docstring). Build it with :func:`wrap`."""
+    """A causal LM whose outputs are the mixture's (module docstring). Build it with :func:`wrap`.
+
+    ``memories``: datastores, memories with a ``key_spec`` and ∞-gram indexes, one list
+    (:func:`memlm.knnlm.generate.memory_steps`; ``ngram``: more indexes); ``mixture``: a fit (its τ and k set
+    the kNN terms) or None (the fixed-weight rule: ``lam`` / ``temperature`` one value or one per datastore,
+    ``ngram_lambdas`` ``(λ_sparse, λ_dense)``, each one value or one per index; unset: calibrated)."""
 
     def __init__(
         self,
         model,
-        datastore,
+        memories: Any,
+        mixture: Any = None,
         k: int = 1024,
-        lam: float | None = None,
-        temperature: float | None = None,
+        lam: Any = None,
+        temperature: Any = None,
         nprobe: int = 32,
-        ngram=None,
+        ngram: Any = None,
         ngram_lambdas: tuple[Any, Any] = (None, None),
     ) -> None:
-        if isinstance(datastore, str | Path):
-            datastore = open_datastore(datastore)
-        self.model, self.k, self.nprobe = model, int(k), int(nprobe)
-        self.lam, self.temperature, self.parameters_from = knn_parameters(
-            datastore, lam, temperature, setting={"k": self.k, "nprobe": self.nprobe, "search": "index"}
-        )
-        self.memory = as_memory(datastore, self.nprobe)  # a datastore (plain or sharded) on its own index, or a memory
-        self.datastore = getattr(self.memory, "datastore", None)
-        self.ngram = None
-        if ngram is not None:  # one index (folder or NgramMemory) or a list, each with its own (λ_sparse, λ_dense)
-            from memlm.ngram.generate import ngram_logits_processor
-            from memlm.ngram.memory import NgramMemory
-            from memlm.ngram.mixture import ngram_parameters, per_index_lambdas, shared_weights
-
-            refs = list(ngram) if isinstance(ngram, list | tuple) else [ngram]
-            memories = [m if isinstance(m, NgramMemory) else NgramMemory(m) for m in refs]
-            given = per_index_lambdas(*ngram_lambdas, len(memories))
-            weights = [ngram_parameters(m.index, *g, announce=False)[:2] for m, g in zip(memories, given, strict=True)]
-            self.ngram = ngram_logits_processor(memories, shared_weights(self.lam, weights))
+        self.model = model
+        config = RetrievalConfig(k=int(k), lam=lam, temperature=temperature, nprobe=int(nprobe))
+        fit = load_fit(mixture)
+        dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
+        items = [*_as_list(memories), *_as_list(ngram)]
+        steps = memory_steps(items, config, dump_fit, ngram_lambdas=ngram_lambdas, announce=True)
+        self.mixture = StepMixture(steps, fit if dump_fit is None else dump_fit.mixture)
+        self.fit = dump_fit
+        dense = [s for s in steps if isinstance(s, DatastoreStep)]
+        self.specs = list(dict.fromkeys(s.key_spec for s in dense))
+        first = dense[0] if dense else DatastoreStep(None, config.k, 0.0, 1.0)
+        self.memory, self.datastore = first.memory, first.datastore  # the first datastore (or memory), or None
+        self.k, self.lam, self.temperature, self.nprobe = first.k, first.lam, first.temperature, config.nprobe
 
     def __getattr__(self, name: str) -> Any:  # config, device, dtype, ...: the wrapped model's
         if name == "model":
@@ -74,20 +85,31 @@ class KNNLM:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels=None, **kwargs):
-        """The model's output with ``logits`` = log p_kNN-LM at every position ``[B, T, V]`` (float32) and, with
-        ``labels`` (as Hugging Face's: shifted inside, -100 ignored), ``loss`` = their mean negative log-likelihood.
-        Every position of every row is searched (padding too: mask it out of what you read)."""
-        if self.ngram is not None:
-            raise MemlmError("wrap(..., ngram=) mixes the ∞-gram in generate only; forward is the kNN-LM's")
-        spec = self.memory.key_spec
-        with KeyCapture(self.model, [spec]) as cap:
+        """The model's output with ``logits`` = log P of the mixture at every position ``[B, T, V]`` (float32) and,
+        with ``labels`` (as Hugging Face's: shifted inside, -100 ignored), ``loss`` = their mean negative
+        log-likelihood. Every position of every row is searched (padding too: mask it out of what you read); an
+        ∞-gram reads each position's row up to it, its masked tokens left out."""
+        with KeyCapture(self.model, self.specs) as cap:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-            keys = cap.keys_by_spec[spec]
+            keys = {spec: cap.keys_by_spec[spec] for spec in self.specs}
         lm = torch.log_softmax(out.logits.float(), dim=-1)
         b, t, v = lm.shape
-        scores, values, counts = self.memory.search(keys.reshape(b * t, -1).float().cpu().numpy(), self.k).tensors()
-        knn = knn_distribution(scores, values, v, self.temperature, counts)
-        mixed = interpolate(lm.reshape(b * t, v), knn.to(lm.device), self.lam).reshape(b, t, v).float()
+        lm = lm.reshape(b * t, v)
+        queries = {spec: q.reshape(b * t, -1).float().cpu().numpy() for spec, q in keys.items()}
+        ids = input_ids.cpu()
+        kept = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.cpu().bool()
+        rows = [ids[i][kept[i]].tolist() for i in range(b)]
+        ends = torch.cumsum(kept.long(), dim=1).reshape(-1).tolist()  # tokens of its row up to each position
+
+        def contexts(lo: int, hi: int):
+            return lambda: [rows[p // t][: ends[p]] for p in range(lo, hi)]
+
+        mixed = torch.empty_like(lm)
+        for lo in range(0, b * t, POSITIONS_PER_CHUNK):
+            hi = min(lo + POSITIONS_PER_CHUNK, b * t)
+            inputs = StepInputs({s: q[lo:hi] for s, q in queries.items()}, contexts(lo, hi), v, lm.device)
+            mixed[lo:hi] = self.mixture.mix(lm[lo:hi], inputs).float()
+        mixed = mixed.reshape(b, t, v)
         out.logits = mixed
         if labels is not None:
             target = labels[:, 1:].to(mixed.device)
@@ -97,46 +119,56 @@ class KNNLM:
         return out
 
     def generate(self, *args, **kwargs):
-        """``model.generate`` from the kNN-LM's distribution (and the ∞-gram's, when given); the model's own
-        sampling warpers (temperature, top-k, top-p) are off unless passed, since they would act before the
-        interpolation."""
+        """``model.generate`` from the same mixture; the model's own sampling warpers (temperature, top-k, top-p) are
+        off unless passed, since they would act before the mixture."""
         from transformers import LogitsProcessorList
 
-        from memlm.knnlm.generate import KNNLogitsProcessor
+        from memlm.knnlm.generate import MixtureLogitsProcessor
 
         for name, off in (("temperature", 1.0), ("top_k", None), ("top_p", None), ("min_p", None)):
             kwargs.setdefault(name, off)
         extra = list(kwargs.pop("logits_processor", None) or [])
-        with KNNLogitsProcessor(self.model, self.memory, k=self.k, lam=self.lam, temperature=self.temperature,
-                                ngram=self.ngram) as proc:  # fmt: skip
+        proc = MixtureLogitsProcessor(self.model, self.mixture.steps, self.fit or self.mixture.mixture)
+        with proc:
             return self.model.generate(*args, logits_processor=LogitsProcessorList([proc, *extra]), **kwargs)
 
 
-def wrap(model, datastore, **options: Any) -> KNNLM:
-    """``model`` (any Hugging Face causal LM) as a kNN-LM over ``datastore`` (a folder or an opened datastore built
-    with this model): ``forward`` and ``generate`` give the interpolated distribution. ``options``: ``k`` (1024),
-    ``lam`` / ``temperature`` (default: the datastore's calibration), ``nprobe`` (32), ``ngram`` (an ∞-gram index
-    folder or :class:`~memlm.ngram.memory.NgramMemory` for generation, or a list of them, each index with its own
-    weights) and ``ngram_lambdas`` (``(λ_sparse, λ_dense)``, each one value for every index or one per index; unset,
-    each index's calibration). The datastore's model (and, given ``tokenizer=``, its tokenizer) is
-    checked against ``model``."""
-    if isinstance(datastore, str | Path):
-        datastore = open_datastore(datastore)
-    tokenizer = options.pop("tokenizer", None)
-    if not isinstance(datastore, DatastoreBase):  # any memory (memlm.retrieval.as_memory): its own check, if any
-        check = getattr(datastore, "check_compatible", None)
+def _check_model(model, memory, tokenizer) -> None:
+    """A datastore (or a memory that can check) built with another model is refused."""
+    if not isinstance(memory, DatastoreBase):  # any memory (memlm.retrieval.as_memory): its own check, if any
+        check = getattr(memory, "check_compatible", None)
         if check is not None and tokenizer is not None:
             check(model, tokenizer)
     elif tokenizer is not None:
-        datastore.check_compatible(model, tokenizer)
+        memory.check_compatible(model, tokenizer)
     else:
         from memlm.models.resources import model_fingerprint
 
-        want = datastore.manifest["model"]["fingerprint"]
+        want = memory.manifest["model"]["fingerprint"]
         if model_fingerprint(model) != want:
             raise MemlmError(
-                f"datastore {datastore.path} was built with model {datastore.model_name} ({want[:12]}), not this "
+                f"datastore {memory.path} was built with model {memory.model_name} ({want[:12]}), not this "
                 "one: keys from different models are not comparable; wrap the model it was built with or build a "
                 "datastore for this model"
             )
-    return KNNLM(model, datastore, **options)
+
+
+def wrap(model, datastore: Any = None, **options: Any) -> KNNLM:
+    """``model`` (any Hugging Face causal LM) with its memories: ``forward`` and ``generate`` give the mixture's
+    distribution. ``datastore``: a folder or an opened datastore built with this model (or any memory); ``options``:
+    ``memories`` (more memories, one list: datastores, ∞-gram indexes), ``mixture`` (a fit: a ``memlm tune --mixture
+    gate`` JSON file, its record or :class:`~memlm.knnlm.dump_mixture.DumpMixture`; None: the fixed-weight rule),
+    ``k`` (1024), ``lam`` / ``temperature`` (default: each datastore's calibration), ``nprobe`` (32), ``ngram`` (an
+    ∞-gram index folder or :class:`~memlm.ngram.memory.NgramMemory`, or a list of them) and ``ngram_lambdas``
+    (``(λ_sparse, λ_dense)``, each one value for every index or one per index; unset, each index's calibration).
+    Each datastore's model (and, given ``tokenizer=``, its tokenizer) is checked against ``model``."""
+    tokenizer = options.pop("tokenizer", None)
+    memories = [*_as_list(datastore), *_as_list(options.pop("memories", None))]
+    if not memories and options.get("ngram") is None:
+        raise MemlmError("wrap needs a memory: a datastore, memories=[...] or ngram=")
+    for i, item in enumerate(memories):
+        if isinstance(item, str | Path) and not is_ngram_index(item):
+            memories[i] = item = open_datastore(item)
+        if not is_ngram_index(item) and not isinstance(item, DatastoreStep):
+            _check_model(model, item, tokenizer)
+    return KNNLM(model, memories, **options)
