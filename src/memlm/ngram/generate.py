@@ -46,7 +46,7 @@ def ngram_logits_processor(memories: Sequence, weights: Sequence[Sequence[float]
 
 def approximation_note(step) -> str | None:
     """One line for a command's output when ``step`` (an ∞-gram generation step) mixed in a P∞ that was not exact
-    over the whole vocabulary at some step (:meth:`NgramLogitsProcessor.approximate`), else None."""
+    over the whole vocabulary at some step (:meth:`memlm.ngram.step.NgramStep.approximate`), else None."""
     a = None if step is None else step.approximate()
     if a is None:
         return None
