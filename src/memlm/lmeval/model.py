@@ -53,7 +53,6 @@ nothing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +74,7 @@ from memlm.knnlm.calibration import knn_parameters
 from memlm.knnlm.dump_mixture import DumpMixture
 from memlm.knnlm.evaluate import CACHE_KEY, memory_logprob
 from memlm.knnlm.mixture_inputs import component_name, lm_features, ngram_features, retrieval_features
+from memlm.knnlm.mixture_step import load_fit
 from memlm.models.forward import rolling_forward
 from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import as_memory, describe_memory
@@ -143,22 +143,6 @@ def _settings(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], 
             if options.get(name) is not None:
                 group[name] = convert(options[name])
     return groups[0], groups[1], groups[2]
-
-
-def _read_fit(mixture: Any) -> DumpMixture | Mixture | None:
-    """``mixture=``: a :class:`DumpMixture`, a :class:`Mixture`, their JSON record, or a JSON file holding one (the
-    output of ``memlm tune --mixture gate --json FIT``)."""
-    if mixture is None or isinstance(mixture, DumpMixture | Mixture):
-        return mixture
-    if isinstance(mixture, str | Path):  # lm_eval's --model_args mixture=FIT.json
-        try:
-            record = json.loads(Path(mixture).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise MemlmError(f"mixture={mixture}: not a readable JSON file ({error})") from error
-        return DumpMixture.from_dict(record, f"mixture={mixture}")
-    if isinstance(mixture, dict) and "components" in mixture:
-        return Mixture.from_dict(mixture)
-    return DumpMixture.from_dict(mixture, "mixture=")
 
 
 def _split_memories(datastore: Any, ngram: Any, memories: Any, max_n: int | None) -> tuple[list, list]:
@@ -240,7 +224,7 @@ class MemlmLM(TemplateLM):
         retrieval, harness, ngram_options = _settings(options)
         weights = {"lam": retrieval.pop("lam", None), "temperature": retrieval.pop("temperature", None)}
         config = RetrievalConfig.with_options(config or LMEVAL_RETRIEVAL, **retrieval)
-        self.fit = _read_fit(mixture)
+        self.fit = load_fit(mixture)
         given = [n for n in _WEIGHT_ARGUMENTS if (weights | retrieval | ngram_options).get(n) is not None]
         if self.fit is not None and given:
             raise MemlmError(f"mixture= gives the weights; {', '.join(given)} would be ignored: leave them out, or "
