@@ -176,6 +176,28 @@ def test_eval_without_flags_uses_the_calibration(built, tmp_path):
     assert (res["lambda"], res["temperature"]) == (0.6, 7.0) and res["parameters_from"] == "given"
 
 
+def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
+    """memlm eval --mixture stored scores the datastore's own fit: mixture_ppl is the stored DumpMixture's log P on
+    the eval's dump; with two memories, or a memory without a fit, one clear error."""
+    from memlm.core.distribution import perplexity
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.evaluate import TokenScores
+    from memlm.storage.datastore import Datastore
+
+    root, ds, _, _ = built
+    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+              "--min-context", "8"]  # fmt: skip
+    r = memlm(*common, "--mixture", "stored", "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "m.json"))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "m.json").read_text())
+    fit = stored_mixture(Datastore.open(ds))
+    want = perplexity(fit.logprob(TokenScores.load(tmp_path / "d.npz")))
+    assert res["mixture_ppl"] == pytest.approx(want, rel=1e-9)
+    assert res["mixture"]["from"] == "the memory's build-time calibration"
+    r = memlm(*common, "--cache", "--mixture", "stored")
+    assert r.returncode != 0 and "give exactly one --datastore or one --ngram" in r.stderr
+
+
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities

@@ -115,7 +115,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
     if ngram is not None:
         res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature, base=res))
-    mixed = mixture_result(load_mixture(args.mixture), ts, res, args.mixture) if args.mixture else {}
+    mixed = {}
+    if args.mixture == "stored":
+        mixed = mixture_result(stored_eval_mixture(args, stores, ngram), ts, res, "the memory's build-time calibration")
+    elif args.mixture:
+        mixed = mixture_result(load_mixture(args.mixture), ts, res, args.mixture)
     res.update({k: v for k, v in mixed.items() if k != "mixture"})
     _print_result(res)
     res["leakage"] = leakage
@@ -130,6 +134,21 @@ def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[st
         return []
     return [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
             for d, w in zip(ts.meta["datastores"], weights, strict=True)]  # fmt: skip
+
+
+def stored_eval_mixture(args: argparse.Namespace, stores: list, ngram):
+    """``memlm eval --mixture stored``: the guarded mixture fitted when the one memory given was built or calibrated
+    (memlm.knnlm.calibration.stored_mixture), or one MemlmError saying why there is none and what to do."""
+    from memlm.knnlm.calibration import stored_mixture
+
+    memories = [*stores, *([] if ngram is None else getattr(ngram, "memories", [ngram]))]  # one (checked before)
+    fit = stored_mixture(memories[0])
+    if fit is None:
+        where = getattr(memories[0], "path", None) or getattr(getattr(memories[0], "index", None), "path", "it")
+        raise MemlmError(f"{where} records no fitted mixture (built with --holdout 0 / --no-calibrate, or by an older "
+                         "memlm): calibrate it (memlm datastore calibrate, or rebuild the ∞-gram index with a "
+                         "holdout), or fit one with memlm tune --mixture gate")  # fmt: skip
+    return fit
 
 
 def load_mixture(path: str):
@@ -426,6 +445,12 @@ def _mixture_of_memories(args: argparse.Namespace) -> None:
     checked again on the scored tokens)."""
     from memlm.knnlm.dump_mixture import components_of
 
+    if args.mixture == "stored":
+        if len(args.datastore or []) + len(args.ngram or []) != 1 or args.cache:
+            raise MemlmError("--mixture stored applies one memory's build-time fit (LM + that memory): give exactly "
+                             "one --datastore or one --ngram, without --cache; for several memories fit them together "
+                             "with memlm tune --mixture gate and pass its --json file")  # fmt: skip
+        return
     dm = load_mixture(args.mixture)
     given = components_of(len(args.datastore or []), len(args.ngram or []), bool(args.cache))
     if dm.mixture.components != given:
@@ -544,11 +569,12 @@ def add_parsers(sub) -> None:
     )
     e.add_argument(
         "--mixture",
-        type=V.existing_file,
+        type=lambda value: value if value == "stored" else V.existing_file(value),
         default=None,
-        metavar="FIT.json",
+        metavar="FIT.json|stored",
         help="also score the learned mixture fitted by memlm tune --mixture gate --json FIT.json (same memories: "
-        "--datastore, each --ngram in order, --cache) and report mixture_ppl beside the fixed-weight rows",
+        "--datastore, each --ngram in order, --cache) and report mixture_ppl beside the fixed-weight rows; stored: the "
+        "one memory's own fit, made when it was built or calibrated",
     )
     ngram_cli.add_eval_args(e)
     e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
