@@ -1,5 +1,5 @@
 """``memlm demo`` end to end on a tiny random LM and stand-in corpora (the path ``run_demo`` takes): the forward work it
-records is what went through the model, each scored token is forwarded once (blocks), the counts it plans without
+records is what went through the model (windows overlap by min_context, blocks do not), the counts it plans without
 running are the ones it runs, and a rerun re-tunes from its cache without loading the model."""
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def test_demo_runs_and_records_its_forward_work(monkeypatch, tmp_path, tiny_lm):
         handle.remove()
     totals = result["forward_tokens"]
     assert totals["datastores"] + totals["scoring"] == sum(through_model)
-    # blocks: each scored token forwarded once, the first token of each block only as context
-    windows = sum(w["windows"] for w in result["work"] if w.get("head"))
-    assert totals["scoring"] == totals["scored"] + windows
+    # overlapping windows: a split's first window forwards one token it does not score, each later one min_context
+    scoring = [w for w in result["work"] if w.get("head")]
+    assert totals["scoring"] - totals["scored"] == sum(1 + (w["windows"] - 1) * cfg.min_context for w in scoring)
     run = {w["phase"]: w for w in result["work"]}
     for r in result["rows"]:  # a row's tokens are the scored tokens of its test split
         assert r["tokens"] == run[f"score {r['eval'].split()[0]}/test"]["targets"]
@@ -62,9 +62,10 @@ def test_demo_runs_and_records_its_forward_work(monkeypatch, tmp_path, tiny_lm):
         for key in ("forward_tokens", "targets", "windows", "search_pairs"):
             if key in w:
                 assert run[w["phase"]][key] == w[key], (w["phase"], key)
-    # the same work with overlapping windows forwards the context positions again
-    overlap = demo.planned_work(dataclasses.replace(cfg, eval_blocks=False), tok)
-    assert sum(w.get("forward_tokens", 0) for w in overlap if w.get("head")) > totals["scoring"]
+    # in blocks each scored token is forwarded once, the first token of each block only as context
+    blocks = [w for w in demo.planned_work(dataclasses.replace(cfg, eval_blocks=True), tok) if w.get("head")]
+    assert sum(w["forward_tokens"] - w["targets"] for w in blocks) == sum(w["windows"] for w in blocks)
+    assert sum(w["forward_tokens"] for w in blocks) < totals["scoring"]
     assert [(r["eval"], r["datastore"].split()[0]) for r in result["rows"]] == [
         ("wiki test", "wiki"), ("news test", "wiki"), ("news test", "news")]  # fmt: skip
     for r in result["rows"]:
@@ -76,3 +77,15 @@ def test_demo_runs_and_records_its_forward_work(monkeypatch, tmp_path, tiny_lm):
         {k: r[k] for k in demo.SYSTEMS} for r in result["rows"]
     ]
     assert not any(again["forward_tokens"].values())
+    # dumps gone, datastores kept: only the scoring runs, and only it is recorded
+    for dump in tmp_path.glob("*.npz"):
+        dump.unlink()
+    monkeypatch.setattr(demo, "load_causal_lm", lambda name, dtype: (model, tok))
+    through_model.clear()
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        third = demo._run_demo(cfg, tmp_path)
+    finally:
+        handle.remove()
+    assert third["forward_tokens"]["datastores"] == 0
+    assert third["forward_tokens"]["scoring"] == sum(through_model) == totals["scoring"]
