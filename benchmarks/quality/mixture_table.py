@@ -46,14 +46,16 @@ FIELDS = {
 META = {"knn": ("datastore", "datastore_build_id", "datastore_entries"), "ngram": ("ngram", "ngram_build_id", "ngrams")}
 
 
-def evals(data: Path, work: Path, res: Path, valid_tokens: int) -> list[tuple[list[str], Path]]:
+def evals(data: Path, work: Path, res: Path, valid_tokens: int, datastore: Path | None = None,
+          tag: str = "") -> list[tuple[list[str], Path]]:  # fmt: skip
+    ds = datastore or data / "ds50k"
     memlm = [sys.executable, "-m", "memlm.cli", "eval", "--model", "smollm2-135m", "--dtype", "float32", "--corpus",
-             "wikitext2", "--ngram", str(data / "wt2"), "--datastore", str(data / "ds50k"), "--cache"]  # fmt: skip
+             "wikitext2", "--ngram", str(data / "wt2"), "--datastore", str(ds), "--cache"]  # fmt: skip
     out = []
     for split, tokens in (("valid", valid_tokens), ("test", 20000)):
         name = f"{split}{tokens // 1000}k_knn_ngram_cache"
         out.append(([*memlm, "--split", split, "--max-tokens", str(tokens), "--dump", str(work / f"{name}.npz"),
-                     "--json", str(res / f"eval_{name}.json")], work / f"{name}.npz"))  # fmt: skip
+                     "--json", str(res / f"eval_{name}{tag}.json")], work / f"{name}.npz"))  # fmt: skip
     return out
 
 
@@ -132,19 +134,24 @@ def main() -> None:
     ap.add_argument("--evals-only", action="store_true")
     ap.add_argument("--valid-max-tokens", type=int, default=20000, help="--max-tokens of the valid dump")
     ap.add_argument("--stdlib", type=Path, default=None, help="mixture_stdlib.py's --work (its dumps)")
+    ap.add_argument("--datastore", type=Path, default=None, help="another datastore than --data's ds50k (rows b-d on "
+                    "test20k only; every output file named with --tag)")  # fmt: skip
+    ap.add_argument("--tag", default="", help="appended to the names of the eval and tune JSON files")
     args = ap.parse_args()
     res = args.out.parent
     args.work.mkdir(parents=True, exist_ok=True)
     res.mkdir(parents=True, exist_ok=True)
     log, ran = res / "wikitext2.log", []
-    tag = "" if args.valid_max_tokens == 20000 else f"_valid{args.valid_max_tokens // 1000}k"  # the files' names
-    for cmd, done in evals(args.data, args.work, res, args.valid_max_tokens):
+    tag = ("" if args.valid_max_tokens == 20000 else f"_valid{args.valid_max_tokens // 1000}k") + args.tag
+    for cmd, done in evals(args.data, args.work, res, args.valid_max_tokens, args.datastore, args.tag):
         run(cmd, done, log, ran)
     if args.evals_only:
         return
     valid = args.work / f"valid{args.valid_max_tokens // 1000}k_knn_ngram_cache.npz"
-    tests = {"test20k": (args.work / "test20k_knn_ngram_cache.npz", "abcd"),
+    tests = {"test20k": (args.work / "test20k_knn_ngram_cache.npz", "abcd" if args.datastore is None else "bcd"),
              "test60k": (args.data / "test60k_knn_ngram.npz", "abc")}  # fmt: skip
+    if args.datastore is not None:  # the 60k test dump holds ds50k's neighbours
+        del tests["test60k"]
     rows = []
     for name, (test, which) in tests.items():
         for row in which:
@@ -154,7 +161,10 @@ def main() -> None:
             view(test, t, keep)
             out = res / f"tune_{row}_{name}{tag}.json"
             tune(v, t, out, log, ran)
-            rows.append({"test": name, **summary(out, row)})
+            row_summary = summary(out, row)
+            if args.datastore is not None:
+                row_summary["memories"] = row_summary["memories"].replace("43,344 entries", args.datastore.name)
+            rows.append({"test": name, **row_summary})
     if args.stdlib is not None:  # mixture_stdlib.py's dumps: all 16 small modules as valid, 4 as test
         out = res / "tune_stdlib.json"
         tune(args.stdlib / "small.npz", args.stdlib / "test.npz", out, log, ran)
