@@ -256,7 +256,7 @@ def test_memories_as_one_list_equal_the_keyword_form_and_the_rule(tiny_lm, memor
 
 def test_two_datastores_each_at_its_own_weight(tiny_lm, memories):
     """memories=[DS1, DS2] with lam=[a, b]: (1 - a - b) p_LM + a p_kNN,1 + b p_kNN,2 by hand; weights that sum past 1
-    are refused; generation, which mixes one datastore, says so."""
+    are refused; generate_until follows the same mixture's argmax."""
     from lm_eval.api.instance import Instance
 
     model, tok = tiny_lm
@@ -279,8 +279,27 @@ def test_two_datastores_each_at_its_own_weight(tiny_lm, memories):
         MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ds2.path], lam=0.6)
     with pytest.raises(MemlmError, match="lam got 3 values for 2 datastore"):
         MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ds2.path], lam=[0.1, 0.1, 0.1])
-    with pytest.raises(MemlmError, match="generate_until mixes the fixed weights with one datastore at most"):
-        lm.generate_until([Instance("generate_until", {}, ("the old", {"until": ["\n"], "max_gen_toks": 2}), 0)])
+
+    # generation mixes both datastores too: each step's greedy token is the argmax of the same mixture by hand
+    def greedy(prompt: str, steps: int = 3) -> tuple[list[int], list[int]]:
+        seq, picked, without_ds2 = _ids(tok, prompt), [], []
+        for _ in range(steps):
+            p_lm, keys = _forward(model, seq, list({ds1.key_spec: 0, ds2.key_spec: 0}))
+            p1, _ = _knn_by_hand(ds1, keys[ds1.key_spec][-1], p_lm.shape[1])
+            p2, _ = _knn_by_hand(ds2, keys[ds2.key_spec][-1], p_lm.shape[1])
+            picked.append(int(np.argmax(0.5 * p_lm[-1] + 0.3 * p1 + 0.2 * p2)))
+            without_ds2.append(int(np.argmax(0.7 * p_lm[-1] + 0.3 * p1)))
+            seq.append(picked[-1])
+        return picked, without_ds2
+
+    # a prompt where the second datastore changes what is generated, so that leaving it out is seen
+    words = TEXT.split()
+    prompts = [" ".join(words[i : i + 3]) for i in range(0, len(words) - 3, 2)]
+    prompt, picked = next((p, g) for p in prompts for g, w in [greedy(p)] if g != w)
+    (text,) = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 3}), 0)])
+    eos = tok.decode([lm.eot_token_id])
+    want = tok.decode(picked, skip_special_tokens=True)
+    assert text == (want.split(eos)[0] if eos else want)
 
 
 def test_cli_lm_eval_with_a_fit_records_the_mixture_and_refuses_other_memories(

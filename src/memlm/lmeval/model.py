@@ -31,8 +31,8 @@ The three lm_eval request types:
   ``window`` tokens and every scored token but those of the first window has at least ``min_context`` tokens of context,
   so the cost is linear in the text length. A text of at most ``window`` tokens is one forward pass.
 - ``generate_until(context, gen_kwargs)``: greedy (or sampled) decoding from ``p`` through
-  :class:`memlm.knnlm.generate.KNNLogitsProcessor`, stopped at any ``until`` string (the fixed-weight rule, one
-  datastore at most; the cache takes no part in generation).
+  :class:`memlm.knnlm.generate.MixtureLogitsProcessor` over every memory (the fit, or the fixed-weight rule), stopped
+  at any ``until`` string (the cache takes no part in generation: a fit made with the cache is refused there).
 
 Several ∞-gram indexes come as ``ngram=[DIR1, DIR2]`` (or ``ngram=DIR1|DIR2`` in lm_eval's ``--model_args``), each
 with its own weights (``ngram_lambda_sparse=[a, b]`` or ``a|b``; one value: every index); several datastores as
@@ -654,32 +654,37 @@ class MemlmLM(TemplateLM):
         w = self.mixture.log_weights(self.mixture.features_of(states, 2)).exp()
         return [(float(w[0, i]), float(w[1, i])) for i, c in enumerate(self.components) if c in self.ngram_names]
 
-    def _check_generation(self) -> None:
-        """Generation (memlm.knnlm.generate) mixes the fixed-weight rule with one datastore at most."""
-        if self.fit is not None or len(self.dense) > 1:
-            raise MemlmError(
-                f"generate_until mixes the fixed weights with one datastore at most; this model has "
-                f"{'a fitted mixture' if self.fit is not None else f'{len(self.dense)} datastores'}: score "
-                "loglikelihood tasks with it, or give one datastore without mixture= for generation tasks"
-            )
+    def _generation_processor(self, prefix: Sequence[int] = ()) -> Any:
+        """The generation step over every memory (:class:`memlm.knnlm.generate.MixtureLogitsProcessor`, one
+        :class:`~memlm.core.mixture.Mixture` as ``memlm generate``'s), or None without memories: the fit, or the
+        fixed-weight rule of each datastore's λ, τ and each ∞-gram's weights as loglikelihood shares them (the cache's
+        share goes to the LM: generation has no cache). ``prefix``: the context's tokens cut off for the LM, which the
+        ∞-grams still read."""
+        from memlm.knnlm.generate import MixtureLogitsProcessor
+        from memlm.knnlm.mixture_step import DatastoreStep
+        from memlm.ngram.step import NgramStep
 
-    def _ngram_processor(self, prefix: Sequence[int] = ()) -> tuple[Any, Any]:
-        """``(processor, ∞-gram step)``: the generation step with the ∞-gram(s) (and the datastore when there is one),
-        as ``memlm generate``'s; ``prefix``: the context's tokens cut off for the LM, which the ∞-gram still reads."""
-        from memlm.knnlm.generate import KNNLogitsProcessor
-        from memlm.ngram.generate import ngram_logits_processor
-
-        ngram = ngram_logits_processor(self.ngrams, self._shared_ngram_weights())
-        ngram.set_prefix(prefix)
-        if self.memory is None or not self.lam:
-            return ngram, ngram
-        return KNNLogitsProcessor(self.model, self.memory, self.config, ngram=ngram), ngram
+        if self.fit is not None:
+            if "cache" in self.mixture.components:
+                raise MemlmError("generate_until has no continuous cache, and this mixture was fitted with one: fit "
+                                 "one without --cache for generation tasks")  # fmt: skip
+            memories = [d.memory for d in self.dense] + list(self.ngrams)
+            processor = MixtureLogitsProcessor(self.model, memories, self.fit, self.config)
+        else:
+            steps: list = [DatastoreStep(d.memory, self.config.k, float(d.lam or 0.0), d.temperature)
+                           for d in self.dense if d.lam]  # fmt: skip
+            shared = self._shared_ngram_weights() if self.ngrams else []
+            steps += [NgramStep(m, ls, ld) for m, (ls, ld) in zip(self.ngrams, shared, strict=True)]
+            if not steps:
+                return None
+            processor = MixtureLogitsProcessor(self.model, steps, None, self.config)
+        processor.set_prefix(prefix)
+        return processor
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode from the interpolated distribution until one of ``gen_kwargs["until"]`` (or EOS) appears."""
         from memlm.knnlm.generate import generate_text
 
-        self._check_generation()
         out = []
         for req in tqdm(requests, desc="generate", disable=disable_tqdm or not self.progress):
             context, gen_kwargs = req.args
@@ -694,21 +699,20 @@ class MemlmLM(TemplateLM):
                 do_sample = True
             whole = self.tok_encode(context)
             ctx = whole[-max(1, self.max_length - max_new) :] or [self.prefix_token_id]
-            processor, step = self._ngram_processor(whole[: len(whole) - len(ctx)]) if self.ngrams else (None, None)
+            processor = self._generation_processor(whole[: len(whole) - len(ctx)])
             text = generate_text(
                 self.model,
                 self.tokenizer,
                 [ctx],
-                datastore=self.memory,
                 config=self.config,
                 max_new_tokens=max_new,
                 do_sample=do_sample,
                 sampling_temperature=temperature if do_sample else None,
                 stop=[*until, eos_text] if eos_text else until,
-                processor=processor,  # None: the datastore's
+                processor=processor,  # None: the LM alone
             )[0]
-            if step is not None:
-                self._note_approximate("generate_until", step.approximate())
+            if processor is not None and processor.ngram_steps:
+                self._note_approximate("generate_until", processor.approximate())
             for stop in until:
                 if stop and stop in text:
                     text = text.split(stop, 1)[0]
