@@ -259,8 +259,9 @@ def near_temperatures(grid, best: float) -> list[float]:
     """The rule's best τ and its neighbours in ``grid`` (up to 3 values): where the guarded mixture searches τ at
     calibration. One guarded fit costs seconds per τ on 8k tokens with k = 1024 (an L-BFGS gate fit and the kNN
     features at that τ), so the 14-20 τ of the whole grid would make the fit the slowest part of a build (issue 34:
-    calibration that costs little); the mixture's τ landed next to the rule's in every fit of docs/MIXTURE.md
-    (gate τ 2-3 where the rule chose 3)."""
+    calibration that costs little). In docs/MIXTURE.md the gate's τ was next to the rule's in the fits made on enough
+    text (τ 2-3 where the rule chose 2-3), and far from it only in fits under the guard's minimum size (τ 5-10 on 4
+    valid articles where the rule chose 2), so the neighbours are where a fit worth storing looks."""
     grid = sorted(float(t) for t in grid)
     i = min(range(len(grid)), key=lambda j: abs(grid[j] - float(best)))
     return grid[max(0, i - 1) : i + 2]
