@@ -17,8 +17,9 @@ from memlm.storage.datastore import Datastore
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def memlm(*args, check=False, **kw):
+def memlm(*args, check=False, extra_env=None, **kw):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+    env.update(extra_env or {})
     env.setdefault("MEMLM_DEFAULT_DTYPE", "float32")  # the CLI tests pin the tiny model's float32 numbers
     return subprocess.run(
         [sys.executable, "-m", "memlm.cli", *args], capture_output=True, text=True, env=env, check=check, **kw
