@@ -35,6 +35,7 @@ import torch
 from memlm.core.distribution import knn_target_logprob, memory_lse
 from memlm.core.dumps import TokenDump
 from memlm.errors import MemlmError
+from memlm.models.forward import lm_entropy
 
 __all__ = [
     "MixtureInputs",
@@ -79,8 +80,7 @@ def lm_features(lm_logprobs: torch.Tensor) -> dict[str, np.ndarray]:
     """``lm_entropy``, ``lm_max_logprob`` of each row of the LM's log-distribution ``[N, V]`` (a generation step, a
     wrapped forward pass; a dump stores them from the forward pass)."""
     lp = lm_logprobs.double()
-    return {"lm_entropy": -(lp.exp() * lp).nan_to_num(0.0).sum(-1).cpu().numpy(),
-            "lm_max_logprob": lp.max(-1).values.cpu().numpy()}  # fmt: skip
+    return {"lm_entropy": lm_entropy(lp).cpu().numpy(), "lm_max_logprob": lp.max(-1).values.cpu().numpy()}
 
 
 def ngram_features(name: str, n, count, sparse) -> dict[str, np.ndarray]:

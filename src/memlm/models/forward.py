@@ -20,7 +20,7 @@ from memlm.data.windows import TokenChunk, Window, batched, sliding_windows
 from memlm.errors import MemlmError
 from memlm.models.keys import KeyCapture, KeySpec
 
-__all__ = ["RollingScores", "WindowOutput", "collate", "forward_windows", "fp32_head", "rolling_forward"]
+__all__ = ["RollingScores", "WindowOutput", "collate", "forward_windows", "fp32_head", "lm_entropy", "rolling_forward"]
 
 
 @dataclass
@@ -122,16 +122,24 @@ def forward_windows(
     # keys only (a datastore build): the output projection of the last position alone, where the model allows it
     # (Hugging Face's logits_to_keep), instead of [batch, window, vocab] logits nobody reads; not for the ``final``
     # key, which is captured at that projection's input
-    keys_only = not with_logprobs and all(s.role != "final" for s in specs)
-    skip_head = {"logits_to_keep": 1} if keys_only and _takes_logits_to_keep(model) else {}
+    no_final = all(s.role != "final" for s in specs)
+    keys_only = not with_logprobs and no_final
+    takes_keep = _takes_logits_to_keep(model)
+    skip_head = {"logits_to_keep": 1} if keys_only and takes_keep else {}
+    # scoring: logits only from the first position any window of the batch scores (a sliding window scores its last
+    # ``stride`` positions: half of them at window 1024 / stride 512), not [batch, window, vocab]; the kept logits are
+    # the same numbers, so the perplexity and keys do not move (tests/test_forward.py)
+    keep_scored = with_logprobs and no_final and takes_keep
     # keys only: the pass also stops once every key is captured (KeyCapture's stop_after), so the layers above the
     # deepest key (for ffn_in@-1: the last FFN, the final norm, the head) are not computed; the keys are the same
     stop = not with_logprobs and bool(specs)
     for batch in batches:
         ids, mask = (t.to(device) for t in collate(batch, pad_id))
+        first = min(w.score_from for w in batch) - 1 if keep_scored else 0  # logits row 0 is this position
+        keep = {"logits_to_keep": torch.arange(first, ids.shape[1], device=device)} if first > 0 else skip_head
         with KeyCapture(model, specs, stop_after=stop) as cap, head:
             run = cap.run if stop else model
-            out = run(input_ids=ids, attention_mask=mask, use_cache=False, **skip_head)
+            out = run(input_ids=ids, attention_mask=mask, use_cache=False, **keep)
             captured = {s: cap.keys_by_spec[s] for s in specs}
         outputs = []
         for b, w in enumerate(batch):
@@ -143,12 +151,26 @@ def forward_windows(
             keys = {s: captured[s][b, rows].float().cpu().numpy() for s in specs}
             lm_lp = entropy = max_lp = None
             if with_logprobs:
-                logp = torch.log_softmax(out.logits[b, rows].float(), -1)  # [n, V]
+                logp = torch.log_softmax(out.logits[b, rows - first].float(), -1)  # [n, V]
                 lm_lp = logp.gather(-1, targets[:, None]).squeeze(-1).cpu().numpy()
-                entropy = -(logp.exp() * logp).nan_to_num().sum(-1).cpu().numpy()  # 0 * -inf = 0
                 max_lp = logp.amax(-1).cpu().numpy()
+                entropy = lm_entropy(logp).cpu().numpy()
             outputs.append(WindowOutput(w, w.targets, keys, lm_lp, entropy, max_lp))
         yield outputs
+
+
+def lm_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """H(p) = -sum_w p(w) log p(w) per row of log-probabilities ``logp`` [n, V], with 0 log 0 = 0.
+
+    One [n, V] buffer beside ``logp`` (the old ``nan_to_num`` pass made two more). Rows with a -inf log-probability (a
+    model that masks tokens) give 0 * -inf = nan in the product; only those rows are summed again with 0 for it.
+    """
+    terms = logp.exp().mul_(logp)
+    entropy = -terms.sum(-1)
+    bad = entropy.isnan()
+    if bool(bad.any()):
+        entropy[bad] = -terms[bad].nan_to_num(nan=0.0).sum(-1)
+    return entropy
 
 
 class RollingScores(NamedTuple):

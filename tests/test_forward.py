@@ -1,0 +1,105 @@
+"""forward_windows' scoring path: logits only for the positions a batch scores, and the LM features per target.
+
+References are brute force: the model run on the whole window with every position's logits, then a float64 NumPy
+log-softmax, entropy and max over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from memlm.data.windows import TokenChunk, batched, sliding_windows
+from memlm.models.forward import forward_windows, lm_entropy
+from memlm.models.keys import KeySpec
+
+
+def _reference(model, window) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """log p(target), H(p), max log p for each scored target of ``window``, from all-position logits in float64."""
+    ids = torch.from_numpy(np.asarray(window.input_ids, dtype=np.int64))[None]
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].double().numpy()
+    rows = np.arange(window.score_from - 1, len(window.input_ids) - 1)
+    z = logits[rows]
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    target_lp = logp[np.arange(len(rows)), window.targets]
+    return target_lp, -(np.exp(logp) * logp).sum(-1), logp.max(-1)
+
+
+def _windows(n_tokens: int, window: int, min_context: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    chunks = [TokenChunk(rng.integers(0, 50257, size=n, dtype=np.int64), i, 0) for i, n in enumerate(n_tokens)]
+    return list(sliding_windows(chunks, window, min_context))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_scored_logits_match_all_position_logits(tiny_lm, batch_size):
+    """Windows that score from position 16 (and a document's first window, from 1, in the same batch) give the
+    log-probabilities, entropies and maxima of the full [window, vocab] logits; the model is asked for the scored
+    positions' logits only (``logits_to_keep``) whenever no window of the batch scores from its start."""
+    model, _ = tiny_lm
+    windows = _windows([90, 45], window=32, min_context=16)
+    assert {w.score_from for w in windows} >= {1, 16}
+    asked: list[object] = []
+    forward = model.forward
+
+    @functools.wraps(forward)  # keeps forward's signature (forward_windows reads it)
+    def recording_forward(*args, **kwargs):
+        asked.append(kwargs.get("logits_to_keep"))
+        out = forward(*args, **kwargs)
+        asked[-1] = (asked[-1], out.logits.shape[1])
+        return out
+
+    model.forward = recording_forward
+    try:
+        outputs = [o for batch in forward_windows(model, batched(windows, batch_size)) for o in batch]
+    finally:
+        del model.forward
+    assert len(outputs) == len(windows)
+    for o in outputs:
+        lp, ent, mx = _reference(model, o.window)
+        np.testing.assert_allclose(o.lm_logprob, lp, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(o.lm_entropy, ent, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(o.lm_max_logprob, mx, rtol=0, atol=2e-5)
+    for batch, (keep, n_logits) in zip(batched(windows, batch_size), asked, strict=True):
+        first = min(w.score_from for w in batch) - 1
+        padded = max(len(w.input_ids) for w in batch)
+        if first == 0:
+            assert keep is None and n_logits == padded
+        else:  # only the scored positions' logits were computed
+            assert n_logits == padded - first
+            assert torch.equal(keep, torch.arange(first, padded))
+
+
+def test_final_key_keeps_every_position(tiny_lm):
+    """The ``final`` key is captured at the head's input, so scoring with it computes every position's logits and the
+    keys are the full window's hidden states at the scored positions."""
+    model, _ = tiny_lm
+    windows = _windows([70], window=32, min_context=16)[1:]  # windows scoring from 16 only
+    spec = KeySpec("final", -1)
+    outputs = [o for batch in forward_windows(model, batched(windows, 2), [spec]) for o in batch]
+    for o in outputs:
+        ids = torch.from_numpy(np.asarray(o.window.input_ids, dtype=np.int64))[None]
+        with torch.inference_mode():
+            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0].numpy()
+        rows = np.arange(o.window.score_from - 1, len(o.window.input_ids) - 1)
+        np.testing.assert_allclose(o.keys[spec], hidden[rows], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(o.lm_logprob, _reference(model, o.window)[0], rtol=0, atol=2e-5)
+
+
+def test_lm_entropy_against_numpy_with_masked_tokens():
+    """H(p) = -sum p log p with 0 log 0 = 0, also in rows where some tokens have log-probability -inf."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=(6, 50)) * 3
+    z[1, :10] = -np.inf  # a model that masks tokens
+    z[4, 5] = -np.inf
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    p = np.exp(logp)
+    expected = -np.where(p > 0, p * np.where(p > 0, logp, 0.0), 0.0).sum(-1)
+    got = lm_entropy(torch.from_numpy(logp)).numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
