@@ -57,7 +57,9 @@ What each side does per batch (the difference being timed, besides the shared fo
 Each side runs in its own process (``--side``, started by the harness) after loading the model and index and one
 warm-up batch (untimed); the timed region is windowing + forward + search + scoring to the perplexity. Per-token
 kNN-LM log-probabilities of both are written to ``--work`` and compared (max and mean absolute difference). Both run in
-float32 on the same threads (torch's and FAISS's defaults, or ``OMP_NUM_THREADS``).
+float32 on the same threads (torch's and FAISS's defaults, or ``OMP_NUM_THREADS``); ``--memlm-dtype auto`` runs memlm
+on ``memlm eval``'s default ``--dtype auto`` instead (bfloat16 where the CPU has it natively; knn-transformers stays in
+float32, as ``run_clm.py`` loads it), and the perplexity difference then includes that path's error.
 
 Time: about 2 x (forward of 2 x ``--tokens`` positions) + the search; on 2 idle cores ~300 float32 forward positions/s,
 so ``--tokens 20000`` takes ~5-6 minutes in all (knn-transformers' full-vocabulary work adds to its side).
@@ -305,7 +307,7 @@ def run_side(args: argparse.Namespace) -> None:
     """One side in this process: load (untimed), warm up, time, write ``{work}/{side}.json`` and ``.npy``."""
     torch.set_grad_enabled(False)
     params = json.loads(args.params)
-    model, tok = load_causal_lm(args.model, dtype="float32")
+    model, tok = load_causal_lm(args.model, dtype=args.memlm_dtype if args.side == "memlm" else "float32")
     ds = Datastore.open(args.datastore)
     ds.check_compatible(model, tok)
     n_layers = num_layers(model)
@@ -315,7 +317,7 @@ def run_side(args: argparse.Namespace) -> None:
     docs = eval_documents(args, tok)
     run = run_theirs if args.side == "knn-transformers" else run_memlm
     rec, per_token = run(args, model, tok, docs, params)
-    rec.update(torch_threads=torch.get_num_threads())
+    rec.update(dtype=str(next(model.parameters()).dtype).removeprefix("torch."), torch_threads=torch.get_num_threads())
     np.save(Path(args.work) / f"{args.side}.per_token.npy", per_token.astype(np.float32))
     atomic_write_json(Path(args.work) / f"{args.side}.json", rec)
 
@@ -336,6 +338,13 @@ def main() -> None:
     p.add_argument("--lambda", dest="lam", type=float, default=None, help="default: the datastore's calibration")
     p.add_argument("--temperature", type=float, default=None, help="τ = their knn_temp; default: the calibration")
     p.add_argument("--pipeline", action="store_true", help="memlm's --pipeline (search overlapped with the forward)")
+    p.add_argument(
+        "--memlm-dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "auto"),
+        help="memlm's dtype (default float32, as knn-transformers always runs here; auto = memlm eval's default "
+        "--dtype auto, bfloat16 on CPUs with native bf16: then the perplexities differ by that path's error)",
+    )
     p.add_argument("--sides", default=",".join(SIDES), help="order of the runs (each in its own process)")
     p.add_argument("--wait-idle", type=float, default=300, help="seconds to wait for an idle machine (default 300)")
     p.add_argument("--force", action="store_true", help="run on a busy machine; results are marked not idle")
