@@ -36,12 +36,18 @@ def _windows(n_tokens: int, window: int, min_context: int, seed: int = 0):
     return list(sliding_windows(chunks, window, min_context))
 
 
+@pytest.mark.parametrize("per_window", [True, False])
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_scored_logits_match_all_position_logits(tiny_lm, batch_size):
+def test_scored_logits_match_all_position_logits(tiny_lm, batch_size, per_window, monkeypatch):
     """Windows that score from position 16 (and a document's first window, from 1, in the same batch) give the
-    log-probabilities, entropies and maxima of the full [window, vocab] logits; the model is asked for the scored
-    positions' logits only (``logits_to_keep``) whenever no window of the batch scores from its start."""
+    log-probabilities, entropies and maxima of the full [window, vocab] logits, while the model is asked for fewer:
+    with a model that slices by a boolean mask (transformers' ``slice_logits_to_keep``), exactly each window's scored
+    positions; else (older or remote code) the positions from the first any window of the batch scores."""
+    import memlm.models.forward as fw
+
     model, _ = tiny_lm
+    if not per_window:
+        monkeypatch.setattr(fw, "_slices_by_mask", lambda m: False)
     windows = _windows([90, 45], window=32, min_context=16)
     assert {w.score_from for w in windows} >= {1, 16}
     asked: list[object] = []
@@ -49,9 +55,8 @@ def test_scored_logits_match_all_position_logits(tiny_lm, batch_size):
 
     @functools.wraps(forward)  # keeps forward's signature (forward_windows reads it)
     def recording_forward(*args, **kwargs):
-        asked.append(kwargs.get("logits_to_keep"))
         out = forward(*args, **kwargs)
-        asked[-1] = (asked[-1], out.logits.shape[1])
+        asked.append((kwargs.get("logits_to_keep"), tuple(out.logits.shape[:-1])))
         return out
 
     model.forward = recording_forward
@@ -65,14 +70,20 @@ def test_scored_logits_match_all_position_logits(tiny_lm, batch_size):
         np.testing.assert_allclose(o.lm_logprob, lp, rtol=0, atol=2e-5)
         np.testing.assert_allclose(o.lm_entropy, ent, rtol=0, atol=2e-5)
         np.testing.assert_allclose(o.lm_max_logprob, mx, rtol=0, atol=2e-5)
-    for batch, (keep, n_logits) in zip(batched(windows, batch_size), asked, strict=True):
+    for batch, (keep, logits_shape) in zip(batched(windows, batch_size), asked, strict=True):
         first = min(w.score_from for w in batch) - 1
         padded = max(len(w.input_ids) for w in batch)
-        if first == 0:
-            assert keep is None and n_logits == padded
-        else:  # only the scored positions' logits were computed
-            assert n_logits == padded - first
+        if per_window:  # a mask of the scored positions; the logits are theirs alone, flattened
+            expected = torch.zeros(len(batch), padded, dtype=torch.bool)
+            for b, w in enumerate(batch):
+                expected[b, w.score_from - 1 : len(w.input_ids) - 1] = True
+            assert torch.equal(keep, expected)
+            assert logits_shape == (sum(w.n_targets for w in batch),)
+        elif first == 0:
+            assert keep is None and logits_shape == (len(batch), padded)
+        else:  # the positions from the first scored one
             assert torch.equal(keep, torch.arange(first, padded))
+            assert logits_shape == (len(batch), padded - first)
 
 
 def test_final_key_keeps_every_position(tiny_lm):

@@ -75,9 +75,14 @@ def view(src: Path, dst: Path, keep: tuple[str, ...]) -> None:
     ts.save(dst)
 
 
-def tune(valid: Path, test: Path, out: Path, log: Path, ran: list[str]) -> None:
+#: ``--rule-cache``: the grid on which the rule tunes the cache's λc, τc beside its other weights (row d)
+CACHE_GRID = ["--cache-lambdas", "0", "0.01", "0.02", "0.05", "0.1", "0.15", "0.2", "0.3",
+              "--cache-temperatures", "0.5", "1", "2", "5"]  # fmt: skip
+
+
+def tune(valid: Path, test: Path, out: Path, log: Path, ran: list[str], extra: tuple[str, ...] = ()) -> None:
     cmd = [sys.executable, "-m", "memlm.cli", "tune", "--valid", str(valid), "--test", str(test), "--mixture", "gate",
-           "--json", str(out)]  # fmt: skip
+           "--json", str(out), *extra]  # fmt: skip
     run(cmd, out, log, ran)
 
 
@@ -137,6 +142,8 @@ def main() -> None:
     ap.add_argument("--datastore", type=Path, default=None, help="another datastore than --data's ds50k (rows b-d on "
                     "test20k only; every output file named with --tag)")  # fmt: skip
     ap.add_argument("--tag", default="", help="appended to the names of the eval and tune JSON files")
+    ap.add_argument("--rule-cache", action="store_true", help="row d only, its rule with the cache's λc, τc tuned "
+                    "on valid beside the other weights (CACHE_GRID; tune files named ..._rulecache)")  # fmt: skip
     args = ap.parse_args()
     res = args.out.parent
     args.work.mkdir(parents=True, exist_ok=True)
@@ -155,13 +162,17 @@ def main() -> None:
     rows = []
     for name, (test, which) in tests.items():
         for row in which:
+            if args.rule_cache and row != "d":
+                continue
             keep = ROWS[row][0]
             v, t = args.work / f"view_{row}_valid{tag}.npz", args.work / f"view_{row}_{name}.npz"
             view(valid, v, keep)
             view(test, t, keep)
-            out = res / f"tune_{row}_{name}{tag}.json"
-            tune(v, t, out, log, ran)
+            out = res / f"tune_{row}_{name}{tag}{'_rulecache' if args.rule_cache else ''}.json"
+            tune(v, t, out, log, ran, tuple(CACHE_GRID) if args.rule_cache else ())
             row_summary = summary(out, row)
+            if args.rule_cache:
+                row_summary["memories"] += " (the rule's λc, τc tuned too)"
             if args.datastore is not None:
                 row_summary["memories"] = row_summary["memories"].replace("43,344 entries", args.datastore.name)
             rows.append({"test": name, **row_summary})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -126,17 +126,17 @@ def forward_windows(
     keys_only = not with_logprobs and no_final
     takes_keep = _takes_logits_to_keep(model)
     skip_head = {"logits_to_keep": 1} if keys_only and takes_keep else {}
-    # scoring: logits only from the first position any window of the batch scores (a sliding window scores its last
-    # ``stride`` positions: half of them at window 1024 / stride 512), not [batch, window, vocab]; the kept logits are
-    # the same numbers, so the perplexity and keys do not move (tests/test_forward.py)
+    # scoring: logits only for the positions each window scores (a sliding window scores its last ``stride``
+    # positions: half of them at window 1024 / stride 512), not [batch, window, vocab]; the kept logits are the same
+    # numbers, so the perplexity and keys do not move (tests/test_forward.py)
     keep_scored = with_logprobs and no_final and takes_keep
+    per_window = keep_scored and _slices_by_mask(model)
     # keys only: the pass also stops once every key is captured (KeyCapture's stop_after), so the layers above the
     # deepest key (for ffn_in@-1: the last FFN, the final norm, the head) are not computed; the keys are the same
     stop = not with_logprobs and bool(specs)
     for batch in batches:
         ids, mask = (t.to(device) for t in collate(batch, pad_id))
-        first = min(w.score_from for w in batch) - 1 if keep_scored else 0  # logits row 0 is this position
-        keep = {"logits_to_keep": torch.arange(first, ids.shape[1], device=device)} if first > 0 else skip_head
+        keep, logit_rows = _scored_logits(batch, ids.shape, device, keep_scored, per_window, skip_head)
         with KeyCapture(model, specs, stop_after=stop) as cap, head:
             run = cap.run if stop else model
             out = run(input_ids=ids, attention_mask=mask, use_cache=False, **keep)
@@ -151,12 +151,51 @@ def forward_windows(
             keys = {s: captured[s][b, rows].float().cpu().numpy() for s in specs}
             lm_lp = entropy = max_lp = None
             if with_logprobs:
-                logp = torch.log_softmax(out.logits[b, rows - first].float(), -1)  # [n, V]
+                logp = torch.log_softmax(logit_rows(out.logits, b).float(), -1)  # [n, V]
                 lm_lp = logp.gather(-1, targets[:, None]).squeeze(-1).cpu().numpy()
                 max_lp = logp.amax(-1).cpu().numpy()
                 entropy = lm_entropy(logp).cpu().numpy()
             outputs.append(WindowOutput(w, w.targets, keys, lm_lp, entropy, max_lp))
         yield outputs
+
+
+def _slices_by_mask(model: torch.nn.Module) -> bool:
+    """Whether ``model`` slices its head's input with transformers' ``slice_logits_to_keep``, which takes a boolean
+    ``[batch, length]`` mask (every architecture of transformers 5; older or remote code may take an int or a 1-D
+    tensor of positions only)."""
+    try:
+        return "slice_logits_to_keep" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+
+
+RowReader = Callable[[torch.Tensor, int], torch.Tensor]  # (logits, b) -> window b's scored rows [n, V]
+
+
+def _scored_logits(
+    batch: Sequence[Window],
+    shape: torch.Size,
+    device: torch.device,
+    keep_scored: bool,
+    per_window: bool,
+    otherwise: dict,
+) -> tuple[dict, RowReader]:
+    """The ``logits_to_keep`` argument for a batch and how to read window ``b``'s scored rows from the logits.
+
+    ``per_window``: a boolean mask of exactly the scored positions (the model returns them flattened, window after
+    window); else, with ``keep_scored``, the positions from the first any window scores; else every position (or
+    ``otherwise``, the keys-only pass's last position).
+    """
+    spans = [(w.score_from - 1, len(w.input_ids) - 1) for w in batch]  # positions before each scored target
+    if per_window:
+        mask = torch.zeros(shape, dtype=torch.bool)
+        for b, (lo, hi) in enumerate(spans):
+            mask[b, lo:hi] = True
+        offsets = np.cumsum([0] + [hi - lo for lo, hi in spans])
+        return {"logits_to_keep": mask.to(device)}, lambda logits, b: logits[offsets[b] : offsets[b + 1]]
+    first = min(lo for lo, _ in spans) if keep_scored else 0  # row 0 of the logits is this position
+    keep = {"logits_to_keep": torch.arange(first, shape[1], device=device)} if first > 0 else otherwise
+    return keep, lambda logits, b: logits[b, spans[b][0] - first : spans[b][1] - first]
 
 
 def lm_entropy(logp: torch.Tensor) -> torch.Tensor:
