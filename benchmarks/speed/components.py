@@ -68,6 +68,15 @@ def _layer_modules(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     return out
 
 
+def head_positions_scored(model: torch.nn.Module, lengths: Sequence[int], scored: int) -> int:
+    """Positions the output head computes when scoring: the scored ones where memlm.models.forward asks the model for
+    exactly those (a model that slices with transformers' ``slice_logits_to_keep``), else every position (an upper
+    bound: the fallback keeps the positions from the batch's first scored one)."""
+    from memlm.models.forward import _slices_by_mask
+
+    return scored if _slices_by_mask(model) else sum(lengths)
+
+
 def count_flops(model: torch.nn.Module, lengths: Sequence[int], head_positions: int) -> dict[str, float]:
     """FLOPs of forward passes over windows of ``lengths`` tokens with the head computed at ``head_positions``."""
     mods = _layer_modules(model)
@@ -176,7 +185,8 @@ def profile_forward(model, batches: list, specs: Sequence[KeySpec], with_logprob
     seconds["log-softmax, entropy, key copies out"] = total - totals["model"]
     lengths = [len(w.input_ids) for b in batches for w in b]
     keys_only = not with_logprobs and bool(specs)  # forward_windows stops at the key (KeyCapture stop_after)
-    head_positions = 0 if keys_only else sum(lengths)
+    scored = sum(w.n_targets for b in batches for w in b)
+    head_positions = 0 if keys_only else head_positions_scored(model, lengths, scored)
     flops = count_flops(model, lengths, head_positions)
     if keys_only and all(s.role == "ffn_in" and s.layer in (-1, len(find_decoder_layers(model)) - 1) for s in specs):
         last = find_decoder_layers(model)[-1]

@@ -118,7 +118,7 @@ def step_candidate(args, path: ComputePath, docs, peak: dict, ref: dict | None) 
     seconds = time.perf_counter() - t0
     lp = ts.lm_logprob.astype(np.float64)
     lengths = window_lengths(docs, tok, args.window, args.min_context)
-    flops = components.count_flops(model, lengths, sum(lengths))
+    flops = components.count_flops(model, lengths, components.head_positions_scored(model, lengths, len(ts)))
     dtype_peak = peak["peak_gflops"]["int8" if path.quantize == "int8-dynamic" else path.dtype]
     row: dict[str, Any] = {
         "path": path.label(),
