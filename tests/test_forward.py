@@ -47,7 +47,7 @@ def test_scored_logits_match_all_position_logits(tiny_lm, batch_size, per_window
 
     model, _ = tiny_lm
     if not per_window:
-        monkeypatch.setattr(fw, "_slices_by_mask", lambda m: False)
+        monkeypatch.setattr(fw, "slices_logits_by_mask", lambda m: False)
     windows = _windows([90, 45], window=32, min_context=16)
     assert {w.score_from for w in windows} >= {1, 16}
     asked: list[object] = []

@@ -72,9 +72,9 @@ def head_positions_scored(model: torch.nn.Module, lengths: Sequence[int], scored
     """Positions the output head computes when scoring: the scored ones where memlm.models.forward asks the model for
     exactly those (a model that slices with transformers' ``slice_logits_to_keep``), else every position (an upper
     bound: the fallback keeps the positions from the batch's first scored one)."""
-    from memlm.models.forward import _slices_by_mask
+    from memlm.models.forward import slices_logits_by_mask
 
-    return scored if _slices_by_mask(model) else sum(lengths)
+    return scored if slices_logits_by_mask(model) else sum(lengths)
 
 
 def count_flops(model: torch.nn.Module, lengths: Sequence[int], head_positions: int) -> dict[str, float]:

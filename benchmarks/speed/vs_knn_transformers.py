@@ -61,8 +61,8 @@ float32 on the same threads (torch's and FAISS's defaults, or ``OMP_NUM_THREADS`
 on ``memlm eval``'s default ``--dtype auto`` instead (bfloat16 where the CPU has it natively; knn-transformers stays in
 float32, as ``run_clm.py`` loads it), and the perplexity difference then includes that path's error.
 
-Time: about 2 x (forward of 2 x ``--tokens`` positions) + the search; on 2 idle cores ~300 float32 forward positions/s,
-so ``--tokens 20000`` takes ~5-6 minutes in all (knn-transformers' full-vocabulary work adds to its side).
+Time: ``--tokens 20000`` took 327 s in all on 2 idle cores (knn-transformers' side 117 s timed, memlm's 80 s, the
+rest loading and the idle wait; docs/results/speed/vs_knn_transformers.json).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -86,10 +85,11 @@ import torch  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.models.forward import collate  # noqa: E402
 from memlm.models.keys import KeySpec, num_layers  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
 from memlm.storage.datastore import Datastore  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
+from memlm.storage.fileio import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 SIDES = ("knn-transformers", "memlm")
 LLAMA_LAYERS = {  # their model_layer_to_capture entry for "llama", by KEY_TYPE name: (layer of the model, its input?)
@@ -132,12 +132,7 @@ def export_datastore(ds: Datastore, work: Path, model_type: str) -> dict[str, An
             and np.array_equal(np.memmap(path, dtype=array.dtype, mode="r", shape=array.shape), array)
         ):
             continue
-        tmp = path.with_name(path.name + ".tmp")
-        out = np.memmap(tmp, dtype=array.dtype, mode="w+", shape=array.shape)
-        out[:] = array
-        out.flush()
-        del out
-        os.replace(tmp, path)
+        atomic_write_bytes(path, array.tobytes())  # a raw memmap: no .npy header, as their np.memmap reads it
         wrote.append(path.name)
     target = ds.index_path.resolve()
     if index_link.is_symlink() or index_link.exists():
@@ -198,12 +193,10 @@ def their_batches(windows, batch_size: int, pad_id: int):
     """``(input_ids, attention_mask, labels)`` per batch of memlm windows, as ``run_clm``'s ``group_texts`` makes them:
     labels -100 where a position is not scored (and on padding), attention all ones (right padding)."""
     for batch in batched(windows, batch_size):
-        length = max(len(w.input_ids) for w in batch)
-        ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), length), -100, dtype=torch.long)
+        ids, _ = collate(batch, pad_id)  # memlm's right padding
+        labels = torch.full_like(ids, -100)
         for r, w in enumerate(batch):
-            ids[r, : len(w.input_ids)] = torch.from_numpy(w.input_ids)
-            labels[r, w.score_from : len(w.input_ids)] = torch.from_numpy(w.input_ids[w.score_from :])
+            labels[r, w.score_from : len(w.input_ids)] = ids[r, w.score_from : len(w.input_ids)]
         yield ids, torch.ones_like(ids), labels
 
 

@@ -7,6 +7,7 @@ key and an evaluation query for the same context are computed by exactly the sam
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -20,7 +21,16 @@ from memlm.data.windows import TokenChunk, Window, batched, sliding_windows
 from memlm.errors import MemlmError
 from memlm.models.keys import KeyCapture, KeySpec
 
-__all__ = ["RollingScores", "WindowOutput", "collate", "forward_windows", "fp32_head", "lm_entropy", "rolling_forward"]
+__all__ = [
+    "RollingScores",
+    "WindowOutput",
+    "collate",
+    "forward_windows",
+    "fp32_head",
+    "lm_entropy",
+    "rolling_forward",
+    "slices_logits_by_mask",
+]
 
 
 @dataclass
@@ -129,17 +139,18 @@ def forward_windows(
     # scoring: logits only for the positions each window scores (a sliding window scores its last ``stride``
     # positions: half of them at window 1024 / stride 512), not [batch, window, vocab]; the kept logits are the same
     # numbers, so the perplexity and keys do not move (tests/test_forward.py)
-    keep_scored = with_logprobs and no_final and takes_keep
-    per_window = keep_scored and _slices_by_mask(model)
+    keep = None
+    if with_logprobs and no_final and takes_keep:
+        keep = "mask" if slices_logits_by_mask(model) else "positions"
     # keys only: the pass also stops once every key is captured (KeyCapture's stop_after), so the layers above the
     # deepest key (for ffn_in@-1: the last FFN, the final norm, the head) are not computed; the keys are the same
     stop = not with_logprobs and bool(specs)
     for batch in batches:
         ids, mask = (t.to(device) for t in collate(batch, pad_id))
-        keep, logit_rows = _scored_logits(batch, ids.shape, device, keep_scored, per_window, skip_head)
+        kept, logit_rows = _scored_logits(batch, ids.shape, device, keep) if with_logprobs else (skip_head, None)
         with KeyCapture(model, specs, stop_after=stop) as cap, head:
             run = cap.run if stop else model
-            out = run(input_ids=ids, attention_mask=mask, use_cache=False, **keep)
+            out = run(input_ids=ids, attention_mask=mask, use_cache=False, **kept)
             captured = {s: cap.keys_by_spec[s] for s in specs}
         outputs = []
         for b, w in enumerate(batch):
@@ -159,50 +170,49 @@ def forward_windows(
         yield outputs
 
 
-def _slices_by_mask(model: torch.nn.Module) -> bool:
-    """Whether ``model`` slices its head's input with transformers' ``slice_logits_to_keep``, which takes a boolean
-    ``[batch, length]`` mask (every architecture of transformers 5; older or remote code may take an int or a 1-D
-    tensor of positions only)."""
+@functools.cache
+def _class_slices_by_mask(cls: type) -> bool:
     try:
-        return "slice_logits_to_keep" in inspect.getsource(type(model).forward)
+        return "slice_logits_to_keep" in inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
+
+
+def slices_logits_by_mask(model: torch.nn.Module) -> bool:
+    """Whether ``model`` slices its head's input with transformers' ``slice_logits_to_keep``, which takes a boolean
+    ``[batch, length]`` mask (every architecture of transformers 5; older or remote code may take an int or a 1-D
+    tensor of positions only). Read once per model class."""
+    return _class_slices_by_mask(type(model))
 
 
 RowReader = Callable[[torch.Tensor, int], torch.Tensor]  # (logits, b) -> window b's scored rows [n, V]
 
 
 def _scored_logits(
-    batch: Sequence[Window],
-    shape: torch.Size,
-    device: torch.device,
-    keep_scored: bool,
-    per_window: bool,
-    otherwise: dict,
+    batch: Sequence[Window], shape: torch.Size, device: torch.device, keep: str | None
 ) -> tuple[dict, RowReader]:
-    """The ``logits_to_keep`` argument for a batch and how to read window ``b``'s scored rows from the logits.
+    """The ``logits_to_keep`` argument of a scoring batch and how to read window ``b``'s scored rows from the logits.
 
-    ``per_window``: a boolean mask of exactly the scored positions (the model returns them flattened, window after
-    window); else, with ``keep_scored``, the positions from the first any window scores; else every position (or
-    ``otherwise``, the keys-only pass's last position).
+    ``keep``: ``"mask"``, a boolean mask of exactly the scored positions (the model returns them flattened, window
+    after window); ``"positions"``, the positions from the first any window scores; None, every position.
     """
     spans = [(w.score_from - 1, len(w.input_ids) - 1) for w in batch]  # positions before each scored target
-    if per_window:
+    if keep == "mask":
         mask = torch.zeros(shape, dtype=torch.bool)
         for b, (lo, hi) in enumerate(spans):
             mask[b, lo:hi] = True
         offsets = np.cumsum([0] + [hi - lo for lo, hi in spans])
         return {"logits_to_keep": mask.to(device)}, lambda logits, b: logits[offsets[b] : offsets[b + 1]]
-    first = min(lo for lo, _ in spans) if keep_scored else 0  # row 0 of the logits is this position
-    keep = {"logits_to_keep": torch.arange(first, shape[1], device=device)} if first > 0 else otherwise
-    return keep, lambda logits, b: logits[b, spans[b][0] - first : spans[b][1] - first]
+    first = min(lo for lo, _ in spans) if keep == "positions" else 0  # row 0 of the logits is this position
+    kept = {"logits_to_keep": torch.arange(first, shape[1], device=device)} if first > 0 else {}
+    return kept, lambda logits, b: logits[b, spans[b][0] - first : spans[b][1] - first]
 
 
 def lm_entropy(logp: torch.Tensor) -> torch.Tensor:
     """H(p) = -sum_w p(w) log p(w) per row of log-probabilities ``logp`` [n, V], with 0 log 0 = 0.
 
-    One [n, V] buffer beside ``logp`` (the old ``nan_to_num`` pass made two more). Rows with a -inf log-probability (a
-    model that masks tokens) give 0 * -inf = nan in the product; only those rows are summed again with 0 for it.
+    One [n, V] buffer beside ``logp``. Rows with a -inf log-probability (a model that masks tokens) give 0 * -inf =
+    nan in the product; only those rows are summed again with 0 for it.
     """
     terms = logp.exp().mul_(logp)
     entropy = -terms.sum(-1)
