@@ -43,6 +43,7 @@ from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, resolve_stride, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
 from memlm.knnlm.evaluate import lm_scores, score_tokens  # noqa: E402
+from memlm.models.allocator import allocator_state  # noqa: E402
 from memlm.models.compute import (  # noqa: E402
     ATTENTIONS,
     COMPILES,
@@ -313,6 +314,7 @@ def main() -> None:
 
     def save() -> None:
         result["total_s"] = time.perf_counter() - t_start
+        result["allocator"] = allocator_state()
         atomic_write_json(args.out, result)
 
     peak = {"peak_gflops": {"float32": None, "bfloat16": None, "int8": None}}

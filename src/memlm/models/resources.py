@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from memlm.errors import MemlmError
+from memlm.models.allocator import tune_allocator
 from memlm.storage.fileio import dumps_json
 
 if TYPE_CHECKING:  # torch and transformers are imported where used: `memlm corpora` should not pay for them
@@ -237,7 +238,9 @@ def _load_error(name: str, kind: str, error: BaseException) -> MemlmError:
 
 
 def _finish(model: PreTrainedModel, tok: PreTrainedTokenizerBase, name: str, dtype: torch.dtype):
-    """Shared tail of the loaders: dtype, eval mode, pad token, and the name the model was loaded by."""
+    """Shared tail of the loaders: dtype, eval mode, pad token, the name the model was loaded by, and the C
+    allocator tuned for the forward pass (:func:`memlm.models.allocator.tune_allocator`)."""
+    tune_allocator()
     model = model.to(dtype)
     model.eval()
     if tok.pad_token is None and tok.eos_token is not None:

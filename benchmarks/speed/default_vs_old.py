@@ -1,0 +1,195 @@
+"""Today's default path against the default the issue was filed under, in one run (issue 34's targets).
+
+Each row is ``memlm eval``'s scoring (``lm_scores``: windows 1024 / 512, batch 4, the ``ffn_in@-1`` key kept) and
+``datastore build``'s key pass (``build_datastore``) on the same WikiText-2 text, timed in its own process with the
+code of one commit on ``PYTHONPATH`` and ``--dtype auto`` as that commit resolves it. The old code is ``git archive``d
+from ``--old-commit`` (default: the commit before issue 34's first change, where ``auto`` picked bfloat16 on any
+AVX512-BF16 CPU). Rows alternate old / new ``--repeats`` times, each started on an idle machine
+(``protocol.wait_for_idle``), so a drift of the machine shows up in both. The child uses only APIs both commits have
+(``load_causal_lm``, ``lm_scores``, ``build_datastore``, ``load_documents``, ``limit_documents``).
+
+    python benchmarks/speed/default_vs_old.py --out docs/results/speed/default_vs_old.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import protocol  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+OLD_COMMIT = "6fa906e^"  # the parent of 'models.compute: compute paths ...', issue 34's first code change
+
+
+def allocator() -> dict[str, Any]:
+    """What memlm did to the C allocator in this process (the old code had no such module)."""
+    try:
+        from memlm.models.allocator import allocator_state
+    except ImportError:
+        return {"tuned": False, "reason": "this commit has no memlm.models.allocator"}
+    return allocator_state()
+
+
+def child(args: argparse.Namespace) -> None:
+    """One row: load, warm up, time the scoring and the key pass; print one JSON line."""
+    import numpy as np
+
+    from memlm.data.corpora import load_documents
+    from memlm.data.windows import limit_documents
+    from memlm.knnlm.evaluate import lm_scores
+    from memlm.models.keys import KeySpec
+    from memlm.models.resources import default_dtype, load_causal_lm
+    from memlm.storage.datastore import build_datastore
+
+    spec = KeySpec("ffn_in", -1)
+    dtype = default_dtype()
+    t0 = time.perf_counter()
+    model, tok = load_causal_lm(args.model, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    docs = limit_documents(load_documents("wiki", "test"), tok, args.tokens)
+    build_docs = limit_documents(load_documents("wiki", "train"), tok, args.build_tokens)
+    lm_scores(model, tok, docs[:1], [spec], 128, 64, 1, False)  # warm-up
+    t0 = time.perf_counter()
+    ts, queries, _ = lm_scores(model, tok, docs, [spec], 1024, 512, 4, False)
+    eval_s = time.perf_counter() - t0
+    lp = ts.lm_logprob.astype(np.float64)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        ds = build_datastore(
+            model,
+            tok,
+            build_docs,
+            Path(tmp) / "ds",
+            window=1024,
+            min_context=512,
+            batch_size=4,
+            progress=False,
+            overwrite=True,
+        )
+        build_s = time.perf_counter() - t0
+        entries = len(ds)
+    np.save(args.keys_out, queries[spec][:2000].astype(np.float32))
+    print(
+        json.dumps(
+            {
+                "dtype": dtype,
+                "load_s": load_s,
+                "tokens": len(ts),
+                "eval_s": eval_s,
+                "eval_tok_per_s": len(ts) / eval_s,
+                "ppl": float(np.exp(-lp.mean())),
+                "build_entries": entries,
+                "build_s": build_s,
+                "build_entries_per_s": entries / build_s,
+                "peak_rss_mib": protocol.peak_rss_mib(),
+                "allocator": allocator(),
+            }
+        )
+    )
+
+
+def export_src(commit: str, where: Path) -> Path:
+    """The ``src/`` tree of ``commit`` under ``where`` (git archive: no worktree left behind)."""
+    data = subprocess.run(["git", "-C", str(REPO), "archive", commit, "src"], check=True, capture_output=True).stdout
+    tar = where / "src.tar"
+    tar.write_bytes(data)
+    with tarfile.open(tar) as t:
+        t.extractall(where, filter="data")
+    return where / "src"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="JSON file of the results")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, default=20_000, help="scored WikiText-2 test tokens")
+    p.add_argument("--build-tokens", type=int, default=8_000, help="WikiText-2 train tokens for the key pass")
+    p.add_argument("--old-commit", default=OLD_COMMIT)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--wait-idle", type=float, default=600)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--keys-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    if not args.out:
+        sys.exit("--out is required")
+    old_sha = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", args.old_commit], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    new_sha = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    result: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]),
+        "machine": protocol.machine(),
+        "old_commit": old_sha,
+        "new_commit": new_sha,
+        "rows": [],
+    }
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        srcs = {"old": export_src(old_sha, Path(tmp)), "new": REPO / "src"}
+        for rep in range(args.repeats):
+            for which in ("old", "new"):
+                idle = protocol.wait_for_idle(protocol.IDLE_BUSY, protocol.IDLE_LOAD, max_wait=args.wait_idle)
+                keys = Path(tmp) / f"keys-{which}.npy"
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    "--model",
+                    args.model,
+                    "--tokens",
+                    str(args.tokens),
+                    "--build-tokens",
+                    str(args.build_tokens),
+                    "--keys-out",
+                    str(keys),
+                ]
+                env = {**os.environ, "PYTHONPATH": str(srcs[which])}
+                env.pop("MEMLM_DEFAULT_DTYPE", None)
+                out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+                row = {"code": which, "repeat": rep, "idle_before": idle, **json.loads(out.strip().splitlines()[-1])}
+                row["load_after"] = protocol.load_average()
+                result["rows"].append(row)
+                print(
+                    f"{which} #{rep}: {row['dtype']} eval {row['eval_tok_per_s']:.1f} tok/s (ppl "
+                    f"{row['ppl']:.6f}), build {row['build_entries_per_s']:.1f} entries/s, load before "
+                    f"{idle['load_avg_before']}",
+                    flush=True,
+                )
+                protocol.save_result(args.out, result)
+        a, b = np.load(Path(tmp) / "keys-old.npy"), np.load(Path(tmp) / "keys-new.npy")
+        err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-12)
+    rows = result["rows"]
+
+    def med(code: str, field: str) -> float:
+        return statistics.median(r[field] for r in rows if r["code"] == code)
+
+    result["summary"] = {
+        "eval_ratio": med("new", "eval_tok_per_s") / med("old", "eval_tok_per_s"),
+        "build_ratio": med("new", "build_entries_per_s") / med("old", "build_entries_per_s"),
+        "ppl_relative_difference": med("old", "ppl") / med("new", "ppl") - 1,
+        "key_error_old_vs_new_p99": float(np.percentile(err, 99)),
+        "key_error_old_vs_new_mean": float(err.mean()),
+    }
+    print(json.dumps(result["summary"], indent=1))
+    protocol.save_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
