@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -85,6 +86,7 @@ import torch  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.models.allocator import allocator_state  # noqa: E402
 from memlm.models.forward import collate  # noqa: E402
 from memlm.models.keys import KeySpec, num_layers  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
@@ -310,7 +312,11 @@ def run_side(args: argparse.Namespace) -> None:
     docs = eval_documents(args, tok)
     run = run_theirs if args.side == "knn-transformers" else run_memlm
     rec, per_token = run(args, model, tok, docs, params)
-    rec.update(dtype=str(next(model.parameters()).dtype).removeprefix("torch."), torch_threads=torch.get_num_threads())
+    rec.update(
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        torch_threads=torch.get_num_threads(),
+        allocator=allocator_state(),
+    )
     np.save(Path(args.work) / f"{args.side}.per_token.npy", per_token.astype(np.float32))
     atomic_write_json(Path(args.work) / f"{args.side}.json", rec)
 
@@ -339,6 +345,14 @@ def main() -> None:
         "--dtype auto, bfloat16 on CPUs with native bf16: then the perplexities differ by that path's error)",
     )
     p.add_argument("--sides", default=",".join(SIDES), help="order of the runs (each in its own process)")
+    p.add_argument(
+        "--their-allocator",
+        choices=("default", "memlm"),
+        default="default",
+        help="the C allocator on knn-transformers' side: default = glibc's defaults, as their code runs (it loads "
+        "through transformers, which leaves the allocator alone; memlm's loader, used here for both sides, would "
+        "tune it, so MEMLM_MALLOC=default is set there); memlm = memlm's tuning on both sides",
+    )
     p.add_argument("--wait-idle", type=float, default=300, help="seconds to wait for an idle machine (default 300)")
     p.add_argument("--force", action="store_true", help="run on a busy machine; results are marked not idle")
     p.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
@@ -367,7 +381,14 @@ def main() -> None:
         "parameters": {**params, "origin": origin},
         "export": protocol.timed("export", lambda: export_datastore(ds, Path(args.work), model_type)),
     }
-    for side in sides:
+    for i, side in enumerate(sides):
+        if i:  # the previous side's own threads must leave the load average before the next is timed
+            result[f"idle_before_{side}"] = protocol.wait_for_idle(
+                protocol.IDLE_BUSY, protocol.IDLE_LOAD, max_wait=args.wait_idle
+            )
+        env = dict(os.environ)
+        if side == "knn-transformers" and args.their_allocator == "default":
+            env["MEMLM_MALLOC"] = "default"
         cmd = [
             sys.executable,
             __file__,
@@ -379,7 +400,7 @@ def main() -> None:
             "--params",
             json.dumps(params),
         ]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, env=env)
         result[side] = json.loads((Path(args.work) / f"{side}.json").read_text())
         print(f"[{side}] {result[side]['tokens_per_s']:.1f} tok/s, ppl {result[side]['ppl']:.4f}", flush=True)
     if len(sides) == 2:
