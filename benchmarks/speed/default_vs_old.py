@@ -117,6 +117,12 @@ def main() -> None:
     p.add_argument("--build-tokens", type=int, default=8_000, help="WikiText-2 train tokens for the key pass")
     p.add_argument("--old-commit", default=OLD_COMMIT)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="pin both sides' --dtype auto through MEMLM_DEFAULT_DTYPE (both commits read it), e.g. float32 for a "
+        "CPU without native bf16 where both defaults are float32 (the AVX2 proxy); default: each commit's own auto",
+    )
     p.add_argument("--wait-idle", type=float, default=600)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--keys-out", help=argparse.SUPPRESS)
@@ -162,6 +168,8 @@ def main() -> None:
                 ]
                 env = {**os.environ, "PYTHONPATH": str(srcs[which])}
                 env.pop("MEMLM_DEFAULT_DTYPE", None)
+                if args.dtype:
+                    env["MEMLM_DEFAULT_DTYPE"] = args.dtype
                 out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
                 row = {"code": which, "repeat": rep, "idle_before": idle, **json.loads(out.strip().splitlines()[-1])}
                 row["load_after"] = protocol.load_average()
