@@ -451,3 +451,51 @@ def test_progress_prints_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_module_exports() -> None:
     assert set(mi.__all__) <= set(dir(mi)) and mi.METRICS == ("l2", "ip")
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_flat_index_search_agrees_with_faiss_own_search(metric: str) -> None:
+    """search() scores a flat index with torch (flat_vectors + exact_search) instead of FAISS's heaps: the same ids
+    and, to float32 rounding, the same scores as FAISS's own IndexFlat.search, padding included."""
+    rng = np.random.default_rng(3)
+    keys = rng.normal(size=(3000, D)).astype(np.float32)
+    queries = rng.normal(size=(50, D)).astype(np.float32)
+    index = faiss.IndexFlatL2(D) if metric == "l2" else faiss.IndexFlatIP(D)
+    index.add(keys)
+    for k in (100, 3005):
+        scores, ids = search(index, queries, k)
+        dist, ref_ids = index.search(queries, min(k, 3000))
+        ref = -dist if metric == "l2" else dist
+        if k == 100:  # neighbours apart by more than rounding: the same order
+            assert np.array_equal(ids, ref_ids)
+        else:  # every key: the same set; keys within rounding of each other may swap places
+            assert np.array_equal(np.sort(ids[:, :3000], axis=1), np.sort(ref_ids, axis=1))
+        np.testing.assert_allclose(scores[:, :3000], ref, rtol=1e-5, atol=1e-4)
+        assert (ids[:, 3000:] == -1).all() and np.isneginf(scores[:, 3000:]).all()
+
+
+def test_only_plain_flat_indexes_take_the_torch_path(monkeypatch) -> None:
+    rng = np.random.default_rng(4)
+    keys = rng.normal(size=(2000, D)).astype(np.float32)
+    flat = faiss.IndexFlatL2(D)
+    flat.add(keys)
+    vectors, metric = mi.flat_vectors(flat)
+    assert metric == "l2" and np.array_equal(vectors, keys)
+    keys[0, 0] += 1.0  # a view of the index's own memory, not a copy made now
+    assert not np.array_equal(mi.flat_vectors(flat)[0][0], keys[0])
+    ivf = faiss.index_factory(D, "IVF8,Flat")
+    ivf.train(keys)
+    ivf.add(keys)
+    hnsw = faiss.index_factory(D, "HNSW8")
+    hnsw.add(keys)
+    idmap = faiss.IndexIDMap(faiss.IndexFlatL2(D))
+    idmap.add_with_ids(keys, np.arange(len(keys)))
+    assert all(mi.flat_vectors(x) is None for x in (ivf, hnsw, idmap, faiss.IndexFlatL2(D)))
+    calls = []
+    real = mi.exact_search
+    monkeypatch.setattr(mi, "exact_search", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    search(flat, keys[:5], 10)
+    assert calls == [1]
+    for other in (ivf, hnsw, idmap):
+        search(other, keys[:5], 10)
+    assert calls == [1]

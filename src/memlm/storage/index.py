@@ -59,6 +59,7 @@ __all__ = [
     "exact_scores",
     "exact_search",
     "expected_source",
+    "flat_vectors",
     "index_metric",
     "load_index",
     "meta_path",
@@ -84,6 +85,8 @@ _FAISS_METRIC = {"l2": faiss.METRIC_L2, "ip": faiss.METRIC_INNER_PRODUCT}
 _FACTORY_HELP = "e.g. 'Flat', 'HNSW32', 'IVF4096,Flat' or 'IVF4096,PQ64' (PQ m must divide the key dimension)"
 # Per-block budget for the float32 temporaries of exact_scores / exact_search.
 _EXACT_BLOCK_BYTES = 64 * 1024**2
+
+_FLAT_CHUNK = 262_144  # keys per step when search() scores a flat index itself (exact_search's chunk_size)
 
 _RESCORE_BLOCK_BYTES = 8 * 1024**2
 """float32 neighbour rows per block of :func:`exact_scores`: small enough for the allocator to reuse the buffers
@@ -758,8 +761,32 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     kk = min(k, ntotal)
     if kk == 0:
         return np.full((q.shape[0], k), -np.inf, np.float32), np.full((q.shape[0], k), -1, np.int64)
+    flat = flat_vectors(index)
+    if flat is not None:  # exact either way; torch's matmul + top-k is ~1.9x FAISS's heaps at k = 1024 here
+        return exact_search(flat[0], q, k, flat[1], chunk_size=_FLAT_CHUNK)
     dist, ids = index.search(q, kk)
     return _to_similarities(dist, ids, index.metric_type == faiss.METRIC_L2, k)
+
+
+def flat_vectors(index: Any) -> tuple[np.ndarray, str] | None:
+    """``(vectors [ntotal, d] float32, metric)`` of a plain CPU flat index (``IndexFlat``, ``IndexFlatL2``,
+    ``IndexFlatIP``), a view of the index's own memory (no copy; valid while the index lives); ``None`` for any other
+    index (IVF, PQ, HNSW, a GPU index, a wrapper) or an empty one.
+
+    :func:`search` answers such an index with :func:`exact_search` on these vectors instead of FAISS's own search:
+    both are exact (every key scored), but FAISS keeps one heap per query, which at the kNN-LM's k = 1,024 costs
+    ~1 ms per query on 2 cores (43,344 keys: 1,053 queries/s), against 1,943 for torch's matmul and ``topk``
+    (``docs/BENCHMARKS.md``, "Session 40"). Scores agree to float32 rounding (the same
+    ``||q||^2 - 2 q.k + ||k||^2``, summed in another order); neighbours tied to the last bit may come in another
+    order.
+    """
+    if type(index).__name__ not in ("IndexFlat", "IndexFlatL2", "IndexFlatIP") or int(index.ntotal) == 0:
+        return None
+    metric = {faiss.METRIC_L2: "l2", faiss.METRIC_INNER_PRODUCT: "ip"}.get(index.metric_type)
+    if metric is None:
+        return None
+    n, d = int(index.ntotal), int(index.d)
+    return faiss.rev_swig_ptr(index.get_xb(), n * d).reshape(n, d), metric
 
 
 def _to_similarities(dist: np.ndarray, ids: np.ndarray, is_l2: bool, k: int) -> tuple[np.ndarray, np.ndarray]:
