@@ -494,8 +494,11 @@ def test_only_plain_flat_indexes_take_the_torch_path(monkeypatch) -> None:
     calls = []
     real = mi.exact_search
     monkeypatch.setattr(mi, "exact_search", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    search(flat, keys[:5], 10)
+    blas = mi.FLAT_BATCH_QUERIES
+    assert mi.blas_threshold() == blas  # FAISS 1.15's own threshold is 128,000
+    search(flat, keys[:blas], 10)
     assert calls == [1]
+    search(flat, keys[: blas - 1], 10)  # fewer queries: FAISS's own query-by-query path, as before
     for other in (ivf, hnsw, idmap):
-        search(other, keys[:5], 10)
+        search(other, keys[:blas], 10)
     assert calls == [1]

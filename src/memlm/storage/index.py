@@ -59,6 +59,7 @@ __all__ = [
     "exact_scores",
     "exact_search",
     "expected_source",
+    "FLAT_BATCH_QUERIES",
     "flat_vectors",
     "index_metric",
     "load_index",
@@ -87,6 +88,8 @@ _FACTORY_HELP = "e.g. 'Flat', 'HNSW32', 'IVF4096,Flat' or 'IVF4096,PQ64' (PQ m m
 _EXACT_BLOCK_BYTES = 64 * 1024**2
 
 _FLAT_CHUNK = 262_144  # keys per step when search() scores a flat index itself (exact_search's chunk_size)
+FLAT_BATCH_QUERIES = 20
+"""From this many queries :func:`search` scores a flat index by one matmul (batch-dependent rounding, as BLAS)."""
 
 _RESCORE_BLOCK_BYTES = 8 * 1024**2
 """float32 neighbour rows per block of :func:`exact_scores`: small enough for the allocator to reuse the buffers
@@ -687,8 +690,11 @@ def set_threads(n: int) -> None:
 
 
 def blas_threshold() -> int:
-    """FAISS's ``distance_compute_blas_threshold``: below this many queries it scores one query at a time."""
-    return int(faiss.cvar.distance_compute_blas_threshold)
+    """Below this many queries :func:`search` scores one query at a time, so a query's result does not depend on the
+    batch it came in: FAISS's ``distance_compute_blas_threshold`` (20 in older FAISS; FAISS 1.15.1 reports 128,000),
+    capped at ``FLAT_BATCH_QUERIES`` (20), from which a flat index is scored by a batched matmul
+    (:func:`flat_vectors`)."""
+    return min(int(faiss.cvar.distance_compute_blas_threshold), FLAT_BATCH_QUERIES)
 
 
 def flat_ip_index(vectors: np.ndarray) -> faiss.Index:
@@ -754,6 +760,8 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     Returns ``(scores, ids)``: ``float32 [Q, k]`` similarities (``-squared L2`` for l2 indexes, inner product
     for ip; larger = closer, rows sorted descending) and ``int64 [Q, k]`` key ids. Slots with no neighbour
     (``k > index.ntotal``, or too few keys in the probed IVF lists) get ``id = -1`` and ``score = -inf``.
+    A plain CPU flat index searched with at least ``FLAT_BATCH_QUERIES`` (20) queries is scored by
+    :func:`exact_search` on its own vectors (:func:`flat_vectors`); fewer queries, and every other index, by FAISS.
     """
     k = _check_k(k)
     q = _check_queries(queries, int(index.d))
@@ -762,7 +770,9 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     if kk == 0:
         return np.full((q.shape[0], k), -np.inf, np.float32), np.full((q.shape[0], k), -1, np.int64)
     flat = flat_vectors(index)
-    if flat is not None:  # exact either way; torch's matmul + top-k is ~1.9x FAISS's heaps at k = 1024 here
+    if flat is not None and q.shape[0] >= FLAT_BATCH_QUERIES:
+        # exact either way; torch's matmul + top-k is ~1.9x FAISS's per-query scan at k = 1024 here. Fewer queries
+        # go to FAISS one by one, as before: their scores then do not depend on the batch (blas_threshold).
         return exact_search(flat[0], q, k, flat[1], chunk_size=_FLAT_CHUNK)
     dist, ids = index.search(q, kk)
     return _to_similarities(dist, ids, index.metric_type == faiss.METRIC_L2, k)
@@ -775,10 +785,10 @@ def flat_vectors(index: Any) -> tuple[np.ndarray, str] | None:
 
     :func:`search` answers such an index with :func:`exact_search` on these vectors instead of FAISS's own search:
     both are exact (every key scored), but FAISS keeps one heap per query, which at the kNN-LM's k = 1,024 costs
-    ~1 ms per query on 2 cores (43,344 keys: 1,053 queries/s), against 1,943 for torch's matmul and ``topk``
-    (``docs/BENCHMARKS.md``, "Session 40"). Scores agree to float32 rounding (the same
-    ``||q||^2 - 2 q.k + ||k||^2``, summed in another order); neighbours tied to the last bit may come in another
-    order.
+    ~1 ms per query on 2 cores (43,344 keys: 1,070 queries/s), against 1,984 for torch's matmul and ``topk``
+    (``docs/BENCHMARKS.md``, "Session 40"). Scores agree to float32 rounding (the same ``||q||^2 - 2 q.k +
+    ||k||^2``, summed in another order); neighbours tied to the last bit may come in another order. Fewer than
+    ``FLAT_BATCH_QUERIES`` queries still go to FAISS (see :func:`blas_threshold`).
     """
     if type(index).__name__ not in ("IndexFlat", "IndexFlatL2", "IndexFlatIP") or int(index.ntotal) == 0:
         return None
