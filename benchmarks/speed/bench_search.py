@@ -32,7 +32,7 @@ from memlm.storage.index import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from protocol import machine, save_result  # noqa: E402
+from protocol import IDLE_BUSY, IDLE_LOAD, load_average, machine, save_result, wait_for_idle  # noqa: E402
 
 DEFAULT_FACTORIES = ("IVF1024,PQ64", "Flat")
 
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results = []
+    idle = wait_for_idle(IDLE_BUSY, IDLE_LOAD)  # recorded; a busy machine is marked idle: false, not refused
     with tempfile.TemporaryDirectory(prefix="memlm-bench-") as tmp:
         for factory in factories:
             results.append(bench_factory(keys, queries, factory, args.k, args.nprobe, args.repeats, Path(tmp)))
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "search",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine(),
+        "idle_before": idle,
+        "load_avg_after": load_average(),
         "results": results,
     }
     save_result(args.json, report)

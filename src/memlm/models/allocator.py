@@ -4,8 +4,9 @@ A transformer layer on CPU allocates and frees the same few activation buffers e
 ``[4, 1024]`` batch: the FFN's ``[4, 1024, 1536]`` float32 tensors are 24 MiB each). With glibc's defaults those
 buffers are either ``mmap``ed (above a threshold that starts at 128 KiB) or, once the threshold has adapted, taken from
 the heap whose free top is handed back to the kernel as soon as it exceeds twice that threshold. Either way the next
-layer touches fresh pages: measured here (2 cores, float32), 0.6-0.7 M minor page faults and 1.0-1.2 s of kernel time
-per ``[4, 1024]`` forward, 10-15% of its wall time (``docs/BENCHMARKS.md``, "the allocator").
+layer touches fresh pages: on 2 idle cores (float32, SmolLM2-135M), 444-456k minor page faults and 0.74-0.81 s of
+kernel time per ``[4, 1024]`` forward of 4.7-4.8 s; tuned, the body runs 1.095x as fast
+(``docs/results/speed/allocator_session40.json``; ``docs/BENCHMARKS.md``, "Session 40").
 
 :func:`tune_allocator` sets two of glibc's knobs once per process, the same ones the ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` environment variables set at start-up:
