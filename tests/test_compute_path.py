@@ -166,8 +166,8 @@ def test_cpu_flags_reads_the_features_it_names(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_real_model_key_error_within_the_stated_error():
-    """SmolLM2-135M, ffn_in@-1 on ~2k WikiText-2 test tokens: each path's p99 relative key error against float32 is
-    at most KEY_ERROR's (the numbers the datastore check uses)."""
+    """SmolLM2-135M, ffn_in@-1 on ~2k `wiki` test tokens (Wikipedia lead sections): each path's p99 relative key error
+    against float32 is at most KEY_ERROR's (the numbers the datastore check uses)."""
     from memlm.data.corpora import load_documents
     from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
     from memlm.models.resources import load_causal_lm
@@ -176,14 +176,15 @@ def test_real_model_key_error_within_the_stated_error():
 
     def run(path: ComputePath) -> np.ndarray:
         model, tok = load_causal_lm("smollm2-135m", dtype=path.dtype)
-        apply_compute_path(model, path)
+        apply_compute_path(model, path, tokenizer=tok)
         docs = limit_documents(load_documents("wiki", "test"), tok, 2048)
         windows = sliding_windows(tokenize_documents(docs, tok), 512, 256)
         out = [o.keys[spec] for b in forward_windows(model, batched(windows, 2), [spec], False) for o in b]
         return np.concatenate(out)
 
     ref = run(ComputePath("float32"))
-    for path in (ComputePath("bfloat16"), ComputePath("float32", quantize="int8-dynamic")):
+    paths = ("bfloat16", "none"), ("float32", "int8-dynamic"), ("float32", "int8")
+    for path in (ComputePath(d, quantize=q) for d, q in paths):
         e = relative_key_error(run(path), ref)
         assert np.percentile(e, 99) <= KEY_ERROR[(path.dtype, path.quantize)], path.label()
 

@@ -1,7 +1,8 @@
 """Today's default path against the default the issue was filed under, in one run (issue 34's targets).
 
 Each row is ``memlm eval``'s scoring (``lm_scores``: windows 1024 / 512, batch 4, the ``ffn_in@-1`` key kept) and
-``datastore build``'s key pass (``build_datastore``) on the same WikiText-2 text, timed in its own process with the
+``datastore build``'s key pass (``build_datastore``) on the same text (``--corpus``: its test split scored, its train
+split keyed; default ``wiki``, the Wikipedia lead sections), timed in its own process with the
 code of one commit on ``PYTHONPATH`` and ``--dtype auto`` as that commit resolves it. The old code is ``git archive``d
 from ``--old-commit`` (default: the commit before issue 34's first change, where ``auto`` picked bfloat16 on any
 AVX512-BF16 CPU). Rows alternate old / new ``--repeats`` times, each started on an idle machine
@@ -9,6 +10,7 @@ AVX512-BF16 CPU). Rows alternate old / new ``--repeats`` times, each started on 
 (``load_causal_lm``, ``lm_scores``, ``build_datastore``, ``load_documents``, ``limit_documents``).
 
     python benchmarks/speed/default_vs_old.py --out docs/results/speed/default_vs_old.json
+    python benchmarks/speed/default_vs_old.py --corpus wikitext2 --new-quantize int8 --out ...   # the int8 path
 """
 
 from __future__ import annotations
@@ -56,9 +58,14 @@ def child(args: argparse.Namespace) -> None:
     dtype = default_dtype()
     t0 = time.perf_counter()
     model, tok = load_causal_lm(args.model, dtype=dtype)
+    quantize = os.environ.get("MEMLM_BENCH_QUANTIZE", "none")
+    if quantize != "none":  # only the new code's side (--new-quantize)
+        from memlm.models.compute import ComputePath, apply_compute_path
+
+        apply_compute_path(model, ComputePath(dtype, quantize=quantize), tokenizer=tok)
     load_s = time.perf_counter() - t0
-    docs = limit_documents(load_documents("wiki", "test"), tok, args.tokens)
-    build_docs = limit_documents(load_documents("wiki", "train"), tok, args.build_tokens)
+    docs = limit_documents(load_documents(args.corpus, "test"), tok, args.tokens)
+    build_docs = limit_documents(load_documents(args.corpus, "train"), tok, args.build_tokens)
     lm_scores(model, tok, docs[:1], [spec], 128, 64, 1, False)  # warm-up
     t0 = time.perf_counter()
     ts, queries, _ = lm_scores(model, tok, docs, [spec], 1024, 512, 4, False)
@@ -84,6 +91,8 @@ def child(args: argparse.Namespace) -> None:
         json.dumps(
             {
                 "dtype": dtype,
+                "quantize": quantize,
+                "corpus": args.corpus,
                 "load_s": load_s,
                 "tokens": len(ts),
                 "eval_s": eval_s,
@@ -113,8 +122,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="JSON file of the results")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=20_000, help="scored WikiText-2 test tokens")
-    p.add_argument("--build-tokens", type=int, default=8_000, help="WikiText-2 train tokens for the key pass")
+    p.add_argument(
+        "--corpus",
+        default="wiki",
+        help="named corpus: its test split is scored, its train split keyed (default wiki, the Wikipedia lead "
+        "sections the session-40 rows used; wikitext2 for WikiText-2)",
+    )
+    p.add_argument("--tokens", type=int, default=20_000, help="scored test tokens")
+    p.add_argument("--build-tokens", type=int, default=8_000, help="train tokens for the key pass")
+    p.add_argument(
+        "--new-quantize",
+        default="none",
+        help="put the new code's side on --quantize QUANTIZE (e.g. int8) after loading in its default dtype",
+    )
     p.add_argument("--old-commit", default=OLD_COMMIT)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
@@ -163,11 +183,14 @@ def main() -> None:
                     str(args.tokens),
                     "--build-tokens",
                     str(args.build_tokens),
+                    "--corpus",
+                    args.corpus,
                     "--keys-out",
                     str(keys),
                 ]
                 env = {**os.environ, "PYTHONPATH": str(srcs[which])}
                 env.pop("MEMLM_DEFAULT_DTYPE", None)
+                env["MEMLM_BENCH_QUANTIZE"] = args.new_quantize if which == "new" else "none"
                 if args.dtype:
                     env["MEMLM_DEFAULT_DTYPE"] = args.dtype
                 out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout

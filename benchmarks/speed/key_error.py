@@ -1,7 +1,8 @@
 """Relative key error and perplexity difference of each compute path against float32 (memlm.models.compute.KEY_ERROR).
 
-Scores the same leading tokens of WikiText-2 test with SmolLM2-135M on each path (windows 512, min-context 256, batch
-2) and compares the ``ffn_in@-1`` keys, ``e = ||k - k_fp32|| / ||k_fp32||`` per key, and the perplexity. Not a timing:
+Scores the same leading tokens of the `wiki` corpus' test split (Wikipedia lead sections) with SmolLM2-135M on each path
+(windows 512, min-context 256, batch 2) and compares the ``ffn_in@-1`` keys, ``e = ||k - k_fp32|| / ||k_fp32||`` per
+key, and the perplexity. Not a timing:
 it may run on a busy machine. ``--int8-variants`` adds two int8 quantizations that are not paths (per-channel weights;
 every linear but ``down_proj``), to show where int8's error comes from::
 

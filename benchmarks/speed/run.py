@@ -8,12 +8,13 @@ after each step):
 1. peak: matrix products at SmolLM2-135M's shapes in float32, bfloat16 and int8 (``peak.py``), GFLOP/s;
 2. input: tokenization and windowing of the evaluation text (seconds, tokens/s);
 3. candidates: ``memlm eval``'s forward pass without a datastore (LM log-probabilities + the ``ffn_in`` queries) on
-   the same ``--tokens`` of WikiText-2 test for each compute path of ``--paths`` (float32 first: the reference):
-   tokens/s, its ratio to today's default (``--dtype auto`` on this machine), achieved GFLOP/s and its share of the
+   the same ``--tokens`` of the ``wiki`` corpus' test split (Wikipedia lead sections) for each compute path of
+   ``--paths`` (float32 first: the reference): tokens/s, its ratio to today's default (``--dtype auto`` on this
+   machine), achieved GFLOP/s and its share of the
    peak of its dtype, perplexity difference and relative key error against float32;
 4. profile: the same forward pass by component (``components.py``) for float32 and the default path, eval-style
    (log-probabilities + keys) and build-style (keys only), on the first ``--profile-windows`` windows;
-5. build: ``datastore build`` of ``--build-tokens`` of WikiText-2 train on each of ``--build-paths``: entries/s;
+5. build: ``datastore build`` of ``--build-tokens`` of ``wiki`` train on each of ``--build-paths``: entries/s;
 6. kNN eval: ``memlm eval`` with the default path's datastore (or ``--datastore``) on ``--knn-tokens``, without and
    with ``--pipeline``: tokens/s, forward and search seconds;
 7. FAISS sweep: the kNN eval's queries searched at each of ``--faiss-batches`` x ``--faiss-threads``: queries/s.
@@ -264,7 +265,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file of the results")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=20_000, help="WikiText-2 test tokens per candidate (step 3)")
+    p.add_argument("--tokens", type=int, default=20_000, help="wiki test tokens per candidate (step 3)")
     p.add_argument(
         "--paths",
         default="float32,bfloat16,float32+eager,float32+int8-dynamic",

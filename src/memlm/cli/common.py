@@ -98,7 +98,7 @@ def _load_model(name: str, dtype: str, path_args: argparse.Namespace | None = No
     if path is not None:
         from memlm.models.compute import apply_compute_path
 
-        model = apply_compute_path(model, path)
+        model = apply_compute_path(model, path, tokenizer=tok)
     return model, tok
 
 
@@ -182,11 +182,13 @@ def add_compute_path(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize",
         default="none",
-        choices=["none", "int8-dynamic"],
-        help="dynamic int8 for the decoder layers' linear layers (needs --dtype float32; the output head "
-        "and log-softmax stay float32). A measurement option: on SmolLM2-135M it moved perplexity by "
-        "+283%% and keys by 78%% (p99) against float32, so a datastore built one way is refused the other "
-        "way (memlm.models.compute)",
+        choices=["none", "int8", "int8-dynamic"],
+        help="int8: the decoder's linear layers (but the feed-forward down projections and the last layer) as "
+        "int8 products, one scale per token and per output channel, SmoothQuant-smoothed on 2,048 tokens of the "
+        "wiki corpus (needs --dtype float32; memlm.models.int8). int8-dynamic: torch's dynamic int8 linear, one "
+        "activation scale per batch: a measurement option, +283%% perplexity on SmolLM2-135M. The head and "
+        "log-softmax stay float32; a datastore built on one path is checked when queried on another "
+        "(memlm.models.compute)",
     )
 
 

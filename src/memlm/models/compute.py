@@ -13,9 +13,12 @@ part                      choices
 ``compile``               ``none`` or ``inductor``: the attention and feed-forward blocks of each decoder layer
                           compiled with ``torch.compile`` (their *modules* keep their hooks: keys by role still
                           come from :class:`memlm.models.keys.KeyCapture`)
-``quantize``              ``none`` or ``int8-dynamic``: the decoder layers' ``nn.Linear`` replaced by torch's
-                          dynamic int8 linear (weights int8, activations quantized per batch; VNNI where the CPU
-                          has it). The output projection stays float32, so the LM log-softmax stays float32.
+``quantize``              ``none``, ``int8`` or ``int8-dynamic``. ``int8``: the decoder's linear layers but the
+                          feed-forward down projections and the last layer's as int8 products with one scale per
+                          token and per output channel, SmoothQuant-smoothed (:mod:`memlm.models.int8`; VNNI or
+                          AMX-INT8 where the CPU has them). ``int8-dynamic``: every decoder ``nn.Linear`` replaced
+                          by torch's dynamic int8 linear (one activation scale per batch). The output projection
+                          stays float32 in both, so the LM log-softmax stays float32.
 ========================  =======================================================================================
 
 Each path's keys differ from float32's by a relative error ``e = ||k_path - k_fp32|| / ||k_fp32||`` per key
@@ -59,15 +62,16 @@ __all__ = [
 
 ATTENTIONS = ("sdpa", "eager")
 COMPILES = ("none", "inductor")
-QUANTIZATIONS = ("none", "int8-dynamic")
+QUANTIZATIONS = ("none", "int8", "int8-dynamic")
 
 #: CPU features that decide which path is fast (x86 names as /proc/cpuinfo spells them; Arm's bf16 / i8mm too)
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8",
                 "amx_tile", "bf16", "i8mm")  # fmt: skip
 
 #: an upper bound of the 99th percentile of the relative key error against float32, per (dtype, quantize) part of the
-#: path. Measured on SmolLM2-135M, ffn_in@29, 1,980 WikiText-2 test tokens (windows 512, min-context 256;
-#: docs/results/speed/key_error.json, benchmarks/speed/key_error.py): bfloat16 p99 0.028, max 0.037, perplexity
+#: path. Measured on SmolLM2-135M, ffn_in@29, 1,980 `wiki` test tokens (Wikipedia lead sections) (windows 512, min-
+#: context 256; docs/results/speed/key_error.json, benchmarks/speed/key_error.py): bfloat16 p99 0.028, max 0.037,
+#: perplexity
 #: -0.11%; int8-dynamic (per-tensor activations) p99 0.78, max 1.21, perplexity +283% (per-channel weights: p99 0.77,
 #: +237%; every linear but down_proj, per-channel: p99 0.31, +23%): SmolLM2's activation outliers defeat dynamic
 #: int8, so that path is a measurement option, not one to build or report with.
@@ -78,6 +82,7 @@ KEY_ERROR: dict[tuple[str, str], float] = {
     ("float32", "none"): 0.0,
     ("bfloat16", "none"): 0.04,
     ("float16", "none"): 0.04,
+    ("float32", "int8"): 0.08,
     ("float32", "int8-dynamic"): 0.8,
 }
 
@@ -102,9 +107,10 @@ class ComputePath:
                                      ("quantize", self.quantize, QUANTIZATIONS)):  # fmt: skip
             if value not in allowed:
                 raise MemlmError(f"unknown --{name} {value!r}: use one of {', '.join(allowed)}")
-        if self.quantize == "int8-dynamic" and self.dtype != "float32":
+        if self.quantize != "none" and self.dtype != "float32":
             raise MemlmError(
-                f"--quantize int8-dynamic quantizes float32 linear layers, not {self.dtype} ones: pass --dtype float32"
+                f"--quantize {self.quantize} quantizes float32 linear layers, not {self.dtype} ones: pass --dtype "
+                "float32"
             )
 
     def label(self) -> str:
@@ -137,7 +143,7 @@ def _set_attention(model: nn.Module, attention: str) -> None:
         raise MemlmError(f"{type(model).__name__} does not support --attention {attention}: {e}") from None
 
 
-def _quantize_int8(model: nn.Module) -> None:
+def _quantize_int8_dynamic(model: nn.Module) -> None:
     """Replace the decoder layers' ``nn.Linear`` by torch's dynamic int8 linear, in place (the head stays)."""
     try:
         from torch.ao.quantization import quantize_dynamic
@@ -164,8 +170,15 @@ def _compile_blocks(model: nn.Module) -> None:
                 block.forward = torch.compile(block.forward, dynamic=True)
 
 
-def apply_compute_path(model: nn.Module, path: ComputePath) -> nn.Module:
-    """Put ``model`` (loaded in ``path.dtype``) on ``path``, in place; returns it. Record the path on the model."""
+def apply_compute_path(
+    model: nn.Module, path: ComputePath, tokenizer: Any = None, calibration_texts: list[str] | None = None
+) -> nn.Module:
+    """Put ``model`` (loaded in ``path.dtype``) on ``path``, in place; returns it. Record the path on the model.
+
+    ``--quantize int8`` calibrates on text, so it needs the model's ``tokenizer`` (``calibration_texts`` default: the
+    ``wiki`` corpus' train split, :func:`memlm.models.int8.quantize_int8`)."""
+    if path.quantize == "int8" and tokenizer is None:
+        raise MemlmError("--quantize int8 calibrates on text: pass the model's tokenizer to apply_compute_path")
     have = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
     if have != path.dtype:
         raise MemlmError(f"the model was loaded in {have}, but the compute path asks for {path.dtype}: load it so")
@@ -179,7 +192,11 @@ def apply_compute_path(model: nn.Module, path: ComputePath) -> nn.Module:
     if path.attention != current:
         _set_attention(model, path.attention)
     if path.quantize == "int8-dynamic":
-        _quantize_int8(model)
+        _quantize_int8_dynamic(model)
+    if path.quantize == "int8":
+        from memlm.models.int8 import quantize_int8
+
+        model.memlm_int8 = quantize_int8(model, tokenizer, calibration_texts)
     if path.compile == "inductor":
         _compile_blocks(model)
     model.memlm_compute_path = path
@@ -207,6 +224,7 @@ def describe_compute_path(model: nn.Module) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
         "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+        **({"int8": model.memlm_int8} if getattr(model, "memlm_int8", None) else {}),
         "machine": platform.machine(),
         "cpu_flags": cpu_flags(),
     }

@@ -1,0 +1,225 @@
+"""Int8 matrix products with per-token activation scales and SmoothQuant smoothing: the ``--quantize int8`` compute
+path (issue 34; opt-in, see :mod:`memlm.models.compute`).
+
+Each quantized linear layer ``y = x Wᵀ`` of the decoder computes (Xiao et al. 2023, "SmoothQuant", Eqs. 1-4, with
+the per-token activation and per-channel weight granularity of their Table 2):
+
+    x' = x / σ            W' = W · diag(σ)                          (Eq. 3: the same product, outliers moved to W)
+    s_x[t] = max_j |x'[t, j]| / 127        s_w[o] = max_j |W'[o, j]| / 127
+    y[t, o] = s_x[t] · s_w[o] · Σ_j round(x'[t, j] / s_x[t]) · round(W'[o, j] / s_w[o])
+
+with the integer sum by ``torch._int_mm`` (int8 × int8 → int32: VNNI or AMX-INT8 where the CPU has them) and
+``σ_j = max|X_j|^α / max|W_j|^(1-α)`` (Eq. 4, α = 0.5) from the largest input activations seen on a calibration
+text (:data:`CALIBRATION_TOKENS` tokens of the ``wiki`` corpus' train split unless given).
+
+Which layers stay float32 (measured on SmolLM2-135M, ``docs/BENCHMARKS.md`` "Session 41"): every feed-forward
+*down* projection (its input, SiLU(gate) × up, carries the activation outliers no per-token scale absorbs) and every
+linear layer of the *last* decoder layer (its output goes straight into the head: int8 weights there alone moved
+perplexity by +0.24%). The output head stays float32, so the LM log-softmax does too. Layers that read the same
+tensor and are feed-forward up projections (gate and up) share one σ and quantize their input once; the attention
+projections keep a σ each (one σ over q/k/v cost more perplexity on WikiText-2 valid).
+
+Not memlm's default: on SmolLM2-135M it moves perplexity by a few tenths of a percent (either way, depending on the
+layers chosen) and keys by p99 0.06 relative, over bfloat16's 0.03 (:data:`memlm.models.compute.KEY_ERROR`).
+
+torch's dynamic int8 linear (``--quantize int8-dynamic``) uses one activation scale per batch instead, which
+SmolLM2's outliers defeat (+283% perplexity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlm.errors import MemlmError
+from memlm.models.keys import _analyze_layer, _hidden_size, _outer_linears, _up_down_pairs, find_decoder_layers
+
+__all__ = ["ALPHA", "CALIBRATION_TOKENS", "Int8Linear", "SharedInput", "input_absmax", "quantize_int8", "smooth_factor"]
+
+#: SmoothQuant's migration strength (their default for most models; Xiao et al. 2023, Sec. 4)
+ALPHA = 0.5
+#: calibration tokens: the per-channel maxima settle within a few windows (σ moves by < 1% from 2k to 4k tokens)
+CALIBRATION_TOKENS = 2048
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: ``(q, s)`` with ``x ≈ q * s``, ``s = max |row| / 127`` (a zero row gets s = 1e-8/127)."""
+    s = x.abs().amax(-1, keepdim=True).clamp_min_(1e-8).div_(127)
+    return torch.round(x / s).clamp_(-127, 127).to(torch.int8), s
+
+
+class SharedInput:
+    """The quantized input of a group of layers that read the same tensor (q/k/v of an attention block, gate/up of a
+    feed-forward block), smoothed by one σ: the first layer to see a tensor quantizes it, the others reuse it."""
+
+    def __init__(self, inv_smooth: torch.Tensor | None):
+        self.inv_smooth = inv_smooth
+        self._key: tuple[int, int, tuple[int, ...]] | None = None
+        self._x: torch.Tensor | None = None
+        self._quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def quantized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (x.data_ptr(), 0 if x.is_inference() else x._version, tuple(x.shape))  # inference tensors: no version
+        if self._quantized is None or self._x is not x or self._key != key:
+            x2 = x.reshape(-1, x.shape[-1]).float()
+            if self.inv_smooth is not None:
+                x2 = x2 * self.inv_smooth
+            self._x, self._key, self._quantized = x, key, quantize_rows(x2)
+        return self._quantized
+
+    def clear(self) -> None:
+        self._x = self._key = self._quantized = None
+
+
+class Int8Linear(nn.Module):
+    """``linear`` as an int8 × int8 product (module docstring): weights per output channel, activations per token,
+    ``smooth`` (σ, per input channel) dividing the input and multiplying the weight; layers given the same
+    :class:`SharedInput` quantize a shared input once. ``in_features`` and ``out_features`` stay, so key capture
+    (:mod:`memlm.models.keys`) still finds the layer's roles."""
+
+    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None, shared: SharedInput | None = None):
+        super().__init__()
+        w = linear.weight.detach().float()
+        if smooth is not None:
+            if smooth.shape != (linear.in_features,):
+                raise MemlmError(f"smoothing factors of shape {tuple(smooth.shape)} for a linear layer of "
+                                 f"{linear.in_features} inputs")  # fmt: skip
+            w = w * smooth.float()[None, :]
+        wq, s_w = quantize_rows(w)
+        # [in, out] as a transposed view (column-major): the layout _int_mm runs fastest with here
+        self.register_buffer("weight_int8_t", wq.t(), persistent=False)
+        self.register_buffer("weight_scale", s_w.reshape(-1), persistent=False)
+        self.shared = shared if shared is not None else SharedInput(None if smooth is None else 1.0 / smooth.float())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, s_x = self.shared.quantized(x)
+        y = torch._int_mm(xq, self.weight_int8_t) * s_x  # int32 * float32 -> float32 in one pass
+        y = y.mul_(self.weight_scale)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _linears_to_quantize(model: nn.Module) -> tuple[list[tuple[nn.Module, str, nn.Linear]], set[int]]:
+    """(parent, attribute, linear) of each ``nn.Linear`` of the decoder layers to quantize: all but the feed-forward
+    down projections and the last layer's; and the ids of those that are feed-forward up projections."""
+    layers = find_decoder_layers(model)
+    hidden = _hidden_size(model, layers[0])
+    out = []
+    ups: set[int] = set()
+    for layer in list(layers)[:-1]:
+        parts = _analyze_layer(layer, hidden)
+        ffn_root = parts.ffn if parts.ffn is not None else layer
+        ups_found, downs_found = _up_down_pairs(_outer_linears(ffn_root), hidden)
+        downs = {id(d.module) for d in downs_found}
+        ups.update(id(u.module) for u in ups_found)
+        for parent in layer.modules():
+            for name, child in parent.named_children():
+                if type(child) is nn.Linear and id(child) not in downs:
+                    out.append((parent, name, child))
+    return out, ups
+
+
+def input_absmax(
+    model: nn.Module, linears: Sequence[nn.Linear], batches: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """max over tokens of |input| per input channel of each of ``linears`` over the forward passes of ``batches``
+    (token ids ``[B, T]``), and the groups of them (indices into ``linears``) that read the same tensor in the first
+    pass (an attention block's q/k/v, a feed-forward block's gate/up)."""
+    amax: dict[int, torch.Tensor] = {}
+    index = {id(lin): i for i, lin in enumerate(linears)}
+    first: list[tuple[torch.Tensor, list[int]]] = []  # (input tensor, the linears that read it) of the first pass
+    grouping = True
+
+    def hook(mod: nn.Module, inp: tuple, _out: Any) -> None:
+        x = inp[0].detach()
+        a = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
+        amax[id(mod)] = torch.maximum(amax[id(mod)], a) if id(mod) in amax else a
+        if grouping:
+            for seen, group in first:
+                if seen is inp[0]:
+                    group.append(index[id(mod)])
+                    return
+            first.append((inp[0], [index[id(mod)]]))
+
+    handles = [lin.register_forward_hook(hook) for lin in linears]
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                model(input_ids=ids, use_cache=False)
+                grouping = False
+    finally:
+        for h in handles:
+            h.remove()
+    return [amax[id(lin)] for lin in linears], [group for _, group in first]
+
+
+def smooth_factor(absmax: torch.Tensor, weights: Sequence[torch.Tensor], alpha: float = ALPHA) -> torch.Tensor:
+    """SmoothQuant's ``σ_j = max|X_j|^α / max_o |W[o, j]|^(1-α)`` (Xiao et al. 2023, Eq. 4), both clamped at 1e-5;
+    for layers that read the same input (``weights`` of each), the weights' maximum over all of them (their q/k/v)."""
+    wmax = torch.stack([w.detach().float().abs().amax(0) for w in weights]).amax(0).clamp_min(1e-5)
+    return absmax.float().clamp_min(1e-5).pow(alpha) / wmax.pow(1 - alpha)
+
+
+def calibration_batches(tokenizer, texts: Sequence[str] | None = None, tokens: int = CALIBRATION_TOKENS,
+                        window: int = 512) -> list[torch.Tensor]:  # fmt: skip
+    """Token-id windows of at most ``window`` from ``texts`` (default: the ``wiki`` corpus' train split), ``tokens``
+    in all."""
+    if texts is None:
+        from memlm.data.corpora import load_documents
+
+        texts = [d.text for d in load_documents("wiki", "train")]
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) >= tokens:
+            break
+    ids = ids[:tokens]
+    if len(ids) < 16:
+        raise MemlmError(f"--quantize int8 needs a calibration text of at least 16 tokens, got {len(ids)}")
+    return [torch.tensor([ids[i : i + window]]) for i in range(0, len(ids), window)]
+
+
+def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = None, alpha: float = ALPHA,
+                  tokens: int = CALIBRATION_TOKENS) -> dict[str, Any]:  # fmt: skip
+    """Put :class:`Int8Linear` in place of the decoder's linear layers (all but the down projections and the last
+    layer's), smoothed with factors calibrated on ``texts``; returns what was done (recorded with a datastore)."""
+    if next(iter(model.parameters())).dtype != torch.float32:
+        raise MemlmError("--quantize int8 quantizes a float32 model: pass --dtype float32")
+    targets, ups = _linears_to_quantize(model)
+    if not targets:
+        raise MemlmError(f"{type(model).__name__} has no nn.Linear layers to quantize in its decoder layers "
+                         "(all but the last): use --quantize none")  # fmt: skip
+    batches = calibration_batches(tokenizer, texts, tokens)
+    linears = [lin for _, _, lin in targets]
+    absmax, groups = input_absmax(model, linears, batches)
+    if sorted(i for g in groups for i in g) != list(range(len(linears))):
+        raise MemlmError("--quantize int8: some linear layers of the decoder did not run on the calibration text; "
+                         "use --quantize none for this model")  # fmt: skip
+    # one σ and one quantized input for the feed-forward up projections that read the same tensor (gate/up); the
+    # attention projections keep a σ each: sharing one over q/k/v moved WikiText-2 valid perplexity by +0.39%
+    # against +0.25% (docs/BENCHMARKS.md, session 41)
+    groups = [g2 for g in groups for g2 in ([g] if all(id(linears[i]) in ups for i in g) else [[i] for i in g])]
+    for group in groups:
+        a = torch.stack([absmax[i] for i in group]).amax(0)  # the same tensor: the same maxima
+        smooth = smooth_factor(a, [linears[i].weight for i in group], alpha)
+        shared = SharedInput(1.0 / smooth)
+        for i in group:
+            parent, name, lin = targets[i]
+            setattr(parent, name, Int8Linear(lin, smooth, shared))
+    return {
+        "alpha": alpha,
+        "calibration": "wiki train" if texts is None else "given texts",
+        "calibration_tokens": sum(int(b.shape[1]) for b in batches),
+        "quantized_linears": len(targets),
+        "input_groups": len(groups),
+        "float32_kept": "feed-forward down projections, the last decoder layer, the head",
+    }

@@ -1,0 +1,171 @@
+"""``--quantize int8`` (memlm.models.int8): the int8 product against a NumPy transcription of SmoothQuant's equations
+(Xiao et al. 2023, Eqs. 1-4, per-token activations and per-channel weights), which layers it replaces, the inputs
+quantized once per group, keys within the stated error, and the compute-path checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import gpt2_tokenizer, make_toy_docs
+from test_compute_path import keys_of, tiny_llama
+from torch import nn
+
+from memlm.errors import MemlmError
+from memlm.models import int8 as int8_lib
+from memlm.models.compute import KEY_ERROR, ComputePath, apply_compute_path, check_compute_paths, describe_compute_path
+from memlm.models.compute import relative_key_error as rke
+from memlm.models.int8 import Int8Linear, SharedInput, quantize_int8, quantize_rows, smooth_factor
+from memlm.models.keys import KEY_ROLES, find_decoder_layers
+from memlm.models.resources import model_fingerprint
+
+
+def numpy_w8a8(x: np.ndarray, w: np.ndarray, sigma: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """SmoothQuant's W8A8 product written out: x' = x / σ, W' = W diag(σ); symmetric int8 with one scale per token
+    (row of x') and per output channel (row of W'), integer sum, rescaled."""
+    xs, ws = x / sigma, w * sigma
+    s_x = np.maximum(np.abs(xs).max(1, keepdims=True), 1e-8) / 127
+    s_w = np.maximum(np.abs(ws).max(1, keepdims=True), 1e-8) / 127
+    qx = np.clip(np.round(xs / s_x), -127, 127).astype(np.int64)
+    qw = np.clip(np.round(ws / s_w), -127, 127).astype(np.int64)
+    y = (qx @ qw.T).astype(np.float64) * s_x * s_w.T
+    return y if bias is None else y + bias
+
+
+def test_quantize_rows_is_symmetric_int8_per_row():
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [254.0, 127.0, -1.0]])
+    q, s = quantize_rows(x)
+    assert q.dtype == torch.int8
+    assert q.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, -0]]  # 63.5 rounds to even 64; 0.5 -> 0
+    assert s.flatten().tolist() == pytest.approx([2 / 127, 1e-8 / 127, 2.0])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_the_numpy_transcription(bias):
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(48, 40, bias=bias)
+    x = torch.randn(3, 7, 48, generator=g)
+    x[..., 5] *= 30  # an outlier channel, as in LLM activations
+    sigma = torch.rand(48, generator=g) + 0.5
+    got = Int8Linear(lin, sigma)(x)
+    assert got.shape == (3, 7, 40) and got.dtype == torch.float32
+    b = None if lin.bias is None else lin.bias.detach().double().numpy()
+    want = numpy_w8a8(x.reshape(-1, 48).double().numpy(), lin.weight.detach().double().numpy(),
+                      sigma.double().numpy(), b)  # fmt: skip
+    np.testing.assert_allclose(got.reshape(-1, 40).numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weights():
+    """With one activation channel 100x the others, the smoothed product is closer to float32's than the plain one."""
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 32, bias=False)
+    x = torch.randn(256, 64, generator=g)
+    x[:, 3] *= 100
+    exact = lin(x).detach()
+    plain = Int8Linear(lin, None)(x)
+    smooth = Int8Linear(lin, smooth_factor(x.abs().amax(0), [lin.weight], 0.5))(x)
+    err = lambda y: ((y - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert err(smooth) < 0.5 * err(plain)
+
+
+def test_smooth_factor_is_eq4_with_the_groups_weight_maximum():
+    a = torch.tensor([4.0, 1.0, 9.0])
+    w1 = torch.tensor([[1.0, -2.0, 0.5], [0.25, 1.0, -1.0]])
+    w2 = torch.tensor([[-3.0, 0.5, 0.5]])
+    wmax = np.array([3.0, 2.0, 1.0])
+    for alpha in (0.5, 0.8):
+        want = np.array([4.0, 1.0, 9.0]) ** alpha / wmax ** (1 - alpha)
+        np.testing.assert_allclose(smooth_factor(a, [w1, w2], alpha).numpy(), want, rtol=1e-6)
+
+
+def test_shared_input_is_quantized_once_per_tensor(monkeypatch):
+    calls = []
+    real = int8_lib.quantize_rows
+    monkeypatch.setattr(int8_lib, "quantize_rows", lambda x: calls.append(1) or real(x))
+    shared = SharedInput(None)
+    layers = [Int8Linear(nn.Linear(16, n), None, shared) for n in (16, 8, 8)]
+    x = torch.randn(2, 5, 16)
+    calls.clear()  # the weights' quantization
+    outs = [m(x) for m in layers]
+    assert len(calls) == 1
+    y = x.clone()  # same shape, another tensor: quantized again
+    for m, want in zip(layers, outs, strict=True):
+        torch.testing.assert_close(m(y), want)
+    assert len(calls) == 2
+
+
+def calibration_texts() -> list[str]:
+    return [d.text for d in make_toy_docs(12, seed=3)]
+
+
+def test_quantize_int8_replaces_all_but_the_down_projections_and_the_last_layer():
+    model = tiny_llama()
+    fingerprint = model_fingerprint(model)
+    ref = keys_of(model)
+    q = apply_compute_path(tiny_llama(), ComputePath("float32", quantize="int8"), gpt2_tokenizer(), calibration_texts())
+    first, last = find_decoder_layers(q)
+    assert {n for n, m in first.named_modules() if isinstance(m, Int8Linear)} == {
+        f"self_attn.{p}_proj" for p in "qkvo"} | {"mlp.gate_proj", "mlp.up_proj"}  # fmt: skip
+    assert type(first.mlp.down_proj) is nn.Linear
+    assert not any(isinstance(m, Int8Linear) for m in last.modules())
+    assert type(q.get_output_embeddings()) is nn.Linear
+    attn = first.self_attn
+    shared = [attn.q_proj.shared, attn.k_proj.shared, attn.v_proj.shared, attn.o_proj.shared]
+    assert len({id(s) for s in shared}) == 4  # a σ each
+    assert first.mlp.gate_proj.shared is first.mlp.up_proj.shared  # one σ, quantized once
+    assert model_fingerprint(q) == fingerprint  # the weights it was loaded with
+    info = describe_compute_path(q)
+    assert info["quantize"] == "int8" and info["int8"]["quantized_linears"] == 6 and info["int8"]["input_groups"] == 5
+    got = keys_of(q)
+    for role in KEY_ROLES:
+        e = rke(got[role], ref[role])
+        assert 0 < np.percentile(e, 99) <= KEY_ERROR[("float32", "int8")], role
+
+
+def test_int8_path_refusals():
+    with pytest.raises(MemlmError, match="--dtype float32"):
+        ComputePath("bfloat16", quantize="int8")
+    with pytest.raises(MemlmError, match="tokenizer"):
+        apply_compute_path(tiny_llama(), ComputePath("float32", quantize="int8"))
+    with pytest.raises(MemlmError, match="at least 16 tokens"):
+        quantize_int8(tiny_llama(), gpt2_tokenizer(), ["the cat"])
+    built = {"dtype": "float32", "quantize": "int8"}
+    check_compute_paths(built, {"dtype": "float32", "quantize": "int8"}, "ds")  # the same arithmetic: allowed
+    with pytest.raises(MemlmError, match="float32\\+sdpa\\+int8|int8"):
+        check_compute_paths(built, {"dtype": "float32", "quantize": "none"}, "ds")  # 0.08 > 0.05: refused
+
+
+def test_an_unchanged_float32_model_keeps_its_numbers_after_calibration():
+    """Calibration runs the float32 model with hooks and removes them: the layers kept float32 are untouched."""
+    q = apply_compute_path(tiny_llama(), ComputePath("float32", quantize="int8"), gpt2_tokenizer(), calibration_texts())
+    ref = tiny_llama()
+    _, last = find_decoder_layers(q)
+    _, last_ref = find_decoder_layers(ref)
+    assert not last._forward_hooks and not any(m._forward_hooks for m in q.modules())
+    for (n, p), (_, p_ref) in zip(last.named_parameters(), last_ref.named_parameters(), strict=True):
+        assert torch.equal(p, p_ref), n
+
+
+def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
+    """`datastore build --quantize int8` records the path and its calibration; `eval` on float32 keys against it is
+    refused with one error naming both paths (0.08 + 0 > 0.05)."""
+    import json
+
+    from test_reliability import memlm
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(model_dir)
+    gpt2_tokenizer().save_pretrained(model_dir)
+    corpora = {}
+    for name, seed in (("train", 0), ("test", 9)):
+        corpora[name] = tmp_path / f"{name}.jsonl"
+        docs = make_toy_docs(8, seed=seed)
+        corpora[name].write_text("".join(json.dumps({"id": f"{name}-{d.id}", "text": d.text}) + "\n" for d in docs))
+    common = ["--model", str(model_dir), "--window", "32", "--min-context", "8"]
+    build = [*common, "--corpus", str(corpora["train"]), "--out", str(tmp_path / "ds"), "--holdout", "0"]
+    r = memlm("datastore", "build", *build, "--quantize", "int8")
+    assert r.returncode == 0, r.stderr
+    path = json.loads((tmp_path / "ds" / "manifest.json").read_text())["build"]["compute_path"]
+    assert path["quantize"] == "int8" and path["int8"]["calibration"] == "wiki train"
+    r = memlm("eval", *common, "--corpus", str(corpora["test"]), "--datastore", str(tmp_path / "ds"))
+    assert r.returncode == 2 and "built on compute path float32+sdpa+int8" in r.stderr
