@@ -15,9 +15,19 @@ from memlm.errors import MemlmError
 from memlm.models import int8 as int8_lib
 from memlm.models.compute import KEY_ERROR, ComputePath, apply_compute_path, check_compute_paths, describe_compute_path
 from memlm.models.compute import relative_key_error as rke
-from memlm.models.int8 import Int8Linear, SharedInput, quantize_int8, quantize_rows, smooth_factor
+from memlm.models.int8 import (
+    Int8Linear,
+    SharedInput,
+    int8_products_exact,
+    quantize_int8,
+    quantize_rows,
+    smooth_factor,
+)
 from memlm.models.keys import KEY_ROLES, find_decoder_layers
 from memlm.models.resources import model_fingerprint
+
+#: the tests that multiply through torch._int_mm: on a CPU where its int8 products saturate, memlm refuses the path
+exact_int8 = pytest.mark.skipif(not int8_products_exact(), reason="int8 products saturate on this CPU (no VNNI/AMX)")
 
 
 def numpy_w8a8(x: np.ndarray, w: np.ndarray, sigma: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -41,6 +51,7 @@ def test_quantize_rows_is_symmetric_int8_per_row():
 
 
 @pytest.mark.parametrize("bias", [False, True])
+@exact_int8
 def test_int8_linear_matches_the_numpy_transcription(bias):
     g = torch.Generator().manual_seed(0)
     lin = nn.Linear(48, 40, bias=bias)
@@ -55,6 +66,7 @@ def test_int8_linear_matches_the_numpy_transcription(bias):
     np.testing.assert_allclose(got.reshape(-1, 40).numpy(), want, rtol=1e-4, atol=1e-5)
 
 
+@exact_int8
 def test_smoothing_moves_an_outlier_channel_into_the_weights():
     """With one activation channel 100x the others, the smoothed product is closer to float32's than the plain one."""
     g = torch.Generator().manual_seed(1)
@@ -78,6 +90,7 @@ def test_smooth_factor_is_eq4_with_the_groups_weight_maximum():
         np.testing.assert_allclose(smooth_factor(a, [w1, w2], alpha).numpy(), want, rtol=1e-6)
 
 
+@exact_int8
 def test_shared_input_is_quantized_once_per_tensor(monkeypatch):
     calls = []
     real = int8_lib.quantize_rows
@@ -98,6 +111,7 @@ def calibration_texts() -> list[str]:
     return [d.text for d in make_toy_docs(12, seed=3)]
 
 
+@exact_int8
 def test_quantize_int8_replaces_all_but_the_down_projections_and_the_last_layer():
     model = tiny_llama()
     fingerprint = model_fingerprint(model)
@@ -127,14 +141,16 @@ def test_int8_path_refusals():
         ComputePath("bfloat16", quantize="int8")
     with pytest.raises(MemlmError, match="tokenizer"):
         apply_compute_path(tiny_llama(), ComputePath("float32", quantize="int8"))
-    with pytest.raises(MemlmError, match="at least 16 tokens"):
-        quantize_int8(tiny_llama(), gpt2_tokenizer(), ["the cat"])
+    if int8_products_exact():
+        with pytest.raises(MemlmError, match="at least 16 tokens"):
+            quantize_int8(tiny_llama(), gpt2_tokenizer(), ["the cat"])
     built = {"dtype": "float32", "quantize": "int8"}
     check_compute_paths(built, {"dtype": "float32", "quantize": "int8"}, "ds")  # the same arithmetic: allowed
     with pytest.raises(MemlmError, match="float32\\+sdpa\\+int8|int8"):
         check_compute_paths(built, {"dtype": "float32", "quantize": "none"}, "ds")  # 0.08 > 0.05: refused
 
 
+@exact_int8
 def test_an_unchanged_float32_model_keeps_its_numbers_after_calibration():
     """Calibration runs the float32 model with hooks and removes them: the layers kept float32 are untouched."""
     q = apply_compute_path(tiny_llama(), ComputePath("float32", quantize="int8"), gpt2_tokenizer(), calibration_texts())
@@ -146,6 +162,7 @@ def test_an_unchanged_float32_model_keeps_its_numbers_after_calibration():
         assert torch.equal(p, p_ref), n
 
 
+@exact_int8
 def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
     """`datastore build --quantize int8` records the path and its calibration; `eval` on float32 keys against it is
     refused with one error naming both paths (0.08 + 0 > 0.05)."""
@@ -169,3 +186,34 @@ def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
     assert path["quantize"] == "int8" and path["int8"]["calibration"] == "wiki train"
     r = memlm("eval", *common, "--corpus", str(corpora["test"]), "--datastore", str(tmp_path / "ds"))
     assert r.returncode == 2 and "built on compute path float32+sdpa+int8" in r.stderr
+
+
+def test_int8_is_refused_where_the_products_are_not_exact(monkeypatch):
+    monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: False)
+    with pytest.raises(MemlmError, match="not exact.*--quantize none"):
+        quantize_int8(tiny_llama(), gpt2_tokenizer(), calibration_texts())
+
+
+def test_the_exactness_check_sees_saturated_products(monkeypatch):
+    """A product computed as x86 kernels without VNNI do (the signed input shifted to unsigned, u8 x s8 pairs summed
+    into 16 bits with saturation by vpmaddubsw, the shift's 128 * column sum taken off after) is caught."""
+    real = torch._int_mm
+
+    def saturating(a, b):
+        u = (a.long() + 128).reshape(a.shape[0], 1, -1, 2)
+        s = b.t().long().reshape(1, b.shape[1], -1, 2)
+        pairs = (u * s).sum(-1).clamp(-32768, 32767)
+        return (pairs.sum(-1) - 128 * b.long().sum(0)[None, :]).int()
+
+    int8_lib.int8_products_exact.cache_clear()
+    try:
+        monkeypatch.setattr(torch, "_int_mm", saturating)
+        assert not int8_lib.int8_products_exact()
+        int8_lib.int8_products_exact.cache_clear()
+        monkeypatch.setattr(torch, "_int_mm", real)
+        assert int8_lib.int8_products_exact() == torch.equal(
+            real(torch.full((2, 8), 127, dtype=torch.int8), torch.full((8, 2), 127, dtype=torch.int8)).long(),
+            torch.full((2, 2), 8 * 127 * 127),
+        )
+    finally:
+        int8_lib.int8_products_exact.cache_clear()

@@ -28,6 +28,7 @@ SmolLM2's outliers defeat (+283% perplexity).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,20 @@ __all__ = ["ALPHA", "CALIBRATION_TOKENS", "Int8Linear", "SharedInput", "input_ab
 ALPHA = 0.5
 #: calibration tokens: the per-channel maxima settle within a few windows (σ moves by < 1% from 2k to 4k tokens)
 CALIBRATION_TOKENS = 2048
+
+
+@functools.cache
+def int8_products_exact() -> bool:
+    """Whether ``torch._int_mm`` sums int8 products exactly on this machine (checked once per process against int64
+    arithmetic on the largest values: ±127 times ±127, 512 terms). x86 kernels without VNNI or AMX-INT8 multiply
+    with ``vpmaddubsw``, whose 16-bit pair sums saturate (255 × 127 × 2 > 32,767): there the product is wrong."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randint(0, 2, (64, 512), generator=g) * 254 - 127).to(torch.int8)
+    b = (torch.randint(0, 2, (96, 512), generator=g) * 254 - 127).to(torch.int8)
+    a[0], b[0] = 127, 127  # one all-positive row and column: the largest sum
+    a[1, :256], a[1, 256:] = 127, -127
+    want = a.long() @ b.long().t()
+    return bool(torch.equal(torch._int_mm(a, b.t()).long(), want))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +209,11 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
     layer's), smoothed with factors calibrated on ``texts``; returns what was done (recorded with a datastore)."""
     if next(iter(model.parameters())).dtype != torch.float32:
         raise MemlmError("--quantize int8 quantizes a float32 model: pass --dtype float32")
+    if not int8_products_exact():
+        raise MemlmError(
+            "--quantize int8: this CPU's int8 matrix products are not exact (torch._int_mm saturates without VNNI "
+            "or AMX-INT8; on the AVX2 proxy of docs/BENCHMARKS.md it moved perplexity by +3%): use --quantize none"
+        )
     targets, ups = _linears_to_quantize(model)
     if not targets:
         raise MemlmError(f"{type(model).__name__} has no nn.Linear layers to quantize in its decoder layers "
