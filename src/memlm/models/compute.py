@@ -75,6 +75,9 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "av
 #: -0.11%; int8-dynamic (per-tensor activations) p99 0.78, max 1.21, perplexity +283% (per-channel weights: p99 0.77,
 #: +237%; every linear but down_proj, per-channel: p99 0.31, +23%): SmolLM2's activation outliers defeat dynamic
 #: int8, so that path is a measurement option, not one to build or report with.
+#: int8 (memlm.models.int8): p99 0.059, perplexity +0.11% on 19,711 WikiText-2 test tokens (windows 1024 / 512;
+#: docs/results/speed/int8_session41.json), bound 0.08: past KEY_TOLERANCE alone, so int8 keys and float32 keys are
+#: never mixed.
 #: float16 is not measured on CPU; its 10 mantissa bits round less than bfloat16's 7, so bfloat16's bound is used.
 #: The attention kernel and compile change keys by float32 rounding only (eager vs sdpa: p99 1.9e-6).
 #: tests/test_compute_path.py::test_real_model_key_error_within_the_stated_error pins the measurement under these.

@@ -12,15 +12,19 @@ with the integer sum by ``torch._int_mm`` (int8 × int8 → int32: VNNI or AMX-I
 ``σ_j = max|X_j|^α / max|W_j|^(1-α)`` (Eq. 4, α = 0.5) from the largest input activations seen on a calibration
 text (:data:`CALIBRATION_TOKENS` tokens of the ``wiki`` corpus' train split unless given).
 
-Which layers stay float32 (measured on SmolLM2-135M, ``docs/BENCHMARKS.md`` "Session 41"): every feed-forward
-*down* projection (its input, SiLU(gate) × up, carries the activation outliers no per-token scale absorbs) and every
-linear layer of the *last* decoder layer (its output goes straight into the head: int8 weights there alone moved
-perplexity by +0.24%). The output head stays float32, so the LM log-softmax does too. Layers that read the same
-tensor and are feed-forward up projections (gate and up) share one σ and quantize their input once; the attention
-projections keep a σ each (one σ over q/k/v cost more perplexity on WikiText-2 valid).
+Which layers stay float32 (SmolLM2-135M, ``docs/BENCHMARKS.md`` "Session 41"): every feed-forward *down* projection
+(its input, SiLU(gate) × up, carries the activation outliers no per-token scale absorbs) and every linear layer of the
+*last* decoder layer (its output goes straight into the head; a per-layer scan in a scratch run, not kept, found int8
+weights costliest there). Quantizing every decoder linear instead: +0.84% WikiText-2 test perplexity against +0.11%
+(``docs/results/speed/int8_session41.json``). The output head stays float32, so the LM log-softmax does too. Layers
+that read the same tensor and are feed-forward up projections (gate and up) share one σ and quantize their input
+once; the attention projections keep a σ each (one σ over q/k/v cost more perplexity on WikiText-2 valid:
+``docs/results/speed/int8_selection_session41/``).
 
-Not memlm's default: on SmolLM2-135M it moves perplexity by a few tenths of a percent (either way, depending on the
-layers chosen) and keys by p99 0.06 relative, over bfloat16's 0.03 (:data:`memlm.models.compute.KEY_ERROR`).
+Not memlm's default: perplexity moves by +0.11% on WikiText-2 test but +0.25% on valid, keys by p99 0.06 relative
+(bfloat16's: 0.03; :data:`memlm.models.compute.KEY_ERROR`), so a float32 datastore is refused to an int8 query; and
+on x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate, so the path is refused there
+(:func:`int8_products_exact`).
 
 torch's dynamic int8 linear (``--quantize int8-dynamic``) uses one activation scale per batch instead, which
 SmolLM2's outliers defeat (+283% perplexity).
@@ -226,7 +230,7 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
                          "use --quantize none for this model")  # fmt: skip
     # one σ and one quantized input for the feed-forward up projections that read the same tensor (gate/up); the
     # attention projections keep a σ each: sharing one over q/k/v moved WikiText-2 valid perplexity by +0.39%
-    # against +0.25% (docs/BENCHMARKS.md, session 41)
+    # against +0.25% (docs/results/speed/int8_selection_session41/)
     groups = [g2 for g in groups for g2 in ([g] if all(id(linears[i]) in ups for i in g) else [[i] for i in g])]
     for group in groups:
         a = torch.stack([absmax[i] for i in group]).amax(0)  # the same tensor: the same maxima
