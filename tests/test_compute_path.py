@@ -189,6 +189,24 @@ def test_real_model_key_error_within_the_stated_error():
         assert np.percentile(e, 99) <= KEY_ERROR[(path.dtype, path.quantize)], path.label()
 
 
+def cli_setup(tmp_path) -> tuple[list[str], dict[str, object], list[str]]:
+    """A saved tiny Llama with GPT-2's tokenizer, train/test JSONL corpora (the evaluated text outside the
+    datastore): the shared CLI arguments, the corpora's paths, and ``datastore build``'s arguments."""
+    import json
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(model_dir)
+    gpt2_tokenizer().save_pretrained(model_dir)
+    corpora = {}
+    for name, seed in (("train", 0), ("test", 9)):
+        corpora[name] = tmp_path / f"{name}.jsonl"
+        docs = make_toy_docs(8, seed=seed)
+        corpora[name].write_text("".join(json.dumps({"id": f"{name}-{d.id}", "text": d.text}) + "\n" for d in docs))
+    common = ["--model", str(model_dir), "--window", "32", "--min-context", "8"]
+    build = [*common, "--corpus", str(corpora["train"]), "--out", str(tmp_path / "ds"), "--holdout", "0"]
+    return common, corpora, build
+
+
 def test_cli_records_the_path_and_refuses_a_query_past_the_tolerance(tmp_path):
     """`datastore build --attention eager` records its path; `eval` on int8 keys against it is refused with one error;
     int8 on a bfloat16 model is refused before any model is loaded."""
@@ -196,17 +214,7 @@ def test_cli_records_the_path_and_refuses_a_query_past_the_tolerance(tmp_path):
 
     from test_reliability import memlm
 
-    model_dir = tmp_path / "tiny-llama"
-    model = tiny_llama()
-    model.save_pretrained(model_dir)
-    gpt2_tokenizer().save_pretrained(model_dir)
-    corpora = {}
-    for name, seed in (("train", 0), ("test", 9)):  # evaluated text outside the datastore
-        corpora[name] = tmp_path / f"{name}.jsonl"
-        docs = make_toy_docs(8, seed=seed)
-        corpora[name].write_text("".join(json.dumps({"id": f"{name}-{d.id}", "text": d.text}) + "\n" for d in docs))
-    common = ["--model", str(model_dir), "--window", "32", "--min-context", "8"]
-    build = [*common, "--corpus", str(corpora["train"]), "--out", str(tmp_path / "ds"), "--holdout", "0"]
+    common, corpora, build = cli_setup(tmp_path)
     r = memlm("datastore", "build", *build, "--attention", "eager")
     assert r.returncode == 0, r.stderr
     path = json.loads((tmp_path / "ds" / "manifest.json").read_text())["build"]["compute_path"]

@@ -168,18 +168,10 @@ def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
     refused with one error naming both paths (0.08 + 0 > 0.05)."""
     import json
 
+    from test_compute_path import cli_setup
     from test_reliability import memlm
 
-    model_dir = tmp_path / "tiny-llama"
-    tiny_llama().save_pretrained(model_dir)
-    gpt2_tokenizer().save_pretrained(model_dir)
-    corpora = {}
-    for name, seed in (("train", 0), ("test", 9)):
-        corpora[name] = tmp_path / f"{name}.jsonl"
-        docs = make_toy_docs(8, seed=seed)
-        corpora[name].write_text("".join(json.dumps({"id": f"{name}-{d.id}", "text": d.text}) + "\n" for d in docs))
-    common = ["--model", str(model_dir), "--window", "32", "--min-context", "8"]
-    build = [*common, "--corpus", str(corpora["train"]), "--out", str(tmp_path / "ds"), "--holdout", "0"]
+    common, corpora, build = cli_setup(tmp_path)
     r = memlm("datastore", "build", *build, "--quantize", "int8")
     assert r.returncode == 0, r.stderr
     path = json.loads((tmp_path / "ds" / "manifest.json").read_text())["build"]["compute_path"]

@@ -43,18 +43,46 @@ def allocator() -> dict[str, Any]:
     return allocator_state()
 
 
+def time_eval_and_build(model, tok, docs, build_docs) -> tuple[dict[str, Any], Any]:
+    """``memlm eval``'s scoring of ``docs`` (``lm_scores``: windows 1024 / 512, batch 4, the ``ffn_in@-1`` key kept)
+    after a small warm-up, then ``datastore build``'s key pass over ``build_docs``: the timing fields of a row and the
+    scored positions' keys. Uses only APIs every commit since issue 34 was filed has (the old code's child runs it)."""
+    import numpy as np
+
+    from memlm.knnlm.evaluate import lm_scores
+    from memlm.models.keys import KeySpec
+    from memlm.storage.datastore import build_datastore
+
+    spec = KeySpec("ffn_in", -1)
+    lm_scores(model, tok, docs[:1], [spec], 128, 64, 1, False)  # warm-up
+    t0 = time.perf_counter()
+    ts, queries, _ = lm_scores(model, tok, docs, [spec], 1024, 512, 4, False)
+    eval_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        ds = build_datastore(model, tok, build_docs, Path(tmp) / "ds", window=1024, min_context=512, batch_size=4,
+                             progress=False, overwrite=True)  # fmt: skip
+        build_s = time.perf_counter() - t0
+    timing = {
+        "tokens": len(ts),
+        "eval_s": eval_s,
+        "eval_tok_per_s": len(ts) / eval_s,
+        "ppl": float(np.exp(-ts.lm_logprob.astype(np.float64).mean())),
+        "build_entries": len(ds),
+        "build_s": build_s,
+        "build_entries_per_s": len(ds) / build_s,
+    }
+    return timing, queries[spec]
+
+
 def child(args: argparse.Namespace) -> None:
     """One row: load, warm up, time the scoring and the key pass; print one JSON line."""
     import numpy as np
 
     from memlm.data.corpora import load_documents
     from memlm.data.windows import limit_documents
-    from memlm.knnlm.evaluate import lm_scores
-    from memlm.models.keys import KeySpec
     from memlm.models.resources import default_dtype, load_causal_lm
-    from memlm.storage.datastore import build_datastore
 
-    spec = KeySpec("ffn_in", -1)
     dtype = default_dtype()
     t0 = time.perf_counter()
     model, tok = load_causal_lm(args.model, dtype=dtype)
@@ -66,27 +94,8 @@ def child(args: argparse.Namespace) -> None:
     load_s = time.perf_counter() - t0
     docs = limit_documents(load_documents(args.corpus, "test"), tok, args.tokens)
     build_docs = limit_documents(load_documents(args.corpus, "train"), tok, args.build_tokens)
-    lm_scores(model, tok, docs[:1], [spec], 128, 64, 1, False)  # warm-up
-    t0 = time.perf_counter()
-    ts, queries, _ = lm_scores(model, tok, docs, [spec], 1024, 512, 4, False)
-    eval_s = time.perf_counter() - t0
-    lp = ts.lm_logprob.astype(np.float64)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        ds = build_datastore(
-            model,
-            tok,
-            build_docs,
-            Path(tmp) / "ds",
-            window=1024,
-            min_context=512,
-            batch_size=4,
-            progress=False,
-            overwrite=True,
-        )
-        build_s = time.perf_counter() - t0
-        entries = len(ds)
-    np.save(args.keys_out, queries[spec][:2000].astype(np.float32))
+    timing, keys = time_eval_and_build(model, tok, docs, build_docs)
+    np.save(args.keys_out, keys[:2000].astype(np.float32))
     print(
         json.dumps(
             {
@@ -94,13 +103,7 @@ def child(args: argparse.Namespace) -> None:
                 "quantize": quantize,
                 "corpus": args.corpus,
                 "load_s": load_s,
-                "tokens": len(ts),
-                "eval_s": eval_s,
-                "eval_tok_per_s": len(ts) / eval_s,
-                "ppl": float(np.exp(-lp.mean())),
-                "build_entries": entries,
-                "build_s": build_s,
-                "build_entries_per_s": entries / build_s,
+                **timing,
                 "peak_rss_mib": protocol.peak_rss_mib(),
                 "allocator": allocator(),
             }

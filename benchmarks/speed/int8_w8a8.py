@@ -15,27 +15,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # speed/, benchmarks/
 import numpy as np  # noqa: E402
 import protocol  # noqa: E402
 import torch  # noqa: E402
+from default_vs_old import time_eval_and_build  # noqa: E402
 from torch import nn  # noqa: E402
 
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import limit_documents  # noqa: E402
-from memlm.knnlm.evaluate import lm_scores  # noqa: E402
 from memlm.models import int8 as int8_lib  # noqa: E402
 from memlm.models.compute import relative_key_error  # noqa: E402
-from memlm.models.keys import KeySpec, find_decoder_layers  # noqa: E402
+from memlm.models.keys import find_decoder_layers  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
-from memlm.storage.datastore import build_datastore  # noqa: E402
-
-SPEC = KeySpec("ffn_in", -1)
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -54,29 +49,8 @@ def quantize_every_linear(model: nn.Module, tok, originals: list) -> None:
 
 def time_row(model, tok, docs, build_docs, ref: dict | None, wait: float) -> dict[str, Any]:
     idle = protocol.wait_for_idle(protocol.IDLE_BUSY, protocol.IDLE_LOAD, max_wait=wait)
-    lm_scores(model, tok, docs[:1], [SPEC], 128, 64, 1, False)  # warm-up
-    t0 = time.perf_counter()
-    ts, queries, _ = lm_scores(model, tok, docs, [SPEC], 1024, 512, 4, False)
-    eval_s = time.perf_counter() - t0
-    lp = ts.lm_logprob.astype(np.float64)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        ds = build_datastore(model, tok, build_docs, Path(tmp) / "ds", window=1024, min_context=512, batch_size=4,
-                             progress=False, overwrite=True)  # fmt: skip
-        build_s = time.perf_counter() - t0
-        entries = len(ds)
-    row: dict[str, Any] = {
-        "idle_before": idle,
-        "tokens": len(ts),
-        "eval_s": eval_s,
-        "eval_tok_per_s": len(ts) / eval_s,
-        "ppl": float(np.exp(-lp.mean())),
-        "build_entries": entries,
-        "build_s": build_s,
-        "build_entries_per_s": entries / build_s,
-        "load_after": protocol.load_average(),
-    }
-    keys = queries[SPEC]
+    timing, keys = time_eval_and_build(model, tok, docs, build_docs)
+    row: dict[str, Any] = {"idle_before": idle, **timing, "load_after": protocol.load_average()}
     if ref is not None:
         e = relative_key_error(keys, ref["keys"])
         row.update(
