@@ -91,20 +91,53 @@ def test_smooth_factor_is_eq4_with_the_groups_weight_maximum():
 
 
 @exact_int8
-def test_shared_input_is_quantized_once_per_tensor(monkeypatch):
+def test_shared_input_is_quantized_once_per_forward_and_then_let_go(monkeypatch):
     calls = []
-    real = int8_lib.quantize_rows
-    monkeypatch.setattr(int8_lib, "quantize_rows", lambda x: calls.append(1) or real(x))
+    real = int8_lib.quantize_input
+    monkeypatch.setattr(int8_lib, "quantize_input", lambda x, inv: calls.append(1) or real(x, inv))
     shared = SharedInput(None)
     layers = [Int8Linear(nn.Linear(16, n), None, shared) for n in (16, 8, 8)]
+    assert shared.users == 3
     x = torch.randn(2, 5, 16)
-    calls.clear()  # the weights' quantization
     outs = [m(x) for m in layers]
     assert len(calls) == 1
-    y = x.clone()  # same shape, another tensor: quantized again
+    assert shared._quantized is None and shared._x is None  # the last user let the batch go
+    y = x.clone()  # same values, another tensor: quantized again, the same outputs
     for m, want in zip(layers, outs, strict=True):
         torch.testing.assert_close(m(y), want)
     assert len(calls) == 2
+    layers[0](y)
+    layers[0](y + 1)  # a new tensor before the group finished: quantized, not served the stale one
+    assert len(calls) == 4
+
+
+def test_fused_ops_give_the_eager_operations_bit_for_bit(monkeypatch):
+    """The compiled element-wise ops (quantize an input, rescale int32 sums) against the same functions run op by op;
+    on a machine where torch.compile fails they fall back to those, with a warning."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 37, 24, generator=g) * torch.linspace(0.1, 30, 24)
+    inv = 1 / (torch.rand(24, generator=g) + 0.5)
+    acc = torch.randint(-(2**23), 2**23, (111, 40), dtype=torch.int32, generator=g)
+    s_x, s_w = torch.rand(111, 1, generator=g), torch.rand(40, generator=g)
+    for args, fused in (((x, inv), int8_lib.quantize_input), ((x, None), int8_lib.quantize_input),
+                        ((acc, s_x, s_w), int8_lib.rescale)):  # fmt: skip
+        got, want = fused(*args), fused.fn(*args)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                        strict=True):  # fmt: skip
+            assert torch.equal(a, b)
+    q, s = int8_lib.quantize_input(x, inv)
+    assert q.dtype == torch.int8 and q.shape == (111, 24) and s.shape == (111, 1)
+    np.testing.assert_allclose((q.float() * s).numpy(), (x.reshape(-1, 24) * inv).numpy(), atol=float(s.max()) / 2)
+
+    def boom(*_a, **_k):
+        raise RuntimeError("no C++ compiler")
+
+    broken = int8_lib.FusedOps(int8_lib._rescale)
+    broken.mode = "inductor"
+    monkeypatch.setattr(torch, "compile", boom)
+    with pytest.warns(UserWarning, match="torch.compile of _rescale failed"):
+        out = broken(acc, s_x, s_w)
+    assert broken.mode == "eager" and torch.equal(out, int8_lib._rescale(acc, s_x, s_w))
 
 
 def calibration_texts() -> list[str]:
@@ -130,6 +163,7 @@ def test_quantize_int8_replaces_all_but_the_down_projections_and_the_last_layer(
     assert model_fingerprint(q) == fingerprint  # the weights it was loaded with
     info = describe_compute_path(q)
     assert info["quantize"] == "int8" and info["int8"]["quantized_linears"] == 6 and info["int8"]["input_groups"] == 5
+    assert info["int8"]["elementwise_ops"] in ("inductor", "eager")
     got = keys_of(q)
     for role in KEY_ROLES:
         e = rke(got[role], ref[role])

@@ -2,13 +2,14 @@
 against float32 on the same text in one process: an issue 34 candidate, how fast and how far from float32.
 
 Rows, each after an idle wait: float32 (the reference, timed first and last so a drift of the machine shows);
-``--quantize int8`` as memlm applies it (the feed-forward down projections and the last decoder layer kept float32);
-and the ablation that quantizes every decoder linear layer the same way (each with its own σ), which shows why those
-stay float32. Each row: ``memlm eval``'s scoring (``lm_scores``, windows 1024 / 512, batch 4) on ``--tokens`` of the
-corpus' test split (tokens/s, perplexity, relative key error of ``ffn_in@-1`` against float32) and ``datastore
-build``'s key pass on ``--build-tokens`` of its train split (entries/s).
+``--quantize int8`` as memlm applies it (the feed-forward down projections and the last decoder layer kept float32); the
+same int8 layers with their element-wise quantize and rescale run op by op (``FusedOps`` eager, as before session 42)
+instead of compiled; and the ablation that quantizes every decoder linear layer the same way (each with its own σ),
+which shows why those stay float32. Each row: ``memlm eval``'s scoring (``lm_scores``, windows 1024 / 512, batch 4) on
+``--tokens`` of the corpus' test split (tokens/s, perplexity, relative key error of ``ffn_in@-1`` against float32) and
+``datastore build``'s key pass on ``--build-tokens`` of its train split (entries/s).
 
-    python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --out docs/results/speed/int8_session41.json
+    python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --out docs/results/speed/int8_session42.json
 """
 
 from __future__ import annotations
@@ -81,14 +82,20 @@ def main() -> None:
     result: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "machine": protocol.machine(),
                               "corpus": args.corpus, "rows": []}  # fmt: skip
     info: dict[str, Any] = {}
-    rows = ["float32", "int8", "int8, every decoder linear (ablation)", "float32 (again)"]
+    rows = ["float32", "int8", "int8, element-wise ops eager", "int8, every decoder linear (ablation)",
+            "float32 (again)"]  # fmt: skip
     ref = None
     for name in rows:
-        for parent, attr, lin in originals:  # float32 back
-            setattr(parent, attr, lin)
+        fused = {f: f.mode for f in (int8_lib.quantize_input, int8_lib.rescale)}
+        if name == "int8, element-wise ops eager":  # the same int8 layers, their quantize and rescale op by op
+            for f in fused:
+                f.mode = "eager"
+        else:
+            for parent, attr, lin in originals:  # float32 back
+                setattr(parent, attr, lin)
         if name == "int8":
             info = int8_lib.quantize_int8(model, tok)
-        elif name.startswith("int8,"):
+        elif name.startswith("int8, every"):
             quantize_every_linear(model, tok, originals)
         row = time_row(model, tok, docs, build_docs, ref, args.wait_idle)
         keys = row.pop("_keys")
@@ -104,6 +111,8 @@ def main() -> None:
             flush=True,
         )
         protocol.save_result(args.out, result)
+        for f, mode in fused.items():
+            f.mode = mode
     result["int8"] = info
     protocol.save_result(args.out, result)
 

@@ -33,7 +33,9 @@ SmolLM2's outliers defeat (+283% perplexity).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import os
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +44,16 @@ from torch import nn
 from memlm.errors import MemlmError
 from memlm.models.keys import _analyze_layer, _hidden_size, _outer_linears, _up_down_pairs, find_decoder_layers
 
-__all__ = ["ALPHA", "CALIBRATION_TOKENS", "Int8Linear", "SharedInput", "input_absmax", "quantize_int8", "smooth_factor"]
+__all__ = [
+    "ALPHA",
+    "CALIBRATION_TOKENS",
+    "FusedOps",
+    "Int8Linear",
+    "SharedInput",
+    "input_absmax",
+    "quantize_int8",
+    "smooth_factor",
+]
 
 #: SmoothQuant's migration strength (their default for most models; Xiao et al. 2023, Sec. 4)
 ALPHA = 0.5
@@ -70,27 +81,78 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / s).clamp_(-127, 127).to(torch.int8), s
 
 
+def _quantize_input(x: torch.Tensor, inv_smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input as ``[tokens, D]`` float32, divided by σ (``inv_smooth`` = 1 / σ), quantized per row."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    if inv_smooth is not None:
+        x2 = x2 * inv_smooth
+    return quantize_rows(x2)
+
+
+def _rescale(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
+    """The int32 sums back to float32: ``acc[t, o] · s_x[t] · s_w[o]``."""
+    return acc.float().mul_(s_x).mul_(s_w)
+
+
+class FusedOps:
+    """``fn`` compiled by ``torch.compile`` (inductor, ``dynamic=True``: one graph for every number of tokens), else
+    ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``).
+
+    Quantizing a layer's input and rescaling its int32 sums are element-wise passes over ``[tokens, D]`` tensors; run
+    one torch operation at a time they cost about as much as the int8 product itself (2 cores, a ``[4, 1024]`` batch
+    of SmolLM2-135M: ~0.47 s of element-wise work against 0.31 s of ``_int_mm`` per two batches;
+    ``docs/BENCHMARKS.md``, "Session 42"), compiled into one loop each a third of that. Where compiling fails (no
+    C++ compiler, a platform inductor does not support) or ``MEMLM_INT8_COMPILE=0``, the eager ``fn`` runs, with one
+    warning the first time."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self._compiled: Callable[..., Any] | None = None
+        self.mode = "eager" if os.environ.get("MEMLM_INT8_COMPILE", "1").lower() in ("0", "off", "no") else "inductor"
+
+    def __call__(self, *args: Any) -> Any:
+        if self.mode == "inductor":
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self.fn, dynamic=True)
+                return self._compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any failure to compile: the eager operations are the same
+                self.mode = "eager"
+                warnings.warn(f"--quantize int8: torch.compile of {self.fn.__name__} failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); running it op by op (slower, same numbers)", stacklevel=2)  # fmt: skip
+        return self.fn(*args)
+
+
+quantize_input = FusedOps(_quantize_input)
+rescale = FusedOps(_rescale)
+
+
 class SharedInput:
-    """The quantized input of a group of layers that read the same tensor (q/k/v of an attention block, gate/up of a
-    feed-forward block), smoothed by one σ: the first layer to see a tensor quantizes it, the others reuse it."""
+    """The quantized input of a group of layers that read the same tensor (gate/up of a feed-forward block), smoothed
+    by one σ: the first layer to see a tensor quantizes it, the others reuse it, and the last of the group's
+    ``users`` lets it go (nothing of a batch is held between forward passes)."""
 
     def __init__(self, inv_smooth: torch.Tensor | None):
         self.inv_smooth = inv_smooth
-        self._key: tuple[int, int, tuple[int, ...]] | None = None
-        self._x: torch.Tensor | None = None
-        self._quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.users = 0  # Int8Linear layers reading through this one (each registers itself)
+        self.clear()
 
     def quantized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (x.data_ptr(), 0 if x.is_inference() else x._version, tuple(x.shape))  # inference tensors: no version
         if self._quantized is None or self._x is not x or self._key != key:
-            x2 = x.reshape(-1, x.shape[-1]).float()
-            if self.inv_smooth is not None:
-                x2 = x2 * self.inv_smooth
-            self._x, self._key, self._quantized = x, key, quantize_rows(x2)
-        return self._quantized
+            self._x, self._key, self._quantized = x, key, quantize_input(x, self.inv_smooth)
+            self._left = self.users
+        out = self._quantized
+        self._left -= 1
+        if self._left <= 0:
+            self.clear()
+        return out
 
     def clear(self) -> None:
-        self._x = self._key = self._quantized = None
+        self._x: torch.Tensor | None = None
+        self._key: tuple[int, int, tuple[int, ...]] | None = None
+        self._quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._left = 0
 
 
 class Int8Linear(nn.Module):
@@ -112,13 +174,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8_t", wq.t(), persistent=False)
         self.register_buffer("weight_scale", s_w.reshape(-1), persistent=False)
         self.shared = shared if shared is not None else SharedInput(None if smooth is None else 1.0 / smooth.float())
+        self.shared.users += 1
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, s_x = self.shared.quantized(x)
-        y = torch._int_mm(xq, self.weight_int8_t) * s_x  # int32 * float32 -> float32 in one pass
-        y = y.mul_(self.weight_scale)
+        y = rescale(torch._int_mm(xq, self.weight_int8_t), s_x, self.weight_scale)
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -239,6 +301,8 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
         for i in group:
             parent, name, lin = targets[i]
             setattr(parent, name, Int8Linear(lin, smooth, shared))
+    with torch.inference_mode():  # compiles the element-wise ops now (FusedOps), not in the first timed batch
+        model(input_ids=batches[0][:, :64], use_cache=False)
     return {
         "alpha": alpha,
         "calibration": "wiki train" if texts is None else "given texts",
@@ -246,4 +310,5 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
         "quantized_linears": len(targets),
         "input_groups": len(groups),
         "float32_kept": "feed-forward down projections, the last decoder layer, the head",
+        "elementwise_ops": quantize_input.mode if quantize_input.mode == rescale.mode else "mixed",
     }
