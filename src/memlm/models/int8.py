@@ -99,11 +99,11 @@ class FusedOps:
     ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``).
 
     Quantizing a layer's input and rescaling its int32 sums are element-wise passes over ``[tokens, D]`` tensors; run
-    one torch operation at a time they cost about as much as the int8 product itself (2 cores, a ``[4, 1024]`` batch
-    of SmolLM2-135M: ~0.47 s of element-wise work against 0.31 s of ``_int_mm`` per two batches;
-    ``docs/BENCHMARKS.md``, "Session 42"), compiled into one loop each a third of that. Where compiling fails (no
-    C++ compiler, a platform inductor does not support) or ``MEMLM_INT8_COMPILE=0``, the eager ``fn`` runs, with one
-    warning the first time."""
+    one torch operation at a time they cost more than the int8 product itself (2 cores, SmolLM2-135M, eval of 8
+    windows of 1024: 2.02 s of element-wise work against 1.25 s of ``_int_mm``), compiled 0.81 s
+    (``docs/results/speed/int8_profile_session42.json``; ``docs/BENCHMARKS.md``, "Session 42"). Where compiling
+    fails (no C++ compiler, a platform inductor does not support) or ``MEMLM_INT8_COMPILE=0``, the eager ``fn``
+    runs, with one warning the first time."""
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
@@ -114,7 +114,10 @@ class FusedOps:
         if self.mode == "inductor":
             try:
                 if self._compiled is None:
-                    self._compiled = torch.compile(self.fn, dynamic=True)
+                    # no FX graph cache: its key leaves out ATEN_CPU_CAPABILITY, so a graph cached under one vector ISA
+                    # was served under another (torch 2.13; wrong int8 values, NaN perplexity, a heap corruption once:
+                    # docs/BENCHMARKS.md "Session 42"); recompiling costs ~2 s per process
+                    self._compiled = torch.compile(self.fn, dynamic=True, options={"fx_graph_cache": False})
                 return self._compiled(*args)
             except Exception as e:  # noqa: BLE001 - any failure to compile: the eager operations are the same
                 self.mode = "eager"
