@@ -4,6 +4,10 @@ quantized once per group, keys within the stated error, and the compute-path che
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -243,3 +247,30 @@ def test_the_exactness_check_sees_saturated_products(monkeypatch):
         )
     finally:
         int8_lib.int8_products_exact.cache_clear()
+
+
+CACHE_CHECK = """
+import torch
+from memlm.models import int8 as m
+g = torch.Generator().manual_seed(0)
+x, inv = torch.randn(300, 576, generator=g) * 5, torch.rand(576, generator=g) + 0.5
+q, s = m.quantize_input(x, inv)
+acc = torch.randint(-2**20, 2**20, (300, 192), dtype=torch.int32, generator=g)
+w = torch.rand(192, generator=g)
+assert m.quantize_input.mode == "inductor"
+print(torch.equal(q, m._quantize_input(x, inv)[0]) and torch.equal(m.rescale(acc, s, w), m._rescale(acc, s, w)))
+"""
+
+
+@pytest.mark.skipif(str(torch.backends.cpu.get_cpu_capability()) != "AVX512", reason="needs two vector ISAs")
+def test_compiled_ops_are_not_served_across_vector_isas(tmp_path):
+    """torch's FX graph cache keys leave out ATEN_CPU_CAPABILITY: with it, a graph compiled under AVX2 was served to
+    an AVX-512 process (wrong int8 values, a heap corruption). FusedOps compiles without it: both processes, one
+    inductor cache directory, get the eager numbers."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "MEMLM_INT8_COMPILE": "1"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    for capability in ("avx2", None):
+        run_env = {**env, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
+        r = subprocess.run([sys.executable, "-c", CACHE_CHECK], env=run_env, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+        assert r.returncode == 0 and r.stdout.strip().endswith("True"), (capability, r.stdout, r.stderr[-2000:])
