@@ -162,7 +162,7 @@ def _compile_blocks(model: nn.Module) -> None:
 
     The modules stay: hooks registered on them (key capture, :class:`memlm.models.forward.fp32_head`) run around the
     compiled code, so each role's key is captured exactly where it is without compiling. ``dynamic=True`` keeps one
-    graph for every window length.
+    graph for every window length; the FX graph cache is off (the graphs are generated again in each process).
     """
     layers = find_decoder_layers(model)
     hidden = _hidden_size(model, layers[0])
@@ -170,7 +170,9 @@ def _compile_blocks(model: nn.Module) -> None:
         parts = _analyze_layer(layer, hidden)
         for block in (parts.attn, parts.ffn):
             if block is not None:
-                block.forward = torch.compile(block.forward, dynamic=True)
+                # no FX graph cache: its key leaves out ATEN_CPU_CAPABILITY, so a graph compiled under one vector ISA
+                # can be served under another (memlm.models.int8.FusedOps; docs/BENCHMARKS.md "Session 42")
+                block.forward = torch.compile(block.forward, dynamic=True, options={"fx_graph_cache": False})
 
 
 def apply_compute_path(
