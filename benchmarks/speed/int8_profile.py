@@ -36,12 +36,12 @@ OPS = ("aten::_int_mm", "aten::mm", "aten::addmm", "aten::_scaled_dot_product_fl
        "aten::_log_softmax", *LABELS.values())  # fmt: skip
 
 
+REAL_CALL = int8_lib.FusedOps.__call__
+
+
 def labelled_call(self: int8_lib.FusedOps, *args: Any) -> Any:
     with record_function(LABELS[self.fn.__name__]):
         return REAL_CALL(self, *args)
-
-
-REAL_CALL = int8_lib.FusedOps.__call__
 
 
 def op_table(model, batches, with_lp: bool, pad: int) -> dict[str, Any]:

@@ -54,6 +54,7 @@ __all__ = [
     "ComputePath",
     "apply_compute_path",
     "check_compute_paths",
+    "compile_dynamic",
     "cpu_flags",
     "describe_compute_path",
     "path_key_error",
@@ -157,12 +158,20 @@ def _quantize_int8_dynamic(model: nn.Module) -> None:
         quantize_dynamic(find_decoder_layers(model), {nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
+def compile_dynamic(fn: Any) -> Any:
+    """``torch.compile(fn, dynamic=True)`` (inductor; one graph for every length) without inductor's FX graph cache:
+    its key leaves out ``ATEN_CPU_CAPABILITY``, so a graph compiled under one vector ISA was served to a process on
+    another (torch 2.13: wrong int8 values, NaN perplexity, a heap corruption; ``docs/BENCHMARKS.md``, "Session
+    42"). The graphs are generated again in each process; inductor's cache of compiled C++ is still used."""
+    return torch.compile(fn, dynamic=True, options={"fx_graph_cache": False})
+
+
 def _compile_blocks(model: nn.Module) -> None:
     """``torch.compile`` the ``forward`` of each decoder layer's attention and feed-forward block.
 
     The modules stay: hooks registered on them (key capture, :class:`memlm.models.forward.fp32_head`) run around the
-    compiled code, so each role's key is captured exactly where it is without compiling. ``dynamic=True`` keeps one
-    graph for every window length; the FX graph cache is off (the graphs are generated again in each process).
+    compiled code, so each role's key is captured exactly where it is without compiling (:func:`compile_dynamic`: one
+    graph for every window length).
     """
     layers = find_decoder_layers(model)
     hidden = _hidden_size(model, layers[0])
@@ -170,9 +179,7 @@ def _compile_blocks(model: nn.Module) -> None:
         parts = _analyze_layer(layer, hidden)
         for block in (parts.attn, parts.ffn):
             if block is not None:
-                # no FX graph cache: its key leaves out ATEN_CPU_CAPABILITY, so a graph compiled under one vector ISA
-                # can be served under another (memlm.models.int8.FusedOps; docs/BENCHMARKS.md "Session 42")
-                block.forward = torch.compile(block.forward, dynamic=True, options={"fx_graph_cache": False})
+                block.forward = compile_dynamic(block.forward)
 
 
 def apply_compute_path(

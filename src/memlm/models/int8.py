@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from memlm.errors import MemlmError
+from memlm.models.compute import compile_dynamic
 from memlm.models.keys import _analyze_layer, _hidden_size, _outer_linears, _up_down_pairs, find_decoder_layers
 
 __all__ = [
@@ -95,8 +96,8 @@ def _rescale(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor) -> torch.T
 
 
 class FusedOps:
-    """``fn`` compiled by ``torch.compile`` (inductor, ``dynamic=True``: one graph for every number of tokens), else
-    ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``).
+    """``fn`` compiled by :func:`memlm.models.compute.compile_dynamic` (inductor: one graph for every number of
+    tokens), else ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``).
 
     Quantizing a layer's input and rescaling its int32 sums are element-wise passes over ``[tokens, D]`` tensors; run
     one torch operation at a time they cost more than the int8 product itself (2 cores, SmolLM2-135M, eval of 8
@@ -114,10 +115,7 @@ class FusedOps:
         if self.mode == "inductor":
             try:
                 if self._compiled is None:
-                    # no FX graph cache: its key leaves out ATEN_CPU_CAPABILITY, so a graph cached under one vector ISA
-                    # was served under another (torch 2.13; wrong int8 values, NaN perplexity, a heap corruption once:
-                    # docs/BENCHMARKS.md "Session 42"); recompiling costs ~2 s per process
-                    self._compiled = torch.compile(self.fn, dynamic=True, options={"fx_graph_cache": False})
+                    self._compiled = compile_dynamic(self.fn)
                 return self._compiled(*args)
             except Exception as e:  # noqa: BLE001 - any failure to compile: the eager operations are the same
                 self.mode = "eager"
