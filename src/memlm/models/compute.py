@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from memlm.errors import MemlmError
+from memlm.models.compiling import compile_dynamic
 from memlm.models.keys import _analyze_layer, _hidden_size, find_decoder_layers
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "ComputePath",
     "apply_compute_path",
     "check_compute_paths",
-    "compile_dynamic",
     "cpu_flags",
     "describe_compute_path",
     "path_key_error",
@@ -156,14 +156,6 @@ def _quantize_int8_dynamic(model: nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch >= 2.9 announces the move to torchao; the kernels are the same
         quantize_dynamic(find_decoder_layers(model), {nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-def compile_dynamic(fn: Any) -> Any:
-    """``torch.compile(fn, dynamic=True)`` (inductor; one graph for every length) without inductor's FX graph cache:
-    its key leaves out ``ATEN_CPU_CAPABILITY``, so a graph compiled under one vector ISA was served to a process on
-    another (torch 2.13: wrong int8 values, NaN perplexity, a heap corruption; ``docs/BENCHMARKS.md``, "Session
-    42"). The graphs are generated again in each process; inductor's cache of compiled C++ is still used."""
-    return torch.compile(fn, dynamic=True, options={"fx_graph_cache": False})
 
 
 def _compile_blocks(model: nn.Module) -> None:

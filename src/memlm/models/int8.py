@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from memlm.errors import MemlmError
-from memlm.models.compute import compile_dynamic
+from memlm.models.compiling import compile_dynamic
 from memlm.models.keys import _analyze_layer, _hidden_size, _outer_linears, _up_down_pairs, find_decoder_layers
 
 __all__ = [
@@ -96,7 +96,7 @@ def _rescale(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor) -> torch.T
 
 
 class FusedOps:
-    """``fn`` compiled by :func:`memlm.models.compute.compile_dynamic` (inductor: one graph for every number of
+    """``fn`` compiled by :func:`memlm.models.compiling.compile_dynamic` (inductor: one graph for every number of
     tokens), else ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``).
 
     Quantizing a layer's input and rescaling its int32 sums are element-wise passes over ``[tokens, D]`` tensors; run
