@@ -217,7 +217,9 @@ def main() -> None:
     result["summary"] = {
         "eval_ratio": med("new", "eval_tok_per_s") / med("old", "eval_tok_per_s"),
         "build_ratio": med("new", "build_entries_per_s") / med("old", "build_entries_per_s"),
-        "ppl_relative_difference": med("old", "ppl") / med("new", "ppl") - 1,
+        # new / old - 1 (positive: the new path's perplexity is higher). Files written before session 43 have
+        # "ppl_relative_difference" = old / new - 1 instead, the opposite sign.
+        "ppl_change_new_vs_old": med("new", "ppl") / med("old", "ppl") - 1,
         "key_error_old_vs_new_p99": float(np.percentile(err, 99)),
         "key_error_old_vs_new_mean": float(err.mean()),
     }
