@@ -13,6 +13,7 @@ under benchmarks/) and ``import protocol``.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -182,6 +183,16 @@ def save_result(path: str | Path | None, result: dict[str, Any]) -> None:
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(path), result, sort_keys=False)
+
+
+def run_child(script: str | Path, argv: list[str], env: dict[str, str], show_stderr: bool = False) -> dict[str, Any]:
+    """Run ``python script --child *argv`` (one benchmark row in a fresh process, ``env`` its whole environment) and
+    return the JSON object it prints as the last line of its standard output. Its standard error is captured (shown
+    in the raised error if it fails) unless ``show_stderr`` passes it through (progress bars into the log)."""
+    cmd = [sys.executable, str(script), "--child", *argv]
+    stderr = None if show_stderr else subprocess.PIPE
+    out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, stderr=stderr, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def timed(name: str, fn: Callable[[], dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,9 +84,7 @@ def main() -> None:
             idle = protocol.wait_for_idle(protocol.IDLE_BUSY, protocol.IDLE_LOAD, max_wait=args.wait_idle)
             env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
             env["MEMLM_MALLOC"] = "default" if mode == "default" else "tuned"
-            cmd = [sys.executable, __file__, "--child", *sys.argv[1:]]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-            row = {"mode": mode, "repeat": rep, "idle_before": idle, **json.loads(out.strip().splitlines()[-1])}
+            row = {"mode": mode, "repeat": rep, "idle_before": idle, **protocol.run_child(__file__, sys.argv[1:], env)}
             result["rows"].append(row)
             print(
                 f"{mode} #{rep}: {row['forward_tokens_per_s']:.1f} forward tok/s, "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,9 +66,9 @@ def child(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {}
     if args.kind == "int8":
         t0 = time.perf_counter()
-        info = apply_compute_path(model, ComputePath("float32", quantize="int8"), tokenizer=tok)
+        apply_compute_path(model, ComputePath("float32", quantize="int8"), tokenizer=tok)
         out["setup_s"] = time.perf_counter() - t0
-        out["elementwise_ops"] = getattr(info, "memlm_int8", {}).get("elementwise_ops")
+        out["elementwise_ops"] = model.memlm_int8["elementwise_ops"]
     else:
         path = ComputePath("float32", compile="none" if args.mode == "eager" else "inductor")
         t0 = time.perf_counter()
@@ -110,11 +109,10 @@ def main() -> None:
             idle = protocol.wait_for_idle(protocol.IDLE_BUSY, protocol.IDLE_LOAD, max_wait=args.wait_idle)
             env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
             env["MEMLM_INT8_COMPILE"] = "0" if mode == "eager" else "1"
-            cmd = [sys.executable, __file__, "--child", "--kind", kind, "--mode", mode, "--model", args.model]
             t0 = time.perf_counter()
-            out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+            child_row = protocol.run_child(__file__, ["--kind", kind, "--mode", mode, "--model", args.model], env, True)
             row = {"kind": kind, "mode": mode, "cache": cache, "process_s": time.perf_counter() - t0,
-                   "idle_before": idle, **json.loads(out.strip().splitlines()[-1])}  # fmt: skip
+                   "idle_before": idle, **child_row}  # fmt: skip
             result["rows"].append(row)
             print({k: v for k, v in row.items() if k != "idle_before"}, flush=True)
             protocol.save_result(args.out, result)

@@ -176,10 +176,7 @@ def main() -> None:
             for which in ("old", "new"):
                 idle = protocol.wait_for_idle(protocol.IDLE_BUSY, protocol.IDLE_LOAD, max_wait=args.wait_idle)
                 keys = Path(tmp) / f"keys-{which}.npy"
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--child",
+                argv = [
                     "--model",
                     args.model,
                     "--tokens",
@@ -196,8 +193,7 @@ def main() -> None:
                 env["MEMLM_BENCH_QUANTIZE"] = args.new_quantize if which == "new" else "none"
                 if args.dtype:
                     env["MEMLM_DEFAULT_DTYPE"] = args.dtype
-                out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-                row = {"code": which, "repeat": rep, "idle_before": idle, **json.loads(out.strip().splitlines()[-1])}
+                row = {"code": which, "repeat": rep, "idle_before": idle, **protocol.run_child(__file__, argv, env)}
                 row["load_after"] = protocol.load_average()
                 result["rows"].append(row)
                 print(

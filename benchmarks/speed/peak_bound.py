@@ -18,7 +18,7 @@ share of each linear group's seconds taken as their share of its FLOPs (the shap
 ``peak``'s rows). No int8 kernel beats that, and the quantize / rescale work it adds is left out.
 
     python benchmarks/speed/peak_bound.py docs/results/speed/profile_2core_avx2_session43.json \\
-      --ratio build=1.02 --ratio eval=1.12 --int8-model smollm2-135m \\
+      --ratio build=1.0155 --ratio eval=1.1219 --int8-model smollm2-135m \\
       --out docs/results/speed/peak_bound_avx2_session43.json
 """
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,11 +121,10 @@ def main() -> None:
         scores, info = (work / f"{args.corpus}-{args.tokens or 'all'}-{name}.{ext}" for ext in ("npz", "json"))
         if not scores.exists():
             env = {**os.environ, **PROXIES[proxy], "PYTHONPATH": str(REPO / "src")}
-            cmd = [sys.executable, __file__, "--child", "--work", str(work), "--path", name, "--scores", str(scores),
-                   "--model", args.model, "--corpus", args.corpus, "--tokens", str(args.tokens)]  # fmt: skip
+            argv = ["--work", str(work), "--path", name, "--scores", str(scores), "--model", args.model,
+                    "--corpus", args.corpus, "--tokens", str(args.tokens)]  # fmt: skip
             print(f"scoring {name} ...", flush=True)
-            out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-            info.write_text(out.strip().splitlines()[-1] + "\n")
+            info.write_text(json.dumps(protocol.run_child(__file__, argv, env, show_stderr=True)) + "\n")
         result["paths"][name] = {"environment": PROXIES[proxy], **json.loads(info.read_text())}
         print(name, result["paths"][name], flush=True)
     loaded = {n: np.load(work / f"{args.corpus}-{args.tokens or 'all'}-{n}.npz") for n in names}
