@@ -34,9 +34,16 @@ from memlm.models.resources import model_fingerprint
 exact_int8 = pytest.mark.skipif(not int8_products_exact(), reason="int8 products saturate on this CPU (no VNNI/AMX)")
 
 
-def numpy_w8a8(x: np.ndarray, w: np.ndarray, sigma: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+def numpy_w8a8(x: np.ndarray, w: np.ndarray, sigma: np.ndarray, bias: np.ndarray | None,
+               outliers: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """SmoothQuant's W8A8 product written out: x' = x / σ, W' = W diag(σ); symmetric int8 with one scale per token
-    (row of x') and per output channel (row of W'), integer sum, rescaled."""
+    (row of x') and per output channel (row of W'), integer sum, rescaled. With ``outliers`` (LLM.int8()'s
+    decomposition, Dettmers et al. 2022, Sec. 3.2: C = Σ_{h∈O} X_h W_h + S · Σ_{h∉O} X_i8 W_i8), those input channels'
+    product in float and the W8A8 product over the other channels only."""
+    if outliers is not None:
+        rest = np.setdiff1d(np.arange(x.shape[1]), outliers)
+        y = numpy_w8a8(x[:, rest], w[:, rest], sigma[rest], bias)
+        return y + x[:, outliers] @ w[:, outliers].T
     xs, ws = x / sigma, w * sigma
     s_x = np.maximum(np.abs(xs).max(1, keepdims=True), 1e-8) / 127
     s_w = np.maximum(np.abs(ws).max(1, keepdims=True), 1e-8) / 127
@@ -68,6 +75,43 @@ def test_int8_linear_matches_the_numpy_transcription(bias):
     want = numpy_w8a8(x.reshape(-1, 48).double().numpy(), lin.weight.detach().double().numpy(),
                       sigma.double().numpy(), b)  # fmt: skip
     np.testing.assert_allclose(got.reshape(-1, 40).numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+@exact_int8
+@pytest.mark.parametrize("bias", [False, True])
+def test_outlier_channels_match_the_numpy_decomposition(bias):
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(48, 40, bias=bias)
+    x = torch.randn(3, 7, 48, generator=g)
+    x[..., 5] *= 30
+    x[..., 17] *= -50
+    sigma = torch.rand(48, generator=g) + 0.5
+    outliers = torch.tensor([5, 17, 30])
+    layer = Int8Linear(lin, sigma, outliers=outliers)
+    got = layer(x)
+    b = None if lin.bias is None else lin.bias.detach().double().numpy()
+    want = numpy_w8a8(x.reshape(-1, 48).double().numpy(), lin.weight.detach().double().numpy(),
+                      sigma.double().numpy(), b, outliers.numpy())  # fmt: skip
+    np.testing.assert_allclose(got.reshape(-1, 40).numpy(), want, rtol=1e-4, atol=1e-5)
+    # not the plain W8A8 product: the outlier channels left the int8 scales
+    plain = numpy_w8a8(x.reshape(-1, 48).double().numpy(), lin.weight.detach().double().numpy(),
+                       sigma.double().numpy(), b)  # fmt: skip
+    assert np.abs(got.reshape(-1, 40).numpy() - plain).max() > 1e-3
+    with pytest.raises(MemlmError, match="out of range"):
+        Int8Linear(lin, sigma, outliers=torch.tensor([48]))
+
+
+@exact_int8
+def test_outlier_channels_in_float32_cut_the_error_of_a_heavy_channel():
+    """One activation channel 1000x the others, no smoothing: taking it out of the int8 product (its float32 share
+    added back) leaves a fraction of the plain per-token product's error."""
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 32, bias=False)
+    x = torch.randn(256, 64, generator=g)
+    x[:, 3] *= 1000
+    exact = lin(x).detach()
+    err = lambda y: ((y - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert err(Int8Linear(lin, None, outliers=torch.tensor([3]))(x)) < 0.2 * err(Int8Linear(lin, None)(x))
 
 
 @exact_int8
@@ -167,6 +211,12 @@ def test_quantize_int8_replaces_all_but_the_down_projections_and_the_last_layer(
     assert model_fingerprint(q) == fingerprint  # the weights it was loaded with
     info = describe_compute_path(q)
     assert info["quantize"] == "int8" and info["int8"]["quantized_linears"] == 6 and info["int8"]["input_groups"] == 5
+    assert info["int8"]["outlier_channels"] == int8_lib.OUTLIER_CHANNELS
+    for layer in (attn.q_proj, attn.k_proj, first.mlp.gate_proj, first.mlp.up_proj):
+        assert layer.outliers.numel() == int8_lib.OUTLIER_CHANNELS  # multiplied in float32, left out of the int8
+        assert torch.all(layer.shared.inv_smooth[layer.outliers] == 0)
+        assert torch.all(layer.weight_int8_t[layer.outliers] == 0)
+    assert torch.equal(first.mlp.gate_proj.outliers, first.mlp.up_proj.outliers)  # one input, one set of channels
     assert info["int8"]["elementwise_ops"] in ("inductor", "eager")
     got = keys_of(q)
     for role in KEY_ROLES:
@@ -182,6 +232,8 @@ def test_int8_path_refusals():
     if int8_products_exact():
         with pytest.raises(MemlmError, match="at least 16 tokens"):
             quantize_int8(tiny_llama(), gpt2_tokenizer(), ["the cat"])
+        with pytest.raises(MemlmError, match="outliers must be >= 0"):
+            quantize_int8(tiny_llama(), gpt2_tokenizer(), calibration_texts(), outliers=-1)
     built = {"dtype": "float32", "quantize": "int8"}
     check_compute_paths(built, {"dtype": "float32", "quantize": "int8"}, "ds")  # the same arithmetic: allowed
     with pytest.raises(MemlmError, match="float32\\+sdpa\\+int8|int8"):

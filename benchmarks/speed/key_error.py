@@ -4,9 +4,12 @@ Scores the same leading tokens of the `wiki` corpus' test split (Wikipedia lead 
 (windows 512, min-context 256, batch 2) and compares the ``ffn_in@-1`` keys, ``e = ||k - k_fp32|| / ||k_fp32||`` per
 key, and the perplexity. Not a timing:
 it may run on a busy machine. ``--int8-variants`` adds two int8 quantizations that are not paths (per-channel weights;
-every linear but ``down_proj``), to show where int8's error comes from::
+every linear but ``down_proj``), to show where int8's error comes from, and ``--quantize int8`` without its outlier
+channels (its rule before session 44)::
 
     python benchmarks/speed/key_error.py --tokens 2048 --int8-variants --out docs/results/speed/key_error.json
+    python benchmarks/speed/key_error.py --tokens 2048 --int8-variants \
+      --out docs/results/speed/key_error_session44.json    # with the int8 path (session 44)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ PATHS = [
     ComputePath("float32", "eager"),
     ComputePath("bfloat16"),
     ComputePath("float32", quantize="int8-dynamic"),
+    ComputePath("float32", quantize="int8"),
 ]
 
 
@@ -54,7 +58,11 @@ def _int8_variant(model: torch.nn.Module, variant: str) -> None:
 def run(args: argparse.Namespace, path: ComputePath, variant: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     model, tok = load_causal_lm(args.model, dtype=path.dtype)
     if variant is None:
-        apply_compute_path(model, path)
+        apply_compute_path(model, path, tokenizer=tok)
+    elif variant == "no-outliers":  # --quantize int8 as sessions 41-43 had it
+        from memlm.models.int8 import quantize_int8
+
+        quantize_int8(model, tok, outliers=0)
     else:
         _int8_variant(model, variant)
     docs = limit_documents(load_documents("wiki", "test"), tok, args.tokens)
@@ -79,6 +87,7 @@ def main() -> None:
     todo = [(x.label(), x, None) for x in PATHS[1:]]
     if args.int8_variants:
         todo += [(f"float32+int8-{v} (not a path)", PATHS[0], v) for v in ("per-channel", "per-channel-no-down_proj")]
+        todo += [("float32+sdpa+int8, no outlier channels (sessions 41-43)", PATHS[0], "no-outliers")]
     for name, path, variant in todo:
         keys, lp = run(args, path, variant)
         e = relative_key_error(keys, ref_keys)

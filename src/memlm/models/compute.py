@@ -15,10 +15,11 @@ part                      choices
                           come from :class:`memlm.models.keys.KeyCapture`)
 ``quantize``              ``none``, ``int8`` or ``int8-dynamic``. ``int8``: the decoder's linear layers but the
                           feed-forward down projections and the last layer's as int8 products with one scale per
-                          token and per output channel, SmoothQuant-smoothed (:mod:`memlm.models.int8`; VNNI or
-                          AMX-INT8 where the CPU has them). ``int8-dynamic``: every decoder ``nn.Linear`` replaced
-                          by torch's dynamic int8 linear (one activation scale per batch). The output projection
-                          stays float32 in both, so the LM log-softmax stays float32.
+                          token and per output channel, SmoothQuant-smoothed, each input's outlier channels in
+                          float32 (:mod:`memlm.models.int8`; VNNI or AMX-INT8 where the CPU has them).
+                          ``int8-dynamic``: every decoder ``nn.Linear`` replaced by torch's dynamic int8 linear
+                          (one activation scale per batch). The output projection stays float32 in both, so the
+                          LM log-softmax stays float32.
 ========================  =======================================================================================
 
 Each path's keys differ from float32's by a relative error ``e = ||k_path - k_fp32|| / ||k_fp32||`` per key
@@ -76,10 +77,11 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "av
 #: -0.11%; int8-dynamic (per-tensor activations) p99 0.78, max 1.21, perplexity +283% (per-channel weights: p99 0.77,
 #: +237%; every linear but down_proj, per-channel: p99 0.31, +23%): SmolLM2's activation outliers defeat dynamic
 #: int8, so that path is a measurement option, not one to build or report with.
-#: int8 (memlm.models.int8): p99 0.059, perplexity +0.11% on 19,711 WikiText-2 test tokens (windows 1024 / 512;
-#: docs/results/speed/int8_session41.json; the first 4 documents) and +0.32% (95% interval over documents +0.26% to
-#: +0.38%) on all 62 (docs/results/speed/ppl_intervals_session43.json), bound 0.08: past KEY_TOLERANCE alone, so int8
-#: keys and float32 keys are never mixed.
+#: int8 (memlm.models.int8): with its outlier channels in float32 (session 44) p99 0.046, max 0.11
+#: (docs/results/speed/key_error_session44.json), perplexity +0.10% on all 62 WikiText-2 test documents (95% interval
+#: over documents +0.07% to +0.13%; windows 1024 / 512; docs/results/speed/ppl_intervals_session44.json); without them
+#: (sessions 41-43) p99 0.059-0.062 and +0.32% (+0.26% to +0.38%, ppl_intervals_session43.json). Bound 0.08: past
+#: KEY_TOLERANCE alone, so int8 keys and float32 keys are never mixed.
 #: float16 is not measured on CPU; its 10 mantissa bits round less than bfloat16's 7, so bfloat16's bound is used.
 #: The attention kernel and compile change keys by float32 rounding only (eager vs sdpa: p99 1.9e-6).
 #: tests/test_compute_path.py::test_real_model_key_error_within_the_stated_error pins the measurement under these.

@@ -10,7 +10,17 @@ the per-token activation and per-channel weight granularity of their Table 2):
 
 with the integer sum by ``torch._int_mm`` (int8 × int8 → int32: VNNI or AMX-INT8 where the CPU has them) and
 ``σ_j = max|X_j|^α / max|W_j|^(1-α)`` (Eq. 4, α = 0.5) from the largest input activations seen on a calibration
-text (:data:`CALIBRATION_TOKENS` tokens of the ``wiki`` corpus' train split unless given).
+text (:data:`CALIBRATION_TOKENS` tokens of the ``wiki`` corpus' train split unless given). The
+:data:`OUTLIER_CHANNELS` input channels with the largest calibration maxima (a set O per input) leave the int8
+product and are multiplied in float32 (Dettmers et al. 2022, "LLM.int8()", Sec. 3.2, mixed-precision decomposition,
+with O fixed at calibration instead of found per batch):
+
+    y[t, o] = Σ_{j∈O} x[t, j] · W[o, j] + s_x[t] · s_w[o] · Σ_{j∉O} round(x'[t, j] / s_x[t]) · round(W'[o, j] / s_w[o])
+
+with s_x and s_w taken over the channels outside O. On SmolLM2-135M (session 44, the first 9 articles of WikiText-2
+valid, 35,467 tokens: ``docs/results/speed/int8_selection_session44/``) this took the perplexity change from +0.35%
+to +0.09%: simulated, the weights' rounding gave +0.12% and the activations' +0.21%; the outlier channels set the
+per-token scale of every other channel and, once smoothed, the per-row scale of the weights.
 
 Which layers stay float32 (SmolLM2-135M, ``docs/BENCHMARKS.md`` "Session 41"): every feed-forward *down* projection
 (its input, SiLU(gate) × up, carries the activation outliers no per-token scale absorbs) and every linear layer of the
@@ -21,12 +31,13 @@ log-softmax does too. Layers that read the same tensor and are feed-forward up p
 and quantize their input once; the attention projections keep a σ each (one σ over q/k/v cost more perplexity on
 WikiText-2 valid: ``docs/results/speed/int8_selection_session41/``).
 
-Not memlm's default: perplexity moves by +0.32% on all of WikiText-2 test (95% interval over its 62 documents +0.26%
-to +0.38%: ``docs/results/speed/ppl_intervals_session43.json``; +0.11% on its first 4 documents, the timing rows'
-slice) and +0.25% on 20,000 tokens of valid, past the 0.2% issue 34 allows; keys move by p99 0.06 relative
-(bfloat16's: 0.03; :data:`memlm.models.compute.KEY_ERROR`), so a float32 datastore is refused to an int8 query; and
-on x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate, so the path is refused there
-(:func:`int8_products_exact`).
+Perplexity moves by +0.10% on all of WikiText-2 test (95% interval over its 62 documents +0.07% to +0.13%:
+``docs/results/speed/ppl_intervals_session44.json``), within the 0.2% issue 34 allows; without the outlier channels
+(sessions 41-43) it moved by +0.32% (+0.26% to +0.38%, ``ppl_intervals_session43.json``). Keys move by p99 0.046
+relative (0.062 without; bfloat16's: 0.028; ``docs/results/speed/key_error_session44.json``), past
+:data:`memlm.models.compute.KEY_TOLERANCE` alone, so a float32 datastore is refused to an int8 query. Not memlm's
+default: it needs a calibration text and a C++ compiler for its fused element-wise ops to pay, and on x86 CPUs
+without VNNI or AMX-INT8 torch's int8 products saturate, so the path is refused there (:func:`int8_products_exact`).
 
 torch's dynamic int8 linear (``--quantize int8-dynamic``) uses one activation scale per batch instead, which
 SmolLM2's outliers defeat (+283% perplexity).
@@ -50,6 +61,7 @@ from memlm.models.keys import _analyze_layer, _hidden_size, _outer_linears, _up_
 __all__ = [
     "ALPHA",
     "CALIBRATION_TOKENS",
+    "OUTLIER_CHANNELS",
     "FusedOps",
     "Int8Linear",
     "SharedInput",
@@ -62,6 +74,9 @@ __all__ = [
 ALPHA = 0.5
 #: calibration tokens: the per-channel maxima settle within a few windows (σ moves by < 1% from 2k to 4k tokens)
 CALIBRATION_TOKENS = 2048
+#: input channels per layer input multiplied in float32 instead (the largest calibration maxima; Dettmers et al. 2022,
+#: "LLM.int8()", Sec. 3.2, by count rather than their 6.0 threshold): SmolLM2-135M, WikiText-2 valid, session 44
+OUTLIER_CHANNELS = 8
 
 
 @functools.cache
@@ -130,6 +145,17 @@ quantize_input = FusedOps(_quantize_input)
 rescale = FusedOps(_rescale)
 
 
+def inverse_smooth(channels: int, smooth: torch.Tensor | None, outliers: torch.Tensor | None) -> torch.Tensor | None:
+    """What a layer's input is multiplied by before it is quantized: 1 / σ, and 0 on the outlier channels (they are
+    multiplied in float32 instead); None when there is neither."""
+    if smooth is None and (outliers is None or not outliers.numel()):
+        return None
+    inv = torch.ones(channels) if smooth is None else 1.0 / smooth.float()
+    if outliers is not None:
+        inv[outliers] = 0.0
+    return inv
+
+
 class SharedInput:
     """The quantized input of a group of layers that read the same tensor (gate/up of a feed-forward block), smoothed
     by one σ: the first layer to see a tensor quantizes it, the others reuse it, and the last of the group's
@@ -164,9 +190,20 @@ class Int8Linear(nn.Module):
     :class:`SharedInput` quantize a shared input once. ``in_features`` and ``out_features`` stay, so key capture
     (:mod:`memlm.models.keys`) still finds the layer's roles."""
 
-    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None, shared: SharedInput | None = None):
+    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None, shared: SharedInput | None = None,
+                 outliers: torch.Tensor | None = None):  # fmt: skip
         super().__init__()
         w = linear.weight.detach().float()
+        self.register_buffer("outliers", None, persistent=False)
+        if outliers is not None and outliers.numel():
+            outliers = outliers.long()
+            if int(outliers.min()) < 0 or int(outliers.max()) >= linear.in_features:
+                raise MemlmError(f"outlier channels out of range for a linear layer of {linear.in_features} inputs")
+            self.outliers = outliers
+            # [k, out]: the outlier channels' float32 product; their columns leave the int8 weight
+            self.register_buffer("weight_outlier_t", w[:, outliers].t().contiguous(), persistent=False)
+            w = w.clone()
+            w[:, outliers] = 0
         if smooth is not None:
             if smooth.shape != (linear.in_features,):
                 raise MemlmError(f"smoothing factors of shape {tuple(smooth.shape)} for a linear layer of "
@@ -176,7 +213,9 @@ class Int8Linear(nn.Module):
         # [in, out] as a transposed view (column-major): the layout _int_mm runs fastest with here
         self.register_buffer("weight_int8_t", wq.t(), persistent=False)
         self.register_buffer("weight_scale", s_w.reshape(-1), persistent=False)
-        self.shared = shared if shared is not None else SharedInput(None if smooth is None else 1.0 / smooth.float())
+        if shared is None:
+            shared = SharedInput(inverse_smooth(linear.in_features, smooth, self.outliers))
+        self.shared = shared
         self.shared.users += 1
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -184,6 +223,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, s_x = self.shared.quantized(x)
         y = rescale(torch._int_mm(xq, self.weight_int8_t), s_x, self.weight_scale)
+        if self.outliers is not None:  # the outlier channels' share, in float32: y += x[:, O] · W[:, O]ᵀ
+            x_out = x.reshape(-1, x.shape[-1]).index_select(1, self.outliers).float()
+            y = y.addmm_(x_out, self.weight_outlier_t)
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -273,9 +315,12 @@ def calibration_batches(tokenizer, texts: Sequence[str] | None = None, tokens: i
 
 
 def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = None, alpha: float = ALPHA,
-                  tokens: int = CALIBRATION_TOKENS) -> dict[str, Any]:  # fmt: skip
+                  tokens: int = CALIBRATION_TOKENS, outliers: int = OUTLIER_CHANNELS) -> dict[str, Any]:  # fmt: skip
     """Put :class:`Int8Linear` in place of the decoder's linear layers (all but the down projections and the last
-    layer's), smoothed with factors calibrated on ``texts``; returns what was done (recorded with a datastore)."""
+    layer's), smoothed with factors calibrated on ``texts``, each input's ``outliers`` largest channels (by their
+    calibration maxima) multiplied in float32; returns what was done (recorded with a datastore)."""
+    if outliers < 0:
+        raise MemlmError(f"--quantize int8: outliers must be >= 0 channels, got {outliers}")
     if next(iter(model.parameters())).dtype != torch.float32:
         raise MemlmError("--quantize int8 quantizes a float32 model: pass --dtype float32")
     if not int8_products_exact():
@@ -300,10 +345,11 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
     for group in groups:
         a = torch.stack([absmax[i] for i in group]).amax(0)  # the same tensor: the same maxima
         smooth = smooth_factor(a, [linears[i].weight for i in group], alpha)
-        shared = SharedInput(1.0 / smooth)
+        top = torch.topk(a, min(outliers, a.numel() - 1)).indices.sort().values if outliers else None
+        shared = SharedInput(inverse_smooth(a.numel(), smooth, top))
         for i in group:
             parent, name, lin = targets[i]
-            setattr(parent, name, Int8Linear(lin, smooth, shared))
+            setattr(parent, name, Int8Linear(lin, smooth, shared, top))
     with torch.inference_mode():  # compiles the element-wise ops now (FusedOps), not in the first timed batch
         model(input_ids=batches[0][:, :64], use_cache=False)
     return {
@@ -312,6 +358,7 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
         "calibration_tokens": sum(int(b.shape[1]) for b in batches),
         "quantized_linears": len(targets),
         "input_groups": len(groups),
-        "float32_kept": "feed-forward down projections, the last decoder layer, the head",
+        "outlier_channels": outliers,
+        "float32_kept": "feed-forward down projections, the last decoder layer, the head, the outlier channels",
         "elementwise_ops": quantize_input.mode if quantize_input.mode == rescale.mode else "mixed",
     }
