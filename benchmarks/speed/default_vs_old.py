@@ -11,6 +11,8 @@ AVX512-BF16 CPU). Rows alternate old / new ``--repeats`` times, each started on 
 
     python benchmarks/speed/default_vs_old.py --out docs/results/speed/default_vs_old.json
     python benchmarks/speed/default_vs_old.py --corpus wikitext2 --new-quantize int8 --out ...   # the int8 path
+    python benchmarks/speed/default_vs_old.py --corpus wikitext2 --new-dtype float32 --new-quantize int8 --out ...
+      # the int8 path on an AMX CPU (the new auto there is bfloat16)
 """
 
 from __future__ import annotations
@@ -146,6 +148,12 @@ def main() -> None:
         help="pin both sides' --dtype auto through MEMLM_DEFAULT_DTYPE (both commits read it), e.g. float32 for a "
         "CPU without native bf16 where both defaults are float32 (the AVX2 proxy); default: each commit's own auto",
     )
+    p.add_argument(
+        "--new-dtype",
+        default=None,
+        help="pin only the new code's side (e.g. float32 with --new-quantize int8 on an AMX CPU, where the new auto is "
+        "bfloat16 and int8 needs float32); the old side keeps --dtype or its own auto",
+    )
     p.add_argument("--wait-idle", type=float, default=600)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--keys-out", help=argparse.SUPPRESS)
@@ -193,6 +201,8 @@ def main() -> None:
                 env["MEMLM_BENCH_QUANTIZE"] = args.new_quantize if which == "new" else "none"
                 if args.dtype:
                     env["MEMLM_DEFAULT_DTYPE"] = args.dtype
+                if args.new_dtype and which == "new":
+                    env["MEMLM_DEFAULT_DTYPE"] = args.new_dtype
                 row = {"code": which, "repeat": rep, "idle_before": idle, **protocol.run_child(__file__, argv, env)}
                 row["load_after"] = protocol.load_average()
                 result["rows"].append(row)

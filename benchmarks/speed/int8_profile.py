@@ -80,7 +80,7 @@ def main() -> None:
     batches = list(batched(iter(windows), 4))
     result: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "machine": protocol.machine(),
                               "windows": len(windows), "rows": []}  # fmt: skip
-    fused = (int8_lib.quantize_input, int8_lib.rescale)
+    fused = int8_lib.FUSED_OPS
     for name in ("float32", "int8, element-wise ops eager", "int8, element-wise ops compiled"):
         if name == "int8, element-wise ops eager":
             result["int8"] = int8_lib.quantize_int8(model, tok)

@@ -4,12 +4,16 @@ against float32 on the same text in one process: an issue 34 candidate, how fast
 Rows, each after an idle wait: float32 (the reference, timed first and last so a drift of the machine shows);
 ``--quantize int8`` as memlm applies it (the feed-forward down projections and the last decoder layer kept float32); the
 same int8 layers with their element-wise quantize and rescale run op by op (``FusedOps`` eager, as before session 42)
-instead of compiled; and the ablation that quantizes every decoder linear layer the same way (each with its own σ),
-which shows why those stay float32. Each row: ``memlm eval``'s scoring (``lm_scores``, windows 1024 / 512, batch 4) on
-``--tokens`` of the corpus' test split (tokens/s, perplexity, relative key error of ``ffn_in@-1`` against float32) and
-``datastore build``'s key pass on ``--build-tokens`` of its train split (entries/s).
+instead of compiled; int8 without its outlier channels in float32 (the rule of sessions 41-43); and the ablation that
+quantizes every decoder linear layer the same way (each with its own σ), which shows why those stay float32. Each row:
+``memlm eval``'s scoring (``lm_scores``, windows 1024 / 512, batch 4) on ``--tokens`` of the corpus' test split
+(tokens/s, perplexity, relative key error of ``ffn_in@-1`` against float32) and ``datastore build``'s key pass on
+``--build-tokens`` of its train split (entries/s).
 
     python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --out docs/results/speed/int8_session42.json
+    python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --build-tokens 24000 \
+      --rows float32,int8,no-outliers,float32-again \
+      --out docs/results/speed/int8_fused_outliers_session44.json
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ from memlm.models import int8 as int8_lib  # noqa: E402
 from memlm.models.compute import relative_key_error  # noqa: E402
 from memlm.models.keys import find_decoder_layers  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
+
+#: the int8 layers as sessions 41-43 had them: no input channel multiplied in float32
+NO_OUTLIERS = "int8, no outlier channels (sessions 41-43)"
+#: --rows key -> row name, in the order they run (eager reuses the int8 row's layers)
+ROWS = {"float32": "float32", "int8": "int8", "eager": "int8, element-wise ops eager", "no-outliers": NO_OUTLIERS,
+        "every-linear": "int8, every decoder linear (ablation)", "float32-again": "float32 (again)"}  # fmt: skip
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -73,7 +83,14 @@ def main() -> None:
     p.add_argument("--build-tokens", type=int, default=8_000)
     p.add_argument("--corpus", default="wikitext2", help="named corpus: test split scored, train split keyed")
     p.add_argument("--wait-idle", type=float, default=600)
+    p.add_argument("--rows", default="", help=f"comma-separated rows to run (default: all): {', '.join(ROWS)}")
     args = p.parse_args()
+    rows = list(ROWS.values())
+    if args.rows:
+        chosen = [r.strip() for r in args.rows.split(",")]
+        if set(chosen) - set(ROWS) or ("eager" in chosen and "int8" not in chosen):
+            sys.exit(f"--rows: {args.rows!r}: choose from {', '.join(ROWS)} (eager only with int8)")
+        rows = [name for key, name in ROWS.items() if key in chosen]
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     model, tok = load_causal_lm(args.model, dtype="float32")
     docs = limit_documents(load_documents(args.corpus, "test"), tok, args.tokens)
@@ -82,11 +99,9 @@ def main() -> None:
     result: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "machine": protocol.machine(),
                               "corpus": args.corpus, "rows": []}  # fmt: skip
     info: dict[str, Any] = {}
-    rows = ["float32", "int8", "int8, element-wise ops eager", "int8, every decoder linear (ablation)",
-            "float32 (again)"]  # fmt: skip
     ref = None
     for name in rows:
-        fused = {f: f.mode for f in (int8_lib.quantize_input, int8_lib.rescale)}
+        fused = {f: f.mode for f in int8_lib.FUSED_OPS}
         if name == "int8, element-wise ops eager":  # the same int8 layers, their quantize and rescale op by op
             for f in fused:
                 f.mode = "eager"
@@ -95,6 +110,8 @@ def main() -> None:
                 setattr(parent, attr, lin)
         if name == "int8":
             info = int8_lib.quantize_int8(model, tok)
+        elif name == NO_OUTLIERS:
+            int8_lib.quantize_int8(model, tok, outliers=0)
         elif name.startswith("int8, every"):
             quantize_every_linear(model, tok, originals)
         row = time_row(model, tok, docs, build_docs, ref, args.wait_idle)

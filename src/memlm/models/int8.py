@@ -36,8 +36,10 @@ Perplexity moves by +0.10% on all of WikiText-2 test (95% interval over its 62 d
 (sessions 41-43) it moved by +0.32% (+0.26% to +0.38%, ``ppl_intervals_session43.json``). Keys move by p99 0.046
 relative (0.062 without; bfloat16's: 0.028; ``docs/results/speed/key_error_session44.json``), past
 :data:`memlm.models.compute.KEY_TOLERANCE` alone, so a float32 datastore is refused to an int8 query. Not memlm's
-default: it needs a calibration text and a C++ compiler for its fused element-wise ops to pay, and on x86 CPUs
-without VNNI or AMX-INT8 torch's int8 products saturate, so the path is refused there (:func:`int8_products_exact`).
+default: it needs a calibration text and a C++ compiler for its fused element-wise ops to pay, on a CPU with AMX it is
+slower than bfloat16 (0.79x eval, 0.43x build: ``docs/results/speed/default_vs_old_amx_int8_session44.json``), and on
+x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate, so the path is refused there
+(:func:`int8_products_exact`).
 
 torch's dynamic int8 linear (``--quantize int8-dynamic``) uses one activation scale per batch instead, which
 SmolLM2's outliers defeat (+283% perplexity).
@@ -62,6 +64,7 @@ __all__ = [
     "ALPHA",
     "CALIBRATION_TOKENS",
     "OUTLIER_CHANNELS",
+    "FUSED_OPS",
     "FusedOps",
     "Int8Linear",
     "SharedInput",
@@ -112,6 +115,18 @@ def _rescale(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor) -> torch.T
     return acc.float().mul_(s_x).mul_(s_w)
 
 
+def _rescale_outliers(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor, x_out: torch.Tensor,
+                      w_out_t: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """:func:`_rescale` plus the outlier channels' float32 share, ``Σ_k x_out[t, k] · w_out_t[k, o]``, as element-wise
+    multiply-adds (one per channel) that inductor fuses into the rescale's loop: one pass over the output. As a rank-8
+    ``addmm_`` after the rescale the share read and wrote the output once more, 12% of int8's eval time (session 44,
+    ``docs/results/speed/int8_outliers_session44.json``)."""
+    y = acc.float().mul_(s_x).mul_(s_w)
+    for k in range(w_out_t.shape[0]):
+        y = y.addcmul_(x_out[:, k : k + 1], w_out_t[k])
+    return y
+
+
 class FusedOps:
     """``fn`` compiled by :func:`memlm.models.compiling.compile_dynamic` (inductor: one graph for every number of
     tokens), else ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``).
@@ -143,6 +158,9 @@ class FusedOps:
 
 quantize_input = FusedOps(_quantize_input)
 rescale = FusedOps(_rescale)
+rescale_outliers = FusedOps(_rescale_outliers)
+#: every compiled element-wise step of an int8 layer (benchmarks switch them to eager together)
+FUSED_OPS = (quantize_input, rescale, rescale_outliers)
 
 
 def inverse_smooth(channels: int, smooth: torch.Tensor | None, outliers: torch.Tensor | None) -> torch.Tensor | None:
@@ -222,10 +240,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, s_x = self.shared.quantized(x)
-        y = rescale(torch._int_mm(xq, self.weight_int8_t), s_x, self.weight_scale)
-        if self.outliers is not None:  # the outlier channels' share, in float32: y += x[:, O] · W[:, O]ᵀ
+        acc = torch._int_mm(xq, self.weight_int8_t)
+        if self.outliers is None:
+            y = rescale(acc, s_x, self.weight_scale)
+        else:  # the outlier channels' share, in float32: y += x[:, O] · W[:, O]ᵀ
             x_out = x.reshape(-1, x.shape[-1]).index_select(1, self.outliers).float()
-            y = y.addmm_(x_out, self.weight_outlier_t)
+            y = rescale_outliers(acc, s_x, self.weight_scale, x_out, self.weight_outlier_t)
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -360,5 +380,5 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
         "input_groups": len(groups),
         "outlier_channels": outliers,
         "float32_kept": "feed-forward down projections, the last decoder layer, the head, the outlier channels",
-        "elementwise_ops": quantize_input.mode if quantize_input.mode == rescale.mode else "mixed",
+        "elementwise_ops": modes.pop() if len(modes := {f.mode for f in FUSED_OPS}) == 1 else "mixed",
     }
