@@ -121,7 +121,7 @@ def _rescale_outliers(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor, x
     multiply-adds (one per channel) that inductor fuses into the rescale's loop: one pass over the output. As a rank-8
     ``addmm_`` after the rescale the share read and wrote the output once more, 12% of int8's eval time (session 44,
     ``docs/results/speed/int8_outliers_session44.json``)."""
-    y = acc.float().mul_(s_x).mul_(s_w)
+    y = _rescale(acc, s_x, s_w)
     for k in range(w_out_t.shape[0]):
         y = y.addcmul_(x_out[:, k : k + 1], w_out_t[k])
     return y
@@ -129,7 +129,8 @@ def _rescale_outliers(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor, x
 
 class FusedOps:
     """``fn`` compiled by :func:`memlm.models.compiling.compile_dynamic` (inductor: one graph for every number of
-    tokens), else ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``).
+    tokens), else ``fn`` itself: the same operations, bit for bit (``tests/test_int8.py``; :func:`_rescale_outliers`
+    within float32 rounding, as the C++ compiler may contract its multiply-adds into FMAs).
 
     Quantizing a layer's input and rescaling its int32 sums are element-wise passes over ``[tokens, D]`` tensors; run
     one torch operation at a time they cost more than the int8 product itself (2 cores, SmolLM2-135M, eval of 8
