@@ -60,6 +60,7 @@ __all__ = [
     "describe_compute_path",
     "path_key_error",
     "relative_key_error",
+    "split_head_available",
 ]
 
 ATTENTIONS = ("sdpa", "eager")
@@ -135,6 +136,23 @@ def cpu_flags() -> list[str]:
     except OSError:
         return []
     return [f for f in CPU_FEATURES if f in have]
+
+
+def split_head_available(device: torch.device) -> bool:
+    """Whether :class:`memlm.models.forward.fp32_head` takes a bf16 body's float32 logits as two bfloat16 products
+    with float32 sums: on a CPU with AMX-BF16 (``amx_bf16``) and a torch whose oneDNN matmuls take
+    ``torch.backends.mkldnn.matmul.fp32_precision`` (2.9 and later). There the two products ran the head 1.6-2.5x as
+    fast as one float32 product (SmolLM2-135M's [2559, 576] x [576, 49152], docs/BENCHMARKS.md, "Session 45");
+    AVX512-BF16 without AMX computes bf16 products at about half float32's rate (:func:`memlm.models.resources.
+    _cpu_has_native_bf16`), so two of them would be slower than one float32 product there.
+    ``MEMLM_SPLIT_HEAD=0`` keeps the float32 product everywhere."""
+    import os
+
+    if os.environ.get("MEMLM_SPLIT_HEAD", "").lower() in ("0", "no", "off", "false"):
+        return False
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    return (device.type == "cpu" and hasattr(matmul, "fp32_precision") and "amx_bf16" in cpu_flags()
+            and bool(torch.backends.mkldnn.is_available()))  # fmt: skip
 
 
 def _set_attention(model: nn.Module, attention: str) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "forward_windows",
     "fp32_head",
     "lm_entropy",
+    "logprob_statistics",
     "rolling_forward",
     "slices_logits_by_mask",
 ]
@@ -76,40 +77,145 @@ def collate(batch: Sequence[Window], pad_id: int = 0) -> tuple[torch.Tensor, tor
     return right_pad([w.input_ids for w in batch], pad_id)
 
 
+class _Buffers:
+    """Scratch tensors kept between batches, each grown to the largest size asked: a ``[rows, vocab]`` float32 buffer
+    is 25-200 MiB, and a fresh one per batch is ``mmap``ed and touched page by page again
+    (:mod:`memlm.models.allocator`)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        size = int(np.prod(shape))
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < size or flat.device != device:
+            flat = self._flat[name] = torch.empty(size, dtype=torch.float32, device=device)
+        return flat[:size].view(shape)
+
+
 class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): ...``
-    """Within the block the model's output projection (``get_output_embeddings()``) runs in float32 on its input.
+    """Within the block the model's output projection (``get_output_embeddings()``) computes float32 logits.
 
     A bfloat16 body returns bfloat16 logits: for logits of 16-32 that is about +-0.06 nats of rounding per logit,
-    which casting afterwards cannot undo. Here a forward hook replaces the head's output by
-    ``z = float32(h) W^T (+ b)`` computed from the same (bf16) final hidden state ``h`` with float32 weights, so the
-    log-softmax (Eq. 3's p_LM) sees float32 logits whatever the body's dtype. Logit post-processing the model does
-    after its head (e.g. soft-capping) then runs on float32. A float32 head, or a head that is not an
-    ``nn.Linear`` (quantized), is left as it is. The float32 weights are made once per instance: reuse one instance
-    across batches (it can be entered many times).
+    which casting afterwards cannot undo. Here the head's ``forward`` is replaced by
+    ``z = float32(h) W^T (+ b)``, computed from the same (bf16) final hidden state ``h`` with float32 weights, so the
+    log-softmax (Eq. 3's p_LM) sees float32 logits whatever the body's dtype (hooks on the head still run: the
+    ``final`` key is its input). Logit post-processing the model does after its head (e.g. soft-capping) then runs on
+    float32. A head that is not an ``nn.Linear`` (quantized) is left as it is; so is a float32 head unless
+    ``reuse_output``.
+
+    Where bfloat16 products are fast and exact (:func:`memlm.models.compute.split_head_available`: a CPU with
+    AMX-BF16) and ``h`` is bfloat16, the product is taken as two bfloat16 products with float32 sums (oneDNN's
+    ``fp32_precision = "bf16"``): ``z = h W_hi^T + h W_lo^T`` with ``W_hi = bf16(W)``, ``W_lo = bf16(W - W_hi)``.
+    ``h`` is exactly a bfloat16 value, so each product term is exact and only ``W - W_hi - W_lo`` (2^-17 of ``W``,
+    relative) and the float32 sums are lost: the logits differ from the float32 head's by about 1e-5 of their size
+    (tests/test_forward.py), against the 2^-9 of bf16 logits. ``split=False`` keeps the float32 product.
+
+    ``reuse_output``: the logits are written row block by row block into one buffer kept between calls, so the
+    returned tensor is overwritten by the next call: for a caller that reads each batch's logits before the next
+    (:func:`forward_windows`). The float32 weights are made once per instance: reuse one instance across batches (it
+    can be entered many times).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    rows_per_block = 1024  # logit rows per product (SmolLM2: 192 MiB of float32 logits)
+
+    def __init__(self, model: torch.nn.Module, reuse_output: bool = False, split: bool | None = None) -> None:
+        from memlm.models.compute import split_head_available
+
         get = getattr(model, "get_output_embeddings", None)
         head = get() if callable(get) else None
-        self.head = head if isinstance(head, torch.nn.Linear) and head.weight.dtype != torch.float32 else None
-        self._handle = None
+        linear = isinstance(head, torch.nn.Linear)
+        self.head = head if linear and (head.weight.dtype != torch.float32 or reuse_output) else None
+        self.reuse_output = reuse_output
+        self._buffers = _Buffers()
+        self._saved_forward = None
+        self.split = False
         if self.head is not None:
-            self.weight = self.head.weight.detach().float()
+            weight = self.head.weight.detach().float()
+            bf16 = self.head.weight.dtype == torch.bfloat16
+            self.split = bf16 and (split_head_available(weight.device) if split is None else split)
+            if self.split:
+                high = weight.bfloat16().float()
+                self.weights: tuple[torch.Tensor, ...] = (high, (weight - high).bfloat16().float())
+            else:
+                self.weights = (weight,)
             self.bias = self.head.bias.detach().float() if self.head.bias is not None else None
 
-    def _hook(self, _m: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(args[0].device.type, enabled=False):
-            return torch.nn.functional.linear(args[0].float(), self.weight, self.bias)
+    @property
+    def arithmetic(self) -> str:
+        """How the logits are computed: ``model`` (the model's own head), ``float32``, or ``bfloat16x2`` (two bf16
+        products with float32 sums, on bf16 final hidden states)."""
+        return "model" if self.head is None else "bfloat16x2" if self.split else "float32"
+
+    def _forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(h.device.type, enabled=False):
+            split = self.split and h.dtype == torch.bfloat16  # a bf16 h is exact in bf16 products
+            lead, x = h.shape[:-1], h.reshape(-1, h.shape[-1]).float()
+            n, vocab = x.shape[0], self.weights[0].shape[0]
+            if not self.reuse_output and not split:
+                return torch.nn.functional.linear(x, self.weights[0], self.bias).view(*lead, vocab)
+            out = (self._buffers.get("logits", (n, vocab), x.device) if self.reuse_output
+                   else torch.empty(n, vocab, device=x.device))  # fmt: skip
+            with _bf16_products() if split else contextlib.nullcontext():
+                for lo in range(0, n, self.rows_per_block):
+                    rows = slice(lo, min(n, lo + self.rows_per_block))
+                    block = out[rows]
+                    torch.mm(x[rows], self.weights[0].t(), out=block)
+                    if split:
+                        low = self._buffers.get("low", tuple(block.shape), x.device)
+                        block.add_(torch.mm(x[rows], self.weights[1].t(), out=low))
+                    if self.bias is not None:
+                        block.add_(self.bias)
+            return out.view(*lead, vocab)
 
     def __enter__(self) -> fp32_head:
         if self.head is not None:
-            self._handle = self.head.register_forward_hook(self._hook)
+            self._saved_forward = self.head.__dict__.get("forward")
+            self.head.forward = self._forward
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self.head is not None:
+            if self._saved_forward is None:
+                self.head.__dict__.pop("forward", None)
+            else:
+                self.head.forward = self._saved_forward
+            self._saved_forward = None
+
+
+@contextlib.contextmanager
+def _bf16_products() -> Iterator[None]:
+    """Within the block oneDNN computes float32 matmuls as bfloat16 products with float32 sums."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
+def logprob_statistics(
+    logits: torch.Tensor, targets: torch.Tensor, buffers: _Buffers | None = None, rows_per_block: int = 128
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``log p(target)``, ``max_w log p(w)`` and ``H(p)`` (:func:`lm_entropy`) of each row of float32 ``logits``
+    ``[n, V]`` with ``p = softmax(logits)``: the LM terms of one window.
+
+    Row block by row block into two ``[rows_per_block, V]`` buffers, so the log-softmax and the entropy's products
+    are read back from cache instead of from three fresh ``[n, V]`` tensors. Every operation is per row, so the values
+    are the same as on the whole ``[n, V]`` at once (tests/test_forward.py checks equality).
+    """
+    buffers = buffers or _Buffers()
+    n, vocab = logits.shape
+    lp, max_lp, entropy = (torch.empty(n, device=logits.device) for _ in range(3))
+    for lo in range(0, n, rows_per_block):
+        rows = slice(lo, min(n, lo + rows_per_block))
+        shape = (rows.stop - lo, vocab)
+        logp = torch.log_softmax(logits[rows].float(), -1, out=buffers.get("logp", shape, logits.device))
+        lp[rows] = logp.gather(-1, targets[rows, None]).squeeze(-1)
+        max_lp[rows] = logp.amax(-1)
+        entropy[rows] = lm_entropy(logp, out=buffers.get("terms", shape, logits.device))
+    return lp.cpu().numpy(), max_lp.cpu().numpy(), entropy.cpu().numpy()
 
 
 @torch.inference_mode()
@@ -128,7 +234,8 @@ def forward_windows(
     """
     device = model_device(model)
     specs = list(key_specs)
-    head = fp32_head(model) if with_logprobs else contextlib.nullcontext()
+    head = fp32_head(model, reuse_output=True) if with_logprobs else contextlib.nullcontext()
+    buffers = _Buffers()
     # keys only (a datastore build): the output projection of the last position alone, where the model allows it
     # (Hugging Face's logits_to_keep), instead of [batch, window, vocab] logits nobody reads; not for the ``final``
     # key, which is captured at that projection's input
@@ -162,10 +269,7 @@ def forward_windows(
             keys = {s: captured[s][b, rows].float().cpu().numpy() for s in specs}
             lm_lp = entropy = max_lp = None
             if with_logprobs:
-                logp = torch.log_softmax(logit_rows(out.logits, b).float(), -1)  # [n, V]
-                lm_lp = logp.gather(-1, targets[:, None]).squeeze(-1).cpu().numpy()
-                max_lp = logp.amax(-1).cpu().numpy()
-                entropy = lm_entropy(logp).cpu().numpy()
+                lm_lp, max_lp, entropy = logprob_statistics(logit_rows(out.logits, b), targets, buffers)
             outputs.append(WindowOutput(w, w.targets, keys, lm_lp, entropy, max_lp))
         yield outputs
 
@@ -208,13 +312,13 @@ def _scored_logits(
     return kept, lambda logits, b: logits[b, spans[b][0] - first : spans[b][1] - first]
 
 
-def lm_entropy(logp: torch.Tensor) -> torch.Tensor:
+def lm_entropy(logp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """H(p) = -sum_w p(w) log p(w) per row of log-probabilities ``logp`` [n, V], with 0 log 0 = 0.
 
-    One [n, V] buffer beside ``logp``. Rows with a -inf log-probability (a model that masks tokens) give 0 * -inf =
+    One [n, V] buffer beside ``logp`` (``out``, when given: overwritten). Rows with a -inf log-probability (a model that masks tokens) give 0 * -inf =
     nan in the product; only those rows are summed again with 0 for it.
     """
-    terms = logp.exp().mul_(logp)
+    terms = (logp.exp() if out is None else torch.exp(logp, out=out)).mul_(logp)
     entropy = -terms.sum(-1)
     bad = entropy.isnan()
     if bool(bad.any()):
