@@ -315,8 +315,8 @@ def _scored_logits(
 def lm_entropy(logp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """H(p) = -sum_w p(w) log p(w) per row of log-probabilities ``logp`` [n, V], with 0 log 0 = 0.
 
-    One [n, V] buffer beside ``logp`` (``out``, when given: overwritten). Rows with a -inf log-probability (a model that masks tokens) give 0 * -inf =
-    nan in the product; only those rows are summed again with 0 for it.
+    One [n, V] buffer beside ``logp`` (``out``, when given: overwritten). Rows with a -inf log-probability (a model
+    that masks tokens) give 0 * -inf = nan in the product; only those rows are summed again with 0 for it.
     """
     terms = (logp.exp() if out is None else torch.exp(logp, out=out)).mul_(logp)
     entropy = -terms.sum(-1)
