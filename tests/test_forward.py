@@ -114,3 +114,75 @@ def test_lm_entropy_against_numpy_with_masked_tokens():
     got = lm_entropy(torch.from_numpy(logp)).numpy()
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_logprob_statistics_block_by_block_equal_the_whole_tensor():
+    """log p(target), max log p and H(p) computed row block by row block are the same numbers as on the whole [n, V]
+    at once (every operation is per row), also for rows with masked (-inf) tokens and a last block that is short."""
+    from memlm.models.forward import _Buffers, logprob_statistics
+
+    rng = np.random.default_rng(3)
+    logits = torch.from_numpy((rng.normal(size=(37, 300)) * 4).astype(np.float32))
+    logits[5, :40] = -torch.inf
+    targets = torch.from_numpy(rng.integers(40, 300, size=37))
+    logp = torch.log_softmax(logits, -1)
+    whole = (logp.gather(-1, targets[:, None]).squeeze(-1).numpy(), logp.amax(-1).numpy(), lm_entropy(logp).numpy())
+    buffers = _Buffers()
+    for block in (1, 8, 37, 64):
+        got = logprob_statistics(logits, targets, buffers, rows_per_block=block)
+        for g, w in zip(got, whole, strict=True):
+            np.testing.assert_array_equal(g, w)
+    ref = logits.double().log_softmax(-1)  # and they are the float64 values to float32 rounding
+    np.testing.assert_allclose(got[0], ref.gather(-1, targets[:, None]).squeeze(-1).numpy(), rtol=0, atol=2e-6)
+
+
+class _Head(torch.nn.Module):
+    """A bf16 output projection with logits of 10-30 (as a trained LM's), for fp32_head."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(64, 500, bias=bias)
+        with torch.no_grad():
+            self.lm_head.weight.normal_(0, 0.6)
+            if bias:
+                self.lm_head.bias.normal_(0, 1.0)
+        self.lm_head.to(torch.bfloat16)
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("bf16_products", [False, True])
+def test_fp32_head_logits_against_float64(bf16_products, bias, monkeypatch):
+    """fp32_head's logits of a bf16 head equal ``h W^T + b`` in float64 (W the bf16 weights, h the bf16 input) to
+    float32 rounding, in both arithmetics: a float32 product, or bf16 products with float32 sums (exact products).
+    bf16 logits are off by ~1e-2 of their size (checked). The original bf16 head does not run, the logits go to one
+    buffer reused between calls (2-D and 3-D inputs, a row count that is not a multiple of the row block), and
+    leaving the block restores the head."""
+    from memlm.models.forward import fp32_head
+
+    model = _Head(bias)
+    head = model.lm_head
+    h = (torch.randn(3, 23, 64) * 1.5).bfloat16()
+    ref = h.double() @ head.weight.detach().double().T + (head.bias.detach().double() if bias else 0)
+    with torch.inference_mode():
+        bf16_logits = head(h).double()
+    scale = float(ref.abs().max())
+    assert 10 < scale < 60
+    assert (bf16_logits - ref).abs().max() > 1e-3 * scale  # what fp32_head is for
+    calls = []
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(1) or torch.zeros(()))
+    monkeypatch.setattr(fp32_head, "rows_per_block", 16)
+    hook = fp32_head(model, reuse_output=True, bf16_products=bf16_products)
+    assert hook.arithmetic == ("bf16-products" if bf16_products else "float32")
+    with torch.inference_mode(), hook:
+        z3 = head(h)
+        assert z3.dtype == torch.float32 and z3.shape == (3, 23, 500)
+        np.testing.assert_allclose(z3.double().numpy(), ref.numpy(), rtol=0, atol=1e-6 * scale)
+        z2 = head(h[1])  # the same buffer, overwritten
+        assert z2.data_ptr() == z3.data_ptr()
+        np.testing.assert_allclose(z2.double().numpy(), ref[1].numpy(), rtol=0, atol=1e-6 * scale)
+    assert not calls  # the bf16 head never ran
+    assert "forward" not in head.__dict__
+    assert head(h[0]).shape == ()  # the class's forward (patched here) again

@@ -60,7 +60,7 @@ __all__ = [
     "describe_compute_path",
     "path_key_error",
     "relative_key_error",
-    "split_head_available",
+    "bf16_products_available",
 ]
 
 ATTENTIONS = ("sdpa", "eager")
@@ -138,17 +138,15 @@ def cpu_flags() -> list[str]:
     return [f for f in CPU_FEATURES if f in have]
 
 
-def split_head_available(device: torch.device) -> bool:
-    """Whether :class:`memlm.models.forward.fp32_head` takes a bf16 body's float32 logits as two bfloat16 products
-    with float32 sums: on a CPU with AMX-BF16 (``amx_bf16``) and a torch whose oneDNN matmuls take
-    ``torch.backends.mkldnn.matmul.fp32_precision`` (2.9 and later). There the two products ran the head 1.6-2.5x as
-    fast as one float32 product (SmolLM2-135M's [2559, 576] x [576, 49152], docs/BENCHMARKS.md, "Session 45");
-    AVX512-BF16 without AMX computes bf16 products at about half float32's rate (:func:`memlm.models.resources.
-    _cpu_has_native_bf16`), so two of them would be slower than one float32 product there.
-    ``MEMLM_SPLIT_HEAD=0`` keeps the float32 product everywhere."""
+def bf16_products_available(device: torch.device) -> bool:
+    """Whether :class:`memlm.models.forward.fp32_head` computes a bf16 model's float32 logits as bf16 products with
+    float32 sums (exact products: both factors are bf16 values): on a CPU with AMX-BF16 (``amx_bf16``) and a torch
+    whose oneDNN matmuls take ``torch.backends.mkldnn.matmul.fp32_precision`` (2.9 and later). AVX512-BF16 without
+    AMX computes bf16 products at about half float32's rate (:func:`memlm.models.resources._cpu_has_native_bf16`), so
+    the float32 product stays there. ``MEMLM_BF16_HEAD=0`` keeps the float32 product everywhere."""
     import os
 
-    if os.environ.get("MEMLM_SPLIT_HEAD", "").lower() in ("0", "no", "off", "false"):
+    if os.environ.get("MEMLM_BF16_HEAD", "").lower() in ("0", "no", "off", "false"):
         return False
     matmul = getattr(torch.backends.mkldnn, "matmul", None)
     return (device.type == "cpu" and hasattr(matmul, "fp32_precision") and "amx_bf16" in cpu_flags()
@@ -240,10 +238,14 @@ def _model_path(model: nn.Module) -> ComputePath:
 
 def describe_compute_path(model: nn.Module) -> dict[str, Any]:
     """What a datastore's manifest records (``build.compute_path``): the path, its key error against float32, and
-    what ran it (torch version, threads, oneDNN, CPU features)."""
+    what ran it (torch version, threads, oneDNN, CPU features), and how the LM's logits are computed (``head``:
+    :class:`memlm.models.forward.fp32_head`'s arithmetic; it does not touch the keys)."""
     path = _model_path(model)
+    device = next(iter(model.parameters())).device
+    bf16_head = path.dtype == "bfloat16" and bf16_products_available(device)
     return {
         **asdict(path),
+        "head": "bf16-products" if bf16_head else "float32",
         "key_error": path_key_error(asdict(path)),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -104,12 +104,12 @@ class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): 
     float32. A head that is not an ``nn.Linear`` (quantized) is left as it is; so is a float32 head unless
     ``reuse_output``.
 
-    Where bfloat16 products are fast and exact (:func:`memlm.models.compute.split_head_available`: a CPU with
-    AMX-BF16) and ``h`` is bfloat16, the product is taken as two bfloat16 products with float32 sums (oneDNN's
-    ``fp32_precision = "bf16"``): ``z = h W_hi^T + h W_lo^T`` with ``W_hi = bf16(W)``, ``W_lo = bf16(W - W_hi)``.
-    ``h`` is exactly a bfloat16 value, so each product term is exact and only ``W - W_hi - W_lo`` (2^-17 of ``W``,
-    relative) and the float32 sums are lost: the logits differ from the float32 head's by about 1e-5 of their size
-    (tests/test_forward.py), against the 2^-9 of bf16 logits. ``split=False`` keeps the float32 product.
+    Where bfloat16 products are fast (:func:`memlm.models.compute.bf16_products_available`: a CPU with AMX-BF16),
+    ``h`` is bfloat16 and ``W`` holds bfloat16 values (a bf16 model's head), the product runs as bfloat16 products
+    with float32 sums (oneDNN's ``fp32_precision = "bf16"``). Both factors are exactly bf16 values, so every product
+    ``h_i W_ji`` is exact in float32 and only the sums round, as in a float32 product: the logits agree with
+    ``float64(h) float64(W)^T`` to float32 rounding (tests/test_forward.py), against the 2^-9 of bf16 logits.
+    ``bf16_products=False`` keeps the float32 product.
 
     ``reuse_output``: the logits are written row block by row block into one buffer kept between calls, so the
     returned tensor is overwritten by the next call: for a caller that reads each batch's logits before the next
@@ -119,8 +119,8 @@ class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): 
 
     rows_per_block = 1024  # logit rows per product (SmolLM2: 192 MiB of float32 logits)
 
-    def __init__(self, model: torch.nn.Module, reuse_output: bool = False, split: bool | None = None) -> None:
-        from memlm.models.compute import split_head_available
+    def __init__(self, model: torch.nn.Module, reuse_output: bool = False, bf16_products: bool | None = None) -> None:
+        from memlm.models.compute import bf16_products_available
 
         get = getattr(model, "get_output_embeddings", None)
         head = get() if callable(get) else None
@@ -129,41 +129,33 @@ class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): 
         self.reuse_output = reuse_output
         self._buffers = _Buffers()
         self._saved_forward = None
-        self.split = False
+        self.bf16_products = False
         if self.head is not None:
-            weight = self.head.weight.detach().float()
-            bf16 = self.head.weight.dtype == torch.bfloat16
-            self.split = bf16 and (split_head_available(weight.device) if split is None else split)
-            if self.split:
-                high = weight.bfloat16().float()
-                self.weights: tuple[torch.Tensor, ...] = (high, (weight - high).bfloat16().float())
-            else:
-                self.weights = (weight,)
+            self.weight = self.head.weight.detach().float()
+            if self.head.weight.dtype == torch.bfloat16:  # bf16 values, exact in bf16 products
+                available = bf16_products_available(self.weight.device)
+                self.bf16_products = available if bf16_products is None else bf16_products
             self.bias = self.head.bias.detach().float() if self.head.bias is not None else None
 
     @property
     def arithmetic(self) -> str:
-        """How the logits are computed: ``model`` (the model's own head), ``float32``, or ``bfloat16x2`` (two bf16
-        products with float32 sums, on bf16 final hidden states)."""
-        return "model" if self.head is None else "bfloat16x2" if self.split else "float32"
+        """How the logits are computed: ``model`` (the model's own head), ``float32``, or ``bf16-products`` (exact
+        bf16 products with float32 sums, on bf16 final hidden states)."""
+        return "model" if self.head is None else "bf16-products" if self.bf16_products else "float32"
 
     def _forward(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):
-            split = self.split and h.dtype == torch.bfloat16  # a bf16 h is exact in bf16 products
+            bf16 = self.bf16_products and h.dtype == torch.bfloat16  # a bf16 h is exact in bf16 products
             lead, x = h.shape[:-1], h.reshape(-1, h.shape[-1]).float()
-            n, vocab = x.shape[0], self.weights[0].shape[0]
-            if not self.reuse_output and not split:
-                return torch.nn.functional.linear(x, self.weights[0], self.bias).view(*lead, vocab)
+            n, vocab = x.shape[0], self.weight.shape[0]
+            if not self.reuse_output and not bf16:
+                return torch.nn.functional.linear(x, self.weight, self.bias).view(*lead, vocab)
             out = (self._buffers.get("logits", (n, vocab), x.device) if self.reuse_output
                    else torch.empty(n, vocab, device=x.device))  # fmt: skip
-            with _bf16_products() if split else contextlib.nullcontext():
+            with _bf16_products() if bf16 else contextlib.nullcontext():
                 for lo in range(0, n, self.rows_per_block):
                     rows = slice(lo, min(n, lo + self.rows_per_block))
-                    block = out[rows]
-                    torch.mm(x[rows], self.weights[0].t(), out=block)
-                    if split:
-                        low = self._buffers.get("low", tuple(block.shape), x.device)
-                        block.add_(torch.mm(x[rows], self.weights[1].t(), out=low))
+                    block = torch.mm(x[rows], self.weight.t(), out=out[rows])
                     if self.bias is not None:
                         block.add_(self.bias)
             return out.view(*lead, vocab)
