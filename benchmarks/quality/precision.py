@@ -50,8 +50,8 @@ def main() -> None:
         if name == "bfloat16_bf16_logits":  # turn the float32 head off: the model's own bf16 logits
             orig = fp32_head.__init__
 
-            def no_head(self, model, _orig=orig):
-                _orig(self, model)
+            def no_head(self, model, *args, _orig=orig, **kwargs):
+                _orig(self, model, *args, **kwargs)
                 self.head = None
 
             fp32_head.__init__ = no_head

@@ -9,7 +9,7 @@ module's wall time is its compute). Categories, exclusive (nested time subtracte
 * ``FFN activation``: the FFN block less its linears (SiLU, gate product);
 * ``norms``: the norm modules (no linears) of each layer, and the final norm;
 * ``embedding``; ``output projection``: from the head's input to the end of the model's forward (with
-  :class:`memlm.models.forward.fp32_head` this includes its float32 recomputation);
+  :class:`memlm.models.forward.fp32_head` this is its float32 logits, in place of the model's own head);
 * ``key capture hooks``: :class:`memlm.models.keys.KeyCapture`'s copy of each key (timed in its ``_store``);
 * ``rest of the model``: the model's forward less all of the above (residual adds, masks, rotary tables, Python);
 * ``log-softmax, entropy, key copies out``: :func:`memlm.models.forward.forward_windows` less the model's forward
