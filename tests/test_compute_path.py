@@ -164,6 +164,25 @@ def test_cpu_flags_reads_the_features_it_names(monkeypatch, tmp_path):
     assert compute.cpu_flags() == ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
 
 
+def test_bf16_products_head_only_with_amx_and_recorded(monkeypatch):
+    """The bf16-products head is chosen only on a CPU with AMX-BF16 (not on AVX512-BF16 alone), never for a float32
+    body, can be turned off with MEMLM_BF16_HEAD=0, and the manifest's compute path says which head ran."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(compute, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+    assert not compute.bf16_products_available(cpu)
+    assert describe_compute_path(tiny_llama(torch.bfloat16))["head"] == "float32"
+    monkeypatch.setattr(compute, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16", "amx_bf16"])
+    assert compute.bf16_products_available(cpu) == bool(torch.backends.mkldnn.is_available())
+    if not compute.bf16_products_available(cpu):
+        pytest.skip("this torch has no oneDNN")
+    assert not compute.bf16_products_available(torch.device("meta"))
+    assert describe_compute_path(tiny_llama(torch.bfloat16))["head"] == "bf16-products"
+    assert describe_compute_path(tiny_llama())["head"] == "float32"
+    monkeypatch.setenv("MEMLM_BF16_HEAD", "0")
+    assert not compute.bf16_products_available(cpu)
+    assert describe_compute_path(tiny_llama(torch.bfloat16))["head"] == "float32"
+
+
 @pytest.mark.slow
 def test_real_model_key_error_within_the_stated_error():
     """SmolLM2-135M, ffn_in@-1 on ~2k `wiki` test tokens (Wikipedia lead sections): each path's p99 relative key error
