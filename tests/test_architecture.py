@@ -170,7 +170,7 @@ def test_one_place_turns_retrieved_entries_into_distributions(pattern):
 # retrieved (scores, values) belongs in memlm.core.distribution (issue 24 item 8: npm/inference.py's _group had its
 # own logsumexp over the retrieved spans, which the line patterns above did not see).
 NORMALISERS_OUTSIDE_CORE = {
-    ("models/forward.py", "forward_windows"): "the LM's log-softmax over its vocabulary (p_LM)",
+    ("models/forward.py", "logprob_statistics"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("knnlm/generate.py", "MixtureLogitsProcessor.__call__"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("knnlm/wrap.py", "KNNLM.forward"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("lmeval/model.py", "MemlmLM._loglikelihood_tokens"): "the LM's log-softmax over its vocabulary (p_LM)",
