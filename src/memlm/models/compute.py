@@ -54,13 +54,13 @@ __all__ = [
     "KEY_TOLERANCE",
     "QUANTIZATIONS",
     "ComputePath",
+    "bf16_products_available",
     "apply_compute_path",
     "check_compute_paths",
     "cpu_flags",
     "describe_compute_path",
     "path_key_error",
     "relative_key_error",
-    "bf16_products_available",
 ]
 
 ATTENTIONS = ("sdpa", "eager")
@@ -141,7 +141,8 @@ def cpu_flags() -> list[str]:
 def bf16_products_available(device: torch.device) -> bool:
     """Whether :class:`memlm.models.forward.fp32_head` computes a bf16 model's float32 logits as bf16 products with
     float32 sums (exact products: both factors are bf16 values): on a CPU with AMX-BF16 (``amx_bf16``) and a torch
-    whose oneDNN matmuls take ``torch.backends.mkldnn.matmul.fp32_precision`` (2.9 and later). AVX512-BF16 without
+    whose oneDNN matmuls take ``torch.backends.mkldnn.matmul.fp32_precision`` (checked with 2.13; older ones without
+    the setting keep the float32 product). AVX512-BF16 without
     AMX computes bf16 products at about half float32's rate (:func:`memlm.models.resources._cpu_has_native_bf16`), so
     the float32 product stays there. ``MEMLM_BF16_HEAD=0`` keeps the float32 product everywhere."""
     import os
