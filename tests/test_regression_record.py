@@ -65,7 +65,8 @@ def test_record_covers_every_command():
 
 @pytest.mark.parametrize("name", [*COMMANDS, "demo"])
 def test_same_numbers(recomputed, name):
-    assert differences(RECORDED["outputs"][name], recomputed[name]) == []
+    diffs = differences(RECORDED["outputs"][name], recomputed[name])
+    assert not diffs, f"memlm {' '.join(COMMANDS[name][0]) if name in COMMANDS else name}:\n" + "\n".join(diffs)
 
 
 def test_differences_catch_a_change():

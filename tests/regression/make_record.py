@@ -254,7 +254,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         results = run_all(Path(tmp))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    # HEAD, less the commits that only touch the record itself (so that rewriting it leaves the commit as it was)
+    git = ["git", "log", "-1", "--format=%H", "--", ".", ":!tests/regression", ":!tests/test_regression_record.py"]
+    commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT, capture_output=True, text=True)
+    if dirty.stdout.strip():
+        raise SystemExit("src/ has uncommitted changes: commit them before recording")
     record = {
         "memlm_commit": commit.stdout.strip(),
         "build": [["memlm", *argv] for argv in BUILD],
