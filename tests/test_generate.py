@@ -128,7 +128,7 @@ def test_streamer_prints_tokens_with_their_neighbours(tmp_path, tiny_lm):
     lines = out.getvalue().splitlines()
     # one line per token, then its nearest entry: the same token in context, from document "greek"
     assert lines[0] == repr(" delta") and lines[1].strip().startswith("[greek] ...alpha beta gamma[[ delta]]")
-    assert len(knn.history) == 3
+    assert len(knn.steps[0].history) == 3
 
 
 def test_cli_generate_streams_and_shows_neighbours(tmp_path, tiny_lm_dir):

@@ -157,9 +157,9 @@ class MixtureLogitsProcessor(LogitsProcessor):
     (:class:`memlm.core.config.RetrievalConfig`; default :data:`GENERATION_RETRIEVAL`, k = 64) gives k, λ, τ and
     nprobe (λ, τ None: each datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``),
     and ``ngram_lambdas=(λ_sparse, λ_dense)`` the ∞-grams' weights (each one value or one per index; unset: each
-    index's calibration). ``record=True`` keeps, for every call, the first datastore's ``(scores, ids)`` of the
-    retrieved entries (``[rows, k]``) in ``history``. ``index`` reuses an already loaded FAISS index (the first
-    datastore's). ``model`` may be None when no memory reads the model's hidden states (∞-grams only).
+    index's calibration). ``record=True``: every datastore step keeps, for every call, the ``(scores, ids)`` of its
+    retrieved entries (``[rows, k]``) in its ``history`` (``steps``). ``index`` reuses an already loaded FAISS index
+    (the first datastore's). ``model`` may be None when no memory reads the model's hidden states (∞-grams only).
     """
 
     def __init__(self, model, memories: Sequence, mixture: Any = None, config: RetrievalConfig | None = None, *,
@@ -177,10 +177,6 @@ class MixtureLogitsProcessor(LogitsProcessor):
         if self.specs and model is None:
             raise MemlmError("a datastore reads the model's hidden states: give the model")
         self._capture = KeyCapture(model, self.specs) if self.specs else None
-        first = dense[0] if dense else DatastoreStep(None, self.config.k, 0.0, 1.0)
-        self.memory, self.datastore = first.memory, first.datastore  # the first datastore (or memory), or None
-        self.k, self.lam, self.temperature = first.k, first.lam, first.temperature
-        self.history: list[tuple[np.ndarray, np.ndarray]] = first.history  # the first datastore's retrievals
 
     @property
     def ngram_steps(self) -> list:
@@ -437,7 +433,7 @@ class NeighbourStreamer(TextStreamer):
     """Print the generated text as it comes; with ``lookup``, print under each token its nearest neighbours' source.
 
     ``processor`` must record its retrievals (``record=True``): the token passed to ``put`` was drawn from the
-    distribution of the processor's latest call.
+    distribution of the processor's latest call, whose retrievals from ``lookup``'s datastore are shown.
     """
 
     def __init__(
@@ -461,11 +457,19 @@ class NeighbourStreamer(TextStreamer):
         token = int(value.reshape(-1)[0])
         text = self.tokenizer.decode([token], skip_special_tokens=True)
         print(f"{text!r}", file=self.out, flush=True)
-        if self.processor.history:
-            sc, ids = self.processor.history[-1]
+        history = self._history()
+        if history:
+            sc, ids = history[-1]
             for nb in self.lookup.neighbours(sc[0], ids[0], self.n_neighbours):
                 print(f"    {nb.describe()}", file=self.out, flush=True)
         return None
+
+    def _history(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The retrievals of the processor's step that searches ``lookup``'s datastore (none: empty)."""
+        for step in self.processor.steps:
+            if isinstance(step, DatastoreStep) and step.datastore is self.lookup.datastore:
+                return step.history
+        return []
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         print(text, file=self.out, flush=True, end="" if not stream_end else "\n")

@@ -69,11 +69,7 @@ class KNNLM:
         steps = memory_steps(items, config, dump_fit, ngram_lambdas=ngram_lambdas, announce=True)
         self.mixture = StepMixture(steps, fit if dump_fit is None else dump_fit.mixture)
         self.fit = dump_fit
-        dense = [s for s in steps if isinstance(s, DatastoreStep)]
-        self.specs = list(dict.fromkeys(s.key_spec for s in dense))
-        first = dense[0] if dense else DatastoreStep(None, config.k, 0.0, 1.0)
-        self.memory, self.datastore = first.memory, first.datastore  # the first datastore (or memory), or None
-        self.k, self.lam, self.temperature, self.nprobe = first.k, first.lam, first.temperature, config.nprobe
+        self.specs = list(dict.fromkeys(s.key_spec for s in steps if isinstance(s, DatastoreStep)))
 
     def __getattr__(self, name: str) -> Any:  # config, device, dtype, ...: the wrapped model's
         if name == "model":
