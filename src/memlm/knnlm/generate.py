@@ -11,7 +11,7 @@ tune --mixture gate``) or, without one, the fixed-weight rule of each memory's o
 
 Usage::
 
-    with MixtureLogitsProcessor(model, [datastore, ngram_index], k=64) as proc:
+    with MixtureLogitsProcessor(model, [datastore, ngram_index]) as proc:
         out = model.generate(**inputs, logits_processor=[proc], do_sample=True)
 
 The processor hooks the model (each datastore's key role) while the ``with`` block is open, reads the query of the
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
+from memlm.core.config import RetrievalConfig
 from memlm.core.memory import Memory
 from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
@@ -154,7 +154,8 @@ class MixtureLogitsProcessor(LogitsProcessor):
     ``mixture``: a fit (:class:`memlm.knnlm.dump_mixture.DumpMixture`, its record or JSON file: its τ and k set the
     kNN terms; a :class:`Mixture`), refused with one MemlmError, before any step, when it was fitted on other
     memories; None: the fixed-weight rule of each memory's weights. ``config``
-    (:class:`memlm.core.config.RetrievalConfig`; default :data:`GENERATION_RETRIEVAL`, k = 64) gives k, λ, τ and
+    (:class:`memlm.core.config.RetrievalConfig`; default its defaults, k = :data:`~memlm.core.config.DEFAULT_K`
+    as every path) gives k, λ, τ and
     nprobe (λ, τ None: each datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``),
     and ``ngram_lambdas=(λ_sparse, λ_dense)`` the ∞-grams' weights (each one value or one per index; unset: each
     index's calibration). ``record=True``: every datastore step keeps, for every call, the ``(scores, ids)`` of its
@@ -165,7 +166,7 @@ class MixtureLogitsProcessor(LogitsProcessor):
     def __init__(self, model, memories: Sequence, mixture: Any = None, config: RetrievalConfig | None = None, *,
                  index=None, record: bool = False, **options: Any) -> None:  # fmt: skip
         ngram_lambdas = options.pop("ngram_lambdas", None) or (None, None)
-        self.config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **options)
+        self.config = RetrievalConfig.with_options(config, **options)
         fit = load_fit(mixture)
         dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
         steps = memory_steps(memories, self.config, dump_fit, index=index, record=record, ngram_lambdas=ngram_lambdas)
@@ -309,7 +310,8 @@ def generate_text(
 
     ``memories``: one list (or one memory) of datastores, memories with a ``key_spec`` and ∞-gram indexes
     (:class:`MixtureLogitsProcessor`; ``datastore=`` is one more, first); ``mixture`` a fit (else the fixed-weight
-    rule of their weights); ``config`` the retrieval settings (default :data:`GENERATION_RETRIEVAL`), ``decoding``
+    rule of their weights); ``config`` the retrieval settings (default ``RetrievalConfig()``: k =
+    :data:`~memlm.core.config.DEFAULT_K`, as scoring and calibration), ``decoding``
     how to decode (:class:`Decoding`); ``options`` set fields of either by name (``k=8, lam=0.5, max_new_tokens=5,
     num_beams=4``), ``ngram_lambdas`` the ∞-grams' weights and ``index`` a loaded FAISS index of the first datastore.
     Prompts are left-padded into one batch. ``processor``: a :class:`MixtureLogitsProcessor` already made (then
@@ -321,7 +323,7 @@ def generate_text(
     step_options = {k: options.pop(k) for k in ("datastore", "index", "ngram_lambdas") if k in options}
     decode_options, retrieval_options = _split_options(options)
     decoding = dataclasses.replace(decoding or Decoding(), **decode_options)
-    config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **retrieval_options)
+    config = RetrievalConfig.with_options(config, **retrieval_options)
     if streamer is not None and len(prompts) * decoding.num_beams != 1:
         raise MemlmError("streaming shows one sequence: pass one prompt and num_beams=1 to stream")
     if processor is None and items:

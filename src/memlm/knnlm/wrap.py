@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from memlm.core.config import RetrievalConfig
+from memlm.core.config import DEFAULT_K, RetrievalConfig
 from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
 from memlm.knnlm.generate import is_ngram_index, memory_steps
@@ -54,7 +54,7 @@ class KNNLM:
         model,
         memories: Any,
         mixture: Any = None,
-        k: int = 1024,
+        k: int = DEFAULT_K,
         lam: Any = None,
         temperature: Any = None,
         nprobe: int = 32,
@@ -154,9 +154,10 @@ def wrap(model, datastore: Any = None, **options: Any) -> KNNLM:
     distribution. ``datastore``: a folder or an opened datastore built with this model (or any memory); ``options``:
     ``memories`` (more memories, one list: datastores, ∞-gram indexes), ``mixture`` (a fit: a ``memlm tune --mixture
     gate`` JSON file, its record or :class:`~memlm.knnlm.dump_mixture.DumpMixture`; None: the fixed-weight rule),
-    ``k`` (1024), ``lam`` / ``temperature`` (default: each datastore's calibration), ``nprobe`` (32), ``ngram`` (an
-    ∞-gram index folder or :class:`~memlm.ngram.memory.NgramMemory`, or a list of them) and ``ngram_lambdas``
-    (``(λ_sparse, λ_dense)``, each one value for every index or one per index; unset, each index's calibration).
+    ``k`` (:data:`~memlm.core.config.DEFAULT_K`, 1024, as every path), ``lam`` / ``temperature`` (default: each
+    datastore's calibration), ``nprobe`` (32), ``ngram`` (an ∞-gram index folder or
+    :class:`~memlm.ngram.memory.NgramMemory`, or a list of them) and ``ngram_lambdas`` (``(λ_sparse, λ_dense)``, each
+    one value for every index or one per index; unset, each index's calibration).
     Each datastore's model (and, given ``tokenizer=``, its tokenizer) is checked against ``model``."""
     tokenizer = options.pop("tokenizer", None)
     memories = [*_as_list(datastore), *_as_list(options.pop("memories", None))]

@@ -122,8 +122,9 @@ _ARGUMENTS = ("model", "datastore", "config", "ngram", "memories", "mixture", *_
               *_HARNESS_ARGUMENTS, *_NGRAM_ARGUMENTS)  # fmt: skip
 _WEIGHT_ARGUMENTS = ("lam", "cache_lambda", "ngram_lambda_sparse", "ngram_lambda_dense")  # the rule's, not a fit's
 
-LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MIN_CONTEXT, cache_lambda=0.1)
-"""MemlmLM's defaults: scoring's (k 1024, nprobe 32, windows 1024 / 512); the cache, when on, weighs 0.1."""
+LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MIN_CONTEXT)
+"""MemlmLM's defaults: every path's (k :data:`~memlm.core.config.DEFAULT_K` for scoring and generation, nprobe 32,
+the cache, when on, at :data:`~memlm.core.config.DEFAULT_CACHE_LAMBDA`) and the windows 1024 / 512."""
 
 
 def _settings(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
