@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "memlm"
 # lowest first; a module may import its own layer and the layers below, never above (docs/ARCHITECTURE.md). Entries
 # are module paths under memlm (a package names all its modules; a longer path wins over its package's entry).
 LAYERS = [
-    {"errors", "_moved", "storage.fileio", "storage.locking", "storage.schema"},
+    {"errors", "storage.fileio", "storage.locking", "storage.schema"},
     {"core"},
     {"models", "data", "experiments.plots"},
     {"storage", "retrieval"},
@@ -310,26 +310,3 @@ def test_every_command_carries_its_own_check():
         if check.__module__ != func.__module__:
             bad.append(f"{sub.prog}: {func.__module__}.{func.__name__} checked by {check.__module__}.{check.__name__}")
     assert checked >= 10 and not bad, "\n".join(bad)
-
-
-def test_old_import_paths_still_work_with_a_warning():
-    """Modules that moved into packages (issue 25's layout) keep their old import path for one release: the same
-    module object (patches and isinstance agree) and a DeprecationWarning naming the new path; run.json keeps naming a
-    loss by its old module, so runs started before the move resume."""
-    import importlib
-    import sys
-
-    from memlm._moved import MOVED
-    from memlm.training.loop import causal_lm_loss, describe_callable
-
-    for old, new in MOVED.items():
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new)
-    from memlm.datastore import Datastore  # noqa: F401 - the from-import form
-
-    from memlm.storage.datastore import Datastore as moved
-
-    assert Datastore is moved
-    assert describe_callable(causal_lm_loss) == "memlm.train.causal_lm_loss"

@@ -128,7 +128,7 @@ def test_streamer_prints_tokens_with_their_neighbours(tmp_path, tiny_lm):
     lines = out.getvalue().splitlines()
     # one line per token, then its nearest entry: the same token in context, from document "greek"
     assert lines[0] == repr(" delta") and lines[1].strip().startswith("[greek] ...alpha beta gamma[[ delta]]")
-    assert len(knn.history) == 3
+    assert len(knn.steps[0].history) == 3
 
 
 def test_cli_generate_streams_and_shows_neighbours(tmp_path, tiny_lm_dir):
@@ -157,3 +157,45 @@ def test_cli_generate_streams_and_shows_neighbours(tmp_path, tiny_lm_dir):
     r = memlm(*common, "--k", "2", "--max-new-tokens", "1", "--show-neighbours", "2")
     assert r.returncode == 0, r.stderr
     assert "' delta'" in r.stdout and "[greek] ...alpha beta gamma[[ delta]] epsilon" in r.stdout
+
+
+def test_every_generation_path_searches_the_same_k_and_has_one_cache_default(tiny_lm, ds):
+    """generate_text, MixtureLogitsProcessor, memlm.wrap, lm-eval's generate_until and the CLI's generate / eval /
+    lm-eval all default to core.config's DEFAULT_K neighbours (the k λ and τ are calibrated at) and the cache's weight
+    to DEFAULT_CACHE_LAMBDA: a path with its own default fails here."""
+    import argparse
+
+    from memlm.cli import build_parser
+    from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K, RetrievalConfig
+    from memlm.knnlm.generate import MixtureLogitsProcessor
+    from memlm.knnlm.wrap import wrap
+    from memlm.retrieval import as_memory
+
+    model, tok = tiny_lm
+    inner, seen = as_memory(ds), []
+
+    class Spy:
+        key_spec = ds.key_spec
+
+        def search(self, queries, k):
+            seen.append(k)
+            return inner.search(queries, k)
+
+    generate_text(model, tok, ["the cat"], [Spy()], lam=0.5, temperature=1.0, max_new_tokens=2)
+    assert seen == [DEFAULT_K, DEFAULT_K] and DEFAULT_K == 1024
+    assert MixtureLogitsProcessor(model, [ds], lam=0.5, temperature=1.0).steps[0].k == DEFAULT_K
+    assert wrap(model, ds, lam=0.5, temperature=1.0).mixture.steps[0].k == DEFAULT_K
+    assert RetrievalConfig().cache_lambda == DEFAULT_CACHE_LAMBDA and not RetrievalConfig().cache
+    pytest.importorskip("lm_eval")
+    from memlm.lmeval.model import MemlmLM
+
+    lm = MemlmLM(model=model, tokenizer=tok, memories=[ds], lam=0.5, temperature=1.0, cache=True, window=64,
+                 min_context=32)  # fmt: skip
+    assert lm.config.k == DEFAULT_K and lm.cache_lambda == DEFAULT_CACHE_LAMBDA
+    assert [s.k for s in lm._generation_processor().steps] == [DEFAULT_K]
+    commands = {}
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            commands.update(action.choices)
+    assert commands["generate"].get_default("k") == commands["eval"].get_default("k") == DEFAULT_K
+    assert commands["eval"].get_default("cache_lambda") == DEFAULT_CACHE_LAMBDA

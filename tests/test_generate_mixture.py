@@ -221,7 +221,7 @@ def test_cli_generate_with_a_tuned_gate_file(tiny_lm, tiny_lm_dir, ds, two_index
         q = cap.keys_by_spec[ds.key_spec][0, -1].double().numpy()
     comps, feats = _components(logits, [q], seq, [ds], [brute], rec["k"], rec["temperature"])
     with torch.no_grad(), MixtureLogitsProcessor(model, [ds, two_indexes[0].path], gate_fit, k=64) as proc:
-        assert (proc.k, proc.temperature) == (rec["k"], rec["temperature"])
+        assert (proc.steps[0].k, proc.steps[0].temperature) == (rec["k"], rec["temperature"])
         got = torch.exp(proc(torch.tensor([seq]), model(input_ids=torch.tensor([seq])).logits[:, -1])[0].double())
     np.testing.assert_allclose(got.numpy(), _gate_mix(gate, comps, feats), rtol=1e-4, atol=1e-7)
 

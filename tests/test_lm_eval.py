@@ -227,7 +227,7 @@ def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, c
     assert main(args) == 0
     record = json.loads(out.read_text())
     got = record["results"]["memlm_wikitext2"]["word_perplexity,none"]
-    assert record["memlm"]["window"] == 256 and record["memlm"]["lambda"] == 0.0
+    assert record["memlm"]["window"] == 256 and record["memlm"]["memories"] == []
     printed = capfd.readouterr()
     assert "word_perplexity" in printed.out
     assert "not a git repository" not in printed.err and "--metadata" not in printed.out + printed.err

@@ -171,7 +171,9 @@ def test_a_stored_gate_mixes_every_token_as_the_formula_says(tiny_lm, memories, 
     settings = lm.memory_settings
     assert settings["mixture"] == mixture.to_dict() and [m["component"] for m in settings["memories"]] == components[1:]
     if "knn" in components:
-        assert settings["k"] == K and settings["temperature"] == TAU and settings["mixture_fit"]["temperature"] == TAU
+        assert settings["k"] == K and settings["mixture_fit"]["temperature"] == TAU
+        assert {m["temperature"] for m in settings["memories"] if m["kind"] == "datastore"} == {TAU}
+    assert not {"datastore", "lambda", "temperature", "ngram", "ngram_lambda_sparse", "cache_lambda"} & set(settings)
     tokens = _ids(tok, TEXT)
     seq = [lm.prefix_token_id, *tokens]  # rolling: every token after the prefix token, the ∞-gram's document the text
     _, want = _gate_by_hand(model, seq, range(len(tokens)), 1, parts, mixture)
@@ -242,7 +244,8 @@ def test_memories_as_one_list_equal_the_keyword_form_and_the_rule(tiny_lm, memor
         p = (1 - 0.5 - sum(lam_r)) * p_lm[t] + 0.5 * p_knn + sum(w * r[0] for w, r in zip(lam_r, refs, strict=True))
         want.append(math.log(p[tokens[t]]))
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert listed.memory_settings["ngram_lambda_sparse"] == [0.9, 0.6]  # as given; the mixture records what mixed
+    ngram_entries = [m for m in listed.memory_settings["memories"] if m["kind"] == "∞-gram index"]
+    assert [m["lambda_sparse"] for m in ngram_entries] == [0.9, 0.6]  # as given; the mixture records what mixed
     assert listed.memory_settings["mixture"] == keyword.memory_settings["mixture"]
     # generation mixes the same shared weights: greedy decoding picks the argmax of the mixture by hand at each step
     from lm_eval.api.instance import Instance
@@ -329,7 +332,8 @@ def test_cli_lm_eval_with_a_fit_records_the_mixture_and_refuses_other_memories(
     assert main([*base, "--datastore", str(ds1.path), "--ngram", str(ng1.path), "--cache"]) == 0
     record = json.loads(out.read_text())["memlm"]
     assert record["mixture"] == mixture.to_dict() and record["mixture_fit"]["form"] == "gate"
-    assert record["k"] == K and record["temperature"] == TAU and record["cache_temperature"] == CACHE_TAU
+    by_name = {m["component"]: m for m in record["memories"]}
+    assert record["k"] == K and by_name["knn"]["temperature"] == TAU and by_name["cache"]["temperature"] == CACHE_TAU
     lm = MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ng1.path], cache=True, mixture=str(fit), window=256,
                  min_context=64)  # fmt: skip
     page = load_documents("wikitext2", "test")[14].text

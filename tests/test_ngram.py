@@ -595,7 +595,7 @@ def test_lm_eval_adapter_with_ngram_equals_brute_force(tiny_lm, corpus, index):
     lm = MemlmLM(model=model, tokenizer=tok, ngram=str(index.path), ngram_lambda_sparse=str(ls),
                  ngram_lambda_dense=str(ld), window=64, min_context=32)  # fmt: skip
     bare = MemlmLM(model=model, tokenizer=tok, window=64, min_context=32)
-    assert lm.memory_settings["ngram_lambda_sparse"] == ls
+    assert [m["lambda_sparse"] for m in lm.memory_settings["memories"]] == [ls]
     brute = Brute(tok, corpus)
     tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
     lm_lp = bare.rolling_token_logprobs(tokens)

@@ -254,7 +254,7 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
         np.testing.assert_allclose(both[i], want3, rtol=1e-4, atol=1e-7)
         flags += sparse
     assert True in flags and False in flags  # both weights of the pairs are exercised
-    assert len(proc.steps[0].history) == len(proc.steps[1].history) == 2  # each reference searched at every step
+    assert proc.steps[0].steps == proc.steps[1].steps == 2 * len(rows)  # each reference searched at every step
 
 
 def _greedy_by_hand(model, prompt, steps, brutes, weights, lam=0.0, ds=None, k=8, tau=1.0) -> list[int]:
@@ -318,8 +318,8 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, t
     ws = [(0.6, 0.3), (0.2, 0.1)]
     lm = MemlmLM(model=model, tokenizer=tok, ngram=[str(a.path), str(b.path)], ngram_lambda_sparse=[0.6, 0.2],
                  ngram_lambda_dense=[0.3, 0.1], window=64, min_context=32)  # fmt: skip
-    assert lm.memory_settings["ngram"] == [str(a.path), str(b.path)]
-    assert lm.memory_settings["ngram_lambda_sparse"] == [0.6, 0.2]
+    entries = lm.memory_settings["memories"]
+    assert [(m["path"], m["lambda_sparse"]) for m in entries] == [(str(a.path), 0.6), (str(b.path), 0.2)]
     tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[lm.prefix_token_id, *tokens]])).logits[0].double()
@@ -356,7 +356,7 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, t
     # one value: every index's
     one = MemlmLM(model=model, tokenizer=tok, ngram=[a.path, b.path], ngram_lambda_sparse=0.4, window=64,
                   min_context=32)  # fmt: skip
-    assert one.memory_settings["ngram_lambda_sparse"] == [0.4, 0.4]
+    assert [m["lambda_sparse"] for m in one.memory_settings["memories"]] == [0.4, 0.4]
 
 
 def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_path, monkeypatch):
@@ -381,8 +381,8 @@ def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_pat
     monkeypatch.chdir(tmp_path)
     assert main(args) == 0
     record = json.loads(out.read_text())
-    assert record["memlm"]["ngram"] == [str(a.path), str(b.path)]
-    assert record["memlm"]["ngram_lambda_sparse"] == [0.5, 0.2] and record["memlm"]["ngram_lambda_dense"] == [0.1, 0.1]
+    entries = [(m["path"], m["lambda_sparse"], m["lambda_dense"]) for m in record["memlm"]["memories"]]
+    assert entries == [(str(a.path), 0.5, 0.1), (str(b.path), 0.2, 0.1)]
     model, tok = tiny_lm
     lm = MemlmLM(model=model, tokenizer=tok, ngram=[a.path, b.path], ngram_lambda_sparse=[0.5, 0.2],
                  ngram_lambda_dense=0.1, window=256, min_context=64)  # fmt: skip

@@ -254,7 +254,7 @@ def test_rerun_with_other_corpus_tokenizer_model_or_loss_is_refused(tmp_path, ca
     from memlm.trime.training import trime_objective
 
     loss_fn, batches = trime_objective("trime", seq_len=16, batch_size=2)
-    with pytest.raises(MemlmError, match="loss memlm.train.causal_lm_loss -> memlm.trime"):
+    with pytest.raises(MemlmError, match="loss memlm.training.loop.causal_lm_loss -> memlm.trime"):
         train_lm(out, corpus, TrainConfig(**cfg), loss_fn=loss_fn, **args)
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before  # refused before anything was written (no tokenizer retrained, no checkpoint)
@@ -274,6 +274,31 @@ def test_rerun_with_other_corpus_tokenizer_model_or_loss_is_refused(tmp_path, ca
     assert fresh.step == 2 and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert not (out / "final").exists()
     assert json.loads((out / "run.json").read_text())["identity"]["corpus"] == other
+
+
+def test_a_loss_recorded_under_a_moved_module_path_is_refused_naming_the_new_one(tmp_path):
+    """A run.json that names its loss by a module path that moved (memlm.train before the training package) is
+    refused with the function's new path and how to resume; another loss stays the generic refusal."""
+    batches = lm_batches(make_toy_docs(8), TOK, seq_len=16, batch_size=2, seed=0)
+    cfg = TrainConfig(lr=1e-3, max_steps=4, seq_len=16, save_every=2)
+    train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, stop_after=2, progress=False)
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["identity"]["loss"] == "memlm.training.loop.causal_lm_loss"
+    record["identity"]["loss"] = "memlm.train.causal_lm_loss"
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    with pytest.raises(MemlmError) as e:
+        train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False)
+    msg = str(e.value)
+    assert "loss memlm.train.causal_lm_loss is now memlm.training.loop.causal_lm_loss" in msg, msg
+    assert "module paths that moved" in msg and "run.json" in msg and "--no-resume" in msg
+    record["identity"]["loss"] = "memlm.train.another_loss"
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    with pytest.raises(MemlmError, match="other settings") as e:
+        train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False)
+    assert "moved" not in str(e.value)
+    record["identity"]["loss"] = "memlm.training.loop.causal_lm_loss"  # the new name written in: the run resumes
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    assert train(tiny_gpt2(0), cfg, batches, out_dir=tmp_path, progress=False).step == 4
 
 
 @pytest.mark.parametrize("bad", ["random", "{}", "[]", "types"])

@@ -87,8 +87,9 @@ def test_every_named_objective_is_registered():
 
 # --------------------------------------------------------------------------------- run folders from before the driver
 
-# run.json of `memlm train` as main wrote it before the driver (commit 5f764d8), for the setups of SETUPS below
-# stopped after 2 updates ({corpus}, {bert}: the paths; {tokenizer}: the tokenizer's fingerprint).
+# run.json of `memlm train` as main wrote it before the driver (commit 5f764d8; losses under their current module
+# paths), for the setups of SETUPS below stopped after 2 updates ({corpus}, {bert}: the paths; {tokenizer}: the
+# tokenizer's fingerprint).
 OLD_RUN_JSON = {
     "lm": r"""{
   "format": "memlm-train-run",
@@ -98,7 +99,7 @@ OLD_RUN_JSON = {
     "corpus_fingerprint": "d1c1033cce308aa9",
     "dropout": 0.1,
     "init": "scratch 2x64",
-    "loss": "memlm.train.causal_lm_loss",
+    "loss": "memlm.training.loop.causal_lm_loss",
     "n_positions": 32,
     "tokenizer": "{tokenizer}",
     "tokenizer_spec": "bpe:300",
@@ -118,7 +119,7 @@ OLD_RUN_JSON = {
     "n_positions": 32,
     "tokenizer": "{tokenizer}",
     "tokenizer_spec": "bpe:300",
-    "warmup_loss": "memlm.train.causal_lm_loss"
+    "warmup_loss": "memlm.training.loop.causal_lm_loss"
   }
 }
 """,  # noqa: E501

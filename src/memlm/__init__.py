@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from memlm import _moved
 from memlm.errors import MemlmError
 
 __version__ = "0.1.0"
@@ -51,8 +50,6 @@ _API = {
 }
 
 __all__ = ["MemlmError", "__version__", *_API]
-
-_moved.install()  # old import paths (memlm.datastore, memlm.train, ...) for one release, with a warning
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,7 @@ python3 -c "import memlm, faiss, torch, transformers, tokenizers; print('memlm',
 M="python3 -m memlm.cli"
 D=/tmp/onefile; mkdir -p $D
 python3 - <<'PY'
-from memlm.corpora import load_documents
+from memlm.data.corpora import load_documents
 docs = load_documents("wikitext2", "train")
 open("/tmp/onefile/wikitext2-train.txt", "w", encoding="utf-8").write("\n\n".join(d.text for d in docs) + "\n")
 print(f"wrote wikitext2-train.txt: {len(docs)} articles as one file")

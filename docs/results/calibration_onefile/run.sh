@@ -7,7 +7,7 @@ D=/work/data/cal-onefile
 R=/work/wt/cal/docs/results/calibration_onefile
 echo "start $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) commit $(git -C /work/wt/cal rev-parse --short HEAD)"
 $PY - <<'PYEOF'
-from memlm.corpora import load_documents
+from memlm.data.corpora import load_documents
 docs = load_documents("wikitext2", "train")
 open("/work/data/cal-onefile/wikitext2-train.txt", "w", encoding="utf-8").write("\n\n".join(d.text for d in docs) + "\n")
 print(f"wrote wikitext2-train.txt: {len(docs)} articles as one file")

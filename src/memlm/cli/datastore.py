@@ -12,6 +12,7 @@ from pathlib import Path
 from memlm.cli import common
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
+from memlm.core.config import DEFAULT_K
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import (
     OVERLAP_LIMIT,
@@ -400,7 +401,12 @@ def add_parsers(sub) -> None:
     c.add_argument("dir", type=V.existing_dir, help="the datastore folder")
     add_model(c)
     add_corpus(c, "valid")
-    c.add_argument("--k", type=V.neighbours, default=1024, help="neighbours per token (default 1024, as memlm eval)")
+    c.add_argument(
+        "--k",
+        type=V.neighbours,
+        default=DEFAULT_K,
+        help=f"neighbours per token (default {DEFAULT_K}, as memlm eval and memlm generate)",
+    )
     c.add_argument("--nprobe", type=V.positive_int, default=32)
     c.add_argument("--batch-size", type=V.positive_int, default=4)
     c.set_defaults(func=cmd_datastore_calibrate)

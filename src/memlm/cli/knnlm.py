@@ -23,7 +23,7 @@ from memlm.cli.common import (
     write_json,
 )
 from memlm.cli.report import print_result
-from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
+from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K, RetrievalConfig
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import knn_parameters
 
@@ -339,7 +339,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     for i, ds in enumerate(datastores or [None]):
         common.check_prompt_leakage(args, ds, ngrams if i == 0 else None, tok)
     torch.manual_seed(args.seed)
-    config = GENERATION_RETRIEVAL.replace(k=args.k, lam=args.lam, temperature=args.temperature)
+    config = RetrievalConfig(k=args.k, lam=args.lam, temperature=args.temperature)
     steps = memory_steps([*datastores, *ngrams], config, fit, record=args.show_neighbours > 0,
                          ngram_lambdas=ngram_lambdas, announce=fit is None)  # fmt: skip
     proc = MixtureLogitsProcessor(model, steps, fit)
@@ -491,7 +491,7 @@ def add_parsers(sub) -> None:
     )
     e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
     e.add_argument(
-        "--k", type=V.neighbours, default=RetrievalConfig.k, help="neighbours per token (default 1024, as the paper)"
+        "--k", type=V.neighbours, default=DEFAULT_K, help=f"neighbours per token (default {DEFAULT_K}, as the paper)"
     )
     add_knn_weights(e)
     e.add_argument("--search", default="index", choices=["index", "exact"], help="neighbours from the index or exact")
@@ -508,7 +508,7 @@ def add_parsers(sub) -> None:
         help="ignore neighbours that are the evaluated token itself (text also in the datastore)",
     )
     e.add_argument("--cache", action="store_true", help="also compute the continuous cache (Grave et al. 2017)")
-    e.add_argument("--cache-lambda", type=V.probability, default=0.1)
+    e.add_argument("--cache-lambda", type=V.probability, default=DEFAULT_CACHE_LAMBDA)
     e.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
     add_windows(e)
     common.add_allow_overlap(e)
@@ -606,7 +606,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--datastore", type=V.existing_dir, action="append", help=several)
     g.add_argument("--prompt", type=V.nonempty_text, required=True)
     g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
-    g.add_argument("--k", type=V.neighbours, default=GENERATION_RETRIEVAL.k)
+    g.add_argument("--k", type=V.neighbours, default=DEFAULT_K, help=f"neighbours per step (default {DEFAULT_K})")
     add_knn_weights(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")

@@ -11,6 +11,7 @@ from pathlib import Path
 from memlm.cli import ngram as ngram_cli
 from memlm.cli import validate as V
 from memlm.cli.common import DEFAULT_MODEL, add_allow_overlap, add_knn_weights, add_model
+from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K
 from memlm.errors import MemlmError
 from memlm.lmeval import TASK_CORPORA, TASKS, task_manager
 from memlm.storage.fileio import atomic_write_json
@@ -131,10 +132,12 @@ def add_parsers(sub) -> None:
         help="kNN-LM datastore folder (none: the bare LM, or cache only); again for several, each its own memory",
     )
     add_knn_weights(le)
-    le.add_argument("--k", type=V.neighbours, default=None, help="neighbours per token (default 1024; a fit's)")
+    le.add_argument("--k", type=V.neighbours, default=None, help=f"neighbours per token (default {DEFAULT_K}; a fit's)")
     le.add_argument("--nprobe", type=V.positive_int, default=32)
     le.add_argument("--cache", action="store_true", help="add the continuous cache (Grave et al. 2017)")
-    le.add_argument("--cache-lambda", type=V.probability, default=None, help="the cache's weight (default 0.1)")
+    le.add_argument(
+        "--cache-lambda", type=V.probability, default=None, help=f"the cache's weight (default {DEFAULT_CACHE_LAMBDA})"
+    )
     le.add_argument(
         "--cache-temperature", type=V.positive_float, default=None, help="the cache's τc (default 1; a fit's)"
     )

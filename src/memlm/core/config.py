@@ -21,9 +21,35 @@ from typing import Any
 
 from memlm.errors import MemlmError
 
-__all__ = ["DEFAULT_MIN_CONTEXT", "DEFAULT_WINDOW", "GENERATION_RETRIEVAL", "RetrievalConfig", "replace_fields"]
+__all__ = [
+    "DEFAULT_CACHE_LAMBDA",
+    "DEFAULT_K",
+    "DEFAULT_MIN_CONTEXT",
+    "DEFAULT_WINDOW",
+    "RetrievalConfig",
+    "replace_fields",
+]
 
 DEFAULT_WINDOW, DEFAULT_MIN_CONTEXT = 1024, 512  # the evaluation windows when none are given (Khandelwal et al.)
+
+DEFAULT_K = 1024
+"""Neighbours per query wherever a datastore is searched and none is given: scoring (``memlm eval``,
+:func:`memlm.knnlm.evaluate.score_tokens`), calibration, and every generation path (:func:`memlm.knnlm.generate.
+generate_text`, ``memlm generate``, :func:`memlm.wrap`, lm-eval's ``generate_until``). Khandelwal et al. (2020)
+retrieve 1024. Generation searches as many as scoring because each datastore's λ and τ are calibrated at this k
+(:func:`memlm.knnlm.calibration.knn_parameters`): a smaller k would generate from another distribution than the one
+evaluated and calibrated. It costs little per generated token: one step's search and p_kNN on a 200k-entry IVF
+datastore (d 576, nprobe 32, vocabulary 49,152, one CPU thread) took 21.7 ms at k = 1024 against 17.6 ms at k = 64,
+4 ms more against the LM's own step of 265 ms (SmolLM2-135M's shape, 256 tokens of KV cache): under 2% of a
+generated token (benchmarks/speed/generation_k.py, docs/results/speed/generation_k.json)."""
+
+DEFAULT_CACHE_LAMBDA = 0.1
+"""The continuous cache's weight λc (Grave et al. 2017) when the cache is on (``cache=True``: ``memlm eval
+--cache``, lm-eval's ``cache=true``) and no weight is given. The cache is off unless asked for, and no generation
+path has one (generation, :func:`memlm.wrap` and lm-eval's ``generate_until`` mix the LM with the datastores and
+∞-gram indexes only), so this is the one cache setting of every path. Tuned values come from ``memlm tune
+--cache-lambdas``: 0.1 is the weight ``memlm eval --cache`` and lm-eval have used, so their results stay comparable;
+on SmolLM2 and Wikipedia the tuned λc is smaller (docs/BENCHMARKS.md: 0.02 beside the kNN-LM)."""
 
 
 def replace_fields(record: Any, what: str, **options: Any) -> Any:
@@ -40,7 +66,7 @@ def replace_fields(record: Any, what: str, **options: Any) -> Any:
 class RetrievalConfig:
     """Retrieval and scoring settings (see the module docstring); ``None`` = not set / the datastore's default."""
 
-    k: int = 1024
+    k: int = DEFAULT_K
     temperature: float | None = None
     lam: float | None = None
     search: str = "index"  # "index" (FAISS, approximate) | "exact" (all keys)
@@ -54,7 +80,7 @@ class RetrievalConfig:
     min_context: int | None = None
     block_start: str = "skip"  # non-overlapping blocks (stride = window): first token "skip"ped or scored after "bos"
     cache: bool = False
-    cache_lambda: float = 0.0
+    cache_lambda: float = DEFAULT_CACHE_LAMBDA  # used only with cache=True
     cache_temperature: float = 1.0
     cache_k: int = 256
     cache_max_len: int = 2048
@@ -111,8 +137,3 @@ class RetrievalConfig:
 
     def replace(self, **changes: Any) -> RetrievalConfig:
         return dataclasses.replace(self, **changes)
-
-
-GENERATION_RETRIEVAL = RetrievalConfig(k=64)
-"""Generation's defaults (:func:`memlm.knnlm.generate.generate_text`, ``memlm generate``): fewer neighbours per step
-than scoring's 1024, since each generated token waits for its search."""

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memlm.core.config import DEFAULT_K
 from memlm.errors import MemlmError
 
 if TYPE_CHECKING:
@@ -309,7 +310,7 @@ def calibrate(
     tokenizer,
     datastore,
     held_out: Sequence,
-    k: int = 1024,
+    k: int = DEFAULT_K,
     nprobe: int = 32,
     batch_size: int = 4,
     progress: bool = True,

@@ -11,7 +11,7 @@ tune --mixture gate``) or, without one, the fixed-weight rule of each memory's o
 
 Usage::
 
-    with MixtureLogitsProcessor(model, [datastore, ngram_index], k=64) as proc:
+    with MixtureLogitsProcessor(model, [datastore, ngram_index]) as proc:
         out = model.generate(**inputs, logits_processor=[proc], do_sample=True)
 
 The processor hooks the model (each datastore's key role) while the ``with`` block is open, reads the query of the
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from memlm.core.config import GENERATION_RETRIEVAL, RetrievalConfig
+from memlm.core.config import RetrievalConfig
 from memlm.core.memory import Memory
 from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
@@ -154,18 +154,19 @@ class MixtureLogitsProcessor(LogitsProcessor):
     ``mixture``: a fit (:class:`memlm.knnlm.dump_mixture.DumpMixture`, its record or JSON file: its τ and k set the
     kNN terms; a :class:`Mixture`), refused with one MemlmError, before any step, when it was fitted on other
     memories; None: the fixed-weight rule of each memory's weights. ``config``
-    (:class:`memlm.core.config.RetrievalConfig`; default :data:`GENERATION_RETRIEVAL`, k = 64) gives k, λ, τ and
+    (:class:`memlm.core.config.RetrievalConfig`; default its defaults, k = :data:`~memlm.core.config.DEFAULT_K`
+    as every path) gives k, λ, τ and
     nprobe (λ, τ None: each datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``),
     and ``ngram_lambdas=(λ_sparse, λ_dense)`` the ∞-grams' weights (each one value or one per index; unset: each
-    index's calibration). ``record=True`` keeps, for every call, the first datastore's ``(scores, ids)`` of the
-    retrieved entries (``[rows, k]``) in ``history``. ``index`` reuses an already loaded FAISS index (the first
-    datastore's). ``model`` may be None when no memory reads the model's hidden states (∞-grams only).
+    index's calibration). ``record=True``: every datastore step keeps, for every call, the ``(scores, ids)`` of its
+    retrieved entries (``[rows, k]``) in its ``history`` (``steps``). ``index`` reuses an already loaded FAISS index
+    (the first datastore's). ``model`` may be None when no memory reads the model's hidden states (∞-grams only).
     """
 
     def __init__(self, model, memories: Sequence, mixture: Any = None, config: RetrievalConfig | None = None, *,
                  index=None, record: bool = False, **options: Any) -> None:  # fmt: skip
         ngram_lambdas = options.pop("ngram_lambdas", None) or (None, None)
-        self.config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **options)
+        self.config = RetrievalConfig.with_options(config, **options)
         fit = load_fit(mixture)
         dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
         steps = memory_steps(memories, self.config, dump_fit, index=index, record=record, ngram_lambdas=ngram_lambdas)
@@ -177,10 +178,6 @@ class MixtureLogitsProcessor(LogitsProcessor):
         if self.specs and model is None:
             raise MemlmError("a datastore reads the model's hidden states: give the model")
         self._capture = KeyCapture(model, self.specs) if self.specs else None
-        first = dense[0] if dense else DatastoreStep(None, self.config.k, 0.0, 1.0)
-        self.memory, self.datastore = first.memory, first.datastore  # the first datastore (or memory), or None
-        self.k, self.lam, self.temperature = first.k, first.lam, first.temperature
-        self.history: list[tuple[np.ndarray, np.ndarray]] = first.history  # the first datastore's retrievals
 
     @property
     def ngram_steps(self) -> list:
@@ -313,7 +310,8 @@ def generate_text(
 
     ``memories``: one list (or one memory) of datastores, memories with a ``key_spec`` and ∞-gram indexes
     (:class:`MixtureLogitsProcessor`; ``datastore=`` is one more, first); ``mixture`` a fit (else the fixed-weight
-    rule of their weights); ``config`` the retrieval settings (default :data:`GENERATION_RETRIEVAL`), ``decoding``
+    rule of their weights); ``config`` the retrieval settings (default ``RetrievalConfig()``: k =
+    :data:`~memlm.core.config.DEFAULT_K`, as scoring and calibration), ``decoding``
     how to decode (:class:`Decoding`); ``options`` set fields of either by name (``k=8, lam=0.5, max_new_tokens=5,
     num_beams=4``), ``ngram_lambdas`` the ∞-grams' weights and ``index`` a loaded FAISS index of the first datastore.
     Prompts are left-padded into one batch. ``processor``: a :class:`MixtureLogitsProcessor` already made (then
@@ -325,7 +323,7 @@ def generate_text(
     step_options = {k: options.pop(k) for k in ("datastore", "index", "ngram_lambdas") if k in options}
     decode_options, retrieval_options = _split_options(options)
     decoding = dataclasses.replace(decoding or Decoding(), **decode_options)
-    config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **retrieval_options)
+    config = RetrievalConfig.with_options(config, **retrieval_options)
     if streamer is not None and len(prompts) * decoding.num_beams != 1:
         raise MemlmError("streaming shows one sequence: pass one prompt and num_beams=1 to stream")
     if processor is None and items:
@@ -437,7 +435,7 @@ class NeighbourStreamer(TextStreamer):
     """Print the generated text as it comes; with ``lookup``, print under each token its nearest neighbours' source.
 
     ``processor`` must record its retrievals (``record=True``): the token passed to ``put`` was drawn from the
-    distribution of the processor's latest call.
+    distribution of the processor's latest call, whose retrievals from ``lookup``'s datastore are shown.
     """
 
     def __init__(
@@ -461,11 +459,19 @@ class NeighbourStreamer(TextStreamer):
         token = int(value.reshape(-1)[0])
         text = self.tokenizer.decode([token], skip_special_tokens=True)
         print(f"{text!r}", file=self.out, flush=True)
-        if self.processor.history:
-            sc, ids = self.processor.history[-1]
+        history = self._history()
+        if history:
+            sc, ids = history[-1]
             for nb in self.lookup.neighbours(sc[0], ids[0], self.n_neighbours):
                 print(f"    {nb.describe()}", file=self.out, flush=True)
         return None
+
+    def _history(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The retrievals of the processor's step that searches ``lookup``'s datastore (none: empty)."""
+        for step in self.processor.steps:
+            if isinstance(step, DatastoreStep) and step.datastore is self.lookup.datastore:
+                return step.history
+        return []
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         print(text, file=self.out, flush=True, end="" if not stream_end else "\n")

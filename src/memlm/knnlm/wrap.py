@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from memlm.core.config import RetrievalConfig
+from memlm.core.config import DEFAULT_K, RetrievalConfig
 from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
 from memlm.knnlm.generate import is_ngram_index, memory_steps
@@ -54,7 +54,7 @@ class KNNLM:
         model,
         memories: Any,
         mixture: Any = None,
-        k: int = 1024,
+        k: int = DEFAULT_K,
         lam: Any = None,
         temperature: Any = None,
         nprobe: int = 32,
@@ -69,11 +69,7 @@ class KNNLM:
         steps = memory_steps(items, config, dump_fit, ngram_lambdas=ngram_lambdas, announce=True)
         self.mixture = StepMixture(steps, fit if dump_fit is None else dump_fit.mixture)
         self.fit = dump_fit
-        dense = [s for s in steps if isinstance(s, DatastoreStep)]
-        self.specs = list(dict.fromkeys(s.key_spec for s in dense))
-        first = dense[0] if dense else DatastoreStep(None, config.k, 0.0, 1.0)
-        self.memory, self.datastore = first.memory, first.datastore  # the first datastore (or memory), or None
-        self.k, self.lam, self.temperature, self.nprobe = first.k, first.lam, first.temperature, config.nprobe
+        self.specs = list(dict.fromkeys(s.key_spec for s in steps if isinstance(s, DatastoreStep)))
 
     def __getattr__(self, name: str) -> Any:  # config, device, dtype, ...: the wrapped model's
         if name == "model":
@@ -158,9 +154,10 @@ def wrap(model, datastore: Any = None, **options: Any) -> KNNLM:
     distribution. ``datastore``: a folder or an opened datastore built with this model (or any memory); ``options``:
     ``memories`` (more memories, one list: datastores, ∞-gram indexes), ``mixture`` (a fit: a ``memlm tune --mixture
     gate`` JSON file, its record or :class:`~memlm.knnlm.dump_mixture.DumpMixture`; None: the fixed-weight rule),
-    ``k`` (1024), ``lam`` / ``temperature`` (default: each datastore's calibration), ``nprobe`` (32), ``ngram`` (an
-    ∞-gram index folder or :class:`~memlm.ngram.memory.NgramMemory`, or a list of them) and ``ngram_lambdas``
-    (``(λ_sparse, λ_dense)``, each one value for every index or one per index; unset, each index's calibration).
+    ``k`` (:data:`~memlm.core.config.DEFAULT_K`, 1024, as every path), ``lam`` / ``temperature`` (default: each
+    datastore's calibration), ``nprobe`` (32), ``ngram`` (an ∞-gram index folder or
+    :class:`~memlm.ngram.memory.NgramMemory`, or a list of them) and ``ngram_lambdas`` (``(λ_sparse, λ_dense)``, each
+    one value for every index or one per index; unset, each index's calibration).
     Each datastore's model (and, given ``tokenizer=``, its tokenizer) is checked against ``model``."""
     tokenizer = options.pop("tokenizer", None)
     memories = [*_as_list(datastore), *_as_list(options.pop("memories", None))]

@@ -85,11 +85,6 @@ from memlm.storage.sharded import open_datastore
 __all__ = ["MemlmLM"]
 
 
-def _one_or_all(values: list) -> Any:
-    """A setting of one ∞-gram index as itself (as before several were taken), of several as the list."""
-    return values[0] if len(values) == 1 else values
-
-
 def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -127,8 +122,9 @@ _ARGUMENTS = ("model", "datastore", "config", "ngram", "memories", "mixture", *_
               *_HARNESS_ARGUMENTS, *_NGRAM_ARGUMENTS)  # fmt: skip
 _WEIGHT_ARGUMENTS = ("lam", "cache_lambda", "ngram_lambda_sparse", "ngram_lambda_dense")  # the rule's, not a fit's
 
-LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MIN_CONTEXT, cache_lambda=0.1)
-"""MemlmLM's defaults: scoring's (k 1024, nprobe 32, windows 1024 / 512); the cache, when on, weighs 0.1."""
+LMEVAL_RETRIEVAL = RetrievalConfig(window=DEFAULT_WINDOW, min_context=DEFAULT_MIN_CONTEXT)
+"""MemlmLM's defaults: every path's (k :data:`~memlm.core.config.DEFAULT_K` for scoring and generation, nprobe 32,
+the cache, when on, at :data:`~memlm.core.config.DEFAULT_CACHE_LAMBDA`) and the windows 1024 / 512."""
 
 
 def _settings(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -268,7 +264,7 @@ class MemlmLM(TemplateLM):
     def _open_dense(self, sources: list, config: RetrievalConfig, weights: dict, k_given: int | None):
         """Each dense memory's λ and τ (given: one value or one per datastore; else its calibration, see
         :func:`memlm.knnlm.calibration.knn_parameters`; a fit: its τ and k), checked; returns the config that
-        records them (the first datastore's λ, τ)."""
+        records them (one λ and τ per dense memory)."""
         from memlm.ngram.mixture import per_index_lambdas
 
         fit = self.fit if isinstance(self.fit, DumpMixture) else None
@@ -300,15 +296,13 @@ class MemlmLM(TemplateLM):
         lams = [float(d.lam or 0.0) for d in self.dense]
         over = sum(lams) + self.cache_lambda > 1.0 + 1e-9 and self.fit is None  # a fit's λ are its own
         if any(x < 0 for x in lams) or self.cache_lambda < 0 or over:
-            raise MemlmError(f"lam={_one_or_all(lams) if lams else 0.0} and cache_lambda={self.cache_lambda} must "
+            raise MemlmError(f"lam={'|'.join(f'{x:g}' for x in lams) or 0} and cache_lambda={self.cache_lambda} must "
                              "be >= 0 and sum to at most 1")  # fmt: skip
-        self.lam = lams[0] if lams else 0.0
-        first_tau = self.dense[0].temperature if self.dense else tau
-        self.temperature = 1.0 if first_tau is None or isinstance(first_tau, list) else float(first_tau)
         cache_temperature = config.cache_temperature
         if fit is not None and fit.cache_temperature is not None:
             cache_temperature = fit.cache_temperature
-        self.config = config.replace(lam=self.lam, temperature=self.temperature, cache_lambda=self.cache_lambda, k=k,
+        taus = [d.temperature for d in self.dense]
+        self.config = config.replace(lam=lams or None, temperature=taus or None, cache_lambda=self.cache_lambda, k=k,
                                      cache_temperature=cache_temperature)  # fmt: skip
         return self.config
 
@@ -374,16 +368,6 @@ class MemlmLM(TemplateLM):
         """The datastores among the memories (their builds are what the leakage check reads)."""
         return [d.datastore for d in self.dense if d.datastore is not None]
 
-    @property
-    def datastore(self) -> DatastoreBase | None:
-        """The first datastore (as before several were taken)."""
-        return self.datastores[0] if self.datastores else None
-
-    @property
-    def memory(self) -> Any:
-        """The first dense memory searched (as before several were taken)."""
-        return self.dense[0].memory if self.dense else None
-
     # ------------------------------------------------------------------------------------------- lm_eval plumbing
 
     @property
@@ -417,29 +401,18 @@ class MemlmLM(TemplateLM):
 
     @property
     def memory_settings(self) -> dict[str, Any]:
-        """What this LM mixes, for result files: the memories (each with its rule weights: as given or calibrated,
-        before the rule shares them), the settings, and ``mixture``, the :class:`Mixture` every score went through
-        (the weights used)."""
-        first = self.dense[0] if self.dense else None
+        """What this LM mixes, for result files: ``memories``, each with its path and its rule weights (as given or
+        calibrated, before the rule shares them: a datastore's λ, τ and where they came from, an ∞-gram index's
+        λ_sparse, λ_dense, the cache's λc, τc), the settings every memory shares, and ``mixture``, the
+        :class:`Mixture` every score went through (the weights used)."""
         fit = self.fit if isinstance(self.fit, DumpMixture) else None
-        no_fit_weights = [(0.0, 0.0)] if self.fit is None else [(None, None)]
         return {
-            "datastore": str(self.datastore.path) if self.datastore is not None else None,
-            "lambda": self.lam if self.fit is None else None,
-            "temperature": self.temperature,
-            "parameters_from": first.parameters_from if first is not None else None,
             "k": self.config.k,
             "nprobe": self.config.nprobe,
-            "cache": self.cache,
-            "cache_lambda": self.cache_lambda if self.fit is None else None,
-            "cache_temperature": self.config.cache_temperature,
             "window": self.window,
             "min_context": self.min_context,
             "max_length": self.max_length,
             "prefix_token_id": self.prefix_token_id,
-            "ngram": _one_or_all([str(m.index.path) for m in self.ngrams]) if self.ngrams else None,
-            "ngram_lambda_sparse": _one_or_all([w[0] for w in self.ngram_weights or no_fit_weights]),
-            "ngram_lambda_dense": _one_or_all([w[1] for w in self.ngram_weights or no_fit_weights]),
             "memories": self._describe_memories(),
             "mixture": self.mixture.to_dict(),
             "mixture_fit": None if fit is None else _fit_record(fit),

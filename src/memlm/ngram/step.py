@@ -49,7 +49,8 @@ class NgramStep:
 
     ``prefix``: tokens of the document before every row's first token (default none), so the ∞-gram's context can
     reach further back than the LM's window (lm_eval's ``generate_until`` cuts the context to the LM's
-    ``max_length``); meant for one unpadded row. ``history`` keeps ``(sparse, effective n)`` of row 0 at every step."""
+    ``max_length``); meant for one unpadded row. ``steps`` counts the rows searched, ``approximate_steps`` those whose
+    P∞ left some mass unassigned."""
 
     kind = "ngram"
 
@@ -57,7 +58,6 @@ class NgramStep:
         self.memory, self.k = memory, k
         self.lambda_sparse, self.lambda_dense = float(lambda_sparse), float(lambda_dense)
         self.prefix: tuple[int, ...] = ()
-        self.history: list[tuple[bool, int]] = []
         self.steps = self.approximate_steps = 0  # rows searched, and rows whose P∞ left some mass unassigned
         self.max_missing = 0.0
 
@@ -70,7 +70,6 @@ class NgramStep:
 
     def _next_tokens(self, contexts: Sequence[Sequence[int]], vocab: int):
         p_inf, sparse, nt = next_token_distribution(self.memory, [[*self.prefix, *c] for c in contexts], vocab, self.k)
-        self.history.append((bool(sparse[0]), int(nt.retrieved.ids[0, 0])))
         self.steps += len(nt.missing)
         self.approximate_steps += int((nt.missing > 0).sum())
         self.max_missing = max(self.max_missing, float(nt.missing.max(initial=0.0)))

@@ -55,7 +55,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memlm._moved import legacy_name
 from memlm.errors import MemlmError
 from memlm.storage import schema
 from memlm.storage.fileio import atomic_write_json, disk_full_error, is_disk_full
@@ -362,8 +361,7 @@ def describe_callable(fn: Any) -> str | None:
     if fn is None:
         return None
     target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    module = legacy_name(getattr(target, "__module__", "?"))  # the name before the move: older runs resume
-    name = f"{module}.{getattr(target, '__qualname__', repr(target))}"
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
     scalars = (int, float, str, bool, type(None))
     params: dict[str, Any] = {}
     if inspect.isfunction(fn) and fn.__closure__:
@@ -379,6 +377,14 @@ def describe_callable(fn: Any) -> str | None:
     return name + (json.dumps(params, sort_keys=True) if params else "")
 
 
+def _same_callable_elsewhere(old: Any, new: Any) -> bool:
+    """Two :func:`describe_callable` records of one callable (same name and settings) under another module path."""
+    if not (isinstance(old, str) and isinstance(new, str)) or old == new:
+        return False
+    (old_path, _, old_params), (new_path, _, new_params) = old.partition("{"), new.partition("{")
+    return old_params == new_params and old_path.rsplit(".", 1)[-1] == new_path.rsplit(".", 1)[-1]
+
+
 def _run_fix(out: Path) -> str:
     return f"rerun with the run's settings to resume, use a new --out, or --no-resume to start over in {out}"
 
@@ -388,6 +394,7 @@ def check_run_identity(out: str | os.PathLike, identity: dict[str, Any]) -> None
 
     Only the keys present in both are compared, so callers can check what they know early (corpus, tokenizer spec,
     model) and the rest later. A malformed ``run.json`` is a :class:`MemlmError`. No ``run.json``: nothing to compare.
+    A loss recorded under a module path that has since moved (same name and settings) is refused with its new name.
     """
     out = Path(out)
     path = out / RUN_FILE
@@ -396,6 +403,13 @@ def check_run_identity(out: str | os.PathLike, identity: dict[str, Any]) -> None
     rec = schema.read_json(path, schema.TRAIN_RUN, "training-run record", _run_fix(out))
     old = rec["identity"]
     diff = [f"{k} {old[k]} -> {identity[k]}" for k in identity if k in old and old[k] != identity[k]]
+    moved = [k for k in identity if k in old and _same_callable_elsewhere(old[k], identity[k])]
+    if moved and len(moved) == len(diff):
+        names = "; ".join(f"{k} {old[k]} is now {identity[k]}" for k in moved)
+        raise MemlmError(
+            f"{out} holds a training run that records its functions under module paths that moved ({names}): "
+            f"write the new names in {path} to resume it, or use --no-resume to start over in {out}"
+        )
     if diff:
         raise MemlmError(f"{out} holds a training run with other settings ({'; '.join(diff)}): {_run_fix(out)}")
 
