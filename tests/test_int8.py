@@ -279,7 +279,7 @@ def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
 
 def test_int8_is_refused_where_the_products_are_not_exact(monkeypatch):
     monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: False)
-    with pytest.raises(MemlmError, match="not exact.*--quantize none"):
+    with pytest.raises(MemlmError, match="not exact.*--quantize none with --dtype float32 .*the faster exact path"):
         quantize_int8(tiny_llama(), gpt2_tokenizer(), calibration_texts())
 
 
