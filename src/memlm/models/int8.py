@@ -38,8 +38,8 @@ relative (0.062 without; bfloat16's: 0.028; ``docs/results/speed/key_error_sessi
 :data:`memlm.models.compute.KEY_TOLERANCE` alone, so a float32 datastore is refused to an int8 query. Not memlm's
 default: it needs a calibration text and a C++ compiler for its fused element-wise ops to pay, on a CPU with AMX it is
 slower than bfloat16 (0.79x eval, 0.43x build: ``docs/results/speed/default_vs_old_amx_int8_session44.json``), and on
-x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate, so the path is refused there
-(:func:`int8_products_exact`).
+x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate or, exact, run ~24x slower than float32's, so the
+path is refused there (:func:`int8_products_exact`, :func:`int8_products_native`).
 
 torch's dynamic int8 linear (``--quantize int8-dynamic``) uses one activation scale per batch instead, which
 SmolLM2's outliers defeat (+283% perplexity).
