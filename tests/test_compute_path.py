@@ -183,6 +183,56 @@ def test_bf16_products_head_only_with_amx_and_recorded(monkeypatch):
     assert describe_compute_path(tiny_llama(torch.bfloat16))["head"] == "float32"
 
 
+@pytest.mark.parametrize(
+    "flags, device, dtype, emulated",
+    [
+        (["avx2"], "cpu", torch.bfloat16, True),  # AVX2 alone (the 2-core EPYC): bf16 measured 13-23x slower
+        (["avx2", "avx512f", "avx512_bf16"], "cpu", torch.bfloat16, False),  # native bf16 products, if not fast
+        (["avx2", "avx512f", "amx_bf16"], "cpu", torch.bfloat16, False),
+        (["bf16", "i8mm"], "cpu", "bfloat16", False),  # Arm's BF16 extension
+        (["avx2"], "cpu", torch.float32, False),
+        (["avx2"], "meta", torch.bfloat16, False),  # not a CPU: the GPU's own bf16 support decides
+        ([], "cpu", torch.bfloat16, False),  # features unknown: no claim
+    ],
+)
+def test_emulated_bf16_is_said_once_with_its_cost_and_the_faster_choice(monkeypatch, caplog, flags, device, dtype,
+                                                                          emulated):  # fmt: skip
+    monkeypatch.setattr(compute, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(compute, "_warned", set())
+    assert (compute.emulated_dtype_cost(dtype, device) is not None) is emulated
+    with caplog.at_level("WARNING", logger="memlm.models.compute"):
+        assert compute.warn_if_emulated(dtype, device) is emulated
+        assert compute.warn_if_emulated(dtype, device) is False  # once per process
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == int(emulated)
+    if emulated:
+        assert "\n" not in lines[0] and "bfloat16 is emulated" in lines[0]
+        assert "13-23x slower than float32" in lines[0] and "--dtype float32 or --dtype auto" in lines[0]
+
+
+def test_a_bf16_forward_and_load_warn_on_a_cpu_without_bf16(monkeypatch, caplog, tmp_path):
+    """Both ways to a bf16 forward say it: a bf16 model built in Python (its first fp32_head) and load_causal_lm."""
+    from memlm.models.forward import fp32_head
+    from memlm.models.resources import load_causal_lm
+
+    monkeypatch.setattr(compute, "cpu_flags", lambda: ["avx2"])
+    monkeypatch.setattr(compute, "_warned", set())
+    with caplog.at_level("WARNING", logger="memlm.models.compute"):
+        fp32_head(tiny_llama(torch.float32))
+        assert not caplog.records
+        fp32_head(tiny_llama(torch.bfloat16))
+        assert len(caplog.records) == 1 and "bfloat16 is emulated" in caplog.records[0].getMessage()
+    caplog.clear()
+    monkeypatch.setattr(compute, "_warned", set())
+    tiny_llama().save_pretrained(tmp_path / "m")
+    gpt2_tokenizer().save_pretrained(tmp_path / "m")
+    with caplog.at_level("WARNING", logger="memlm.models.compute"):
+        load_causal_lm(str(tmp_path / "m"), dtype="float32")
+        assert not caplog.records
+        load_causal_lm(str(tmp_path / "m"), dtype="bfloat16")
+        assert len(caplog.records) == 1 and "bfloat16 is emulated" in caplog.records[0].getMessage()
+
+
 @pytest.mark.slow
 def test_real_model_key_error_within_the_stated_error():
     """SmolLM2-135M, ffn_in@-1 on ~2k `wiki` test tokens (Wikipedia lead sections): each path's p99 relative key error

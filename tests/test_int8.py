@@ -16,6 +16,7 @@ from test_compute_path import keys_of, tiny_llama
 from torch import nn
 
 from memlm.errors import MemlmError
+from memlm.models import compute
 from memlm.models import int8 as int8_lib
 from memlm.models.compute import KEY_ERROR, ComputePath, apply_compute_path, check_compute_paths, describe_compute_path
 from memlm.models.compute import relative_key_error as rke
@@ -32,6 +33,15 @@ from memlm.models.resources import model_fingerprint
 
 #: the tests that multiply through torch._int_mm: on a CPU where its int8 products saturate, memlm refuses the path
 exact_int8 = pytest.mark.skipif(not int8_products_exact(), reason="int8 products saturate on this CPU (no VNNI/AMX)")
+NATIVE = int8_lib.int8_products_native
+
+
+@pytest.fixture(autouse=True)
+def _int8_allowed_without_vnni(monkeypatch):
+    """These tests check int8's numbers, which are exact wherever int8_products_exact holds; on a CPU without int8
+    dot-product instructions memlm refuses the path as slow (test_int8_is_refused_as_slow_without_vnni), so the
+    speed check is passed here."""
+    monkeypatch.setattr(int8_lib, "int8_products_native", lambda: True)
 
 
 def numpy_w8a8(x: np.ndarray, w: np.ndarray, sigma: np.ndarray, bias: np.ndarray | None,
@@ -279,8 +289,25 @@ def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
 
 def test_int8_is_refused_where_the_products_are_not_exact(monkeypatch):
     monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: False)
-    with pytest.raises(MemlmError, match="not exact.*--quantize none"):
+    with pytest.raises(MemlmError, match="not exact.*--quantize none with --dtype float32 .*the faster exact path"):
         quantize_int8(tiny_llama(), gpt2_tokenizer(), calibration_texts())
+
+
+@pytest.mark.parametrize(
+    "flags, native",
+    [(["avx2"], False), (["avx2", "avx_vnni"], True), (["avx2", "avx512f", "avx512_vnni"], True),
+     (["avx2", "amx_int8", "amx_tile"], True), (["bf16", "i8mm"], True), ([], True)],
+)  # fmt: skip
+def test_int8_is_refused_as_slow_without_vnni(monkeypatch, flags, native):
+    """Exact but without VNNI, AVX-VNNI or AMX-INT8 (torch._int_mm 24x slower than float32 on an AVX2 EPYC), the
+    path is refused naming the faster choice; unreadable CPU features make no claim."""
+    monkeypatch.setattr(int8_lib, "int8_products_native", NATIVE)
+    monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: True)
+    monkeypatch.setattr(compute, "cpu_flags", lambda: flags)
+    assert int8_lib.int8_products_native() is native
+    if not native:
+        with pytest.raises(MemlmError, match="no int8 dot-product.*24x slower.*--quantize none with --dtype float32"):
+            quantize_int8(tiny_llama(), gpt2_tokenizer(), calibration_texts())
 
 
 def test_the_exactness_check_sees_saturated_products(monkeypatch):

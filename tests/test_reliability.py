@@ -1,6 +1,9 @@
 """Reliability: kill -9 during a build and resume; one clear error line (no traceback) for bad input."""
 
+import contextlib
+import io
 import json
+import logging
 import os
 import random
 import shutil
@@ -8,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,13 +22,55 @@ from memlm.storage.datastore import Datastore
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def memlm(*args, check=False, extra_env=None, **kw):
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
-    env.update(extra_env or {})
-    env.setdefault("MEMLM_DEFAULT_DTYPE", "float32")  # the CLI tests pin the tiny model's float32 numbers
-    return subprocess.run(
-        [sys.executable, "-m", "memlm.cli", *args], capture_output=True, text=True, env=env, check=check, **kw
-    )
+def memlm(*args, check=False, extra_env=None, fresh=False, **kw) -> subprocess.CompletedProcess:
+    """``memlm ARGS`` as the command runs it: exit status, standard output and standard error.
+
+    In this process (:func:`memlm.cli.main`, as tests/test_readme.py and tests/test_adversarial.py run it): importing
+    torch and transformers again cost each command ~4 CPU-seconds, most of these tests' time. Its standard output and
+    error are captured; what the command process would print to standard error is printed there (warnings, log
+    records of WARNING and above through a handler like :mod:`logging`'s last resort, a traceback and status 1 for an
+    uncaught exception); ``os.environ`` is restored after it. A new process (``python -m memlm.cli``) with ``fresh``,
+    ``extra_env`` (variables read when torch or a library is imported, e.g. thread counts) or ``subprocess.run``
+    keywords."""
+    if fresh or extra_env or kw:
+        env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+        env.update(extra_env or {})
+        env.setdefault("MEMLM_DEFAULT_DTYPE", "float32")  # the CLI tests pin the tiny model's float32 numbers
+        return subprocess.run(
+            [sys.executable, "-m", "memlm.cli", *args], capture_output=True, text=True, env=env, check=check, **kw
+        )
+    from memlm.cli import main
+
+    saved = dict(os.environ)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("MEMLM_DEFAULT_DTYPE", "float32")
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = lambda m, c, f, n, file=None, line=None: err.write(
+                warnings.formatwarning(m, c, f, n, line)
+            )
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse, or a command's sys.exit
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if not isinstance(e.code, int | None):
+                    print(e.code, file=err)
+            except Exception:  # as the interpreter reports an uncaught exception
+                traceback.print_exc(file=err)
+                code = 1
+    finally:
+        logging.getLogger().removeHandler(handler)
+        os.environ.clear()
+        os.environ.update(saved)
+    r = subprocess.CompletedProcess(["memlm", *map(str, args)], code, out.getvalue(), err.getvalue())
+    if check:
+        r.check_returncode()
+    return r
 
 
 @pytest.fixture(scope="module")

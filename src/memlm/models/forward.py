@@ -120,7 +120,7 @@ class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): 
     rows_per_block = 1024  # logit rows per product (SmolLM2: 192 MiB of float32 logits)
 
     def __init__(self, model: torch.nn.Module, reuse_output: bool = False, bf16_products: bool | None = None) -> None:
-        from memlm.models.compute import bf16_products_available
+        from memlm.models.compute import bf16_products_available, warn_if_emulated
 
         get = getattr(model, "get_output_embeddings", None)
         head = get() if callable(get) else None
@@ -133,6 +133,7 @@ class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): 
         if self.head is not None:
             self.weight = self.head.weight.detach().float()
             if self.head.weight.dtype == torch.bfloat16:  # bf16 values, exact in bf16 products
+                warn_if_emulated(torch.bfloat16, self.weight.device)  # a bf16 model built outside load_causal_lm
                 available = bf16_products_available(self.weight.device)
                 self.bf16_products = available if bf16_products is None else bf16_products
             self.bias = self.head.bias.detach().float() if self.head.bias is not None else None

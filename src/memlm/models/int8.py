@@ -38,8 +38,8 @@ relative (0.062 without; bfloat16's: 0.028; ``docs/results/speed/key_error_sessi
 :data:`memlm.models.compute.KEY_TOLERANCE` alone, so a float32 datastore is refused to an int8 query. Not memlm's
 default: it needs a calibration text and a C++ compiler for its fused element-wise ops to pay, on a CPU with AMX it is
 slower than bfloat16 (0.79x eval, 0.43x build: ``docs/results/speed/default_vs_old_amx_int8_session44.json``), and on
-x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate, so the path is refused there
-(:func:`int8_products_exact`).
+x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate or, exact, run ~24x slower than float32's, so the
+path is refused there (:func:`int8_products_exact`, :func:`int8_products_native`).
 
 torch's dynamic int8 linear (``--quantize int8-dynamic``) uses one activation scale per batch instead, which
 SmolLM2's outliers defeat (+283% perplexity).
@@ -63,6 +63,7 @@ from memlm.models.keys import _analyze_layer, _hidden_size, _outer_linears, _up_
 __all__ = [
     "ALPHA",
     "CALIBRATION_TOKENS",
+    "INT8_FEATURES",
     "OUTLIER_CHANNELS",
     "FUSED_OPS",
     "FusedOps",
@@ -94,6 +95,24 @@ def int8_products_exact() -> bool:
     a[1, :256], a[1, 256:] = 127, -127
     want = a.long() @ b.long().t()
     return bool(torch.equal(torch._int_mm(a, b.t()).long(), want))
+
+
+#: CPU features with int8 dot-product instructions, where ``torch._int_mm`` is fast (x86 as /proc/cpuinfo names them;
+#: Arm's i8mm)
+INT8_FEATURES = ("avx512_vnni", "avx_vnni", "amx_int8", "i8mm")
+
+
+def int8_products_native() -> bool:
+    """Whether this CPU has int8 dot-product instructions (:data:`INT8_FEATURES`). Without them ``torch._int_mm``
+    either saturates (:func:`int8_products_exact`) or is exact and slow: on a 2-core AMD EPYC with AVX2 and no VNNI
+    (torch 2.13) a ``[2048, 576] x [576, 1536]`` int8 product took 5.5 s against float32's 0.23 s (24x), and one
+    SmolLM2-135M up projection as ``--quantize int8`` computes it 4.95 s against 0.19 s
+    (``docs/results/speed/int8_reduced_range_product_avx2.json``, a loaded machine: ratios only). True where the CPU's
+    features cannot be read (no ``/proc/cpuinfo``): no claim is made there."""
+    from memlm.models.compute import cpu_flags
+
+    flags = cpu_flags()
+    return not flags or any(f in flags for f in INT8_FEATURES)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,10 +363,18 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
         raise MemlmError(f"--quantize int8: outliers must be >= 0 channels, got {outliers}")
     if next(iter(model.parameters())).dtype != torch.float32:
         raise MemlmError("--quantize int8 quantizes a float32 model: pass --dtype float32")
+    faster = (
+        "use --quantize none with --dtype float32 (or --dtype auto, float32 here), the faster exact path on this CPU"
+    )
     if not int8_products_exact():
         raise MemlmError(
             "--quantize int8: this CPU's int8 matrix products are not exact (torch._int_mm saturates without VNNI "
-            "or AMX-INT8; on the AVX2 proxy of docs/BENCHMARKS.md it moved perplexity by +3%): use --quantize none"
+            f"or AMX-INT8; on the AVX2 proxy of docs/BENCHMARKS.md it moved perplexity by +3%): {faster}"
+        )
+    if not int8_products_native():
+        raise MemlmError(
+            "--quantize int8: this CPU has no int8 dot-product instructions (VNNI, AVX-VNNI, AMX-INT8): torch's int8 "
+            f"products run about 24x slower than float32's here (measured on a 2-core AVX2 EPYC): {faster}"
         )
     targets, ups = _linears_to_quantize(model)
     if not targets:
