@@ -15,7 +15,7 @@ Modes: ``eager`` (``MEMLM_INT8_COMPILE=0``; for ``inductor`` no compile), ``fx-o
 ``fx-on`` (the same call with ``fx_graph_cache`` on, patched in this script only: what the cache would save), each
 ``cold`` (an empty cache folder) and ``warm`` (the folder the cold row just filled).
 
-    python benchmarks/speed/compile_cost.py --out docs/results/speed/compile_cost_session43.json
+    python benchmarks/speed/compile_cost.py --out docs/results/speed/compile_cost.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ WikiText-2 test, the scored rows of one batch of 4 windows 1024 / 512), times, i
 Each variant: ``--repeats`` calls after one warm-up, the least and the median seconds. The logits' error against a
 float64 product is recorded for each head.
 
-    python benchmarks/speed/head_statistics.py --out docs/results/speed/head_statistics_session45.json
+    python benchmarks/speed/head_statistics.py --out docs/results/speed/head_statistics.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ element-wise steps of each int8 layer, labelled ``int8 quantize`` (divide by σ,
 ``int8 rescale`` (the int32 sums times both scales) by wrapping ``FusedOps.__call__`` in ``record_function`` here.
 Profiled seconds include the profiler's own overhead; the component pass is the one to compare with ``run.py``'s.
 
-    python benchmarks/speed/int8_profile.py --out docs/results/speed/int8_profile_session42.json
+    python benchmarks/speed/int8_profile.py --out docs/results/speed/int8_profile.json
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ quantizes every decoder linear layer the same way (each with its own σ), which 
 (tokens/s, perplexity, relative key error of ``ffn_in@-1`` against float32) and ``datastore build``'s key pass on
 ``--build-tokens`` of its train split (entries/s).
 
-    python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --out docs/results/speed/int8_session42.json
+    python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --out docs/results/speed/int8_layer_ablation.json
     python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --build-tokens 24000 \
       --rows float32,int8,no-outliers,float32-again \
-      --out docs/results/speed/int8_fused_outliers_session44.json
+      --out docs/results/speed/int8_outliers_fused.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ channels (its rule before session 44)::
 
     python benchmarks/speed/key_error.py --tokens 2048 --int8-variants --out docs/results/speed/key_error.json
     python benchmarks/speed/key_error.py --tokens 2048 --int8-variants \
-      --out docs/results/speed/key_error_session44.json    # with the int8 path (session 44)
+      --out docs/results/speed/key_error_avx512_int8.json    # with the int8 path (session 44)
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class DemoConfig:
     dtype: str = field(default_factory=default_dtype)  # bf16 only with AMX-BF16 (0.57x float32 without); keys fp16
     key: str = "ffn_in"
     # per corpus: one keys-only forward token per entry, the largest share of the run (~1,000 tokens/s on 2 idle
-    # cores in float32, docs/results/demo_fresh_home_session37.log; 50k a round ago: the run took 217 s)
+    # cores in float32, docs/results/demo_full_fresh_home_50k_datastores.log; 50k a round ago: the run took 217 s)
     datastore_tokens: int = 32_000
     eval_tokens: int = 8_000
     # >= 4,096 scored wiki tokens: the size below which the learned gate's fit warns (core.mixture.MIN_FIT_TOKENS)

@@ -2,9 +2,9 @@
 WikiText-2 **valid** (not test) for variants of the int8 rule, one JSON line per variant in ``scan.jsonl``
 (resumable: variants already there are skipped).
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_session44/scan.py alpha
-    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_session44/scan.py layers
-    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_session44/scan.py outliers
+    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_outliers/scan.py alpha
+    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_outliers/scan.py layers
+    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_outliers/scan.py outliers
 
 ``alpha``: SmoothQuant's migration strength over 0.3-0.8 with the session-41 rule. ``layers``: the session-41 rule
 with every attention projection or every gate/up projection kept in float32, then with each decoder layer in turn

@@ -2,7 +2,7 @@
 session 44). Rows go to ``scan.jsonl`` with ``"split": "autoalpha"`` (resumable), perplexity change against float32
 on the first 9 articles of WikiText-2 **valid** (35,467 tokens), the same slice as ``scan.py layers``:
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_session44/autoalpha.py
+    HF_HUB_OFFLINE=1 PYTHONPATH=src python docs/results/speed/int8_selection_outliers/autoalpha.py
 
 - ``fake w+a``, ``fake w``, ``fake a``: the session-41 rule simulated in float32 (``dequant(q(x/σ)) ·
   dequant(q(Wσ))ᵀ``), with both quantized, only the weights, only the activations.
