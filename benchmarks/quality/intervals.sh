@@ -6,7 +6,7 @@
 # machine could build in ~30 min), both in one forward pass; then benchmarks/quality/intervals_report.py on the dumps.
 # Run from the repository root. It was run in four pieces (docs/results/evidence/run_part*.sh; logs beside).
 set -euo pipefail
-D=${DATA:-/work/data/ev-intervals}
+D=${DATA:-data/ev-intervals}
 RES=docs/results/evidence
 MEMLM=${MEMLM:-memlm}
 PY=${PYTHON:-python}

@@ -16,7 +16,7 @@ tokens). None of them is in the index. For each slice, on the test dump:
 
 Stages (each skipped when its output exists; the commands run are recorded in the JSON)::
 
-    python benchmarks/quality/mixture_stdlib.py --stdlib /usr/lib/python3.11 --work /work/data/mixture \
+    python benchmarks/quality/mixture_stdlib.py --stdlib /usr/lib/python3.11 --work data/mixture \
         --out docs/results/mixture/stdlib.json
 """
 
@@ -179,7 +179,7 @@ def compare(work: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stdlib", type=Path, default=Path("/usr/lib/python3.11"))
-    ap.add_argument("--work", type=Path, default=Path("/work/data/mixture"))
+    ap.add_argument("--work", type=Path, default=Path("data/mixture"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/stdlib.json"))
     ap.add_argument("--prepare-only", action="store_true")

@@ -16,8 +16,8 @@ not depend on the others). Test dumps: the first 59,848 test tokens (11 articles
 a-c) and the first 19,711 (4 articles, scored here again with --cache: rows a-d). Stages are skipped when their output
 exists; the commands run are recorded in the JSON::
 
-    python benchmarks/quality/mixture_table.py --data /work/data/ev-intervals --work /work/data/mixture-wire \
-        --stdlib /work/data/mixture --out docs/results/mixture/wikitext2.json
+    python benchmarks/quality/mixture_table.py --data data/ev-intervals --work data/mixture-wire \
+        --stdlib data/mixture --out docs/results/mixture/wikitext2.json
 
 ``--stdlib``: issue 35's code case too (benchmarks/quality/mixture_stdlib.py's dumps: its 16 small modules together as
 the valid dump, its 4 test modules as the test dump).
@@ -133,8 +133,8 @@ def summary(path: Path, row: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=Path("/work/data/ev-intervals"))
-    ap.add_argument("--work", type=Path, default=Path("/work/data/mixture-wire"))
+    ap.add_argument("--data", type=Path, default=Path("data/ev-intervals"))
+    ap.add_argument("--work", type=Path, default=Path("data/mixture-wire"))
     ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/wikitext2.json"))
     ap.add_argument("--evals-only", action="store_true")
     ap.add_argument("--valid-max-tokens", type=int, default=20000, help="--max-tokens of the valid dump")

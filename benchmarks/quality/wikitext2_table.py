@@ -12,7 +12,7 @@ defaults) is reported beside them.
 Every stage is cached under ``--work`` (rerun the same command to resume); the result goes to ``--json``::
 
     python benchmarks/quality/wikitext2_table.py --corpus wikitext2 \\
-        --datastore wt2=/work/data/wt2/ds-wt2-train --valid-max-tokens 60000 \\
+        --datastore wt2=data/wt2/ds-wt2-train --valid-max-tokens 60000 \\
         --work logs/wt2table --json docs/results/wikitext2/table.json
 """
 

@@ -1,6 +1,6 @@
 """Markdown tables for docs/SCALING.md from docs/results/scaling/*.json (nothing is measured here).
 
-python benchmarks/scale/scaling_report.py > /tmp/tables.md
+python benchmarks/scale/scaling_report.py > tables.md
 """
 
 from __future__ import annotations

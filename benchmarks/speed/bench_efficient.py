@@ -40,6 +40,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -280,7 +281,8 @@ def run(args: argparse.Namespace) -> None:
     results["command"] = " ".join([Path(sys.executable).name, *sys.argv])
     results["machine"] = {**host(), "idle_busy_limit": args.idle_busy, "idle_load_limit": args.idle_load}
     for ds_path in map(Path, args.datastore):
-        work = Path(os.environ.get("MEMLM_BENCH_WORK", "/tmp/memlm-bench")) / ds_path.name
+        root = os.environ.get("MEMLM_BENCH_WORK", os.path.join(tempfile.gettempdir(), "memlm-bench"))
+        work = Path(root) / ds_path.name
         work.mkdir(parents=True, exist_ok=True)
         st = setup(args, ds_path, work)
         if args.setup_only:

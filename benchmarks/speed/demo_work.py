@@ -6,9 +6,9 @@ no forward pass, so it may run on a busy machine; the demo itself records the sa
 
     PYTHONPATH=src python benchmarks/speed/demo_work.py --out docs/results/speed/demo_work.json
 
-"before" is session 37's configuration (docs/results/demo_full_fresh_home_50k_datastores.log: 50k-token datastores, valid
-4,000 tokens, the splits scored in windows of 512 overlapping by 128; quick: 12k, 1,000, 256 / 64), "after" today's
-:class:`~memlm.experiments.demo.DemoConfig` and ``DemoConfig.quick()``.
+"before" is the earlier configuration (docs/results/demo_full_fresh_home_50k_datastores.log: 50k-token datastores,
+valid 4,000 tokens, the splits scored in windows of 512 overlapping by 128; quick: 12k, 1,000, 256 / 64), "after"
+today's :class:`~memlm.experiments.demo.DemoConfig` and ``DemoConfig.quick()``.
 """
 
 from __future__ import annotations

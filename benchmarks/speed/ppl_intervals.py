@@ -13,7 +13,7 @@ Paths: ``NAME`` is ``float32`` or ``int8`` (``--quantize int8`` on float32) or `
 (torch, oneDNN and MKL held to AVX2: a CPU without AVX-512, VNNI or bf16) or ``@avxvnni`` (held to AVX2 with AVX-VNNI:
 Intel's 12th-14th generation Core). The env lines are ``int8_exactness.py``'s.
 
-    python benchmarks/speed/ppl_intervals.py --work /work/data/ppl-intervals \\
+    python benchmarks/speed/ppl_intervals.py --work data/ppl-intervals \\
       --out docs/results/speed/ppl_intervals_session43.json
 """
 

@@ -2,7 +2,7 @@
 same datastore and FAISS index, same tokens, same windows (issue 34: "memlm vs knn-transformers >= 2x").
 
     git clone https://github.com/neulab/knn-transformers /path/to/knn-transformers   # or: git archive HEAD | tar -x
-    python benchmarks/speed/vs_knn_transformers.py --datastore /work/data/ev-intervals/ds50k \\
+    python benchmarks/speed/vs_knn_transformers.py --datastore data/ev-intervals/ds50k \\
         --knn-transformers /path/to/knn-transformers --work runs/vs-kt --tokens 20000 \\
         --out docs/results/speed/vs_knn_transformers.json
 

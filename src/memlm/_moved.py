@@ -1,4 +1,4 @@
-"""Old import paths of modules that moved into packages (issue 25's layout), kept for one release.
+"""Old import paths of modules that moved into packages (the package layout), kept for one release.
 
 ``import memlm.datastore`` (and ``from memlm.datastore import Datastore``) still works: a finder on ``sys.meta_path``
 answers the old name with the module at its new path (the same module object, so patches and ``isinstance`` agree)

@@ -5,7 +5,7 @@
 # mixture come from the same forward pass. Run from the repository root; heavy (an LM pass over ~35k tokens).
 set -euo pipefail
 M=smollm2-135m
-DATA=${DATA:-/work/data/ngram}
+DATA=${DATA:-data/ngram}
 RES=docs/results/ngram
 MEMLM=${MEMLM:-memlm}
 mkdir -p "$DATA" "$RES"

@@ -24,6 +24,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -176,7 +177,8 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--work", default=os.environ.get("MEMLM_BENCH_WORK", "/tmp/memlm-bench") + "/ngram")
+    bench_work = os.environ.get("MEMLM_BENCH_WORK", os.path.join(tempfile.gettempdir(), "memlm-bench"))
+    b.add_argument("--work", default=bench_work + "/ngram")
     b.add_argument("--out", required=True)
     q = sub.add_parser("query")
     q.add_argument("--model", default="smollm2-135m")

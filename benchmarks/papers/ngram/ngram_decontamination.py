@@ -1,7 +1,7 @@
 """How many documents of the offline train splits does the infini-gram paper's decontamination rule find in the
 evaluation text? (docs/NGRAM.md, "Decontamination")
 
-    python benchmarks/papers/ngram/ngram_decontamination.py --index /work/data/ngram/all-train \\
+    python benchmarks/papers/ngram/ngram_decontamination.py --index data/ngram/all-train \\
         --out docs/results/ngram/decontamination.json
 
 The rule of Liu et al. (2024, App. B; :mod:`memlm.ngram.decontaminate`): a reference document is dropped whole when at

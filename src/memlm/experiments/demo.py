@@ -13,7 +13,7 @@ The user story of Khandelwal et al. (2020) on the offline defaults, with no trai
    tokens of context), retrieving from each memory by exact search over all its keys;
 3. on valid: tune λ, τ of the kNN-LM (``memlm tune``), λ_sparse / λ_dense of LM + ∞-gram, the four jointly for
    LM + kNN + ∞-gram, and fit the learned gate over the same memories (:func:`memlm.knnlm.dump_mixture.fit_dump`,
-   issue 35); on test: every row mixes through one :class:`memlm.core.mixture.Mixture` (the fixed weights as
+   memlm.core.mixture); on test: every row mixes through one :class:`memlm.core.mixture.Mixture` (the fixed weights as
    :func:`memlm.core.mixture.rule_mixture`, the gate as fitted), with 95% bootstrap intervals over documents
    (:mod:`memlm.core.bootstrap`); print a table, write JSON and a PNG of perplexity vs λ (the paper's Fig. 5).
 
@@ -476,7 +476,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         )
     forms = ", ".join(f"{r['eval'].split()[0]}/{r['datastore'].split()[0]}: {r['mixture']['form']}" for r in rows)
     print(
-        f"gate: the learned mixture of the same memories (issue 35), fitted on valid with a quarter of its documents "
+        f"gate: the learned mixture of the same memories, fitted on valid with a quarter of its documents "
         f"kept apart, falling back to constant weights or the LM alone where it does not beat them there ({forms})"
     )
     warned = {w for r in rows for w in r["mixture"]["warnings"]}
