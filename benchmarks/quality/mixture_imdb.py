@@ -1,4 +1,4 @@
-"""Issue 35's domain-adaptation rows: the fixed-weight rule beside the learned mixture on IMDB test, test tokens only.
+"""The domain-adaptation rows: the fixed-weight rule beside the learned mixture on IMDB test, test tokens only.
 
 SmolLM2-135M (float32, windows 1024 / 512) and memories built from the target domain's training text (Khandelwal
 et al. 2020, Sec. 4.2: the LM unchanged, the datastore swapped for one over the new domain): the ∞-gram over all of

@@ -1,11 +1,11 @@
-"""Issue 35's stdlib case: λ's tuned on a small slice against the guarded learned mixture (memlm.mixture).
+"""The stdlib case: λ's tuned on a small slice against the guarded learned mixture (memlm.mixture).
 
 An ∞-gram over Python 3.11's standard library (every ``.py`` file of ``--stdlib`` outside site-/dist-packages, one
-document per file, minus the held-out modules below), SmolLM2-135M as the LM. Issue 35 tuned the λ's on one held-out
-module file (887 scored tokens) without naming it; here every module file of 850-950 tokens (SmolLM2's tokenizer) is
-a small tuning slice in turn (16 files, chosen by that rule before any result was seen), and all 16 together are a
-17th, larger slice. The test text is four other modules (``glob``, ``graphlib``, ``numbers``, ``chunk``; 8,148 scored
-tokens). None of them is in the index. For each slice, on the test dump:
+document per file, minus the held-out modules below), SmolLM2-135M as the LM. An earlier run tuned the λ's on one
+held-out module file (887 scored tokens) without naming it; here every module file of 850-950 tokens (SmolLM2's
+tokenizer) is a small tuning slice in turn (16 files, chosen by that rule before any result was seen), and all 16
+together are a 17th, larger slice. The test text is four other modules (``glob``, ``graphlib``, ``numbers``,
+``chunk``; 8,148 scored tokens). None of them is in the index. For each slice, on the test dump:
 
 * the bare LM;
 * the ∞-gram with memlm's fallback λ's (λ_sparse 0.1, λ_dense 0.03: what an index without calibration uses);

@@ -1,4 +1,4 @@
-"""Issue 35's table: the fixed-weight rule beside the learned mixture on WikiText-2 test, test tokens only.
+"""The table: the fixed-weight rule beside the learned mixture on WikiText-2 test, test tokens only.
 
 SmolLM2-135M (float32, windows 1024 / 512) with the memories of benchmarks/quality/intervals.sh (read from
 ``--data``): the ∞-gram over all of WikiText-2 train (``wt2``, 2.55M tokens, --holdout 0) and the datastore over the
@@ -19,7 +19,7 @@ exists; the commands run are recorded in the JSON::
     python benchmarks/quality/mixture_table.py --data data/ev-intervals --work data/mixture-wire \
         --stdlib data/mixture --out docs/results/mixture/wikitext2.json
 
-``--stdlib``: issue 35's code case too (benchmarks/quality/mixture_stdlib.py's dumps: its 16 small modules together as
+``--stdlib``: the code case too (benchmarks/quality/mixture_stdlib.py's dumps: its 16 small modules together as
 the valid dump, its 4 test modules as the test dump).
 """
 

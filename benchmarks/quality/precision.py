@@ -1,4 +1,4 @@
-"""bf16 body vs float32: SmolLM2-135M perplexity on the same text (issue 12 item 6).
+"""bf16 body vs float32: SmolLM2-135M perplexity on the same text.
 
 memlm computes the output projection and log-softmax in float32 whatever the body's dtype
 (memlm.models.forward.fp32_head). This script scores the same leading tokens of wiki test with the model in float32 and

@@ -1,4 +1,4 @@
-"""What ``memlm demo`` computes on a first run, phase by phase, before and after issue 34's demo changes: forward
+"""What ``memlm demo`` computes on a first run, phase by phase, before and after the demo changes: forward
 tokens of each datastore build (keys only) and of each scored split (with the output projection), scored tokens, and
 the query x key pairs of each exact search. Counted with the tokenizer (:func:`memlm.experiments.demo.planned_work`),
 no forward pass, so it may run on a busy machine; the demo itself records the same counts with its seconds in its

@@ -1,4 +1,4 @@
-"""How much faster a profiled forward pass could be at the CPU's measured peak (issue 34: "say what stands between the
+"""How much faster a profiled forward pass could be at the CPU's measured peak ("say what stands between the
 result and the peak").
 
 Reads a profile written by ``run.py --steps peak,profile`` and, for each path and style (eval, build), puts every

@@ -1,4 +1,4 @@
-"""How far a compute path's perplexity is from float32's, with a paired bootstrap interval over documents (issue 34).
+"""How far a compute path's perplexity is from float32's, with a paired bootstrap interval over documents.
 
 The issue bounds a fast path's perplexity difference from float32 at 0.2% on WikiText-2 test (window 1024). The timing
 rows (``default_vs_old.py``, ``int8_w8a8.py``) score a 19,711-token slice: 4 documents, too few for an interval over
@@ -14,7 +14,7 @@ Paths: ``NAME`` is ``float32`` or ``int8`` (``--quantize int8`` on float32) or `
 Intel's 12th-14th generation Core). The env lines are ``int8_exactness.py``'s.
 
     python benchmarks/speed/ppl_intervals.py --work data/ppl-intervals \\
-      --out docs/results/speed/ppl_intervals_session43.json
+      --out docs/results/speed/ppl_intervals_int8.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""memlm's speed against the machine's peak, in one bounded run (issue 34 items 1-3; docs/BENCHMARKS.md "Performance").
+"""memlm's speed against the machine's peak, in one bounded run (docs/BENCHMARKS.md "Performance").
 
     python benchmarks/speed/run.py --tokens 20000 --out docs/results/speed/<machine>.json
 
@@ -306,7 +306,7 @@ def main() -> None:
         "default_path": default.label(),
         "settings": vars(args),
     }
-    fwd_per_s = 300.0  # float32 forward positions/s on 2 idle cores (issue 34), for the plan only
+    fwd_per_s = 300.0  # float32 forward positions/s on 2 idle cores, for the plan only
     print(
         f"plan: {len(paths)} candidates x {args.tokens} tokens (~{2 * args.tokens * len(paths) / fwd_per_s / 60:.0f}"
         f" min at float32 speed), builds {args.build_paths} x {args.build_tokens}, kNN eval 2 x {args.knn_tokens}",

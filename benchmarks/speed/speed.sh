@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 14, speed: NPM vs the MLM (queries/s) and TRIME local vs external memory (tokens/s), each pair measured back
+# Speed: NPM vs the MLM (queries/s) and TRIME local vs external memory (tokens/s), each pair measured back
 # to back in one process (docs/results/speed/README.md). The models follow benchmarks/papers/npm/npm.sh and benchmarks/papers/trime/trime.sh
 # with a smaller training budget (speed does not depend on it; the EM / perplexity of these runs mean nothing):
 # NPM encoder 40 updates (npm.sh: 250), MLM 20 (250), TrimeLM_ext 40 (trime.sh: 400); the phrase index (300k wiki-train

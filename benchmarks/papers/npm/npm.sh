@@ -1,5 +1,5 @@
 #!/bin/bash
-# NPM (Min et al. 2023) in our setting, GitHub issue 5 items 4-5. MiniLM-L6 (22.7M parameters, no MLM head) is
+# NPM (Min et al. 2023) in our setting. MiniLM-L6 (22.7M parameters, no MLM head) is
 # trained on wiki+news train (the paper's Wikipedia + CC-News, §4) with NPM, NPM SINGLE and -- the parametric
 # baseline -- a masked-LM head (15% masking, 80/10/10), each for the same budget (STEPS updates of BATCH x 128
 # tokens, document-grouped batches); phrase indexes over a wiki-train reference corpus (REF_TOKENS leading tokens);

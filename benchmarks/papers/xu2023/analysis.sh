@@ -18,7 +18,7 @@ if [[ $what == scratch || $what == all ]]; then
       --max-tokens 300000 --key $key --window 256 --min-context 128 --batch-size 32 --no-index \
       --out $R/analysis/ds-scratch-$key
   done
-  # learned W_ds trained until its valid memory-only loss plateaus (issue 12 item 5); the earlier run swept
+  # learned W_ds trained until its valid memory-only loss plateaus; the earlier run swept
   # --learned-n 1,2,3,6 at --learned-steps 600 (one epoch, not converged)
   $M analyze --model $R/trime/vanilla/final --dtype bfloat16 \
     --datastore-att $R/analysis/ds-scratch-ffn_in --datastore-ffn $R/analysis/ds-scratch-final \
