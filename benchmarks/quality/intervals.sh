@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The interval tables (docs/NGRAM.md and docs/BENCHMARKS.md, "Intervals over documents"): SmolLM2-135M on the
+# The interval tables (docs/results/ngram.md and docs/results/knnlm.md, "Intervals over documents"): SmolLM2-135M on the
 # first ~20k WikiText-2 test tokens (windows 1024 / 512, float32), the protocol of benchmarks/papers/ngram/ngram.sh (∞-gram over
 # all of WikiText-2 train, --holdout 0: the fallback weights λ_sparse 0.1, λ_dense 0.03, which ngram.sh's tuning on
 # valid also chose), and a kNN-LM datastore over the first 50k WikiText-2 train tokens (what the loaded 2-core

@@ -193,7 +193,7 @@ def _pct(d: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The table of docs/MIXTURE.md and each fitted gate's W and b per feature (standardised features)."""
+    """The table of docs/results/mixture.md and each fitted gate's W and b per feature (standardised features)."""
     out = ["| test | row | memories | base LM | rule | rule vs base | learned | learned vs base | learned vs rule | "
            "form (τ) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

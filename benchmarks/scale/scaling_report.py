@@ -1,4 +1,4 @@
-"""Markdown tables for docs/SCALING.md from docs/results/scaling/*.json (nothing is measured here).
+"""Markdown tables for docs/results/scaling.md from docs/results/scaling/*.json (nothing is measured here).
 
 python benchmarks/scale/scaling_report.py > tables.md
 """

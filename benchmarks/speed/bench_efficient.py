@@ -1,4 +1,4 @@
-"""Efficient kNN-LM at scale (docs/BENCHMARKS.md, "Efficient kNN-LM"): the base LM, the plain kNN-LM and each
+"""Efficient kNN-LM at scale (docs/results/efficient-knnlm.md): the base LM, the plain kNN-LM and each
 efficiency option on the same test text, back to back, for contiguous-prefix datastores of growing size.
 
     # 100k and 300k entries: the first rows of the 1M datastore (contiguous prefixes keep RetoMaton's chains)
@@ -136,7 +136,7 @@ def one(args: argparse.Namespace) -> None:
         "retrieval": ts.meta.get("retrieval"),
         "datastore_entries": len(ds) if ds is not None else None,
     }
-    if args.one == "knn":  # after the clock: the test dump, for mixing other memories in later (docs/NGRAM.md)
+    if args.one == "knn":  # after the clock: the test dump, for mixing other memories in later (docs/results/ngram.md)
         ts.save(Path(args.setup).parent / "test-knn.npz")
     print("ROW " + json.dumps(row))
 

@@ -1,4 +1,4 @@
-"""kNN-LM performance ratios, measured in one run (docs/BENCHMARKS.md, "Performance"):
+"""kNN-LM performance ratios, measured in one run (docs/results/performance.md):
 
     python benchmarks/speed/bench_knnlm_perf.py --out runs/perf
 

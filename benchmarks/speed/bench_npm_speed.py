@@ -1,4 +1,4 @@
-"""NPM vs the parametric MLM: queries/s on the cloze probes of ``memlm npm eval --task cloze`` (docs/NPM.md,
+"""NPM vs the parametric MLM: queries/s on the cloze probes of ``memlm npm eval --task cloze`` (docs/results/npm.md,
 Performance), measured back to back in one process.
 
 The probes are the ones ``memlm npm eval --task cloze --index IDX --max-queries N`` draws (same corpus, seed and

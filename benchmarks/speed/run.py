@@ -1,4 +1,4 @@
-"""memlm's speed against the machine's peak, in one bounded run (docs/BENCHMARKS.md "Performance").
+"""memlm's speed against the machine's peak, in one bounded run (docs/results/performance.md).
 
     python benchmarks/speed/run.py --tokens 20000 --out docs/results/speed/<machine>.json
 

@@ -1,4 +1,4 @@
-"""What the ∞-gram memory costs (docs/NGRAM.md, "Cost"), each part timed on idle cores, one at a time.
+"""What the ∞-gram memory costs (docs/results/ngram.md, "Cost"), each part timed on idle cores, one at a time.
 
     python benchmarks/papers/ngram/ngram_cost.py build --out docs/results/ngram/cost_build.json  # builds, end to end
     python benchmarks/papers/ngram/ngram_cost.py query --index IDX [--index IDX2] \\

@@ -15,7 +15,7 @@
 # bbc-ref: the BBC task again with an in-domain reference corpus, the first REF_TOKENS tokens of BBC *train* (test
 # articles never enter it): the paper's closed-set reference corpora include in-domain text (CC-News for AGN), and a
 # 300k-token wiki reference rarely puts a verbalizer word among the top-k neighbours.
-# Time on this 2-core machine, idle (docs/NPM.md has the measured numbers): training ~4 s/update for NPM and NPM
+# Time on this 2-core machine, idle (docs/results/npm.md has the measured numbers): training ~4 s/update for NPM and NPM
 # SINGLE at 32 x 128 tokens (two encoder passes), about half that for the MLM; indexing 300k tokens a few minutes
 # per encoder; evaluation under an hour for everything.
 set -euo pipefail

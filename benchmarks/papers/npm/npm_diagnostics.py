@@ -1,4 +1,4 @@
-"""Two diagnostics behind docs/NPM.md's closed-set findings, after ``bash benchmarks/papers/npm/npm.sh all``:
+"""Two diagnostics behind docs/results/npm.md's closed-set findings, after ``bash benchmarks/papers/npm/npm.sh all``:
 
 1. ``verbalizer_counts``: occurrences of each BBC label's single-token verbalizers in a phrase index's token stream
    (why a BBC-train reference pulls predictions to business: App. A.4 sums over every retrieved occurrence).

@@ -1,5 +1,5 @@
 #!/bin/bash
-# TRIME (Zhong et al. 2022) in our setting, for docs/TRIME.md: one architecture (GPT-2 4x256, a byte-level BPE with
+# TRIME (Zhong et al. 2022) in our setting, for docs/results/trime.md: one architecture (GPT-2 4x256, a byte-level BPE with
 # 8,192 types trained on wiki+news train), one data set (wiki+news train) and one compute budget (STEPS updates of
 # 16 x 256 tokens) for the vanilla LM, TrimeLM, TrimeLM_long and TrimeLM_ext, plus two ablations of TrimeLM_ext
 # (random instead of BM25 batches; local-memory dropout p = 0 instead of 0.9). Then test perplexity with each memory,
@@ -40,7 +40,7 @@ train() {  # name, extra flags
   [[ -d $R/tokenizer ]] || cp -r "$R/$name/tokenizer" "$R/tokenizer"
 }
 
-train_named() {  # NAME[-sSEED][-2k-cpu]: every model of docs/TRIME.md by name; -sN trains the same model with --seed N,
+train_named() {  # NAME[-sSEED][-2k-cpu]: every model of docs/results/trime.md by name; -sN trains the same model with --seed N,
   # -2k-cpu with the 2,000 updates of the GPU runs (NAME-2k), here
   local name=$1 base=$1 extra=()
   if [[ $base =~ ^(.*)-2k-cpu$ ]]; then  # the 2,000-update recipe of the GPU runs (eval-2k), trained here on the CPU

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's WikiText-2 table (docs/MIXTURE.md): the valid and test dumps with every memory (and the cache), then
+# Issue 35's WikiText-2 table (docs/results/mixture.md): the valid and test dumps with every memory (and the cache), then
 # memlm tune --mixture gate per row (benchmarks/quality/mixture_table.py). Run from the repository root, niced: the machine's
 # 2 cores were shared.
 set -euo pipefail

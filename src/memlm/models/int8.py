@@ -22,7 +22,7 @@ valid, 35,467 tokens: ``docs/results/speed/int8_selection_outliers/``) this took
 to +0.09%: simulated, the weights' rounding gave +0.12% and the activations' +0.21%; the outlier channels set the
 per-token scale of every other channel and, once smoothed, the per-row scale of the weights.
 
-Which layers stay float32 (SmolLM2-135M, ``docs/BENCHMARKS.md``, "Performance"): every feed-forward *down* projection
+Which layers stay float32 (SmolLM2-135M, ``docs/results/performance.md``): every feed-forward *down* projection
 (its input, SiLU(gate) × up, carries the activation outliers no per-token scale absorbs) and every linear layer of the
 *last* decoder layer (its output goes straight into the head; a per-layer scan in a scratch run, not kept, found int8
 weights costliest there). Quantizing every decoder linear instead: +0.84% perplexity on the first 19,711 WikiText-2
@@ -135,7 +135,7 @@ class FusedOps:
     Quantizing a layer's input and rescaling its int32 sums are element-wise passes over ``[tokens, D]`` tensors; run
     one torch operation at a time they cost more than the int8 product itself (2 cores, SmolLM2-135M, eval of 8
     windows of 1024: 2.02 s of element-wise work against 1.25 s of ``_int_mm``), compiled 0.81 s
-    (``docs/results/speed/int8_profile.json``; ``docs/BENCHMARKS.md``, "Performance"). Where compiling
+    (``docs/results/speed/int8_profile.json``; ``docs/results/performance.md``). Where compiling
     fails (no C++ compiler, a platform inductor does not support) or ``MEMLM_INT8_COMPILE=0``, the eager ``fn``
     runs, with one warning the first time."""
 
@@ -347,7 +347,7 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
     if not int8_products_exact():
         raise MemlmError(
             "--quantize int8: this CPU's int8 matrix products are not exact (torch._int_mm saturates without VNNI "
-            "or AMX-INT8; on the AVX2 proxy of docs/BENCHMARKS.md it moved perplexity by +3%): use --quantize none"
+            "or AMX-INT8; on the AVX2 proxy of docs/results/performance.md it moved perplexity by +3%): use --quantize none"
         )
     targets, ups = _linears_to_quantize(model)
     if not targets:
