@@ -1,4 +1,5 @@
-"""The effective n of docs/results/ngram.md's WikiText-2 rows under the paper's definition (words only) beside the one those
+"""The effective n of docs/results/ngram.md's WikiText-2 rows under the paper's definition (words only) beside the
+one those
 rows were recorded with (the document-start separator counted as a token): which targets change, and the median and
 mean under each.
 

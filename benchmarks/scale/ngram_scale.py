@@ -1,4 +1,5 @@
-"""An ∞-gram index of 10^9 tokens, built and queried (docs/results/ngram.md, "At a billion tokens"): what 2 cores cannot hold.
+"""An ∞-gram index of 10^9 tokens, built and queried (docs/results/ngram.md, "At a billion tokens"): what 2 cores
+cannot hold.
 
     python benchmarks/scale/ngram_scale.py prepare --index IDX --out .dev/scale  # here: real tokens + test queries
     python benchmarks/scale/ngram_scale.py run --data .dev/scale --tokens 1000000000 --work runs/w --out OUT.json

@@ -1,5 +1,6 @@
 """TRIME evaluation: local vs external memory tokens/s, back to back in one process (the protocol of
-benchmarks/papers/trime/bench_trime_eval.py and docs/results/trime.md: TrimeLM_ext, the leading 10k tokens of wiki+news test,
+benchmarks/papers/trime/bench_trime_eval.py and docs/results/trime.md: TrimeLM_ext, the leading 10k tokens of
+wiki+news test,
 segments of 256 tokens, batches of 16 segments, top-1,024 of a 500k-entry ``IVF1024,Flat`` datastore, exact
 ``q.k/sqrt(d)`` rescoring, plus the long-term memory of M = 8 segments).
 

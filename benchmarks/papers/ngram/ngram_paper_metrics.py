@@ -1,4 +1,5 @@
-"""docs/results/ngram.md's ∞-gram rows in the infini-gram paper's metric beside memlm's, and the figures docs/results/ngram.md derives.
+"""docs/results/ngram.md's ∞-gram rows in the infini-gram paper's metric beside memlm's, and the figures
+docs/results/ngram.md derives.
 
 The paper (Liu et al. 2024, "Infini-gram", arXiv 2401.17377 v4, Sec. 5.1) reports, in parentheses in its Table 1,
 the relative improvement of a model M over a model M_o as the share of the perplexity gap to 1 that M closes:

@@ -593,7 +593,8 @@ def add_parsers(sub) -> None:
         choices=["rule", "gate"],
         default="rule",
         help="rule: the fixed weights grid-searched (default); gate: also the learned mixture of every memory of the "
-        "dump (per-token weights from a small gate, fitted on valid with part of it kept apart, docs/results/mixture.md), "
+        "dump (per-token weights from a small gate, fitted on valid with part of it kept apart, "
+        "docs/results/mixture.md), "
         "applied to --test beside the rule; its fit goes into --json for memlm eval --mixture",
     )
     common.add_allow_overlap(t)

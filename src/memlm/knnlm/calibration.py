@@ -3,7 +3,8 @@
 A kNN-LM's perplexity depends on the interpolation weight λ and the softmax temperature τ of Eq. 2-3 (Khandelwal et al.
 2020 tune λ on validation text; Xu et al. 2023, Sec. 3.4, show how much τ matters). No fixed default suits every
 datastore (on 92k tokens of speeches, -1.5% perplexity with the old defaults λ = 0.25, τ = 1 and -6.5%
-tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/results/knnlm.md). So ``memlm datastore
+tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/results/knnlm.md). So ``memlm
+datastore
 build`` holds out a small deterministic slice of its corpus (:func:`holdout_split`: 2% of the tokens, at least 4,096,
 at most 8,192, never more than 20%; whole documents first, then, for a corpus of one document or a few long ones, the
 tails of the longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the
@@ -259,7 +260,8 @@ def near_temperatures(grid, best: float) -> list[float]:
     """The rule's best τ and its neighbours in ``grid`` (up to 3 values): where the guarded mixture searches τ at
     calibration. One guarded fit costs seconds per τ on 8k tokens with k = 1024 (an L-BFGS gate fit and the kNN
     features at that τ), so the 14-20 τ of the whole grid would make the fit the slowest part of a build, where
-    calibration should cost little. In docs/results/mixture.md the gate's τ was next to the rule's in the fits made on enough
+    calibration should cost little. In docs/results/mixture.md the gate's τ was next to the rule's in the fits made
+    on enough
     text (τ 2-3 where the rule chose 2-3), and far from it only in fits under the guard's minimum size (τ 5-10 on 4
     valid articles where the rule chose 2), so the neighbours are where a fit worth storing looks."""
     grid = sorted(float(t) for t in grid)

@@ -347,7 +347,8 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
     if not int8_products_exact():
         raise MemlmError(
             "--quantize int8: this CPU's int8 matrix products are not exact (torch._int_mm saturates without VNNI "
-            "or AMX-INT8; on the AVX2 proxy of docs/results/performance.md it moved perplexity by +3%): use --quantize none"
+            "or AMX-INT8; on the AVX2 proxy of docs/results/performance.md it moved perplexity by +3%): use "
+            "--quantize none"
         )
     targets, ups = _linears_to_quantize(model)
     if not targets:
