@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memlm.core.distribution import perplexity
 from memlm.data.corpora import load_documents
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
 from memlm.models.compute import ComputePath, apply_compute_path, relative_key_error
@@ -82,7 +83,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     ref_keys, ref_lp = run(args, PATHS[0])
-    ref_ppl = float(np.exp(-ref_lp.mean()))
+    ref_ppl = perplexity(ref_lp)
     rows = {"float32+sdpa": {"tokens": len(ref_lp), "ppl": ref_ppl}}
     todo = [(x.label(), x, None) for x in PATHS[1:]]
     if args.int8_variants:
@@ -91,7 +92,7 @@ def main() -> None:
     for name, path, variant in todo:
         keys, lp = run(args, path, variant)
         e = relative_key_error(keys, ref_keys)
-        ppl = float(np.exp(-lp.mean()))
+        ppl = perplexity(lp)
         rows[name] = {
             "tokens": len(lp),
             "ppl": ppl,

@@ -58,6 +58,7 @@ def child(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
+    from memlm.core.distribution import perplexity
     from memlm.data.corpora import load_documents
     from memlm.data.windows import limit_documents
     from memlm.knnlm.evaluate import lm_scores
@@ -79,7 +80,7 @@ def child(args: argparse.Namespace) -> None:
     os.replace(tmp, args.scores)
     print(json.dumps({"path": args.path, "tokens": len(ts), "seconds": time.perf_counter() - t0,
                       "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                      "ppl": float(np.exp(-ts.lm_logprob.astype(np.float64).mean()))}))  # fmt: skip
+                      "ppl": perplexity(ts.lm_logprob)}))  # fmt: skip
 
 
 def main() -> None:

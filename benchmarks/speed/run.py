@@ -40,6 +40,7 @@ import peak as peak_lib  # noqa: E402
 import protocol  # noqa: E402
 import torch  # noqa: E402
 
+from memlm.core.distribution import perplexity  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, resolve_stride, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
@@ -129,7 +130,7 @@ def step_candidate(args, path: ComputePath, docs, peak: dict, ref: dict | None) 
         "warmup_s": warm,
         "forward_s": seconds,
         "tokens_per_s": len(ts) / seconds,
-        "ppl": float(np.exp(-lp.mean())),
+        "ppl": perplexity(lp),
         **components.achieved(flops, seconds, dtype_peak),
     }
     if path.compile != "none":  # how many graphs dynamo made (one per block kind when layers share them)

@@ -141,7 +141,7 @@ def _documents(cfg: DemoConfig, tok, corpus: str, split: str) -> list:
 def planned_work(cfg: DemoConfig, tok) -> list[dict[str, Any]]:
     """What a first run of ``cfg`` computes, counted without running it (the tokenizer only): each datastore build's
     and each scored split's forward tokens (``head``: with the output projection), and each exact search's query x
-    key pairs (benchmarks/speed/demo_work.py compares configurations with it)."""
+    key pairs."""
     work = []
     entries = {}
     for corpus in ("wiki", "news"):
