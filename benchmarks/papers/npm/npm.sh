@@ -11,7 +11,7 @@
 # the reference-size effect (Fig. 7: 10% / 30% / 100% of the reference corpus). Every JSON carries queries/s and the
 # peak RSS (Table 4). Every step is skipped when its output exists, so rerunning resumes; `report` (also run after
 # eval and bbc-ref) writes docs/results/npm (benchmarks/papers/npm/npm_report.py).
-#   bash benchmarks/papers/npm/npm.sh [train|index|eval|bbc-ref|report|all]   (bbc-ref also runs npm_diagnostics.py)
+#   bash benchmarks/papers/npm/npm.sh [train|index|eval|bbc-ref|report|all]
 # bbc-ref: the BBC task again with an in-domain reference corpus, the first REF_TOKENS tokens of BBC *train* (test
 # articles never enter it): the paper's closed-set reference corpora include in-domain text (CC-News for AGN), and a
 # 300k-token wiki reference rarely puts a verbalizer word among the top-k neighbours.
@@ -120,8 +120,4 @@ fi
 
 if [[ $what == eval || $what == bbc-ref || $what == report || $what == all ]]; then
   .venv/bin/python benchmarks/papers/npm/npm_report.py --runs "$R" --out "$D"
-fi
-
-if [[ $what == bbc-ref || $what == all ]]; then  # why BM25 and an in-domain reference behave as they do on BBC
-  .venv/bin/python benchmarks/papers/npm/npm_diagnostics.py --runs "$R" --json "$D/diagnostics.json"
 fi
