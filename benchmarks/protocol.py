@@ -1,9 +1,9 @@
-"""The timing protocol shared by every benchmark under benchmarks/ (issue 34): an idle check before timing, and what
+"""The timing protocol shared by every benchmark under benchmarks/: an idle check before timing, and what
 each timed step records (load average before and after, tokens, seconds, peak RSS, the machine: CPU flags, torch,
 threads).
 
 The idle wait (``wait_for_idle``: the share of the CPU that was busy over a 5-second sample, from /proc/stat, first
-written for benchmarks/speed/bench_efficient.py) and ``idle_check`` with the rules of issue 34: a timing taken while the
+written for benchmarks/speed/bench_efficient.py) and ``idle_check`` with its rules: a timing taken while the
 1-minute load average is over ``max_load`` (0.3) or while other processes keep more than ``busy_limit`` (5%) of the CPU
 busy is refused (or, with ``force``, recorded as not idle beside the numbers, so nobody reports it as a benchmark).
 
@@ -53,7 +53,7 @@ def cpu_times() -> tuple[float, float]:
 def peak_rss_mib() -> float:
     """This process's own peak RSS (VmHWM of /proc/self/status). Not ``getrusage``'s ``ru_maxrss``: on Linux it keeps
     the high-water mark of the parent at fork across exec, so a row started by a parent that had run the setup (and
-    grown to ~3.8 GB) reported the parent's peak (the 300k / 100k rows of the issue 24 rerun)."""
+    grown to ~3.8 GB) reported the parent's peak (the 300k / 100k rows of the efficient kNN-LM rerun)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

@@ -2,7 +2,7 @@
 
 Each case runs ``memlm.cli.main(argv)`` in-process and must end with exit status 2, exactly one stderr line starting
 ``error:``, no traceback, and no change to any file that existed before (the fixture folder is hashed before and
-after). Cases that need the storage checks of the i13-store branch are xfail until it is merged.
+after).
 """
 
 from __future__ import annotations

@@ -322,7 +322,8 @@ def test_score_tokens_takes_every_memory_as_one_list(tiny_lm, memories, tmp_path
 def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
     """memlm tune on a dump with kNN, ∞-gram and cache: λ, τ, λ_sparse, λ_dense as before, then λc, τc with them
     fixed: the best of a NumPy grid of (1 - λ - λ∞ - λc) p_LM + λ p_kNN + λ∞ P∞ + λc p_cache on valid; the test row
-    cache_rule_ppl is that formula on test, and tune --mixture gate's rule_ppl is that row (docs/MIXTURE.md row d)."""
+    cache_rule_ppl is that formula on test, and tune --mixture gate's rule_ppl is that row (docs/results/mixture.md
+    row d)."""
     from memlm.knnlm.mixture_inputs import mixture_inputs
 
     valid, test = _save(synthetic_dump(6, n=400), tmp_path / "v.npz"), _save(synthetic_dump(7), tmp_path / "t.npz")

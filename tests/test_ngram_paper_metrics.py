@@ -1,4 +1,5 @@
-"""The infini-gram paper's metrics beside memlm's (docs/NGRAM.md, benchmarks/papers/ngram/ngram_paper_metrics.py).
+"""The infini-gram paper's metrics beside memlm's (docs/results/ngram.md,
+benchmarks/papers/ngram/ngram_paper_metrics.py).
 
 The paper's relative improvement (Liu et al. 2024, arXiv 2401.17377 v4, Sec. 5.1) is checked against the figures
 its Table 1 prints in parentheses, transcribed from the paper; its agreement statistic (Sec. 4.1: P∞(actual next

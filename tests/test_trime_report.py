@@ -44,7 +44,7 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
         # LM + kNN + cache: knn_cache_ppl since issue 24, cache_ppl in files written before (both are read)
         test = {**test, ("knn_cache_ppl" if suffix else "cache_ppl"): ppl - 20}
         (runs / f"eval-vanilla{suffix}-knnlm" / "knnlm-cache.json").write_text(json.dumps({"test": test}))
-    res = trime_report.collect_issue12(runs, previous)
+    res = trime_report.collect_seeds(runs, previous)
     knn = res["knnlm"]["knnlm"]["stats"]
     assert knn["values"] == [200.0, 220.0] and knn["sd"] == pytest.approx(200**0.5)
     assert res["knnlm"]["knnlm-cache"]["stats"]["mean"] == pytest.approx(190.0)  # with the cache
@@ -60,8 +60,8 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
     assert res["ablations"]["trimelm-ext-p0"]["source"].startswith("summary.json")
     assert "trimelm-ext-p05" not in res["ablations"]  # neither rerun nor in the summary: no row
     # the tables come out the same from the JSON (string keys) as from the collected dict
-    md = trime_report.tables_issue12(res)
-    assert md == trime_report.tables_issue12(json.loads(json.dumps(res)))
+    md = trime_report.tables_seeds(res)
+    assert md == trime_report.tables_seeds(json.loads(json.dumps(res)))
     assert "13.00 ± 3.61 (10.00-17.00)" in md
     assert "| Vanilla LM + kNN-LM (own datastore) | test ppl, App. D windows | 200.00 | - | 220.00 |" in md
     assert "| Vanilla LM (CE) |" not in md.split("### App. D")[0]  # a model with no run has no seed rows

@@ -1,5 +1,5 @@
 """Forward speed of float32 vs bfloat16 on this machine, on memlm's evaluation forward pass (the choice of
-``--dtype auto``, issue 16 item 5).
+``--dtype auto``).
 
 Scores the same leading tokens of wiki test with SmolLM2-135M in each dtype (window 1024, min-context 512, batch 4,
 float32 output head in both), after one warm-up window, and writes tokens/s and perplexity per dtype::

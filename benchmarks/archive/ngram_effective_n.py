@@ -1,8 +1,9 @@
-"""The effective n of docs/NGRAM.md's WikiText-2 rows under the paper's definition (words only) beside the one those
+"""The effective n of docs/results/ngram.md's WikiText-2 rows under the paper's definition (words only) beside the
+one those
 rows were recorded with (the document-start separator counted as a token): which targets change, and the median and
 mean under each.
 
-    python benchmarks/archive/ngram_effective_n.py --index /tmp/wt2-train \\
+    python benchmarks/archive/ngram_effective_n.py --index data/wt2-train \\
         --out docs/results/ngram/effective_n_words.json
 
 The rows' ∞-gram: WikiText-2 train (``memlm ngram build --corpus wikitext2 --holdout 0``, built here from the tokenizer

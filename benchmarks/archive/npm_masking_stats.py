@@ -1,4 +1,4 @@
-"""Which tokens NPM SINGLE's training masks (issue 12, item 3): the training batches of ``benchmarks/papers/npm/npm.sh``
+"""Which tokens NPM SINGLE's training masks: the training batches of ``benchmarks/papers/npm/npm.sh``
 (wiki+news train, 32 x 128 tokens, seed 0, document-grouped), masked as ``memlm train --objective npm-single`` does
 (:class:`memlm.npm.objective.NpmObjective`, 15% of the tokens that have an in-batch positive), once with the
 objective's ``max_repeat`` and once with App. A.2's cap (a span -- here a token -- masked at most 10 times per batch).

@@ -1,4 +1,5 @@
-"""How many epochs of wiki+news train the TRIME / analysis-(a) models saw (docs/TRIME.md, docs/ANALYSIS.md).
+"""How many epochs of wiki+news train the TRIME / analysis-(a) models saw (docs/results/trime.md,
+docs/results/xu2023.md).
 
 Retrains the run's tokenizer exactly as ``memlm train --tokenizer bpe:8192`` does (deterministic), cuts the train
 stream into 256-token chunks as :func:`memlm.training.loop.lm_batches` does, and divides the tokens trained on (16 x 256

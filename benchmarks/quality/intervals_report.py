@@ -1,4 +1,4 @@
-"""The evidence behind a `memlm eval` result (issue 33): its perplexities with 95% bootstrap intervals over documents,
+"""The evidence behind a `memlm eval` result: its perplexities with 95% bootstrap intervals over documents,
 the paired interval of each relative change, and the change by frequency bucket, recomputed from the run's dump.
 
 The dump (`memlm eval --dump`) and the result (`--json`) of one run are read back; every row is recomputed with the

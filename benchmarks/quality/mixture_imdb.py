@@ -1,4 +1,4 @@
-"""Issue 35's domain-adaptation rows: the fixed-weight rule beside the learned mixture on IMDB test, test tokens only.
+"""The domain-adaptation rows: the fixed-weight rule beside the learned mixture on IMDB test, test tokens only.
 
 SmolLM2-135M (float32, windows 1024 / 512) and memories built from the target domain's training text (Khandelwal
 et al. 2020, Sec. 4.2: the LM unchanged, the datastore swapped for one over the new domain): the ∞-gram over all of
@@ -7,7 +7,7 @@ over the first 50k IMDB train tokens, the continuous cache. Both weightings tune
 first 20k tokens) and applied to the first 20k IMDB test tokens, rows (a)-(d) as ``mixture_table.py``'s. Stages are
 skipped when their output exists; the commands run are recorded in the JSON::
 
-    python benchmarks/quality/mixture_imdb.py --work /work/data/imdb --out docs/results/mixture/imdb.json
+    python benchmarks/quality/mixture_imdb.py --work data/imdb --out docs/results/mixture/imdb.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ LABELS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", type=Path, default=Path("/work/data/imdb"))
+    ap.add_argument("--work", type=Path, default=Path("data/imdb"))
     ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/imdb.json"))
     ap.add_argument("--tokens", type=int, default=20000, help="--max-tokens of the valid and the test dump")
     args = ap.parse_args()

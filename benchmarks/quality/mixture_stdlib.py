@@ -1,11 +1,11 @@
-"""Issue 35's stdlib case: λ's tuned on a small slice against the guarded learned mixture (memlm.mixture).
+"""The stdlib case: λ's tuned on a small slice against the guarded learned mixture (memlm.mixture).
 
 An ∞-gram over Python 3.11's standard library (every ``.py`` file of ``--stdlib`` outside site-/dist-packages, one
-document per file, minus the held-out modules below), SmolLM2-135M as the LM. Issue 35 tuned the λ's on one held-out
-module file (887 scored tokens) without naming it; here every module file of 850-950 tokens (SmolLM2's tokenizer) is
-a small tuning slice in turn (16 files, chosen by that rule before any result was seen), and all 16 together are a
-17th, larger slice. The test text is four other modules (``glob``, ``graphlib``, ``numbers``, ``chunk``; 8,148 scored
-tokens). None of them is in the index. For each slice, on the test dump:
+document per file, minus the held-out modules below), SmolLM2-135M as the LM. An earlier run tuned the λ's on one
+held-out module file (887 scored tokens) without naming it; here every module file of 850-950 tokens (SmolLM2's
+tokenizer) is a small tuning slice in turn (16 files, chosen by that rule before any result was seen), and all 16
+together are a 17th, larger slice. The test text is four other modules (``glob``, ``graphlib``, ``numbers``,
+``chunk``; 8,148 scored tokens). None of them is in the index. For each slice, on the test dump:
 
 * the bare LM;
 * the ∞-gram with memlm's fallback λ's (λ_sparse 0.1, λ_dense 0.03: what an index without calibration uses);
@@ -16,7 +16,7 @@ tokens). None of them is in the index. For each slice, on the test dump:
 
 Stages (each skipped when its output exists; the commands run are recorded in the JSON)::
 
-    python benchmarks/quality/mixture_stdlib.py --stdlib /usr/lib/python3.11 --work /work/data/mixture \
+    python benchmarks/quality/mixture_stdlib.py --stdlib /usr/lib/python3.11 --work data/mixture \
         --out docs/results/mixture/stdlib.json
 """
 
@@ -179,7 +179,7 @@ def compare(work: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stdlib", type=Path, default=Path("/usr/lib/python3.11"))
-    ap.add_argument("--work", type=Path, default=Path("/work/data/mixture"))
+    ap.add_argument("--work", type=Path, default=Path("data/mixture"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/stdlib.json"))
     ap.add_argument("--prepare-only", action="store_true")

@@ -1,10 +1,10 @@
-"""Issue 35's table: the fixed-weight rule beside the learned mixture on WikiText-2 test, test tokens only.
+"""The table: the fixed-weight rule beside the learned mixture on WikiText-2 test, test tokens only.
 
 SmolLM2-135M (float32, windows 1024 / 512) with the memories of benchmarks/quality/intervals.sh (read from
 ``--data``): the ∞-gram over all of WikiText-2 train (``wt2``, 2.55M tokens, --holdout 0) and the datastore over the
 first 50k WikiText-2 train tokens (``ds50k``, 43,344 entries); the continuous cache. Both weightings are tuned on the
-same WikiText-2 VALID dump (``--max-tokens 20000``: the first 4 articles, 9,175 scored tokens, every memory in one
-forward pass) and applied to a test dump:
+same WikiText-2 VALID dump (``--valid-max-tokens 60000``, the default: the first 18 articles, 58,429 scored tokens,
+every memory in one forward pass) and applied to a test dump:
 
 * (a) LM + ∞-gram, (b) LM + datastore, (c) LM + both, (d) LM + both + cache;
 * ``memlm tune --valid V --test T --mixture gate``: the rule (λ, τ / λ_sparse, λ_dense grid-searched, the cache's
@@ -16,10 +16,10 @@ not depend on the others). Test dumps: the first 59,848 test tokens (11 articles
 a-c) and the first 19,711 (4 articles, scored here again with --cache: rows a-d). Stages are skipped when their output
 exists; the commands run are recorded in the JSON::
 
-    python benchmarks/quality/mixture_table.py --data /work/data/ev-intervals --work /work/data/mixture-wire \
-        --stdlib /work/data/mixture --out docs/results/mixture/wikitext2.json
+    python benchmarks/quality/mixture_table.py --data data/ev-intervals --work data/mixture-wire \
+        --out docs/results/mixture/wikitext2_valid60k.json
 
-``--stdlib``: issue 35's code case too (benchmarks/quality/mixture_stdlib.py's dumps: its 16 small modules together as
+``--stdlib``: the code case too (benchmarks/quality/mixture_stdlib.py's dumps: its 16 small modules together as
 the valid dump, its 4 test modules as the test dump).
 """
 
@@ -133,11 +133,11 @@ def summary(path: Path, row: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=Path("/work/data/ev-intervals"))
-    ap.add_argument("--work", type=Path, default=Path("/work/data/mixture-wire"))
-    ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/wikitext2.json"))
+    ap.add_argument("--data", type=Path, default=Path("data/ev-intervals"))
+    ap.add_argument("--work", type=Path, default=Path("data/mixture-wire"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/mixture/wikitext2_valid60k.json"))
     ap.add_argument("--evals-only", action="store_true")
-    ap.add_argument("--valid-max-tokens", type=int, default=20000, help="--max-tokens of the valid dump")
+    ap.add_argument("--valid-max-tokens", type=int, default=60000, help="--max-tokens of the valid dump")
     ap.add_argument("--stdlib", type=Path, default=None, help="mixture_stdlib.py's --work (its dumps)")
     ap.add_argument("--datastore", type=Path, default=None, help="another datastore than --data's ds50k (rows b-d on "
                     "test20k only; every output file named with --tag)")  # fmt: skip
@@ -148,7 +148,7 @@ def main() -> None:
     res = args.out.parent
     args.work.mkdir(parents=True, exist_ok=True)
     res.mkdir(parents=True, exist_ok=True)
-    log, ran = res / "wikitext2.log", []
+    log, ran = res / f"{args.out.stem}.log", []
     tag = ("" if args.valid_max_tokens == 20000 else f"_valid{args.valid_max_tokens // 1000}k") + args.tag
     for cmd, done in evals(args.data, args.work, res, args.valid_max_tokens, args.datastore, args.tag):
         run(cmd, done, log, ran)
@@ -193,7 +193,7 @@ def _pct(d: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The table of docs/MIXTURE.md and each fitted gate's W and b per feature (standardised features)."""
+    """The table of docs/results/mixture.md and each fitted gate's W and b per feature (standardised features)."""
     out = ["| test | row | memories | base LM | rule | rule vs base | learned | learned vs base | learned vs rule | "
            "form (τ) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

@@ -1,4 +1,4 @@
-"""bf16 body vs float32: SmolLM2-135M perplexity on the same text (issue 12 item 6).
+"""bf16 body vs float32: SmolLM2-135M perplexity on the same text.
 
 memlm computes the output projection and log-softmax in float32 whatever the body's dtype
 (memlm.models.forward.fp32_head). This script scores the same leading tokens of wiki test with the model in float32 and
@@ -18,16 +18,13 @@ import time
 import numpy as np
 import torch
 
+from memlm.core.distribution import perplexity
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
 from memlm.knnlm.evaluate import lm_scores
 from memlm.models.forward import fp32_head
 from memlm.models.resources import load_causal_lm
 from memlm.storage.fileio import atomic_write_json
-
-
-def ppl(lp: np.ndarray) -> float:
-    return float(np.exp(-lp.astype(np.float64).mean()))
 
 
 def main() -> None:
@@ -62,7 +59,7 @@ def main() -> None:
         else:
             ts, _, _ = lm_scores(model, tok, docs, [], args.window, args.min_context, args.batch_size, False)
         scores[name] = ts.lm_logprob.astype(np.float64)
-        runs[name] = {"ppl": ppl(ts.lm_logprob), "tokens": len(ts), "seconds": time.perf_counter() - t0}
+        runs[name] = {"ppl": perplexity(ts.lm_logprob), "tokens": len(ts), "seconds": time.perf_counter() - t0}
         print(name, runs[name], flush=True)
     ref = runs["float32"]["ppl"]
     for name in ("bfloat16", "bfloat16_bf16_logits"):

@@ -1,4 +1,5 @@
-"""Greedy-merging sweep (docs/BENCHMARKS.md, "Pruning: entries kept against perplexity"): how many entries greedy
+"""Greedy-merging sweep (docs/results/efficient-knnlm.md, "Pruning: entries kept against perplexity"): how many
+entries greedy
 merging (He et al. 2021 Sec. 5.2, :mod:`memlm.knnlm.prune`) removes at growing ``k_merge``, and what it costs.
 
     python benchmarks/quality/prune_sweep.py --datastore DS --work WORK --out docs/results/prune_sweep/NAME.json \\

@@ -12,7 +12,7 @@ defaults) is reported beside them.
 Every stage is cached under ``--work`` (rerun the same command to resume); the result goes to ``--json``::
 
     python benchmarks/quality/wikitext2_table.py --corpus wikitext2 \\
-        --datastore wt2=/work/data/wt2/ds-wt2-train --valid-max-tokens 60000 \\
+        --datastore wt2=data/wt2/ds-wt2-train --valid-max-tokens 60000 \\
         --work logs/wt2table --json docs/results/wikitext2/table.json
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memlm.core.distribution import mix_logprobs
+from memlm.core.distribution import mix_logprobs, perplexity
 from memlm.data.corpora import load_documents
 from memlm.knnlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
 from memlm.models.forward import rolling_forward
@@ -153,7 +153,7 @@ def main() -> None:
         data[split] = (raw, ts, q)
         result[f"{split}_documents"] = len(texts)
         result[f"{split}_tokens"] = len(ts)
-        result[f"{split}_base_token_ppl"] = math.exp(-float(ts.lm_logprob.astype(np.float64).mean()))
+        result[f"{split}_base_token_ppl"] = perplexity(ts.lm_logprob)
     raw_test, ts_test, _ = data["test"]
     result["rows"].append({"datastore": None, **_row(ts_test, raw_test, 0.0, 1.0)})
     for name, ds in stores.items():

@@ -1,4 +1,4 @@
-"""Scaling measurements for docs/SCALING.md: build entries/s by Ray workers, sharded search, peak RSS by size.
+"""Scaling measurements for docs/results/scaling.md: build entries/s by Ray workers, sharded search, peak RSS by size.
 
 Subcommands (each writes one JSON under --results, default docs/results/scaling/; long ones belong in the background):
 

@@ -1,7 +1,8 @@
-"""An ∞-gram index of 10^9 tokens, built and queried (docs/NGRAM.md, "At a billion tokens"): what 2 cores cannot hold.
+"""An ∞-gram index of 10^9 tokens, built and queried (docs/results/ngram.md, "At a billion tokens"): what 2 cores
+cannot hold.
 
     python benchmarks/scale/ngram_scale.py prepare --index IDX --out .dev/scale  # here: real tokens + test queries
-    python benchmarks/scale/ngram_scale.py run --data .dev/scale --tokens 1000000000 --work /tmp/w --out OUT.json
+    python benchmarks/scale/ngram_scale.py run --data .dev/scale --tokens 1000000000 --work runs/w --out OUT.json
 
 ``prepare`` copies the token file of a built index (all six offline train splits, 15.06M SmolLM2 tokens), its
 tokenizer identity, and the first ``--test-tokens`` WikiText-2 test tokens as query documents. ``run`` (on the

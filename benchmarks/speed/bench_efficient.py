@@ -1,4 +1,4 @@
-"""Efficient kNN-LM at scale (docs/BENCHMARKS.md, "Efficient kNN-LM"): the base LM, the plain kNN-LM and each
+"""Efficient kNN-LM at scale (docs/results/efficient-knnlm.md): the base LM, the plain kNN-LM and each
 efficiency option on the same test text, back to back, for contiguous-prefix datastores of growing size.
 
     # 100k and 300k entries: the first rows of the 1M datastore (contiguous prefixes keep RetoMaton's chains)
@@ -40,6 +40,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def one(args: argparse.Namespace) -> None:
         "retrieval": ts.meta.get("retrieval"),
         "datastore_entries": len(ds) if ds is not None else None,
     }
-    if args.one == "knn":  # after the clock: the test dump, for mixing other memories in later (docs/NGRAM.md)
+    if args.one == "knn":  # after the clock: the test dump, for mixing other memories in later (docs/results/ngram.md)
         ts.save(Path(args.setup).parent / "test-knn.npz")
     print("ROW " + json.dumps(row))
 
@@ -280,7 +281,8 @@ def run(args: argparse.Namespace) -> None:
     results["command"] = " ".join([Path(sys.executable).name, *sys.argv])
     results["machine"] = {**host(), "idle_busy_limit": args.idle_busy, "idle_load_limit": args.idle_load}
     for ds_path in map(Path, args.datastore):
-        work = Path(os.environ.get("MEMLM_BENCH_WORK", "/tmp/memlm-bench")) / ds_path.name
+        root = os.environ.get("MEMLM_BENCH_WORK", os.path.join(tempfile.gettempdir(), "memlm-bench"))
+        work = Path(root) / ds_path.name
         work.mkdir(parents=True, exist_ok=True)
         st = setup(args, ds_path, work)
         if args.setup_only:

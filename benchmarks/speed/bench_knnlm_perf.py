@@ -1,4 +1,4 @@
-"""kNN-LM performance ratios, measured in one run (docs/BENCHMARKS.md, "Performance"):
+"""kNN-LM performance ratios, measured in one run (docs/results/performance.md):
 
     python benchmarks/speed/bench_knnlm_perf.py --out runs/perf
 
@@ -6,6 +6,9 @@
 2. kNN-LM evaluation (forward + query capture + search) vs base evaluation (forward + LM log-probs);
 3. memlm's ``search`` vs raw ``faiss.Index.search`` on the same index and queries (target >= 0.9x);
 4. peak RSS of datastore builds over corpora of increasing size, each in a fresh process (should not grow).
+
+Timing protocol: ``benchmarks/protocol.py`` (idle check first, or ``--force`` to record ``idle: false``; the machine
+record; load averages and peak RSS beside each timed step). The record is written to ``OUT/perf.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import protocol  # noqa: E402
+
 from memlm.data.corpora import load_documents
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
 from memlm.knnlm.evaluate import add_neighbours, lm_scores
@@ -29,10 +35,10 @@ from memlm.models.forward import collate
 from memlm.models.resources import load_causal_lm
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import build_datastore
-from memlm.storage.fileio import atomic_write_json
 
 RSS_SCRIPT = """
-import resource, sys
+import sys
+from protocol import peak_rss_mib
 from memlm.data.corpora import load_documents
 from memlm.storage.datastore import build_datastore
 from memlm.models.resources import load_causal_lm
@@ -40,7 +46,7 @@ from memlm.data.windows import limit_documents
 model, tok = load_causal_lm(sys.argv[1], dtype=sys.argv[2])
 docs = limit_documents(load_documents("wiki", "train"), tok, int(sys.argv[3]))
 build_datastore(model, tok, docs, sys.argv[4], window=int(sys.argv[5]), min_context=int(sys.argv[6]), progress=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(peak_rss_mib())
 """
 
 
@@ -66,12 +72,19 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--k", type=int, default=1024)
     p.add_argument("--rss-tokens", type=int, nargs="+", default=[20_000, 80_000])
+    p.add_argument("--force", action="store_true", help="time on a busy machine (recorded as idle: false)")
+    p.add_argument("--wait-idle", type=float, default=600, help="seconds to wait for an idle machine")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    res: dict = {
+        "command": " ".join(["python", *sys.argv]),
+        "config": vars(args),
+        "idle": protocol.idle_check(args.force, args.wait_idle),
+        "machine": protocol.machine(),
+    }
     model, tok = load_causal_lm(args.model, dtype=args.dtype)
     docs = limit_documents(load_documents("wiki", "train"), tok, args.build_tokens)
-    res: dict = {"config": vars(args), "threads": torch.get_num_threads()}
 
     # 1. build vs forward alone (forward measured twice, before and after, to bound drift)
     fwd1 = forward_only(model, tok, docs, args.window, args.min_context, args.batch_size)
@@ -97,6 +110,7 @@ def main() -> None:
         "build_s": build,
         "ratio": build / fwd,
         "entries_per_s": n_entries / build,
+        "load_avg_after": protocol.load_average(),
     }
     print(f"build {build:.1f} s vs forward {fwd:.1f} s: {build / fwd:.3f}x ({n_entries} entries)", flush=True)
 
@@ -134,6 +148,7 @@ def main() -> None:
         "k": args.k,
         "base_tok_per_s": len(base) / t_base,
         "knn_tok_per_s": len(base) / t_knn,
+        "load_avg_after": protocol.load_average(),
     }
     print(f"eval kNN-LM {t_knn:.1f} s vs base {t_base:.1f} s: {t_knn / t_base:.3f}x", flush=True)
 
@@ -155,6 +170,7 @@ def main() -> None:
         "raw_qps": len(q) / min(raw),
         "memlm_qps": len(q) / min(ours),
         "ratio": min(raw) / min(ours),
+        "load_avg_after": protocol.load_average(),
     }
     print(
         f"search: memlm {len(q) / min(ours):.0f} q/s vs raw {len(q) / min(raw):.0f} q/s ({min(raw) / min(ours):.3f}x)",
@@ -180,12 +196,12 @@ def main() -> None:
                 capture_output=True,
                 text=True,
                 check=True,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)},
             )
-            rss.append({"tokens": n, "peak_rss_mb": int(r.stdout.strip().splitlines()[-1]) / 2**20})
-            print(f"build of {n} tokens: peak RSS {rss[-1]['peak_rss_mb']:.0f} MB", flush=True)
+            rss.append({"tokens": n, "peak_rss_mib": float(r.stdout.strip().splitlines()[-1])})
+            print(f"build of {n} tokens: peak RSS {rss[-1]['peak_rss_mib']:.0f} MiB", flush=True)
     res["rss"] = rss
-    atomic_write_json(out / "perf.json", res)
+    protocol.save_result(out / "perf.json", res)
     print(json.dumps(res, indent=2))
 
 

@@ -1,10 +1,10 @@
-"""NPM vs the parametric MLM: queries/s on the cloze probes of ``memlm npm eval --task cloze`` (docs/NPM.md,
-Performance; issue 14), measured back to back in one process.
+"""NPM vs the parametric MLM: queries/s on the cloze probes of ``memlm npm eval --task cloze`` (docs/results/npm.md,
+Performance), measured back to back in one process.
 
 The probes are the ones ``memlm npm eval --task cloze --index IDX --max-queries N`` draws (same corpus, seed and
 filter); every predictor answers one query at a time as the CLI does (:func:`memlm.experiments.npm_tasks.npm_predictor`,
 top-1, no contexts; :func:`memlm.experiments.npm_tasks.mlm_predictor`). The probes are cut into chunks and every chunk
-is answered by each predictor in turn (MLM, NPM, and with ``--legacy`` the NPM code as it was before issue 14), so a
+is answered by each predictor in turn (MLM, NPM, and with ``--legacy`` the NPM code as it was at commit 8f5a147), so a
 change in the machine's load hits all of them alike. Each predictor answers one untimed warm-up query first (it loads
 the FAISS index). ``--legacy`` also checks that the current and the legacy NPM give the same top-1 phrase for every
 probe. ``--project-group`` adds NPM with :func:`vectorised_group` in place of ``inference._group`` (a projection of a
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from protocol import load_average, machine, save_result  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
-# NPM as it was before issue 14 (commit 8f5a147): np.memmap columns, two one-query searches, the span loop, every
+# NPM as it was at commit 8f5a147: np.memmap columns, two one-query searches, the span loop, every
 # distinct span decoded anew for each query
 
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--l-max", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk", type=int, default=20, help="probes per turn of each predictor")
-    p.add_argument("--legacy", action="store_true", help="also time the NPM code of before issue 14")
+    p.add_argument("--legacy", action="store_true", help="also time the earlier NPM code (commit 8f5a147)")
     p.add_argument(
         "--project-group",
         action="store_true",

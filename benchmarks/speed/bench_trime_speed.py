@@ -1,5 +1,6 @@
-"""TRIME evaluation: local vs external memory tokens/s, back to back in one process (issue 14; the protocol of
-benchmarks/papers/trime/bench_trime_eval.py and docs/TRIME.md: TrimeLM_ext, the leading 10k tokens of wiki+news test,
+"""TRIME evaluation: local vs external memory tokens/s, back to back in one process (the protocol of
+benchmarks/papers/trime/bench_trime_eval.py and docs/results/trime.md: TrimeLM_ext, the leading 10k tokens of
+wiki+news test,
 segments of 256 tokens, batches of 16 segments, top-1,024 of a 500k-entry ``IVF1024,Flat`` datastore, exact
 ``q.k/sqrt(d)`` rescoring, plus the long-term memory of M = 8 segments).
 
@@ -8,7 +9,7 @@ Runs, each timed ``--repeats`` times in turn (local, external, ...) and the best
 * ``local``: :func:`score_trime` with ``max_segments=0`` (the local memory);
 * ``external``: the external memory as the code runs it now, nprobe 32 (the FAISS index is read once, before the
   timing: its read is reported as ``index_load_s``);
-* ``external_legacy`` (``--legacy``): the code as it was before issue 14, emulated in process: the index read by every
+* ``external_legacy`` (``--legacy``): the earlier code, emulated in process: the index read by every
   score_trime call, the old rescoring (64 MiB blocks, NumPy float16 cast); its dump must be identical to
   ``external``'s (``legacy_identical``);
 * ``external_nprobeN`` (``--nprobes 16 8 4``): the current code with fewer IVF lists probed. This changes the
@@ -50,7 +51,7 @@ from protocol import load_average, machine, save_result  # noqa: E402
 
 
 def old_exact_scores(keys, ids, queries, metric):
-    """memlm.storage.index.exact_scores before issue 14."""
+    """memlm.storage.index.exact_scores as it was."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     nq, k = ids.shape
     d = q.shape[1]
@@ -75,7 +76,7 @@ def old_exact_scores(keys, ids, queries, metric):
 
 
 def legacy_external(model, tok, docs, ds, args):
-    """score_trime's external memory as before issue 14: the index read by the call, the old rescoring (the search is
+    """score_trime's external memory as it was: the index read by the call, the old rescoring (the search is
     one call per segment, now as then)."""
     real_exact = index_lib.exact_scores
     index_lib.exact_scores = old_exact_scores
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--legacy", action="store_true", help="also time the code of before issue 14")
+    p.add_argument("--legacy", action="store_true", help="also time the earlier code")
     p.add_argument("--nprobes", type=int, nargs="*", default=[], help="also time these nprobe values (not 32)")
     p.add_argument("--dot-index", action="store_true", help="also time ext_scores='dot-index' (each nprobe)")
     p.add_argument("--alt-index", default=None, help="another FAISS index of the datastore's keys (e.g. IVF4096,Flat)")

@@ -1,7 +1,8 @@
-"""What compiling costs per process, with and without inductor's FX graph cache (issue 34, session 43).
+"""What compiling costs per process, with and without inductor's FX graph cache.
 
 ``memlm.models.compiling.compile_dynamic`` turns inductor's FX graph cache off, because its key leaves out
-``ATEN_CPU_CAPABILITY`` (session 42: a graph compiled under AVX2 served to an AVX-512 process gave wrong values). The
+``ATEN_CPU_CAPABILITY`` (a graph compiled under AVX2 served to an AVX-512 process gave wrong values:
+docs/results/speed/int8_fx_cache_across_isas_nan.log). The
 graphs are then generated again in every process; the cache of compiled C++ objects (``TORCHINDUCTOR_CACHE_DIR``) is
 still used. This script measures that price. Each row is a fresh process started on an idle machine
 (``protocol.wait_for_idle``) that loads SmolLM2-135M in float32 and then, timed:
@@ -15,7 +16,7 @@ Modes: ``eager`` (``MEMLM_INT8_COMPILE=0``; for ``inductor`` no compile), ``fx-o
 ``fx-on`` (the same call with ``fx_graph_cache`` on, patched in this script only: what the cache would save), each
 ``cold`` (an empty cache folder) and ``warm`` (the folder the cold row just filled).
 
-    python benchmarks/speed/compile_cost.py --out docs/results/speed/compile_cost_session43.json
+    python benchmarks/speed/compile_cost.py --out docs/results/speed/compile_cost.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a forward pass's time goes, by component, and how many FLOPs it does (issue 34 item 1).
+"""Where a forward pass's time goes, by component, and how many FLOPs it does.
 
 Timing: forward pre/post hooks on the model's modules read ``time.perf_counter`` (CPU execution is synchronous, so a
 module's wall time is its compute). Categories, exclusive (nested time subtracted):

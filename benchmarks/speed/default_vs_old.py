@@ -1,10 +1,10 @@
-"""Today's default path against the default the issue was filed under, in one run (issue 34's targets).
+"""Today's default path against the original default (commit 538db93), in one run.
 
 Each row is ``memlm eval``'s scoring (``lm_scores``: windows 1024 / 512, batch 4, the ``ffn_in@-1`` key kept) and
 ``datastore build``'s key pass (``build_datastore``) on the same text (``--corpus``: its test split scored, its train
 split keyed; default ``wiki``, the Wikipedia lead sections), timed in its own process with the
 code of one commit on ``PYTHONPATH`` and ``--dtype auto`` as that commit resolves it. The old code is ``git archive``d
-from ``--old-commit`` (default: the commit before issue 34's first change, where ``auto`` picked bfloat16 on any
+from ``--old-commit`` (default: the commit before the first change, where ``auto`` picked bfloat16 on any
 AVX512-BF16 CPU). Rows alternate old / new ``--repeats`` times, each started on an idle machine
 (``protocol.wait_for_idle``), so a drift of the machine shows up in both. The child uses only APIs both commits have
 (``load_causal_lm``, ``lm_scores``, ``build_datastore``, ``load_documents``, ``limit_documents``).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import protocol  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-OLD_COMMIT = "6fa906e^"  # the parent of 'models.compute: compute paths ...', issue 34's first code change
+OLD_COMMIT = "6fa906e^"  # the parent of 'models.compute: compute paths ...', the first code change
 
 
 def allocator() -> dict[str, Any]:
@@ -48,7 +48,8 @@ def allocator() -> dict[str, Any]:
 def time_eval_and_build(model, tok, docs, build_docs) -> tuple[dict[str, Any], Any]:
     """``memlm eval``'s scoring of ``docs`` (``lm_scores``: windows 1024 / 512, batch 4, the ``ffn_in@-1`` key kept)
     after a small warm-up, then ``datastore build``'s key pass over ``build_docs``: the timing fields of a row and the
-    scored positions' keys. Uses only APIs every commit since issue 34 was filed has (the old code's child runs it)."""
+    scored positions' keys. Uses only APIs that every commit since the original default has (the old code's child
+    runs it)."""
     import numpy as np
 
     from memlm.knnlm.evaluate import lm_scores
@@ -131,7 +132,7 @@ def main() -> None:
         "--corpus",
         default="wiki",
         help="named corpus: its test split is scored, its train split keyed (default wiki, the Wikipedia lead "
-        "sections the session-40 rows used; wikitext2 for WikiText-2)",
+        "sections the AVX-512 rows used; wikitext2 for WikiText-2)",
     )
     p.add_argument("--tokens", type=int, default=20_000, help="scored test tokens")
     p.add_argument("--build-tokens", type=int, default=8_000, help="train tokens for the key pass")
@@ -223,7 +224,7 @@ def main() -> None:
     result["summary"] = {
         "eval_ratio": med("new", "eval_tok_per_s") / med("old", "eval_tok_per_s"),
         "build_ratio": med("new", "build_entries_per_s") / med("old", "build_entries_per_s"),
-        # new / old - 1 (positive: the new path's perplexity is higher). Files written before session 43 have
+        # new / old - 1 (positive: the new path's perplexity is higher). Older files have
         # "ppl_relative_difference" = old / new - 1 instead, the opposite sign.
         "ppl_change_new_vs_old": med("new", "ppl") / med("old", "ppl") - 1,
         "key_error_old_vs_new_p99": float(np.percentile(err, 99)),

@@ -1,9 +1,9 @@
-"""The LM terms of a scoring pass alone: the output projection and the log-softmax statistics (issue 34, session 45).
+"""The LM terms of a scoring pass alone: the output projection and the log-softmax statistics.
 
 On the real model's head and its real final hidden states (bf16 body: the `final` key of the first windows of
 WikiText-2 test, the scored rows of one batch of 4 windows 1024 / 512), times, in one process after an idle wait:
 
-* the head as it was: the model's own bf16 head, then the float32 product on a fresh tensor (session 44's hook);
+* the head as it was: the model's own bf16 head, then the float32 product on a fresh tensor (a forward hook);
 * :class:`memlm.models.forward.fp32_head` now, as a float32 product and as bf16 products with float32 sums (the latter
   only where :func:`memlm.models.compute.bf16_products_available` says so, or with ``--force-bf16-products``);
 * the statistics (log p(target), max, entropy) on the whole tensor as before, and by row blocks
@@ -12,7 +12,7 @@ WikiText-2 test, the scored rows of one batch of 4 windows 1024 / 512), times, i
 Each variant: ``--repeats`` calls after one warm-up, the least and the median seconds. The logits' error against a
 float64 product is recorded for each head.
 
-    python benchmarks/speed/head_statistics.py --out docs/results/speed/head_statistics_session45.json
+    python benchmarks/speed/head_statistics.py --out docs/results/speed/head_statistics.json
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> None:
     with torch.inference_mode():
         w32 = head.weight.detach().float()
 
-        def old_head() -> torch.Tensor:  # session 44: the bf16 head ran, then its output was replaced
+        def old_head() -> torch.Tensor:  # the earlier hook: the bf16 head ran, then its output was replaced
             head(h)
             return torch.nn.functional.linear(h.float(), w32)
 

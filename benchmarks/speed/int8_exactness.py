@@ -1,8 +1,8 @@
-"""Are torch's int8 matrix products exact on this CPU? (memlm.models.int8.int8_products_exact; issue 34)
+"""Are torch's int8 matrix products exact on this CPU? (memlm.models.int8.int8_products_exact)
 
 Multiplies ±127 int8 matrices (512 terms per sum) with ``torch._int_mm`` and compares with int64 arithmetic. Run it
 as is, with torch held to AVX2 (the proxy for a CPU without AVX-512 or VNNI), and held to AVX2 with AVX-VNNI (the
-proxy for a CPU with AVX-VNNI but no AVX-512 or bf16, as Intel's 12th-14th generation Core; session 42):
+proxy for a CPU with AVX-VNNI but no AVX-512 or bf16, as Intel's 12th-14th generation Core):
 
     PYTHONPATH=src python benchmarks/speed/int8_exactness.py
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\

@@ -1,5 +1,5 @@
-"""Where ``--quantize int8``'s time goes (issue 34): float32, int8 with its element-wise ops run op by op (eager), and
-int8 with them compiled (``memlm.models.int8.FusedOps``, the default since session 42), on the same windows.
+"""Where ``--quantize int8``'s time goes: float32, int8 with its element-wise ops run op by op (eager), and
+int8 with them compiled (``memlm.models.int8.FusedOps``, the default), on the same windows.
 
 Per row and style (eval: log-probabilities + the ``ffn_in@-1`` key; build: keys only), two passes after a warm-up:
 ``components.profile_forward``'s seconds by component (module hooks), then a ``torch.profiler`` pass whose op table
@@ -8,7 +8,7 @@ element-wise steps of each int8 layer, labelled ``int8 quantize`` (divide by σ,
 ``int8 rescale`` (the int32 sums times both scales) by wrapping ``FusedOps.__call__`` in ``record_function`` here.
 Profiled seconds include the profiler's own overhead; the component pass is the one to compare with ``run.py``'s.
 
-    python benchmarks/speed/int8_profile.py --out docs/results/speed/int8_profile_session42.json
+    python benchmarks/speed/int8_profile.py --out docs/results/speed/int8_profile.json
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """memlm's ``--quantize int8`` (int8 products with per-token activation scales, SmoothQuant-smoothed; memlm.models.int8)
-against float32 on the same text in one process: an issue 34 candidate, how fast and how far from float32.
+against float32 on the same text in one process: how fast and how far from float32.
 
 Rows, each after an idle wait: float32 (the reference, timed first and last so a drift of the machine shows);
 ``--quantize int8`` as memlm applies it (the feed-forward down projections and the last decoder layer kept float32); the
-same int8 layers with their element-wise quantize and rescale run op by op (``FusedOps`` eager, as before session 42)
-instead of compiled; int8 without its outlier channels in float32 (the rule of sessions 41-43); and the ablation that
+same int8 layers with their element-wise quantize and rescale run op by op (``FusedOps`` eager, as it once was)
+instead of compiled; int8 without its outlier channels in float32 (its earlier rule); and the ablation that
 quantizes every decoder linear layer the same way (each with its own σ), which shows why those stay float32. Each row:
 ``memlm eval``'s scoring (``lm_scores``, windows 1024 / 512, batch 4) on ``--tokens`` of the corpus' test split
 (tokens/s, perplexity, relative key error of ``ffn_in@-1`` against float32) and ``datastore build``'s key pass on
 ``--build-tokens`` of its train split (entries/s).
 
-    python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --out docs/results/speed/int8_session42.json
+    python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --out docs/results/speed/int8_layer_ablation.json
     python benchmarks/speed/int8_w8a8.py --corpus wikitext2 --build-tokens 24000 \
       --rows float32,int8,no-outliers,float32-again \
-      --out docs/results/speed/int8_fused_outliers_session44.json
+      --out docs/results/speed/int8_outliers_fused.json
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from memlm.models.compute import relative_key_error  # noqa: E402
 from memlm.models.keys import find_decoder_layers  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
 
-#: the int8 layers as sessions 41-43 had them: no input channel multiplied in float32
-NO_OUTLIERS = "int8, no outlier channels (sessions 41-43)"
+#: the int8 layers as they were before the outlier channels: no input channel multiplied in float32
+NO_OUTLIERS = "int8, no outlier channels"
 #: --rows key -> row name, in the order they run (eager reuses the int8 row's layers)
 ROWS = {"float32": "float32", "int8": "int8", "eager": "int8, element-wise ops eager", "no-outliers": NO_OUTLIERS,
         "every-linear": "int8, every decoder linear (ablation)", "float32-again": "float32 (again)"}  # fmt: skip

@@ -5,11 +5,11 @@ Scores the same leading tokens of the `wiki` corpus' test split (Wikipedia lead 
 key, and the perplexity. Not a timing:
 it may run on a busy machine. ``--int8-variants`` adds two int8 quantizations that are not paths (per-channel weights;
 every linear but ``down_proj``), to show where int8's error comes from, and ``--quantize int8`` without its outlier
-channels (its rule before session 44)::
+channels (its earlier rule)::
 
     python benchmarks/speed/key_error.py --tokens 2048 --int8-variants --out docs/results/speed/key_error.json
     python benchmarks/speed/key_error.py --tokens 2048 --int8-variants \
-      --out docs/results/speed/key_error_session44.json    # with the int8 path (session 44)
+      --out docs/results/speed/key_error_avx512_int8.json    # with the int8 path
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memlm.core.distribution import perplexity
 from memlm.data.corpora import load_documents
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
 from memlm.models.compute import ComputePath, apply_compute_path, relative_key_error
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace, path: ComputePath, variant: str | None = None)
     model, tok = load_causal_lm(args.model, dtype=path.dtype)
     if variant is None:
         apply_compute_path(model, path, tokenizer=tok)
-    elif variant == "no-outliers":  # --quantize int8 as sessions 41-43 had it
+    elif variant == "no-outliers":  # --quantize int8 as it was before its outlier channels
         from memlm.models.int8 import quantize_int8
 
         quantize_int8(model, tok, outliers=0)
@@ -82,16 +83,16 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     ref_keys, ref_lp = run(args, PATHS[0])
-    ref_ppl = float(np.exp(-ref_lp.mean()))
+    ref_ppl = perplexity(ref_lp)
     rows = {"float32+sdpa": {"tokens": len(ref_lp), "ppl": ref_ppl}}
     todo = [(x.label(), x, None) for x in PATHS[1:]]
     if args.int8_variants:
         todo += [(f"float32+int8-{v} (not a path)", PATHS[0], v) for v in ("per-channel", "per-channel-no-down_proj")]
-        todo += [("float32+sdpa+int8, no outlier channels (sessions 41-43)", PATHS[0], "no-outliers")]
+        todo += [("float32+sdpa+int8, no outlier channels", PATHS[0], "no-outliers")]
     for name, path, variant in todo:
         keys, lp = run(args, path, variant)
         e = relative_key_error(keys, ref_keys)
-        ppl = float(np.exp(-lp.mean()))
+        ppl = perplexity(lp)
         rows[name] = {
             "tokens": len(lp),
             "ppl": ppl,

@@ -1,4 +1,4 @@
-"""How much faster a profiled forward pass could be at the CPU's measured peak (issue 34: "say what stands between the
+"""How much faster a profiled forward pass could be at the CPU's measured peak ("say what stands between the
 result and the peak").
 
 Reads a profile written by ``run.py --steps peak,profile`` and, for each path and style (eval, build), puts every
@@ -17,9 +17,9 @@ down projections and the last layer's): the step's seconds if the layers it repl
 share of each linear group's seconds taken as their share of its FLOPs (the shapes run at about the same GFLOP/s:
 ``peak``'s rows). No int8 kernel beats that, and the quantize / rescale work it adds is left out.
 
-    python benchmarks/speed/peak_bound.py docs/results/speed/profile_2core_avx2_session43.json \\
+    python benchmarks/speed/peak_bound.py docs/results/speed/profile_2core_avx2.json \\
       --ratio build=1.0155 --ratio eval=1.1219 --int8-model smollm2-135m \\
-      --out docs/results/speed/peak_bound_avx2_session43.json
+      --out docs/results/speed/peak_bound_avx2.json
 """
 
 from __future__ import annotations

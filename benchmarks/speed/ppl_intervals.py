@@ -1,4 +1,4 @@
-"""How far a compute path's perplexity is from float32's, with a paired bootstrap interval over documents (issue 34).
+"""How far a compute path's perplexity is from float32's, with a paired bootstrap interval over documents.
 
 The issue bounds a fast path's perplexity difference from float32 at 0.2% on WikiText-2 test (window 1024). The timing
 rows (``default_vs_old.py``, ``int8_w8a8.py``) score a 19,711-token slice: 4 documents, too few for an interval over
@@ -13,8 +13,8 @@ Paths: ``NAME`` is ``float32`` or ``int8`` (``--quantize int8`` on float32) or `
 (torch, oneDNN and MKL held to AVX2: a CPU without AVX-512, VNNI or bf16) or ``@avxvnni`` (held to AVX2 with AVX-VNNI:
 Intel's 12th-14th generation Core). The env lines are ``int8_exactness.py``'s.
 
-    python benchmarks/speed/ppl_intervals.py --work /work/data/ppl-intervals \\
-      --out docs/results/speed/ppl_intervals_session43.json
+    python benchmarks/speed/ppl_intervals.py --work data/ppl-intervals \\
+      --out docs/results/speed/ppl_intervals_int8.json
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def child(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
+    from memlm.core.distribution import perplexity
     from memlm.data.corpora import load_documents
     from memlm.data.windows import limit_documents
     from memlm.knnlm.evaluate import lm_scores
@@ -79,7 +80,7 @@ def child(args: argparse.Namespace) -> None:
     os.replace(tmp, args.scores)
     print(json.dumps({"path": args.path, "tokens": len(ts), "seconds": time.perf_counter() - t0,
                       "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                      "ppl": float(np.exp(-ts.lm_logprob.astype(np.float64).mean()))}))  # fmt: skip
+                      "ppl": perplexity(ts.lm_logprob)}))  # fmt: skip
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Where the time of the slow README lines goes (issue 34, item 1): ``memlm lm-eval``, ``memlm index build`` with an
+"""Where the time of the slow README lines goes: ``memlm lm-eval``, ``memlm index build`` with an
 OPQ factory, ``memlm datastore prune``, each run once under cProfile in its own process, its self time grouped into
 what it is (the forward pass's matmuls, attention, log-softmax; FAISS training, adding, searching; tokenization;
 lm-eval's harness; the rest of Python).

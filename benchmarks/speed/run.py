@@ -1,4 +1,4 @@
-"""memlm's speed against the machine's peak, in one bounded run (issue 34 items 1-3; docs/BENCHMARKS.md "Performance").
+"""memlm's speed against the machine's peak, in one bounded run (docs/results/performance.md).
 
     python benchmarks/speed/run.py --tokens 20000 --out docs/results/speed/<machine>.json
 
@@ -40,6 +40,7 @@ import peak as peak_lib  # noqa: E402
 import protocol  # noqa: E402
 import torch  # noqa: E402
 
+from memlm.core.distribution import perplexity  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, resolve_stride, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
@@ -129,7 +130,7 @@ def step_candidate(args, path: ComputePath, docs, peak: dict, ref: dict | None) 
         "warmup_s": warm,
         "forward_s": seconds,
         "tokens_per_s": len(ts) / seconds,
-        "ppl": float(np.exp(-lp.mean())),
+        "ppl": perplexity(lp),
         **components.achieved(flops, seconds, dtype_peak),
     }
     if path.compile != "none":  # how many graphs dynamo made (one per block kind when layers share them)
@@ -306,7 +307,7 @@ def main() -> None:
         "default_path": default.label(),
         "settings": vars(args),
     }
-    fwd_per_s = 300.0  # float32 forward positions/s on 2 idle cores (issue 34), for the plan only
+    fwd_per_s = 300.0  # float32 forward positions/s on 2 idle cores, for the plan only
     print(
         f"plan: {len(paths)} candidates x {args.tokens} tokens (~{2 * args.tokens * len(paths) / fwd_per_s / 60:.0f}"
         f" min at float32 speed), builds {args.build_paths} x {args.build_tokens}, kNN eval 2 x {args.knn_tokens}",

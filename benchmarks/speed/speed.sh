@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 14, speed: NPM vs the MLM (queries/s) and TRIME local vs external memory (tokens/s), each pair measured back
+# Speed: NPM vs the MLM (queries/s) and TRIME local vs external memory (tokens/s), each pair measured back
 # to back in one process (docs/results/speed/README.md). The models follow benchmarks/papers/npm/npm.sh and benchmarks/papers/trime/trime.sh
 # with a smaller training budget (speed does not depend on it; the EM / perplexity of these runs mean nothing):
 # NPM encoder 40 updates (npm.sh: 250), MLM 20 (250), TrimeLM_ext 40 (trime.sh: 400); the phrase index (300k wiki-train
@@ -29,7 +29,7 @@ if [[ $what == prep || $what == all ]]; then
   [[ -d $R/trime/trimelm-ext/final ]] || $M train --out $R/trime/trimelm-ext --corpus wiki,news --from-scratch 4x256 \
     --tokenizer bpe:8192 --n-positions 256 --seq-len 256 --batch-size 16 --steps 40 --lr 1e-3 --eval-every 1000 \
     --save-every 50 --valid-tokens 50000 --dtype bfloat16 --loss trime-ext --packing bm25 --drop-local-p 0.9
-  # 510k train tokens give 499,701 entries (docs/TRIME.md's datastore: 499,860)
+  # 510k train tokens give 499,701 entries (docs/results/trime.md's datastore: 499,860)
   [[ -f $R/trime/ds-500k/index.faiss ]] || $M datastore build --model $R/trime/trimelm-ext/final --dtype bfloat16 \
     --corpus wiki,news --split train --max-tokens 510000 --key ffn_in --window 256 --min-context 128 \
     --batch-size 32 --factory IVF1024,Flat --metric l2 --out $R/trime/ds-500k

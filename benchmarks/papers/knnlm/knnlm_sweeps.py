@@ -1,4 +1,4 @@
-"""kNN-LM on SmolLM2-135M: the numbers in docs/BENCHMARKS.md (Khandelwal et al. 2020, Tables 1/4/5, Figs. 2-5).
+"""kNN-LM on SmolLM2-135M: the numbers in docs/results/knnlm.md (Khandelwal et al. 2020, Tables 1/4/5, Figs. 2-5).
 
 One resumable command; every stage is cached in --out (datastores, indexes, forward passes, neighbour dumps):
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# docs/NGRAM.md's measurements (issue 26): SmolLM2-135M, an ∞-gram over WikiText-2 train, λ's tuned on the first
+# docs/results/ngram.md's measurements: SmolLM2-135M, an ∞-gram over WikiText-2 train, λ's tuned on the first
 # ~10k WikiText-2 valid tokens, applied to the first ~20k test tokens (windows 1024, min-context 512, float32).
 # With DS=/path/to/datastore (complete, with its index) the dumps also hold its neighbours: kNN-LM and the three-way
 # mixture come from the same forward pass. Run from the repository root; heavy (an LM pass over ~35k tokens).
 set -euo pipefail
 M=smollm2-135m
-DATA=${DATA:-/work/data/ngram}
+DATA=${DATA:-data/ngram}
 RES=docs/results/ngram
 MEMLM=${MEMLM:-memlm}
 mkdir -p "$DATA" "$RES"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# docs/NGRAM.md's second reference: an ∞-gram over the train splits of all six offline corpora (valid and test
+# docs/results/ngram.md's second reference: an ∞-gram over the train splits of all six offline corpora (valid and test
 # documents of each kept out), swapped into benchmarks/papers/ngram/ngram.sh's dumps (no second LM pass), λ's tuned on valid.
 set -euo pipefail
-DATA=${DATA:-/work/data/ngram}
+DATA=${DATA:-data/ngram}
 RES=docs/results/ngram
 MEMLM=${MEMLM:-memlm}
 PY=${PYTHON:-python}

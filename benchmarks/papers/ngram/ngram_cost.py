@@ -1,4 +1,4 @@
-"""What the ∞-gram memory costs (docs/NGRAM.md, "Cost"), each part timed on idle cores, one at a time.
+"""What the ∞-gram memory costs (docs/results/ngram.md, "Cost"), each part timed on idle cores, one at a time.
 
     python benchmarks/papers/ngram/ngram_cost.py build --out docs/results/ngram/cost_build.json  # builds, end to end
     python benchmarks/papers/ngram/ngram_cost.py query --index IDX [--index IDX2] \\
@@ -24,6 +24,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -176,7 +177,8 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--work", default=os.environ.get("MEMLM_BENCH_WORK", "/tmp/memlm-bench") + "/ngram")
+    bench_work = os.environ.get("MEMLM_BENCH_WORK", os.path.join(tempfile.gettempdir(), "memlm-bench"))
+    b.add_argument("--work", default=bench_work + "/ngram")
     b.add_argument("--out", required=True)
     q = sub.add_parser("query")
     q.add_argument("--model", default="smollm2-135m")

@@ -1,13 +1,14 @@
 """How many documents of the offline train splits does the infini-gram paper's decontamination rule find in the
-evaluation text? (docs/NGRAM.md, "Decontamination")
+evaluation text? (docs/results/ngram.md, "Decontamination")
 
-    python benchmarks/papers/ngram/ngram_decontamination.py --index /work/data/ngram/all-train \\
+    python benchmarks/papers/ngram/ngram_decontamination.py --index data/ngram/all-train \\
         --out docs/results/ngram/decontamination.json
 
 The rule of Liu et al. (2024, App. B; :mod:`memlm.ngram.decontaminate`): a reference document is dropped whole when at
 least 80% of its 13-grams (Unicode word tokens, lowercased) occur in the evaluation documents. Checked: every train
 document of ``--corpora`` (the all-offline ∞-gram's reference) against WikiText-2 test and IMDB test (the whole
-splits, and the prefixes the perplexity rows of docs/NGRAM.md evaluate: the first 24,000 SmolLM2 tokens of WikiText-2
+splits, and the prefixes the perplexity rows of docs/results/ngram.md evaluate: the first 24,000 SmolLM2 tokens of
+WikiText-2
 test, which hold the 20,000- and 24,000-token rows, and the first 30,000 of IMDB test), per corpus. ``--index``: the
 all-offline index the rows used; its source fingerprint is compared with these documents' (built with ``--holdout 0``,
 it holds every one of them).

@@ -1,4 +1,4 @@
-"""What `memlm ngram build`'s default decontamination drops from the six offline train splits (docs/NGRAM.md,
+"""What `memlm ngram build`'s default decontamination drops from the six offline train splits (docs/results/ngram.md,
 "Decontamination"): the documents of ``--corpus`` that the infini-gram paper's rule (Liu et al. 2024, App. B) finds in
 the valid and test splits of every named corpus, the sets the build chooses by default.
 

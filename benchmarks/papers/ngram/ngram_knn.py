@@ -1,4 +1,5 @@
-"""Do the two memories add up? LM + kNN-LM + ∞-gram(s) on the efficiency benchmark's WikiText-2 dumps (docs/NGRAM.md).
+"""Do the two memories add up? LM + kNN-LM + ∞-gram(s) on the efficiency benchmark's WikiText-2 dumps
+(docs/results/ngram.md).
 
     python benchmarks/papers/ngram/ngram_knn.py --valid W/valid-knn.npz --valid-tokens 52000 --test W/test-knn.npz \\
         --test-tokens 24000 --index wt2=IDX1 --index all=IDX2 --out docs/results/ngram/knn_ngram.json

@@ -1,4 +1,4 @@
-"""Which test document each near-copy in a train split repeats (docs/NGRAM.md, "Decontamination").
+"""Which test document each near-copy in a train split repeats (docs/results/ngram.md, "Decontamination").
 
 For every train document of ``--corpus`` with at least ``--at-least`` of its 13-grams in the corpus's test split
 (the infini-gram paper's overlap, :func:`memlm.ngram.decontaminate.overlap_fractions`), the test documents holding

@@ -1,4 +1,5 @@
-"""docs/NGRAM.md's ∞-gram rows in the infini-gram paper's metric beside memlm's, and the figures NGRAM.md derives.
+"""docs/results/ngram.md's ∞-gram rows in the infini-gram paper's metric beside memlm's, and the figures
+docs/results/ngram.md derives.
 
 The paper (Liu et al. 2024, "Infini-gram", arXiv 2401.17377 v4, Sec. 5.1) reports, in parentheses in its Table 1,
 the relative improvement of a model M over a model M_o as the share of the perplexity gap to 1 that M closes:
@@ -50,7 +51,7 @@ PAPER_TABLE1 = [
 ]
 
 # Sec. 4.1 (Pile-val, 50 documents per domain truncated to 1,024 Llama-2 tokens; Pile-train, 360B tokens, as the
-# reference), quoted for the comparison table of docs/NGRAM.md.
+# reference), quoted for the comparison table of docs/results/ngram.md.
 PAPER_AGREEMENT = {
     "setup": "Pile-val: 50 documents per domain, each truncated to 1,024 tokens (Llama-2 tokenizer); reference "
     "Pile-train decontaminated, 360 billion tokens (Sec. 4, 4.1)",
@@ -109,7 +110,7 @@ def _row(file: str, name: str, tokens: int, base: dict, row: dict, formatting: i
 
 
 def memlm_rows() -> list[dict]:
-    """Every ∞-gram row docs/NGRAM.md shows (and the kNN-LM rows beside them), from the committed JSON files."""
+    """Every ∞-gram row docs/results/ngram.md shows (and the kNN-LM rows beside them), from the committed JSON files."""
     rows = []
     for file, name in (
         ("report_wt2.json", "LM + ∞-gram (WikiText-2 train)"),

@@ -3,7 +3,7 @@
     python benchmarks/papers/ngram/ngram_swap.py --dump T.npz --index IDX --split test --max-tokens 20000 --out T2.npz
 
 The documents are read as `memlm eval` read them (same corpus, split and --max-tokens), so targets and positions match
-(checked). Used for the all-offline-corpora row of docs/NGRAM.md.
+(checked). Used for the all-offline-corpora row of docs/results/ngram.md.
 """
 
 from __future__ import annotations

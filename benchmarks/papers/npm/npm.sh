@@ -1,5 +1,5 @@
 #!/bin/bash
-# NPM (Min et al. 2023) in our setting, GitHub issue 5 items 4-5. MiniLM-L6 (22.7M parameters, no MLM head) is
+# NPM (Min et al. 2023) in our setting. MiniLM-L6 (22.7M parameters, no MLM head) is
 # trained on wiki+news train (the paper's Wikipedia + CC-News, §4) with NPM, NPM SINGLE and -- the parametric
 # baseline -- a masked-LM head (15% masking, 80/10/10), each for the same budget (STEPS updates of BATCH x 128
 # tokens, document-grouped batches); phrase indexes over a wiki-train reference corpus (REF_TOKENS leading tokens);
@@ -11,11 +11,11 @@
 # the reference-size effect (Fig. 7: 10% / 30% / 100% of the reference corpus). Every JSON carries queries/s and the
 # peak RSS (Table 4). Every step is skipped when its output exists, so rerunning resumes; `report` (also run after
 # eval and bbc-ref) writes docs/results/npm (benchmarks/papers/npm/npm_report.py).
-#   bash benchmarks/papers/npm/npm.sh [train|index|eval|bbc-ref|report|all]   (bbc-ref also runs npm_diagnostics.py)
+#   bash benchmarks/papers/npm/npm.sh [train|index|eval|bbc-ref|report|all]
 # bbc-ref: the BBC task again with an in-domain reference corpus, the first REF_TOKENS tokens of BBC *train* (test
 # articles never enter it): the paper's closed-set reference corpora include in-domain text (CC-News for AGN), and a
 # 300k-token wiki reference rarely puts a verbalizer word among the top-k neighbours.
-# Time on this 2-core machine, idle (docs/NPM.md has the measured numbers): training ~4 s/update for NPM and NPM
+# Time on this 2-core machine, idle (docs/results/npm.md has the measured numbers): training ~4 s/update for NPM and NPM
 # SINGLE at 32 x 128 tokens (two encoder passes), about half that for the MLM; indexing 300k tokens a few minutes
 # per encoder; evaluation under an hour for everything.
 set -euo pipefail
@@ -120,8 +120,4 @@ fi
 
 if [[ $what == eval || $what == bbc-ref || $what == report || $what == all ]]; then
   .venv/bin/python benchmarks/papers/npm/npm_report.py --runs "$R" --out "$D"
-fi
-
-if [[ $what == bbc-ref || $what == all ]]; then  # why BM25 and an in-domain reference behave as they do on BBC
-  .venv/bin/python benchmarks/papers/npm/npm_diagnostics.py --runs "$R" --json "$D/diagnostics.json"
 fi

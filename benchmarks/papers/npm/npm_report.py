@@ -6,7 +6,7 @@ loss), ``eval/<task>-<setting>.json`` (``memlm npm eval``) and the phrase indexe
 Writes under ``--out``:
 
     summary.json       one row per evaluation (task, setting, score, by-length EM, queries/s, peak RSS)
-    tables.md          the tables of docs/NPM.md
+    tables.md          the tables of docs/results/npm.md
     em_by_length.png   cloze EM by answer length in subword tokens, per model (the paper's Fig. 8)
     reference_size.png cloze EM vs reference-corpus size for NPM (the paper's Fig. 7)
     <task>-<setting>.json  the evaluation files themselves (no per-query predictions)

@@ -1,4 +1,4 @@
-"""What an NPM / NPM SINGLE query retrieves on the BBC closed-set task (issue 12, item 3): the top-k tokens per query.
+"""What an NPM / NPM SINGLE query retrieves on the BBC closed-set task: the top-k tokens per query.
 
 For every BBC test query (article + " The text topic is about [MASK].", as ``memlm npm eval --task bbc`` builds it)
 this dumps the position of ``[MASK]`` in the query, the most frequent token strings among the top-``k`` rows retrieved

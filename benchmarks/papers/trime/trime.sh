@@ -1,16 +1,16 @@
 #!/bin/bash
-# TRIME (Zhong et al. 2022) in our setting, for docs/TRIME.md: one architecture (GPT-2 4x256, a byte-level BPE with
+# TRIME (Zhong et al. 2022) in our setting, for docs/results/trime.md: one architecture (GPT-2 4x256, a byte-level BPE with
 # 8,192 types trained on wiki+news train), one data set (wiki+news train) and one compute budget (STEPS updates of
 # 16 x 256 tokens) for the vanilla LM, TrimeLM, TrimeLM_long and TrimeLM_ext, plus two ablations of TrimeLM_ext
 # (random instead of BM25 batches; local-memory dropout p = 0 instead of 0.9). Then test perplexity with each memory,
 # every hyper-parameter (M, tau, lambda, cache weight) tuned on valid. Every step resumes when rerun.
-#   bash benchmarks/papers/trime/trime.sh [train|train-vanilla|train-main|train-ablations|eval|all|eval-2k|train-issue12|eval-issue12]
+#   bash benchmarks/papers/trime/trime.sh [train|train-vanilla|train-main|train-ablations|eval|all|eval-2k|train-seeds|eval-seeds]
 #   bash benchmarks/papers/trime/trime.sh train-only NAME...   (e.g. trimelm-s1 trimelm-ext-detach: one queue per core)
 #   bash benchmarks/papers/trime/trime.sh eval-only NAME... / eval-appd NAME...   (the tables used EVAL_TOKENS=40000 DS_TOKENS=500000)
 #   bash benchmarks/papers/trime/trime.sh knnlm-only vanilla vanilla-s1 ...   (kNN-LM + cache rows over each run's own datastore)
-# train-issue12 / eval-issue12 (issue 12 item 8): seeds 1 and 2 of the four main models, the 'w/o back-prop to
+# train-seeds / eval-seeds: seeds 1 and 2 of the four main models, the 'w/o back-prop to
 # memory' ablation (--detach-memory) and local-memory dropout p = 0.5 (p = 0.9 and 0 are trimelm-ext and
-# trimelm-ext-p0); eval-issue12 also scores the main models with App. D's overlapping windows over the documents read
+# trimelm-ext-p0); eval-seeds also scores the main models with App. D's overlapping windows over the documents read
 # as one stream (--stream --context 127: exactly the windows and targets of the kNN-LM rows), into eval-NAME-appd/.
 # eval-2k evaluates vanilla-2k, trimelm-2k, trimelm-long-2k and trimelm-ext-2k: the four models with the same settings but 2,000 updates,
 # trained on a GPU (benchmarks/archive/device_train.sh; the commands are in runs/trime/*-2k/final/device-command.txt):
@@ -40,7 +40,7 @@ train() {  # name, extra flags
   [[ -d $R/tokenizer ]] || cp -r "$R/$name/tokenizer" "$R/tokenizer"
 }
 
-train_named() {  # NAME[-sSEED][-2k-cpu]: every model of docs/TRIME.md by name; -sN trains the same model with --seed N,
+train_named() {  # NAME[-sSEED][-2k-cpu]: every model of docs/results/trime.md by name; -sN trains the same model with --seed N,
   # -2k-cpu with the 2,000 updates of the GPU runs (NAME-2k), here
   local name=$1 base=$1 extra=()
   if [[ $base =~ ^(.*)-2k-cpu$ ]]; then  # the 2,000-update recipe of the GPU runs (eval-2k), trained here on the CPU
@@ -150,13 +150,13 @@ if [[ $what == eval-2k ]]; then
   trime_eval trimelm-ext-2k --datastore "$R/ds-trimelm-ext-2k"
 fi
 
-if [[ $what == train-issue12 ]]; then
+if [[ $what == train-seeds ]]; then
   for seed in 1 2; do
     for name in vanilla trimelm trimelm-long trimelm-ext; do train_named $name-s$seed; done
   done
   for name in trimelm-ext-detach trimelm-ext-p05; do train_named $name; done
 fi
-if [[ $what == eval-issue12 ]]; then
+if [[ $what == eval-seeds ]]; then
   for name in vanilla trimelm trimelm-long trimelm-ext; do eval_named $name appd; done
   for seed in 1 2; do
     for name in vanilla trimelm trimelm-long trimelm-ext; do eval_named $name-s$seed; done

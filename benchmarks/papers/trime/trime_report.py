@@ -31,8 +31,9 @@ MODELS = {
     "trimelm-ext-random": "TrimeLM_ext, random batches (p = 0.9)",
     "trimelm-ext-p0": "TrimeLM_ext, BM25 batches, p = 0",
 }
-# issue 12 item 8 (400 updates): the main rows with seeds 1 and 2 beside seed 0 (the plain names), the main rows under
-# App. D's overlapping windows (eval-NAME-appd), and the ablations of TrimeLM_ext: p in {0, 0.5, 0.9} and no back-prop
+# the seeds and ablations rerun (400 updates): the main rows with seeds 1 and 2 beside seed 0 (the plain names), the
+# main rows under App. D's overlapping windows (eval-NAME-appd), and the ablations of TrimeLM_ext: p in {0, 0.5, 0.9}
+# and no back-prop
 MAIN = ("vanilla", "trimelm", "trimelm-long", "trimelm-ext")
 OWN_MEMORY = {"vanilla": "local", "trimelm": "local", "trimelm-long": "long", "trimelm-ext": "external"}
 SEEDS = {0: "", 1: "-s1", 2: "-s2"}
@@ -155,8 +156,8 @@ def _seed_metrics(entry: dict[str, Any], name: str) -> dict[str, float]:
     return out
 
 
-def collect_issue12(runs: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Issue 12 item 8: seeds (mean, sd, range), App. D rows, the TrimeLM_ext ablations. An ablation whose run is not
+def collect_seeds(runs: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Seeds (mean, sd, range), App. D rows, the TrimeLM_ext ablations. An ablation whose run is not
     under ``runs`` comes from ``previous`` (the committed summary.json) and says so; seed 0's new numbers are compared
     with ``previous`` (the same command, rerun)."""
     prev = (previous or {}).get("models", {})
@@ -227,8 +228,8 @@ def _pm(st: dict[str, Any] | None) -> str:
     return f"{st['mean']:.2f} ± {st['sd']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
 
 
-def tables_issue12(res: dict[str, Any]) -> str:
-    """Markdown for issue 12 item 8: seeds, App. D protocol, ablations (400 updates)."""
+def tables_seeds(res: dict[str, Any]) -> str:
+    """Markdown of the seeds, App. D protocol, ablations (400 updates)."""
     memory_label = {"local": "local memory", "long": "local + long-term memory", "external": "external + long-term"}
     lines = [
         "### Seeds (400 updates): mean ± sample sd (min-max) over the seeds that ran",
@@ -417,26 +418,27 @@ def main(argv: list[str] | None = None) -> int:
         help="redraw tables*.md from the summary JSONs already in --out (no runs/ needed)",
     )
     p.add_argument(
-        "--issue12-only",
+        "--seeds-only",
         action="store_true",
-        help="write only summary-issue12.json / tables-issue12.md (seeds, App. D, ablations); keep the other files",
+        help="write only summary-seeds-ablations.json / tables-seeds-ablations.md (seeds, App. D, ablations); keep "
+        "the other files",
     )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.from_summary:
-        res12 = _read(out / "summary-issue12.json")
+        res12 = _read(out / "summary-seeds-ablations.json")
     else:
-        res12 = collect_issue12(Path(args.runs), _read(out / "summary.json"))
+        res12 = collect_seeds(Path(args.runs), _read(out / "summary.json"))
         if any(r["runs"] for r in res12["seeds"].values()):
-            atomic_write_json(out / "summary-issue12.json", res12, sort_keys=False)
+            atomic_write_json(out / "summary-seeds-ablations.json", res12, sort_keys=False)
         else:
             res12 = None
     if res12 is not None:
-        md = tables_issue12(res12)
-        (out / "tables-issue12.md").write_text(md)
-        print(f"## issue 12 item 8\n\n{md}")
-    if args.issue12_only:
+        md = tables_seeds(res12)
+        (out / "tables-seeds-ablations.md").write_text(md)
+        print(f"## Seeds, App. D, ablations\n\n{md}")
+    if args.seeds_only:
         return 0
     for suffix in ("", "-2k"):
         if args.from_summary:

@@ -1,4 +1,4 @@
-"""The Xu et al. tables at the paper's τ = 1, from the committed analysis JSON (no rerun): docs/ANALYSIS.md.
+"""The Xu et al. tables at the paper's τ = 1, from the committed analysis JSON (no rerun): docs/results/xu2023.md.
 
 For every Table 1 / Table 3 row of ``docs/results/analysis-<model>/analysis.json`` the τ = 1 value (λ tuned on valid)
 is taken from the row's own ``tau1`` entry or, for runs made before that entry existed, from the Fig. 5 sweep (which

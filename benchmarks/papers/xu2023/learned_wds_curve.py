@@ -1,4 +1,4 @@
-"""Learned W_ds trained until it plateaus (Xu et al. 2023, Sec. 4.1 / Table 2; issue 12 item 5).
+"""Learned W_ds trained until it plateaus (Xu et al. 2023, Sec. 4.1 / Table 2).
 
     python benchmarks/papers/xu2023/learned_wds_curve.py --label smollm2 --model smollm2-135m \
         --datastore-att runs/key_types/ds-ffn_in-29 --datastore-ffn runs/key_types/ds-final --corpus wiki \

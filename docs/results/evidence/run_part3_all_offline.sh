@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # the all-offline ∞-gram (benchmarks/ngram_all.sh's index) swapped into this run's test dump, for the interval of
-# "all offline text vs WikiText-2 train alone" (docs/NGRAM.md)
+# "all offline text vs WikiText-2 train alone" (docs/results/ngram.md)
 set -euo pipefail
 export HF_HUB_OFFLINE=1 PYTHONPATH=/work/wt/ev-intervals/src
 M="/work/main/.venv/bin/python -m memlm.cli"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The same table with a larger valid dump (the first ~60k WikiText-2 valid tokens instead of ~20k), for a fit above its
-# wanted 8 documents; the test dumps as run_wikitext2.sh's. Run from the repository root.
+# docs/results/mixture.md's WikiText-2 table: the valid dump (the first ~60k WikiText-2 valid tokens, 18 articles) and
+# the test dumps with every memory (and the cache), then memlm tune --mixture gate per row
+# (benchmarks/quality/mixture_table.py). Run from the repository root, niced.
 set -euo pipefail
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD/src
-PY=/work/main/.venv/bin/python
+PY=${PY:-python}
 echo "== $(date -u) evals"
 nice -n 10 $PY benchmarks/quality/mixture_table.py --valid-max-tokens 60000 --evals-only
 echo "== $(date -u) tune"

@@ -158,7 +158,7 @@ def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
         "-0.03%% on 19,958 WikiText-2 test tokens at --window 512, -0.10%% on 5,929 at --window 1024, -0.08%% on "
         "1,980 at --window 16, but +0.38%% on 1,167 tokens of speeches at --window 16: short windows and short texts "
         "can move by more, so compare runs at one dtype and use float32 where exact numbers matter "
-        "(docs/BENCHMARKS.md)",
+        "(docs/results/performance.md)",
     )
 
 

@@ -388,7 +388,7 @@ def add_parsers(sub) -> None:
         "--shards",
         type=V.positive_int,
         default=None,
-        help="split the corpus by documents into N shards (docs/SCALING.md)",
+        help="split the corpus by documents into N shards (docs/results/scaling.md)",
     )
     add_ray(b, "build the shards as Ray tasks")
     b.add_argument("--cpus-per-worker", type=V.positive_int, default=1, help="CPUs (torch threads) per Ray build task")

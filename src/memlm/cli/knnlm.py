@@ -532,7 +532,7 @@ def add_parsers(sub) -> None:
         default=None,
         help="search this index of the datastore instead of its index.faiss (e.g. a compressed OPQ/PCA one)",
     )
-    fast = e.add_argument_group("efficient kNN-LM (docs/BENCHMARKS.md, 'Efficient kNN-LM')")
+    fast = e.add_argument_group("efficient kNN-LM (docs/results/efficient-knnlm.md)")
     fast.add_argument(
         "--adaptive",
         type=V.existing_file,
@@ -593,7 +593,8 @@ def add_parsers(sub) -> None:
         choices=["rule", "gate"],
         default="rule",
         help="rule: the fixed weights grid-searched (default); gate: also the learned mixture of every memory of the "
-        "dump (per-token weights from a small gate, fitted on valid with part of it kept apart, docs/MIXTURE.md), "
+        "dump (per-token weights from a small gate, fitted on valid with part of it kept apart, "
+        "docs/results/mixture.md), "
         "applied to --test beside the rule; its fit goes into --json for memlm eval --mixture",
     )
     common.add_allow_overlap(t)

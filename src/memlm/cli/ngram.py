@@ -144,7 +144,7 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     """``--ngram DIR`` (more than once for several indexes) and its weights for ``memlm eval``, ``generate`` and
     ``lm-eval``."""
-    g = p.add_argument_group("∞-gram (docs/NGRAM.md)")
+    g = p.add_argument_group("∞-gram (docs/results/ngram.md)")
     g.add_argument(
         "--ngram",
         type=V.existing_dir,

@@ -49,7 +49,7 @@ DEFAULT_CACHE_LAMBDA = 0.1
 path has one (generation, :func:`memlm.wrap` and lm-eval's ``generate_until`` mix the LM with the datastores and
 ∞-gram indexes only), so this is the one cache setting of every path. Tuned values come from ``memlm tune
 --cache-lambdas``: 0.1 is the weight ``memlm eval --cache`` and lm-eval have used, so their results stay comparable;
-on SmolLM2 and Wikipedia the tuned λc is smaller (docs/BENCHMARKS.md: 0.02 beside the kNN-LM)."""
+on SmolLM2 and Wikipedia the tuned λc is smaller (docs/results/knnlm.md: 0.02 beside the kNN-LM)."""
 
 
 def replace_fields(record: Any, what: str, **options: Any) -> Any:

@@ -68,11 +68,11 @@ LOG_WEIGHT_FLOOR = -700.0
 e^-700 < 1e-304, below float64's precision beside the LM's term (log p_LM > -700 on any real token)."""
 
 # Below these sizes the guard's comparison is mostly noise and the slice rarely represents the text it will be used
-# on. The kept quarter of 4,096 tokens holds 1,024. On issue 35's stdlib case (benchmarks/quality/mixture_stdlib.py) the
+# on. The kept quarter of 4,096 tokens holds 1,024. On the stdlib case (benchmarks/quality/mixture_stdlib.py) the
 # per-token log-likelihood difference between the LM and its ∞-gram mixtures has a standard deviation of 0.4-1.0
 # nats, so over 1,024 tokens the standard error of the mean difference is 0.01-0.03 nats (1-3% of perplexity, more
 # since tokens of one document are correlated): the size of the gains at stake. Eight documents: text varies most
-# between documents (issue 35's one-module slice of 887 tokens tuned λ_sparse to 0.5 and made test perplexity 10%
+# between documents (a one-module slice of 887 tokens tuned λ_sparse to 0.5 and made test perplexity 10%
 # worse than the LM's).
 MIN_FIT_TOKENS = 4096
 MIN_FIT_DOCUMENTS = 8

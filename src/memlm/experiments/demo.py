@@ -13,7 +13,7 @@ The user story of Khandelwal et al. (2020) on the offline defaults, with no trai
    tokens of context), retrieving from each memory by exact search over all its keys;
 3. on valid: tune λ, τ of the kNN-LM (``memlm tune``), λ_sparse / λ_dense of LM + ∞-gram, the four jointly for
    LM + kNN + ∞-gram, and fit the learned gate over the same memories (:func:`memlm.knnlm.dump_mixture.fit_dump`,
-   issue 35); on test: every row mixes through one :class:`memlm.core.mixture.Mixture` (the fixed weights as
+   memlm.core.mixture); on test: every row mixes through one :class:`memlm.core.mixture.Mixture` (the fixed weights as
    :func:`memlm.core.mixture.rule_mixture`, the gate as fitted), with 95% bootstrap intervals over documents
    (:mod:`memlm.core.bootstrap`); print a table, write JSON and a PNG of perplexity vs λ (the paper's Fig. 5).
 
@@ -63,7 +63,7 @@ class DemoConfig:
     dtype: str = field(default_factory=default_dtype)  # bf16 only with AMX-BF16 (0.57x float32 without); keys fp16
     key: str = "ffn_in"
     # per corpus: one keys-only forward token per entry, the largest share of the run (~1,000 tokens/s on 2 idle
-    # cores in float32, docs/results/demo_fresh_home_session37.log; 50k a round ago: the run took 217 s)
+    # cores in float32, docs/results/demo_full_fresh_home_50k_datastores.log; 50k a round ago: the run took 217 s)
     datastore_tokens: int = 32_000
     eval_tokens: int = 8_000
     # >= 4,096 scored wiki tokens: the size below which the learned gate's fit warns (core.mixture.MIN_FIT_TOKENS)
@@ -141,7 +141,7 @@ def _documents(cfg: DemoConfig, tok, corpus: str, split: str) -> list:
 def planned_work(cfg: DemoConfig, tok) -> list[dict[str, Any]]:
     """What a first run of ``cfg`` computes, counted without running it (the tokenizer only): each datastore build's
     and each scored split's forward tokens (``head``: with the output projection), and each exact search's query x
-    key pairs (benchmarks/speed/demo_work.py compares configurations with it)."""
+    key pairs."""
     work = []
     entries = {}
     for corpus in ("wiki", "news"):
@@ -476,7 +476,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         )
     forms = ", ".join(f"{r['eval'].split()[0]}/{r['datastore'].split()[0]}: {r['mixture']['form']}" for r in rows)
     print(
-        f"gate: the learned mixture of the same memories (issue 35), fitted on valid with a quarter of its documents "
+        f"gate: the learned mixture of the same memories, fitted on valid with a quarter of its documents "
         f"kept apart, falling back to constant weights or the LM alone where it does not beat them there ({forms})"
     )
     warned = {w for r in rows for w in r["mixture"]["warnings"]}

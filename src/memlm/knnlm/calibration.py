@@ -2,14 +2,15 @@
 
 A kNN-LM's perplexity depends on the interpolation weight λ and the softmax temperature τ of Eq. 2-3 (Khandelwal et al.
 2020 tune λ on validation text; Xu et al. 2023, Sec. 3.4, show how much τ matters). No fixed default suits every
-datastore (issue 16 reports, on 92k tokens of speeches, -1.5% perplexity with the old defaults λ = 0.25, τ = 1 and -6.5%
-tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/BENCHMARKS.md). So ``memlm datastore
+datastore (on 92k tokens of speeches, -1.5% perplexity with the old defaults λ = 0.25, τ = 1 and -6.5%
+tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/results/knnlm.md). So ``memlm
+datastore
 build`` holds out a small deterministic slice of its corpus (:func:`holdout_split`: 2% of the tokens, at least 4,096,
 at most 8,192, never more than 20%; whole documents first, then, for a corpus of one document or a few long ones, the
 tails of the longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the
 rest, then scores the slice with the new datastore and grid-searches λ and τ on it, widening the grid while the best
 value sits on its edge (:func:`calibrate`). On the same scored tokens (no second forward pass) it fits the guarded
-mixture of the LM and the datastore (issue 35: :func:`memlm.knnlm.dump_mixture.fit_dump`, τ searched over the same
+mixture of the LM and the datastore (:func:`memlm.knnlm.dump_mixture.fit_dump`, τ searched over the same
 grid; the LM alone, constant weights or the gate, whichever the part of the slice kept apart prefers). The result,
 with what it was measured with (k, search and score mode, nprobe, index file and factory), is recorded with the
 datastore (``manifest.json`` → ``calibration``; the fit under ``calibration.mixture``, read back by
@@ -67,10 +68,10 @@ __all__ = [
 
 HOLDOUT_FRACTION = 0.02
 HOLDOUT_MIN_TOKENS = 4096
-#: the slice never holds more tokens than this (issue 34 item 4): it tunes two or three numbers (λ, τ; λ_sparse,
+#: the slice never holds more tokens than this: it tunes two or three numbers (λ, τ; λ_sparse,
 #: λ_dense), and the held-out log-likelihood difference between the LM and a mixture has a per-token standard deviation
-#: of 0.4-1.0 nats (stdlib dumps, issue 35), so 8,192 tokens measure a mean difference to a standard error of
-#: 0.004-0.011 nats (0.4-1.1% of perplexity), under the differences calibration chooses between; the LM pass over the
+#: of 0.4-1.0 nats (docs/results/mixture/stdlib.json), so 8,192 tokens measure a mean difference to a standard error
+#: of 0.004-0.011 nats (0.4-1.1% of perplexity), under the differences calibration chooses between; the LM pass over the
 #: slice then costs ~1 minute on 2 cores whatever the corpus's size (2% of a 3.16M-token corpus was 68,038 tokens)
 HOLDOUT_MAX_TOKENS = 8192
 HOLDOUT_MAX_SHARE = 0.2  # the slice never takes more than this share of the corpus's tokens
@@ -259,8 +260,9 @@ def index_identity(datastore, index_path: str | Path | None = None) -> dict[str,
 def near_temperatures(grid, best: float) -> list[float]:
     """The rule's best τ and its neighbours in ``grid`` (up to 3 values): where the guarded mixture searches τ at
     calibration. One guarded fit costs seconds per τ on 8k tokens with k = 1024 (an L-BFGS gate fit and the kNN
-    features at that τ), so the 14-20 τ of the whole grid would make the fit the slowest part of a build (issue 34:
-    calibration that costs little). In docs/MIXTURE.md the gate's τ was next to the rule's in the fits made on enough
+    features at that τ), so the 14-20 τ of the whole grid would make the fit the slowest part of a build, where
+    calibration should cost little. In docs/results/mixture.md the gate's τ was next to the rule's in the fits made
+    on enough
     text (τ 2-3 where the rule chose 2-3), and far from it only in fits under the guard's minimum size (τ 5-10 on 4
     valid articles where the rule chose 2), so the neighbours are where a fit worth storing looks."""
     grid = sorted(float(t) for t in grid)
@@ -516,7 +518,7 @@ def _read_fit(owner, kind: str, record: Any) -> DumpMixture:
 
 
 def stored_mixture(memory) -> DumpMixture | None:
-    """The guarded mixture of the LM and this memory fitted when it was calibrated (issue 35; components ``lm``,
+    """The guarded mixture of the LM and this memory fitted when it was calibrated (components ``lm``,
     ``knn`` for a datastore, ``lm``, ``ngram`` for an ∞-gram index), a
     :class:`~memlm.knnlm.dump_mixture.DumpMixture`, or None when the memory records no current calibration or its
     calibration has no fit (written by an older memlm; a datastore's calibration made before an ``--append`` is not

@@ -1,4 +1,4 @@
-"""The learned mixture (:mod:`memlm.core.mixture`, issue 35) on per-token dumps: fitted on a valid dump with the kNN
+"""The learned mixture (:mod:`memlm.core.mixture`) on per-token dumps: fitted on a valid dump with the kNN
 temperature searched, stored, applied to another dump, beside the fixed-weight rule it is compared with.
 
 ``memlm tune --mixture gate`` fits it (:func:`fit_dump`); ``memlm eval --mixture FIT.json`` applies it

@@ -540,7 +540,7 @@ def score_tokens(
 
 
 #: The key of the perplexity with the cache, by whether a kNN term is in the mixture (``LM + cache`` / ``LM + kNN +
-#: cache``); results written before issue 24 used ``cache_ppl`` for either (:func:`cache_mixture_ppl` reads both).
+#: cache``); older result files used ``cache_ppl`` for either (:func:`cache_mixture_ppl` reads both).
 CACHE_PPL_KEYS = {False: "lm_cache_ppl", True: "knn_cache_ppl"}
 
 
@@ -577,7 +577,7 @@ def perplexities(
     with ``λ_t = λ`` for a fixed λ, the gate's per-token ``λ(x_t)`` for an adaptive dump (capped at ``1 - λc``, as
     ``memlm eval`` lowers a calibrated λ), and no kNN term for a dump without a datastore. Its perplexity is
     ``knn_cache_ppl`` (LM + kNN + cache) or ``lm_cache_ppl`` (LM + cache, no datastore); files written before
-    issue 24 called either ``cache_ppl``.
+    older result files called either ``cache_ppl``.
 
     Each fixed-weight row is the rule's :class:`~memlm.core.mixture.Mixture` (``mixtures``: row -> ``to_dict()``).
     ``datastores``: each further datastore's ``(λ, τ)`` (``knn2_ppl``, ``multi_knn_ppl``: :func:`_several_datastores`).

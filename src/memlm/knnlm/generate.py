@@ -1,5 +1,5 @@
 """Generation through the one mixture of the LM and its memories: a ``transformers`` LogitsProcessor that replaces
-the LM's next-token distribution by the mixture's (issue 35)::
+the LM's next-token distribution by the mixture's::
 
     P(w | c) = sum_i λ_i(c) P_i(w | c),     λ(c) = softmax(W φ(c) + b)
 

@@ -1,5 +1,5 @@
 """A per-token dump as the learned mixture's inputs: each component's log-probability of the target and the features
-of each retrieval (:mod:`memlm.core.mixture`, issue 35).
+of each retrieval (:mod:`memlm.core.mixture`).
 
 Components, in order, as far as the dump holds them: ``lm``; ``knn`` and ``knn2``, ``knn3``, ... (each datastore's
 neighbours, Eq. 2 at temperature τ, the k best); ``ngram`` and ``ngram2``, ``ngram3``, ... (each ∞-gram reference,

@@ -1,5 +1,5 @@
 """One step of the mixture over the vocabulary: the LM and every memory's next-token distribution, mixed by one
-:class:`memlm.core.mixture.Mixture` (issue 35). Generation (:class:`memlm.knnlm.generate.MixtureLogitsProcessor`)
+:class:`memlm.core.mixture.Mixture`. Generation (:class:`memlm.knnlm.generate.MixtureLogitsProcessor`)
 and ``memlm.wrap``'s forward pass (:class:`memlm.knnlm.wrap.KNNLM`) both mix through :class:`StepMixture`::
 
     P(w | c) = sum_i λ_i(c) P_i(w | c),     λ(c) = softmax(W φ(c) + b),     i = the LM, then each memory

@@ -2,7 +2,7 @@
 
 The wrapped model's ``forward`` returns, at every position, the log of the mixture's next-token distribution in place
 of the logits (log-probabilities are logits: their softmax is the distribution itself), and the loss on ``labels``
-under it. The mixture is the one every consumer uses (:class:`memlm.knnlm.mixture_step.StepMixture`, issue 35): the
+under it. The mixture is the one every consumer uses (:class:`memlm.knnlm.mixture_step.StepMixture`): the
 LM and every memory given (datastores, ∞-gram indexes; ``memories=[...]``), weighted by a fitted
 :class:`memlm.core.mixture.Mixture` or by the fixed-weight rule; for one datastore the kNN-LM (Khandelwal et al.
 2020, Eq. 2-3)::

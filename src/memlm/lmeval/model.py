@@ -1,6 +1,6 @@
 """memlm as an lm-evaluation-harness model: any causal LM plus its memories, scored by EleutherAI's ``lm_eval``.
 
-Every score is one :class:`memlm.core.mixture.Mixture` of the LM and its memories (issue 35), per scored token::
+Every score is one :class:`memlm.core.mixture.Mixture` of the LM and its memories, per scored token::
 
     p(w | c) = sum_i λ_i(c) p_i(w | c),     i = lm, knn, knn2, ..., ngram, ngram2, ..., cache
 

@@ -6,7 +6,7 @@ buffers are either ``mmap``ed (above a threshold that starts at 128 KiB) or, onc
 the heap whose free top is handed back to the kernel as soon as it exceeds twice that threshold. Either way the next
 layer touches fresh pages: on 2 idle cores (float32, SmolLM2-135M), 444-456k minor page faults and 0.74-0.81 s of
 kernel time per ``[4, 1024]`` forward of 4.7-4.8 s; tuned, the body runs 1.095x as fast
-(``docs/results/speed/allocator_session40.json``; ``docs/BENCHMARKS.md``, "Session 40").
+(``docs/results/speed/allocator.json``; ``docs/results/performance.md``, "The C allocator").
 
 :func:`tune_allocator` sets two of glibc's knobs once per process, the same ones the ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` environment variables set at start-up:

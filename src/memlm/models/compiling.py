@@ -14,6 +14,7 @@ __all__ = ["compile_dynamic"]
 def compile_dynamic(fn: Any) -> Any:
     """``torch.compile(fn, dynamic=True)`` (inductor; one graph for every length) without inductor's FX graph cache:
     its key leaves out ``ATEN_CPU_CAPABILITY``, so a graph compiled under one vector ISA was served to a process on
-    another (torch 2.13: wrong int8 values, NaN perplexity, a heap corruption; ``docs/BENCHMARKS.md``, "Session
-    42"). The graphs are generated again in each process; inductor's cache of compiled C++ is still used."""
+    another (torch 2.13: wrong int8 values, NaN perplexity, a heap corruption;
+    ``docs/results/speed/int8_fx_cache_across_isas_nan.log``). The graphs are generated again in each process;
+    inductor's cache of compiled C++ is still used."""
     return torch.compile(fn, dynamic=True, options={"fx_graph_cache": False})

@@ -1,5 +1,5 @@
 """The compute path of a forward pass: how the same model's numbers are computed (dtype, attention kernel, compile,
-quantization), recorded with every datastore and checked when its keys are queried another way (issue 34 item 2).
+quantization), recorded with every datastore and checked when its keys are queried another way.
 
 A kNN-LM compares a query key ``f(c)`` computed now with datastore keys computed at build time (Khandelwal et al.
 2020, Eq. 2: ``d(f(c), k_i)``). Both must come from the same function; the *model* is pinned by its fingerprint
@@ -83,10 +83,10 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "av
 #: -0.11%; int8-dynamic (per-tensor activations) p99 0.78, max 1.21, perplexity +283% (per-channel weights: p99 0.77,
 #: +237%; every linear but down_proj, per-channel: p99 0.31, +23%): SmolLM2's activation outliers defeat dynamic
 #: int8, so that path is a measurement option, not one to build or report with.
-#: int8 (memlm.models.int8): with its outlier channels in float32 (session 44) p99 0.046, max 0.11
-#: (docs/results/speed/key_error_session44.json), perplexity +0.10% on all 62 WikiText-2 test documents (95% interval
-#: over documents +0.07% to +0.13%; windows 1024 / 512; docs/results/speed/ppl_intervals_session44.json); without them
-#: (sessions 41-43) p99 0.059-0.062 and +0.32% (+0.26% to +0.38%, ppl_intervals_session43.json). Bound 0.08: past
+#: int8 (memlm.models.int8): with its outlier channels in float32, p99 0.046, max 0.11
+#: (docs/results/speed/key_error_avx512_int8.json), perplexity +0.10% on all 62 WikiText-2 test documents (95% interval
+#: over documents +0.07% to +0.13%; windows 1024 / 512; docs/results/speed/ppl_intervals_int8.json); without them
+#: p99 0.062 (the same files). Bound 0.08: past
 #: KEY_TOLERANCE alone, so int8 keys and float32 keys are never mixed.
 #: float16 is not measured on CPU; its 10 mantissa bits round less than bfloat16's 7, so bfloat16's bound is used.
 #: The attention kernel and compile change keys by float32 rounding only (eager vs sdpa: p99 1.9e-6).

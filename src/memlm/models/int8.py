@@ -1,5 +1,5 @@
 """Int8 matrix products with per-token activation scales and SmoothQuant smoothing: the ``--quantize int8`` compute
-path (issue 34; opt-in, see :mod:`memlm.models.compute`).
+path (opt-in, see :mod:`memlm.models.compute`).
 
 Each quantized linear layer ``y = x Wᵀ`` of the decoder computes (Xiao et al. 2023, "SmoothQuant", Eqs. 1-4, with
 the per-token activation and per-channel weight granularity of their Table 2):
@@ -17,27 +17,27 @@ with O fixed at calibration instead of found per batch):
 
     y[t, o] = Σ_{j∈O} x[t, j] · W[o, j] + s_x[t] · s_w[o] · Σ_{j∉O} round(x'[t, j] / s_x[t]) · round(W'[o, j] / s_w[o])
 
-with s_x and s_w taken over the channels outside O. On SmolLM2-135M (session 44, the first 9 articles of WikiText-2
-valid, 35,467 tokens: ``docs/results/speed/int8_selection_session44/``) this took the perplexity change from +0.35%
+with s_x and s_w taken over the channels outside O. On SmolLM2-135M (the first 9 articles of WikiText-2
+valid, 35,467 tokens: ``docs/results/speed/int8_selection_outliers/``) this took the perplexity change from +0.35%
 to +0.09%: simulated, the weights' rounding gave +0.12% and the activations' +0.21%; the outlier channels set the
 per-token scale of every other channel and, once smoothed, the per-row scale of the weights.
 
-Which layers stay float32 (SmolLM2-135M, ``docs/BENCHMARKS.md`` "Session 41"): every feed-forward *down* projection
+Which layers stay float32 (SmolLM2-135M, ``docs/results/performance.md``): every feed-forward *down* projection
 (its input, SiLU(gate) × up, carries the activation outliers no per-token scale absorbs) and every linear layer of the
 *last* decoder layer (its output goes straight into the head; a per-layer scan in a scratch run, not kept, found int8
 weights costliest there). Quantizing every decoder linear instead: +0.84% perplexity on the first 19,711 WikiText-2
-test tokens against +0.11% (``docs/results/speed/int8_session41.json``). The output head stays float32, so the LM
+test tokens against +0.11% (``docs/results/speed/int8_layer_ablation.json``). The output head stays float32, so the LM
 log-softmax does too. Layers that read the same tensor and are feed-forward up projections (gate and up) share one σ
 and quantize their input once; the attention projections keep a σ each (one σ over q/k/v cost more perplexity on
-WikiText-2 valid: ``docs/results/speed/int8_selection_session41/``).
+WikiText-2 valid: ``docs/results/speed/int8_selection_layers/``).
 
 Perplexity moves by +0.10% on all of WikiText-2 test (95% interval over its 62 documents +0.07% to +0.13%:
-``docs/results/speed/ppl_intervals_session44.json``), within the 0.2% issue 34 allows; without the outlier channels
-(sessions 41-43) it moved by +0.32% (+0.26% to +0.38%, ``ppl_intervals_session43.json``). Keys move by p99 0.046
-relative (0.062 without; bfloat16's: 0.028; ``docs/results/speed/key_error_session44.json``), past
+``docs/results/speed/ppl_intervals_int8.json``), within a 0.2% bound; without the outlier channels it
+moved by +0.35% on WikiText-2 valid (``docs/results/speed/int8_selection_outliers/``). Keys move by p99 0.046
+relative (0.062 without; bfloat16's: 0.028; ``docs/results/speed/key_error_avx512_int8.json``), past
 :data:`memlm.models.compute.KEY_TOLERANCE` alone, so a float32 datastore is refused to an int8 query. Not memlm's
 default: it needs a calibration text and a C++ compiler for its fused element-wise ops to pay, on a CPU with AMX it is
-slower than bfloat16 (0.79x eval, 0.43x build: ``docs/results/speed/default_vs_old_amx_int8_session44.json``), and on
+slower than bfloat16 (0.79x eval, 0.43x build: ``docs/results/speed/default_vs_old_amx_int8.json``), and on
 x86 CPUs without VNNI or AMX-INT8 torch's int8 products saturate or, exact, run ~24x slower than float32's, so the
 path is refused there (:func:`int8_products_exact`, :func:`int8_products_native`).
 
@@ -79,7 +79,7 @@ ALPHA = 0.5
 #: calibration tokens: the per-channel maxima settle within a few windows (σ moves by < 1% from 2k to 4k tokens)
 CALIBRATION_TOKENS = 2048
 #: input channels per layer input multiplied in float32 instead (the largest calibration maxima; Dettmers et al. 2022,
-#: "LLM.int8()", Sec. 3.2, by count rather than their 6.0 threshold): SmolLM2-135M, WikiText-2 valid, session 44
+#: "LLM.int8()", Sec. 3.2, by count rather than their 6.0 threshold): SmolLM2-135M, WikiText-2 valid
 OUTLIER_CHANNELS = 8
 
 
@@ -138,8 +138,8 @@ def _rescale_outliers(acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor, x
                       w_out_t: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """:func:`_rescale` plus the outlier channels' float32 share, ``Σ_k x_out[t, k] · w_out_t[k, o]``, as element-wise
     multiply-adds (one per channel) that inductor fuses into the rescale's loop: one pass over the output. As a rank-8
-    ``addmm_`` after the rescale the share read and wrote the output once more, 12% of int8's eval time (session 44,
-    ``docs/results/speed/int8_outliers_session44.json``)."""
+    ``addmm_`` after the rescale the share read and wrote the output once more, 12% of int8's eval time
+    (``docs/results/speed/int8_outliers_addmm.json``)."""
     y = _rescale(acc, s_x, s_w)
     for k in range(w_out_t.shape[0]):
         y = y.addcmul_(x_out[:, k : k + 1], w_out_t[k])
@@ -154,7 +154,7 @@ class FusedOps:
     Quantizing a layer's input and rescaling its int32 sums are element-wise passes over ``[tokens, D]`` tensors; run
     one torch operation at a time they cost more than the int8 product itself (2 cores, SmolLM2-135M, eval of 8
     windows of 1024: 2.02 s of element-wise work against 1.25 s of ``_int_mm``), compiled 0.81 s
-    (``docs/results/speed/int8_profile_session42.json``; ``docs/BENCHMARKS.md``, "Session 42"). Where compiling
+    (``docs/results/speed/int8_profile.json``; ``docs/results/performance.md``). Where compiling
     fails (no C++ compiler, a platform inductor does not support) or ``MEMLM_INT8_COMPILE=0``, the eager ``fn``
     runs, with one warning the first time."""
 
@@ -369,7 +369,7 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
     if not int8_products_exact():
         raise MemlmError(
             "--quantize int8: this CPU's int8 matrix products are not exact (torch._int_mm saturates without VNNI "
-            f"or AMX-INT8; on the AVX2 proxy of docs/BENCHMARKS.md it moved perplexity by +3%): {faster}"
+            f"or AMX-INT8; on the AVX2 proxy of docs/results/performance.md it moved perplexity by +3%): {faster}"
         )
     if not int8_products_native():
         raise MemlmError(
@@ -388,7 +388,7 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
                          "use --quantize none for this model")  # fmt: skip
     # one σ and one quantized input for the feed-forward up projections that read the same tensor (gate/up); the
     # attention projections keep a σ each: sharing one over q/k/v moved WikiText-2 valid perplexity by +0.39%
-    # against +0.25% (docs/results/speed/int8_selection_session41/)
+    # against +0.25% (docs/results/speed/int8_selection_layers/)
     groups = [g2 for g in groups for g2 in ([g] if all(id(linears[i]) in ups for i in g) else [[i] for i in g])]
     for group in groups:
         a = torch.stack([absmax[i] for i in group]).amax(0)  # the same tensor: the same maxima

@@ -133,8 +133,8 @@ def _cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def default_dtype() -> str:
     """The inference dtype used when none is given (``--dtype auto``): the faster one that keeps perplexity.
 
-    ``bfloat16`` on a GPU that supports it and on CPUs whose bf16 matmuls beat float32 (AMX-BF16, Arm BF16: 1.4-1.9x
-    the evaluation tokens/s of float32 for SmolLM2-135M, docs/results/dtype_speed.json and issue 34), else ``float32``
+    ``bfloat16`` on a GPU that supports it and on CPUs whose bf16 matmuls beat float32 (AMX-BF16, Arm BF16; with AMX
+    2.9x float32's evaluation tokens/s for SmolLM2-135M, docs/results/speed/profile_2core_amx.json), else ``float32``
     (also on AVX512-BF16 without AMX, where bf16 was 0.57x: :func:`_cpu_has_native_bf16`). memlm computes the output
     projection and log-softmax in float32 whatever the body's dtype (:class:`memlm.models.forward.fp32_head`). bf16
     perplexity against float32, SmolLM2-135M: -0.03% (19,958 WikiText-2 test tokens, window 512:

@@ -6,7 +6,7 @@ build does), indexes the rest, then scores the slice once with the LM and the ne
 * Liu et al. (2024, Sec. 5)'s two weights, λ_sparse where P∞(· | c) is sparse and λ_dense elsewhere, by grid search
   (:func:`memlm.ngram.mixture.tune_ngram`): the fixed-weight rule that ``--ngram-lambda-sparse`` /
   ``--ngram-lambda-dense`` and an index's default still give;
-* the guarded mixture of the LM and the index (issue 35, :func:`memlm.knnlm.dump_mixture.fit_dump`)::
+* the guarded mixture of the LM and the index (:func:`memlm.knnlm.dump_mixture.fit_dump`)::
 
       P(w | c) = λ_0(c) P_LM(w | c) + λ_1(c) P∞(w | c),    λ(c) = softmax(W φ(c) + b)
 

@@ -786,9 +786,9 @@ def flat_vectors(index: Any) -> tuple[np.ndarray, str] | None:
     :func:`search` answers such an index with :func:`exact_search` on these vectors instead of FAISS's own search:
     both are exact (every key scored), but FAISS keeps one heap per query, which at the kNN-LM's k = 1,024 costs
     ~1 ms per query on 2 cores (43,344 keys: 1,074 queries/s), against 2,009 for torch's matmul and ``topk``
-    (``docs/BENCHMARKS.md``, "Session 40"). Scores agree to float32 rounding (the same ``||q||^2 - 2 q.k +
-    ||k||^2``, summed in another order); neighbours tied to the last bit may come in another order. Fewer than
-    ``FLAT_BATCH_QUERIES`` queries still go to FAISS (see :func:`blas_threshold`).
+    (``docs/results/speed/bench_search_flat_n43344.json``). Scores agree to float32 rounding (the same
+    ``||q||^2 - 2 q.k + ||k||^2``, summed in another order); neighbours tied to the last bit may come in another order.
+    Fewer than ``FLAT_BATCH_QUERIES`` queries still go to FAISS (see :func:`blas_threshold`).
     """
     if type(index).__name__ not in ("IndexFlat", "IndexFlatL2", "IndexFlatIP") or int(index.ntotal) == 0:
         return None

@@ -104,7 +104,7 @@ DEFAULT_TRIME_TEMPERATURES = (
     8.0,
     16.0,
     32.0,
-)  # widened: 8, the old top, was chosen (issue 12 item 4)
+)  # widened: 8, the old top, was chosen
 DEFAULT_TRIME_LAMBDAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 
 
