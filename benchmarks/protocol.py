@@ -127,7 +127,7 @@ def machine() -> dict[str, Any]:
     (oneDNN, CPU capability), FAISS and its threads."""
     import torch
 
-    from memlm.models.compute import cpu_flags
+    from memlm.models.cpu import cpu_flags
 
     try:
         import faiss

@@ -11,7 +11,7 @@ from conftest import gpt2_tokenizer, make_toy_docs
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from memlm.errors import MemlmError
-from memlm.models import compute
+from memlm.models import compute, cpu
 from memlm.models.compute import (
     KEY_ERROR,
     KEY_TOLERANCE,
@@ -159,9 +159,9 @@ def test_datastore_records_its_path_and_checks_queries(tmp_path):
 def test_cpu_flags_reads_the_features_it_names(monkeypatch, tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 sse\n")
-    real = compute.Path
-    monkeypatch.setattr(compute, "Path", lambda p: info if p == "/proc/cpuinfo" else real(p))
-    assert compute.cpu_flags() == ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    real = cpu.Path
+    monkeypatch.setattr(cpu, "Path", lambda p: info if p == "/proc/cpuinfo" else real(p))
+    assert cpu.cpu_flags() == ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
 
 
 def test_bf16_products_head_only_with_amx_and_recorded(monkeypatch):
@@ -197,12 +197,12 @@ def test_bf16_products_head_only_with_amx_and_recorded(monkeypatch):
 )
 def test_emulated_bf16_is_said_once_with_its_cost_and_the_faster_choice(monkeypatch, caplog, flags, device, dtype,
                                                                           emulated):  # fmt: skip
-    monkeypatch.setattr(compute, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(compute, "_warned", set())
-    assert (compute.emulated_dtype_cost(dtype, device) is not None) is emulated
-    with caplog.at_level("WARNING", logger="memlm.models.compute"):
-        assert compute.warn_if_emulated(dtype, device) is emulated
-        assert compute.warn_if_emulated(dtype, device) is False  # once per process
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu, "_warned", set())
+    assert (cpu.emulated_dtype_cost(dtype, device) is not None) is emulated
+    with caplog.at_level("WARNING", logger="memlm.models.cpu"):
+        assert cpu.warn_if_emulated(dtype, device) is emulated
+        assert cpu.warn_if_emulated(dtype, device) is False  # once per process
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == int(emulated)
     if emulated:
@@ -215,18 +215,18 @@ def test_a_bf16_forward_and_load_warn_on_a_cpu_without_bf16(monkeypatch, caplog,
     from memlm.models.forward import fp32_head
     from memlm.models.resources import load_causal_lm
 
-    monkeypatch.setattr(compute, "cpu_flags", lambda: ["avx2"])
-    monkeypatch.setattr(compute, "_warned", set())
-    with caplog.at_level("WARNING", logger="memlm.models.compute"):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: ["avx2"])
+    monkeypatch.setattr(cpu, "_warned", set())
+    with caplog.at_level("WARNING", logger="memlm.models.cpu"):
         fp32_head(tiny_llama(torch.float32))
         assert not caplog.records
         fp32_head(tiny_llama(torch.bfloat16))
         assert len(caplog.records) == 1 and "bfloat16 is emulated" in caplog.records[0].getMessage()
     caplog.clear()
-    monkeypatch.setattr(compute, "_warned", set())
+    monkeypatch.setattr(cpu, "_warned", set())
     tiny_llama().save_pretrained(tmp_path / "m")
     gpt2_tokenizer().save_pretrained(tmp_path / "m")
-    with caplog.at_level("WARNING", logger="memlm.models.compute"):
+    with caplog.at_level("WARNING", logger="memlm.models.cpu"):
         load_causal_lm(str(tmp_path / "m"), dtype="float32")
         assert not caplog.records
         load_causal_lm(str(tmp_path / "m"), dtype="bfloat16")

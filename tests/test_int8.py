@@ -16,7 +16,7 @@ from test_compute_path import keys_of, tiny_llama
 from torch import nn
 
 from memlm.errors import MemlmError
-from memlm.models import compute
+from memlm.models import cpu
 from memlm.models import int8 as int8_lib
 from memlm.models.compute import KEY_ERROR, ComputePath, apply_compute_path, check_compute_paths, describe_compute_path
 from memlm.models.compute import relative_key_error as rke
@@ -303,7 +303,7 @@ def test_int8_is_refused_as_slow_without_vnni(monkeypatch, flags, native):
     path is refused naming the faster choice; unreadable CPU features make no claim."""
     monkeypatch.setattr(int8_lib, "int8_products_native", NATIVE)
     monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: True)
-    monkeypatch.setattr(compute, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     assert int8_lib.int8_products_native() is native
     if not native:
         with pytest.raises(MemlmError, match="no int8 dot-product.*24x slower.*--quantize none with --dtype float32"):

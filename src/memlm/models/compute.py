@@ -37,7 +37,6 @@ import logging
 import platform
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +45,7 @@ from torch import nn
 
 from memlm.errors import MemlmError
 from memlm.models.compiling import compile_dynamic
+from memlm.models.cpu import cpu_flags
 from memlm.models.keys import _analyze_layer, _hidden_size, find_decoder_layers
 
 __all__ = [
@@ -58,12 +58,9 @@ __all__ = [
     "bf16_products_available",
     "apply_compute_path",
     "check_compute_paths",
-    "cpu_flags",
     "describe_compute_path",
-    "emulated_dtype_cost",
     "path_key_error",
     "relative_key_error",
-    "warn_if_emulated",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,10 +68,6 @@ log = logging.getLogger(__name__)
 ATTENTIONS = ("sdpa", "eager")
 COMPILES = ("none", "inductor")
 QUANTIZATIONS = ("none", "int8", "int8-dynamic")
-
-#: CPU features that decide which path is fast (x86 names as /proc/cpuinfo spells them; Arm's bf16 / i8mm too)
-CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8",
-                "amx_tile", "bf16", "i8mm")  # fmt: skip
 
 #: an upper bound of the 99th percentile of the relative key error against float32, per (dtype, quantize) part of the
 #: path. Measured on SmolLM2-135M, ffn_in@29, 1,980 `wiki` test tokens (Wikipedia lead sections) (windows 512, min-
@@ -134,15 +127,6 @@ class ComputePath:
         return "+".join(parts)
 
 
-def cpu_flags() -> list[str]:
-    """The :data:`CPU_FEATURES` this machine's CPU reports (``/proc/cpuinfo``; empty where it cannot be read)."""
-    try:
-        have = set(Path("/proc/cpuinfo").read_text(errors="ignore").lower().split())
-    except OSError:
-        return []
-    return [f for f in CPU_FEATURES if f in have]
-
-
 def bf16_products_available(device: torch.device) -> bool:
     """Whether :class:`memlm.models.forward.fp32_head` computes a bf16 model's float32 logits as bf16 products with
     float32 sums (exact products: both factors are bf16 values): on a CPU with AMX-BF16 (``amx_bf16``) and a torch
@@ -157,47 +141,6 @@ def bf16_products_available(device: torch.device) -> bool:
     matmul = getattr(torch.backends.mkldnn, "matmul", None)
     return (device.type == "cpu" and hasattr(matmul, "fp32_precision") and "amx_bf16" in cpu_flags()
             and bool(torch.backends.mkldnn.is_available()))  # fmt: skip
-
-
-#: the CPU features that compute a dtype's matrix products natively (x86 as /proc/cpuinfo names them; Arm's ``bf16``)
-NATIVE_FEATURES = {"bfloat16": ("avx512_bf16", "amx_bf16", "bf16")}
-
-#: what a dtype costs where the CPU only emulates it (converting to float32 around every product)
-EMULATION_COST = {
-    "bfloat16": "about 13-23x slower than float32 (SmolLM2-135M forward on a 2-core AVX2 EPYC: 19-33 tokens/s "
-    "against about 440)",
-}
-
-_warned: set[str] = set()
-
-
-def emulated_dtype_cost(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> str | None:
-    """What computing in ``dtype`` costs on ``device`` when its CPU has none of :data:`NATIVE_FEATURES` for it (the
-    dtype is then emulated: every product converts to float32 and back), else None. None also where the CPU's
-    features cannot be read (no ``/proc/cpuinfo``): no claim is made there."""
-    name = str(dtype).removeprefix("torch.")
-    if torch.device(device).type != "cpu" or name not in NATIVE_FEATURES:
-        return None
-    flags = cpu_flags()
-    if not flags or any(f in flags for f in NATIVE_FEATURES[name]):
-        return None
-    return EMULATION_COST[name]
-
-
-def warn_if_emulated(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> bool:
-    """Warn once per process and dtype (one line on stderr, through :mod:`logging`) when ``dtype`` is emulated on
-    ``device`` (:func:`emulated_dtype_cost`), naming the cost and the faster choice; returns whether it warned."""
-    cost = emulated_dtype_cost(dtype, device)
-    name = str(dtype).removeprefix("torch.")
-    if cost is None or name in _warned:
-        return False
-    _warned.add(name)
-    have = ", ".join(f for f in CPU_FEATURES if f in cpu_flags())
-    log.warning(
-        f"{name} is emulated on this CPU (no {' / '.join(NATIVE_FEATURES[name])}; it has {have or 'none of them'}): "
-        f"{cost}; pass --dtype float32 or --dtype auto (dtype='float32' in Python) for the faster path"
-    )
-    return True
 
 
 def _set_attention(model: nn.Module, attention: str) -> None:

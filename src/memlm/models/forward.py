@@ -120,7 +120,8 @@ class fp32_head:  # noqa: N801 - used like a function: ``with fp32_head(model): 
     rows_per_block = 1024  # logit rows per product (SmolLM2: 192 MiB of float32 logits)
 
     def __init__(self, model: torch.nn.Module, reuse_output: bool = False, bf16_products: bool | None = None) -> None:
-        from memlm.models.compute import bf16_products_available, warn_if_emulated
+        from memlm.models.compute import bf16_products_available
+        from memlm.models.cpu import warn_if_emulated
 
         get = getattr(model, "get_output_embeddings", None)
         head = get() if callable(get) else None

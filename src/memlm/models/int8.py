@@ -109,7 +109,7 @@ def int8_products_native() -> bool:
     SmolLM2-135M up projection as ``--quantize int8`` computes it 4.95 s against 0.19 s
     (``docs/results/speed/int8_reduced_range_product_avx2.json``, a loaded machine: ratios only). True where the CPU's
     features cannot be read (no ``/proc/cpuinfo``): no claim is made there."""
-    from memlm.models.compute import cpu_flags
+    from memlm.models.cpu import cpu_flags
 
     flags = cpu_flags()
     return not flags or any(f in flags for f in INT8_FEATURES)

@@ -240,8 +240,8 @@ def _load_error(name: str, kind: str, error: BaseException) -> MemlmError:
 def _finish(model: PreTrainedModel, tok: PreTrainedTokenizerBase, name: str, dtype: torch.dtype):
     """Shared tail of the loaders: dtype, eval mode, pad token, the name the model was loaded by, and the C
     allocator tuned for the forward pass (:func:`memlm.models.allocator.tune_allocator`). A dtype this CPU only
-    emulates is said once (:func:`memlm.models.compute.warn_if_emulated`)."""
-    from memlm.models.compute import warn_if_emulated
+    emulates is said once (:func:`memlm.models.cpu.warn_if_emulated`)."""
+    from memlm.models.cpu import warn_if_emulated
 
     tune_allocator()
     model = model.to(dtype)
