@@ -245,48 +245,32 @@ def log_weights_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
-_WEIGHT_TOL = 1e-6  # how far a mixture's weights may sum from 1
-
-
-def _checked_log_weights(weights: Sequence[Any]) -> list[Any]:
-    """``log w_j`` of probability-space weights (>= 0, summing to 1 at every position), ``-inf`` for a weight 0.
-
-    Python numbers give Python floats (``math.log``), tensors float64 tensors; a weight in ``[-1e-9, 0)`` (as
-    ``1 - λ - λc`` can round to) is 0."""
-    if all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights):
-        if any(not w >= -1e-9 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=_WEIGHT_TOL):
-            raise MemlmError(f"mixture weights must be >= 0 and sum to 1, got {list(weights)}")
-        return [math.log(w) if w > 0 else _NINF for w in weights]
-    w = [torch.as_tensor(x, dtype=torch.float64) for x in weights]
-    stacked = torch.stack(torch.broadcast_tensors(*w))
-    if bool(torch.isnan(stacked).any() or (stacked < -1e-9).any()) or not bool(
-        ((stacked.sum(0) - 1.0).abs() <= _WEIGHT_TOL).all()
-    ):
-        raise MemlmError("mixture weights must be >= 0 and sum to 1 at every position (token, grid point)")
-    return [x.clamp(min=0.0).log() for x in w]
-
-
-def _check_log_weights(log_weights: Sequence[Any]) -> None:
-    """Refuse log-weights whose weights are not a distribution at some position (NaN, or ``sum_j w_j != 1``)."""
+def _log_weights(log_weights: Sequence[Any] | None, weights: Sequence[Any] | None, n: int) -> Sequence[Any]:
+    """:func:`mix`'s log-weights, taken from probability-space ``weights`` when given (``math.log`` of numbers, a
+    float64 log of tensors; a weight in ``[-1e-9, 0)``, as ``1 - λ - λc`` can round to, is 0), refused unless the
+    weights are one per component and sum to 1 (within 1e-6) at every position."""
+    if (log_weights is None) == (weights is None):
+        raise MemlmError("give the mixture weights once: log_weights (log space) or weights (probability space)")
+    given = log_weights if weights is None else weights
+    if not n or len(given) != n:
+        raise MemlmError(f"a mixture needs one weight per component: {n} components, {len(given)} weights")
+    if weights is not None and all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights):
+        log_weights = [math.log(w) if w > 0 else _NINF if w >= -1e-9 else math.nan for w in weights]
+    elif weights is not None:
+        w64 = [torch.as_tensor(w, dtype=torch.float64) for w in weights]
+        log_weights = [torch.where(w >= -1e-9, w.clamp(min=0.0), math.nan).log() for w in w64]  # NaN below -1e-9
     with torch.no_grad():
-        w = [torch.as_tensor(x, dtype=torch.float64, device="cpu") for x in log_weights]
-        total = torch.stack(torch.broadcast_tensors(*w)).exp().sum(0)
-        if not bool(((total - 1.0).abs() <= _WEIGHT_TOL).all()):  # NaN fails too
-            raise MemlmError("mixture weights must be >= 0 and sum to 1 at every position: give log-weights "
-                             "log w_j (-inf for 0), or probability-space weights as weights=")  # fmt: skip
+        total = torch.stack(torch.broadcast_tensors(*(torch.as_tensor(w, dtype=torch.float64, device="cpu")
+                                                      for w in log_weights))).exp().sum(0)  # fmt: skip
+    if not bool(((total - 1.0).abs() <= 1e-6).all()):  # NaN fails too
+        shown = f", got {list(given)}" if all(isinstance(w, int | float) for w in given) else ""
+        raise MemlmError(f"mixture weights must be >= 0 and sum to 1 at every position (token, grid point){shown}")
+    return log_weights
 
 
 def _weighted(log_probs: Sequence[Any], log_weights: Any, weights: Any) -> Iterator[torch.Tensor]:
     """``log w_j + log p_j`` per component, lazily (``-inf`` where ``w_j = 0``, whatever ``p_j`` holds)."""
-    if (log_weights is None) == (weights is None):
-        raise MemlmError("give the mixture weights once: log_weights (log space) or weights (probability space)")
-    if not len(log_probs) or len(log_probs) != len(log_weights if weights is None else weights):
-        raise MemlmError(f"a mixture needs one weight per component: {len(log_probs)} components, "
-                         f"{len(log_weights if weights is None else weights)} weights")  # fmt: skip
-    if weights is not None:
-        log_weights = _checked_log_weights(weights)
-    else:
-        _check_log_weights(log_weights)
+    log_weights = _log_weights(log_weights, weights, len(log_probs))
     lps = [torch.as_tensor(lp) for lp in log_probs]
     dtype = functools.reduce(torch.promote_types, (lp.dtype for lp in lps), torch.float32)
     for lp, lw in zip(lps, log_weights, strict=True):
