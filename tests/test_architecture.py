@@ -174,7 +174,6 @@ NORMALISERS_OUTSIDE_CORE = {
     ("knnlm/generate.py", "MixtureLogitsProcessor.__call__"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("knnlm/wrap.py", "KNNLM.forward"): "the LM's log-softmax over its vocabulary (p_LM)",
     ("lmeval/model.py", "MemlmLM._loglikelihood_tokens"): "the LM's log-softmax over its vocabulary (p_LM)",
-    ("knnlm/adaptive.py", "gate_loss"): "He et al.'s gate loss: the two-term mixture of Eq. 3, differentiable in λ",
     ("npm/mlm.py", "_mask_log_probs"): "the MLM baseline's log-softmax over its vocabulary (no retrieval)",
     ("npm/mlm.py", "mlm_classify"): "the MLM baseline's label scores from its vocabulary log-probs (no retrieval)",
     ("trime/inference.py", "_forward_segments"): "logsumexp_v E_v f, the LM's vocabulary normaliser (TRIME Eq. 5)",

@@ -52,11 +52,11 @@ def test_rare_continuation_seen_once_gets_probability_raised(tmp_path, tiny_lm, 
     pos = len(ts) - len(target_ids) - 1  # the first sub-token of " Quenthorpe" (EOS is last)
     assert ts.targets[pos] == target_ids[0]
     lam = 0.25
-    from memlm.core.distribution import interpolate
+    from memlm.core.distribution import mix
     from memlm.knnlm.evaluate import memory_logprob
 
     knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0)
-    mixed = interpolate(torch.from_numpy(ts.lm_logprob), knn, lam)
+    mixed = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[1 - lam, lam])
     assert ts.lm_logprob[pos] < np.log(1e-3)  # the random LM has no idea
     assert mixed[pos].exp() > 0.2  # the datastore remembers it
     assert perplexities(ts, lam=lam)["knn_ppl"] < perplexities(ts)["base_ppl"]

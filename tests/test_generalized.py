@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from memlm.core.distribution import interpolate, knn_distribution, knn_target_logprob
+from memlm.core.distribution import knn_distribution, knn_target_logprob, mix
 from memlm.errors import MemlmError
 from memlm.storage.index import exact_search
 from memlm.xu2023.generalized import (
@@ -130,7 +130,7 @@ def test_consistent_with_knn_module(metric, k):
     dist_old = knn_distribution(sc, vals, V, T)
     dist_new = datastore_logprobs(t32(queries), t32(keys), torch.tensor(values), V, k, T, metric)
     np.testing.assert_allclose(dist_new.exp().numpy(), dist_old.exp().numpy(), atol=1e-6)
-    mixed_old = interpolate(torch.log_softmax(t32(lm_logits), -1), dist_old, 0.3)
+    mixed_old = mix([torch.log_softmax(t32(lm_logits), -1), dist_old], weights=[0.7, 0.3])
     mixed_new = eq5_logprobs(t32(lm_logits), t32(queries), t32(keys), torch.tensor(values), 0.3, k, T, metric)
     np.testing.assert_allclose(mixed_new.numpy(), mixed_old.numpy(), atol=1e-5)
 
@@ -148,7 +148,7 @@ def test_eq5_errors():
         eq5_logprobs(*args, torch.tensor(values), 0.5, 5, metric="cos")
     with pytest.raises(MemlmError, match="temperature"):
         eq5_logprobs(*args, torch.tensor(values), 0.5, 5, temperature=0.0)
-    with pytest.raises(MemlmError, match="interpolation weights"):
+    with pytest.raises(MemlmError, match="mixture weights must be >= 0 and sum to 1"):
         eq5_logprobs(*args, torch.tensor(values), 1.5, 5)
 
 

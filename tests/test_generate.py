@@ -13,7 +13,7 @@ from conftest import Doc, make_toy_docs
 from test_datastore import build
 from test_reliability import memlm
 
-from memlm.core.distribution import interpolate, knn_distribution
+from memlm.core.distribution import knn_distribution, mix
 from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text, left_pad
 from memlm.models.keys import KeyCapture
 from memlm.storage.index import build_index
@@ -50,7 +50,7 @@ def _direct(model, ds, seq: list[int], k: int, lam: float, tau: float) -> torch.
         len(logits),
         tau,
     )[0]
-    return interpolate(torch.log_softmax(logits, -1), knn, lam)
+    return mix([torch.log_softmax(logits, -1), knn], weights=[1 - lam, lam])
 
 
 @pytest.mark.parametrize("num_beams,do_sample", [(1, False), (3, False), (2, True)])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.core.distribution import interpolate, knn_distribution, knn_target_logprob, mix_logprobs
+from memlm.core.distribution import knn_distribution, knn_target_logprob, mix, mix_posterior
 from memlm.errors import MemlmError
 
 
@@ -103,16 +103,89 @@ def test_interpolation_matches_linear_mixture():
     p_knn[0, 2] = 0.0  # a target the memory never retrieved
     for lam in (0.0, 0.25, 1.0):
         with np.errstate(divide="ignore"):
-            got = interpolate(torch.tensor(np.log(p_lm)), torch.tensor(np.log(p_knn)), lam).exp().numpy()
+            got = mix([torch.tensor(np.log(p_lm)), torch.tensor(np.log(p_knn))], weights=[1 - lam, lam]).exp().numpy()
         np.testing.assert_allclose(got, (1 - lam) * p_lm + lam * p_knn, atol=1e-7)
+
+
+def test_mix_every_broadcasting_form_against_the_paper_in_probability_space():
+    """p = sum_j w_j p_j (Khandelwal et al. 2020 Eq. 2: p = λ p_kNN + (1 - λ) p_LM; Liu et al. 2024's ∞-gram; the
+    learned mixture), in probability space with NumPy, against mix() for each weight form: constant, per token, per
+    row of a distribution over the vocabulary, a grid of weightings. -inf inputs: a component with p = 0 adds nothing,
+    a component of weight 0 adds nothing whatever it holds (NaN, -inf), and no mass at all gives -inf."""
+    rng = np.random.default_rng(7)
+    n, v = 6, 5
+    p = rng.dirichlet(np.ones(v), size=(3, n))  # three components' distributions [3, N, V]
+    p[1, 0, :] = 0.0  # memory 1 retrieved nothing at row 0: p = 0 everywhere
+    p[1, 1, 2] = 0.0  # and gives value 2 probability 0 at row 1
+    with np.errstate(divide="ignore"):
+        lp = np.log(p)
+
+    def t(x):
+        return torch.from_numpy(np.asarray(x, dtype=np.float64))
+
+    # constant weights per component
+    w = np.array([0.6, 0.3, 0.1])
+    want = np.einsum("j,jnv->nv", w, p)
+    np.testing.assert_allclose(mix(list(t(lp)), weights=list(w)).exp().numpy(), want, rtol=1e-12, atol=1e-300)
+    np.testing.assert_allclose(mix(t(lp), t(np.log(w))).exp().numpy(), want, rtol=1e-12)  # log space, [C, ...] tensor
+    # per-token weights [N] on per-token log-probabilities [N] (the target's column)
+    lam = rng.uniform(0, 1, n)
+    lam[2], lam[3] = 0.0, 1.0
+    wt = np.stack([(1 - lam) * 0.9, lam * 0.9, np.full(n, 0.1)])  # [3, N]
+    with np.errstate(divide="ignore"):
+        got = mix([t(lp[j, :, 2]) for j in range(3)], t(np.log(wt))).exp().numpy()
+    np.testing.assert_allclose(got, (wt * p[:, :, 2]).sum(0), rtol=1e-12)
+    # one weight row per context on distributions over the vocabulary: weights [N, 1] beside log p [N, V]
+    got = mix([t(lp[j]) for j in range(3)], weights=[t(wt[j])[:, None] for j in range(3)]).exp().numpy()
+    np.testing.assert_allclose(got, np.einsum("jn,jnv->nv", wt, p), rtol=1e-12)
+    np.testing.assert_allclose(got.sum(-1)[2:], 1.0, rtol=1e-12)  # still a distribution where every p_j is one
+    # a grid of G weightings [G, 1] beside log p [N]: [G, N] out
+    grid = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 1.0, 0.0]])  # [G, 3]
+    got = mix([t(lp[j, :, 2]) for j in range(3)], weights=[t(grid[:, j])[:, None] for j in range(3)]).exp().numpy()
+    assert got.shape == (len(grid), n)
+    np.testing.assert_allclose(got, grid @ p[:, :, 2], rtol=1e-12)
+    # -inf: weight 1 on a component with p = 0 gives -inf; weight 0 ignores NaN and -inf exactly
+    only_mem = mix([t(lp[0]), t(lp[1])], weights=[0.0, 1.0])
+    assert torch.isneginf(only_mem[0]).all() and only_mem[1, 2] == -np.inf
+    garbage = t(lp[1]).clone()
+    garbage[3] = float("nan")
+    lm_only = mix([t(lp[0]), garbage], weights=[1.0, 0.0])
+    assert torch.equal(lm_only, t(lp[0]))  # exactly the LM, bit for bit
+    assert torch.isneginf(mix([t([-np.inf]), t([-np.inf])], weights=[0.5, 0.5])).all()
+    # dtype: float32 in, float32 out (weights rounded to it); float64 when a component is float64
+    lp32 = [torch.from_numpy(lp[j, :, 0]).float() for j in range(2)]
+    assert mix(lp32, weights=[0.7, 0.3]).dtype == torch.float32
+    assert mix([lp32[0], lp32[1].double()], weights=[0.7, 0.3]).dtype == torch.float64
+
+
+def test_mix_posterior_is_bayes_rule():
+    """r_j = w_j p_j / sum_i w_i p_i (EM's responsibilities, Dempster et al. 1977), with NumPy; P = 0 gives r = 0."""
+    rng = np.random.default_rng(8)
+    p = rng.dirichlet(np.ones(4), size=(3,))[:, :3].T  # [3 components, 3 tokens] of target probabilities
+    p[2, 0] = 0.0
+    w = np.array([[0.5], [0.5], [0.0]]) * np.ones((3, 3)) + np.array([[0.0], [-0.2], [0.2]])  # [C, N]
+    with np.errstate(divide="ignore"):
+        log_p, log_w = torch.from_numpy(np.log(p)), torch.from_numpy(np.log(w))
+    total, post = mix_posterior(log_p, log_w)
+    np.testing.assert_allclose(total.exp().numpy(), (w * p).sum(0), rtol=1e-12)
+    np.testing.assert_allclose(post.exp().numpy(), w * p / (w * p).sum(0), rtol=1e-12)
+    assert torch.equal(total, mix(log_p, log_w))  # the same numbers
+    total, post = mix_posterior(torch.tensor([[-np.inf], [-np.inf]]), torch.tensor([[0.0], [-np.inf]]))
+    assert total.item() == -np.inf and torch.isneginf(post).all()
 
 
 def test_mixture_of_three_and_bad_weights():
     lps = [torch.log(torch.tensor(p)) for p in ([0.2, 0.8], [0.5, 0.5], [1.0, 0.0])]
-    got = mix_logprobs(lps, [0.5, 0.3, 0.2]).exp()
+    got = mix(lps, weights=[0.5, 0.3, 0.2]).exp()
     np.testing.assert_allclose(got.numpy(), [0.5 * 0.2 + 0.3 * 0.5 + 0.2, 0.5 * 0.8 + 0.3 * 0.5], atol=1e-7)
-    with pytest.raises(MemlmError):
-        mix_logprobs(lps, [0.5, 0.5, 0.5])
+    with pytest.raises(MemlmError, match="sum to 1"):
+        mix(lps, weights=[0.5, 0.5, 0.5])
+    with pytest.raises(MemlmError, match="sum to 1"):  # probability-space weights passed as log-weights
+        mix(lps, [0.5, 0.3, 0.2])
+    with pytest.raises(MemlmError, match="once"):
+        mix(lps, [0.0, -np.inf, -np.inf], weights=[1.0, 0.0, 0.0])
+    with pytest.raises(MemlmError, match="one weight per component"):
+        mix(lps, weights=[0.5, 0.5])
 
 
 def test_empty_row_has_no_mass_and_bad_inputs():
@@ -146,7 +219,7 @@ def test_perplexity_beyond_float64_is_inf_and_written_null():
     values = torch.tensor([[1, 0]] * 3)
     lp = knn_target_logprob(scores, values, torch.tensor([0, 0, 0]), temperature=0.01)
     assert torch.isfinite(lp).all() and (lp < -709.8).all()
-    assert perplexity(interpolate(torch.full((3,), -2.0), lp, 1.0)) == float("inf")
+    assert perplexity(mix([torch.full((3,), -2.0), lp], weights=[0.0, 1.0])) == float("inf")
     assert perplexity(torch.tensor([-709.0])) == pytest.approx(np.exp(709.0))  # still finite just inside the range
     assert perplexity(torch.tensor([])) != perplexity(torch.tensor([]))  # nan for no tokens
     assert '"knn_ppl": null' in dumps_json({"knn_ppl": perplexity(lp)})
@@ -183,10 +256,8 @@ def test_value_logsumexp_gradient_of_a_value_with_no_finite_mass_is_zero_not_nan
     assert torch.isfinite(sc.grad).all() and sc.grad[0, 1] == 0
 
 
-def test_mix_logprobs_per_token_against_numpy_and_bad_weights():
+def test_mix_per_token_weights_against_numpy_and_bad_weights():
     """log sum_j w_j(t) p_j(t) (Eq. 3 / Khandelwal et al. Table 1 with per-token weights); weight 0 ignores garbage."""
-    from memlm.core.distribution import mix_logprobs_per_token
-
     rng = np.random.default_rng(0)
     p = rng.dirichlet(np.ones(3), size=6).T  # three components' target probabilities at 6 tokens
     lam = np.array([0.0, 0.2, 0.5, 0.7, 0.9, 0.0])
@@ -194,25 +265,23 @@ def test_mix_logprobs_per_token_against_numpy_and_bad_weights():
     w[0][-1], w[1][-1] = 0.9, 0.0
     lps = [torch.from_numpy(np.log(x)) for x in p]
     lps[1][0] = float("nan")  # a skipped token's p_kNN: weight 0 there
-    got = mix_logprobs_per_token(lps, [torch.from_numpy(w[0]), torch.from_numpy(w[1]), 0.1])
+    got = mix(lps, weights=[torch.from_numpy(w[0]), torch.from_numpy(w[1]), 0.1])
     want = np.log(w[0] * p[0] + np.where(lam > 0, w[1] * p[1], 0) + 0.1 * p[2])
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
     with pytest.raises(MemlmError, match="sum to 1"):
-        mix_logprobs_per_token(lps, [torch.from_numpy(1 - lam), torch.from_numpy(lam), 0.1])
+        mix(lps, weights=[torch.from_numpy(1 - lam), torch.from_numpy(lam), 0.1])
 
 
-def test_mix_logprobs_grid_against_numpy_and_bad_weights():
+def test_mix_grid_of_weights_against_numpy_and_bad_weights():
     """log sum_j w_j[g] p_j for every weighting g of a grid (the ∞-gram weight's tuning grid, Liu et al. 2024, beside
     Eq. 3's λ): NumPy's mixture per row; a weight of 0 ignores -inf and nan; weights off the simplex are refused."""
-    from memlm.core.distribution import mix_logprobs_grid
-
     rng = np.random.default_rng(3)
     p = rng.dirichlet(np.ones(3), size=7).T  # three components' target probabilities at 7 tokens
     ws = np.array([0.0, 0.01, 0.2, 0.5, 0.8])  # the swept weight of the second component; the third keeps 0.1
     rows = [list(0.9 - ws), list(ws), [0.1] * len(ws)]
     lps = [torch.from_numpy(np.log(x)) for x in p]
     lps[1][0], lps[1][1] = float("-inf"), float("nan")  # a target P∞ never saw, a garbage entry: weight 0 at g = 0
-    got = mix_logprobs_grid(lps, rows).numpy()
+    got = mix(lps, weights=[torch.tensor(r, dtype=torch.float64)[:, None] for r in rows]).numpy()
     assert got.shape == (len(ws), 7)
     for g, w in enumerate(ws):
         second = np.where(w > 0, w * p[1], 0.0)
@@ -220,11 +289,11 @@ def test_mix_logprobs_grid_against_numpy_and_bad_weights():
         second[1] = 0.0 if w == 0 else np.nan  # garbage: ignored at weight 0, nan once weighted
         want = np.log((0.9 - w) * p[0] + second + 0.1 * p[2])
         np.testing.assert_allclose(got[g], want, rtol=1e-12)
-        np.testing.assert_allclose(got[g][2:], mix_logprobs(lps, [0.9 - w, w, 0.1]).numpy()[2:], rtol=1e-12)
+        np.testing.assert_allclose(got[g][2:], mix(lps, weights=[0.9 - w, w, 0.1]).numpy()[2:], rtol=1e-12)
     with pytest.raises(MemlmError, match="sum to 1"):
-        mix_logprobs_grid(lps, [list(1 - ws), list(ws), [0.1] * len(ws)])
+        mix(lps, weights=[torch.tensor(1 - ws)[:, None], torch.tensor(ws)[:, None], 0.1])
     with pytest.raises(MemlmError, match="sum to 1"):
-        mix_logprobs_grid(lps, [[1.2], [-0.2], [0.0]])
+        mix(lps, weights=[torch.tensor([1.2]), torch.tensor([-0.2]), torch.tensor([0.0])])
 
 
 def test_joint_distribution_against_numpy():

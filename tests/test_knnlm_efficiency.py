@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.core.distribution import interpolate, interpolate_per_token, knn_distribution
+from memlm.core.distribution import knn_distribution, mix
 from memlm.errors import MemlmError
 from memlm.knnlm.adaptive import (
     AdaptiveGate,
@@ -292,18 +292,19 @@ def test_gated_logprob_is_the_per_token_mixture():
     knn[p_knn == 0] = -np.inf
     skipped = (lam == 0) & (np.arange(n) % 2 == 0)
     knn_garbage = np.where(skipped, np.nan, knn)  # a skipped search leaves nothing meaningful behind
-    got = interpolate_per_token(torch.tensor(np.log(p_lm)), torch.tensor(knn_garbage), torch.tensor(lam)).numpy()
+    lam_t = torch.tensor(lam)
+    got = mix([torch.tensor(np.log(p_lm)), torch.tensor(knn_garbage)], weights=[1 - lam_t, lam_t]).numpy()
     with np.errstate(divide="ignore"):
         ref = np.log((1 - lam) * p_lm + lam * p_knn)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     assert np.isneginf(got[(lam == 1) & (p_knn == 0)]).all() and np.isfinite(got[lam < 1]).all()
     np.testing.assert_array_equal(got[lam == 0], np.log(p_lm)[lam == 0])  # exactly the LM
-    with pytest.raises(MemlmError, match=r"\[0, 1\]"):
-        interpolate_per_token(torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 1.5]))
+    with pytest.raises(MemlmError, match="sum to 1"):
+        mix([torch.zeros(2), torch.zeros(2)], weights=[torch.tensor([0.5, -0.5]), torch.tensor([0.5, 1.5])])
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.25, 0.9, 1.0])
-def test_constant_gate_equals_interpolate(lam):
+def test_constant_gate_equals_the_constant_mixture(lam):
     rng = np.random.default_rng(1)
     feats = gate_features(rng.uniform(0, 6, 50), -rng.uniform(0, 5, 50), rng.integers(0, 500, 50))
     lm = torch.log(torch.tensor(rng.uniform(0.01, 1, 50), dtype=torch.float32))
@@ -316,7 +317,9 @@ def test_constant_gate_equals_interpolate(lam):
     lam_t = gate.lambdas(feats)
     np.testing.assert_allclose(lam_t, lam, rtol=1e-7)
     np.testing.assert_allclose(
-        interpolate_per_token(lm, knn, lam_t).numpy(), interpolate(lm, knn, lam).numpy(), atol=1e-6
+        mix([lm, knn], weights=[1 - torch.from_numpy(lam_t), torch.from_numpy(lam_t)]).numpy(),
+        mix([lm, knn], weights=[1 - lam, lam]).numpy(),
+        atol=1e-6,
     )
 
 
@@ -340,8 +343,9 @@ def test_trained_gate_learns_where_the_knn_term_helps(tmp_path):
     assert lam[high].mean() > 0.8 and lam[~high].mean() < 0.1, (lam[high].mean(), lam[~high].mean())
     # better than the best constant λ on the same tokens
     lm_t, knn_t = torch.from_numpy(lm), torch.from_numpy(knn)
-    best_const = min(-interpolate(lm_t, knn_t, c).mean().item() for c in np.linspace(0, 1, 21))
-    assert -interpolate_per_token(lm_t, knn_t, lam).mean().item() < best_const - 0.5
+    best_const = min(-mix([lm_t, knn_t], weights=[1 - c, c]).mean().item() for c in np.linspace(0, 1, 21))
+    lam_t = torch.from_numpy(lam)
+    assert -mix([lm_t, knn_t], weights=[1 - lam_t, lam_t]).mean().item() < best_const - 0.5
     # deterministic, and a save/load round trip gives the same gate
     again = train_gate(feats, lm, knn, steps=150, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(gate.state_dict().values(), again.state_dict().values(), strict=True))

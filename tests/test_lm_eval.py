@@ -15,7 +15,7 @@ from test_datastore import build
 pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from memlm.core.distribution import mix_logprobs  # noqa: E402
+from memlm.core.distribution import mix  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
 from memlm.knnlm.evaluate import memory_logprob, score_tokens  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
@@ -161,7 +161,7 @@ def test_rolling_equals_memlm_eval(tiny_lm, ds, cache):
     if cache:
         comps.append(memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, 1.0))
         weights = [1 - lam - cache_lam, lam, cache_lam]
-    per_token = mix_logprobs(comps, weights).double().numpy()
+    per_token = mix(comps, weights=weights).double().numpy()
     assert len(per_token) == n + 1  # the text's tokens, then the final EOS
     assert got == pytest.approx(per_token[:n].sum(), rel=1e-5)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.core.distribution import interpolate, log_weights_from_logits, mix_logprobs, mixture_posterior, perplexity
+from memlm.core.distribution import log_weights_from_logits, mix, mix_posterior, perplexity
 from memlm.core.mixture import (
     FitOptions,
     Mixture,
@@ -66,9 +66,11 @@ def test_log_weights_and_posterior_match_numpy():
     logp = random_logp(rng, 50, 4)
     log_w = ref.copy()
     log_w[:5, 2] = -np.inf  # weight 0: left out whatever p holds, even NaN
+    log_w[:5] -= np.log(np.exp(log_w[:5]).sum(1, keepdims=True))  # the other weights renormalised to sum to 1
     logp_nan = logp.copy()
     logp_nan[:5, 2] = np.nan
-    total, post = mixture_posterior(torch.from_numpy(logp_nan), torch.from_numpy(log_w))
+    total, post = mix_posterior(torch.from_numpy(logp_nan).T, torch.from_numpy(log_w).T)
+    post = post.T
     w = np.exp(log_w)
     p = np.exp(logp)
     p[:5, 2] = 0.0
@@ -77,7 +79,7 @@ def test_log_weights_and_posterior_match_numpy():
     with np.errstate(divide="ignore"):
         assert np.allclose(post.exp().numpy(), w * p / P[:, None], atol=1e-12)
     # a token where every weighted component gives 0: P = 0, no posterior mass, no NaN
-    total, post = mixture_posterior(torch.tensor([[-np.inf, -np.inf]]), torch.tensor([[0.0, -np.inf]]))
+    total, post = mix_posterior(torch.tensor([[-np.inf], [-np.inf]]), torch.tensor([[0.0], [-np.inf]]))
     assert total.item() == -np.inf and torch.isneginf(post).all()
 
 
@@ -201,10 +203,10 @@ def test_constant_mixture_is_khandelwals_interpolation():
     lam, tau = 0.3, 2.0
     inp = mixture_inputs(ts, temperature=tau)
     assert inp.components == ("lm", "knn")
-    mix = Mixture.constant(inp.components, [1 - lam, lam], inp.feature_names)
-    got = mix.logprob(inp.logprobs, inp.features)
+    mixture = Mixture.constant(inp.components, [1 - lam, lam], inp.feature_names)
+    got = mixture.logprob(inp.logprobs, inp.features)
     lm, knn = torch.from_numpy(inp.logprobs[:, 0]), torch.from_numpy(inp.logprobs[:, 1])
-    assert torch.allclose(got, interpolate(lm, knn, lam), rtol=0, atol=1e-12)
+    assert torch.allclose(got, mix([lm, knn], weights=[1 - lam, lam]), rtol=0, atol=1e-12)
     assert np.isclose(perplexity(got), perplexities(ts, lam=lam, temperature=tau)["knn_ppl"], rtol=1e-6)
 
 
@@ -218,7 +220,7 @@ def test_constant_mixture_is_the_kNN_plus_cache_mixture():
         inp.logprobs, inp.features
     )
     cols = [torch.from_numpy(inp.logprobs[:, i]) for i in range(3)]
-    assert torch.allclose(got, mix_logprobs(cols, [1 - lam - lam_c, lam, lam_c]), rtol=0, atol=1e-12)
+    assert torch.allclose(got, mix(cols, weights=[1 - lam - lam_c, lam, lam_c]), rtol=0, atol=1e-12)
     today = perplexities(ts, lam=lam, temperature=tau, cache_lambda=lam_c, cache_temperature=tau_c)["knn_cache_ppl"]
     assert np.isclose(perplexity(got), today, rtol=1e-6)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import Doc
 
-from memlm.core.distribution import interpolate
+from memlm.core.distribution import mix
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
 from memlm.errors import MemlmError
@@ -42,7 +42,7 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
     lantern = tok(" lanterns", add_special_tokens=False)["input_ids"][0]
     pos = int(np.flatnonzero(ts.targets == lantern)[0])
     knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature=10.0)
-    mixed = interpolate(torch.from_numpy(ts.lm_logprob), knn, 0.25)
+    mixed = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[0.75, 0.25])
     assert mixed[pos] > ts.lm_logprob[pos] + 0.1, (float(mixed[pos].exp()), float(np.exp(ts.lm_logprob[pos])))
 
 

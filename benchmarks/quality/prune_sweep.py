@@ -121,7 +121,7 @@ def _authors_weighting(valid, test) -> dict[str, Any]:
     and test with that weighting, for comparison with memlm's w * exp(s / tau)."""
     import torch
 
-    from memlm.core.distribution import mix_logprobs, perplexity
+    from memlm.core.distribution import mix, perplexity
     from memlm.knnlm.evaluate import memory_logprob
 
     lambdas, temperatures = _grid()
@@ -130,7 +130,7 @@ def _authors_weighting(valid, test) -> dict[str, Any]:
         return memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t, None, ts.knn_log_counts / t)
 
     def ppl(ts, knn_lp, lam):
-        return perplexity(mix_logprobs([torch.from_numpy(ts.lm_logprob), knn_lp], [1.0 - lam, lam]))
+        return perplexity(mix([torch.from_numpy(ts.lm_logprob), knn_lp], weights=[1.0 - lam, lam]))
 
     best = (float("inf"), None, None)
     for t in temperatures:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memlm.core.distribution import mix_logprobs, perplexity
+from memlm.core.distribution import mix, perplexity
 from memlm.data.corpora import load_documents
 from memlm.knnlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
 from memlm.models.forward import rolling_forward
@@ -92,7 +92,7 @@ def _sum_logprob(ts: TokenScores, lam: float, tau: float) -> float:
     if ts.knn_scores is None or lam == 0:
         return float(lm.double().sum())
     knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, tau)
-    return float(mix_logprobs([lm, knn], [1 - lam, lam]).double().sum())
+    return float(mix([lm, knn], weights=[1 - lam, lam]).double().sum())
 
 
 def _row(ts: TokenScores, raw: list[str], lam: float, tau: float) -> dict:

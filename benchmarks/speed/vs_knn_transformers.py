@@ -270,7 +270,7 @@ def their_version(checkout: Path) -> dict[str, Any]:
 
 
 def run_memlm(args, model, tok, docs, params: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray]:
-    from memlm.core.distribution import interpolate, knn_target_logprob
+    from memlm.core.distribution import knn_target_logprob, mix
     from memlm.knnlm.evaluate import perplexities, score_tokens
 
     ds = Datastore.open(args.datastore)
@@ -290,7 +290,8 @@ def run_memlm(args, model, tok, docs, params: dict[str, Any]) -> tuple[dict[str,
     ts = rec.pop("_ts")
     knn = knn_target_logprob(torch.from_numpy(ts.knn_scores), torch.from_numpy(ts.knn_values).long(),
                              torch.from_numpy(ts.targets), params["temperature"])  # fmt: skip
-    per_token = interpolate(torch.from_numpy(ts.lm_logprob), knn, params["lambda"]).numpy()
+    lam = params["lambda"]
+    per_token = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[1 - lam, lam]).numpy()
     rec.update(tokens_per_s=rec["tokens"] / rec["seconds"], ppl_from_per_token=float(np.exp(-per_token.mean())))
     return rec, per_token
 

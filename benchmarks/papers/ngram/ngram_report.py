@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import torch
 
-from memlm.core.distribution import mix_logprobs, perplexity
+from memlm.core.distribution import mix, perplexity
 from memlm.knnlm.evaluate import TokenScores, memory_logprob, tune
 from memlm.ngram.mixture import ngram_report, tune_ngram
 from memlm.storage.fileio import atomic_write_json
@@ -98,7 +98,7 @@ def main() -> None:
         knn = memory_logprob(
             test.knn_scores, test.knn_values, test.targets, kbest["temperature"], None, test.knn_log_counts
         )
-        mixed = mix_logprobs([lm, knn], [1 - kbest["lambda"], kbest["lambda"]])
+        mixed = mix([lm, knn], weights=[1 - kbest["lambda"], kbest["lambda"]])
         out["knn"] = {
             "tuned_on_valid": kbest,
             "ppl": perplexity(mixed),

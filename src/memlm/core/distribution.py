@@ -10,7 +10,7 @@ where ``s`` is a similarity (negative squared L2 distance or inner product: larg
 ``tau`` a temperature, ``n_i`` the number of original entries merged into entry ``i`` by datastore pruning (He et al.
 2021; ``n_i = 1`` without pruning) and the sum over entries that share a value is Xu's ``M``
 (:func:`value_logsumexp`). ``mask-to-k`` (:func:`mask_to_k`) keeps the ``k`` best of a dense score row. The LM and
-the memory are then interpolated (Eq. 3), with a fixed or a per-token ``lambda``::
+the memory are then interpolated (Eq. 3, :func:`mix`), with a fixed or a per-token ``lambda``::
 
     p(w | c) = (1 - lambda) * p_LM(w | c) + lambda * p_mem(w | c)
 
@@ -30,8 +30,10 @@ ids). Everything here is plain torch on CPU or GPU and has a brute-force NumPy r
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,8 +44,6 @@ __all__ = [
     "METRICS",
     "check_metric",
     "check_temperature",
-    "interpolate",
-    "interpolate_per_token",
     "joint_distribution",
     "joint_target_logprob",
     "log_weights_from_logits",
@@ -52,10 +52,8 @@ __all__ = [
     "knn_weights",
     "mask_to_k",
     "memory_lse",
-    "mix_log_distributions",
-    "mix_logprobs",
-    "mix_logprobs_per_token",
-    "mixture_posterior",
+    "mix",
+    "mix_posterior",
     "perplexity",
     "similarity",
     "value_logsumexp",
@@ -241,143 +239,99 @@ def knn_distribution(
 # ------------------------------------------------------------------------------------------------- combiners
 
 
-def interpolate(lm_logprob: torch.Tensor, mem_logprob: torch.Tensor, lam: float) -> torch.Tensor:
-    """Eq. 3 in log space: ``log((1 - lambda) * p_LM + lambda * p_mem)``; works on any matching shapes."""
-    return mix_logprobs([lm_logprob, mem_logprob], [1.0 - lam, lam])
-
-
-def _as_logprob(x, name: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
-    if not t.is_floating_point():
-        raise MemlmError(f"{name} must hold float log-probabilities, got {t.dtype}")
-    return t.to(torch.float64) if t.dtype == torch.float64 else t.float()
-
-
-def interpolate_per_token(lm_logprob, knn_logprob, lam) -> torch.Tensor:
-    """Eq. 3 with a per-token λ in log space: ``log((1 - λ_t) p_LM + λ_t p_kNN)`` (He et al. 2021's adaptive gate).
-
-    ``lam`` is a tensor/array of per-token weights in ``[0, 1]`` (or a scalar). The convention of
-    :func:`mix_logprobs`: log-probabilities in, ``-inf`` = probability 0; a component with
-    weight 0 is left out, so where ``λ_t = 0`` the result is exactly ``log p_LM`` whatever ``knn_logprob`` holds
-    there (``-inf``, nan or garbage: a token whose search was skipped), and where ``λ_t = 1`` exactly ``log p_kNN``.
-    """
-    lm = _as_logprob(lm_logprob, "lm_logprob")
-    knn = _as_logprob(knn_logprob, "knn_logprob").to(lm.dtype)
-    lam = torch.as_tensor(lam, dtype=torch.float64)
-    if torch.isnan(lam).any() or (lam < 0).any() or (lam > 1).any():
-        raise MemlmError("per-token λ must be in [0, 1]")
-    lam = torch.broadcast_to(lam, torch.broadcast_shapes(lam.shape, lm.shape, knn.shape))
-    neg_inf = torch.tensor(float("-inf"), dtype=lm.dtype)
-    w_lm = torch.log1p(-lam).to(lm.dtype)  # -inf at λ = 1
-    w_knn = torch.log(lam).to(lm.dtype)  # -inf at λ = 0
-    a = torch.where(lam < 1, lm + w_lm, neg_inf)
-    b = torch.where(lam > 0, knn + w_knn, neg_inf)
-    return torch.logsumexp(torch.stack([a, b]), dim=0)
-
-
-def mix_logprobs(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``log sum_j w_j p_j`` for a mixture of distributions given as log-probabilities (weights sum to 1).
-
-    Used for LM + kNN (Eq. 3), LM + kNN + continuous cache (Khandelwal et al. Table 1) and TRIME's Eq. 9. Computed
-    in float32, or float64 when an input is float64. A component with weight 0 contributes nothing, whatever it holds.
-    """
-    if len(logprobs) != len(weights) or not logprobs:
-        raise MemlmError("mix_logprobs needs one weight per distribution")
-    if any(w < -1e-9 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
-        raise MemlmError(f"interpolation weights must be >= 0 and sum to 1, got {list(weights)}")
-    weights = [max(0.0, w) for w in weights]  # 1 - λ - λc can round to -1e-17
-    dtype = torch.float64 if any(lp.dtype == torch.float64 for lp in logprobs) else torch.float32
-    terms = [
-        lp.to(dtype) + math.log(w) if w > 0 else torch.full_like(lp, _NINF, dtype=dtype)
-        for lp, w in zip(logprobs, weights, strict=True)
-    ]
-    return torch.logsumexp(torch.stack(terms), dim=0)
-
-
-def mix_logprobs_grid(logprobs: Sequence[torch.Tensor], weights: Sequence[Sequence[float]]) -> torch.Tensor:
-    """:func:`mix_logprobs` for a grid of weightings at once: ``out[g] = log sum_j w_j[g] p_j`` of shape
-    ``[G, *logprobs[0].shape]``, ``weights[j][g]`` the weight of component ``j`` in weighting ``g`` (each weighting's
-    weights >= 0, summing to 1; clamped at 0 as there). Same dtype rule as :func:`mix_logprobs`, and a component with
-    weight 0 contributes nothing. Used to tune a weight over a grid in one pass (e.g. the ∞-gram's λ_sparse)."""
-    if len(logprobs) != len(weights) or not logprobs:
-        raise MemlmError("mix_logprobs_grid needs one weight row per distribution")
-    w = torch.tensor([[float(x) for x in row] for row in weights], dtype=torch.float64)  # [J, G]
-    ones = torch.ones(w.shape[-1], dtype=w.dtype)
-    if w.ndim != 2 or bool((w < -1e-9).any()) or not torch.allclose(w.sum(0), ones, rtol=0.0, atol=1e-6):
-        raise MemlmError("every weighting of mix_logprobs_grid must have weights >= 0 that sum to 1")
-    w = w.clamp_min(0.0)  # 1 - λ - w can round to -1e-17
-    dtype = torch.float64 if any(lp.dtype == torch.float64 for lp in logprobs) else torch.float32
-    shape = (-1,) + (1,) * logprobs[0].ndim
-    terms = [
-        torch.where(wj.view(shape) > 0, lp.to(dtype)[None] + wj.clamp_min(1e-300).log().to(dtype).view(shape), _NINF)
-        for lp, wj in zip(logprobs, w, strict=True)
-    ]
-    return torch.logsumexp(torch.stack(terms), dim=0)
-
-
-def mix_logprobs_per_token(logprobs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | float]) -> torch.Tensor:
-    """:func:`mix_logprobs` with per-token weights: ``log sum_j w_j(t) p_j(t)``, computed in float64.
-
-    Each ``weights[j]`` is a scalar or a tensor broadcastable to the log-probabilities (e.g. an adaptive gate's
-    ``λ_t``, He et al. 2021); at every token the weights are >= 0 and sum to 1. A component with weight 0 at a token
-    contributes nothing there, whatever it holds (``-inf``, nan: a token whose search was skipped).
-    """
-    if len(logprobs) != len(weights) or not logprobs:
-        raise MemlmError("mix_logprobs_per_token needs one weight per distribution")
-    lp = torch.stack([torch.as_tensor(x).double() for x in torch.broadcast_tensors(*logprobs)])
-    w = torch.stack([torch.as_tensor(x, dtype=torch.float64).expand(lp.shape[1:]) for x in weights])
-    if torch.isnan(w).any() or (w < -1e-9).any() or not torch.allclose(w.sum(0), torch.ones(()).double(), atol=1e-6):
-        raise MemlmError("per-token interpolation weights must be >= 0 and sum to 1 at every token")
-    w = w.clamp(min=0.0)  # 1 - λ_t - λc can round to -1e-17
-    return torch.logsumexp(torch.where(w > 0, lp + w.log(), _NINF), dim=0)
-
-
 def log_weights_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """``log softmax_i(a_i)`` over the last dim: a gate's mixture weights ``log λ_i = a_i - log sum_j e^{a_j}``
     (:mod:`memlm.core.mixture`, ``a = W φ + b``). ``logits`` float ``[..., C]``, finite."""
     return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
-def mix_log_distributions(logprobs: Sequence[torch.Tensor], log_weights: torch.Tensor) -> torch.Tensor:
-    """``log sum_i λ_ti p_ti`` with per-row weights, for targets or whole distributions::
-
-        log P(w | c_t) = logsumexp_i(log λ_ti + log p_i(w | c_t))
-
-    ``logprobs[i]`` is component i's log-probabilities, ``[N]`` (of each target) or ``[N, V]`` (over the
-    vocabulary); ``log_weights`` ``[N, C]`` (``-inf`` = weight 0: that component contributes nothing there, whatever
-    it holds). Accumulated one component at a time (no ``[N, V, C]`` tensor), in the floating dtype of the
-    log-probabilities (float64 when the weights are and the inputs are one value per row)."""
-    if not logprobs or log_weights.ndim != 2 or log_weights.shape[1] != len(logprobs):
-        raise MemlmError(f"mix_log_distributions needs [rows, {len(logprobs)}] log-weights, one column per "
-                         f"component; got {tuple(log_weights.shape)}")  # fmt: skip
-    first = torch.as_tensor(logprobs[0])
-    dtype = torch.promote_types(first.dtype, torch.float32)
-    if first.ndim == 1:
-        dtype = torch.promote_types(dtype, log_weights.dtype)
-    out = None
-    for i, lp in enumerate(logprobs):
-        lp = torch.as_tensor(lp).to(dtype)
-        lw = log_weights[:, i].to(device=lp.device, dtype=dtype).reshape(-1, *([1] * (lp.ndim - 1)))
-        term = torch.where(torch.isneginf(lw), _NINF, lw + lp)
-        out = term if out is None else torch.logaddexp(out, term)
-    return out
+def _log_weights(log_weights: Sequence[Any] | None, weights: Sequence[Any] | None, n: int) -> Sequence[Any]:
+    """:func:`mix`'s log-weights, taken from probability-space ``weights`` when given (``math.log`` of numbers, a
+    float64 log of tensors; a weight in ``[-1e-9, 0)``, as ``1 - λ - λc`` can round to, is 0), refused unless the
+    weights are one per component and sum to 1 (within 1e-6) at every position."""
+    if (log_weights is None) == (weights is None):
+        raise MemlmError("give the mixture weights once: log_weights (log space) or weights (probability space)")
+    given = log_weights if weights is None else weights
+    if not n or len(given) != n:
+        raise MemlmError(f"a mixture needs one weight per component: {n} components, {len(given)} weights")
+    if weights is not None and all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights):
+        log_weights = [math.log(w) if w > 0 else _NINF if w >= -1e-9 else math.nan for w in weights]
+    elif weights is not None:
+        w64 = [torch.as_tensor(w, dtype=torch.float64) for w in weights]
+        log_weights = [torch.where(w >= -1e-9, w.clamp(min=0.0), math.nan).log() for w in w64]  # NaN below -1e-9
+    with torch.no_grad():
+        total = torch.stack(torch.broadcast_tensors(*(torch.as_tensor(w, dtype=torch.float64, device="cpu")
+                                                      for w in log_weights))).exp().sum(0)  # fmt: skip
+    if not bool(((total - 1.0).abs() <= 1e-6).all()):  # NaN fails too
+        shown = f", got {list(given)}" if all(isinstance(w, int | float) for w in given) else ""
+        raise MemlmError(f"mixture weights must be >= 0 and sum to 1 at every position (token, grid point){shown}")
+    return log_weights
 
 
-def mixture_posterior(logprobs: torch.Tensor, log_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mixture ``P_t = sum_i λ_ti p_ti`` and its posterior over components, in log space::
+def _weighted(log_probs: Sequence[Any], log_weights: Any, weights: Any) -> Iterator[torch.Tensor]:
+    """``log w_j + log p_j`` per component, lazily (``-inf`` where ``w_j = 0``, whatever ``p_j`` holds)."""
+    log_weights = _log_weights(log_weights, weights, len(log_probs))
+    lps = [torch.as_tensor(lp) for lp in log_probs]
+    dtype = functools.reduce(torch.promote_types, (lp.dtype for lp in lps), torch.float32)
+    for lp, lw in zip(lps, log_weights, strict=True):
+        lw = torch.as_tensor(lw, dtype=dtype, device=lp.device)  # a Python float rounded once, to dtype
+        yield torch.where(torch.isneginf(lw), _NINF, lw + lp.to(dtype))
 
-        log P_t = logsumexp_i(log λ_ti + log p_ti),     log r_ti = log λ_ti + log p_ti - log P_t
 
-    ``logprobs`` ``[..., C]`` (``-inf`` = probability 0), ``log_weights`` broadcastable to it (``-inf`` = weight 0).
-    ``r`` are EM's responsibilities and the weights of the gate's gradient (:mod:`memlm.core.mixture`). A component
-    with weight 0 contributes nothing whatever it holds; where ``P_t = 0`` every ``log r_ti`` is ``-inf``.
-    Returns ``(log P [...], log r [..., C])``.
+def _log_total(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``logsumexp_j`` of the terms, accumulated one at a time (``logaddexp``): no ``[C, ...]`` tensor."""
+    total = None
+    for term in terms:
+        total = term if total is None else torch.logaddexp(total, term)
+    assert total is not None  # _weighted refuses no components
+    return total
+
+
+def mix(
+    log_probs: Sequence[Any], log_weights: Sequence[Any] | None = None, *, weights: Sequence[Any] | None = None
+) -> torch.Tensor:
+    """The mixture of distributions given as log-probabilities, in log space: the one combiner of memlm::
+
+        log P = logsumexp_j(log w_j + log p_j) = log sum_j w_j p_j,        sum_j w_j = 1, w_j >= 0
+
+    It is the kNN-LM's interpolation ``(1 - λ) p_LM + λ p_kNN`` (Khandelwal et al. 2020, Eq. 2; Eq. 3 of Xu et al.
+    2023), with a continuous cache beside it (Table 1), the ∞-gram's ``λ p∞ + (1 - λ) p_neural`` (Liu et al. 2024,
+    Sec. 5), TRIME's Eq. 9, an adaptive per-token λ_t (He et al. 2021) and the learned mixture's
+    ``sum_i λ_i(c) P_i`` (:mod:`memlm.core.mixture`).
+
+    ``log_probs``: C tensors (or a tensor ``[C, ...]``) of log-probabilities, ``-inf`` = probability 0. The weights,
+    one entry per component, in log space (``log_weights``, ``-inf`` = weight 0) or, keyword-only, in probability
+    space (``weights``: numbers or tensors, >= 0, summing to 1; a weight in ``[-1e-9, 0)`` counts as 0). Either way
+    the weights must sum to 1 (within 1e-6) at every position, or MemlmError. Entry ``j`` broadcasts against
+    ``log_probs[j]`` and the result has the broadcast shape:
+
+    * a number (or 0-dim tensor) per component: constant weights (every paper's fixed λ);
+    * a tensor shaped like the log-probabilities (or broadcastable: ``[N, 1]`` for rows ``[N, V]``): per-token
+      weights (an adaptive gate's λ_t, the learned mixture's λ(c_t));
+    * ``[G, 1, ..., 1]`` beside log-probabilities ``[N, ...]``: a grid of G weightings at once, ``[G, N, ...]`` out
+      (a tuning grid in one pass).
+
+    A component of weight 0 contributes nothing there, whatever it holds (``-inf``, NaN: a token whose search was
+    skipped); a component with ``log p = -inf`` contributes nothing at any weight; where every weighted component is
+    ``-inf`` the result is ``-inf``. Computed in the log-probabilities' floating dtype (float32 at least, float64 when
+    one is), the weights rounded to it; accumulated one component at a time with ``logaddexp`` (no ``[C, N, V]``
+    tensor over a vocabulary). Differentiable in both arguments.
     """
-    logprobs, log_weights = torch.broadcast_tensors(logprobs, log_weights)
-    terms = torch.where(torch.isneginf(log_weights), _NINF, log_weights + logprobs)
-    total = torch.logsumexp(terms, dim=-1)
-    posterior = torch.where(torch.isfinite(total).unsqueeze(-1), terms - total.unsqueeze(-1), _NINF)
-    return total, posterior
+    return _log_total(_weighted(log_probs, log_weights, weights))
+
+
+def mix_posterior(log_probs: Sequence[Any], log_weights: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mix` and its posterior over the components (EM's responsibilities, Dempster et al. 1977)::
+
+        log P = logsumexp_j(log w_j + log p_j),        log r_j = log w_j + log p_j - log P
+
+    Arguments as :func:`mix`'s (log space). ``r`` are the learned mixture's EM step and the weights of its gate's
+    gradient (:mod:`memlm.core.mixture`). Where ``P = 0`` every ``log r_j`` is ``-inf``. Returns
+    ``(log P [...], log r [C, ...])``, the components stacked first.
+    """
+    terms = torch.stack(torch.broadcast_tensors(*_weighted(log_probs, log_weights, None)))
+    total = _log_total(terms)
+    return total, torch.where(torch.isfinite(total), terms - total, _NINF)
 
 
 def joint_distribution(logits: torch.Tensor, value_masses: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -23,7 +23,8 @@ Here the weights come from a gate over per-token features φ(c) of the LM and of
 
 Inputs per scored token: ``logprobs [N, C]``, each component's log-probability of the target (``-inf`` where a
 memory gives it 0; the LM, component 0, is finite everywhere), and ``features [N, F]`` (finite), named.
-Normalisations go through :mod:`memlm.core.distribution` (:func:`log_weights_from_logits`, :func:`mixture_posterior`).
+Normalisations and the mixing go through :mod:`memlm.core.distribution` (:func:`log_weights_from_logits`,
+:func:`mix`, :func:`mix_posterior`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.core.distribution import log_weights_from_logits, mix_log_distributions, mixture_posterior
+from memlm.core.distribution import log_weights_from_logits, mix, mix_posterior
 from memlm.errors import MemlmError
 
 __all__ = [
@@ -192,7 +193,7 @@ class Mixture:
     def logprob(self, logprobs: Any, features: Any = None) -> torch.Tensor:
         """``log P(target)`` per token, float64 ``[N]``."""
         lp, ft = self._inputs(logprobs, features)
-        return mixture_posterior(lp, self._log_weights(ft))[0]
+        return mix(lp.T, self._log_weights(ft).T)
 
     def features_of(self, named: Mapping[str, Any], rows: int) -> torch.Tensor:
         """``φ [rows, F]`` float64 from features given by name (each ``[rows]``): the columns this mixture uses, in
@@ -217,8 +218,11 @@ class Mixture:
                              f"{', '.join(logprobs) or 'nothing'}: give the memories it was made for, in any order "
                              "(a stored fit: the ones it was fitted on)")  # fmt: skip
         comps = [torch.as_tensor(logprobs[c]) for c in self.components]
-        rows = comps[0].shape[0]
-        return mix_log_distributions(comps, self._log_weights(self.features_of(features or {}, rows)))
+        rows, per_target = comps[0].shape[0], comps[0].ndim == 1
+        log_w = self._log_weights(self.features_of(features or {}, rows)).T  # [C, N] float64
+        if per_target:  # one value per row: mixed in float64, as the weights
+            return mix([c.double() for c in comps], log_w)
+        return mix(comps, log_w.reshape(*log_w.shape, *([1] * (comps[0].ndim - 1))))  # the weights per row
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (``b = -inf``, weight 0, is written as null)."""
@@ -257,7 +261,7 @@ def fit_constant(logprobs: Any, tol: float = 1e-10, max_iter: int = 10_000) -> t
     for it in range(1, max_iter + 1):
         with np.errstate(divide="ignore"):
             log_lam = lam.log()
-        new = mixture_posterior(lp, log_lam)[1].exp().mean(0)
+        new = mix_posterior(lp.T, log_lam)[1].exp().mean(1)
         new = new / new.sum()
         moved = float((new - lam).abs().max())
         lam = new
@@ -278,9 +282,9 @@ def gate_objective(theta: torch.Tensor, logprobs: torch.Tensor, z: torch.Tensor,
     W = torch.cat([torch.zeros(1, f, dtype=theta.dtype), theta[: (c - 1) * f].reshape(c - 1, f)])
     b = torch.cat([torch.zeros(1, dtype=theta.dtype), theta[(c - 1) * f :]])
     log_lam = log_weights_from_logits(z @ W.T + b)
-    log_p, log_r = mixture_posterior(logprobs, log_lam)
+    log_p, log_r = mix_posterior(logprobs.T, log_lam.T)
     value = -log_p.mean() + 0.5 * l2 * (W * W).sum()
-    g = (log_lam.exp() - log_r.exp()) / n  # [N, C]: d(-mean log P)/da
+    g = (log_lam.exp() - log_r.T.exp()) / n  # [N, C]: d(-mean log P)/da
     grad_w = g.T @ z + l2 * W
     return value, torch.cat([grad_w[1:].reshape(-1), g.sum(0)[1:]])
 

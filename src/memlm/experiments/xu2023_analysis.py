@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.core.distribution import interpolate, perplexity
+from memlm.core.distribution import mix, perplexity
 from memlm.core.tuning import grid_search
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
@@ -173,14 +173,15 @@ def interpolation_row(
     Used for memories that come as target log-probabilities (the learned W_ds); datastore dumps go through
     :func:`memlm.knnlm.evaluate.tune`, which also tunes τ.
     """
-    tuned = grid_search(lambda lam: perplexity(interpolate(valid_lm, valid_mem, lam)), {"lam": lambdas})["best"]
+    tuned = grid_search(lambda lam: perplexity(mix([valid_lm, valid_mem], weights=[1 - lam, lam])), {"lam": lambdas})
+    tuned = tuned["best"]
     best = tuned["lam"]
     return {
         "lambda": best,
         "valid_ppl": tuned["ppl"],
         "base_ppl": perplexity(test_lm),
         "memory_ppl": perplexity(test_mem),
-        "interp_ppl": perplexity(interpolate(test_lm, test_mem, best)),
+        "interp_ppl": perplexity(mix([test_lm, test_mem], weights=[1 - best, best])),
         "oracle_ppl": perplexity(torch.maximum(test_lm, test_mem)),
     }
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from memlm.core.distribution import mix
 from memlm.errors import MemlmError
 from memlm.storage.fileio import atomic_write_bytes, dumps_json
 
@@ -150,8 +151,7 @@ def gate_loss(gate: AdaptiveGate, features: torch.Tensor, lm: torch.Tensor, knn:
     """He et al.'s objective ``-mean log((1 - λ) p_LM + λ p_kNN)``, with ``log λ`` and ``log(1 - λ)`` as log-sigmoids
     (stable for saturated gates); ``knn = -inf`` (target not retrieved) contributes ``(1 - λ) p_LM`` only."""
     z = gate.logits(features)
-    terms = torch.stack([torch.nn.functional.logsigmoid(-z) + lm, torch.nn.functional.logsigmoid(z) + knn])
-    return -torch.logsumexp(terms, dim=0).mean()
+    return -mix([lm, knn], [torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)]).mean()
 
 
 def train_gate(

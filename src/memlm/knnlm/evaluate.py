@@ -28,12 +28,7 @@ from tqdm.auto import tqdm
 
 from memlm.core.bootstrap import DIFFERENCES, DocumentBootstrap, evidence
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
-from memlm.core.distribution import (
-    interpolate_per_token,
-    mix_logprobs,
-    mix_logprobs_per_token,
-    perplexity,
-)
+from memlm.core.distribution import mix, perplexity
 from memlm.core.dumps import TokenDump
 from memlm.core.frequency import frequency_buckets
 from memlm.core.memory import Memory
@@ -601,10 +596,8 @@ def perplexities(
 
     if has_knn:
         knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
-        if adaptive:  # He et al.'s per-token λ: not a fixed weight
-            mixed = interpolate_per_token(lm, knn, torch.from_numpy(ts.knn_lambda))
-        else:
-            mixed = rule_row("knn_ppl", {"knn": lam})
+        lam_t = torch.from_numpy(ts.knn_lambda).double() if adaptive else None  # He et al.'s per-token λ
+        mixed = mix([lm, knn], weights=[1.0 - lam_t, lam_t]) if adaptive else rule_row("knn_ppl", {"knn": lam})
         out.update(
             knn_ppl=perplexity(mixed),
             knn_only_ppl=perplexity(knn),
@@ -644,7 +637,7 @@ def _with_cache(ts: TokenScores, lm_knn: tuple, lam: float, cache: tuple[float, 
         return rule_row({**({"knn": lam} if knn is not None else {}), "cache": cache[0]})
     p_cache = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache[1])
     lam_t = torch.from_numpy(ts.knn_lambda).double().clamp(max=1.0 - cache[0])
-    return mix_logprobs_per_token([lm, knn, p_cache], [1.0 - lam_t - cache[0], lam_t, cache[0]])
+    return mix([lm.double(), knn.double(), p_cache.double()], weights=[1.0 - lam_t - cache[0], lam_t, cache[0]])
 
 
 def _several_datastores(ts: TokenScores, first: tuple[float, float], k: int | None, datastores, into: tuple) -> None:
@@ -718,7 +711,7 @@ def tune(
         if cache_lambda:
             comps.append(cache(cache_temperature))
             weights.append(cache_lambda)
-        return perplexity(mix_logprobs(comps, weights))
+        return perplexity(mix(comps, weights=weights))
 
     grid = {"lambda": lambdas, "temperature": temperatures, "cache_lambda": cache_lambdas,
             "cache_temperature": cache_temperatures}  # fmt: skip

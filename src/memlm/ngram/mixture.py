@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from memlm.core.bootstrap import evidence
-from memlm.core.distribution import mix_logprobs_grid, perplexity
+from memlm.core.distribution import mix, perplexity
 from memlm.core.tuning import grid_search
 from memlm.errors import MemlmError
 
@@ -160,14 +160,14 @@ def ngram_logprobs(
 def _best_weight(lm, ng, knn, lam: float, lambdas: Sequence[float]) -> tuple[float, float]:
     """The ∞-gram weight ``w`` among ``lambdas`` (those with λ + w <= 1) whose mixture ``(1 - λ - w) p_LM + w P∞
     (+ λ p_kNN)`` has the lowest perplexity on these tokens, and that perplexity: what :func:`grid_search` picks over
-    :func:`memlm.core.distribution.mix_logprobs` (the first of equal ones; nan never wins), every candidate in one
-    ``[W, n]`` pass."""
+    :func:`memlm.core.distribution.mix` (the first of equal ones; nan never wins), every candidate in one ``[W, n]``
+    pass (a grid of weightings)."""
     cands = [w for w in lambdas if lam + w <= 1.0 + 1e-9]
     comps, rows = [lm, ng], [[1.0 - lam - w for w in cands], cands]
     if knn is not None:
         comps.append(knn)
         rows.append([lam] * len(cands))
-    nll = -mix_logprobs_grid(comps, rows).double().sum(-1)
+    nll = -mix(comps, weights=[torch.tensor(r, dtype=torch.float64)[:, None] for r in rows]).double().sum(-1)
     ppl = torch.exp(nll / max(1, lm.shape[0]))
     ppl = torch.where(torch.isnan(ppl), math.inf, ppl)
     best = int(torch.argmin(ppl))  # the first of equal minima, as grid_search

@@ -60,7 +60,7 @@ from memlm.core.distribution import (
     knn_distribution,
     knn_target_logprob,
     memory_lse,
-    mix_logprobs,
+    mix,
     perplexity,
     value_logsumexp,
 )
@@ -663,7 +663,7 @@ def _combine(
     joint = joint_target_logprob(tl, lse, [*local, ext])
     if lam == 0 or knn is None:
         return joint
-    return mix_logprobs([joint, knn.double()], [1.0 - lam, lam])  # Eq. 9, float64
+    return mix([joint, knn.double()], weights=[1.0 - lam, lam])  # Eq. 9, float64
 
 
 def trime_target_logprobs(
@@ -764,7 +764,7 @@ def trime_log_distribution(
     knn = knn_distribution(
         ext_scores.double(), ext_values.long(), v, temperature if knn_temperature is None else knn_temperature
     )
-    return mix_logprobs([joint, knn], [1.0 - lam, lam])
+    return mix([joint, knn], weights=[1.0 - lam, lam])
 
 
 # ---------------------------------------------------------------------------------------------------------------

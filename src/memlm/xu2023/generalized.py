@@ -42,7 +42,7 @@ from memlm.core.distribution import (
     knn_distribution,
     knn_target_logprob,
     mask_to_k,
-    mix_logprobs,
+    mix,
     similarity,
 )
 from memlm.errors import MemlmError
@@ -158,7 +158,7 @@ def eq5_logprobs(
     vocab = lm_logits.shape[-1]
     mem = datastore_logprobs(h_ds, W_ds, values, vocab, k, temperature, metric)
     lm = torch.log_softmax(lm_logits.float(), dim=-1)
-    return mix_logprobs([lm, mem.to(lm.device)], [1.0 - lam, lam])
+    return mix([lm, mem.to(lm.device)], weights=[1.0 - lam, lam])
 
 
 def eq5_target_logprob(
@@ -186,7 +186,7 @@ def eq5_target_logprob(
     t = targets.long()
     lm = torch.log_softmax(lm_logits.float(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
     mem = datastore_target_logprob(h_ds, W_ds, values, t, k, temperature, metric)
-    return mix_logprobs([lm, mem.to(lm.device)], [1.0 - lam, lam])
+    return mix([lm, mem.to(lm.device)], weights=[1.0 - lam, lam])
 
 
 # ------------------------------------------------------------------------------------- learned W_ds (Sec. 4)
