@@ -26,7 +26,10 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction |
     return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
 
 
-def commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str, argparse.ArgumentParser]]:  # fmt: skip
+Command = tuple[tuple[str, ...], str, argparse.ArgumentParser]
+
+
+def commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[Command]:
     """(path, help, parser) of every command under ``parser``, depth first in the order ``--help`` lists them."""
     sub = _subparsers(parser)
     if sub is None:
