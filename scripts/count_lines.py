@@ -1,6 +1,6 @@
 """Lines of code in src/memlm by package: lines that are not blank, not comments and not docstrings.
 
-python scripts/count_lines.py [SRC] [--json OUT]
+    python scripts/count_lines.py [SRC] [--json OUT]
 """
 
 from __future__ import annotations
