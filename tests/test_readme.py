@@ -1,22 +1,28 @@
-"""Every command line in README.md runs, top to bottom, as a newcomer would type it (issue 24, items 11 and 12).
+"""Every code example of the documentation runs, top to bottom, as a newcomer would type it.
 
-The ```bash blocks are parsed and every ``memlm ...`` line is run in order, in one working folder (later lines use
-what earlier ones wrote: ``ds/wiki``, ``valid.npz``, ``gate.npz``, ``runs/lm/final``, ``idx/wiki``), with the flags
-as written. Only the data is made small (:func:`shrink`): ``--max-tokens`` lowered or added, ``--steps`` and
-``--limit`` lowered, NPM eval queries capped, ``memlm demo`` run ``--quick``. The named model ``smollm2-135m`` is a
-tiny random GPT-2 (GPT-2's tokenizer, 1,024 positions) put where memlm caches its conversion of SmolLM2
-(``$MEMLM_HOME/models/smollm2-135m``, the cache :func:`memlm.models.resources.load_causal_lm` reads); the named corpora
-and encoder are the real ones. Then the Python block runs, after the command lines, as README presents it. A README
-line that crashes, or exits with an error, fails this test and names the line.
+The pages are README.md and every docs/guides/*.md page (:data:`PAGES`), each run in its own working folder. A page's
+```bash and ```python blocks run in the order they appear: every ``memlm ...`` line of a bash block (other shell lines,
+such as ``pip install``, are not run), and each Python block as a script (``exec``) in the same folder, so later lines
+use what earlier ones wrote (``ds/wiki``, ``valid.npz``, ``gate.npz``, ``runs/lm/final``, ``idx/wiki``). The flags are
+as written; only the data is made small (:func:`shrink`): ``--max-tokens`` lowered or added, ``--steps`` and
+``--limit`` lowered, NPM eval queries capped, ``memlm demo`` run ``--quick``, generation cut to 8 new tokens; in Python
+blocks the named corpora are cut to their first documents, lm-eval's limit to 1 and generation to 8 new tokens. The
+named model ``smollm2-135m`` is a tiny random GPT-2 (GPT-2's tokenizer, 1,024 positions) put where memlm caches its
+conversion of SmolLM2 (``$MEMLM_HOME/models/smollm2-135m``, the cache :func:`memlm.models.resources.load_causal_lm`
+reads); the named corpora and encoder are the real ones. A line that crashes, or exits with an error, fails the test
+and names the page and line.
+
+Builds are deterministic, so a ``datastore build`` or ``ngram build`` line identical to one an earlier page ran (same
+flags, named model and corpus) is answered with a copy of the folder that run wrote, taken right after it; the first
+run of each is real (:class:`Builds`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,8 +34,9 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from memlm.models.resources import memlm_home
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 
 # --max-tokens per command: the datastores need >= 1,024 entries for --k 1024 and IVF1024 (ds/wiki), >= 4,096 for
 # the sharded IVF4096 (ds/wiki-8); everything else reads a few windows
@@ -37,19 +44,24 @@ MAX_TOKENS = {"ds/wiki-8": 9000, "ds/wiki": 2000, "ds/wiki-final": 2000, "ds/lm-
 SMALL = {"--steps": "2", "--limit": "1"}
 
 
-def bash_blocks(text: str) -> list[str]:
-    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
-
-
-def readme_commands(text: str) -> list[list[str]]:
-    """argv of every ``memlm ...`` command in README's bash blocks (comments dropped; ``.venv/bin/memlm`` too)."""
-    commands = []
-    for block in bash_blocks(text):
+def steps(text: str) -> list[tuple[str, object]]:
+    """A page's runnable steps in order: ``("cmd", argv)`` for every ``memlm ...`` line of its bash blocks (comments
+    dropped; ``.venv/bin/memlm`` too) and ``("python", code)`` for every Python block."""
+    out: list[tuple[str, object]] = []
+    for lang, block in re.findall(r"^```(bash|python)\n(.*?)^```", text, flags=re.S | re.M):
+        if lang == "python":
+            out.append(("python", block))
+            continue
         for line in block.splitlines():
             for cmd in _split_and(shlex.split(line, comments=True)):
                 if cmd and Path(cmd[0]).name == "memlm":
-                    commands.append(cmd[1:])
-    return commands
+                    out.append(("cmd", cmd[1:]))
+    return out
+
+
+def page_commands(text: str) -> list[list[str]]:
+    """argv of every ``memlm ...`` command in a page's bash blocks."""
+    return [argv for kind, argv in steps(text) if kind == "cmd"]
 
 
 def _split_and(words: list[str]) -> list[list[str]]:
@@ -75,7 +87,7 @@ def shrink(argv: list[str]) -> list[str]:
     out = argv[argv.index("--out") + 1] if "--out" in argv else None
     if cmd in ("datastore build", "datastore calibrate", "npm index", "ngram build") or argv[0] == "analyze":
         argv = _set(argv, "--max-tokens", str(MAX_TOKENS.get(out, 2000)))
-    elif argv[0] == "eval":
+    elif argv[0] in ("eval", "trime-eval"):
         argv = _set(argv, "--max-tokens", "1000")
     for flag, value in SMALL.items():
         if flag in argv:
@@ -89,16 +101,18 @@ def shrink(argv: list[str]) -> list[str]:
         argv = _set(argv, "--learned-steps", "5")
     if argv[0] == "demo":
         argv = [*argv, "--quick"]
+    if argv[0] == "generate":
+        argv = _set(argv, "--max-new-tokens", "8")
     return argv
 
 
 def is_slow(argv: list[str]) -> bool:
-    """README lines that cost minutes even on small data, run only by ``pytest -m slow``
-    (:func:`test_every_readme_line_runs_slow`): the demo, training (a BPE tokenizer and BM25 over the whole corpora),
-    what reads a trained model (``runs/...``), the Xu et al. analysis, the NPM lines, Ray clusters and what reads the
-    datastore a Ray build writes (``ds/wiki-8``), and OPQ training (~3 CPU minutes even for 5,000 keys)."""
+    """Lines that cost minutes even on small data, run only by ``pytest -m slow`` (:func:`test_every_page_runs_slow`):
+    the demo, training (a BPE tokenizer and BM25 over the whole corpora), what reads a trained model (``runs/...``)
+    or its dumps (``trime-tune``), the Xu et al. analysis, the NPM lines, Ray clusters and what reads the datastore a
+    Ray build writes (``ds/wiki-8``), and OPQ training (~3 CPU minutes even for 5,000 keys)."""
     return (
-        argv[0] in {"demo", "train", "analyze", "npm"}
+        argv[0] in {"demo", "train", "analyze", "npm", "trime-tune"}
         or "--ray" in argv
         or any(a.startswith("runs/") or a.startswith("ds/wiki-8") or "OPQ" in a or "opq" in a for a in argv)
     )
@@ -121,76 +135,151 @@ def home(tmp_path_factory):
     return home
 
 
-def test_readme_lists_the_commands_it_documents():
-    cmds = readme_commands(README.read_text())
-    firsts = {c[0] for c in cmds}
-    assert {"datastore", "index", "eval", "tune", "generate", "gate", "lm-eval", "train", "npm", "analyze"} <= firsts
-    assert len(cmds) >= 30
-    assert sum(not is_slow(c) for c in cmds) >= 20  # most lines run in CI
+def test_pages_list_the_commands_they_document():
+    """Every ``memlm`` command (nested ones too) is shown on some page, most lines run in CI, and README's quick start
+    has the five commands that matter."""
+    from memlm.cli import build_parser
+
+    cmds = [c for page in PAGES for c in page_commands(page.read_text())]
+    shown = {" ".join(c[:2]) for c in cmds} | {c[0] for c in cmds}
+    missing = [" ".join(path) for path in _command_paths(build_parser()) if " ".join(path) not in shown]
+    assert not missing, f"commands no page shows: {missing}"
+    readme = {" ".join(c[:2]) for c in page_commands(README.read_text())} | {
+        c[0] for c in page_commands(README.read_text())
+    }
+    assert {"datastore build", "eval", "generate", "ngram build", "tune"} <= readme
+    assert len(PAGES) >= 9 and sum(not is_slow(c) for c in cmds) >= 40  # most lines run in CI
     assert shrink(["eval", "--corpus", "wiki", "--max-tokens", "9"]) == ["eval", "--corpus", "wiki", "--max-tokens",
                                                                           "1000"]  # fmt: skip
 
 
+def _command_paths(parser, path=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield (*path, name)
+                yield from _command_paths(child, (*path, name))
+
+
+class Builds:
+    """Copies of the folders that ``datastore build`` and ``ngram build`` lines wrote, by their (shrunk) argv, taken
+    right after each ran: a later page's identical line (named model and corpus only) gets a copy instead of a rerun."""
+
+    def __init__(self, root: Path):
+        self.root, self.saved = root, {}
+
+    @staticmethod
+    def key(argv: list[str]) -> tuple[str, ...] | None:
+        from memlm.data.corpora import CORPORA
+        from memlm.models.resources import MODELS
+
+        def value(flag):
+            return argv[argv.index(flag) + 1] if flag in argv else None
+
+        if " ".join(argv[:2]) not in ("datastore build", "ngram build") or "--out" not in argv or "--append" in argv:
+            return None
+        if value("--model") not in (None, *MODELS) or not set((value("--corpus") or "?").split(",")) <= set(CORPORA):
+            return None
+        return tuple(argv)
+
+    def restore(self, argv: list[str], workdir: Path) -> bool:
+        key = self.key(argv)
+        if key not in self.saved:
+            return False
+        out = workdir / argv[argv.index("--out") + 1]
+        shutil.copytree(self.saved[key], out, symlinks=True)
+        return True
+
+    def save(self, argv: list[str], workdir: Path) -> None:
+        key = self.key(argv)
+        if key is not None and key not in self.saved:
+            self.saved[key] = self.root / str(len(self.saved))
+            shutil.copytree(workdir / argv[argv.index("--out") + 1], self.saved[key], symlinks=True)
+
+
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """The folder README's lines run in, one after the other (the Python block after the command lines)."""
-    return tmp_path_factory.mktemp("readme-run")
+def builds(tmp_path_factory):
+    return Builds(tmp_path_factory.mktemp("builds"))
 
 
-def run_readme_lines(home, workdir, monkeypatch, capsys, slow: bool) -> list[str]:
-    """Run README's ``memlm`` lines in order (with ``slow``: all of them, else those not :func:`is_slow`)."""
+def shrink_python(code: str) -> str:
+    """A Python block on small data: named corpora cut to their first documents (train 30: > 1,024 entries for
+    k = 1024; else 10), lm-eval's ``limit`` to 1, generation to 8 new tokens."""
+    first = {"train": 30, "test": 10}
+    small, n = re.subn(
+        r'load_documents\(("[\w-]+"), "(\w+)"\)', lambda m: f"{m.group(0)}[:{first.get(m.group(2), 10)}]", code
+    )
+    assert n == code.count("load_documents("), "a load_documents call the test cannot shrink"
+    small = re.sub(r"max_new_tokens=\d+", "max_new_tokens=8", small)
+    return re.sub(r"limit=\d+\)", "limit=1)", small)
+
+
+def is_slow_python(code: str) -> bool:
+    """A Python block that reads what a slow line wrote (a trained model under ``runs/``, the sharded ``ds/wiki-8``)."""
+    return "runs/" in code or "ds/wiki-8" in code
+
+
+def run_page(page: Path, home, workdir, builds, monkeypatch, capsys, slow: bool) -> list[str]:
+    """Run a page's steps in order (with ``slow``: all of them, else those not :func:`is_slow`); the names of the
+    commands run, and ``python`` for each Python block."""
     from memlm.cli import main
 
     monkeypatch.setenv("MEMLM_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(workdir)
     ran = []
-    for argv in readme_commands(README.read_text()):
+    for kind, item in steps(page.read_text()):
+        t0 = time.perf_counter()
+        if kind == "python":
+            if is_slow_python(item) and not slow:
+                continue
+            try:
+                exec(compile(shrink_python(item), f"{page.name} (python block)", "exec"), {"__name__": "__main__"})
+            except Exception as e:
+                raise AssertionError(f"{page.name}: a Python block failed: {type(e).__name__}: {e}") from e
+            capsys.readouterr()
+            print(f"{time.perf_counter() - t0:6.1f} s  {page.name}: python block", file=sys.__stderr__)
+            ran.append("python")
+            continue
+        argv = item
         if is_slow(argv) and not slow:
             continue
         small = shrink(argv)
-        t0 = time.perf_counter()
-        try:
-            rc = main(small)
-        except SystemExit as exit_:  # argparse
-            rc = exit_.code
+        if builds.restore(small, workdir):
+            rc, how = 0, "copied from an earlier page's identical build"
+        else:
+            try:
+                rc = main(small)
+            except SystemExit as exit_:  # argparse
+                rc = exit_.code
+            how = ""
+            if rc == 0:
+                builds.save(small, workdir)
         out = capsys.readouterr()
-        print(f"{time.perf_counter() - t0:6.1f} s  memlm {shlex.join(small)}", file=sys.__stderr__)
-        assert rc == 0, f"README line `memlm {shlex.join(argv)}` (run as `memlm {shlex.join(small)}`) exited " \
+        print(f"{time.perf_counter() - t0:6.1f} s  {page.name}: memlm {shlex.join(small)} {how}", file=sys.__stderr__)
+        assert rc == 0, f"{page.name} line `memlm {shlex.join(argv)}` (run as `memlm {shlex.join(small)}`) exited " \
                         f"{rc}:\n{out.err[-3000:]}"  # fmt: skip
         ran.append(argv[0])
     return ran
 
 
-def test_every_readme_line_runs(home, workdir, monkeypatch, capsys):
-    """Each ``memlm`` line of README.md that is not :func:`is_slow`, in order, exits 0 (in this process, as the
-    ``memlm`` command would run it): the kNN-LM lines, evaluation options, generation, lm-eval, pruning."""
-    ran = run_readme_lines(home, workdir, monkeypatch, capsys, slow=False)
-    assert {"datastore", "index", "eval", "tune", "generate", "gate", "lm-eval"} <= set(ran) and len(ran) >= 20
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_page_runs(page, home, builds, tmp_path, monkeypatch, capsys):
+    """Each step of the page that is not slow, in order, succeeds: ``memlm`` lines exit 0 (in this process, as the
+    ``memlm`` command would run them) and Python blocks raise nothing."""
+    ran = run_page(page, home, tmp_path, builds, monkeypatch, capsys, slow=False)
+    want = {"README.md": {"datastore", "eval", "generate", "ngram", "tune", "python"},
+            "knn-lm.md": {"datastore", "index", "eval", "tune", "gate", "python"},
+            "lm-eval.md": {"lm-eval", "python"}, "extending.md": {"python"}}  # fmt: skip
+    assert want.get(page.name, set()) <= set(ran)
+    assert ran or page.name in ("training.md", "scaling.md")  # those two pages are all slow lines
 
 
 @pytest.mark.slow
-def test_every_readme_line_runs_slow(home, tmp_path, monkeypatch, capsys):
-    """Every ``memlm`` line of README.md, in order, exits 0 (the slow ones too: demo, training, NPM, analysis, Ray)."""
-    ran = run_readme_lines(home, tmp_path, monkeypatch, capsys, slow=True)
-    assert len(ran) == len(readme_commands(README.read_text()))
-
-
-def python_block(text: str) -> str:
-    (block,) = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
-    return block
-
-
-def test_readme_python_block_runs(home, workdir):
-    """README's Python block, run after the command lines in the same folder (ds/wiki is there), with the corpora cut
-    to their first documents (train 30: > 1,024 entries for k = 1024; test 10) and lm_eval's limit to 1 document."""
-    code = python_block(README.read_text())
-    first = {"train": 30, "test": 10}
-    small = re.sub(r'load_documents\(("\w+"), "(\w+)"\)', lambda m: f"{m.group(0)}[:{first.get(m.group(2), 10)}]", code)
-    small = re.sub(r"limit=\d+\)", "limit=1)", small)
-    assert small.count(")[:") == code.count("load_documents(") >= 2 and "limit=1)" in small
-    env = {**os.environ, "MEMLM_HOME": str(home), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
-    env.setdefault("MEMLM_DEFAULT_DTYPE", "float32")
-    r = subprocess.run([sys.executable, "-c", small], cwd=workdir, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_page_runs_slow(page, home, builds, tmp_path, monkeypatch, capsys):
+    """Every step of the page, in order, succeeds (the slow ones too: demo, training, NPM, analysis, Ray)."""
+    ran = run_page(page, home, tmp_path, builds, monkeypatch, capsys, slow=True)
+    assert len(ran) == len(steps(page.read_text()))

@@ -152,13 +152,11 @@ def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="model dtype for the forward pass. Default auto = bfloat16 on GPUs and on CPUs with native bf16 "
-        "(AVX512-BF16/AMX: 1.4x float32's tokens/s for SmolLM2-135M eval on 2 cores), float32 elsewhere. The output "
-        "head and log-softmax always run in float32; bf16 perplexity measured against float32 (SmolLM2-135M): "
-        "-0.03%% on 19,958 WikiText-2 test tokens at --window 512, -0.10%% on 5,929 at --window 1024, -0.08%% on "
-        "1,980 at --window 16, but +0.38%% on 1,167 tokens of speeches at --window 16: short windows and short texts "
-        "can move by more, so compare runs at one dtype and use float32 where exact numbers matter "
-        "(docs/results/performance.md)",
+        help="model dtype for the forward pass. Default auto = bfloat16 on GPUs and on CPUs whose bf16 products are "
+        "native and fast (AMX-BF16, Arm BF16), float32 elsewhere (bf16 on a CPU that emulates it is ~13-23x slower "
+        "and says so). The output head and log-softmax always run in float32; bf16 moved SmolLM2-135M's perplexity "
+        "by +0.012%% on all of WikiText-2 test (AMX): compare runs at one dtype and use float32 where exact numbers "
+        "matter (docs/results/performance.md)",
     )
 
 
