@@ -14,9 +14,10 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "memlm"
 # lowest first; a module may import its own layer and the layers below, never above (docs/ARCHITECTURE.md). Entries
 # are module paths under memlm (a package names all its modules; a longer path wins over its package's entry).
 LAYERS = [
-    {"errors", "_moved", "storage.fileio", "storage.locking", "storage.schema"},
+    {"errors", "_moved", "io"},
     {"core"},
-    {"models", "data", "experiments.plots"},
+    {"data"},
+    {"models"},
     {"storage", "retrieval"},
     {"training", "knnlm", "xu2023", "trime", "npm", "ngram", "leakage"},
     {"lmeval", "experiments", "cli"},

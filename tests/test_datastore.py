@@ -167,7 +167,7 @@ def test_disk_full_is_a_clear_error_and_the_rerun_resumes(tmp_path, tiny_lm, toy
 
 
 def test_disk_full_while_writing_progress(tmp_path, tiny_lm, toy_docs, monkeypatch):
-    import memlm.storage.fileio as fileio
+    import memlm.io.fileio as fileio
 
     lone = build(tmp_path, tiny_lm, toy_docs, name="lone")
     real = fileio.os.fsync

@@ -24,11 +24,11 @@ from test_ngram import Brute, _brute_p_inf, _ids  # noqa: E402
 
 from memlm.core.mixture import Mixture, MixtureFit  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
 from memlm.knnlm.dump_mixture import DumpMixture  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
 from memlm.models.keys import KeyCapture, num_layers  # noqa: E402
 from memlm.ngram.index import build_ngram_index  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
 from memlm.storage.index import build_index  # noqa: E402
 
 K, TAU, CACHE_TAU = 8, 2.0, 1.5

@@ -16,9 +16,9 @@ from conftest import gpt2_tokenizer, make_toy_docs  # noqa: E402
 
 from memlm.cli import common, main  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.io.locking import LOCK_NAME  # noqa: E402
 from memlm.ngram.index import NgramIndex, build_ngram_index  # noqa: E402
 from memlm.storage.datastore import Datastore, build_datastore  # noqa: E402
-from memlm.storage.locking import LOCK_NAME  # noqa: E402
 
 USER_FILES = {"metadata.json": b'{"mine": 1}', "table.csv": b"a,b\n1,2\n", "offset.txt": b"42\n"}
 

@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memlm.cli.ngram import ngram_result  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
 from memlm.knnlm.evaluate import TokenScores, perplexities, value_counts  # noqa: E402
 from memlm.ngram.mixture import ngram_report  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
 
 ROWS = ("base_ppl", "knn_ppl", "ngram_ppl", "knn_ngram_ppl")
 

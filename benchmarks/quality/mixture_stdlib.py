@@ -195,7 +195,7 @@ def main() -> None:
               "test_modules": list(TEST), "corpora": corpora, "commands": ran,
               "script": "python benchmarks/quality/mixture_stdlib.py " + " ".join(sys.argv[1:]),
               **compare(args.work)}  # fmt: skip
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, result)

@@ -180,7 +180,7 @@ def main() -> None:
         out = res / "tune_stdlib.json"
         tune(args.stdlib / "small.npz", args.stdlib / "test.npz", out, log, ran)
         rows.append({"test": "stdlib", **summary(out, "a"), "memories": "LM + ∞-gram (Python 3.11 stdlib, 3.16M)"})
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     atomic_write_json(args.out, {"script": "python benchmarks/quality/mixture_table.py " + " ".join(sys.argv[1:]),
                                  "commands": ran, "rows": rows})  # fmt: skip

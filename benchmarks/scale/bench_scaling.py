@@ -153,8 +153,8 @@ def _real() -> Any:
 def cmd_synth(a: argparse.Namespace) -> None:
     import faiss
 
+    from memlm.io.fileio import atomic_write_json
     from memlm.storage.datastore import FOLDER
-    from memlm.storage.fileio import atomic_write_json
     from memlm.storage.sharded_index import build_sharded_index
 
     real = _real()

@@ -24,12 +24,12 @@ import torch
 
 from memlm.data.corpora import load_documents
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.knnlm.evaluate import add_neighbours, lm_scores
 from memlm.models.forward import collate
 from memlm.models.resources import load_causal_lm
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import build_datastore
-from memlm.storage.fileio import atomic_write_json
 
 RSS_SCRIPT = """
 import resource, sys

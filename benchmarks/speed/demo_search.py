@@ -17,7 +17,7 @@ import faiss
 import numpy as np
 import torch
 
-from memlm.storage.fileio import atomic_write_json
+from memlm.io.fileio import atomic_write_json
 from memlm.storage.index import exact_search
 
 

@@ -18,8 +18,8 @@ import dataclasses
 from pathlib import Path
 
 from memlm.experiments.demo import DemoConfig, planned_work, work_totals
+from memlm.io.fileio import atomic_write_json
 from memlm.models.resources import load_causal_lm
-from memlm.storage.fileio import atomic_write_json
 
 BEFORE = {"datastore_tokens": 50_000, "valid_tokens": 4_000, "eval_blocks": False}
 BEFORE_QUICK = {"datastore_tokens": 12_000, "valid_tokens": 1_000, "eval_blocks": False}

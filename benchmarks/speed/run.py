@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, resolve_stride, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
 from memlm.knnlm.evaluate import lm_scores, score_tokens  # noqa: E402
 from memlm.models.allocator import allocator_state  # noqa: E402
 from memlm.models.compute import (  # noqa: E402
@@ -57,7 +58,6 @@ from memlm.models.keys import KeySpec  # noqa: E402
 from memlm.models.resources import default_dtype, load_causal_lm  # noqa: E402
 from memlm.storage import index as index_lib  # noqa: E402
 from memlm.storage.datastore import Datastore, build_datastore  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
 
 SPEC = KeySpec("ffn_in", -1)
 README_DATASTORE = Path("ds/wiki")  # README: memlm datastore build ... --corpus wiki --out ds/wiki --max-tokens 200000

@@ -16,9 +16,9 @@ import warnings
 from types import ModuleType
 
 MOVED = {
-    "memlm.fileio": "memlm.storage.fileio",
-    "memlm.locking": "memlm.storage.locking",
-    "memlm.schema": "memlm.storage.schema",
+    "memlm.fileio": "memlm.io.fileio",
+    "memlm.locking": "memlm.io.locking",
+    "memlm.schema": "memlm.io.schema",
     "memlm.folder": "memlm.storage.folder",
     "memlm.datastore": "memlm.storage.datastore",
     "memlm.sharded": "memlm.storage.sharded",

@@ -26,11 +26,11 @@ import numpy as np
 
 from memlm.data.corpora import corpus_fingerprint, load_corpora, load_documents
 from memlm.data.windows import limit_documents
+from memlm.io.fileio import atomic_write_json, dumps_json
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
 from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import load_causal_lm
 from memlm.storage.datastore import Datastore, build_datastore
-from memlm.storage.fileio import atomic_write_json, dumps_json
 from memlm.storage.index import build_index, plan_index
 
 FFN_IN, FINAL = KeySpec("ffn_in", -1), KeySpec("final", -1)

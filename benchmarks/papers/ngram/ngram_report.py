@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from memlm.core.distribution import mix_logprobs, perplexity
+from memlm.io.fileio import atomic_write_json
 from memlm.knnlm.evaluate import TokenScores, memory_logprob, tune
 from memlm.ngram.mixture import ngram_report, tune_ngram
-from memlm.storage.fileio import atomic_write_json
 
 FORMAT = re.compile(r" @[-,.]@ ")
 PAPER = {

@@ -16,8 +16,8 @@ from memlm.cli import validate as V
 from memlm.data.corpora import corpus_fingerprint
 from memlm.data.windows import limit_documents, resolve_stride
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json
 from memlm.models import resources
-from memlm.storage.fileio import atomic_write_json
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -13,6 +13,7 @@ from memlm.cli import common
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
 from memlm.errors import MemlmError
+from memlm.io.locking import folder_lock
 from memlm.knnlm.calibration import (
     OVERLAP_LIMIT,
     OVERLAP_NGRAM,
@@ -25,7 +26,6 @@ from memlm.knnlm.calibration import (
     text_overlap,
 )
 from memlm.leakage import document_record, shown_sources
-from memlm.storage.locking import folder_lock
 
 # memlm.storage.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands
 # (common.py)

@@ -13,10 +13,10 @@ from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, load_documents
 from memlm.cli.report import print_result
 from memlm.errors import MemlmError
+from memlm.io.locking import folder_lock
 from memlm.knnlm.calibration import holdout_split
 from memlm.leakage import document_record, shown_sources
 from memlm.ngram.decontaminate import decontaminate_reference, decontamination_sets
-from memlm.storage.locking import folder_lock
 
 EXCLUDED = (
     "the valid and test documents of every named corpus (memlm.data.corpora's document-level splits: a document "

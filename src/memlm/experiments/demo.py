@@ -42,17 +42,17 @@ from memlm.core.mixture import Mixture, rule_mixture, sparse_state_features
 from memlm.data.corpora import corpus_fingerprint, load_documents
 from memlm.data.windows import limit_documents, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json, memlm_home
+from memlm.io.locking import folder_lock
 from memlm.knnlm.dump_mixture import DumpMixture, fit_dump
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, tune
 from memlm.knnlm.mixture_inputs import MixtureInputs, mixture_inputs
 from memlm.leakage import document_record
 from memlm.models.keys import KeySpec
-from memlm.models.resources import default_dtype, load_causal_lm, memlm_home
+from memlm.models.resources import default_dtype, load_causal_lm
 from memlm.ngram.decontaminate import EVAL_SPLITS, decontaminate_reference
 from memlm.ngram.mixture import add_ngram, tune_ngram
 from memlm.storage.datastore import Datastore, build_datastore
-from memlm.storage.fileio import atomic_write_json
-from memlm.storage.locking import folder_lock
 
 __all__ = ["DemoConfig", "planned_work", "run_demo", "work_totals"]
 

@@ -46,10 +46,10 @@ import torch
 from memlm.core.distribution import interpolate, perplexity
 from memlm.core.tuning import grid_search
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json, dumps_json, unique_tmp
 from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import Datastore
-from memlm.storage.fileio import atomic_write_json, dumps_json, unique_tmp
 
 __all__ = ["AnalysisSpec", "PAPER", "approx_factory", "interpolation_row", "run_analysis", "write_report"]
 

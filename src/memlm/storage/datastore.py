@@ -15,7 +15,7 @@ shared with NPM's phrase index: manifest, arrays, checksums, resumable writer, l
 Building streams: memory does not grow with the corpus (keys are appended to disk batch by batch). After every batch the
 files are flushed and ``progress.json`` is replaced atomically, so a build killed at any moment (even ``kill -9``)
 resumes where it stopped with no entry lost or duplicated: bytes past the recorded count are truncated. Appending more
-text later uses the same mechanism. A build holds the folder's writer lock (:mod:`memlm.storage.locking`): a second
+text later uses the same mechanism. A build holds the folder's writer lock (:mod:`memlm.io.locking`): a second
 writer is refused with the holder's pid and command. A rerun with other settings (key, window, corpus, model, ...) is
 refused with the differences named, never silently answered with the old datastore.
 
@@ -48,13 +48,13 @@ from tqdm.auto import tqdm
 from memlm import __version__
 from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError, option
+from memlm.io import schema
+from memlm.io.fileio import disk_full_error, is_disk_full, unique_tmp
 from memlm.models.compute import check_compute_paths, describe_compute_path
 from memlm.models.forward import forward_windows
 from memlm.models.keys import KeySpec, key_dim, num_layers
 from memlm.models.resources import model_fingerprint, tokenizer_fingerprint
 from memlm.storage import index as index_lib
-from memlm.storage import schema
-from memlm.storage.fileio import disk_full_error, is_disk_full, unique_tmp
 from memlm.storage.folder import FolderFormat
 from memlm.storage.folder import manifest_digest as _manifest_digest  # noqa: F401 (the name older callers import)
 from memlm.storage.index import meta_path
@@ -455,7 +455,7 @@ def build_datastore(
     source is returned as is. Other settings (key, window, min_context, model, tokenizer, dtype, corpus) are refused
     with the differences named, unless ``append=True`` (adds ``documents`` as a new source; model, key and windows
     must match) or ``overwrite=True`` (the folder's datastore, index and any unfinished build are deleted first).
-    The folder is locked for the whole build (:func:`memlm.storage.locking.folder_lock`).
+    The folder is locked for the whole build (:func:`memlm.io.locking.folder_lock`).
     ``stride`` (default ``window - min_context``) equal to ``window`` gives non-overlapping blocks whose first token is
     skipped or scored from BOS (``block_start``, see :func:`memlm.data.windows.sliding_windows`).
     """

@@ -48,10 +48,10 @@ import numpy as np
 from memlm import __version__
 from memlm.data.windows import TokenChunk, Window, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
+from memlm.io import schema
+from memlm.io.fileio import atomic_write_json
 from memlm.models.keys import KeySpec
-from memlm.storage import schema
 from memlm.storage.datastore import FOLDER, Datastore, DatastoreBase, build_datastore
-from memlm.storage.fileio import atomic_write_json
 from memlm.storage.sharded_index import ShardedSearcher
 
 __all__ = [
