@@ -11,16 +11,10 @@ from conftest import make_toy_docs
 
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import score_tokens
-from memlm.storage.datastore import Datastore, build_datastore
+from memlm.knnlm.write import build_sharded, write_datastore
+from memlm.storage.datastore import Datastore
 from memlm.storage.index import build_index, exact_search, load_index, search
-from memlm.storage.sharded import (
-    ShardedArray,
-    ShardedDatastore,
-    build_sharded,
-    open_datastore,
-    plan_shards,
-    shard_name,
-)
+from memlm.storage.sharded import ShardedArray, ShardedDatastore, open_datastore, plan_shards, shard_name
 from memlm.storage.sharded_index import ShardedSearcher, build_sharded_index, merge_topk
 
 W, C = 32, 12  # small windows: many of them, and cuts inside windows
@@ -34,7 +28,7 @@ def docs():
 @pytest.fixture(scope="module")
 def single(tiny_lm, docs, tmp_path_factory):
     model, tok = tiny_lm
-    return build_datastore(
+    return write_datastore(
         model, tok, docs, tmp_path_factory.mktemp("one") / "ds", window=W, min_context=C, batch_size=3, progress=False
     )
 

@@ -8,7 +8,7 @@ forward pass) and applied to a test dump:
 
 * (a) LM + ∞-gram, (b) LM + datastore, (c) LM + both, (d) LM + both + cache;
 * ``memlm tune --valid V --test T --mixture gate``: the rule (λ, τ / λ_sparse, λ_dense grid-searched, the cache's
-  λc where the rule can tune it) and the guarded learned mixture (memlm.knnlm.dump_mixture), with the 95% bootstrap
+  λc where the rule can tune it) and the guarded learned mixture (memlm.mixing.dump), with the 95% bootstrap
   interval over test documents and paired differences.
 
 Each row's dumps are views of the full dumps with the other memories left out (the per-token scores of one memory do

@@ -35,7 +35,7 @@ MOVED = {
     "memlm.train": "memlm.training.loop",
     "memlm.train_lm": "memlm.training.lm",
     "memlm.train_driver": "memlm.training.driver",
-    "memlm.objectives": "memlm.training.objectives",
+    "memlm.objectives": "memlm.registry",
     "memlm.plots": "memlm.experiments.plots",
     "memlm.demo": "memlm.experiments.demo",
     "memlm.xu2023.analysis": "memlm.experiments.xu2023_analysis",

@@ -63,6 +63,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from memlm.errors import MemlmError, short_reason
@@ -75,9 +76,11 @@ __all__ = [
     "CorpusSpec",
     "Document",
     "corpus_fingerprint",
+    "corpus_source",
     "describe_corpora",
     "ensure_npm_package",
     "load_corpora",
+    "load_corpus_source",
     "load_documents",
     "split_of",
 ]
@@ -136,6 +139,25 @@ def corpus_fingerprint(docs: Iterable[Document]) -> str:
             h.update(len(raw).to_bytes(8, "little"))
             h.update(raw)
     return h.hexdigest()[:16]
+
+
+def corpus_source(docs: Sequence[Document], corpus: str | None = None, split: str | None = None,
+                  max_tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """What a build records about its corpus (a manifest's ``sources`` entry): its name, split, document count,
+    content fingerprint (:func:`corpus_fingerprint`) and the token cap it was read under."""
+    return {"corpus": corpus, "split": split, "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
+            "max_tokens": max_tokens}  # fmt: skip
+
+
+def load_corpus_source(corpus: str, split: str | None, tokenizer, max_tokens: int | None
+                       ) -> tuple[list[Document], dict[str, Any]]:  # fmt: skip
+    """``(documents, source)``: :func:`load_corpora` cut to ``max_tokens`` tokens
+    (:func:`memlm.data.windows.limit_documents`) and its :func:`corpus_source` record, as every command reads a
+    corpus."""
+    from memlm.data.windows import limit_documents
+
+    docs = limit_documents(load_corpora(corpus, split), tokenizer, max_tokens)
+    return docs, corpus_source(docs, corpus, split, max_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from memlm.core.distribution import interpolate, perplexity
-from memlm.core.tuning import grid_search
+from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, grid_search
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json, dumps_json, unique_tmp
-from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, perplexities, tune
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import Datastore
 

@@ -1,4 +1,4 @@
-"""One training driver for every objective: ``memlm train`` (the objectives by name: :mod:`memlm.training.objectives`).
+"""One training driver for every objective: ``memlm train`` (the objectives by name: :mod:`memlm.registry`).
 
 An :class:`Objective` holds what is particular to one way of training: its model builder (:meth:`Objective.build`),
 its batches (:meth:`Objective.batches`), its loss (``loss_fn(model, batch) -> scalar``, plus an optional
@@ -22,7 +22,7 @@ updates; ``"end"``, :meth:`Objective.final_valid_loss` once the run is complete;
    tokenizer fingerprint and the losses), ``log.json``, the progress bar;
 7. ``"end"`` validation once the run is complete, written into the last entry of ``log.json``.
 
-A new loss is one :class:`Objective` subclass plus one line in :data:`memlm.training.objectives.OBJECTIVES`
+A new loss is one :class:`Objective` subclass plus one line in :data:`memlm.registry.OBJECTIVES`
 (``tests/test_train_driver.py`` trains a toy one through this driver).
 """
 
