@@ -12,10 +12,11 @@ shared with NPM's phrase index: manifest, arrays, checksums, resumable writer, l
     offset.bin      int32   [count]        position of the target inside its document
     index.faiss     the FAISS index over the keys (memlm.storage.index), with index.faiss.json beside it
 
-Building streams: memory does not grow with the corpus (keys are appended to disk batch by batch). After every batch the
-files are flushed and ``progress.json`` is replaced atomically, so a build killed at any moment (even ``kill -9``)
-resumes where it stopped with no entry lost or duplicated: bytes past the recorded count are truncated. Appending more
-text later uses the same mechanism. A build holds the folder's writer lock (:mod:`memlm.io.locking`): a second
+Building (:func:`memlm.knnlm.write.write_datastore`, the forward pass that writes the entries) streams: memory does
+not grow with the corpus (keys are appended to disk batch by batch). After every batch the files are flushed and
+``progress.json`` is replaced atomically, so a build killed at any moment (even ``kill -9``) resumes where it stopped
+with no entry lost or duplicated: bytes past the recorded count are truncated. Appending more text later uses the same
+mechanism. A build holds the folder's writer lock (:mod:`memlm.io.locking`): a second
 writer is refused with the holder's pid and command. A rerun with other settings (key, window, corpus, model, ...) is
 refused with the differences named, never silently answered with the old datastore.
 
