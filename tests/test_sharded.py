@@ -88,11 +88,11 @@ def test_sharded_array_indexing(sharded, single):
 
 
 def test_rerun_skips_finished_shards_and_resumes_one(tiny_lm, docs, tmp_path, sharded, monkeypatch):
-    import memlm.storage.datastore as datastore_mod
+    import memlm.knnlm.write as write_mod
 
     model, tok = tiny_lm
     out = tmp_path / "ds"
-    real = datastore_mod.forward_windows
+    real = write_mod.forward_windows
     calls = []
 
     def dying(*args, **kw):  # the second shard's build dies after its first batch (a killed worker)
@@ -102,10 +102,10 @@ def test_rerun_skips_finished_shards_and_resumes_one(tiny_lm, docs, tmp_path, sh
                 raise RuntimeError("worker killed")
             yield batch
 
-    monkeypatch.setattr(datastore_mod, "forward_windows", dying)
+    monkeypatch.setattr(write_mod, "forward_windows", dying)
     with pytest.raises(RuntimeError, match="killed"):
         build_sharded(model, docs, out, 3, tokenizer=tok, window=W, min_context=C, batch_size=2, progress=False)
-    monkeypatch.setattr(datastore_mod, "forward_windows", real)
+    monkeypatch.setattr(write_mod, "forward_windows", real)
     progress = json.loads((out / shard_name(1) / "progress.json").read_text())
     assert progress["windows_done"] == 2 and progress["count"] > 0  # one batch of two windows kept
     assert not (out / shard_name(2)).exists()
