@@ -176,10 +176,10 @@ def idle_check(
 
 def save_result(path: str | Path | None, result: dict[str, Any]) -> None:
     """Write a benchmark's result record to ``path`` (nothing when None): its folder created, the JSON written
-    atomically (:func:`memlm.storage.fileio.atomic_write_json`) with the keys in the order the script built them."""
+    atomically (:func:`memlm.io.fileio.atomic_write_json`) with the keys in the order the script built them."""
     if path is None:
         return
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(path), result, sort_keys=False)

@@ -30,7 +30,7 @@ def _tree_hash(root: Path) -> dict[str, str]:
 def world(tmp_path_factory, tiny_lm):
     """A folder with everything a command may be pointed at: model, corpus, datastore, dumps, junk files."""
     from memlm.knnlm.evaluate import TokenScores
-    from memlm.storage.datastore import build_datastore
+    from memlm.knnlm.write import write_datastore
     from memlm.trime.inference import TrimeScores
 
     root = tmp_path_factory.mktemp("adversarial")
@@ -42,7 +42,7 @@ def world(tmp_path_factory, tiny_lm):
     (root / "corpus").mkdir()
     for d in docs:
         (root / "corpus" / f"{d.id}.txt").write_text(d.text)
-    build_datastore(model, tok, docs, root / "ds", window=32, min_context=8, progress=False)
+    write_datastore(model, tok, docs, root / "ds", window=32, min_context=8, progress=False)
     from memlm.storage.datastore import Datastore
     from memlm.storage.index import build_index
 
@@ -51,9 +51,9 @@ def world(tmp_path_factory, tiny_lm):
     _bad_calibration(root / "ds", root / "badcal", len(ds))
     # issue 24 item 10: datastores whose indexes an `eval --index` of ds must refuse: the same documents in another
     # order (same size and dimension, other entries behind each id) and a larger one
-    build_datastore(model, tok, docs[::-1], root / "ds_reordered", window=32, min_context=8, progress=False)
+    write_datastore(model, tok, docs[::-1], root / "ds_reordered", window=32, min_context=8, progress=False)
     more = [*docs, Doc("extra", make_toy_docs(1, seed=6)[0].text)]
-    build_datastore(model, tok, more, root / "ds_larger", window=32, min_context=8, progress=False)
+    write_datastore(model, tok, more, root / "ds_larger", window=32, min_context=8, progress=False)
     for name in ("ds_reordered", "ds_larger"):
         other = Datastore.open(root / name)
         build_index(other.keys, other.index_path, factory="Flat", metric="l2")

@@ -16,8 +16,8 @@ from memlm.experiments.xu2023_analysis import (
     interpolation_row,
     run_analysis,
 )
+from memlm.knnlm.write import write_datastore
 from memlm.models.keys import KeySpec
-from memlm.storage.datastore import build_datastore
 
 
 def _dump(out, prefix):
@@ -36,8 +36,8 @@ def setup(tmp_path_factory, tiny_lm, tiny_lm_dir):
     model, tok = tiny_lm
     docs = make_toy_docs(60, seed=1)
     kw = dict(window=32, min_context=8, batch_size=4, progress=False)
-    att = build_datastore(model, tok, docs, tmp / "att", key=KeySpec("ffn_in"), **kw)
-    ffn = build_datastore(model, tok, docs, tmp / "ffn", key=KeySpec("final"), **kw)
+    att = write_datastore(model, tok, docs, tmp / "att", key=KeySpec("ffn_in"), **kw)
+    ffn = write_datastore(model, tok, docs, tmp / "ffn", key=KeySpec("final"), **kw)
     held = write_jsonl(tmp / "held.jsonl", make_toy_docs(8, seed=2))
     spec = AnalysisSpec(
         model=str(tiny_lm_dir),

@@ -11,15 +11,17 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "memlm"
 
-# lowest first; a module may import its own layer and the layers below, never above (docs/ARCHITECTURE.md). Entries
-# are module paths under memlm (a package names all its modules; a longer path wins over its package's entry).
+# lowest first; a package may import its own layer and the layers below, never above (docs/ARCHITECTURE.md). Entries
+# are packages under memlm or top-level modules (memlm/leakage.py): every module of a package shares its layer.
 LAYERS = [
-    {"errors", "storage.fileio", "storage.locking", "storage.schema"},
+    {"errors", "io"},
     {"core"},
-    {"models", "data", "experiments.plots"},
+    {"data"},
+    {"models"},
     {"storage", "retrieval"},
-    {"training", "knnlm", "xu2023", "trime", "npm", "ngram", "leakage"},
-    {"lmeval", "experiments", "cli"},
+    {"mixing", "training"},
+    {"knnlm", "xu2023", "trime", "npm", "ngram", "leakage"},
+    {"registry", "lmeval", "experiments", "cli"},
 ]
 
 
@@ -55,18 +57,23 @@ def _imports(path: Path, module: str, top_level_only: bool) -> set[str]:
     return found
 
 
+def _package(module: str) -> str:
+    """The package of ``module``: ``memlm.storage.index`` -> ``memlm.storage``; a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
 def _layer(module: str) -> int:
-    """The layer of ``module``: that of the longest LAYERS entry that is the module or one of its packages."""
-    path = module.split(".")[1:]
-    best = None
-    for i, layer in enumerate(LAYERS):
-        for entry in layer:
-            parts = entry.split(".")
-            if path[: len(parts)] == parts and (best is None or len(parts) > best[1]):
-                best = (i, len(parts))
-    if best is None:
-        raise AssertionError(f"{module} is in no layer: add it to LAYERS and docs/ARCHITECTURE.md")
-    return best[0]
+    """The layer of ``module``'s package in LAYERS."""
+    name = _package(module).split(".", 1)[1]
+    found = [i for i, layer in enumerate(LAYERS) if name in layer]
+    if not found:
+        raise AssertionError(f"{module} is in no layer: add {name} to LAYERS and docs/ARCHITECTURE.md")
+    return found[0]
+
+
+def test_layers_name_each_package_once():
+    named = [entry for layer in LAYERS for entry in layer]
+    assert len(named) == len(set(named)) and all("." not in entry for entry in named), named
 
 
 def test_every_module_has_a_layer():
@@ -110,7 +117,12 @@ def test_faiss_is_imported_only_by_the_index_and_searcher_modules():
     assert not bad, "FAISS imported outside " + ", ".join(sorted(FAISS_MODULES)) + ":\n" + "\n".join(bad)
 
 
+BENCHMARKS = SRC.parents[1] / "benchmarks"
+
+
 def test_nothing_below_the_command_line_imports_it():
+    """No library module and no benchmark imports ``memlm.cli``: the command line parses, calls the library, prints
+    (a benchmark runs ``python -m memlm.cli`` as a user would, or calls the library)."""
     bad = [
         f"{module} imports {imp}"
         for module, path in _modules().items()
@@ -118,6 +130,10 @@ def test_nothing_below_the_command_line_imports_it():
         for imp in _imports(path, module, top_level_only=False)
         if imp == "memlm.cli" or imp.startswith("memlm.cli.")
     ]
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        name = "benchmarks." + ".".join(path.relative_to(BENCHMARKS).with_suffix("").parts)
+        bad += [f"{name} imports {imp}" for imp in _imports(path, name, top_level_only=False)
+                if imp == "memlm.cli" or imp.startswith("memlm.cli.")]  # fmt: skip
     assert not bad, "\n".join(bad)
 
 
@@ -150,6 +166,78 @@ def test_no_import_cycles():
     for m in graph:
         if m not in state:
             visit(m)
+
+
+def _package_graph() -> dict[str, dict[str, set[str]]]:
+    """package -> {package it imports: the module imports behind that edge}, counting every import: inside functions
+    (a cycle there only hides from Python's import machinery, not from a reader) and under ``TYPE_CHECKING`` (an
+    annotation names the other package's type: the dependency is real). The root package (``memlm/__init__.py``,
+    the public API loaded on first use) is left out: it names every layer on purpose."""
+    mods = _modules()
+    graph: dict[str, dict[str, set[str]]] = {}
+    for module, path in mods.items():
+        if module == "memlm":
+            continue
+        graph.setdefault(_package(module), {})
+        for imp in _imports(path, module, top_level_only=False):
+            target = next((m for m in (imp, imp.rsplit(".", 1)[0]) if m in mods and m != "memlm"), None)
+            if target is not None and _package(target) != _package(module):
+                graph[_package(module)].setdefault(_package(target), set()).add(f"{module} -> {target}")
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, set[str]]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, {})):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if dep not in state and (found := visit(dep)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_package_import_cycles():
+    graph = _package_graph()
+    cycle = _cycle(graph)
+    assert cycle is None, (
+        "package import cycle: "
+        + " -> ".join(cycle)
+        + "\n"
+        + "\n".join(f"  {a} -> {b}: " + ", ".join(sorted(graph[a][b])) for a, b in zip(cycle, cycle[1:], strict=False))
+    )
+
+
+def test_the_package_cycle_check_finds_a_cycle():
+    graph = {"memlm.a": {"memlm.b": {"x"}}, "memlm.b": {"memlm.c": {"y"}}, "memlm.c": {"memlm.a": {"z"}}}
+    assert _cycle(graph) == ["memlm.a", "memlm.b", "memlm.c", "memlm.a"]
+    assert _cycle({"memlm.a": {"memlm.b": {"x"}}, "memlm.b": {}}) is None
+
+
+def test_the_import_scan_counts_imports_inside_functions(tmp_path):
+    """``_imports`` sees a function-level, relative and TYPE_CHECKING import, not only the top-level ones."""
+    path = tmp_path / "mod.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from memlm.models.keys import KeySpec\n"
+        "def f():\n    from memlm.storage import datastore\n    from ..core import tuning\n"
+    )
+    assert _imports(path, "memlm.knnlm.mod", top_level_only=False) >= {
+        "memlm.models.keys",
+        "memlm.storage.datastore",
+        "memlm.core.tuning",
+    }
 
 
 @pytest.mark.parametrize("pattern", [r"logsumexp\(.*(masked_fill|hit)", r"log_softmax\((scores|sims|s)\s*/"])

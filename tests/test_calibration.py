@@ -200,8 +200,9 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
 
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm, monkeypatch):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
+    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
     from memlm.knnlm import evaluate
-    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities
+    from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
     from memlm.storage.datastore import Datastore
 
     # each grid point's perplexity, not its bootstrap intervals (most of perplexities' time, ~300 times here)
@@ -324,7 +325,7 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     k says so; the result's retrieval record holds the λ, τ and index used."""
     import shutil
 
-    from memlm.knnlm.dump_mixture import DumpMixture
+    from memlm.mixing.dump import DumpMixture
 
     root, ds0, args, _ = onefile
     r = memlm("datastore", "build", *args, "--out", str(ds0), "--holdout", "0")
@@ -386,7 +387,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     fitted on and warns that the slice is under memlm.core.mixture's minimum sizes."""
     from memlm.core.mixture import MIN_FIT_TOKENS
     from memlm.knnlm.calibration import near_temperatures, stored_mixture
-    from memlm.knnlm.dump_mixture import DumpMixture, fit_dump
+    from memlm.mixing.dump import DumpMixture, fit_dump
     from memlm.storage.datastore import Datastore
 
     root, ds_path, docs, r = built
@@ -434,7 +435,7 @@ def test_calibration_warns_below_the_stated_size_only(built, tiny_lm, capsys):
     tokens in 8+ documents does not."""
     from memlm.core.mixture import MIN_FIT_DOCUMENTS, MIN_FIT_TOKENS
     from memlm.knnlm.calibration import calibrate, report_mixture
-    from memlm.knnlm.dump_mixture import DumpMixture
+    from memlm.mixing.dump import DumpMixture
     from memlm.storage.datastore import Datastore
 
     model, tok = tiny_lm

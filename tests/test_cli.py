@@ -34,7 +34,7 @@ def strict_loads(text: str):
 
 
 def test_json_writer_is_strict(tmp_path):
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     data = {"a": math.inf, "b": [1.5, -math.inf, math.nan], "c": np.float32("inf"), "d": np.float64(2.0), 3: (1, 2)}
     atomic_write_json(tmp_path / "x.json", data)

@@ -141,11 +141,12 @@ def test_paths_within_tolerance_are_allowed_and_past_it_refused():
 
 
 def test_datastore_records_its_path_and_checks_queries(tmp_path):
-    from memlm.storage.datastore import Datastore, build_datastore
+    from memlm.knnlm.write import write_datastore
+    from memlm.storage.datastore import Datastore
 
     tok = gpt2_tokenizer()
     docs = make_toy_docs(6)
-    built = build_datastore(tiny_llama(), tok, docs, tmp_path / "ds", window=32, min_context=8, progress=False)
+    built = write_datastore(tiny_llama(), tok, docs, tmp_path / "ds", window=32, min_context=8, progress=False)
     recorded = Datastore.open(tmp_path / "ds").manifest["build"]["compute_path"]
     assert (recorded["dtype"], recorded["attention"], recorded["quantize"]) == ("float32", "sdpa", "none")
     assert recorded["torch"] == torch.__version__ and recorded["key_error"] == 0.0

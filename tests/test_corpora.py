@@ -23,7 +23,7 @@ from memlm.data.corpora import (
     split_of,
 )
 from memlm.errors import MemlmError
-from memlm.models.resources import memlm_home
+from memlm.io.fileio import memlm_home
 
 NAMED = ["wiki", "news", "bbc", "brown", "imdb"]
 

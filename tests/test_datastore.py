@@ -10,14 +10,15 @@ import torch
 from conftest import Doc, gpt2_tokenizer, tiny_gpt2
 
 from memlm.errors import MemlmError
+from memlm.knnlm.write import write_datastore
 from memlm.models.keys import KeyCapture, KeySpec
-from memlm.storage.datastore import Datastore, build_datastore
+from memlm.storage.datastore import Datastore
 
 
 def build(tmp_path, tiny_lm, docs, name="ds", **kw):
     model, tok = tiny_lm
     kw = {"window": 32, "min_context": 8, "batch_size": 3, "progress": False, **kw}
-    return build_datastore(model, tok, docs, tmp_path / name, **kw)
+    return write_datastore(model, tok, docs, tmp_path / name, **kw)
 
 
 def test_entries_equal_direct_forward(tmp_path, tiny_lm):
@@ -167,7 +168,7 @@ def test_disk_full_is_a_clear_error_and_the_rerun_resumes(tmp_path, tiny_lm, toy
 
 
 def test_disk_full_while_writing_progress(tmp_path, tiny_lm, toy_docs, monkeypatch):
-    import memlm.storage.fileio as fileio
+    import memlm.io.fileio as fileio
 
     lone = build(tmp_path, tiny_lm, toy_docs, name="lone")
     real = fileio.os.fsync

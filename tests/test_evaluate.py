@@ -53,7 +53,7 @@ def test_rare_continuation_seen_once_gets_probability_raised(tmp_path, tiny_lm, 
     assert ts.targets[pos] == target_ids[0]
     lam = 0.25
     from memlm.core.distribution import mix
-    from memlm.knnlm.evaluate import memory_logprob
+    from memlm.mixing.inputs import memory_logprob
 
     knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0)
     mixed = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[1 - lam, lam])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from memlm.errors import MemlmError
-from memlm.storage import schema
+from memlm.io import schema
 from memlm.storage.folder import AppendWriter, FolderFormat, manifest_digest
 
 TOY = FolderFormat(

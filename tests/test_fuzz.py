@@ -109,11 +109,11 @@ EVAL_FLAGS = {
 
 @pytest.fixture(scope="module")
 def ds_dir(tmp_path_factory, tiny_lm):
-    from memlm.storage.datastore import build_datastore
+    from memlm.knnlm.write import write_datastore
 
     root = tmp_path_factory.mktemp("fuzz")
     model, tok = tiny_lm
-    build_datastore(model, tok, make_toy_docs(8, seed=2), root / "ds", window=32, min_context=8, progress=False)
+    write_datastore(model, tok, make_toy_docs(8, seed=2), root / "ds", window=32, min_context=8, progress=False)
     return root / "ds"
 
 
@@ -255,7 +255,7 @@ def test_fuzz_manifest_campaign(ds_dir, tmp_path_factory, data):
 
 def _progress_property(tiny_lm, tmp: Path, data) -> None:
     """An interrupted build whose progress.json is damaged: the rerun resumes or says what is wrong."""
-    from memlm.storage.datastore import build_datastore
+    from memlm.knnlm.write import write_datastore
 
     model, tok = tiny_lm
     out = tmp / "ds"
@@ -266,7 +266,7 @@ def _progress_property(tiny_lm, tmp: Path, data) -> None:
     out.mkdir()
     (out / "progress.json").write_bytes(_mutated(progress, data))
     try:
-        build_datastore(model, tok, docs, out, window=32, min_context=8, progress=False)
+        write_datastore(model, tok, docs, out, window=32, min_context=8, progress=False)
     except MemlmError:
         pass
 

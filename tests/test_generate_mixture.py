@@ -34,10 +34,10 @@ two_indexes, ds = test_ngram_multi.two_indexes, test_ngram_multi.ds  # its fixtu
 @pytest.fixture(scope="module")
 def ds2(tmp_path_factory, tiny_lm):
     """A second datastore of the tiny LM over other toy documents (exact index)."""
-    from memlm.storage.datastore import build_datastore
+    from memlm.knnlm.write import write_datastore
 
     model, tok = tiny_lm
-    store = build_datastore(model, tok, make_toy_docs(20, seed=7), tmp_path_factory.mktemp("ds2") / "ds2",
+    store = write_datastore(model, tok, make_toy_docs(20, seed=7), tmp_path_factory.mktemp("ds2") / "ds2",
                             window=64, min_context=32, progress=False)  # fmt: skip
     store.build_index(factory="Flat", metric="l2", progress=False)
     return store

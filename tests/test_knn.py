@@ -213,7 +213,7 @@ def test_perplexity_beyond_float64_is_inf_and_written_null():
     so at τ = 0.01 its log-probability is about -1000. The perplexity is then inf, which result files write as null.
     """
     from memlm.core.distribution import perplexity
-    from memlm.storage.fileio import dumps_json
+    from memlm.io.fileio import dumps_json
 
     scores = torch.tensor([[0.0, -10.0]] * 3)
     values = torch.tensor([[1, 0]] * 3)

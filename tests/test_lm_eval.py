@@ -17,8 +17,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from memlm.core.distribution import mix  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
-from memlm.knnlm.evaluate import memory_logprob, score_tokens  # noqa: E402
+from memlm.knnlm.evaluate import score_tokens  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
+from memlm.mixing.inputs import memory_logprob
 from memlm.storage.index import build_index  # noqa: E402
 
 

@@ -24,17 +24,17 @@ from test_ngram import Brute, _brute_p_inf, _ids  # noqa: E402
 
 from memlm.core.mixture import Mixture, MixtureFit  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
-from memlm.knnlm.dump_mixture import DumpMixture  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
+from memlm.mixing.dump import DumpMixture  # noqa: E402
 from memlm.models.keys import KeyCapture, num_layers  # noqa: E402
 from memlm.ngram.index import build_ngram_index  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
 from memlm.storage.index import build_index  # noqa: E402
 
 K, TAU, CACHE_TAU = 8, 2.0, 1.5
 TEXT = "the old river ran over the park while the cat sat on a mat and the dog ran"
 
-# each kind's features as memlm.knnlm.mixture_inputs documents them
+# each kind's features as memlm.mixing.inputs documents them
 LM_FEATURES = ["lm_entropy", "lm_max_logprob"]
 KNN_FEATURES = ["top_score", "logsumexp", "top_value_share", "empty"]
 NGRAM_FEATURES = ["log_n", "log_count", "sparse"]

@@ -1,4 +1,4 @@
-"""One writer per folder: the flock-based folder lock (memlm.storage.locking)."""
+"""One writer per folder: the flock-based folder lock (memlm.io.locking)."""
 
 import json
 import os
@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from memlm.errors import MemlmError
-from memlm.storage.locking import LOCK_NAME, folder_lock, lock_holder
+from memlm.io.locking import LOCK_NAME, folder_lock, lock_holder
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 HOLD = """
 import sys, time
-from memlm.storage.locking import folder_lock
+from memlm.io.locking import folder_lock
 with folder_lock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.readline()
@@ -76,7 +76,7 @@ RACE = """
 import os, sys, time
 from pathlib import Path
 from memlm.errors import MemlmError
-from memlm.storage.locking import folder_lock
+from memlm.io.locking import folder_lock
 folder = Path(sys.argv[1]); marker = folder / "inside"
 done = 0
 while done < 40:

@@ -28,7 +28,7 @@ from memlm.core.mixture import (
 )
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import TokenScores, perplexities
-from memlm.knnlm.mixture_inputs import mixture_inputs
+from memlm.mixing.inputs import mixture_inputs
 from memlm.ngram.mixture import ngram_report
 
 # ------------------------------------------------------------------------------------------------ NumPy references

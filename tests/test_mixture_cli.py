@@ -18,8 +18,8 @@ from test_mixture import synthetic_dump  # noqa: E402
 
 from memlm.cli import main  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
-from memlm.knnlm.dump_mixture import DumpMixture, components_of, rule_logprob  # noqa: E402
 from memlm.knnlm.evaluate import TokenScores  # noqa: E402
+from memlm.mixing.dump import DumpMixture, components_of, rule_logprob  # noqa: E402
 
 
 def _save(ts: TokenScores, path: Path) -> str:
@@ -29,7 +29,7 @@ def _save(ts: TokenScores, path: Path) -> str:
 
 def _by_hand(fit: dict, ts: TokenScores) -> np.ndarray:
     """log Σ_i λ_ti p_ti with λ_t = softmax(W (φ_t - mean) / std + b) from the stored fit, in NumPy float64."""
-    from memlm.knnlm.mixture_inputs import mixture_inputs
+    from memlm.mixing.inputs import mixture_inputs
 
     rec = fit["mixture"]
     inp = mixture_inputs(ts, rec["temperature"] or 1.0, rec["k"], rec["cache_temperature"] or 1.0)
@@ -129,7 +129,7 @@ def test_a_gate_fitted_where_it_overfits_ends_no_worse_than_the_lm_on_test(tmp_p
 def test_rule_logprob_is_each_rules_formula():
     """rule_logprob against the formulas by hand: (1-λ-λc) p_LM + λ p_kNN + λc p_cache; (1-λ-λ∞) p_LM + λ p_kNN +
     λ∞ P∞ with λ∞ = λ_sparse where sparse, else λ_dense; all four at once (one rule, no special case)."""
-    from memlm.knnlm.mixture_inputs import mixture_inputs
+    from memlm.mixing.inputs import mixture_inputs
 
     ts = synthetic_dump(4)
     lam, tau, lc, tc, ls, ld = 0.2, 2.0, 0.1, 0.5, 0.4, 0.05
@@ -170,12 +170,12 @@ def memories(tmp_path_factory, tiny_lm):
     pytest.importorskip("infini_gram")
     from conftest import gpt2_tokenizer
 
+    from memlm.knnlm.write import write_datastore
     from memlm.ngram.index import build_ngram_index
-    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     root = tmp_path_factory.mktemp("mix")
-    store = build_datastore(model, tok, make_toy_docs(), root / "ds", window=64, min_context=32, progress=False)
+    store = write_datastore(model, tok, make_toy_docs(), root / "ds", window=64, min_context=32, progress=False)
     store.build_index(factory="Flat", metric="l2", progress=False)
     index = build_ngram_index(gpt2_tokenizer(), make_toy_docs(60, seed=3), root / "ix", source={"corpus": "toy-a"},
                               progress=False)  # fmt: skip
@@ -235,12 +235,12 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     """eval --datastore A --datastore B: B's neighbours are what B alone dumps (knn_extra_*); multi_knn_ppl is
     (1 - λ_A - λ_B) p_LM + λ_A p_A + λ_B p_B by hand, knn2_ppl is B alone's kNN-LM; tune --mixture gate fits lm,
     knn, knn2 and eval --mixture applies it to the same two datastores (and refuses one)."""
-    from memlm.knnlm.evaluate import memory_logprob
-    from memlm.storage.datastore import build_datastore
+    from memlm.knnlm.write import write_datastore
+    from memlm.mixing.inputs import memory_logprob
 
     model, tok = tiny_lm
     a, _ = memories
-    b = build_datastore(model, tok, make_toy_docs(8, seed=77), tmp_path / "ds-b", window=64, min_context=32,
+    b = write_datastore(model, tok, make_toy_docs(8, seed=77), tmp_path / "ds-b", window=64, min_context=32,
                         progress=False)  # fmt: skip
     b.build_index(factory="Flat", metric="l2", progress=False)
     both = ["--datastore", str(a.path), "--datastore", str(b.path), "--lambda", "0.2", "--temperature", "5"]
@@ -269,7 +269,7 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     g = json.loads(Path(fit).read_text())
     assert g["mixture"]["fit"]["mixture"]["components"] == ["lm", "knn", "knn2"]
     # the rule: the first datastore's λ, τ by tune's grid, then B's beside it (the best of the grid, by hand)
-    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS
+    from memlm.core.tuning import DEFAULT_LAMBDAS
 
     best = g["valid"]["best"]
     lam, tau = best["lambda"], best["temperature"]
@@ -324,7 +324,7 @@ def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
     fixed: the best of a NumPy grid of (1 - λ - λ∞ - λc) p_LM + λ p_kNN + λ∞ P∞ + λc p_cache on valid; the test row
     cache_rule_ppl is that formula on test, and tune --mixture gate's rule_ppl is that row (docs/results/mixture.md
     row d)."""
-    from memlm.knnlm.mixture_inputs import mixture_inputs
+    from memlm.mixing.inputs import mixture_inputs
 
     valid, test = _save(synthetic_dump(6, n=400), tmp_path / "v.npz"), _save(synthetic_dump(7), tmp_path / "t.npz")
     cache_grid, cache_taus = (0.0, 0.05, 0.1, 0.2), (0.5, 2.0)
@@ -355,7 +355,7 @@ def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
 def test_tune_with_ngram_tunes_a_second_datastore_beside_the_rule(tmp_path):
     """A dump with two datastores and an ∞-gram: tune finds λ, τ, λ_sparse, λ_dense, then knn2's λ_2, τ_2 beside
     them; tune --mixture gate's rule_ppl on test is (1 - λ - λ_2 - λ∞) p_LM + λ p_kNN + λ_2 p_kNN2 + λ∞ P∞ by hand."""
-    from memlm.knnlm.evaluate import memory_logprob
+    from memlm.mixing.inputs import memory_logprob
 
     def two(seed, n):
         ts = synthetic_dump(seed, n=n)

@@ -316,8 +316,8 @@ def test_rerun_with_other_corpus_is_refused(tok, corpus, index):
 
 
 def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
-    from memlm.knnlm.dump_mixture import rule_logprob
     from memlm.knnlm.evaluate import score_tokens
+    from memlm.mixing.dump import rule_logprob
     from memlm.ngram.mixture import ngram_report, tune_ngram
 
     model, tok = tiny_lm
@@ -345,12 +345,13 @@ def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_d
     """Tuning λ_sparse, λ_dense per subset for each (λ, τ) finds the optimum of the full product grid."""
     import itertools
 
-    from memlm.knnlm.evaluate import memory_logprob, score_tokens
+    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.write import write_datastore
+    from memlm.mixing.inputs import memory_logprob
     from memlm.ngram.mixture import tune_ngram
-    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
-    ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
+    ds = write_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
     ts = score_tokens(
         model,
         tok,
@@ -483,10 +484,10 @@ def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
 def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, corpus, index, toy_docs, tmp_path):
     """LM + kNN + ∞-gram in one eval, even when the separately set weights sum past 1; tune then mixes all four."""
     from memlm.cli import main
-    from memlm.storage.datastore import build_datastore
+    from memlm.knnlm.write import write_datastore
 
     model, tok = tiny_lm
-    ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
+    ds = write_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
     ds.build_index(factory="Flat", metric="l2", progress=False)
     docs = tmp_path / "e.jsonl"
     docs.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(6, seed=31)))
@@ -530,12 +531,12 @@ def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tin
     NumPy search (Khandelwal et al. Eq. 2) and P∞ from a scan of the reference tokens (Liu et al. 2024 Sec. 3)."""
     from memlm.cli import main
     from memlm.knnlm.generate import KNNLogitsProcessor
+    from memlm.knnlm.write import write_datastore
     from memlm.models.keys import KeyCapture
     from memlm.ngram.generate import NgramStep
-    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
-    ds = build_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
+    ds = write_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
     ds.build_index(factory="Flat", metric="l2", progress=False)
     lam, ls, ld, k, tau = 0.3, 0.5, 0.2, 8, 2.0
     seq = _ids(tok, "the old river ran over the")
@@ -639,7 +640,7 @@ def test_several_references_mixture_and_tuning():
     """Two ∞-gram references with their own weights: the mixture equals the formula computed in NumPy, and the tuned
     weights are a coordinate-wise optimum of the grid, no worse than either reference alone (Liu et al. 2024's
     interpolation, one (λ_sparse, λ_dense) pair per reference)."""
-    from memlm.knnlm.dump_mixture import mix_by_rule
+    from memlm.mixing.dump import mix_by_rule
     from memlm.ngram.mixture import tune_multi_ngram
 
     rng = np.random.default_rng(5)

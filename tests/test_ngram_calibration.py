@@ -1,5 +1,6 @@
-"""``memlm ngram build``'s calibration (memlm.ngram.calibration): λ_sparse / λ_dense and the guarded mixture of the LM
-and the index, fitted on the held-out slice's one scored dump and stored in the index's manifest (issue 35)."""
+"""``memlm ngram build``'s calibration (memlm.knnlm.calibration.calibrate_ngram): λ_sparse / λ_dense and the
+guarded mixture of the LM and the index, fitted on the held-out slice's one scored dump and stored in the index's
+manifest (issue 35)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     weights, log P per token; λ_sparse / λ_dense are still recorded beside it; the build says what it fitted on and
     warns below memlm.core.mixture's sizes, with the fix."""
     from memlm.core.mixture import MIN_FIT_TOKENS
-    from memlm.knnlm.dump_mixture import DumpMixture, fit_dump
     from memlm.knnlm.evaluate import lm_scores
+    from memlm.mixing.dump import DumpMixture, fit_dump
     from memlm.ngram.mixture import add_ngram
 
     root, ix, docs, _, r = built
@@ -127,8 +128,8 @@ def test_an_index_calibrated_before_the_fit_has_none_until_rebuilt(built, tmp_pa
 
 def test_calibration_adds_no_forward_pass(built, tiny_lm):
     """λ_sparse / λ_dense and the mixture come from one LM pass: the forward calls of lm_scores alone."""
+    from memlm.knnlm.calibration import calibrate_ngram
     from memlm.knnlm.evaluate import lm_scores
-    from memlm.ngram.calibration import calibrate_ngram
 
     model, tok = tiny_lm
     held = make_toy_docs(20, seed=5)

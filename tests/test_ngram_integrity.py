@@ -14,8 +14,8 @@ from conftest import gpt2_tokenizer, make_toy_docs  # noqa: E402
 
 from memlm.cli import main  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.io import fileio  # noqa: E402
 from memlm.ngram import index as ix  # noqa: E402
-from memlm.storage import fileio  # noqa: E402
 
 BLOCKS, BLOCK = 4, 64  # a sample of 4 blocks of 64 bytes, so that the toy index's table is sampled, not read whole
 

@@ -42,10 +42,10 @@ def two_indexes(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory, tiny_lm):
     """A datastore of the tiny LM over the toy documents, on an exact (flat L2) index."""
-    from memlm.storage.datastore import build_datastore
+    from memlm.knnlm.write import write_datastore
 
     model, tok = tiny_lm
-    store = build_datastore(model, tok, make_toy_docs(), tmp_path_factory.mktemp("ds") / "ds", window=64,
+    store = write_datastore(model, tok, make_toy_docs(), tmp_path_factory.mktemp("ds") / "ds", window=64,
                             min_context=32, progress=False)  # fmt: skip
     store.build_index(factory="Flat", metric="l2", progress=False)
     return store
@@ -92,7 +92,7 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
     probability and perplexity are Σ λ_i P_i by hand; tune then gives each index its own weights (jointly tuned, no
     worse on valid than either alone) and applies them to the test dump."""
     from memlm.cli import main
-    from memlm.knnlm.dump_mixture import rule_logprob
+    from memlm.mixing.dump import rule_logprob
 
     a, b = two_indexes
     res, ts = _eval(tiny_lm_dir, eval_docs, [a, b], tmp_path, "ab")
@@ -145,7 +145,7 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_ind
     """LM + kNN + two ∞-grams: weights set apart that sum past 1 are scaled to leave the LM >= 0, the four-way
     mixture equals the formula by hand; tune finds λ, τ and each index's pair."""
     from memlm.cli import main
-    from memlm.knnlm.evaluate import memory_logprob
+    from memlm.mixing.inputs import memory_logprob
 
     extra = ["--datastore", str(ds.path), "--k", "8", "--lambda", "0.5", "--temperature", "1",
              "--ngram-lambda-sparse", "0.9", "--ngram-lambda-dense", "0.2"]  # fmt: skip

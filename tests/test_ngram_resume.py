@@ -17,8 +17,8 @@ pytest.importorskip("infini_gram")
 
 from conftest import gpt2_tokenizer, make_toy_docs  # noqa: E402
 
+from memlm.io.locking import LOCK_NAME  # noqa: E402
 from memlm.ngram import index as ix  # noqa: E402
-from memlm.storage.locking import LOCK_NAME  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SHARD_TOKENS, BATCH = 1500, 32  # ~5 shards of ~200 documents, split inside batches of 32

@@ -16,9 +16,10 @@ from conftest import gpt2_tokenizer, make_toy_docs  # noqa: E402
 
 from memlm.cli import common, main  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.io.locking import LOCK_NAME  # noqa: E402
+from memlm.knnlm.write import write_datastore
 from memlm.ngram.index import NgramIndex, build_ngram_index  # noqa: E402
-from memlm.storage.datastore import Datastore, build_datastore  # noqa: E402
-from memlm.storage.locking import LOCK_NAME  # noqa: E402
+from memlm.storage.datastore import Datastore  # noqa: E402
 
 USER_FILES = {"metadata.json": b'{"mine": 1}', "table.csv": b"a,b\n1,2\n", "offset.txt": b"42\n"}
 
@@ -36,7 +37,7 @@ def built(tmp_path_factory, tiny_lm):
     model, tok = tiny_lm
     root = tmp_path_factory.mktemp("built")
     docs = make_toy_docs(12, seed=1)
-    build_datastore(model, tok, docs, root / "ds", window=16, min_context=4, batch_size=2, progress=False)
+    write_datastore(model, tok, docs, root / "ds", window=16, min_context=4, batch_size=2, progress=False)
     build_ngram_index(gpt2_tokenizer(), docs, root / "ng", source={"corpus": "toy"}, progress=False)
     return root
 
@@ -170,7 +171,7 @@ def test_datastore_build_api_over_an_ngram_index_is_refused(tiny_lm, built, tmp_
     ng = _copy(built, "ng", tmp_path / "ng")
     before = snapshot(ng)
     with pytest.raises(MemlmError, match="holds an ∞-gram index, not a datastore"):
-        build_datastore(model, tok, make_toy_docs(4), ng, window=16, min_context=4, overwrite=True, progress=False)
+        write_datastore(model, tok, make_toy_docs(4), ng, window=16, min_context=4, overwrite=True, progress=False)
     assert snapshot(ng) == before
 
 

@@ -73,7 +73,7 @@ def test_changed_settings_on_rerun_are_named_and_overwrite_replaces(tmp_path, mo
 
 HOLD = """
 import sys
-from memlm.storage.locking import folder_lock
+from memlm.io.locking import folder_lock
 with folder_lock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.readline()

@@ -32,7 +32,7 @@ import torch
 from conftest import gpt2_tokenizer
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from memlm.models.resources import memlm_home
+from memlm.io.fileio import memlm_home
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -16,13 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2TokenizerFast
 
 import memlm.models.resources as res
+from memlm.data.corpora import ensure_npm_package
 from memlm.errors import MemlmError
+from memlm.io.fileio import memlm_home
 from memlm.models.resources import (
     MODELS,
-    ensure_npm_package,
     load_causal_lm,
     load_encoder,
-    memlm_home,
     model_fingerprint,
     parse_dtype,
     tokenizer_fingerprint,

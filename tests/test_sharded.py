@@ -11,16 +11,10 @@ from conftest import make_toy_docs
 
 from memlm.errors import MemlmError
 from memlm.knnlm.evaluate import score_tokens
-from memlm.storage.datastore import Datastore, build_datastore
+from memlm.knnlm.write import build_sharded, write_datastore
+from memlm.storage.datastore import Datastore
 from memlm.storage.index import build_index, exact_search, load_index, search
-from memlm.storage.sharded import (
-    ShardedArray,
-    ShardedDatastore,
-    build_sharded,
-    open_datastore,
-    plan_shards,
-    shard_name,
-)
+from memlm.storage.sharded import ShardedArray, ShardedDatastore, open_datastore, plan_shards, shard_name
 from memlm.storage.sharded_index import ShardedSearcher, build_sharded_index, merge_topk
 
 W, C = 32, 12  # small windows: many of them, and cuts inside windows
@@ -34,7 +28,7 @@ def docs():
 @pytest.fixture(scope="module")
 def single(tiny_lm, docs, tmp_path_factory):
     model, tok = tiny_lm
-    return build_datastore(
+    return write_datastore(
         model, tok, docs, tmp_path_factory.mktemp("one") / "ds", window=W, min_context=C, batch_size=3, progress=False
     )
 
@@ -94,11 +88,11 @@ def test_sharded_array_indexing(sharded, single):
 
 
 def test_rerun_skips_finished_shards_and_resumes_one(tiny_lm, docs, tmp_path, sharded, monkeypatch):
-    import memlm.storage.datastore as datastore_mod
+    import memlm.knnlm.write as write_mod
 
     model, tok = tiny_lm
     out = tmp_path / "ds"
-    real = datastore_mod.forward_windows
+    real = write_mod.forward_windows
     calls = []
 
     def dying(*args, **kw):  # the second shard's build dies after its first batch (a killed worker)
@@ -108,10 +102,10 @@ def test_rerun_skips_finished_shards_and_resumes_one(tiny_lm, docs, tmp_path, sh
                 raise RuntimeError("worker killed")
             yield batch
 
-    monkeypatch.setattr(datastore_mod, "forward_windows", dying)
+    monkeypatch.setattr(write_mod, "forward_windows", dying)
     with pytest.raises(RuntimeError, match="killed"):
         build_sharded(model, docs, out, 3, tokenizer=tok, window=W, min_context=C, batch_size=2, progress=False)
-    monkeypatch.setattr(datastore_mod, "forward_windows", real)
+    monkeypatch.setattr(write_mod, "forward_windows", real)
     progress = json.loads((out / shard_name(1) / "progress.json").read_text())
     assert progress["windows_done"] == 2 and progress["count"] > 0  # one batch of two windows kept
     assert not (out / shard_name(2)).exists()

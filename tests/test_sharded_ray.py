@@ -16,10 +16,10 @@ from conftest import make_toy_docs
 
 ray = pytest.importorskip("ray")
 
+from memlm.knnlm.write import build_sharded, write_datastore  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
-from memlm.storage.datastore import build_datastore  # noqa: E402
 from memlm.storage.index import exact_search  # noqa: E402
-from memlm.storage.sharded import ShardedDatastore, build_sharded, shard_name  # noqa: E402
+from memlm.storage.sharded import ShardedDatastore, shard_name  # noqa: E402
 from memlm.storage.sharded_index import ShardedSearcher, build_sharded_index  # noqa: E402
 
 W, C = 32, 12
@@ -46,7 +46,7 @@ def built(ray_cluster, tiny_lm_dir, docs, tmp_path_factory):
     """(one-process datastore, Ray-built sharded datastore) from the tiny model saved in a folder."""
     model, tok = load_causal_lm(str(tiny_lm_dir))
     root = tmp_path_factory.mktemp("ray")
-    single = build_datastore(model, tok, docs, root / "one", window=W, min_context=C, batch_size=2, progress=False)
+    single = write_datastore(model, tok, docs, root / "one", window=W, min_context=C, batch_size=2, progress=False)
     sharded = build_sharded(
         str(tiny_lm_dir), docs, root / "sharded", 2, tokenizer=tok, window=W, min_context=C, batch_size=2,
         ray=ray_cluster, progress=False,
@@ -87,7 +87,7 @@ def test_killed_build_resumes_only_unfinished_shards(tiny_lm_dir, docs, tmp_path
     script = tmp_path / "build.py"
     script.write_text(
         "import sys\nsys.path.insert(0, sys.argv[1])\nfrom conftest import make_toy_docs\n"
-        "from memlm.storage.sharded import build_sharded\n"
+        "from memlm.knnlm.write import build_sharded\n"
         f"build_sharded(sys.argv[2], make_toy_docs(24, seed=5), sys.argv[3], 2, window={W}, min_context={C}, "
         "batch_size=1, progress=False)\n"
     )

@@ -11,9 +11,10 @@ from memlm.core.distribution import mix
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import memory_logprob, score_tokens
+from memlm.knnlm.evaluate import score_tokens
+from memlm.knnlm.write import write_datastore
+from memlm.mixing.inputs import memory_logprob
 from memlm.models.resources import load_causal_lm
-from memlm.storage.datastore import build_datastore
 from memlm.storage.index import build_index
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
         "winter by the Ostrava river.",
     )
     docs = [*limit_documents(load_documents("wiki", "train"), tok, 20_000), fact]
-    ds = build_datastore(model, tok, docs, tmp_path / "ds", window=256, min_context=64, progress=False)
+    ds = write_datastore(model, tok, docs, tmp_path / "ds", window=256, min_context=64, progress=False)
     build_index(ds.keys, ds.index_path, factory="Flat", progress=False)
     probe = Doc("probe", "Every winter, the town of Vrelk holds a famous festival of glass lanterns")
     ts = score_tokens(model, tok, [probe], ds, k=32, window=256, min_context=1, progress=False)

@@ -1,4 +1,4 @@
-"""The training driver (memlm.training.driver, memlm.training.objectives): a new objective is one class and one registry
+"""The training driver (memlm.training.driver, memlm.registry): a new objective is one class and one registry
 line (the worked example of docs/ARCHITECTURE.md), and run folders written by the code before the driver resume with
 it."""
 
@@ -21,10 +21,10 @@ from memlm.data.corpora import corpus_fingerprint, load_corpora
 from memlm.errors import MemlmError
 from memlm.models.resources import load_encoder, tokenizer_fingerprint
 from memlm.models.tokenizer import make_tokenizer
+from memlm.registry import OBJECTIVES, make_objective
 from memlm.training.driver import Objective, TrainSetup, run_tokenizer, train_objective
 from memlm.training.lm import scratch_gpt2
 from memlm.training.loop import TrainConfig, causal_lm_loss, describe_callable, lm_batches, train
-from memlm.training.objectives import OBJECTIVES, make_objective
 
 # --------------------------------------------------------------------------------- worked example: a new objective
 

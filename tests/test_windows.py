@@ -78,8 +78,8 @@ def test_later_windows_match_one_forward_pass_per_target(tmp_path, tiny_lm, toy_
     equal one unbatched forward pass per target over exactly the context its window gives it."""
     from memlm.data.windows import tokenize_documents
     from memlm.knnlm.evaluate import lm_scores
+    from memlm.knnlm.write import write_datastore
     from memlm.models.keys import KeySpec
-    from memlm.storage.datastore import build_datastore
 
     model, tok = tiny_lm
     docs = toy_docs[:4]
@@ -99,7 +99,7 @@ def test_later_windows_match_one_forward_pass_per_target(tmp_path, tiny_lm, toy_
         np.testing.assert_allclose(ts.lm_logprob, lp_ref, atol=1e-4, rtol=0)
         np.testing.assert_allclose(queries[specs[0]], ffn_ref, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(queries[specs[1]], final_ref, atol=1e-4, rtol=1e-4)
-        ds = build_datastore(
+        ds = write_datastore(
             model, tok, docs, tmp_path / f"ds{batch_size}", specs[0], window, min_context, batch_size, progress=False
         )
         np.testing.assert_array_equal(ds.values, stream[1:])

@@ -76,3 +76,24 @@ def test_public_api_is_lazy_and_complete():
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError):
         memlm.no_such_name  # noqa: B018
+
+
+def test_the_public_example_builds_a_memory_usable_as_it_is(tmp_path, monkeypatch):
+    """The example of ``memlm``'s docstring and docs/ARCHITECTURE.md, line for line on a tiny LM (context 1024, so the
+    default window fits): ``build_datastore`` is what ``memlm datastore build`` does (held-out slice, index,
+    calibration), so ``wrap`` finds an index and the calibrated λ, τ, and generates."""
+    from conftest import gpt2_tokenizer
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=1024)).eval()
+    tok = gpt2_tokenizer()
+    monkeypatch.chdir(tmp_path)
+    docs = memlm.limit_documents(memlm.load_documents("wiki", "train"), tok, 6_000)
+    ds = memlm.build_datastore(model, tok, docs, "ds/wiki")
+    knn_lm = memlm.wrap(model, ds)
+    assert ds.index_path.exists() and "calibration" in ds.manifest  # what the command line's build leaves
+    assert len(ds) < sum(len(tok(d.text)["input_ids"]) + 1 for d in docs)  # a slice held out of the entries
+    ids = tok("The city of", return_tensors="pt")
+    out = knn_lm.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 4

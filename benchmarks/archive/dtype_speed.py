@@ -19,9 +19,9 @@ import torch
 
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.knnlm.evaluate import lm_scores
 from memlm.models.resources import _cpu_has_native_bf16, default_dtype, load_causal_lm
-from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from memlm.data.corpora import load_corpora, load_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.ngram import decontaminate as new
-from memlm.storage.fileio import atomic_write_json
 
 
 def _old_module(ref: str):

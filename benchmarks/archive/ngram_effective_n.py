@@ -24,8 +24,8 @@ import memlm.ngram.memory as ngram_memory
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents, tokenize_documents
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json
 from memlm.ngram.index import NgramIndex, build_ngram_index
-from memlm.storage.fileio import atomic_write_json
 
 
 def _summary(n: np.ndarray) -> dict:

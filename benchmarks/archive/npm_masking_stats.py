@@ -19,9 +19,9 @@ from itertools import islice
 from pathlib import Path
 
 from memlm.data.corpora import load_corpora
+from memlm.io.fileio import atomic_write_json
 from memlm.models.resources import load_encoder
 from memlm.npm.objective import NpmObjective, npm_batches
-from memlm.storage.fileio import atomic_write_json
 
 
 def stats(obj: NpmObjective, batches: list[dict], tok, frequent: set[int]) -> dict:

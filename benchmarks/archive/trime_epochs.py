@@ -16,8 +16,8 @@ import numpy as np
 
 from memlm.data.corpora import load_corpora
 from memlm.data.windows import tokenize_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.models.tokenizer import make_tokenizer
-from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ the paired interval of each relative change, and the change by frequency bucket,
 
 The dump (`memlm eval --dump`) and the result (`--json`) of one run are read back; every row is recomputed with the
 run's own weights (λ, τ, k of the kNN term; λ_sparse, λ_dense of the ∞-gram: the values in the result) through the
-same functions `memlm eval` uses (memlm.knnlm.evaluate.perplexities, memlm.cli.ngram.ngram_result), checked equal to
+same functions `memlm eval` uses (memlm.knnlm.evaluate.perplexities, memlm.ngram.results.ngram_result), checked equal to
 the result's perplexities, and written with its evidence. WikiText's formatting tokens (the `@` and `-`/`,`/`.` of
 ` @-@ `, ` @,@ `, ` @.@ `) can be left out for a second set of rows (--without-formatting, as ngram_report.py);
 --other-dump compares the run's ∞-gram with another index swapped into the same dump (ngram_swap.py), paired.
@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memlm.cli.ngram import ngram_result  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
 from memlm.knnlm.evaluate import TokenScores, perplexities, value_counts  # noqa: E402
 from memlm.ngram.mixture import ngram_report  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
+from memlm.ngram.results import ngram_result  # noqa: E402
 
 ROWS = ("base_ppl", "knn_ppl", "ngram_ppl", "knn_ngram_ppl")
 
@@ -41,8 +41,8 @@ def rescore(ts: TokenScores, res: dict) -> dict:
     counts = value_counts(open_datastore(res["datastore"]), ts.targets) if has_knn else None
     out = perplexities(ts, lam=lam, temperature=temperature, k=res.get("k"), target_counts=counts)
     if ts.ngram_logprob is not None:
-        args = argparse.Namespace(ngram_lambda_sparse=res["lambda_sparse"], ngram_lambda_dense=res["lambda_dense"])
-        out.update(ngram_result(args, ts, NgramMemory(res["ngram"]), lam, temperature, base=out))
+        given = [(res["lambda_sparse"], res["lambda_dense"])]
+        out.update(ngram_result(ts, NgramMemory(res["ngram"]), lam, temperature, base=out, given=given))
     for key in ROWS:
         if key in res:
             assert math.isclose(out[key], res[key], rel_tol=1e-9), (key, out[key], res[key])
@@ -55,7 +55,7 @@ def per_document(ts: TokenScores, res: dict) -> list[dict]:
     import numpy as np
 
     from memlm.core.bootstrap import DocumentBootstrap
-    from memlm.knnlm.dump_mixture import rule_logprob
+    from memlm.mixing.dump import rule_logprob
 
     rows = {"base_ppl": ts.lm_logprob}
     if ts.ngram_logprob is not None:
@@ -78,8 +78,8 @@ def buckets_without(ts: TokenScores, res: dict, keep) -> dict:
     """The ∞-gram's frequency buckets on the tokens in ``keep`` only (e.g. without WikiText's formatting tokens)."""
     import dataclasses
 
-    from memlm.knnlm.dump_mixture import rule_logprob
-    from memlm.knnlm.evaluate import bucket_table
+    from memlm.core.frequency import bucket_table
+    from memlm.mixing.dump import rule_logprob
     from memlm.ngram.memory import NgramMemory
 
     if ts.ngram_logprob is None:
@@ -97,7 +97,7 @@ def other_reference(ts: TokenScores, res: dict, path: str, fmt) -> dict:
     import numpy as np
 
     from memlm.core.bootstrap import evidence
-    from memlm.knnlm.dump_mixture import rule_logprob
+    from memlm.mixing.dump import rule_logprob
 
     other = TokenScores.load(path)
     for f in ("targets", "doc_index", "lm_logprob"):

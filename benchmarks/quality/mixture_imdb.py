@@ -57,7 +57,7 @@ def main() -> None:
         out = res / f"tune_imdb_{row}.json"
         tune(v, t, out, log, ran)
         rows.append({"test": "imdb", **summary(out, row), "memories": LABELS[row]})
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     atomic_write_json(args.out, {"script": "python benchmarks/quality/mixture_imdb.py " + " ".join(sys.argv[1:]),
                                  "commands": ran, "rows": rows})  # fmt: skip

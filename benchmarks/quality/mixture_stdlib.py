@@ -107,8 +107,8 @@ def slice_row(small, test, name: str) -> dict:
 
     from memlm.core.distribution import perplexity
     from memlm.core.mixture import fit_guarded
-    from memlm.knnlm.dump_mixture import rule_logprob
-    from memlm.knnlm.mixture_inputs import mixture_inputs
+    from memlm.mixing.dump import rule_logprob
+    from memlm.mixing.inputs import mixture_inputs
     from memlm.ngram.mixture import tune_ngram
 
     tuned = tune_ngram(small)["best"]
@@ -139,8 +139,8 @@ def compare(work: Path) -> dict:
     import torch
 
     from memlm.core.distribution import perplexity
-    from memlm.knnlm.dump_mixture import rule_logprob
     from memlm.knnlm.evaluate import TokenScores
+    from memlm.mixing.dump import rule_logprob
     from memlm.ngram.mixture import DEFAULT_LAMBDA_DENSE, DEFAULT_LAMBDA_SPARSE
 
     small, test = TokenScores.load(work / "small.npz"), TokenScores.load(work / "test.npz")
@@ -195,7 +195,7 @@ def main() -> None:
               "test_modules": list(TEST), "corpora": corpora, "commands": ran,
               "script": "python benchmarks/quality/mixture_stdlib.py " + " ".join(sys.argv[1:]),
               **compare(args.work)}  # fmt: skip
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, result)

@@ -8,7 +8,7 @@ every memory in one forward pass) and applied to a test dump:
 
 * (a) LM + ∞-gram, (b) LM + datastore, (c) LM + both, (d) LM + both + cache;
 * ``memlm tune --valid V --test T --mixture gate``: the rule (λ, τ / λ_sparse, λ_dense grid-searched, the cache's
-  λc where the rule can tune it) and the guarded learned mixture (memlm.knnlm.dump_mixture), with the 95% bootstrap
+  λc where the rule can tune it) and the guarded learned mixture (memlm.mixing.dump), with the 95% bootstrap
   interval over test documents and paired differences.
 
 Each row's dumps are views of the full dumps with the other memories left out (the per-token scores of one memory do
@@ -180,7 +180,7 @@ def main() -> None:
         out = res / "tune_stdlib.json"
         tune(args.stdlib / "small.npz", args.stdlib / "test.npz", out, log, ran)
         rows.append({"test": "stdlib", **summary(out, "a"), "memories": "LM + ∞-gram (Python 3.11 stdlib, 3.16M)"})
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     atomic_write_json(args.out, {"script": "python benchmarks/quality/mixture_table.py " + " ".join(sys.argv[1:]),
                                  "commands": ran, "rows": rows})  # fmt: skip

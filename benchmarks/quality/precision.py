@@ -21,10 +21,10 @@ import torch
 from memlm.core.distribution import perplexity
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.knnlm.evaluate import lm_scores
 from memlm.models.forward import fp32_head
 from memlm.models.resources import load_causal_lm
-from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ Protocol (the same for the unpruned reference and every pruned datastore):
    the first ``--test-tokens`` of its test split (default windows: 1,024 tokens advancing by 512), cached in WORK;
 2. each datastore is searched with its own FAISS index (the source's factory, rebuilt on the pruned entries), k
    neighbours, ``--nprobe``, the index's scores; merged counts enter the kNN softmax as w * exp(s / tau);
-3. λ and τ are grid-searched on the valid tokens (:data:`memlm.knnlm.evaluate.DEFAULT_LAMBDAS` x
+3. λ and τ are grid-searched on the valid tokens (:data:`memlm.core.tuning.DEFAULT_LAMBDAS` x
    ``DEFAULT_TEMPERATURES``) and the test perplexity is computed with them.
 
 ``k_merge`` grows through the list until half of the entries are gone or the test perplexity is more than
@@ -122,7 +122,7 @@ def _authors_weighting(valid, test) -> dict[str, Any]:
     import torch
 
     from memlm.core.distribution import mix, perplexity
-    from memlm.knnlm.evaluate import memory_logprob
+    from memlm.mixing.inputs import memory_logprob
 
     lambdas, temperatures = _grid()
 
@@ -142,7 +142,7 @@ def _authors_weighting(valid, test) -> dict[str, Any]:
 
 
 def _grid():
-    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 
     return DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 

@@ -32,12 +32,13 @@ import torch
 
 from memlm.core.distribution import mix, perplexity
 from memlm.data.corpora import load_documents
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, memory_logprob, perplexities, tune
+from memlm.io.fileio import atomic_write_json
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, perplexities, tune
+from memlm.mixing.inputs import memory_logprob
 from memlm.models.forward import rolling_forward
 from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import load_causal_lm
 from memlm.storage.datastore import Datastore
-from memlm.storage.fileio import atomic_write_json
 
 
 def _pages(corpus: str, split: str, tok, max_tokens: int | None) -> tuple[list[str], list[str]]:

@@ -79,9 +79,9 @@ def _run_child(args: list[str]) -> dict[str, Any]:
 def child_build(a: argparse.Namespace) -> None:
     import torch
 
-    from memlm.cli.common import load_documents as _documents
+    from memlm.data.corpora import load_corpus_source as _documents
+    from memlm.knnlm.write import build_sharded
     from memlm.models.resources import load_causal_lm
-    from memlm.storage.sharded import build_sharded
 
     torch.set_num_threads(2)
     model, tok = load_causal_lm("smollm2-135m", dtype=a.dtype)
@@ -153,8 +153,8 @@ def _real() -> Any:
 def cmd_synth(a: argparse.Namespace) -> None:
     import faiss
 
+    from memlm.io.fileio import atomic_write_json
     from memlm.storage.datastore import FOLDER
-    from memlm.storage.fileio import atomic_write_json
     from memlm.storage.sharded_index import build_sharded_index
 
     real = _real()

@@ -31,21 +31,21 @@ import protocol  # noqa: E402
 from memlm.data.corpora import load_documents
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
 from memlm.knnlm.evaluate import add_neighbours, lm_scores
+from memlm.knnlm.write import write_datastore
 from memlm.models.forward import collate
 from memlm.models.resources import load_causal_lm
 from memlm.storage import index as index_lib
-from memlm.storage.datastore import build_datastore
 
 RSS_SCRIPT = """
 import sys
 from protocol import peak_rss_mib
 from memlm.data.corpora import load_documents
-from memlm.storage.datastore import build_datastore
+from memlm.knnlm.write import write_datastore
 from memlm.models.resources import load_causal_lm
 from memlm.data.windows import limit_documents
 model, tok = load_causal_lm(sys.argv[1], dtype=sys.argv[2])
 docs = limit_documents(load_documents("wiki", "train"), tok, int(sys.argv[3]))
-build_datastore(model, tok, docs, sys.argv[4], window=int(sys.argv[5]), min_context=int(sys.argv[6]), progress=False)
+write_datastore(model, tok, docs, sys.argv[4], window=int(sys.argv[5]), min_context=int(sys.argv[6]), progress=False)
 print(peak_rss_mib())
 """
 
@@ -90,7 +90,7 @@ def main() -> None:
     fwd1 = forward_only(model, tok, docs, args.window, args.min_context, args.batch_size)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         t0 = time.perf_counter()
-        ds = build_datastore(
+        ds = write_datastore(
             model,
             tok,
             docs,
@@ -116,7 +116,7 @@ def main() -> None:
 
     # 2. eval: base vs kNN-LM, over a datastore built from the same text (index: default for its size)
     ds_dir = out / "ds"
-    ds = build_datastore(
+    ds = write_datastore(
         model,
         tok,
         docs,

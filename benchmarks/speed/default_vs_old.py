@@ -1,13 +1,13 @@
 """Today's default path against the original default (commit 538db93), in one run.
 
 Each row is ``memlm eval``'s scoring (``lm_scores``: windows 1024 / 512, batch 4, the ``ffn_in@-1`` key kept) and
-``datastore build``'s key pass (``build_datastore``) on the same text (``--corpus``: its test split scored, its train
+``datastore build``'s key pass (``write_datastore``) on the same text (``--corpus``: its test split scored, its train
 split keyed; default ``wiki``, the Wikipedia lead sections), timed in its own process with the
 code of one commit on ``PYTHONPATH`` and ``--dtype auto`` as that commit resolves it. The old code is ``git archive``d
 from ``--old-commit`` (default: the commit before the first change, where ``auto`` picked bfloat16 on any
 AVX512-BF16 CPU). Rows alternate old / new ``--repeats`` times, each started on an idle machine
 (``protocol.wait_for_idle``), so a drift of the machine shows up in both. The child uses only APIs both commits have
-(``load_causal_lm``, ``lm_scores``, ``build_datastore``, ``load_documents``, ``limit_documents``).
+(``load_causal_lm``, ``lm_scores``, ``write_datastore``, ``load_documents``, ``limit_documents``).
 
     python benchmarks/speed/default_vs_old.py --out docs/results/speed/default_vs_old.json
     python benchmarks/speed/default_vs_old.py --corpus wikitext2 --new-quantize int8 --out ...   # the int8 path
@@ -53,8 +53,8 @@ def time_eval_and_build(model, tok, docs, build_docs) -> tuple[dict[str, Any], A
     import numpy as np
 
     from memlm.knnlm.evaluate import lm_scores
+    from memlm.knnlm.write import write_datastore
     from memlm.models.keys import KeySpec
-    from memlm.storage.datastore import build_datastore
 
     spec = KeySpec("ffn_in", -1)
     lm_scores(model, tok, docs[:1], [spec], 128, 64, 1, False)  # warm-up
@@ -63,7 +63,7 @@ def time_eval_and_build(model, tok, docs, build_docs) -> tuple[dict[str, Any], A
     eval_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        ds = build_datastore(model, tok, build_docs, Path(tmp) / "ds", window=1024, min_context=512, batch_size=4,
+        ds = write_datastore(model, tok, build_docs, Path(tmp) / "ds", window=1024, min_context=512, batch_size=4,
                              progress=False, overwrite=True)  # fmt: skip
         build_s = time.perf_counter() - t0
     timing = {

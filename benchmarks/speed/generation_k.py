@@ -1,7 +1,7 @@
 """One generation step's datastore cost at k = 64 and k = 1024, beside the LM's own step (memlm.core.config.DEFAULT_K).
 
 A generation step searches each datastore for the newest position's key and turns the k neighbours into p_kNN over the
-vocabulary (Khandelwal et al. 2020, Eq. 2) with its features (:class:`memlm.knnlm.mixture_step.DatastoreStep`). This
+vocabulary (Khandelwal et al. 2020, Eq. 2) with its features (:class:`memlm.mixing.step.DatastoreStep`). This
 times that step on random keys in an IVF-Flat index (``--entries``, d 576 and a 49,152-token vocabulary as SmolLM2-135M,
 nprobe 32), and one new token of a randomly initialised model of SmolLM2-135M's shape with ``--context`` tokens of KV
 cache; medians over ``--repeats`` steps, on one thread.
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from memlm.core.memory import Retrieved
-from memlm.knnlm.mixture_step import DatastoreStep, StepInputs
+from memlm.mixing.step import DatastoreStep, StepInputs
 
 VOCAB, DIM = 49152, 576
 

@@ -25,11 +25,11 @@ import torch
 from memlm.core.distribution import perplexity
 from memlm.data.corpora import load_documents
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.models.compute import ComputePath, apply_compute_path, relative_key_error
 from memlm.models.forward import forward_windows
 from memlm.models.keys import KeySpec
 from memlm.models.resources import load_causal_lm
-from memlm.storage.fileio import atomic_write_json
 
 SPEC = KeySpec("ffn_in", -1)
 PATHS = [

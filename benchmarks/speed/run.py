@@ -44,7 +44,9 @@ from memlm.core.distribution import perplexity  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, resolve_stride, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
 from memlm.knnlm.evaluate import lm_scores, score_tokens  # noqa: E402
+from memlm.knnlm.write import write_datastore  # noqa: E402
 from memlm.models.allocator import allocator_state  # noqa: E402
 from memlm.models.compute import (  # noqa: E402
     ATTENTIONS,
@@ -57,8 +59,7 @@ from memlm.models.compute import (  # noqa: E402
 from memlm.models.keys import KeySpec  # noqa: E402
 from memlm.models.resources import default_dtype, load_causal_lm  # noqa: E402
 from memlm.storage import index as index_lib  # noqa: E402
-from memlm.storage.datastore import Datastore, build_datastore  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
+from memlm.storage.datastore import Datastore  # noqa: E402
 
 SPEC = KeySpec("ffn_in", -1)
 README_DATASTORE = Path("ds/wiki")  # README: memlm datastore build ... --corpus wiki --out ds/wiki --max-tokens 200000
@@ -178,7 +179,7 @@ def step_build(args, path: ComputePath, docs, where: Path) -> tuple[dict[str, An
     out = where / f"ds-{path.label()}"
     t0 = time.perf_counter()
     windows = {"window": args.window, "min_context": args.min_context, "batch_size": args.batch_size}
-    ds = build_datastore(model, tok, docs, out, progress=False, overwrite=True, **windows)
+    ds = write_datastore(model, tok, docs, out, progress=False, overwrite=True, **windows)
     seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     if not ds.index_path.exists():

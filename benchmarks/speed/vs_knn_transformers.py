@@ -86,12 +86,12 @@ import torch  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
+from memlm.io.fileio import atomic_write_bytes, atomic_write_json  # noqa: E402
 from memlm.models.allocator import allocator_state  # noqa: E402
 from memlm.models.forward import collate  # noqa: E402
 from memlm.models.keys import KeySpec, num_layers  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
 from memlm.storage.datastore import Datastore  # noqa: E402
-from memlm.storage.fileio import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 SIDES = ("knn-transformers", "memlm")
 LLAMA_LAYERS = {  # their model_layer_to_capture entry for "llama", by KEY_TYPE name: (layer of the model, its input?)

@@ -6,7 +6,7 @@ The public API, importable from here (each name is loaded on first use, so ``imp
 
     model, tok = memlm.load_causal_lm("smollm2-135m")                 # any HF id or folder
     docs = memlm.limit_documents(memlm.load_documents("wiki", "train"), tok, 200_000)
-    ds = memlm.build_datastore(model, tok, docs, "ds/wiki")            # one forward pass; then its index
+    ds = memlm.build_datastore(model, tok, docs, "ds/wiki")            # as `memlm datastore build`: usable as it is
     knn_lm = memlm.wrap(model, ds)                                     # forward / generate: the kNN-LM's distribution
 
 See README.md ("Python") for scoring, tuning, generation, the ∞-gram and lm-eval.
@@ -28,7 +28,7 @@ _API = {
     "limit_documents": "memlm.data.windows",
     "KeySpec": "memlm.models.keys",
     "Datastore": "memlm.storage.datastore",
-    "build_datastore": "memlm.storage.datastore",
+    "build_datastore": "memlm.knnlm.build",
     "open_datastore": "memlm.storage.sharded",
     "build_index": "memlm.storage.index",
     "DatastoreMemory": "memlm.retrieval",

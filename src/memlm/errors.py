@@ -34,3 +34,9 @@ def command_line() -> Iterator[None]:
         yield
     finally:
         _ON_COMMAND_LINE.reset(token)
+
+
+def short_reason(error: BaseException) -> str:
+    """``Type: first line`` of an exception's message (200 characters at most), for a one-line error message."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__

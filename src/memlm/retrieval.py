@@ -18,10 +18,10 @@ from tqdm.auto import tqdm
 
 from memlm.core.memory import Memory, Retrieved
 from memlm.errors import MemlmError
+from memlm.io import schema
+from memlm.io.fileio import sample_sha256, sha256_file
 from memlm.models.keys import KeySpec
-from memlm.storage import schema
 from memlm.storage.datastore import Datastore, DatastoreBase
-from memlm.storage.fileio import sample_sha256, sha256_file
 from memlm.storage.searcher import (
     SEARCH_MODES,
     ExactSearcher,

@@ -37,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from knnlm_sweeps import add_forward_args, datastore, forward, log, neighbours, open_run  # noqa: E402
 
-from memlm.knnlm.evaluate import DEFAULT_TEMPERATURES, perplexities, tune  # noqa: E402
+from memlm.core.tuning import DEFAULT_TEMPERATURES
+from memlm.io.fileio import atomic_write_json  # noqa: E402
+from memlm.knnlm.evaluate import perplexities, tune  # noqa: E402
 from memlm.models.keys import KeySpec  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
 
 # (paper row, memlm key, paper's Wikitext-103 dev perplexity)
 KEY_TYPES: list[tuple[str, str, float]] = [

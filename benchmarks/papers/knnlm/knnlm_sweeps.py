@@ -24,13 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
+from memlm.core.tuning import DEFAULT_LAMBDAS
 from memlm.data.corpora import corpus_fingerprint, load_corpora, load_documents
 from memlm.data.windows import limit_documents
-from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, perplexities, tune
+from memlm.io.fileio import atomic_write_json, dumps_json
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores, perplexities, tune
+from memlm.knnlm.write import write_datastore
 from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import load_causal_lm
-from memlm.storage.datastore import Datastore, build_datastore
-from memlm.storage.fileio import atomic_write_json, dumps_json
+from memlm.storage.datastore import Datastore
 from memlm.storage.index import build_index, plan_index
 
 FFN_IN, FINAL = KeySpec("ffn_in", -1), KeySpec("final", -1)
@@ -43,7 +45,7 @@ def log(msg: str) -> None:
 def datastore(args, model, tok, corpus: str, key: KeySpec, max_tokens: int | None, out: Path) -> Datastore:
     max_tokens = max_tokens or None
     docs = limit_documents(load_documents(corpus, "train"), tok, max_tokens)
-    ds = build_datastore(
+    ds = write_datastore(
         model,
         tok,
         docs,

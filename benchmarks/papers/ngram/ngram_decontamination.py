@@ -27,10 +27,10 @@ from transformers import AutoTokenizer
 
 from memlm.data.corpora import corpus_fingerprint, load_documents
 from memlm.data.windows import limit_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.models.resources import tokenizer_fingerprint
 from memlm.ngram.decontaminate import RULE, overlap_fractions
 from memlm.ngram.index import NgramIndex
-from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

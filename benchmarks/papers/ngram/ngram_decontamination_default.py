@@ -19,8 +19,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from memlm.data.corpora import load_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.ngram.decontaminate import decontaminate_reference, decontamination_sets
-from memlm.storage.fileio import atomic_write_json
 
 
 def main() -> None:

@@ -31,11 +31,12 @@ from ngram_report import formatting_mask_of  # noqa: E402
 from memlm.core.distribution import perplexity  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import limit_documents  # noqa: E402
-from memlm.knnlm.evaluate import TokenScores, memory_logprob, tune  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
+from memlm.knnlm.evaluate import TokenScores, tune  # noqa: E402
+from memlm.mixing.inputs import memory_logprob
 from memlm.models.resources import load_causal_lm  # noqa: E402
 from memlm.ngram.memory import NgramMemory  # noqa: E402
 from memlm.ngram.mixture import add_ngram, refs_logprob, tune_multi_ngram, tune_ngram  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
 
 
 def _with_ngram(ts: TokenScores, docs, tok, memory) -> TokenScores:

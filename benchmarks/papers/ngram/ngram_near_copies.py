@@ -18,8 +18,8 @@ import sys
 import numpy as np
 
 from memlm.data.corpora import corpus_fingerprint, load_documents
+from memlm.io.fileio import atomic_write_json
 from memlm.ngram.decontaminate import RULE, overlap_fractions
-from memlm.storage.fileio import atomic_write_json
 
 
 def word_differences(a: str, b: str) -> list[dict]:

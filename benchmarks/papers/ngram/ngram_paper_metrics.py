@@ -245,7 +245,7 @@ def main() -> None:
         out["agreement"] = agreement(args.dump)
         out["agreement"]["dump_command"] = args.dump_command
         out["agreement"]["same_as_committed"] = same_tokens_as_committed(out["agreement"])
-    from memlm.storage.fileio import atomic_write_json
+    from memlm.io.fileio import atomic_write_json
 
     atomic_write_json(args.out, out)
     for r in out["memlm_rows"]:

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from memlm.core.distribution import mix, perplexity
-from memlm.knnlm.evaluate import TokenScores, memory_logprob, tune
+from memlm.io.fileio import atomic_write_json
+from memlm.knnlm.evaluate import TokenScores, tune
+from memlm.mixing.inputs import memory_logprob
 from memlm.ngram.mixture import ngram_report, tune_ngram
-from memlm.storage.fileio import atomic_write_json
 
 FORMAT = re.compile(r" @[-,.]@ ")
 PAPER = {
@@ -34,11 +35,11 @@ PAPER = {
 
 def formatting_mask(ts: TokenScores, corpus: str, split: str, max_tokens: int | None, model: str) -> np.ndarray:
     """True for targets inside ` @-@ ` / ` @,@ ` / ` @.@ ` (the @ and the middle character)."""
-    from memlm.cli.common import load_documents
+    from memlm.data.corpora import load_corpus_source
     from memlm.models.resources import load_causal_lm
 
     _, tok = load_causal_lm(model, dtype="float32")
-    docs, _ = load_documents(corpus, split, tok, max_tokens)
+    docs, _ = load_corpus_source(corpus, split, tok, max_tokens)
     return formatting_mask_of(ts, docs, tok)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from memlm.cli.common import load_documents
+from memlm.data.corpora import load_corpus_source
 from memlm.knnlm.evaluate import TokenScores
 from memlm.models.resources import load_causal_lm
 from memlm.ngram.index import NgramIndex
@@ -32,7 +32,7 @@ def main() -> None:
     ts = TokenScores.load(args.dump)
     index = NgramIndex.open(args.index)
     index.check_tokenizer(tok)
-    docs, _ = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    docs, _ = load_corpus_source(args.corpus, args.split, tok, args.max_tokens)
     add_ngram(ts, docs, tok, NgramMemory(index))
     ts.save(args.out)
     print(

@@ -25,10 +25,10 @@ import numpy as np
 
 from memlm.data.corpora import load_documents
 from memlm.experiments import npm_tasks as tasks
+from memlm.io.fileio import atomic_write_json
 from memlm.models.resources import load_encoder
 from memlm.npm.encoder import encode_query, encode_sequences, masked_query
 from memlm.npm.phrase_index import PhraseIndex
-from memlm.storage.fileio import atomic_write_json
 
 
 def verbalizer_ids(tok) -> dict[int, str]:

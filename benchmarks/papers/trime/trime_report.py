@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memlm.storage.fileio import atomic_write_json
+from memlm.io.fileio import atomic_write_json
 
 MODELS = {
     "vanilla": "Vanilla LM (CE)",

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from memlm.experiments.xu2023_analysis import tau1_row, tau1_tables
-from memlm.storage.fileio import atomic_write_json
+from memlm.io.fileio import atomic_write_json
 
 
 def fig5_best_on_valid(results: dict) -> list[dict]:

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "knnlm"))  # benchm
 from knnlm_sweeps import add_forward_args, forward, log, open_run  # noqa: E402
 
 from memlm.experiments.xu2023_analysis import gain_explained, interpolation_row  # noqa: E402
+from memlm.io.fileio import atomic_write_json  # noqa: E402
 from memlm.knnlm.evaluate import add_neighbours, perplexities, tune  # noqa: E402
 from memlm.storage.datastore import Datastore  # noqa: E402
-from memlm.storage.fileio import atomic_write_json  # noqa: E402
 from memlm.xu2023.generalized import train_learned_wds  # noqa: E402
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from memlm.cli import validate as V
-from memlm.data.corpora import corpus_fingerprint
-from memlm.data.windows import limit_documents, resolve_stride
+from memlm.data.windows import resolve_stride
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json
 from memlm.models import resources
-from memlm.storage.fileio import atomic_write_json
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -55,20 +54,6 @@ def write_json(path: str | None, data: dict[str, Any]) -> None:
     if path:
         atomic_write_json(Path(path), data)
         print(f"wrote {path}", file=sys.stderr)
-
-
-def load_documents(corpus: str, split: str | None, tokenizer, max_tokens: int | None):
-    from memlm.data.corpora import load_corpora
-
-    docs = limit_documents(load_corpora(corpus, split), tokenizer, max_tokens)
-    source = {
-        "corpus": corpus,
-        "split": split,
-        "documents": len(docs),
-        "fingerprint": corpus_fingerprint(docs),
-        "max_tokens": max_tokens,
-    }
-    return docs, source
 
 
 def check_prompt_leakage(args: argparse.Namespace, datastore, ngram, tokenizer) -> dict[str, Any]:

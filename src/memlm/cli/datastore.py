@@ -11,131 +11,61 @@ from pathlib import Path
 
 from memlm.cli import common
 from memlm.cli import validate as V
-from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, load_documents, window_kwargs
+from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, window_kwargs
 from memlm.core.config import DEFAULT_K
+from memlm.data.corpora import load_corpus_source
 from memlm.errors import MemlmError
+from memlm.io.locking import folder_lock
 from memlm.knnlm.calibration import (
     OVERLAP_LIMIT,
     OVERLAP_NGRAM,
     calibrate,
     calibration_summary,
-    has_stored_mixture,
-    holdout_split,
-    report_mixture,
-    stored_mixture,
     text_overlap,
 )
-from memlm.leakage import document_record, shown_sources
-from memlm.storage.locking import folder_lock
+from memlm.leakage import shown_sources
 
 # memlm.storage.datastore, .index, .keys, .sharded, .sharded_index import torch or faiss: imported in the commands
 # (common.py)
 
 
 def cmd_datastore_build(args: argparse.Namespace) -> None:
-    from memlm.models.keys import KeySpec
-    from memlm.storage.datastore import build_datastore
+    """``memlm datastore build``: :func:`memlm.knnlm.build.build_datastore` (held-out slice, entries, index,
+    calibration) with the flags' settings."""
+    from memlm.knnlm.build import build_datastore
 
-    if args.shards is not None or args.ray is not None:
-        return _build_sharded(args)
-    key = KeySpec.parse(args.key)
-    model, tok = common._load_model(args.model, args.dtype, args)
-    model = common.place_model(model, args.device)
-    V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
-    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
-    docs, held_out, source["holdout"] = _holdout(docs, tok, args)
-    source["document_hashes"] = document_record(docs)  # what eval's leakage check compares (memlm.leakage)
-    with folder_lock(args.out, "build a datastore"):  # held through the index build too
-        ds = build_datastore(
-            model,
-            tok,
-            docs,
-            args.out,
-            key=key,
-            **window_kwargs(args),
-            batch_size=args.batch_size,
-            source=source,
-            append=args.append,
-            overwrite=args.overwrite,
-        )
+    ray, sharded = args.ray, args.shards is not None or args.ray is not None
+    if sharded:  # build_sharded places the model; Ray workers load their own (this one calibrates)
+        model, tok = common._load_model(args.model, "float32" if ray else args.dtype)
+    else:
+        model, tok = common._load_model(args.model, args.dtype, args)
+        model = common.place_model(model, args.device)
+        V.check_against_model(args, model)  # window vs context, factory vs key dimension: before the forward pass
+    docs, source = load_corpus_source(args.corpus, args.split, tok, args.max_tokens)
+    ds = build_datastore(model, tok, docs, args.out, key=args.key, **window_kwargs(args), batch_size=args.batch_size,
+                         source=source, append=args.append, overwrite=args.overwrite, holdout=args.holdout,
+                         index=args.index, factory=args.factory, metric=args.metric,
+                         calibration_k=args.calibration_k, shards=args.shards, ray=ray, ray_model=args.model,
+                         dtype=args.dtype, device=args.device, cpus_per_worker=args.cpus_per_worker)  # fmt: skip
+    if hasattr(ds, "shards"):
+        print(f"sharded datastore {ds.path}: {len(ds)} entries in {len(ds.shards)} shards, key "
+              f"{ds.key_spec.describe()}")  # fmt: skip
+    else:
         print(f"datastore {ds.path}: {len(ds)} entries, key {ds.key_spec.describe()}, dim {ds.dim}")
-        if args.index:
-            _ensure_index(ds, args.factory, args.metric)
-        _calibrate(model, tok, ds, held_out, source["holdout"], args)
-
-
-def _holdout(docs, tok, args: argparse.Namespace):
-    """memlm.knnlm.calibration.holdout_split with the build's --holdout and windows (the slice is counted in the
-    tokens its calibration scores)."""
-    from memlm.data.windows import resolve_stride
-
-    w = window_kwargs(args)
-    stride, _ = resolve_stride(w["window"], None if w["stride"] is not None else w["min_context"], w["stride"])
-    return holdout_split(docs, tok, args.holdout, window=w["window"], stride=stride, block_start=w["block_start"])
-
-
-def _calibrate(model, tok, ds, held_out, holdout: dict, args: argparse.Namespace) -> None:
-    """Tune λ and τ and fit the mixture of the LM and the datastore on the build's held-out slice, and record them
-    with the datastore (memlm.knnlm.calibration); a rerun recalibrates a record without a usable fit."""
-    from memlm.storage.datastore import holdout_key
-
-    if not held_out:
-        print(f"no calibration: nothing held out ({holdout.get('reason')}); eval falls back to λ=0.25, τ=1 unless "
-              f"you calibrate on text outside the datastore: `memlm datastore calibrate {ds.path} --corpus FILE`",
-              file=sys.stderr)  # fmt: skip
-        return
-    if not any(holdout_key(s) == holdout.get("ids_sha256") for s in ds.manifest.get("sources", [])):
-        raise MemlmError(  # build_datastore compares the slice, so this is a safety net, never a normal path
-            f"datastore {ds.path} records no source with this held-out slice: it may hold that text; not calibrating"
-        )
-    cal = ds.manifest.get("calibration")
-    if cal is not None and cal.get("count") == len(ds) and (cal.get("text") or {}).get("named"):
-        print(f"calibration on {cal['text'].get('corpus')} (memlm datastore calibrate) kept: λ={cal['lambda']:g}, "
-              f"τ={cal['temperature']:g}", file=sys.stderr)  # fmt: skip
-        if not has_stored_mixture(ds):
-            print(f"note: it records no usable fitted mixture; rerun `memlm datastore calibrate {ds.path} --corpus "
-                  "FILE` to fit one", file=sys.stderr)  # fmt: skip
-        return
-    if (
-        cal is not None
-        and cal.get("count") == len(ds)
-        and cal.get("holdout_ids") == holdout.get("ids_sha256")
-        and has_stored_mixture(ds)
-    ):
-        print(f"calibration already recorded: λ={cal['lambda']:g}, τ={cal['temperature']:g}", file=sys.stderr)
-        return
-    if holdout.get("short_of_minimum"):
-        print(f"note: {holdout['short_of_minimum']}", file=sys.stderr)
-    n, tails = holdout["documents"], len(holdout.get("tails") or [])
-    what = f"{n} document{'s' if n != 1 else ''}" + (f", {tails} of them a document's tail" if tails else "")
-    print(f"calibrating λ, τ and the mixture on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
-    text = {"held_out": True, "documents": holdout["documents"], "ids_sha256": holdout.get("ids_sha256")}
-    cal = calibrate(model, tok, ds, held_out, k=args.calibration_k, batch_size=args.batch_size, text=text)
-    cal["holdout_ids"] = holdout.get("ids_sha256")
-    ds.record_calibration(cal)
-    _say_calibrated(cal, ds)
-
-
-def _say_calibrated(cal: dict, ds) -> None:
-    edge = cal["grid"]["on_edge"]
-    print(f"calibrated: λ={cal['lambda']:g}, τ={cal['temperature']:g} (held-out ppl {cal['base_ppl']:.3f} -> "
-          f"{cal['knn_ppl']:.3f}; k={cal['k']}, {cal['search']} search"
-          + (f", still on the grid's edge in {', '.join(edge)}" if edge else "")
-          + f"); recorded in {ds.path}", file=sys.stderr)  # fmt: skip
-    report_mixture(stored_mixture(ds), f"calibrate on more text outside the datastore: `memlm datastore calibrate "
-                   f"{ds.path} --corpus FILE`, or tune on your own valid text: `memlm eval --dump` + `memlm tune "
-                   "--mixture gate`")  # fmt: skip
+    if args.index:
+        _print_index(ds)
 
 
 def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
     """``memlm datastore calibrate DS --corpus FILE``: λ, τ and the mixture fitted on text the user names, outside the
     datastore."""
+    from memlm.knnlm.build import say_calibrated
     from memlm.storage.sharded import open_datastore
 
     ds = open_datastore(args.dir)
     model, tok = common._load_model(args.model or ds.model_name or common.DEFAULT_MODEL, args.dtype)
     ds.check_compatible(model, tok)
-    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    docs, source = load_corpus_source(args.corpus, args.split, tok, args.max_tokens)
     if not docs:
         raise MemlmError(f"corpus {args.corpus} ({args.split}) has no text to calibrate on")
     own = [s for s in ds.manifest.get("sources", []) if s.get("fingerprint") == source["fingerprint"]]
@@ -159,89 +89,25 @@ def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
         ds.record_calibration(cal)  # a slice under memlm.core.mixture.MIN_FIT_TOKENS: the fit's warning says so
     if old is not None:
         print(f"replaced the calibration λ={old['lambda']:g}, τ={old['temperature']:g}", file=sys.stderr)
-    _say_calibrated(cal, ds)
+    say_calibrated(cal, ds)
 
 
-def _ensure_index(ds, factory: str | None, metric: str) -> None:
-    """Build the datastore's index unless a valid one with the same factory and metric is there already."""
-    from memlm.storage.index import plan_index, read_index_meta
-
-    problem = ds.index_problem()
-    if problem is not None:
-        if ds.index_path.exists():
-            print(f"rebuilding the index: {problem}", file=sys.stderr)
-        _build_index(ds, factory, metric, None)
-        return
-    meta = read_index_meta(ds.index_path)
-    want = plan_index(len(ds), ds.dim, factory, metric).factory
-    if (meta["factory"], meta["metric"]) != (want, metric):
-        raise MemlmError(
-            f"datastore {ds.path} already has an index {meta['factory']} ({meta['metric']}), not {want} ({metric}) as "
-            f"asked: rebuild it with `memlm index build {ds.path} --factory '{want}' --metric {metric}`, or rerun "
-            "with the index's --factory and --metric"
-        )
-    print(f"index {ds.index_path} already built ({meta['factory']}, {metric})", file=sys.stderr)
-
-
-def _build_sharded(args: argparse.Namespace) -> None:
-    """``datastore build --shards N [--ray ADDRESS|local]``: memlm.storage.sharded.build_sharded (+ the sharded
-    index)."""
-    from memlm.data.windows import resolve_stride
-    from memlm.models.keys import KeySpec
-    from memlm.storage.sharded import build_sharded
-
-    wk = window_kwargs(args)  # --min-context's default (512) and --stride resolved as for a one-process build
-    stride, min_context = resolve_stride(wk["window"], None if wk["stride"] is not None else wk["min_context"],
-                                         wk["stride"])  # fmt: skip
-    if stride == args.window:
-        raise MemlmError(
-            f"--stride {stride} equal to --window gives non-overlapping blocks, which --shards does not build: "
-            "give --min-context (or a --stride below --window), or build without --shards"
-        )
-    model, tok = common._load_model(args.model, "float32" if args.ray else args.dtype)  # Ray workers load their own
-    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
-    docs, held_out, source["holdout"] = _holdout(docs, tok, args)
-    source["document_hashes"] = document_record(docs)  # what eval's leakage check compares (memlm.leakage)
-    ds = build_sharded(
-        args.model if args.ray else model,
-        docs,
-        args.out,
-        args.shards or 1,
-        tokenizer=tok,
-        key=KeySpec.parse(args.key),
-        window=args.window,
-        min_context=min_context,
-        batch_size=args.batch_size,
-        source=source,
-        ray=args.ray,
-        dtype=args.dtype,
-        device=args.device,
-        cpus_per_worker=args.cpus_per_worker,
-    )
-    print(f"sharded datastore {ds.path}: {len(ds)} entries in {len(ds.shards)} shards, key {ds.key_spec.describe()}")
-    if args.index and not (ds.path / "index.faiss.json").exists():
-        _build_index(ds, args.factory, args.metric, None, ray=args.ray)
-    if args.index:
-        _calibrate(model, tok, ds, held_out, source["holdout"], args)
-
-
-def _build_index(
-    ds, factory: str | None, metric: str, train_size: int | None, ray: str | None = None, out: str | None = None
-) -> None:
+def _print_index(ds, path=None) -> None:
     from memlm.storage.index import read_index_meta
 
-    if hasattr(ds, "shards"):  # a sharded datastore: train once, one index per shard
-        from memlm.storage.sharded_index import build_sharded_index
-
-        if out is not None:
-            raise MemlmError("--out is for a single datastore; a sharded one keeps one index per shard")
-        desc = build_sharded_index(ds, factory=factory, metric=metric, train_size=train_size, ray=ray)
-        print(f"sharded index {ds.index_path}.json ({desc['factory']}, {metric}, {len(desc['shards'])} shards)")
+    if hasattr(ds, "shards"):
+        desc = json.loads(Path(f"{ds.index_path}.json").read_text())
+        print(f"sharded index {ds.index_path}.json ({desc['factory']}, {desc['metric']}, {len(desc['shards'])} shards)")
         return
+    meta = read_index_meta(path or ds.index_path)
+    print(f"index {path or ds.index_path} ({meta['factory']}, {meta['metric']})")
 
-    path = ds.index_path if out is None else out
-    ds.build_index(factory=factory, metric=metric, train_size=train_size, path=path)  # prints its plan
-    print(f"index {path} ({read_index_meta(path)['factory']}, {metric})")
+
+def _build_index(ds, factory: str | None, metric: str, train_size: int | None, ray: str | None = None,
+                 out: str | None = None) -> None:  # fmt: skip
+    from memlm.knnlm.build import build_index
+
+    _print_index(ds, build_index(ds, factory, metric, train_size, ray=ray, out=out))
 
 
 def cmd_datastore_info(args: argparse.Namespace) -> None:

@@ -18,12 +18,12 @@ from memlm.cli.common import (
     add_model,
     add_ray,
     add_windows,
-    load_documents,
     window_kwargs,
     write_json,
 )
 from memlm.cli.report import print_result
 from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K, RetrievalConfig
+from memlm.data.corpora import load_corpus_source
 from memlm.errors import MemlmError
 from memlm.knnlm.calibration import knn_parameters
 
@@ -45,7 +45,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         store.check_compatible(model, tok, KeySpec.parse(args.key) if args.key else None)
     ngram = ngram_cli.open_ngram(args, tok)
     V.check_against_model(args, model)
-    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    docs, source = load_corpus_source(args.corpus, args.split, tok, args.max_tokens)
     evaluated = Evaluated(docs, args.corpus, args.split, source["fingerprint"])
     leakage = check_leakage(evaluated, ds, ngram, tok, args.allow_overlap)
     for store in stores[1:]:  # each further datastore checked as the first
@@ -155,7 +155,7 @@ def load_mixture(path: str):
     """The fitted mixture of ``memlm eval --mixture FILE`` (a tune --mixture gate result, or its record)."""
     import json
 
-    from memlm.knnlm.dump_mixture import DumpMixture
+    from memlm.mixing.dump import DumpMixture
 
     try:
         data = json.loads(open(path, encoding="utf-8").read())
@@ -168,7 +168,7 @@ def _rule_rows(ts, res: dict[str, Any]) -> dict[str, Any]:
     """Per-token log p of each fixed-weight row of eval's result ``res``, re-mixed by the rule it recorded under
     ``mixtures`` (its weights, at its τ and k), for the paired differences of the learned mixture against them."""
     from memlm.core.mixture import Mixture
-    from memlm.knnlm.dump_mixture import rule_logprob
+    from memlm.mixing.dump import rule_logprob
 
     rows = {}
     for key, record in (res.get("mixtures") or {}).items():
@@ -220,7 +220,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
 def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -> dict[str, Any]:
     """The fixed-weight rule: λ, τ (and the cache's λc, τc) grid-searched on ``valid``, applied to ``test``."""
-    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, perplexities, tune
+    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+    from memlm.knnlm.evaluate import perplexities, tune
 
     lambdas = args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS)
     temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
@@ -240,7 +241,11 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
     )
     if valid.knn_extra_scores is not None:
         grid = (lambdas, temperatures)
-        best["datastores"] = ngram_cli.further_datastores(valid, _rule_weights(best, True), best, grid, args.k)
+        from memlm.mixing.dump import tune_datastores_beside
+
+        best["datastores"] = tune_datastores_beside(valid, _rule_weights(best, True), grid, best.get("temperature")
+                                                    or 1.0, args.k, best.get("cache_temperature") or 1.0)  # fmt: skip
+        ngram_cli.print_datastores(best["datastores"])
     if test is not None:
         res = perplexities(
             test,
@@ -259,9 +264,9 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
 
 
 def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
-    """The rule's weights by component (memlm.knnlm.dump_mixture.rule_for) from its best point on valid (any tune
+    """The rule's weights by component (memlm.mixing.dump.rule_for) from its best point on valid (any tune
     path: λ, the cache's λc, one (λ_sparse, λ_dense) or a list of them)."""
-    from memlm.knnlm.mixture_inputs import ngram_component
+    from memlm.mixing.inputs import ngram_component
 
     pairs = best.get("weights") or ([[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else [])
     weights: dict[str, Any] = {"knn": best["lambda"]} if has_knn else {}
@@ -274,14 +279,14 @@ def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
 
 def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any]) -> dict[str, Any]:
     """``memlm tune --mixture gate``: the guarded learned mixture of every memory of ``valid`` (τ searched on the
-    fit's kept part, memlm.knnlm.dump_mixture.fit_dump), applied to ``test`` beside the base LM and the fixed-weight
+    fit's kept part, memlm.mixing.dump.fit_dump), applied to ``test`` beside the base LM and the fixed-weight
     rule tuned on the same ``valid`` (``rule_best``), with intervals and paired differences."""
     import torch
 
     from memlm.core.bootstrap import evidence
     from memlm.core.distribution import perplexity
-    from memlm.knnlm.dump_mixture import fit_dump, rule_for, rule_logprob
-    from memlm.knnlm.evaluate import DEFAULT_TEMPERATURES
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
+    from memlm.mixing.dump import fit_dump, rule_for, rule_logprob
 
     temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
     dm = fit_dump(valid, temperatures, args.k, args.cache_temperatures)
@@ -364,7 +369,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def _generation_fit(args: argparse.Namespace):
     """``memlm generate --mixture FIT.json``: the fit, checked against the memories given (and against weights given
     beside it) before anything is loaded; None without --mixture."""
-    from memlm.knnlm.mixture_step import check_components, step_components
+    from memlm.mixing.step import check_components, step_components
 
     if not args.datastore and not args.ngram:
         raise MemlmError("memlm generate needs --datastore DS or --ngram DIR (each may be given more than once)")
@@ -394,7 +399,8 @@ def cmd_gate_train(args: argparse.Namespace) -> None:
     import numpy as np
 
     from memlm.knnlm.adaptive import gate_features, train_gate
-    from memlm.knnlm.evaluate import TokenScores, memory_logprob
+    from memlm.knnlm.evaluate import TokenScores
+    from memlm.mixing.inputs import memory_logprob
 
     ts = TokenScores.load(args.dump)
     if ts.knn_scores is None or ts.lm_entropy is None or ts.position is None:
@@ -443,7 +449,7 @@ def check_eval(args: argparse.Namespace) -> None:
 def _mixture_of_memories(args: argparse.Namespace) -> None:
     """``--mixture``: a fit whose components are this eval's memories, before the model loads (the features are
     checked again on the scored tokens)."""
-    from memlm.knnlm.dump_mixture import components_of
+    from memlm.mixing.dump import components_of
 
     if args.mixture == "stored":
         if len(args.datastore or []) + len(args.ngram or []) != 1 or args.cache:

@@ -13,8 +13,8 @@ from memlm.cli import validate as V
 from memlm.cli.common import DEFAULT_MODEL, add_allow_overlap, add_knn_weights, add_model
 from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json
 from memlm.lmeval import TASK_CORPORA, TASKS, task_manager
-from memlm.storage.fileio import atomic_write_json
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> None:

@@ -10,13 +10,14 @@ from typing import Any
 
 from memlm.cli import common
 from memlm.cli import validate as V
-from memlm.cli.common import add_corpus, add_model, load_documents
+from memlm.cli.common import add_corpus, add_model
 from memlm.cli.report import print_result
+from memlm.data.corpora import load_corpus_source
 from memlm.errors import MemlmError
+from memlm.io.locking import folder_lock
 from memlm.knnlm.calibration import holdout_split
 from memlm.leakage import document_record, shown_sources
 from memlm.ngram.decontaminate import decontaminate_reference, decontamination_sets
-from memlm.storage.locking import folder_lock
 
 EXCLUDED = (
     "the valid and test documents of every named corpus (memlm.data.corpora's document-level splits: a document "
@@ -47,7 +48,7 @@ def cmd_ngram_build(args: argparse.Namespace) -> None:
     from memlm.ngram.index import build_ngram_index
 
     model, tok = common._load_model(args.model, args.dtype)
-    docs, source = load_documents(args.corpus, args.split, tok, args.max_tokens)
+    docs, source = load_corpus_source(args.corpus, args.split, tok, args.max_tokens)
     source["excluded"] = EXCLUDED if args.split == "train" else "nothing: --split all (eval text may be indexed)"
     docs, record = decontaminate_documents(args, docs, tok)
     if record is not None:
@@ -84,7 +85,7 @@ def cmd_ngram_build(args: argparse.Namespace) -> None:
                 file=sys.stderr,
             )
             return
-        from memlm.ngram.calibration import calibrate_ngram
+        from memlm.knnlm.calibration import calibrate_ngram
         from memlm.ngram.memory import NgramMemory
 
         hold = source["holdout"]
@@ -212,116 +213,15 @@ def given_lambdas(args: argparse.Namespace, n: int) -> list[tuple[float | None, 
     return per_index_lambdas(args.ngram_lambda_sparse, args.ngram_lambda_dense, n, names)
 
 
-_NOT_NGRAM = {"tokens", "base_ppl", "knn_ppl", "lambda", "temperature"}  # what eval reports apart
-
-
 def ngram_result(
     args: argparse.Namespace, ts, memory, lam: float | None, temperature: float, base: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The ∞-gram part of ``memlm eval``'s result (with the kNN term when the dump has one). With ``base`` (the
-    result of :func:`memlm.knnlm.evaluate.perplexities` it joins), its ``intervals``, ``differences``,
-    ``frequency_buckets`` and ``mixtures`` are returned merged with the ∞-gram's (the ∞-gram's buckets count each
-    target among the index's tokens). Weights calibrated apart that sum past 1 are scaled by the rule
-    (:func:`memlm.core.mixture.rule_mixture`); ``knn_ngram_weights`` records the weights it used."""
-    from memlm.core.mixture import Mixture
-    from memlm.knnlm.dump_mixture import rule_weights
-    from memlm.ngram.memory import NgramMemories
-    from memlm.ngram.mixture import ngram_logprobs, ngram_parameters, ngram_report
+    """The ∞-gram part of ``memlm eval``'s result (:func:`memlm.ngram.results.ngram_result`) with the flags'
+    weights."""
+    from memlm.ngram.results import ngram_result as result
 
-    if isinstance(memory, NgramMemories):
-        return multi_ngram_result(args, ts, memory, lam, temperature, base)
-    ls, ld, origin = ngram_parameters(memory.index, *given_lambdas(args, 1)[0])
-    has_knn = ts.knn_scores is not None and lam is not None
-    rep = ngram_report(ts, ls, ld, lam=lam if has_knn else None, temperature=temperature)
-    rows, _ = ngram_logprobs(ts, (ls, ld), lam if has_knn else None, temperature)
-    rows.pop("knn_ppl", None)  # eval's own row (base)
-    if has_knn:
-        used = rule_weights(Mixture.from_dict(rep["mixtures"]["knn_ngram_ppl"]))
-        rep["knn_ngram_weights"] = {
-            "lambda": used["knn"],
-            "lambda_sparse": used["ngram"][0],
-            "lambda_dense": used["ngram"][1],
-            "note": "tune all four jointly on a valid dump with memlm tune",
-        }
-        scaled = lam + max(ls, ld) > 1.0  # the rule scaled the ∞-gram's weights: another ∞-gram row than ngram_ppl
-        refs = ("base_ppl", "knn_ppl") + (() if scaled else ("ngram_ppl",))
-        rep["differences"] = {k: v for k, v in rep["differences"].items()
-                              if v["system"] != "knn_ngram_ppl" or v["reference"] in refs}  # fmt: skip
-        rep["mixtures"].pop("knn_ppl")  # eval's own row (base)
-    buckets = _bucket_tables(ts, rows, memory)
-    own = {k: v for k, v in rep.items() if k not in _NOT_NGRAM}
-    return {**own, **_merged(base, own, buckets), "ngram_parameters_from": origin, **memory.describe()}
-
-
-def _bucket_tables(ts, rows: dict[str, Any], memory) -> dict[str, Any]:
-    """Each ∞-gram mixture's change against the LM by frequency of the target among the index's tokens."""
-    from memlm.knnlm.evaluate import bucket_table
-
-    counts = memory.token_counts(ts.targets)
-    where = f"∞-gram index {memory.index.path} ({len(memory.index):,} tokens)"
-    return {k: bucket_table(ts, v, counts, where) for k, v in rows.items() if k != "base_ppl" and k != "knn_ppl"}
-
-
-def _merged(base: dict[str, Any] | None, own: dict[str, Any], buckets: dict[str, Any]) -> dict[str, Any]:
-    """``intervals``, ``differences``, ``frequency_buckets`` and ``mixtures`` (each fixed-weight row's rule) of
-    eval's result with the ∞-gram's added (the result's own rows kept where both have one: base and kNN-LM come
-    from the same dump)."""
-    base = base or {}
-    return {
-        "intervals": {**own.get("intervals", {}), **base.get("intervals", {})},
-        "differences": {**own.get("differences", {}), **base.get("differences", {})},
-        "frequency_buckets": {**base.get("frequency_buckets", {}), **buckets},
-        "mixtures": {**base.get("mixtures", {}), **own.get("mixtures", {})},
-    }
-
-
-def multi_ngram_result(
-    args: argparse.Namespace, ts, memories, lam: float | None, temperature: float, base: dict[str, Any] | None = None
-) -> dict:
-    """``memlm eval`` with several ``--ngram``: each index alone beside the LM (its own λ's: the flags, else its
-    calibration, as for one index), and all of them together, each with its own λ's, mixed by the rule
-    (:func:`memlm.core.mixture.rule_mixture`, which scales weights that sum past 1 to leave the LM a weight > 0);
-    with a datastore, with the kNN term too. ``multi_ngram_weights`` records the weights the rule used. The weights
-    are set apart here: ``--dump`` and ``memlm tune`` tune them jointly. Intervals of the combined rows (each
-    index's own rows have theirs under ``ngrams``) merged with ``base``'s as :func:`ngram_result` does."""
-    from memlm.core.bootstrap import evidence
-    from memlm.core.distribution import perplexity
-    from memlm.core.mixture import Mixture
-    from memlm.knnlm.dump_mixture import rule_rows, rule_weights
-    from memlm.knnlm.mixture_inputs import ngram_component
-    from memlm.ngram.mixture import ngram_parameters, ngram_report, reference_view
-
-    refs, weights = [], {}
-    given = given_lambdas(args, len(memories.memories))
-    for r, memory in enumerate(memories.memories):
-        ls, ld, origin = ngram_parameters(memory.index, *given[r])
-        rep = ngram_report(reference_view(ts, r), ls, ld)
-        refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in _NOT_NGRAM},
-                     "ngram_parameters_from": origin})  # fmt: skip
-        weights[ngram_component(r)] = (ls, ld)
-    specs = {"multi_ngram_ppl": weights}
-    has_knn = ts.knn_scores is not None and lam is not None
-    if has_knn:
-        specs["knn_multi_ngram_ppl"] = {"knn": lam, **weights}
-    if base is not None and "knn_ppl" in (base.get("intervals") or {}) and ts.knn_lambda is None:
-        specs["knn_ppl"] = {"knn": base["lambda"]}  # the kNN-LM's row, for its difference
-    mixed, mixtures = rule_rows(ts, specs, temperature)
-    used = {key: rule_weights(Mixture.from_dict(m)) for key, m in mixtures.items()}
-    names = list(weights)
-    out: dict[str, Any] = {
-        "ngrams": refs,
-        "multi_ngram_ppl": perplexity(mixed["multi_ngram_ppl"]),
-        "multi_ngram_weights": [used["multi_ngram_ppl"][c] for c in names],
-        "multi_ngram_note": "each index's own (λ_sparse, λ_dense), scaled to sum <= 1; tune them jointly with "
-        "memlm eval --dump on valid text and memlm tune",
-    }
-    if has_knn:
-        out["knn_multi_ngram_ppl"] = perplexity(mixed["knn_multi_ngram_ppl"])
-        out["knn_multi_ngram_weights"] = {"lambda": lam, "temperature": temperature,
-                                          "weights": [used["knn_multi_ngram_ppl"][c] for c in names]}  # fmt: skip
-    mixtures.pop("knn_ppl", None)  # eval's own row (base)
-    own = {**evidence({"base_ppl": ts.lm_logprob, **mixed}, ts.doc_index), "mixtures": mixtures}
-    return {**out, **_merged(base, own, {})}
+    n = len(memory.memories) if hasattr(memory, "memories") else 1
+    return result(ts, memory, lam, temperature, base, given_lambdas(args, n))
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -334,150 +234,39 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _grids(args: argparse.Namespace) -> dict[str, Any]:
-    """``memlm tune``'s grids for the ∞-gram tuners: its weights', and λ, τ (and k) of a kNN term."""
-    from memlm.ngram.mixture import NGRAM_LAMBDAS
-
-    lambdas = args.ngram_lambdas or NGRAM_LAMBDAS
-    return {"lambdas": lambdas, "knn_lambdas": args.lambdas, "temperatures": args.temperatures, "k": args.k}
-
-
 def tune_with_ngram(
     args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """``memlm tune`` on a dump with ∞-gram scores: λ_sparse, λ_dense (and λ, τ of its kNN term) tuned jointly.
-    ``test``: the ``--test`` dump, checked by the caller against ``valid`` (memlm.leakage.check_dumps: the same
-    model and memories), whose record ``leakage`` goes into the result. Returns the result (the caller writes it)."""
-    from memlm.ngram.mixture import ngram_report, tune_ngram
+    """``memlm tune`` on a dump with ∞-gram scores (:func:`memlm.ngram.results.tune_ngram_dump` with the flags'
+    grids), printed; ``leakage`` (memlm.leakage.check_dumps of ``valid`` and ``test``) goes into the result."""
+    from memlm.ngram.results import NgramTuneGrids, tune_ngram_dump
 
-    if valid.ngram_extra_logprob is not None:
-        return tune_with_ngrams(args, valid, test, leakage)
-    result = tune_ngram(valid, **_grids(args))
-    best = result["best"]
-    has_knn = valid.knn_scores is not None
-    print(
-        f"best on valid: lambda_sparse={best['lambda_sparse']} lambda_dense={best['lambda_dense']}"
-        + (f" lambda={best['lambda']} temperature={best['temperature']}" if has_knn else "")
-        + f" ppl={best['ppl']:.4f}"
-    )
-
-    weights = {**({"knn": best["lambda"]} if has_knn else {}), "ngram": (best["lambda_sparse"], best["lambda_dense"])}
-    best.update(_tune_cache(args, valid, weights, best))
-    if has_knn and valid.knn_extra_scores is not None:  # several datastores: the others beside this rule
-        from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
-
-        grid = (args.lambdas or DEFAULT_LAMBDAS, args.temperatures or DEFAULT_TEMPERATURES)
-        rule = {**weights, **({"cache": best["cache_lambda"]} if best.get("cache_lambda") else {})}
-        best["datastores"] = further_datastores(valid, rule, best, grid, args.k)
-
-    def report(ts) -> dict[str, Any]:
-        lam = best["lambda"] if has_knn else None
-        rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"], lam=lam,
-                           temperature=best["temperature"], k=args.k)  # fmt: skip
-        return _with_cache_row(ts, rep, weights, best, args.k)
-
-    out: dict[str, Any] = {"valid": {"best": best, "grid_points": len(result["grid"]), "report": report(valid)}}
+    grids = NgramTuneGrids(args.ngram_lambdas, args.lambdas, args.temperatures, args.k, args.cache_lambdas,
+                           args.cache_temperatures)  # fmt: skip
+    out = tune_ngram_dump(valid, test, grids)
+    best = out["valid"]["best"]
+    knn = f" lambda={best['lambda']} temperature={best['temperature']}" if valid.knn_scores is not None else ""
+    if valid.ngram_extra_logprob is not None:  # several indexes
+        pairs = "; ".join(f"({a:g}, {b:g})" for a, b in best["weights"])
+        print(f"best on valid: (lambda_sparse, lambda_dense) per ∞-gram index {pairs}{knn} ppl={best['ppl']:.4f}")
+    else:
+        print(f"best on valid: lambda_sparse={best['lambda_sparse']} lambda_dense={best['lambda_dense']}{knn} "
+              f"ppl={best['ppl']:.4f}")  # fmt: skip
+    if "cache_lambda" in best:
+        print(f"the cache beside them on valid: cache_lambda={best['cache_lambda']} cache_temperature="
+              f"{best['cache_temperature']} ppl={best['cache_ppl']:.4f}")  # fmt: skip
+    print_datastores(best.get("datastores", []))
     if test is not None:
-        res = report(test)
-        out["test"] = res
-        print_result(res)
-    out["grid"] = result["grid"]
+        print_result(out["test"])
     out["leakage"] = leakage
     return out
 
 
-def tune_with_ngrams(
-    args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """``memlm tune`` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``): each index's
-    (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
-    :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
-    from memlm.knnlm.mixture_inputs import ngram_component
-    from memlm.ngram.mixture import multi_ngram_report, tune_ngrams
-
-    result = tune_ngrams(valid, **_grids(args))
-    has_knn = valid.knn_scores is not None
-    lam = result["lambda"] if has_knn else None
-    weights = result["weights"]
-    pairs = "; ".join(f"({a:g}, {b:g})" for a, b in weights)
-    print(
-        f"best on valid: (lambda_sparse, lambda_dense) per ∞-gram index {pairs}"
-        + (f" lambda={result['lambda']} temperature={result['temperature']}" if has_knn else "")
-        + f" ppl={result['ppl']:.4f}"
-    )
-    described = valid.meta.get("ngrams") or [{} for _ in weights]
-    best = {
-        "ngrams": [{**d, "lambda_sparse": w[0], "lambda_dense": w[1]} for d, w in zip(described, weights, strict=True)],
-        "weights": weights,
-        **({"lambda": result["lambda"], "temperature": result["temperature"]} if has_knn else {}),
-        "ppl": result["ppl"],
-    }
-    rule = {**({"knn": lam} if has_knn else {}), **{ngram_component(r): tuple(w) for r, w in enumerate(weights)}}
-    best.update(_tune_cache(args, valid, rule, best))
-
-    def report(ts) -> dict[str, Any]:
-        return _with_cache_row(ts, multi_ngram_report(ts, weights, lam, result["temperature"], args.k), rule, best,
-                               args.k)  # fmt: skip
-
-    out: dict[str, Any] = {
-        "valid": {"best": best, "alone": result["alone"], "starts": result["starts"], "report": report(valid)}
-    }
-    if test is not None:
-        res = report(test)
-        out["test"] = res
-        print_result(res)
-    out["leakage"] = leakage
-    return out
-
-
-def _tune_cache(args: argparse.Namespace, valid, weights: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
-    """``--cache-lambdas`` on a dump with the cache: λc and τc tuned beside the ∞-gram rule found on ``valid`` (its
-    ``weights`` fixed; memlm.knnlm.dump_mixture.tune_beside): ``{"cache_lambda", "cache_temperature",
-    "cache_ppl"}``, or {} when not asked (or the dump has no cache)."""
-    from memlm.knnlm.dump_mixture import tune_beside
-
-    if not any(args.cache_lambdas) or valid.cache_scores is None:
-        return {}
-    grid = (args.cache_lambdas, args.cache_temperatures)
-    b = tune_beside(valid, weights, "cache", grid, best.get("temperature") or 1.0, args.k)["best"]
-    print(f"the cache beside them on valid: cache_lambda={b['lambda']} cache_temperature={b['temperature']} "
-          f"ppl={b['ppl']:.4f}")  # fmt: skip
-    return {"cache_lambda": b["lambda"], "cache_temperature": b["temperature"], "cache_ppl": b["ppl"]}
-
-
-def further_datastores(valid, weights: dict[str, Any], best: dict[str, Any], grid: tuple, k) -> list[dict[str, Any]]:
-    """memlm tune on a dump of several datastores: each further one's λ_j, τ_j beside the rule ``weights`` tuned
-    so far (memlm.knnlm.dump_mixture.tune_datastores_beside, ``grid`` = tune's λ and τ candidates), printed."""
-    from memlm.knnlm.dump_mixture import tune_datastores_beside
-
-    found = tune_datastores_beside(valid, weights, grid, best.get("temperature") or 1.0, k,
-                                   best.get("cache_temperature") or 1.0)  # fmt: skip
+def print_datastores(found: list[dict[str, Any]]) -> None:
+    """Each further datastore's λ_j, τ_j tuned beside the rule (memlm.mixing.dump.tune_datastores_beside)."""
     for d in found:
         print(f"{d['component']} beside them on valid: lambda={d['lambda']} temperature={d['temperature']} "
               f"ppl={d['ppl']:.4f}")  # fmt: skip
-    return found
-
-
-def _with_cache_row(ts, rep: dict[str, Any], weights: dict[str, Any], best: dict[str, Any], k) -> dict[str, Any]:
-    """``rep`` (an ∞-gram report of ``ts``) with ``cache_rule_ppl``, the tuned rule plus the cache at ``best``'s λc,
-    τc, its interval, its differences against the base LM and the rule without the cache, and its mixture."""
-    from memlm.core.bootstrap import evidence
-    from memlm.core.distribution import perplexity
-    from memlm.knnlm.dump_mixture import rule_rows
-
-    if not best.get("cache_lambda"):
-        return rep
-    ref = "knn_ngram_ppl" if "knn" in weights else "ngram_ppl"
-    rows, mixtures = rule_rows(ts, {ref: weights, "cache_rule_ppl": {**weights, "cache": best["cache_lambda"]}},
-                               best.get("temperature") or 1.0, k, best["cache_temperature"])  # fmt: skip
-    ev = evidence({"base_ppl": ts.lm_logprob, **rows}, ts.doc_index, pairs=[("base_ppl", "cache_rule_ppl"),
-                                                                          (ref, "cache_rule_ppl")])  # fmt: skip
-    rep.update(cache_rule_ppl=perplexity(rows["cache_rule_ppl"]), cache_lambda=best["cache_lambda"],
-               cache_temperature=best["cache_temperature"])  # fmt: skip
-    rep["intervals"]["cache_rule_ppl"] = ev["intervals"]["cache_rule_ppl"]
-    rep["differences"].update(ev["differences"])
-    rep["mixtures"]["cache_rule_ppl"] = mixtures["cache_rule_ppl"]
-    return rep
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, write_json
 from memlm.errors import MemlmError
+from memlm.io.fileio import dumps_json
 from memlm.models.resources import load_encoder
-from memlm.storage.fileio import dumps_json
 
 # memlm.npm imports torch: imported in the commands (see common.py)
 

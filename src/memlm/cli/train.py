@@ -1,4 +1,4 @@
-"""``memlm train``: one driver (memlm.training.driver) for every objective of memlm.training.objectives: a causal LM
+"""``memlm train``: one driver (memlm.training.driver) for every objective of memlm.registry: a causal LM
 (``--objective lm``, ``--loss`` ce or a TRIME loss) or an NPM / MLM encoder; resumable."""
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _setup(args: argparse.Namespace, encoder: bool, config: TrainConfig) -> Trai
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from memlm.registry import make_objective
     from memlm.training.driver import train_objective
-    from memlm.training.objectives import make_objective
 
     if args.detach_memory and (args.objective != "lm" or args.loss == "ce"):
         raise MemlmError("--detach-memory is a TRIME ablation: use it with --loss trime, trime-long or trime-ext")

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from memlm.errors import MemlmError
-from memlm.storage.fileio import dumps_json, unique_tmp
+from memlm.io.fileio import dumps_json, unique_tmp
 
 __all__ = ["TokenDump", "read_npz_dump"]
 

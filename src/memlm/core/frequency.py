@@ -20,7 +20,7 @@ import numpy as np
 
 from memlm.core.bootstrap import DocumentBootstrap
 
-__all__ = ["BUCKET_EDGES", "bucket_labels", "frequency_buckets"]
+__all__ = ["BUCKET_EDGES", "bucket_labels", "bucket_table", "frequency_buckets"]
 
 #: Lower edges of the buckets: [0, 1), [1, 11), [11, 101), ... [100001, inf).
 BUCKET_EDGES = (0, 1, 11, 101, 1_001, 10_001, 100_001)
@@ -72,3 +72,12 @@ def frequency_buckets(
             )
         rows.append(row)
     return rows
+
+
+def bucket_table(ts, memory, target_counts: np.ndarray, counted_in: str) -> dict[str, Any]:
+    """A memory mixture's change against the base LM by frequency of the target in the memory's corpus
+    (:func:`frequency_buckets`), with the resamples of the perplexities' intervals over documents: ``memory`` holds the
+    mixture's per-token log-probabilities, ``ts`` is the dump (its ``lm_logprob`` and ``doc_index``)."""
+    rows = frequency_buckets(target_counts, ts.lm_logprob, np.asarray(memory, dtype=np.float64),
+                             DocumentBootstrap(ts.doc_index))  # fmt: skip
+    return {"counted_in": counted_in, "rows": rows}

@@ -18,7 +18,39 @@ from typing import Any
 
 from memlm.errors import MemlmError
 
-__all__ = ["grid_search"]
+__all__ = ["DEFAULT_LAMBDAS", "DEFAULT_TEMPERATURES", "grid_search"]
+
+# fine near 0, where small LMs with small datastores want λ; the paper's 0.25 and the rest up to 1 too
+DEFAULT_LAMBDAS = (
+    0.0,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.35,
+    0.4,
+    0.45,
+    0.5,
+    0.55,
+    0.6,
+    0.65,
+    0.7,
+    0.75,
+    0.8,
+    0.85,
+    0.9,
+    0.95,
+    1.0,
+)
+# up to 1000: `final` keys (squared distances in the hundreds) had their tuned τ at the old edge, 100
+DEFAULT_TEMPERATURES = (0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 
 
 def grid_search(

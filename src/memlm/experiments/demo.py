@@ -12,7 +12,7 @@ The user story of Khandelwal et al. (2020) on the offline defaults, with no trai
 2. score held-out Wikipedia and held-out news once each (valid and test splits, each target with at least 128
    tokens of context), retrieving from each memory by exact search over all its keys;
 3. on valid: tune λ, τ of the kNN-LM (``memlm tune``), λ_sparse / λ_dense of LM + ∞-gram, the four jointly for
-   LM + kNN + ∞-gram, and fit the learned gate over the same memories (:func:`memlm.knnlm.dump_mixture.fit_dump`,
+   LM + kNN + ∞-gram, and fit the learned gate over the same memories (:func:`memlm.mixing.dump.fit_dump`,
    memlm.core.mixture); on test: every row mixes through one :class:`memlm.core.mixture.Mixture` (the fixed weights as
    :func:`memlm.core.mixture.rule_mixture`, the gate as fitted), with 95% bootstrap intervals over documents
    (:mod:`memlm.core.bootstrap`); print a table, write JSON and a PNG of perplexity vs λ (the paper's Fig. 5).
@@ -39,20 +39,22 @@ import torch
 from memlm.core.bootstrap import evidence
 from memlm.core.distribution import perplexity
 from memlm.core.mixture import Mixture, rule_mixture, sparse_state_features
+from memlm.core.tuning import DEFAULT_LAMBDAS
 from memlm.data.corpora import corpus_fingerprint, load_documents
 from memlm.data.windows import limit_documents, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
-from memlm.knnlm.dump_mixture import DumpMixture, fit_dump
-from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, TokenScores, add_neighbours, lm_scores, tune
-from memlm.knnlm.mixture_inputs import MixtureInputs, mixture_inputs
+from memlm.io.fileio import atomic_write_json, memlm_home
+from memlm.io.locking import folder_lock
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores, tune
+from memlm.knnlm.write import write_datastore
 from memlm.leakage import document_record
+from memlm.mixing.dump import DumpMixture, fit_dump
+from memlm.mixing.inputs import MixtureInputs, mixture_inputs
 from memlm.models.keys import KeySpec
-from memlm.models.resources import default_dtype, load_causal_lm, memlm_home
+from memlm.models.resources import default_dtype, load_causal_lm
 from memlm.ngram.decontaminate import EVAL_SPLITS, decontaminate_reference
 from memlm.ngram.mixture import add_ngram, tune_ngram
-from memlm.storage.datastore import Datastore, build_datastore
-from memlm.storage.fileio import atomic_write_json
-from memlm.storage.locking import folder_lock
+from memlm.storage.datastore import Datastore
 
 __all__ = ["DemoConfig", "planned_work", "run_demo", "work_totals"]
 
@@ -170,7 +172,7 @@ def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path, work: list) 
     t0 = time.perf_counter()
     docs = _documents(cfg, tok, corpus, "train")
     stride = cfg.stride(cfg.datastore_blocks)
-    ds = build_datastore(model, tok, docs, out, key=KeySpec.parse(cfg.key), window=cfg.window,
+    ds = write_datastore(model, tok, docs, out, key=KeySpec.parse(cfg.key), window=cfg.window,
                          min_context=cfg.min_context, stride=cfg.window if cfg.datastore_blocks else None,
                          batch_size=cfg.batch_size, source=_train_source(corpus, docs))  # fmt: skip
     work.append({"phase": f"{corpus} datastore", **_forward_work(docs, tok, cfg.window, stride), "head": False,

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from memlm.storage.fileio import unique_tmp
+from memlm.io.fileio import unique_tmp
 
 __all__ = ["pyplot", "finish_figure"]
 

@@ -44,12 +44,12 @@ import numpy as np
 import torch
 
 from memlm.core.distribution import mix, perplexity
-from memlm.core.tuning import grid_search
+from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, grid_search
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, TokenScores, add_neighbours, perplexities, tune
+from memlm.io.fileio import atomic_write_json, dumps_json, unique_tmp
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, perplexities, tune
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import Datastore
-from memlm.storage.fileio import atomic_write_json, dumps_json, unique_tmp
 
 __all__ = ["AnalysisSpec", "PAPER", "approx_factory", "interpolation_row", "run_analysis", "write_report"]
 

@@ -42,7 +42,7 @@ from torch import nn
 
 from memlm.core.distribution import mix
 from memlm.errors import MemlmError
-from memlm.storage.fileio import atomic_write_bytes, dumps_json
+from memlm.io.fileio import atomic_write_bytes, dumps_json
 
 __all__ = [
     "FEATURE_NAMES",

@@ -10,7 +10,7 @@ at most 8,192, never more than 20%; whole documents first, then, for a corpus of
 tails of the longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the
 rest, then scores the slice with the new datastore and grid-searches λ and τ on it, widening the grid while the best
 value sits on its edge (:func:`calibrate`). On the same scored tokens (no second forward pass) it fits the guarded
-mixture of the LM and the datastore (:func:`memlm.knnlm.dump_mixture.fit_dump`, τ searched over the same
+mixture of the LM and the datastore (:func:`memlm.mixing.dump.fit_dump`, τ searched over the same
 grid; the LM alone, constant weights or the gate, whichever the part of the slice kept apart prefers). The result,
 with what it was measured with (k, search and score mode, nprobe, index file and factory), is recorded with the
 datastore (``manifest.json`` → ``calibration``; the fit under ``calibration.mixture``, read back by
@@ -44,7 +44,7 @@ from memlm.core.config import DEFAULT_K
 from memlm.errors import MemlmError
 
 if TYPE_CHECKING:
-    from memlm.knnlm.dump_mixture import DumpMixture
+    from memlm.mixing.dump import DumpMixture
 
 __all__ = [
     "HOLDOUT_FRACTION",
@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "holdout_split",
     "calibrate",
+    "calibrate_ngram",
     "near_temperatures",
     "calibration_mismatch",
     "calibration_summary",
@@ -275,7 +276,8 @@ def tune_widening(ts, max_widenings: int = 3) -> tuple[dict[str, Any], dict[str,
     its edge: τ at the grid's lowest (highest) value adds τ/2, τ/5, τ/10 (2τ, 5τ, 10τ); λ at the smallest positive
     value adds λ/5 and λ/2 (λ's grid already spans [0, 1]). ``grid`` records the final grids and ``on_edge``, the
     parameters still at an open edge after ``max_widenings`` widenings (empty when the optimum is inside)."""
-    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, tune
+    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+    from memlm.knnlm.evaluate import tune
 
     lams, temps = sorted(DEFAULT_LAMBDAS), sorted(DEFAULT_TEMPERATURES)
     widened = 0
@@ -319,7 +321,7 @@ def calibrate(
     text: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Score ``held_out`` with ``datastore``, grid-search λ and τ on it (:func:`tune_widening`) and fit the guarded
-    mixture of the LM and the datastore on the same scored tokens (:func:`memlm.knnlm.dump_mixture.fit_dump`, τ over
+    mixture of the LM and the datastore on the same scored tokens (:func:`memlm.mixing.dump.fit_dump`, τ over
     the same grid; one forward pass in all).
 
     The slice is read with the datastore's own windows (``window``, ``stride``); the datastore's index (or exact
@@ -332,8 +334,8 @@ def calibrate(
     import numpy as np
 
     from memlm.data.windows import doc_hash
-    from memlm.knnlm.dump_mixture import fit_dump
     from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
+    from memlm.mixing.dump import fit_dump
 
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
@@ -495,9 +497,9 @@ def _recalibrate_hint(owner, kind: str) -> str:
 
 
 def _read_fit(owner, kind: str, record: Any) -> DumpMixture:
-    """The :class:`~memlm.knnlm.dump_mixture.DumpMixture` of a calibration's ``mixture`` record (the LM and this one
+    """The :class:`~memlm.mixing.dump.DumpMixture` of a calibration's ``mixture`` record (the LM and this one
     memory), or one MemlmError naming the file, what is wrong and how to recalibrate."""
-    from memlm.knnlm.dump_mixture import DumpMixture
+    from memlm.mixing.dump import DumpMixture
 
     where = Path(owner.path) / ("shards.json" if hasattr(owner, "shards") else "manifest.json")
     try:
@@ -520,7 +522,7 @@ def _read_fit(owner, kind: str, record: Any) -> DumpMixture:
 def stored_mixture(memory) -> DumpMixture | None:
     """The guarded mixture of the LM and this memory fitted when it was calibrated (components ``lm``,
     ``knn`` for a datastore, ``lm``, ``ngram`` for an ∞-gram index), a
-    :class:`~memlm.knnlm.dump_mixture.DumpMixture`, or None when the memory records no current calibration or its
+    :class:`~memlm.mixing.dump.DumpMixture`, or None when the memory records no current calibration or its
     calibration has no fit (written by an older memlm; a datastore's calibration made before an ``--append`` is not
     current). ``memory``: a datastore (plain or sharded), an ∞-gram index, or a memory over one. A record that cannot
     be read or does not fit this memory is one MemlmError naming the file and how to recalibrate."""
@@ -540,7 +542,7 @@ def has_stored_mixture(memory) -> bool:
 
 
 def mixture_summary(fit: DumpMixture) -> dict[str, Any]:
-    """What a stored fit (:class:`~memlm.knnlm.dump_mixture.DumpMixture`) is, for ``info`` and the build's message:
+    """What a stored fit (:class:`~memlm.mixing.dump.DumpMixture`) is, for ``info`` and the build's message:
     its form, the tokens and documents it was fitted on (and kept apart), τ and k, the mean weight of each component
     over those tokens, the held-out log-likelihood per token of each form tried, and its warnings."""
     f = fit.fit
@@ -608,3 +610,57 @@ def text_overlap(datastore, documents: Sequence, tokenizer, n: int = OVERLAP_NGR
     stream = np.concatenate([c.tokens for c in tokenize_documents(list(documents), tokenizer)] or [np.zeros(0)])
     query = np.unique(token_ngrams([stream.astype(np.int64)], n)[0])
     return int(ngrams_in_stream(datastore.values, query, n).sum()), len(query)
+
+
+def calibrate_ngram(
+    model,
+    tokenizer,
+    memory,
+    held_out: Sequence,
+    window: int = 1024,
+    stride: int = 512,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Build-time calibration of an ∞-gram index: score ``held_out`` (a slice :func:`holdout_split` kept out of the
+    index, as a datastore build does) with the LM and the ∞-gram ``memory`` in one forward pass, and fit on those
+    tokens:
+
+    * Liu et al. (2024, Sec. 5)'s two weights, λ_sparse where P∞(· | c) is sparse and λ_dense elsewhere, by grid search
+      (:func:`memlm.ngram.mixture.tune_ngram`): the fixed-weight rule that ``--ngram-lambda-sparse`` /
+      ``--ngram-lambda-dense`` and an index's default still give;
+    * the guarded mixture of the LM and the index (:func:`memlm.mixing.dump.fit_dump`)::
+
+          P(w | c) = λ_0(c) P_LM(w | c) + λ_1(c) P∞(w | c),    λ(c) = softmax(W φ(c) + b)
+
+      the LM alone, EM's constant weights or the gate over the LM's and the ∞-gram's features, whichever the part of
+      the slice kept apart prefers (:func:`memlm.core.mixture.fit_guarded`).
+
+    Returns the record ``memlm ngram build`` stores in the index's ``manifest.json`` → ``calibration`` (the fit under
+    ``mixture``, read back by :func:`stored_mixture`)."""
+    from memlm.knnlm.evaluate import lm_scores
+    from memlm.mixing.dump import fit_dump
+    from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
+
+    if not held_out:
+        raise MemlmError("nothing to calibrate on: the held-out slice is empty")
+    t0 = time.perf_counter()
+    ts, _, _ = lm_scores(
+        model, tokenizer, held_out, window=window, stride=stride, batch_size=batch_size, progress=progress
+    )
+    add_ngram(ts, held_out, tokenizer, memory)
+    best = tune_ngram(ts)["best"]
+    rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
+    return {
+        "lambda_sparse": best["lambda_sparse"],
+        "lambda_dense": best["lambda_dense"],
+        "tokens": len(ts),
+        "base_ppl": rep["base_ppl"],
+        "ngram_ppl": rep["ngram_ppl"],
+        "sparse_share": rep["sparse_share"],
+        "effective_n_median": rep["effective_n"]["median"],
+        "mixture": fit_dump(ts, (1.0,)).to_dict(),  # no kNN term: no temperature to search
+        "window": window,
+        "stride": stride,
+        "seconds": time.perf_counter() - t0,
+    }

@@ -26,20 +26,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memlm.core.bootstrap import DIFFERENCES, DocumentBootstrap, evidence
+from memlm.core.bootstrap import DIFFERENCES, evidence
 from memlm.core.config import DEFAULT_MIN_CONTEXT, DEFAULT_WINDOW, RetrievalConfig
 from memlm.core.distribution import mix, perplexity
 from memlm.core.dumps import TokenDump
-from memlm.core.frequency import frequency_buckets
+from memlm.core.frequency import bucket_table
 from memlm.core.memory import Memory
-from memlm.core.tuning import grid_search
+from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, grid_search
 from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
 from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
 from memlm.knnlm.cache import continuous_cache
-from memlm.knnlm.dump_mixture import rule_rows
-from memlm.knnlm.mixture_inputs import component_name, memory_logprob
 from memlm.knnlm.pointer import pointer_retrieve
+from memlm.mixing.dump import rule_rows
+from memlm.mixing.inputs import component_name, memory_logprob
 from memlm.models.forward import forward_windows
 from memlm.models.keys import KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory, as_memory, describe_memory
@@ -54,45 +54,10 @@ __all__ = [
     "score_tokens",
     "perplexities",
     "cache_mixture_ppl",
-    "bucket_table",
     "value_counts",
     "CACHE_PPL_KEYS",
     "tune",
-    "DEFAULT_LAMBDAS",
-    "DEFAULT_TEMPERATURES",
 ]
-
-# fine near 0, where small LMs with small datastores want λ; the paper's 0.25 and the rest up to 1 too
-DEFAULT_LAMBDAS = (
-    0.0,
-    0.01,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.125,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.35,
-    0.4,
-    0.45,
-    0.5,
-    0.55,
-    0.6,
-    0.65,
-    0.7,
-    0.75,
-    0.8,
-    0.85,
-    0.9,
-    0.95,
-    1.0,
-)
-# up to 1000: `final` keys (squared distances in the hundreds) had their tuned τ at the old edge, 100
-DEFAULT_TEMPERATURES = (0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 
 
 @dataclass
@@ -487,7 +452,7 @@ def score_tokens(
     ``memories``: every memory as one list, in order (``datastore`` and ``ngram``, when given, are folded in
     front): datastores (plain, sharded, or any memory with a ``key_spec``) and ∞-gram memories (``NgramMemory``,
     ``NgramMemories``). The first datastore's neighbours go into ``knn_*``, each further one's into ``knn_extra_*``
-    (mixture components knn2, knn3, ...: :mod:`memlm.knnlm.mixture_inputs`); the ∞-gram memories into ``ngram_*``
+    (mixture components knn2, knn3, ...: :mod:`memlm.mixing.inputs`); the ∞-gram memories into ``ngram_*``
     and ``ngram_extra_*``. ``adaptive`` and ``pointer_min`` decide per token for one datastore: one only with them.
 
     Efficiency options (:mod:`memlm.knnlm`; :data:`EFFICIENCY_STRATEGIES`, chosen by ``config.efficiency``):
@@ -658,14 +623,6 @@ def _several_datastores(ts: TokenScores, first: tuple[float, float], k: int | No
     mixtures.update(rules)
     out.update({key: perplexity(v) for key, v in found.items()}, temperatures=taus,
                lambdas=[weights[c] for c in names])  # fmt: skip
-
-
-def bucket_table(ts: TokenScores, memory: torch.Tensor, target_counts: np.ndarray, counted_in: str) -> dict[str, Any]:
-    """A memory mixture's change against the base LM by frequency of the target in the memory's corpus
-    (:func:`memlm.core.frequency.frequency_buckets`), with the resamples of :func:`perplexities`' intervals."""
-    rows = frequency_buckets(target_counts, ts.lm_logprob, np.asarray(memory, dtype=np.float64),
-                             DocumentBootstrap(ts.doc_index))  # fmt: skip
-    return {"counted_in": counted_in, "rows": rows}
 
 
 def value_counts(datastore: DatastoreBase, targets: np.ndarray) -> np.ndarray:

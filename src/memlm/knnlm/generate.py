@@ -3,7 +3,7 @@ the LM's next-token distribution by the mixture's::
 
     P(w | c) = sum_i λ_i(c) P_i(w | c),     λ(c) = softmax(W φ(c) + b)
 
-over the LM and every memory given as one list (:mod:`memlm.knnlm.mixture_step`): datastores, plain or sharded, with
+over the LM and every memory given as one list (:mod:`memlm.mixing.step`): datastores, plain or sharded, with
 p_kNN(w | c) = sum_{(k_i, v_i) in top-k} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ) (Khandelwal et al. 2020, Eq. 2),
 and ∞-gram indexes with P∞ (Liu et al. 2024). The weights are a fitted :class:`memlm.core.mixture.Mixture` (``memlm
 tune --mixture gate``) or, without one, the fixed-weight rule of each memory's own weights: for one datastore
@@ -42,7 +42,7 @@ from memlm.core.config import RetrievalConfig
 from memlm.core.memory import Memory
 from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
-from memlm.knnlm.mixture_step import DatastoreStep, StepInputs, StepMixture, load_fit
+from memlm.mixing.step import DatastoreStep, StepInputs, StepMixture, load_fit
 from memlm.models.keys import KeyCapture
 from memlm.retrieval import as_memory
 from memlm.storage.datastore import Datastore, DatastoreBase
@@ -54,6 +54,7 @@ __all__ = [
     "generate_text",
     "is_ngram_index",
     "memory_steps",
+    "ngram_logits_processor",
     "NeighbourStreamer",
     "SourceLookup",
     "Neighbour",
@@ -97,7 +98,7 @@ def memory_steps(
     ``config.k``, its λ and τ ``config.lam`` / ``config.temperature`` (one for all, or a list, one per datastore;
     None: each datastore's calibration, :func:`memlm.knnlm.calibration.knn_parameters`); an index's (λ_sparse,
     λ_dense) ``ngram_lambdas`` (each one value or one per index; None: its calibration). ``fit`` (a
-    :class:`memlm.knnlm.dump_mixture.DumpMixture`): the kNN terms take the τ and k it was fitted with. ``index``: a
+    :class:`memlm.mixing.dump.DumpMixture`): the kNN terms take the τ and k it was fitted with. ``index``: a
     FAISS index already loaded, for the first datastore; ``record``: keep each datastore step's retrievals."""
     from memlm.knnlm.calibration import knn_parameters
 
@@ -149,9 +150,9 @@ def _ngram_steps(items: Sequence, ngram_lambdas: tuple[Any, Any], announce: bool
 class MixtureLogitsProcessor(LogitsProcessor):
     """Each generation step's distribution replaced by the mixture of the LM and ``memories`` (one list: datastores,
     any memory with a ``key_spec``, ∞-gram indexes; :func:`memory_steps`), mixed by one
-    :class:`~memlm.core.mixture.Mixture` (:class:`~memlm.knnlm.mixture_step.StepMixture`).
+    :class:`~memlm.core.mixture.Mixture` (:class:`~memlm.mixing.step.StepMixture`).
 
-    ``mixture``: a fit (:class:`memlm.knnlm.dump_mixture.DumpMixture`, its record or JSON file: its τ and k set the
+    ``mixture``: a fit (:class:`memlm.mixing.dump.DumpMixture`, its record or JSON file: its τ and k set the
     kNN terms; a :class:`Mixture`), refused with one MemlmError, before any step, when it was fitted on other
     memories; None: the fixed-weight rule of each memory's weights. ``config``
     (:class:`memlm.core.config.RetrievalConfig`; default its defaults, k = :data:`~memlm.core.config.DEFAULT_K`
@@ -475,3 +476,15 @@ class NeighbourStreamer(TextStreamer):
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         print(text, file=self.out, flush=True, end="" if not stream_end else "\n")
+
+
+def ngram_logits_processor(memories: Sequence, weights: Sequence[Sequence[float]]):
+    """The generation step of the LM and the ∞-gram ``memories``, each with its ``(λ_sparse, λ_dense)`` in the
+    fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`): a
+    :class:`MixtureLogitsProcessor` of :class:`memlm.ngram.step.NgramStep` s (also the ``ngram=`` of a
+    :class:`KNNLogitsProcessor`, which mixes them with its datastore by one rule)."""
+    from memlm.ngram.step import NgramStep
+
+    if not memories:
+        raise MemlmError("no ∞-gram memory to generate with")
+    return MixtureLogitsProcessor(None, [NgramStep(m, w[0], w[1]) for m, w in zip(memories, weights, strict=True)])

@@ -47,6 +47,8 @@ from tqdm.auto import tqdm
 
 from memlm.core.config import RetrievalConfig
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
+from memlm.io.locking import folder_lock
 from memlm.retrieval import (  # noqa: F401 - load_counts, load_absorbed re-exported
     ABSORBED_DTYPE,
     ABSORBED_FILE,
@@ -57,8 +59,6 @@ from memlm.retrieval import (  # noqa: F401 - load_counts, load_absorbed re-expo
     load_counts,
 )
 from memlm.storage.datastore import FOLDER, Datastore
-from memlm.storage.fileio import atomic_write_bytes, atomic_write_json, sample_sha256, sha256_file
-from memlm.storage.locking import folder_lock
 from memlm.storage.searcher import open_searcher
 
 __all__ = [

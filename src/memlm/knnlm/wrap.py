@@ -2,7 +2,7 @@
 
 The wrapped model's ``forward`` returns, at every position, the log of the mixture's next-token distribution in place
 of the logits (log-probabilities are logits: their softmax is the distribution itself), and the loss on ``labels``
-under it. The mixture is the one every consumer uses (:class:`memlm.knnlm.mixture_step.StepMixture`): the
+under it. The mixture is the one every consumer uses (:class:`memlm.mixing.step.StepMixture`): the
 LM and every memory given (datastores, ∞-gram indexes; ``memories=[...]``), weighted by a fitted
 :class:`memlm.core.mixture.Mixture` or by the fixed-weight rule; for one datastore the kNN-LM (Khandelwal et al.
 2020, Eq. 2-3)::
@@ -26,7 +26,7 @@ from memlm.core.config import DEFAULT_K, RetrievalConfig
 from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
 from memlm.knnlm.generate import is_ngram_index, memory_steps
-from memlm.knnlm.mixture_step import DatastoreStep, StepInputs, StepMixture, load_fit
+from memlm.mixing.step import DatastoreStep, StepInputs, StepMixture, load_fit
 from memlm.models.keys import KeyCapture
 from memlm.storage.datastore import DatastoreBase
 from memlm.storage.sharded import open_datastore
@@ -153,7 +153,7 @@ def wrap(model, datastore: Any = None, **options: Any) -> KNNLM:
     """``model`` (any Hugging Face causal LM) with its memories: ``forward`` and ``generate`` give the mixture's
     distribution. ``datastore``: a folder or an opened datastore built with this model (or any memory); ``options``:
     ``memories`` (more memories, one list: datastores, ∞-gram indexes), ``mixture`` (a fit: a ``memlm tune --mixture
-    gate`` JSON file, its record or :class:`~memlm.knnlm.dump_mixture.DumpMixture`; None: the fixed-weight rule),
+    gate`` JSON file, its record or :class:`~memlm.mixing.dump.DumpMixture`; None: the fixed-weight rule),
     ``k`` (:data:`~memlm.core.config.DEFAULT_K`, 1024, as every path), ``lam`` / ``temperature`` (default: each
     datastore's calibration), ``nprobe`` (32), ``ngram`` (an ∞-gram index folder or
     :class:`~memlm.ngram.memory.NgramMemory`, or a list of them) and ``ngram_lambdas`` (``(λ_sparse, λ_dense)``, each

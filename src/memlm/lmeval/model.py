@@ -10,15 +10,15 @@ Every score is one :class:`memlm.core.mixture.Mixture` of the LM and its memorie
 
 Memories are one list (``memories=[...]``: datastores, plain or sharded, any memory with a ``key_spec``, ∞-gram
 indexes; the older ``datastore=`` and ``ngram=`` are folded into it), named by kind and order
-(:func:`memlm.knnlm.mixture_inputs.component_name`). The weights λ(c) are:
+(:func:`memlm.mixing.inputs.component_name`). The weights λ(c) are:
 
 - without a fit, the fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`): each datastore's λ (Khandelwal et
   al. 2020, Eq. 3; given, else its calibration), the cache's λc (Grave et al. 2017c; Khandelwal et al., Table 1),
   each ∞-gram's λ_sparse where P∞ is sparse, λ_dense elsewhere (Liu et al. 2024, Sec. 5; given, one value or one
   per index, else its calibration), shared beside the others as ``memlm eval`` shares them; the LM takes the rest;
 - with ``mixture=`` (``memlm tune --mixture gate --json FIT``: a
-  :class:`memlm.knnlm.dump_mixture.DumpMixture`), its gate ``λ(c) = softmax(W φ(c) + b)`` over each memory's
-  features (:mod:`memlm.knnlm.mixture_inputs`) at the τ, k and τc it was fitted with; a fit made for other memories
+  :class:`memlm.mixing.dump.DumpMixture`), its gate ``λ(c) = softmax(W φ(c) + b)`` over each memory's
+  features (:mod:`memlm.mixing.inputs`) at the τ, k and τc it was fitted with; a fit made for other memories
   is refused before anything is scored.
 
 The three lm_eval request types:
@@ -71,10 +71,10 @@ from memlm.core.mixture import Mixture, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.calibration import knn_parameters
-from memlm.knnlm.dump_mixture import DumpMixture
-from memlm.knnlm.evaluate import CACHE_KEY, memory_logprob
-from memlm.knnlm.mixture_inputs import component_name, lm_features, ngram_features, retrieval_features
-from memlm.knnlm.mixture_step import load_fit
+from memlm.knnlm.evaluate import CACHE_KEY
+from memlm.mixing.dump import DumpMixture
+from memlm.mixing.inputs import component_name, lm_features, memory_logprob, ngram_features, retrieval_features
+from memlm.mixing.step import load_fit
 from memlm.models.forward import rolling_forward
 from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import as_memory, describe_memory
@@ -494,7 +494,7 @@ class MemlmLM(TemplateLM):
 
     def _components(self, lm_target, lm_feats: dict, retrieved: list[tuple], targets: np.ndarray, ngram: list):
         """``(log p_i(target) [n] by component, features by name)``: the LM's, each retrieval's (Eq. 2 at its τ)
-        and each ∞-gram's (exact counts), with their features (:mod:`memlm.knnlm.mixture_inputs`) and the joint
+        and each ∞-gram's (exact counts), with their features (:mod:`memlm.mixing.inputs`) and the joint
         sparse state the rule reads (:func:`memlm.core.mixture.sparse_state_features`)."""
         logprobs = {"lm": torch.as_tensor(np.asarray(lm_target, dtype=np.float32))}
         features = dict(lm_feats)
@@ -634,7 +634,7 @@ class MemlmLM(TemplateLM):
         share goes to the LM: generation has no cache). ``prefix``: the context's tokens cut off for the LM, which the
         ∞-grams still read."""
         from memlm.knnlm.generate import MixtureLogitsProcessor
-        from memlm.knnlm.mixture_step import DatastoreStep
+        from memlm.mixing.step import DatastoreStep
         from memlm.ngram.step import NgramStep
 
         if self.fit is not None:

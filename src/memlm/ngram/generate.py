@@ -2,9 +2,9 @@
 
 Each index is a component of the one mixture at every step (:class:`NgramStep`, :mod:`memlm.ngram.step`: P∞ of each
 row's longest matching suffix, Liu et al. 2024, and its features); :class:`memlm.knnlm.generate.MixtureLogitsProcessor`
-mixes it with the LM and any other memory through one :class:`memlm.core.mixture.Mixture`. Under the fixed-weight
-rule, as ``memlm eval`` mixes (:func:`memlm.core.mixture.rule_mixture`, weights calibrated apart that sum past 1
-scaled as it says)::
+(:func:`memlm.knnlm.generate.ngram_logits_processor` for ∞-grams alone) mixes it with the LM and any other memory
+through one :class:`memlm.core.mixture.Mixture`. Under the fixed-weight rule, as ``memlm eval`` mixes
+(:func:`memlm.core.mixture.rule_mixture`, weights calibrated apart that sum past 1 scaled as it says)::
 
     p(w | c) = (1 - Σ_j λ_j - Σ_r λ_r(c)) p_LM + Σ_j λ_j p_kNN,j + Σ_r λ_r(c) P∞_r(w | c),
     λ_r(c) = λ_sparse,r when one token follows every occurrence of reference r's matched suffix, else λ_dense,r
@@ -27,21 +27,8 @@ __all__ = [
     "NgramStep",
     "approximation_note",
     "next_token_distribution",
-    "ngram_logits_processor",
     "token_sources",
 ]
-
-
-def ngram_logits_processor(memories: Sequence, weights: Sequence[Sequence[float]]):
-    """The generation step of the LM and the ∞-gram ``memories``, each with its ``(λ_sparse, λ_dense)`` in the
-    fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`): a
-    :class:`memlm.knnlm.generate.MixtureLogitsProcessor` of :class:`NgramStep` s (also the ``ngram=`` of a
-    :class:`~memlm.knnlm.generate.KNNLogitsProcessor`, which mixes them with its datastore by one rule)."""
-    from memlm.knnlm.generate import MixtureLogitsProcessor
-
-    if not memories:
-        raise MemlmError("no ∞-gram memory to generate with")
-    return MixtureLogitsProcessor(None, [NgramStep(m, w[0], w[1]) for m, w in zip(memories, weights, strict=True)])
 
 
 def approximation_note(step) -> str | None:

@@ -16,7 +16,7 @@ three tokenizers), plus memlm's manifest::
                   calibration once made, and its own checksum (``manifest_sha256``: a hand edit is refused)
     progress.json only while a build is unfinished; .memlm.lock only while a writer holds the folder
 
-A build holds the folder's writer lock (:mod:`memlm.storage.locking`). Tokenizing appends documents batch by batch and
+A build holds the folder's writer lock (:mod:`memlm.io.locking`). Tokenizing appends documents batch by batch and
 records, after an fsync, how many documents and bytes of every file are durable (at a shard split too: the record then
 names the first document of the new shard); a build killed at any moment (even ``kill -9``) resumes there (bytes past
 the record are truncated, files of a shard opened after it deleted), so a resumed build equals an uninterrupted one
@@ -51,8 +51,8 @@ from tqdm.auto import tqdm
 
 from memlm import __version__
 from memlm.errors import MemlmError
-from memlm.storage import schema
-from memlm.storage.fileio import (
+from memlm.io import schema
+from memlm.io.fileio import (
     SAMPLE_BLOCK_BYTES,
     SAMPLE_BLOCKS,
     atomic_write_json,
@@ -61,8 +61,8 @@ from memlm.storage.fileio import (
     sample_sha256,
     sha256_file,
 )
+from memlm.io.locking import folder_lock, lock_holder
 from memlm.storage.folder import manifest_digest, refuse_foreign_files, refuse_other_kind, refuse_to_open_other_kind
-from memlm.storage.locking import folder_lock, lock_holder
 
 __all__ = [
     "FORMAT",

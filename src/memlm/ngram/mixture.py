@@ -15,7 +15,7 @@ separate sums of the log-likelihood, so the best λ_sparse and λ_dense are foun
 optimum of the full four-dimensional grid, at the cost of two one-dimensional ones). The weights found are applied,
 in every report, by the fixed-weight rule's :class:`~memlm.core.mixture.Mixture`
 (:func:`memlm.core.mixture.rule_mixture`: a gate on the sparse flag, which also scales weights calibrated apart that
-sum past 1), the one mixture eval, tune and generation use (:func:`memlm.knnlm.dump_mixture.rule_logprob`).
+sum past 1), the one mixture eval, tune and generation use (:func:`memlm.mixing.dump.rule_logprob`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _arrays(ts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _knn(ts, temperature: float, k: int | None) -> torch.Tensor:
-    from memlm.knnlm.evaluate import memory_logprob
+    from memlm.mixing.inputs import memory_logprob
 
     return memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
 
@@ -146,9 +146,9 @@ def ngram_logprobs(
     """log P(target) per token of each system :func:`ngram_report` scores, by its perplexity key: ``base_ppl`` (the
     LM), ``ngram_ppl`` (LM + ∞-gram), and, when the dump has neighbours and ``lam`` is given, ``knn_ppl`` (LM + kNN)
     and ``knn_ngram_ppl`` (the three-way mixture); ``lambdas`` = (λ_sparse, λ_dense). Each mixed row is the rule's
-    :class:`~memlm.core.mixture.Mixture` (:func:`memlm.knnlm.dump_mixture.rule_rows`), returned beside the rows
+    :class:`~memlm.core.mixture.Mixture` (:func:`memlm.mixing.dump.rule_rows`), returned beside the rows
     (``Mixture.to_dict()`` by key). The intervals of :mod:`memlm.core.bootstrap` are computed on the rows."""
-    from memlm.knnlm.dump_mixture import rule_rows
+    from memlm.mixing.dump import rule_rows
 
     specs: dict[str, dict[str, Any]] = {"ngram_ppl": {"ngram": tuple(lambdas)}}
     if ts.knn_scores is not None and lam is not None:
@@ -184,7 +184,7 @@ def tune_ngram(
     """Grid-search λ_sparse and λ_dense (and, when the dump has kNN neighbours, λ and τ jointly with them) for the
     lowest perplexity of the mixture on a dump (see the module docstring). Returns ``{"best", "grid"}`` as
     :func:`memlm.core.tuning.grid_search` (the grid over (λ, τ), each point with its best λ_sparse, λ_dense)."""
-    from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
+    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 
     lm, ng, sp = _arrays(ts)
     has_knn = ts.knn_scores is not None
@@ -255,11 +255,11 @@ def refs_logprob(
     knn: torch.Tensor | None = None,
     lam: float = 0.0,
 ) -> torch.Tensor:
-    """``log P(target)`` of the fixed-weight rule (:func:`memlm.knnlm.dump_mixture.mix_by_rule`) over the LM, a kNN
+    """``log P(target)`` of the fixed-weight rule (:func:`memlm.mixing.dump.mix_by_rule`) over the LM, a kNN
     term at weight ``lam`` and ∞-gram references ``refs`` (``(log P∞_r(target), sparse_r)``, components ngram,
     ngram2, ...) with their ``(λ_sparse, λ_dense)`` in ``weights``: what :func:`tune_multi_ngram` scores."""
-    from memlm.knnlm.dump_mixture import mix_by_rule
-    from memlm.knnlm.mixture_inputs import ngram_component
+    from memlm.mixing.dump import mix_by_rule
+    from memlm.mixing.inputs import ngram_component
 
     names = [ngram_component(r) for r in range(len(refs))]
     comps = {"lm": lm, **({"knn": knn} if knn is not None else {})}
@@ -278,7 +278,7 @@ def tune_multi_ngram(
 ) -> dict[str, Any]:
     """Each reference's ``(λ_sparse, λ_dense)`` for the lowest perplexity of the rule over the LM, the references
     ``refs`` (``(log P∞_r(target), sparse_r)``) and a kNN term (``knn``, which keeps its λ) beside them
-    (:func:`memlm.knnlm.dump_mixture.mix_by_rule`; sums past 1 are skipped, not scaled): coordinate descent over
+    (:func:`memlm.mixing.dump.mix_by_rule`; sums past 1 are skipped, not scaled): coordinate descent over
     the grid ``lambdas``, one weight at a time, started from every reference's own best weights with the others at 0
     (so the result on the tuning text is never worse than the best single reference), until a sweep changes
     nothing. Returns ``{"weights", "ppl", "starts"}``."""
@@ -361,9 +361,9 @@ def multi_ngram_report(
 ) -> dict[str, Any]:
     """Perplexities with every ∞-gram reference of a dump at ``weights`` (and, with ``lam``, the kNN term too), and
     each reference's own statistics (sparse share, effective n); intervals as :func:`ngram_report`'s, each mixed row
-    by the rule (:func:`memlm.knnlm.dump_mixture.rule_rows`, recorded under ``mixtures``)."""
-    from memlm.knnlm.dump_mixture import rule_rows
-    from memlm.knnlm.mixture_inputs import ngram_component
+    by the rule (:func:`memlm.mixing.dump.rule_rows`, recorded under ``mixtures``)."""
+    from memlm.mixing.dump import rule_rows
+    from memlm.mixing.inputs import ngram_component
 
     lm = torch.from_numpy(ts.lm_logprob)
     refs = {ngram_component(r): tuple(map(float, w)) for r, w in enumerate(weights)}

@@ -1,5 +1,5 @@
 """The ∞-gram at one step of the mixture over the vocabulary (Liu et al. 2024): P∞ of each row's longest matching
-suffix and its features, a component of :class:`memlm.knnlm.mixture_step.StepMixture` (generation,
+suffix and its features, a component of :class:`memlm.mixing.step.StepMixture` (generation,
 ``memlm.wrap``).
 
 Each row's context (its tokens so far after its leading EOS padding; an EOS inside it is a token of the document,
@@ -9,7 +9,7 @@ what followed it)::
 
     P∞(w | c) = cnt(suffix · w) / cnt(suffix),     sparse where one token follows every occurrence of the suffix
 
-with the features a dump stores (:func:`memlm.knnlm.mixture_inputs.ngram_features`: effective n, suffix count,
+with the features a dump stores (:func:`memlm.mixing.inputs.ngram_features`: effective n, suffix count,
 sparse flag) and the weights ``(λ_sparse, λ_dense)`` the fixed-weight rule gives it.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from memlm.core.distribution import value_logsumexp
-from memlm.knnlm.mixture_inputs import ngram_features
-from memlm.knnlm.mixture_step import Component, StepInputs
+from memlm.mixing.inputs import ngram_features
+from memlm.mixing.step import Component, StepInputs
 
 __all__ = ["NgramStep", "next_token_distribution"]
 

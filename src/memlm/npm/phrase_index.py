@@ -26,8 +26,8 @@ files are flushed and ``progress.json`` is replaced atomically; a rerun of the s
 recorded count and continues. ``manifest.json`` is written last (with the files' full and sampled SHA-256 and its own
 checksum), so a folder with a manifest and no ``progress.json`` is complete. Opening checks what a datastore's opening
 checks (:meth:`memlm.storage.folder.FolderFormat.open_arrays`; folders built before the sampled and manifest checksums
-were recorded open without them). A build holds the folder's writer lock (:mod:`memlm.storage.locking`); every metadata
-file is schema-checked when read (:mod:`memlm.storage.schema`), and the index records the identity (count, dim, vectors'
+were recorded open without them). A build holds the folder's writer lock (:mod:`memlm.io.locking`); every metadata
+file is schema-checked when read (:mod:`memlm.io.schema`), and the index records the identity (count, dim, vectors'
 SHA-256) of the phrase index it was built from (checked on load).
 """
 
@@ -46,10 +46,10 @@ import numpy as np
 from memlm import __version__
 from memlm.data.windows import doc_hash
 from memlm.errors import MemlmError
+from memlm.io import schema
+from memlm.io.fileio import atomic_write_json
 from memlm.npm.encoder import _cls_sep_pad, encode_sequences, max_block_tokens
-from memlm.storage import schema
 from memlm.storage.datastore import model_identity
-from memlm.storage.fileio import atomic_write_json
 from memlm.storage.folder import FolderFormat
 from memlm.storage.index import FLAT_MAX_N, build_index, flat_ip_index, load_index, search
 

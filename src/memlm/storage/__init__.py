@@ -1,2 +1,1 @@
-"""Storage: datastores (plain and sharded), FAISS indexes and searchers, the self-describing folder, locks, schemas and
-atomic files."""
+"""Storage: datastores (plain and sharded), FAISS indexes and searchers, the self-describing folder."""

@@ -12,10 +12,11 @@ shared with NPM's phrase index: manifest, arrays, checksums, resumable writer, l
     offset.bin      int32   [count]        position of the target inside its document
     index.faiss     the FAISS index over the keys (memlm.storage.index), with index.faiss.json beside it
 
-Building streams: memory does not grow with the corpus (keys are appended to disk batch by batch). After every batch the
-files are flushed and ``progress.json`` is replaced atomically, so a build killed at any moment (even ``kill -9``)
-resumes where it stopped with no entry lost or duplicated: bytes past the recorded count are truncated. Appending more
-text later uses the same mechanism. A build holds the folder's writer lock (:mod:`memlm.storage.locking`): a second
+Building (:func:`memlm.knnlm.write.write_datastore`, the forward pass that writes the entries) streams: memory does
+not grow with the corpus (keys are appended to disk batch by batch). After every batch the files are flushed and
+``progress.json`` is replaced atomically, so a build killed at any moment (even ``kill -9``) resumes where it stopped
+with no entry lost or duplicated: bytes past the recorded count are truncated. Appending more text later uses the same
+mechanism. A build holds the folder's writer lock (:mod:`memlm.io.locking`): a second
 writer is refused with the holder's pid and command. A rerun with other settings (key, window, corpus, model, ...) is
 refused with the differences named, never silently answered with the old datastore.
 
@@ -34,33 +35,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from memlm import __version__
-from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
-from memlm.errors import MemlmError, option
+from memlm.errors import MemlmError
+from memlm.io import schema
+from memlm.io.fileio import disk_full_error, is_disk_full, unique_tmp
 from memlm.models.compute import check_compute_paths, describe_compute_path
-from memlm.models.forward import forward_windows
-from memlm.models.keys import KeySpec, key_dim, num_layers
+from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import model_fingerprint, tokenizer_fingerprint
 from memlm.storage import index as index_lib
-from memlm.storage import schema
-from memlm.storage.fileio import disk_full_error, is_disk_full, unique_tmp
 from memlm.storage.folder import FolderFormat
 from memlm.storage.folder import manifest_digest as _manifest_digest  # noqa: F401 (the name older callers import)
-from memlm.storage.index import meta_path
 from memlm.storage.searcher import FaissSearcher, Searcher
 
-__all__ = ["Datastore", "build_datastore", "FORMAT_VERSION", "model_identity"]
+__all__ = ["Datastore", "FORMAT_VERSION", "model_identity"]
 
 FORMAT_VERSION = 1
 FILES = {"keys": "float16", "values": "int32", "doc_hash": "int64", "offset": "int32"}
@@ -429,216 +422,3 @@ class Datastore(DatastoreBase):
         keep = np.sort(np.random.default_rng(seed).choice(n, size=max(1, round(n * fraction)), replace=False))
         record = {"subsample": {"of": str(self.path), "fraction": fraction, "seed": seed}}
         return self.write_rows(out, keep, record, "write a subsampled datastore")
-
-
-def build_datastore(
-    model,
-    tokenizer,
-    documents: Sequence,
-    out: str | Path,
-    key: KeySpec | None = None,
-    window: int = 1024,
-    min_context: int = 512,
-    batch_size: int = 4,
-    source: dict[str, Any] | None = None,
-    append: bool = False,
-    progress: bool = True,
-    overwrite: bool = False,
-    stride: int | None = None,
-    block_start: str = "skip",
-) -> Datastore:
-    """Build (or resume, or ``append`` to) a datastore in ``out`` from ``documents`` with one forward pass.
-
-    ``key`` selects h_ds (default: ``ffn_in`` of the last layer, Khandelwal's best key). ``source`` describes the
-    corpus for the manifest (name, split, fingerprint).
-    Rerunning the same call after an interruption resumes; a finished datastore built with the same settings and
-    source is returned as is. Other settings (key, window, min_context, model, tokenizer, dtype, corpus) are refused
-    with the differences named, unless ``append=True`` (adds ``documents`` as a new source; model, key and windows
-    must match) or ``overwrite=True`` (the folder's datastore, index and any unfinished build are deleted first).
-    The folder is locked for the whole build (:func:`memlm.storage.locking.folder_lock`).
-    ``stride`` (default ``window - min_context``) equal to ``window`` gives non-overlapping blocks whose first token is
-    skipped or scored from BOS (``block_start``, see :func:`memlm.data.windows.sliding_windows`).
-    """
-    if append and overwrite:
-        raise MemlmError(
-            f"give {option('--append')} (add to the datastore) or {option('--overwrite')} (replace it), not both"
-        )
-    key = (key or KeySpec()).normalized(num_layers(model))
-    stride, min_context = resolve_stride(window, None if stride is not None else min_context, stride)
-    block = block_start if stride == window else None  # only blocks have a first token to skip or score
-    with FOLDER.writing(Path(out), "build a datastore", overwrite=overwrite) as out:
-        return _build_locked(model, tokenizer, documents, out, key, window, min_context, batch_size, source, append,
-                             progress, stride, block)  # fmt: skip
-
-
-def _build_locked(
-    model,
-    tokenizer,
-    documents: Sequence,
-    out: Path,
-    key: KeySpec,
-    window: int,
-    min_context: int,
-    batch_size: int,
-    source: dict[str, Any] | None,
-    append: bool,
-    progress: bool,
-    stride: int,
-    block_start: str | None,
-) -> Datastore:
-    manifest_path, progress_path = out / "manifest.json", FOLDER.progress_path(out)
-    ident = model_identity(model, tokenizer)
-    source = dict(source or {})
-    dtype = str(next(iter(model.parameters())).dtype).replace("torch.", "")
-    config = {
-        "key": {"role": key.role, "layer": key.layer},
-        "window": window,
-        "min_context": min_context,
-        **({"block_start": block_start} if block_start else {}),
-        "batch_size": batch_size,
-        "source": source,
-        "model_fingerprint": ident["model"]["fingerprint"],
-        "tokenizer_fingerprint": ident["tokenizer"]["fingerprint"],
-        "dtype": dtype,
-    }
-    how = f"rerun with the same settings, use a new {option('--out')}, or {option('--overwrite')} to replace it"
-
-    if progress_path.exists():
-        state = FOLDER.read_progress(out)
-        if state["config"] != config:
-            diff = _diff(_settings(state["config"]), _settings(config)) or ["the recorded settings differ"]
-            raise MemlmError(
-                f"{out} holds an interrupted build with other settings ({'; '.join(diff)}): rerun it with its "
-                f"settings to resume, use a new {option('--out')}, or {option('--overwrite')} to discard it"
-            )
-        base = state["base"]
-        if base["manifest"] is not None:
-            schema.check(base["manifest"], schema.DATASTORE_MANIFEST, progress_path, "datastore build progress file",
-                         _PROGRESS_FIX)  # fmt: skip
-    elif manifest_path.exists():
-        existing = Datastore.open(out)
-        old = _manifest_settings(existing.manifest)
-        new = _settings(config)
-        diff = _diff(old, new)
-        if not append:
-            diff += _source_diff(existing.manifest["sources"], source)
-            if diff:
-                if all(d.startswith("held-out slice") for d in diff):  # same text, another slice held out of it
-                    fix = (f"{how} (the entries hold the text this slice would calibrate on); to calibrate it as it "
-                           f"is, name text outside it: `memlm datastore calibrate {out} --corpus FILE`")  # fmt: skip
-                else:
-                    fix = f"{how}, or {option('--append')} to add this corpus to it"
-                raise MemlmError(
-                    f"{out} already holds a datastore built with other settings ({'; '.join(diff)}): {fix}"
-                )
-            print(f"datastore {out} already built ({len(existing)} entries); nothing to do", file=sys.stderr)
-            return existing
-        if diff:
-            raise MemlmError(
-                f"cannot append to {out}: it was built with other settings ({'; '.join(diff)}); append with the "
-                f"datastore's own model, key, window and min-context, or use a new {option('--out')}"
-            )
-        existing.check_compatible(model, tokenizer, key)
-        if any(_same_corpus(s, source) for s in existing.manifest["sources"]):
-            print(f"datastore {out} already holds this corpus ({len(existing)} entries); nothing to append",
-                  file=sys.stderr)  # fmt: skip
-            return existing
-        base = {"count": len(existing), "manifest": existing.manifest}
-        for stale in (existing.index_path, meta_path(existing.index_path)):
-            stale.unlink(missing_ok=True)  # the index no longer covers every entry
-        state = {"config": config, "base": base, "windows_done": 0, "count": base["count"], "seconds": 0.0}
-        FOLDER.start(out, state)
-    else:
-        if append:
-            flag = option("--append")
-            raise MemlmError(f"{flag} needs an existing datastore in {out}; build it first without {flag}")
-        base = {"count": 0, "manifest": None}
-        state = {"config": config, "base": base, "windows_done": 0, "count": 0, "seconds": 0.0}
-        FOLDER.start(out, state)
-
-    dim = key_dim(model, key)
-    # a shard (memlm.storage.sharded.ShardDocuments) brings its own windows: those of the one-process build for its
-    # targets
-    custom = hasattr(documents, "memlm_windows")
-    n_total = (
-        documents.memlm_count_targets(tokenizer)
-        if custom
-        else count_targets(documents, tokenizer, window, stride, block_start or "skip")
-    )
-    if n_total == 0:
-        if base["count"] == 0:
-            progress_path.unlink(missing_ok=True)
-        raise MemlmError(f"corpus {source.get('corpus', '')} has no tokens to store; give it some text")
-
-    count = _write_entries(model, tokenizer, documents, out, key, dim, window, stride, block_start, batch_size, state,
-                           base, n_total, progress)  # fmt: skip
-    prev = base["manifest"]
-    sources = (prev["sources"] if prev else []) + [{**source, "targets": count - base["count"]}]
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "memlm_version": __version__,
-        **ident,
-        "key": {"role": key.role, "layer": key.layer, "dim": dim, "describe": key.describe()},
-        "count": count,
-        "window": window,
-        "min_context": min_context,
-        "stride": stride,
-        **({"block_start": block_start} if block_start else {}),
-        "sources": sources,
-        "build": {"dtype": config["dtype"], "batch_size": batch_size, "compute_path": describe_compute_path(model)},
-        "build_seconds": (prev["build_seconds"] if prev and "build_seconds" in prev else 0.0) + float(state["seconds"]),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    _publish(manifest, out)
-    return Datastore.open(out)
-
-
-def _write_entries(
-    model,
-    tokenizer,
-    documents: Sequence,
-    out: Path,
-    key: KeySpec,
-    dim: int,
-    window: int,
-    stride: int,
-    block_start: str | None,
-    batch_size: int,
-    state: dict[str, Any],
-    base: dict[str, Any],
-    n_total: int,
-    progress: bool,
-) -> int:
-    """The streaming part of a build: append every remaining window's entries, recording progress per batch."""
-    bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if hasattr(documents, "memlm_windows"):  # a shard of a sharded build (memlm.storage.sharded)
-        windows = documents.memlm_windows(tokenizer, window, window - stride)
-    else:
-        windows = sliding_windows(
-            tokenize_documents(documents, tokenizer),
-            window,
-            stride=stride,
-            block_start=block_start or "skip",
-            bos_id=bos_id,
-        )
-    skip = int(state["windows_done"])
-    bar = tqdm(
-        total=n_total,
-        initial=int(state["count"]) - base["count"],
-        unit="tok",
-        desc=f"datastore {out.name}",
-        disable=not progress,
-        dynamic_ncols=True,
-    )
-    t0 = time.perf_counter()
-    seconds0 = float(state["seconds"])
-    remaining = (w for w in windows if w.index >= skip)
-    # truncates what was written after the last recorded batch (a crash between data and progress writes)
-    with FOLDER.appender(out, dim, state) as writer, bar:
-        for outputs in forward_windows(model, batched(remaining, batch_size), [key], with_logprobs=False):
-            for o in outputs:
-                rows = slice(o.window.score_from, len(o.window.input_ids))
-                bar.update(writer.append(keys=o.keys[key], values=o.targets, doc_hash=o.window.doc_hash[rows],
-                                         offset=o.window.offset[rows]))  # fmt: skip
-            writer.commit(windows_done=outputs[-1].window.index + 1, seconds=seconds0 + time.perf_counter() - t0)
-    return writer.count

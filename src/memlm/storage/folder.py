@@ -8,7 +8,7 @@ A folder of this format holds (the names are the format's, identical in every fo
     <name>.bin      one raw C-order array per declared name: ``[count, dim]`` for the format's one wide array (keys,
                     token vectors), ``[count]`` for the others (shape and dtype in the manifest, never typed by a user)
     progress.json   only while a build is unfinished: its settings and the number of rows durably written
-    .memlm.lock     only while a process writes (:mod:`memlm.storage.locking`)
+    .memlm.lock     only while a process writes (:mod:`memlm.io.locking`)
 
 :class:`FolderFormat` declares one such format (its arrays, the schemas of its manifest and progress file, the words
 its messages use) and does everything that is the same for every format:
@@ -19,7 +19,7 @@ its messages use) and does everything that is the same for every format:
   killed at any moment (even ``kill -9``) resumes from the recorded count: bytes written past it are truncated when
   the next writer opens the arrays, so no row is lost or duplicated. A full disk is one :class:`MemlmError` naming
   the file it happened on.
-* **sealing** (:meth:`FolderFormat.publish`): the full and sampled SHA-256 of every array (:mod:`memlm.storage.fileio`),
+* **sealing** (:meth:`FolderFormat.publish`): the full and sampled SHA-256 of every array (:mod:`memlm.io.fileio`),
   then the manifest's own checksum (SHA-256 of its canonical JSON without ``manifest_sha256``), then the manifest
   is written atomically and the progress file removed.
 * **replacing** (:func:`refuse_other_kind`, :func:`refuse_foreign_files`): a build never writes into a folder that
@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 
 from memlm.errors import MemlmError, option
-from memlm.storage import schema
-from memlm.storage.fileio import (
+from memlm.io import schema
+from memlm.io.fileio import (
     atomic_write_json,
     disk_full_error,
     is_disk_full,
@@ -56,7 +56,7 @@ from memlm.storage.fileio import (
     sha256_file,
     strict_jsonable,
 )
-from memlm.storage.locking import LOCK_NAME, folder_lock, lock_holder
+from memlm.io.locking import LOCK_NAME, folder_lock, lock_holder
 
 __all__ = [
     "MANIFEST",
@@ -395,7 +395,7 @@ class AppendWriter:
     Opening truncates every array to ``state["count"]`` rows (the rows a crashed writer wrote after its last
     :meth:`commit` are dropped). :meth:`append` writes one batch of rows to every array; :meth:`commit` makes them
     durable, then records ``count`` (and the caller's own progress fields) in the progress file. On leaving, a full
-    disk becomes :func:`memlm.storage.fileio.disk_full_error` naming the file being written.
+    disk becomes :func:`memlm.io.fileio.disk_full_error` naming the file being written.
     """
 
     def __init__(self, fmt: FolderFormat, folder: Path, dim: int, state: dict[str, Any]):

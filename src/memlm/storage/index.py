@@ -40,8 +40,8 @@ import torch
 from tqdm.auto import tqdm
 
 from memlm.errors import MemlmError
-from memlm.storage import schema
-from memlm.storage.fileio import (
+from memlm.io import schema
+from memlm.io.fileio import (
     atomic_write_json,
     disk_full_error,
     is_disk_full,
@@ -49,7 +49,7 @@ from memlm.storage.fileio import (
     sha256_file,
     unique_tmp,
 )
-from memlm.storage.locking import folder_lock
+from memlm.io.locking import folder_lock
 
 __all__ = [
     "METRICS",
@@ -453,7 +453,7 @@ def build_index(
       FAISS version, the build time, the file's size and checksums and ``source``: the identity of the datastore the
       keys come from (see :func:`read_index_meta`). ``source=None`` takes it from the folder's manifest when ``keys``
       is that folder's ``keys.bin`` memmap (``Datastore.keys``).
-    * The folder of ``out_path`` is locked for the build (:func:`memlm.storage.locking.folder_lock`).
+    * The folder of ``out_path`` is locked for the build (:func:`memlm.io.locking.folder_lock`).
     * PQ indexes skip FAISS's polysemous training (on by default for ``PQ{m}``; it only serves polysemous
       Hamming-filtered search, which memlm never enables, and it dominates training time).
     * With ``progress=True`` the plan (:class:`IndexPlan`) is printed to stderr and a progress bar is shown.

@@ -122,7 +122,7 @@ def build_shards_on_ray(
 ) -> list[int]:
     """Build the shards of ``plans`` as Ray tasks (each gets only the documents it reads); returns their counts.
 
-    ``build_shard`` / ``plan_cls`` are :func:`memlm.storage.sharded.build_shard` and its ``ShardPlan``, passed in by the
+    ``build_shard`` / ``plan_cls`` are :func:`memlm.knnlm.write.build_shard` and its ``ShardPlan``, passed in by the
     caller (Ray pickles them by reference): this module runs work, it does not import what it runs."""
     ray = connect(address)
     if device.startswith("cuda") and not gpus_per_worker:

@@ -23,7 +23,7 @@ then shard 1's, ..., i.e. exactly the one-process order.**
     shard-00001/        ...
     index.faiss.json    the sharded index's description (memlm.storage.sharded_index), once built
 
-Each shard is built by :func:`memlm.storage.datastore.build_datastore`, so each resumes on its own: a rerun of the same
+Each shard is built by :func:`memlm.knnlm.write.write_datastore`, so each resumes on its own: a rerun of the same
 command skips finished shards and resumes unfinished ones from their ``progress.json``. With ``ray`` each shard is a
 Ray task (a model per worker process, loaded once and reused); without, shards are built one after the other in this
 process (same files).
@@ -36,31 +36,24 @@ id); :func:`open_datastore` opens either kind.
 from __future__ import annotations
 
 import json
-import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from memlm import __version__
-from memlm.data.windows import TokenChunk, Window, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
-from memlm.models.keys import KeySpec
-from memlm.storage import schema
-from memlm.storage.datastore import FOLDER, Datastore, DatastoreBase, build_datastore
-from memlm.storage.fileio import atomic_write_json
+from memlm.io import schema
+from memlm.io.fileio import atomic_write_json
+from memlm.storage.datastore import Datastore, DatastoreBase
 from memlm.storage.sharded_index import ShardedSearcher
 
 __all__ = [
     "SHARDS_FILE",
     "ShardPlan",
-    "ShardDocuments",
     "ShardedArray",
     "ShardedDatastore",
-    "build_sharded",
     "is_sharded",
     "open_datastore",
     "plan_shards",
@@ -145,198 +138,6 @@ def plan_shards(doc_lengths: Sequence[int], n_shards: int, window: int, min_cont
         read_doc = int(np.searchsorted(starts, first_tok, side="right")) - 1
         plans.append(ShardPlan(s, lo, hi, t_lo, t_hi, w0, read_doc, first_tok - int(starts[read_doc])))
     return plans
-
-
-class ShardDocuments(Sequence):
-    """The documents one shard reads, with the windows a one-process build would score for its targets.
-
-    A ``Sequence`` of the documents ``[read_doc, doc_hi)``; :func:`memlm.storage.datastore.build_datastore` asks it for
-    ``memlm_windows`` / ``memlm_count_targets`` instead of windowing the documents from scratch.
-    """
-
-    def __init__(self, documents: Sequence, plan: ShardPlan, window: int, min_context: int) -> None:
-        self.docs = documents[plan.read_doc : plan.doc_hi]
-        self.plan, self.window, self.min_context = plan, window, min_context
-
-    def __len__(self) -> int:
-        return len(self.docs)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        return self.docs[i]
-
-    def memlm_count_targets(self, tokenizer) -> int:
-        return self.plan.count
-
-    def _chunks(self, tokenizer) -> Iterator[TokenChunk]:
-        for j, chunk in enumerate(tokenize_documents(self.docs, tokenizer)):
-            tokens = chunk.tokens[self.plan.read_skip :] if j == 0 else chunk.tokens
-            yield TokenChunk(tokens, chunk.doc_index + self.plan.read_doc, chunk.doc_hash)
-
-    def memlm_windows(self, tokenizer, window: int, min_context: int) -> Iterator[Window]:
-        """Global windows ``first_window, first_window + 1, ...`` cut down to this shard's targets (renumbered 0..)."""
-        if (window, min_context) != (self.window, self.min_context):
-            raise MemlmError("a shard's windows were planned with another window / min_context; plan it again")
-        p = self.plan
-        stride = window - min_context
-        n = 0
-        for w in sliding_windows(self._chunks(tokenizer), window, min_context):
-            g = p.first_window + w.index
-            start = g * stride  # global stream position of input_ids[0]
-            lo = max(start + (1 if g == 0 else min_context), p.target_lo) - start
-            hi = min(start + len(w.input_ids), p.target_hi) - start
-            if hi <= lo:
-                continue
-            offset = w.offset[:hi].copy()
-            offset[w.doc_index[:hi] == p.read_doc] += p.read_skip  # read_doc's tokens were read from read_skip on
-            yield Window(n, w.input_ids[:hi], lo, w.doc_index[:hi], offset, w.doc_hash[:hi])
-            n += 1
-
-
-# ------------------------------------------------------------------------------------------------------- build
-
-
-def _config(
-    n_shards: int, key: KeySpec | None, window: int, min_context: int, batch_size: int, source: dict[str, Any]
-) -> dict[str, Any]:
-    key = key or KeySpec()
-    return {
-        "shards": n_shards,
-        "key": {"role": key.role, "layer": key.layer},
-        "window": window,
-        "min_context": min_context,
-        "batch_size": batch_size,
-        "source": source,
-    }
-
-
-def build_shard(
-    model,
-    tokenizer,
-    documents: Sequence,
-    out: str | Path,
-    plan: ShardPlan,
-    key: KeySpec | None,
-    window: int,
-    min_context: int,
-    batch_size: int,
-    source: dict[str, Any],
-    progress: bool = True,
-) -> Datastore:
-    """Build (or resume) one shard into ``out / shard_name(plan.index)`` with :func:`build_datastore`."""
-    shard_source = {**source, "shard": plan.as_dict()}
-    return build_datastore(
-        model,
-        tokenizer,
-        ShardDocuments(documents, plan, window, min_context),
-        Path(out) / shard_name(plan.index),
-        key=key,
-        window=window,
-        min_context=min_context,
-        batch_size=batch_size,
-        source=shard_source,
-        progress=progress,
-    )
-
-
-def build_sharded(
-    model,
-    documents: Sequence,
-    out: str | Path,
-    n_shards: int,
-    tokenizer=None,
-    key: KeySpec | None = None,
-    window: int = 1024,
-    min_context: int = 512,
-    batch_size: int = 4,
-    source: dict[str, Any] | None = None,
-    ray: str | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    cpus_per_worker: int = 1,
-    gpus_per_worker: float = 0.0,
-    progress: bool = True,
-) -> ShardedDatastore:
-    """Build (or resume) a sharded datastore of ``documents`` in ``out`` with ``n_shards`` shards.
-
-    ``model`` is a loaded causal LM (with ``tokenizer``; in-process builds only) or a model name / folder that each
-    worker loads with :func:`memlm.models.resources.load_causal_lm` in ``dtype`` on ``device`` (``cuda`` for GPU
-    workers; with ``ray`` each task also asks Ray for ``gpus_per_worker`` GPUs and ``cpus_per_worker`` CPUs, and uses
-    that many torch threads). ``ray``: ``None`` builds the shards one after the other in this process; ``"local"``
-    starts a local Ray cluster; any other string is a Ray address (``ray.init(address=...)``, e.g. ``"auto"``).
-    Rerunning the same call resumes: finished shards are skipped, unfinished ones resume from their own progress.
-    """
-    out = Path(out)
-    source = dict(source or {})
-    if tokenizer is None:
-        if not isinstance(model, str):
-            raise MemlmError("build_sharded needs the tokenizer with a loaded model (or pass a model name instead)")
-        from memlm.models.resources import load_causal_lm
-
-        _, tokenizer = load_causal_lm(model, dtype=dtype)
-    if ray is not None and not isinstance(model, str):
-        raise MemlmError("a Ray build loads the model in each worker: pass its name or folder, not a loaded model")
-    config = _config(n_shards, key, window, min_context, batch_size, source)
-    out.mkdir(parents=True, exist_ok=True)
-    shards_path = out / SHARDS_FILE
-    if shards_path.exists():
-        state = json.loads(shards_path.read_text())
-        if state.get("config") != config:
-            raise MemlmError(
-                f"{out} holds a sharded datastore built with other settings ({state.get('config')}): rerun with those "
-                "settings to resume it, or use a new --out"
-            )
-        plans = [ShardPlan(**p) for p in state["plan"]]
-    else:
-        if (out / "manifest.json").exists() or any(out.iterdir()):
-            raise MemlmError(f"{out} is not empty and holds no sharded datastore; use a new or empty --out folder")
-        lengths = [len(c.tokens) for c in tokenize_documents(documents, tokenizer)]
-        plans = plan_shards(lengths, n_shards, window, min_context)
-        state = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "memlm_version": __version__,
-            "config": config,
-            "plan": [p.as_dict() for p in plans],
-            "order": "shard 0's entries, then shard 1's, ...: the one-process build's order (memlm.storage.sharded)",
-            "complete": False,
-        }
-        atomic_write_json(shards_path, state)
-
-    todo = [p for p in plans if not FOLDER.is_complete(out / shard_name(p.index))]
-    t0 = time.perf_counter()
-    if todo:
-        if progress:
-            print(f"building {len(todo)} of {len(plans)} shards in {out}", file=sys.stderr, flush=True)
-        if ray is None:
-            if isinstance(model, str):
-                from memlm.models.resources import load_causal_lm
-
-                model, tokenizer = load_causal_lm(model, dtype=dtype)
-            if device != "cpu":
-                model.to(device)
-            for p in todo:
-                build_shard(model, tokenizer, documents, out, p, key, window, min_context, batch_size, source, progress)
-        else:
-            from memlm.storage.ray_backend import build_shards_on_ray
-
-            build_shards_on_ray(
-                ray, build_shard, ShardPlan, model, dtype, device, documents, out, todo, key, window, min_context,
-                batch_size, source, cpus_per_worker, gpus_per_worker,
-            )  # fmt: skip
-    counts = [len(Datastore.open(out / shard_name(p.index))) for p in plans]
-    if counts != [p.count for p in plans]:
-        raise MemlmError(
-            f"shard sizes {counts} differ from the plan {[p.count for p in plans]}; rebuild into a new --out"
-        )
-    if not state.get("complete"):
-        state.update(
-            complete=True,
-            count=int(sum(counts)),
-            offsets=[int(x) for x in np.concatenate([[0], np.cumsum(counts)])[:-1]],
-            build_seconds_last_run=time.perf_counter() - t0,
-        )
-        atomic_write_json(shards_path, state)
-    return ShardedDatastore.open(out)
 
 
 # ------------------------------------------------------------------------------------------------------- reading

@@ -37,8 +37,8 @@ import faiss
 import numpy as np
 
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json, sha256_file, unique_tmp
 from memlm.storage import index as index_lib
-from memlm.storage.fileio import atomic_write_json, sha256_file, unique_tmp
 from memlm.storage.index import load_index_mmap, set_nprobe
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""One training driver for every objective: ``memlm train`` (the objectives by name: :mod:`memlm.training.objectives`).
+"""One training driver for every objective: ``memlm train`` (the objectives by name: :mod:`memlm.registry`).
 
 An :class:`Objective` holds what is particular to one way of training: its model builder (:meth:`Objective.build`),
 its batches (:meth:`Objective.batches`), its loss (``loss_fn(model, batch) -> scalar``, plus an optional
@@ -8,7 +8,7 @@ updates; ``"end"``, :meth:`Objective.final_valid_loss` once the run is complete;
 :func:`train_objective` does the rest once, for all of them, in this order:
 
 1. the objective checks its settings and fixes what depends on the config (:meth:`Objective.prepare`);
-2. the run folder is locked (one writer, :mod:`memlm.storage.locking`) and the training corpora are read
+2. the run folder is locked (one writer, :mod:`memlm.io.locking`) and the training corpora are read
    (split ``train``, :func:`memlm.data.corpora.load_corpora`) and fingerprinted;
 3. resuming: the identity known so far (``corpus``, ``corpus_fingerprint`` and :meth:`Objective.identity`) is compared
    with the folder's ``run.json`` before anything is written or trained
@@ -22,7 +22,7 @@ updates; ``"end"``, :meth:`Objective.final_valid_loss` once the run is complete;
    tokenizer fingerprint and the losses), ``log.json``, the progress bar;
 7. ``"end"`` validation once the run is complete, written into the last entry of ``log.json``.
 
-A new loss is one :class:`Objective` subclass plus one line in :data:`memlm.training.objectives.OBJECTIVES`
+A new loss is one :class:`Objective` subclass plus one line in :data:`memlm.registry.OBJECTIVES`
 (``tests/test_train_driver.py`` trains a toy one through this driver).
 """
 
@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from memlm.data.corpora import Document, corpus_fingerprint, load_corpora
 from memlm.errors import MemlmError
-from memlm.storage.locking import folder_lock
+from memlm.io.locking import folder_lock
 from memlm.training.loop import LossFn, TrainConfig, TrainResult, check_run_identity, train, write_log
 
 __all__ = ["Objective", "ObjectiveResult", "TrainSetup", "run_tokenizer", "train_objective"]

@@ -30,7 +30,7 @@ Files under ``out_dir``::
     run.json             what the run is trained on (corpus, tokenizer, model, loss: ``identity``); a rerun with other
                          values is refused with the differences named (:func:`check_run_identity`)
 
-One writer per run folder: :func:`train` holds the folder's lock (:mod:`memlm.storage.locking`). ``resume=False`` starts
+One writer per run folder: :func:`train` holds the folder's lock (:mod:`memlm.io.locking`). ``resume=False`` starts
 over: the folder's checkpoints, ``final`` and ``run.json`` are deleted first, so a later resume never continues from
 a checkpoint of the old run.
 """
@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
-from memlm.storage import schema
-from memlm.storage.fileio import atomic_write_json, disk_full_error, is_disk_full
-from memlm.storage.locking import folder_lock
+from memlm.io import schema
+from memlm.io.fileio import atomic_write_json, disk_full_error, is_disk_full
+from memlm.io.locking import folder_lock
 
 __all__ = [
     "GPT2_SIZES",

@@ -46,7 +46,7 @@ from memlm.core.distribution import (
     similarity,
 )
 from memlm.errors import MemlmError
-from memlm.storage.fileio import atomic_write_bytes
+from memlm.io.fileio import atomic_write_bytes
 
 __all__ = [
     "METRICS",

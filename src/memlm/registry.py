@@ -1,4 +1,5 @@
-"""The training objectives by name: what ``memlm train`` looks up (``--objective``, and ``--loss`` for the TRIME ones).
+"""The training objectives by name, above the packages that define them: what ``memlm train`` looks up (``--objective``,
+and ``--loss`` for the TRIME ones).
 
 =============  =====================================================  ===========================================
 name           objective (model; loss)                                validation

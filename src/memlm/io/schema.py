@@ -14,7 +14,7 @@ The formats, and where they are read:
 * ``DATASTORE_MANIFEST``: a datastore's ``manifest.json`` (:meth:`memlm.storage.datastore.Datastore.open`, the index
   identity check of :func:`memlm.storage.index.load_index`).
 * ``CALIBRATION``: the ``calibration`` record of a datastore's manifest (and of a sharded one's ``shards.json``).
-* ``DATASTORE_PROGRESS``: a datastore's ``progress.json`` (resuming :func:`memlm.storage.datastore.build_datastore`).
+* ``DATASTORE_PROGRESS``: a datastore's ``progress.json`` (resuming :func:`memlm.knnlm.write.write_datastore`).
 * ``INDEX_META``: ``index.faiss.json`` beside a FAISS index
   (:func:`memlm.storage.index.read_index_meta`, ``load_index``).
 * ``PHRASE_MANIFEST``, ``PHRASE_PROGRESS``, ``PHRASE_DOCS``: an NPM phrase index's ``manifest.json``,

@@ -6,13 +6,13 @@ and ``memlm.wrap``'s forward pass (:class:`memlm.knnlm.wrap.KNNLM`) both mix thr
 
 At a step (rows of contexts: a generation step's prompts and beams, a forward pass's positions) each memory gives its
 component's log-distribution over the vocabulary ``[rows, V]`` and its features by name, the same features a dump
-stores (:mod:`memlm.knnlm.mixture_inputs`):
+stores (:mod:`memlm.mixing.inputs`):
 
 * a datastore (plain or sharded, on its own index) or any memory with a ``key_spec`` (:class:`DatastoreStep`): p_kNN
   from its k best entries at temperature τ (Khandelwal et al. 2020, Eq. 2) and
-  :func:`~memlm.knnlm.mixture_inputs.retrieval_features`;
+  :func:`~memlm.mixing.inputs.retrieval_features`;
 * an ∞-gram index (:class:`memlm.ngram.generate.NgramStep`): P∞ of the longest matching suffix (Liu et al. 2024,
-  Sec. 3) and :func:`~memlm.knnlm.mixture_inputs.ngram_features` (effective n, suffix count, sparse flag).
+  Sec. 3) and :func:`~memlm.mixing.inputs.ngram_features` (effective n, suffix count, sparse flag).
 
 Components are named as in a dump: ``lm``, then ``knn``, ``knn2``, ... (datastores), then ``ngram``, ``ngram2``, ...
 (∞-gram indexes), each kind in the order given. Without a fitted mixture the memories' own weights (each datastore's
@@ -33,7 +33,7 @@ import torch
 from memlm.core.distribution import knn_distribution
 from memlm.core.mixture import Mixture, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
-from memlm.knnlm.mixture_inputs import component_name, lm_features, retrieval_features
+from memlm.mixing.inputs import component_name, lm_features, retrieval_features
 
 __all__ = [
     "Component",
@@ -111,10 +111,10 @@ class DatastoreStep:
 
 
 def load_fit(mixture: Any) -> Any:
-    """A fitted mixture as given to a consumer: a :class:`memlm.knnlm.dump_mixture.DumpMixture` or a
+    """A fitted mixture as given to a consumer: a :class:`memlm.mixing.dump.DumpMixture` or a
     :class:`Mixture` (kept), its record (a dict: ``memlm tune --mixture gate --json`` output, or ``Mixture.to_dict``),
     or the path of such a JSON file; None stays None (the fixed-weight rule)."""
-    from memlm.knnlm.dump_mixture import DumpMixture
+    from memlm.mixing.dump import DumpMixture
 
     if mixture is None or isinstance(mixture, DumpMixture | Mixture):
         return mixture
@@ -132,7 +132,7 @@ def load_fit(mixture: Any) -> Any:
 
 def step_components(kinds: Sequence[str]) -> tuple[str, ...]:
     """The mixture's components for memories of these kinds (``knn``, ``ngram``; in their steps' order): ``lm``,
-    then the r-th memory of a kind :func:`~memlm.knnlm.mixture_inputs.component_name` (knn, knn2; ngram, ngram2)."""
+    then the r-th memory of a kind :func:`~memlm.mixing.inputs.component_name` (knn, knn2; ngram, ngram2)."""
     counts: dict[str, int] = {}
     names = ["lm"]
     for kind in kinds:

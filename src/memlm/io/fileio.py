@@ -16,6 +16,8 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ __all__ = [
     "atomic_write_json",
     "disk_full_error",
     "is_disk_full",
+    "memlm_home",
+    "remove_stale_temps",
     "sample_sha256",
     "sha256_file",
     "unique_tmp",
@@ -149,3 +153,24 @@ def dumps_json(data: Any, indent: int | None = 2, sort_keys: bool = True) -> str
 def atomic_write_json(path: Path, data: Any, sort_keys: bool = True) -> None:
     """``atomic_write_bytes`` of pretty, (by default) key-sorted strict JSON, newline-terminated."""
     atomic_write_bytes(Path(path), (dumps_json(data, sort_keys=sort_keys) + "\n").encode())
+
+
+STALE_TEMP_S = 3600.0  # temporary folders older than this are left over from a crash
+
+
+def memlm_home() -> Path:
+    """The folder memlm caches into: ``$MEMLM_HOME`` if set, else ``~/.cache/memlm``; created if missing."""
+    home = Path(os.environ.get("MEMLM_HOME") or Path.home() / ".cache" / "memlm").expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def remove_stale_temps(parent: Path, stem: str) -> None:
+    """Delete temporary folders of conversions that crashed (older than an hour)."""
+    now = time.time()
+    for old in parent.glob(f".{stem}.tmp-*"):
+        try:
+            if now - old.stat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass

@@ -3,7 +3,7 @@ temperature searched, stored, applied to another dump, beside the fixed-weight r
 
 ``memlm tune --mixture gate`` fits it (:func:`fit_dump`); ``memlm eval --mixture FIT.json`` applies it
 (:meth:`DumpMixture.logprob`). For each τ of the grid (the cache's τc too), the memories of the dump become the
-mixture's components and features (:func:`memlm.knnlm.mixture_inputs.mixture_inputs`) and the guarded fit
+mixture's components and features (:func:`memlm.mixing.inputs.mixture_inputs`) and the guarded fit
 (:func:`memlm.core.mixture.fit_guarded`) chooses the LM alone, EM's constant weights or the gate::
 
     P(w | c) = sum_i λ_i(c) P_i(w | c),     λ(c) = softmax(W φ(c) + b)
@@ -28,7 +28,7 @@ import torch
 from memlm.core.dumps import TokenDump
 from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
-from memlm.knnlm.mixture_inputs import (
+from memlm.mixing.inputs import (
     MixtureInputs,
     component_logprobs,
     component_name,
