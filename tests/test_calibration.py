@@ -198,6 +198,39 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
     assert r.returncode != 0 and "give exactly one --datastore or one --ngram" in r.stderr
 
 
+def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built, tmp_path):
+    """No weight flags: eval applies the datastore's stored mixture, the same mixture_ppl as --mixture stored, and
+    says so in one line; --lambda/--temperature: the fixed weights only (no mixture_ppl), the rule's formula."""
+    from memlm.knnlm.evaluate import TokenScores
+
+    root, ds, _, _ = built
+    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+              "--min-context", "8"]  # fmt: skip
+    r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "default.json"))
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("mixture: ")]
+    assert len(line) == 1 and f"stored with {ds}'s calibration" in line[0], r.stderr
+    r = memlm(*common, "--mixture", "stored", "--json", str(tmp_path / "stored.json"))
+    assert r.returncode == 0, r.stderr
+    default, stored = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("default", "stored"))
+    assert default["mixture_ppl"] == stored["mixture_ppl"] and default["mixture_form"] == stored["mixture_form"]
+    assert default["mixture"]["fit"] == stored["mixture"]["fit"]
+    assert default["intervals"]["mixture_ppl"] == stored["intervals"]["mixture_ppl"]
+    assert default["knn_ppl"] == stored["knn_ppl"]  # the calibrated rule's row beside it, unchanged
+    r = memlm(*common, "--lambda", "0.3", "--temperature", "2", "--json", str(tmp_path / "fixed.json"))
+    assert r.returncode == 0, r.stderr
+    fixed = json.loads((tmp_path / "fixed.json").read_text())
+    assert "mixture_ppl" not in fixed and "mixture" not in fixed and "mixture: " not in r.stderr
+    ts = TokenScores.load(tmp_path / "d.npz")
+    s = ts.knn_scores[:, :16].astype(np.float64) / 2
+    p_knn = np.zeros(len(ts))
+    for i in range(len(ts)):
+        w = np.exp(s[i] - s[i].max())
+        p_knn[i] = w[ts.knn_values[i, :16] == ts.targets[i]].sum() / w.sum()
+    want = np.exp(-np.log(0.7 * np.exp(ts.lm_logprob.astype(np.float64)) + 0.3 * p_knn).mean())
+    assert fixed["knn_ppl"] == pytest.approx(want, rel=1e-5)
+
+
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities

@@ -120,12 +120,26 @@ def cmd_eval(args: argparse.Namespace) -> None:
         mixed = mixture_result(stored_eval_mixture(args, stores, ngram), ts, res, "the memory's build-time calibration")
     elif args.mixture:
         mixed = mixture_result(load_mixture(args.mixture), ts, res, args.mixture)
+    elif not weights_given(args) and (stores or ngram is not None):
+        from memlm.knnlm.default_mixture import default_mixture
+
+        chosen = default_mixture(model, tok, stores, ngram, config, cache=args.cache, batch_size=args.batch_size)
+        chosen.announce()
+        if chosen.fit is not None:
+            mixed = mixture_result(chosen.fit, ts, res, chosen.origin)
     res.update({k: v for k, v in mixed.items() if k != "mixture"})
     _print_result(res)
     res["leakage"] = leakage
     if mixed:
         res["mixture"] = mixed["mixture"]  # the fit applied, recorded (not printed)
     write_json(args.json, res)
+
+
+def weights_given(args: argparse.Namespace) -> bool:
+    """Whether the command line sets a weight (--lambda, --temperature, --ngram-lambda-sparse / -dense): then the
+    fixed-weight rule of those values, and no default mixture."""
+    names = ("lam", "temperature", "ngram_lambda_sparse", "ngram_lambda_dense")
+    return any(getattr(args, n, None) is not None for n in names)
 
 
 def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[str, Any]]:

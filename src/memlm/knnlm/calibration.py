@@ -60,6 +60,7 @@ __all__ = [
     "has_stored_mixture",
     "stored_mixture",
     "index_identity",
+    "slice_record",
     "knn_parameters",
     "tune_widening",
 ]
@@ -236,6 +237,17 @@ def holdout_split(
     return kept, held, out
 
 
+SLICE_MAX_CHARACTERS = 400_000  # a calibration keeps its text up to this size (a named corpus may be larger)
+
+
+def slice_record(held_out: Sequence) -> dict[str, Any]:
+    """``{"slice": [{"id", "text"}, ...]}``: the text a calibration scored, kept with it so that a later run over
+    several memories can score each memory's slice with all of them (:mod:`memlm.knnlm.default_mixture`'s guard);
+    empty when the text is over :data:`SLICE_MAX_CHARACTERS`."""
+    docs = [{"id": str(d.id), "text": d.text} for d in held_out]
+    return {"slice": docs} if sum(len(d["text"]) for d in docs) <= SLICE_MAX_CHARACTERS else {}
+
+
 def index_identity(datastore, index_path: str | Path | None = None) -> dict[str, Any] | None:
     """What identifies the index a datastore is searched with: its file (a name inside the datastore's folder, else
     the path), factory, metric and sampled checksum (from the sidecar ``index.faiss.json``); ``None`` if it has none."""
@@ -328,6 +340,7 @@ def calibrate(
     """
     import numpy as np
 
+    from memlm.core.mixture import token_blocks
     from memlm.data.windows import doc_hash
     from memlm.knnlm.dump_mixture import fit_dump
     from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
@@ -354,6 +367,7 @@ def calibrate(
     add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=nprobe, progress=progress)
     best, grid = tune_widening(ts)
     res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
+    ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     mixture = fit_dump(ts, near_temperatures(grid["temperatures"], best["temperature"]), k)
     return {
         "lambda": float(best["lambda"]),
@@ -373,6 +387,7 @@ def calibrate(
         "seconds": time.perf_counter() - t0,
         "count": len(datastore),
         **({"text": text} if text is not None else {}),
+        **slice_record(held_out),
     }
 
 
@@ -563,6 +578,8 @@ def calibration_summary(memory) -> dict[str, Any] | None:
     if cal is None:
         return None
     out = dict(cal)
+    if out.get("slice") is not None:  # the text itself is not shown: its documents and size
+        out["slice"] = {"documents": len(cal["slice"]), "characters": sum(len(d["text"]) for d in cal["slice"])}
     if cal.get("mixture") is not None:
         try:
             out["mixture"] = mixture_summary(_read_fit(owner, kind, cal["mixture"]))

@@ -40,6 +40,8 @@ def calibrate_ngram(
 ) -> dict[str, Any]:
     """Score ``held_out`` with the LM and the ∞-gram ``memory`` (one forward pass), tune λ_sparse, λ_dense and fit the
     mixture on those tokens (module docstring). Returns the record stored under the index's ``calibration``."""
+    from memlm.core.mixture import token_blocks
+    from memlm.knnlm.calibration import slice_record
     from memlm.knnlm.dump_mixture import fit_dump
     from memlm.knnlm.evaluate import lm_scores
     from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
@@ -52,6 +54,7 @@ def calibrate_ngram(
     )
     add_ngram(ts, held_out, tokenizer, memory)
     best = tune_ngram(ts)["best"]
+    ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
     return {
         "lambda_sparse": best["lambda_sparse"],
@@ -65,4 +68,5 @@ def calibrate_ngram(
         "window": window,
         "stride": stride,
         "seconds": time.perf_counter() - t0,
+        **slice_record(held_out),
     }

@@ -1,0 +1,203 @@
+"""The weights every consumer uses when none are given: the memories' own calibrated mixtures.
+
+Each memory's calibration (``memlm datastore build`` / ``calibrate``, ``memlm ngram build``) stores one guarded
+mixture of the LM and that memory (:func:`memlm.knnlm.calibration.stored_mixture`; :func:`memlm.core.mixture.
+fit_guarded`, τ and k of a datastore searched on a small grid). Without ``--lambda``, ``--temperature``,
+``--ngram-lambda-sparse`` / ``--ngram-lambda-dense`` or ``--mixture``:
+
+* **one memory**: its stored fit, as it is (what ``memlm eval --mixture stored`` applied);
+* **several memories**, each calibrated against the LM alone: their fits are combined into one mixture of every
+  component by the rule *each memory keeps its own odds against the LM* (:func:`combine`)::
+
+      λ_0(c) ∝ 1,   λ_i(c) ∝ exp(a_i(c)),   a_i(c) = W_i z_i(c) + b_i  (memory i's gate, relative to the LM)
+
+  so a memory's weight relative to the LM is what its own calibration chose, and the LM's share shrinks as more
+  memories vouch for the token. Memories that predict the same tokens then take too much from the LM, so the
+  combination is **guarded** (:func:`choose`): each memory's calibration slice (the text it was fitted on, stored
+  with it) is scored once with the LM and every memory, and the combination is used only if its mean
+  log-likelihood per token there beats every single memory's own mixture (the others at weight 0); otherwise the
+  best single memory's mixture is used. Slice documents another memory holds (by text hash or the 13-gram rule of
+  :mod:`memlm.leakage`) are left out, and a text held out by several memories is scored once.
+
+Where no fit can be used (a memory without a stored fit, several datastores, the continuous cache, whose weight no
+calibration fits) the fixed-weight rule of the calibrated λ's is used, as before, and the line says so.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memlm.core.mixture import FitOptions, Mixture, MixtureFit
+
+__all__ = ["DefaultMixture", "choose", "combine", "default_mixture", "memory_name", "stored_fits"]
+
+
+@dataclass
+class DefaultMixture:
+    """The mixture chosen (``fit``: a :class:`~memlm.knnlm.dump_mixture.DumpMixture`, None: the fixed-weight rule)
+    and ``origin``, the one line that says which and where it came from."""
+
+    fit: Any
+    origin: str
+
+    def announce(self, file=None) -> None:
+        print(f"mixture: {self.origin}", file=file or sys.stderr, flush=True)
+
+
+def memory_name(memory) -> str:
+    """A memory's folder, for messages."""
+    for owner in (memory, getattr(memory, "datastore", None), getattr(memory, "index", None)):
+        if owner is not None and getattr(owner, "path", None) is not None:
+            return str(owner.path)
+    return type(memory).__name__
+
+
+def stored_fits(memories: Sequence) -> list:
+    """Each memory's stored fit (:func:`memlm.knnlm.calibration.stored_mixture`; None where it has none)."""
+    from memlm.knnlm.calibration import stored_mixture
+
+    return [stored_mixture(m) for m in memories]
+
+
+def _own_features(fit, name: str) -> list[tuple[str, str]]:
+    """``(stored name, name in the combination)`` of a one-memory fit's features: the LM's as they are, the memory's
+    renamed from its kind (``knn_*``, ``ngram_*``) to its component (``knn2_*``, ``ngram2_*``)."""
+    kind = fit.mixture.components[1]
+    out = []
+    for f in fit.mixture.feature_names:
+        out.append((f, f if f.startswith("lm_") else name + f[len(kind) :]))
+    return out
+
+
+def combine(fits: Sequence, names: Sequence[str], keep: Sequence[bool] | None = None):
+    """One :class:`~memlm.knnlm.dump_mixture.DumpMixture` of the LM and every memory from their one-memory fits
+    (``fits[i]`` mixes ``lm`` and memory ``names[i]``), each memory at its own odds against the LM (module
+    docstring); ``keep[i]`` False puts memory i at weight 0 (``b_i = -inf``: one memory's fit in the space of all).
+
+    The combination standardises the LM's features as the first fit does and each memory's as its own fit: memory
+    i's logit ``W_i (φ - m_i) / s_i + b_i`` is rewritten exactly on those (``W'_f = W_if s_f / s_if``,
+    ``b'_i = b_i + Σ_f W_if (m_f - m_if) / s_if``)."""
+    from memlm.knnlm.dump_mixture import DumpMixture
+
+    keep = [True] * len(fits) if keep is None else list(keep)
+    lm_names = [f for f in fits[0].mixture.feature_names if f.startswith("lm_")]
+    first = fits[0].mixture
+    mean = {f: first.mean[first.feature_names.index(f)] for f in lm_names}
+    std = {f: first.std[first.feature_names.index(f)] for f in lm_names}
+    for fit, name in zip(fits, names, strict=True):
+        for old, new in _own_features(fit, name):
+            if not new.startswith("lm_"):
+                i = fit.mixture.feature_names.index(old)
+                mean[new], std[new] = fit.mixture.mean[i], fit.mixture.std[i]
+    feature_names = list(mean)
+    W = np.zeros((len(fits) + 1, len(feature_names)))
+    b = np.zeros(len(fits) + 1)
+    for r, (fit, name, on) in enumerate(zip(fits, names, keep, strict=True), 1):
+        m = fit.mixture
+        b[r] = m.b[1] if on else -math.inf
+        if not on or math.isinf(m.b[1]):
+            continue
+        for (old, new), w in zip(_own_features(fit, name), m.W[1], strict=True):
+            i = m.feature_names.index(old)
+            W[r, feature_names.index(new)] = w * std[new] / m.std[i]
+            b[r] += w * (mean[new] - m.mean[i]) / m.std[i]
+    form = "gate" if W.any() else "constant" if np.isfinite(b[1:]).any() else "lm"
+    mixture = Mixture(("lm", *names), tuple(feature_names), W, b, np.asarray(list(mean.values())),
+                      np.asarray(list(std.values())), form)  # fmt: skip
+    used = [f.fit for f, on in zip(fits, keep, strict=True) if on] or [fits[0].fit]
+    record = MixtureFit(mixture, sum(f.tokens for f in used), sum(f.documents for f in used),
+                        sum(f.fit_tokens for f in used), sum(f.kept_tokens for f in used), "combined", {},
+                        [], [w for f in used for w in f.warnings], FitOptions())  # fmt: skip
+    knn = [f for f, n in zip(fits, names, strict=True) if n.startswith("knn")]
+    return DumpMixture(record, knn[0].temperature if knn else None, knn[0].k if knn else None)
+
+
+def _slices(memories: Sequence, tokenizer, datastore, ngram) -> list:
+    """The documents of every memory's calibration slice (the same text once), less those another memory holds."""
+    from memlm.data.corpora import Document
+    from memlm.knnlm.calibration import _calibrated, _current_calibration
+    from memlm.leakage import Evaluated, _memories, find_overlap
+
+    seen, docs = set(), []
+    for memory in memories:
+        owner, kind = _calibrated(memory)
+        for d in (_current_calibration(owner, counted=kind == "knn") or {}).get("slice") or []:
+            if d["text"] not in seen:
+                seen.add(d["text"])
+                docs.append(Document(d["id"], d["text"]))
+    held = _memories(datastore, ngram)
+    return [d for d in docs if not find_overlap(Evaluated([d]), held, tokenizer)[0]]
+
+
+def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_size: int = 4) -> tuple[str, dict]:
+    """The guard (module docstring): ``(name of the candidate chosen, {candidate: mean log-likelihood per token on
+    the slices})``; ``candidates`` by name, ``"combined"`` and one per memory. ``("", {})`` when there is no slice
+    text left to score (then the caller falls back to the rule)."""
+    import dataclasses
+
+    from memlm.knnlm.evaluate import score_tokens
+
+    memories = [*([] if datastore is None else [datastore]), *getattr(ngram, "memories", [ngram] if ngram else [])]
+    docs = _slices(memories, tokenizer, datastore, ngram)
+    if not docs:
+        return "", {}
+    k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
+    cfg = dataclasses.replace(config, k=k, cache=False)
+    ts = score_tokens(model, tokenizer, docs, datastore, cfg, batch_size=batch_size, progress=False, ngram=ngram)
+    ll = {name: float(c.logprob(ts, "the calibration slices").mean()) for name, c in candidates.items()}
+    singles = {n: v for n, v in ll.items() if n != "combined"}
+    best = max(singles, key=lambda n: singles[n])
+    return ("combined" if ll["combined"] > singles[best] else best), ll
+
+
+def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache: bool = False,
+                    batch_size: int = 4) -> DefaultMixture:  # fmt: skip
+    """The mixture a run uses when no weights are given (module docstring): ``datastores`` (open), ``ngram`` (an
+    :class:`~memlm.ngram.memory.NgramMemory`, ``NgramMemories`` or None), ``config`` the run's retrieval settings
+    (its k and windows score the calibration slices when several memories are combined)."""
+    from memlm.knnlm.mixture_inputs import component_name, ngram_component
+
+    ngrams = list(getattr(ngram, "memories", [ngram] if ngram is not None else []))
+    memories = [*datastores, *ngrams]
+    names = [component_name("knn", r) for r in range(len(datastores))]
+    names += [ngram_component(r) for r in range(len(ngrams))]
+    rule = "the fixed-weight rule of each memory's calibrated λ (as with --lambda / --ngram-lambda-*)"
+    if not memories:
+        return DefaultMixture(None, "the LM alone (no memory)")
+    if cache:
+        return DefaultMixture(None, f"{rule}: no calibration fits the cache's weight")
+    fits = stored_fits(memories)
+    missing = [memory_name(m) for m, f in zip(memories, fits, strict=True) if f is None]
+    if missing:
+        return DefaultMixture(None, f"{rule}: {', '.join(missing)} records no fitted mixture (calibrate it)")
+    if len(datastores) > 1:
+        return DefaultMixture(None, f"{rule}: the stored fits of several datastores are not combined")
+    if len(memories) == 1:
+        f = fits[0].fit
+        return DefaultMixture(fits[0], f"{f.form} ({describe(fits[0])}), stored with {memory_name(memories[0])}'s "
+                                       f"calibration on {f.tokens:,} held-out tokens")  # fmt: skip
+    candidates = {"combined": combine(fits, names)}
+    for i, name in enumerate(names):
+        candidates[name] = combine(fits, names, [j == i for j in range(len(names))])
+    chosen, ll = choose(candidates, model, tokenizer, datastores[0] if datastores else None,
+                        ngram if ngrams else None, config, batch_size)  # fmt: skip
+    if not chosen:
+        return DefaultMixture(None, f"{rule}: no calibration slice text to check the stored fits' combination on")
+    dm = candidates[chosen]
+    dm.fit.heldout_loglik = ll
+    lls = ", ".join(f"{n} {v:.4f}" for n, v in ll.items())
+    what = ("the memories' stored fits combined (each at its own odds against the LM)" if chosen == "combined"
+            else f"{chosen}'s stored fit alone (the others at weight 0): it beat their combination")  # fmt: skip
+    return DefaultMixture(dm, f"{what}, checked on the calibration slices (log-likelihood per token: {lls})")
+
+
+def describe(fit) -> str:
+    """τ and k of a fit's kNN term, when it has one."""
+    return f"τ={fit.temperature:g}, k={fit.k}" if fit.temperature is not None else "∞-gram"
+
