@@ -227,7 +227,10 @@ def cmd_tune(args: argparse.Namespace) -> None:
         out = ngram_cli.tune_with_ngram(args, valid, test, leakage)
     else:
         out = _tune_rule(args, valid, test, leakage)
-    if args.mixture == "gate":
+    if args.mixture == "gate" and valid.lm_entropy is None:
+        print("note: this dump has no LM entropy / max log-prob (written by an older memlm): the fixed-weight rule "
+              "only; rerun memlm eval --dump for the learned mixture", file=sys.stderr)  # fmt: skip
+    elif args.mixture == "gate":
         out.update(tune_mixture(args, valid, test, out["valid"]["best"]))
     write_json(args.json, out)
 
@@ -309,6 +312,10 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     )
     for w in fit.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    if fit.form == "lm":
+        print(f"warning: the learned mixture falls back to the LM alone: on the {fit.kept_tokens:,} valid tokens kept "
+              "apart neither constant weights nor the gate beat the LM (fitted on the rest); the fixed-weight rule "
+              "tuned on the same valid dump may do worse than the LM on other text", file=sys.stderr)  # fmt: skip
     out: dict[str, Any] = {"mixture": dm.to_dict()}
     if test is None:
         return out
@@ -605,10 +612,11 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--mixture",
         choices=["rule", "gate"],
-        default="rule",
-        help="rule: the fixed weights grid-searched (default); gate: also the learned mixture of every memory of the "
-        "dump (per-token weights from a small gate, fitted on valid with part of it kept apart, docs/MIXTURE.md), "
-        "applied to --test beside the rule; its fit goes into --json for memlm eval --mixture",
+        default="gate",
+        help="gate (default): the guarded learned mixture of every memory of the dump (the LM alone, constant "
+        "weights or per-token weights from a small gate, whichever the part of valid kept apart prefers; "
+        "docs/MIXTURE.md), applied to --test beside the fixed-weight rule; its fit goes into --json for memlm eval "
+        "--mixture; rule: the fixed weights grid-searched, alone",
     )
     common.add_allow_overlap(t)
     ngram_cli.add_tune_args(t)

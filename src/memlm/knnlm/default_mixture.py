@@ -200,4 +200,3 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
 def describe(fit) -> str:
     """τ and k of a fit's kNN term, when it has one."""
     return f"τ={fit.temperature:g}, k={fit.k}" if fit.temperature is not None else "∞-gram"
-
