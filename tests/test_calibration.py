@@ -231,6 +231,56 @@ def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built,
     assert fixed["knn_ppl"] == pytest.approx(want, rel=1e-5)
 
 
+def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_lm_dir, tmp_path):
+    """A datastore and an ∞-gram index, each calibrated at build: eval with no weight flags scores the calibration
+    slices with both, and applies the combination only if it beats each memory's own fit there, else the best one
+    alone (what it chose is the best on the slices); the mixture_ppl is that candidate's on the eval's dump."""
+    pytest.importorskip("infini_gram")
+    from memlm.core.distribution import perplexity
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.default_mixture import combine
+    from memlm.knnlm.evaluate import TokenScores
+    from memlm.ngram.index import NgramIndex
+    from memlm.storage.datastore import Datastore
+
+    root, ds, _, _ = built
+    ix = tmp_path / "ix"
+    r = memlm("ngram", "build", "--model", str(tiny_lm_dir), "--corpus", str(root / "train.jsonl"), "--out", str(ix),
+              "--window", "32", "--stride", "16")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads((ix / "manifest.json").read_text())["calibration"]["slice"]  # the slice's text is kept
+    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--ngram", str(ix), "--k", "16",
+              "--window", "32", "--min-context", "8", "--allow-overlap"]  # fmt: skip
+    r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "two.json"))
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("mixture: ")]
+    assert len(line) == 1 and "checked on the calibration slices" in line[0], r.stderr
+    res = json.loads((tmp_path / "two.json").read_text())
+    ll = res["mixture"]["fit"]["heldout_loglik"]
+    assert set(ll) == {"combined", "knn", "ngram"}
+    chosen = max(("knn", "ngram"), key=lambda n: ll[n])
+    chosen = "combined" if ll["combined"] > ll[chosen] else chosen
+    fits = [stored_mixture(Datastore.open(ds)), stored_mixture(NgramIndex.open(ix))]
+    keep = None if chosen == "combined" else [chosen == "knn", chosen == "ngram"]
+    want = combine(fits, ["knn", "ngram"], keep)
+    assert res["mixture"]["fit"]["mixture"] == want.fit.mixture.to_dict()
+    ts = TokenScores.load(tmp_path / "d.npz")
+    assert res["mixture_ppl"] == pytest.approx(perplexity(want.logprob(ts)), rel=1e-9)
+    # one memory's fit in the space of both gives exactly that memory's stored mixture
+    alone = combine(fits, ["knn", "ngram"], [True, False])
+    np.testing.assert_allclose(alone.logprob(ts).numpy(), _alone(fits[0], ts), rtol=1e-9, atol=1e-12)
+
+
+def _alone(fit, ts) -> np.ndarray:
+    """The stored one-memory fit on a dump of more memories: its own components and features only."""
+    from memlm.knnlm.mixture_inputs import mixture_inputs
+
+    inp = mixture_inputs(ts, fit.temperature or 1.0, fit.k)
+    cols = [inp.components.index(c) for c in fit.mixture.components]
+    feats = [inp.feature_names.index(f) for f in fit.mixture.feature_names]
+    return fit.mixture.logprob(inp.logprobs[:, cols], inp.features[:, feats]).numpy()
+
+
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities

@@ -361,6 +361,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         common.check_prompt_leakage(args, ds, ngrams if i == 0 else None, tok)
     torch.manual_seed(args.seed)
     config = GENERATION_RETRIEVAL.replace(k=args.k, lam=args.lam, temperature=args.temperature)
+    if fit is None:
+        from memlm.knnlm.default_mixture import stored_default
+
+        fit = stored_default([*datastores, *ngrams], weights_given(args))  # one memory: its stored fit
     steps = memory_steps([*datastores, *ngrams], config, fit, record=args.show_neighbours > 0,
                          ngram_lambdas=ngram_lambdas, announce=fit is None)  # fmt: skip
     proc = MixtureLogitsProcessor(model, steps, fit)

@@ -200,3 +200,52 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
 def describe(fit) -> str:
     """τ and k of a fit's kNN term, when it has one."""
     return f"τ={fit.temperature:g}, k={fit.k}" if fit.temperature is not None else "∞-gram"
+
+
+def _open(item):
+    """A memory given as a folder, opened (a datastore, plain or sharded, or an ∞-gram index); a generation step,
+    its memory; anything else as it is."""
+    from pathlib import Path
+
+    if isinstance(item, str | Path):
+        from memlm.knnlm.generate import is_ngram_index
+
+        if is_ngram_index(item):
+            from memlm.ngram.index import NgramIndex
+
+            return NgramIndex.open(item)
+        from memlm.storage.sharded import open_datastore
+
+        return open_datastore(item)
+    return getattr(item, "memory", item) if type(item).__name__ in ("DatastoreStep", "NgramStep") else item
+
+
+def stored_default(items: Sequence, weights_given: bool, cache: bool = False, announce: bool = True):
+    """The default fit of a consumer that scores no calibration text (``generate_text``, ``wrap``,
+    :class:`~memlm.lmeval.model.MemlmLM`): with no weights given, one memory and no cache, that memory's stored fit
+    (a :class:`~memlm.knnlm.dump_mixture.DumpMixture`); else None (the fixed-weight rule). Several memories' fits
+    are combined and checked on their calibration slices by :func:`default_mixture` (``memlm eval``); here they
+    mix by the rule. Prints the one line saying which (``announce``)."""
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import stored_mixture
+
+    if weights_given or not items:
+        return None
+    rule = "the fixed-weight rule of each memory's calibrated λ (as with given weights)"
+    several = "several memories' stored fits are combined and checked only by memlm eval"
+    why = "the cache's weight is not calibrated" if cache else several if len(items) > 1 else ""
+    fit = None
+    if not why:
+        memory = _open(items[0])
+        try:
+            fit = stored_mixture(memory)
+        except MemlmError:  # not a calibrated memory (e.g. any search + key_spec object)
+            fit = None
+        why = "" if fit is not None else f"{memory_name(memory)} records no fitted mixture"
+    if announce:
+        if fit is None:
+            print(f"mixture: {rule}: {why}", file=sys.stderr, flush=True)
+        else:
+            print(f"mixture: {fit.fit.form} ({describe(fit)}), stored with {memory_name(memory)}'s calibration on "
+                  f"{fit.fit.tokens:,} held-out tokens", file=sys.stderr, flush=True)  # fmt: skip
+    return fit

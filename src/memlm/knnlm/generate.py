@@ -153,7 +153,9 @@ class MixtureLogitsProcessor(LogitsProcessor):
 
     ``mixture``: a fit (:class:`memlm.knnlm.dump_mixture.DumpMixture`, its record or JSON file: its τ and k set the
     kNN terms; a :class:`Mixture`), refused with one MemlmError, before any step, when it was fitted on other
-    memories; None: the fixed-weight rule of each memory's weights. ``config``
+    memories; None: with no weights given and one memory, its stored fit
+    (:func:`memlm.knnlm.default_mixture.stored_default`), else the fixed-weight rule of each memory's weights
+    (steps already made keep theirs). ``config``
     (:class:`memlm.core.config.RetrievalConfig`; default :data:`GENERATION_RETRIEVAL`, k = 64) gives k, λ, τ and
     nprobe (λ, τ None: each datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``),
     and ``ngram_lambdas=(λ_sparse, λ_dense)`` the ∞-grams' weights (each one value or one per index; unset: each
@@ -167,6 +169,15 @@ class MixtureLogitsProcessor(LogitsProcessor):
         ngram_lambdas = options.pop("ngram_lambdas", None) or (None, None)
         self.config = RetrievalConfig.with_options(config or GENERATION_RETRIEVAL, **options)
         fit = load_fit(mixture)
+        given = (
+            self.config.lam is not None
+            or self.config.temperature is not None
+            or any(w is not None for w in ngram_lambdas)
+        )
+        if fit is None and not any(type(m).__name__ in ("DatastoreStep", "NgramStep") for m in memories):
+            from memlm.knnlm.default_mixture import stored_default
+
+            fit = stored_default(list(memories), given)  # no weights given: one memory's stored fit
         dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
         steps = memory_steps(memories, self.config, dump_fit, index=index, record=record, ngram_lambdas=ngram_lambdas)
         self.model, self.fit = model, dump_fit

@@ -53,6 +53,7 @@ nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +232,14 @@ class MemlmLM(TemplateLM):
                              "drop mixture= to mix with the fixed weights")  # fmt: skip
         dense, ngrams = _split_memories(datastore, ngram, memories, ngram_options.get("ngram_max_n"))
         self.cache = config.cache
+        if self.fit is None:
+            from memlm.knnlm.default_mixture import stored_default
+
+            self.fit = stored_default([*dense, *ngrams], bool(given), self.cache)  # one memory: its stored fit
+            if self.fit is not None and self.fit.k is not None and retrieval.get("k") not in (None, self.fit.k):
+                print(f"mixture: the fixed-weight rule instead: k={retrieval['k']} given, the stored fit was made "
+                      f"with k={self.fit.k}", file=sys.stderr)  # fmt: skip
+                self.fit = None
         self.ngram_names = [component_name("ngram", r) for r in range(len(ngrams))]
         self.components = ("lm", *(component_name("knn", r) for r in range(len(dense))), *self.ngram_names,
                            *(["cache"] if self.cache else []))  # fmt: skip
