@@ -16,9 +16,13 @@ datastore (``manifest.json`` → ``calibration``; the fit under ``calibration.mi
 :func:`stored_mixture`). The slice is part of the build's settings: a rerun with another ``--holdout`` (or over a
 datastore built without one) is refused, never calibrated on text inside the datastore; such a datastore is
 calibrated on text the user names (``memlm datastore calibrate DS --corpus FILE``). ``memlm eval``, ``generate``,
-the lm-eval adapter and the Python API take those values when none are given (:func:`knn_parameters`), say which
-they used and where they came from, and add one notice when they search with another k, mode or index than the
-calibration did.
+the lm-eval adapter and the Python API mix by the stored fit when no weights are given
+(:mod:`memlm.knnlm.default_mixture`: one memory's fit as it is, several memories' fits combined and checked on their
+calibration slices, whose text is kept under ``calibration.slice``); λ and τ remain the fixed-weight rule of
+``--lambda`` / ``--temperature`` and of eval's comparison rows (:func:`knn_parameters`, which says which values it
+used and where they came from, and adds one notice when the run searches with another k, mode or index than the
+calibration did). A slice of fewer than 8 documents (a one-file corpus: its tail) is cut into 512-token blocks
+that the fit's kept part and its intervals treat as documents (:func:`memlm.core.mixture.token_blocks`).
 
 The slice is in-domain text the datastore has not seen, so its λ/τ are a good default for text like the datastore's
 corpus. For text from another domain (domain adaptation, or a datastore much larger than the slice's context), tune on
