@@ -281,6 +281,35 @@ def _alone(fit, ts) -> np.ndarray:
     return fit.mixture.logprob(inp.logprobs[:, cols], inp.features[:, feats]).numpy()
 
 
+def test_python_consumers_default_to_the_stored_fit(built, tiny_lm, capsys):
+    """generate_text, MixtureLogitsProcessor, wrap and MemlmLM with one calibrated datastore and no weights mix by
+    its stored fit (the same text as mixture= that fit) and say so; given λ, τ they keep the fixed-weight rule."""
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.generate import MixtureLogitsProcessor, generate_text
+    from memlm.knnlm.wrap import wrap
+    from memlm.storage.datastore import Datastore
+
+    model, tok = tiny_lm
+    _, ds, _, _ = built
+    fit = stored_mixture(Datastore.open(ds))
+    capsys.readouterr()
+    proc = MixtureLogitsProcessor(model, [str(ds)], k=16)
+    assert proc.fit.to_dict() == fit.to_dict() and proc.mixture.mixture.to_dict() == fit.mixture.to_dict()
+    assert f"stored with {ds}'s calibration" in capsys.readouterr().err
+    assert wrap(model, str(ds), k=16).fit.to_dict() == fit.to_dict()
+    assert wrap(model, str(ds), k=16, lam=0.3, temperature=2.0).fit is None
+    assert MixtureLogitsProcessor(model, [str(ds)], k=16, lam=0.3, temperature=2.0).fit is None
+    kw = {"max_new_tokens": 6, "k": 16}
+    by_default = generate_text(model, tok, ["the history of"], [str(ds)], **kw)
+    assert by_default == generate_text(model, tok, ["the history of"], [str(ds)], mixture=fit, **kw)
+    pytest.importorskip("lm_eval")
+    from memlm.lmeval.model import MemlmLM
+
+    lm = MemlmLM(model, tok, str(ds), window=32, min_context=8)
+    assert lm.fit is not None and lm.fit.to_dict() == fit.to_dict() and lm.mixture.to_dict() == fit.mixture.to_dict()
+    assert MemlmLM(model, tok, str(ds), window=32, min_context=8, lam=0.3, temperature=2.0).fit is None
+
+
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.knnlm.evaluate import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, add_neighbours, lm_scores, perplexities

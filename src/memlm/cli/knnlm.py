@@ -362,9 +362,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     config = GENERATION_RETRIEVAL.replace(k=args.k, lam=args.lam, temperature=args.temperature)
     if fit is None:
-        from memlm.knnlm.default_mixture import stored_default
+        from memlm.knnlm.default_mixture import library_default
 
-        fit = stored_default([*datastores, *ngrams], weights_given(args))  # one memory: its stored fit
+        fit = library_default(model, tok, [*datastores, *ngrams], weights_given(args), config)  # the stored fits
     steps = memory_steps([*datastores, *ngrams], config, fit, record=args.show_neighbours > 0,
                          ngram_lambdas=ngram_lambdas, announce=fit is None)  # fmt: skip
     proc = MixtureLogitsProcessor(model, steps, fit)

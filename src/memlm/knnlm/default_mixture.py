@@ -35,7 +35,16 @@ import numpy as np
 
 from memlm.core.mixture import FitOptions, Mixture, MixtureFit
 
-__all__ = ["DefaultMixture", "choose", "combine", "default_mixture", "memory_name", "stored_fits"]
+__all__ = [
+    "DefaultMixture",
+    "choose",
+    "combine",
+    "default_mixture",
+    "library_default",
+    "memory_name",
+    "stored_default",
+    "stored_fits",
+]
 
 
 @dataclass
@@ -221,18 +230,17 @@ def _open(item):
 
 
 def stored_default(items: Sequence, weights_given: bool, cache: bool = False, announce: bool = True):
-    """The default fit of a consumer that scores no calibration text (``generate_text``, ``wrap``,
-    :class:`~memlm.lmeval.model.MemlmLM`): with no weights given, one memory and no cache, that memory's stored fit
-    (a :class:`~memlm.knnlm.dump_mixture.DumpMixture`); else None (the fixed-weight rule). Several memories' fits
-    are combined and checked on their calibration slices by :func:`default_mixture` (``memlm eval``); here they
-    mix by the rule. Prints the one line saying which (``announce``)."""
+    """The default fit without scoring anything: with no weights given, one memory and no cache, that memory's
+    stored fit (a :class:`~memlm.knnlm.dump_mixture.DumpMixture`); else None (the fixed-weight rule). Several
+    memories' fits are combined and checked by :func:`library_default` when a model and tokenizer are at hand. Prints
+    the one line saying which (``announce``)."""
     from memlm.errors import MemlmError
     from memlm.knnlm.calibration import stored_mixture
 
     if weights_given or not items:
         return None
     rule = "the fixed-weight rule of each memory's calibrated λ (as with given weights)"
-    several = "several memories' stored fits are combined and checked only by memlm eval"
+    several = "several memories' stored fits are combined and checked on their slices, which needs the tokenizer"
     why = "the cache's weight is not calibrated" if cache else several if len(items) > 1 else ""
     fit = None
     if not why:
@@ -249,3 +257,27 @@ def stored_default(items: Sequence, weights_given: bool, cache: bool = False, an
             print(f"mixture: {fit.fit.form} ({describe(fit)}), stored with {memory_name(memory)}'s calibration on "
                   f"{fit.fit.tokens:,} held-out tokens", file=sys.stderr, flush=True)  # fmt: skip
     return fit
+
+
+def library_default(model, tokenizer, items: Sequence, weights_given: bool, config=None, cache: bool = False):
+    """The default fit of a Python consumer (``generate_text``, ``memlm generate``, ``wrap``,
+    :class:`~memlm.lmeval.model.MemlmLM`) from its memories ``items`` (open or folders): None when weights are
+    given or a memory is a step already made; one memory: :func:`stored_default`; several, with a model and a
+    tokenizer: :func:`default_mixture` (their fits combined and checked on the calibration slices, at ``config``'s
+    k and windows). Prints the one line saying which."""
+    from memlm.core.config import RetrievalConfig
+    from memlm.knnlm.generate import is_ngram_index
+
+    if weights_given or not items or any(type(m).__name__ in ("DatastoreStep", "NgramStep") for m in items):
+        return None
+    opened = [_open(m) for m in items]
+    if len(opened) == 1 or model is None or tokenizer is None:
+        return stored_default(opened, weights_given, cache)
+    from memlm.ngram.memory import NgramMemories, NgramMemory
+
+    ngrams = [m if isinstance(m, NgramMemory) else NgramMemory(m) for m in opened if is_ngram_index(m)]
+    dense = [m for m in opened if not is_ngram_index(m)]
+    ngram = None if not ngrams else ngrams[0] if len(ngrams) == 1 else NgramMemories(ngrams)
+    chosen = default_mixture(model, tokenizer, dense, ngram, config or RetrievalConfig(), cache)
+    chosen.announce()
+    return chosen.fit

@@ -232,7 +232,8 @@ class MemlmLM(TemplateLM):
                              "drop mixture= to mix with the fixed weights")  # fmt: skip
         dense, ngrams = _split_memories(datastore, ngram, memories, ngram_options.get("ngram_max_n"))
         self.cache = config.cache
-        if self.fit is None:
+        default = self.fit is None and not given and len(dense) + len(ngrams) > 1 and not self.cache
+        if self.fit is None and len(dense) + len(ngrams) == 1:
             from memlm.knnlm.default_mixture import stored_default
 
             self.fit = stored_default([*dense, *ngrams], bool(given), self.cache)  # one memory: its stored fit
@@ -251,6 +252,11 @@ class MemlmLM(TemplateLM):
         elif tokenizer is None:
             raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
         self.model, self.tokenizer = model.eval(), tokenizer
+        if default:  # several memories, no weights given: their stored fits combined and checked on their slices
+            from memlm.knnlm.default_mixture import library_default
+
+            self.fit = library_default(model, tokenizer, [*dense, *ngrams], False, config)
+            self._check_fit()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         config = self._open_dense(dense, config, weights, retrieval.get("k"))
         self.window, self.min_context = int(config.window or DEFAULT_WINDOW), int(config.min_context or 0)
