@@ -424,6 +424,26 @@ def test_one_file_corpus_is_calibrated_on_its_tail(onefile, tiny_lm):
     assert spans > 100 and shared == 0
     shared, spans = text_overlap(ds, [head], tok)
     assert shared >= 0.95 * spans
+    # the tail is one document: its fit sees it as 512-token blocks (memlm.core.mixture.token_blocks)
+    from memlm.core.mixture import BLOCK_TOKENS
+    from memlm.knnlm.calibration import stored_mixture
+
+    fit = stored_mixture(ds).fit
+    assert cal["tokens"] > BLOCK_TOKENS and fit.documents == -(-cal["tokens"] // BLOCK_TOKENS)
+    assert len(cal["slice"]) == 1 and cal["slice"][0]["text"] == text[hold["tails"][0]["from_char"] :]
+
+
+def test_token_blocks_cut_documents_only_below_the_minimum():
+    """Fewer than 8 documents: each cut into 512-token blocks in order (a document's last block shorter, a short
+    document one block); 8 or more: the index as it is."""
+    from memlm.core.mixture import token_blocks
+
+    doc = np.r_[np.zeros(1100, int), np.ones(100, int), np.full(600, 2)]
+    blocks = token_blocks(doc)
+    assert np.array_equal(np.bincount(blocks), [512, 512, 76, 100, 512, 88])
+    assert (np.diff(blocks) >= 0).all()
+    many = np.repeat(np.arange(8), 700)
+    assert token_blocks(many) is many or np.array_equal(token_blocks(many), many)
 
 
 def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, tmp_path):
@@ -492,7 +512,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     """The fit stored in the manifest is fit_dump's on the held-out dump (τ: the rule's and its grid neighbours):
     same form, τ, sizes, weights and held-out log-likelihoods, and the same log P on every token; the build says what it
     fitted on and warns that the slice is under memlm.core.mixture's minimum sizes."""
-    from memlm.core.mixture import MIN_FIT_TOKENS
+    from memlm.core.mixture import MIN_FIT_TOKENS, token_blocks
     from memlm.knnlm.calibration import near_temperatures, stored_mixture
     from memlm.knnlm.dump_mixture import DumpMixture, fit_dump
     from memlm.storage.datastore import Datastore
@@ -504,6 +524,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     stored = stored_mixture(ds)
     assert isinstance(stored, DumpMixture) and stored.mixture.components == ("lm", "knn")
     ts = _held_out_dump(ds, docs, tok, model)
+    ts.doc_index = token_blocks(ts.doc_index)  # as calibrate: a slice of few documents in blocks
     again = fit_dump(ts, near_temperatures(cal["grid"]["temperatures"], cal["temperature"]), 16)
     assert (stored.fit.form, stored.temperature, stored.k) == (again.fit.form, again.temperature, 16)
     sizes = ("tokens", "documents", "fit_tokens", "kept_tokens")
