@@ -68,10 +68,20 @@ def memory_name(memory) -> str:
 
 
 def stored_fits(memories: Sequence) -> list:
-    """Each memory's stored fit (:func:`memlm.knnlm.calibration.stored_mixture`; None where it has none)."""
-    from memlm.knnlm.calibration import stored_mixture
+    """Each memory's stored fit (:func:`memlm.knnlm.calibration.stored_mixture`; None where it has none, or where
+    the memory is not one that records a calibration)."""
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import _calibrated, stored_mixture
 
-    return [stored_mixture(m) for m in memories]
+    out = []
+    for m in memories:
+        try:
+            _calibrated(m)
+        except MemlmError:
+            out.append(None)
+            continue
+        out.append(stored_mixture(m))
+    return out
 
 
 def _own_features(fit, name: str) -> list[tuple[str, str]]:
