@@ -599,7 +599,9 @@ def add_parsers(sub) -> None:
         metavar="FIT.json|stored",
         help="also score the learned mixture fitted by memlm tune --mixture gate --json FIT.json (same memories: "
         "--datastore, each --ngram in order, --cache) and report mixture_ppl beside the fixed-weight rows; stored: the "
-        "one memory's own fit, made when it was built or calibrated",
+        "one memory's own fit, made when it was built or calibrated. Without --mixture and without --lambda, "
+        "--temperature or --ngram-lambda-*: the memories' stored fits (one: its own; several: combined and checked "
+        "on their calibration slices), said in one line",
     )
     ngram_cli.add_eval_args(e)
     e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
