@@ -258,8 +258,11 @@ def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_
     res = json.loads((tmp_path / "two.json").read_text())
     ll = res["mixture"]["fit"]["heldout_loglik"]
     assert set(ll) == {"combined", "knn", "ngram"}
-    chosen = max(("knn", "ngram"), key=lambda n: ll[n])
-    chosen = "combined" if ll["combined"] > ll[chosen] else chosen
+    best = max(("knn", "ngram"), key=lambda n: ll[n])
+    combined = "the memories' stored fits combined" in line[0]
+    assert combined or f"{best}'s stored fit alone" in line[0]
+    assert not combined or ll["combined"] > ll[best]  # chosen only when it beats the best alone (by 2 SE)
+    chosen = "combined" if combined else best
     fits = [stored_mixture(Datastore.open(ds)), stored_mixture(NgramIndex.open(ix))]
     keep = None if chosen == "combined" else [chosen == "knn", chosen == "ngram"]
     want = combine(fits, ["knn", "ngram"], keep)

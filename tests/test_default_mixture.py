@@ -2,6 +2,7 @@
 at its own odds against the LM, and one memory's fit embedded in the space of all."""
 
 import numpy as np
+import pytest
 
 from memlm.core.mixture import Mixture, MixtureFit
 from memlm.knnlm.default_mixture import combine
@@ -44,3 +45,14 @@ def test_each_memory_keeps_its_own_odds_against_the_lm():
     assert (w[:, 1] == 0).all()
     np.testing.assert_allclose(w[:, [0, 2]], ngram.mixture.log_weights(phi[:, [0, 1, 4, 5]]).exp().numpy(),
                                rtol=1e-10, atol=1e-12)  # fmt: skip
+
+
+def test_paired_gain_is_the_mean_and_its_block_standard_error():
+    """D = mean d_t; SE from 512-token blocks: constant blocks of +1 and -1 give D = 0 and SE = sqrt(Σ n_b^2) / N."""
+    from memlm.knnlm.default_mixture import paired_gain
+
+    diff = np.r_[np.ones(512), -np.ones(512)]
+    gain, se = paired_gain(diff, np.zeros(1024, int))
+    assert gain == 0 and se == np.sqrt(2 * 512.0**2) / 1024
+    gain, se = paired_gain(np.full(1024, 0.1), np.zeros(1024, int))
+    assert gain == pytest.approx(0.1) and se < 1e-15

@@ -15,9 +15,10 @@ fit_guarded`, τ and k of a datastore searched on a small grid). Without ``--lam
   memories vouch for the token. Memories that predict the same tokens then take too much from the LM, so the
   combination is **guarded** (:func:`choose`): each memory's calibration slice (the text it was fitted on, stored
   with it) is scored once with the LM and every memory, and the combination is used only if its mean
-  log-likelihood per token there beats every single memory's own mixture (the others at weight 0); otherwise the
-  best single memory's mixture is used. Slice documents another memory holds (by text hash or the 13-gram rule of
-  :mod:`memlm.leakage`) are left out, and a text held out by several memories is scored once.
+  log-likelihood per token there beats the best single memory's own mixture (the others at weight 0) by more than
+  two standard errors (:func:`paired_gain`); otherwise the best single memory's mixture is used. Slice documents
+  another memory holds (by text hash or the 13-gram rule of :mod:`memlm.leakage`) are left out, and a text held out
+  by several memories is scored once.
 
 Where no fit can be used (a memory without a stored fit, several datastores, the continuous cache, whose weight no
 calibration fits) the fixed-weight rule of the calibrated λ's is used, as before, and the line says so.
@@ -169,10 +170,32 @@ def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_s
     k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
     cfg = dataclasses.replace(config, k=k, cache=False)
     ts = score_tokens(model, tokenizer, docs, datastore, cfg, batch_size=batch_size, progress=False, ngram=ngram)
-    ll = {name: float(c.logprob(ts, "the calibration slices").mean()) for name, c in candidates.items()}
+    lp = {name: c.logprob(ts, "the calibration slices").numpy() for name, c in candidates.items()}
+    ll = {name: float(v.mean()) for name, v in lp.items()}
     singles = {n: v for n, v in ll.items() if n != "combined"}
     best = max(singles, key=lambda n: singles[n])
-    return ("combined" if ll["combined"] > singles[best] else best), ll
+    gain, se = paired_gain(lp["combined"] - lp[best], ts.doc_index)
+    ll.update(combined_gain=gain, combined_gain_se=se)
+    return ("combined" if gain > SE_MARGIN * se and gain > 0 else best), ll
+
+
+SE_MARGIN = 2.0
+"""The combination is chosen only if its gain over the best single memory on the slices is more than this many
+standard errors (:func:`paired_gain`): a gain within the noise of a few thousand tokens does not carry over."""
+
+
+def paired_gain(diff, doc_index) -> tuple[float, float]:
+    """``(D, SE)``: the mean per-token log-likelihood gain ``D = mean_t d_t`` and its standard error over 512-token
+    blocks (:func:`memlm.core.mixture.token_blocks`, every document cut; tokens of one block are correlated, blocks
+    are treated as independent): ``SE = sqrt(Σ_b n_b^2 (d̄_b - D)^2) / N``, the cluster-robust error of a mean."""
+    from memlm.core.mixture import token_blocks
+
+    diff = np.asarray(diff, dtype=np.float64)
+    blocks = token_blocks(doc_index, min_documents=len(diff) + 1)
+    n = np.bincount(blocks).astype(np.float64)
+    mean_b = np.bincount(blocks, weights=diff) / n
+    gain = float(diff.mean())
+    return gain, float(np.sqrt(((n * (mean_b - gain)) ** 2).sum()) / len(diff))
 
 
 def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache: bool = False,
@@ -210,9 +233,12 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
         return DefaultMixture(None, f"{rule}: no calibration slice text to check the stored fits' combination on")
     dm = candidates[chosen]
     dm.fit.heldout_loglik = ll
+    gain, se = ll.pop("combined_gain"), ll.pop("combined_gain_se")
     lls = ", ".join(f"{n} {v:.4f}" for n, v in ll.items())
+    lls += f"; the combination's gain over the best alone {gain:+.4f} ± {se:.4f}"
     what = ("the memories' stored fits combined (each at its own odds against the LM)" if chosen == "combined"
-            else f"{chosen}'s stored fit alone (the others at weight 0): it beat their combination")  # fmt: skip
+            else f"{chosen}'s stored fit alone (the others at weight 0): their combination did not beat it by "
+            f"{SE_MARGIN:g} standard errors")  # fmt: skip
     return DefaultMixture(dm, f"{what}, checked on the calibration slices (log-likelihood per token: {lls})")
 
 
