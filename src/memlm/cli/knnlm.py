@@ -319,6 +319,13 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     out: dict[str, Any] = {"mixture": dm.to_dict()}
     if test is None:
         return out
+    from memlm.knnlm.mixture_inputs import dump_components
+
+    if dump_components(test) != dm.mixture.components:
+        print(f"note: the --test dump holds {', '.join(dump_components(test))}, the fit mixes "
+              f"{', '.join(dm.mixture.components)}: the learned mixture is not applied to it (dump both with the "
+              "same memories)", file=sys.stderr)  # fmt: skip
+        return out
     weights = _rule_weights(rule_best, valid.knn_scores is not None)
     knn_taus = [rule_best.get("temperature") or 1.0] + [d["temperature"] for d in rule_best.get("datastores") or []]
     taus = (knn_taus if len(knn_taus) > 1 else knn_taus[0], rule_best.get("cache_temperature") or 1.0)

@@ -220,6 +220,10 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
         return DefaultMixture(None, f"{rule}: {', '.join(missing)} records no fitted mixture (calibrate it)")
     if len(datastores) > 1:
         return DefaultMixture(None, f"{rule}: the stored fits of several datastores are not combined")
+    wide = [f.k for f in fits if f.k is not None and int(f.k) > int(config.k)]
+    if wide:
+        return DefaultMixture(None, f"{rule}: the stored fit reads k={wide[0]} neighbours, this run retrieves "
+                                    f"k={config.k} (give --k {wide[0]} to use it)")  # fmt: skip
     if len(memories) == 1:
         f = fits[0].fit
         return DefaultMixture(fits[0], f"{f.form} ({describe(fits[0])}), stored with {memory_name(memories[0])}'s "
