@@ -198,6 +198,121 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
     assert r.returncode != 0 and "give exactly one --datastore or one --ngram" in r.stderr
 
 
+def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built, tmp_path):
+    """No weight flags: eval applies the datastore's stored mixture, the same mixture_ppl as --mixture stored, and
+    says so in one line; --lambda/--temperature: the fixed weights only (no mixture_ppl), the rule's formula."""
+    from memlm.knnlm.evaluate import TokenScores
+
+    root, ds, _, _ = built
+    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+              "--min-context", "8"]  # fmt: skip
+    r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "default.json"))
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("mixture: ")]
+    assert len(line) == 1 and f"stored with {ds}'s calibration" in line[0], r.stderr
+    r = memlm(*common, "--mixture", "stored", "--json", str(tmp_path / "stored.json"))
+    assert r.returncode == 0, r.stderr
+    default, stored = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("default", "stored"))
+    assert default["mixture_ppl"] == stored["mixture_ppl"] and default["mixture_form"] == stored["mixture_form"]
+    assert default["mixture"]["fit"] == stored["mixture"]["fit"]
+    assert default["intervals"]["mixture_ppl"] == stored["intervals"]["mixture_ppl"]
+    assert default["knn_ppl"] == stored["knn_ppl"]  # the calibrated rule's row beside it, unchanged
+    r = memlm(*common, "--lambda", "0.3", "--temperature", "2", "--json", str(tmp_path / "fixed.json"))
+    assert r.returncode == 0, r.stderr
+    fixed = json.loads((tmp_path / "fixed.json").read_text())
+    assert "mixture_ppl" not in fixed and "mixture" not in fixed and "mixture: " not in r.stderr
+    ts = TokenScores.load(tmp_path / "d.npz")
+    s = ts.knn_scores[:, :16].astype(np.float64) / 2
+    p_knn = np.zeros(len(ts))
+    for i in range(len(ts)):
+        w = np.exp(s[i] - s[i].max())
+        p_knn[i] = w[ts.knn_values[i, :16] == ts.targets[i]].sum() / w.sum()
+    want = np.exp(-np.log(0.7 * np.exp(ts.lm_logprob.astype(np.float64)) + 0.3 * p_knn).mean())
+    assert fixed["knn_ppl"] == pytest.approx(want, rel=1e-5)
+
+
+def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_lm_dir, tmp_path):
+    """A datastore and an ∞-gram index, each calibrated at build: eval with no weight flags scores the calibration
+    slices with both, and applies the combination only if it beats each memory's own fit there, else the best one
+    alone (what it chose is the best on the slices); the mixture_ppl is that candidate's on the eval's dump."""
+    pytest.importorskip("infini_gram")
+    from memlm.core.distribution import perplexity
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.default_mixture import combine
+    from memlm.knnlm.evaluate import TokenScores
+    from memlm.ngram.index import NgramIndex
+    from memlm.storage.datastore import Datastore
+
+    root, ds, _, _ = built
+    ix = tmp_path / "ix"
+    r = memlm("ngram", "build", "--model", str(tiny_lm_dir), "--corpus", str(root / "train.jsonl"), "--out", str(ix),
+              "--window", "32", "--stride", "16")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads((ix / "manifest.json").read_text())["calibration"]["slice"]  # the slice's text is kept
+    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--ngram", str(ix), "--k", "16",
+              "--window", "32", "--min-context", "8", "--allow-overlap"]  # fmt: skip
+    r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "two.json"))
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("mixture: ")]
+    assert len(line) == 1 and "checked on the calibration slices" in line[0], r.stderr
+    res = json.loads((tmp_path / "two.json").read_text())
+    ll = res["mixture"]["fit"]["heldout_loglik"]
+    assert set(ll) == {"combined", "knn", "ngram"}
+    best = max(("knn", "ngram"), key=lambda n: ll[n])
+    combined = "the memories' stored fits combined" in line[0]
+    assert combined or f"{best}'s stored fit alone" in line[0]
+    assert not combined or ll["combined"] > ll[best]  # chosen only when it beats the best alone (by 2 SE)
+    chosen = "combined" if combined else best
+    fits = [stored_mixture(Datastore.open(ds)), stored_mixture(NgramIndex.open(ix))]
+    keep = None if chosen == "combined" else [chosen == "knn", chosen == "ngram"]
+    want = combine(fits, ["knn", "ngram"], keep)
+    assert res["mixture"]["fit"]["mixture"] == want.fit.mixture.to_dict()
+    ts = TokenScores.load(tmp_path / "d.npz")
+    assert res["mixture_ppl"] == pytest.approx(perplexity(want.logprob(ts)), rel=1e-9)
+    # one memory's fit in the space of both gives exactly that memory's stored mixture
+    alone = combine(fits, ["knn", "ngram"], [True, False])
+    np.testing.assert_allclose(alone.logprob(ts).numpy(), _alone(fits[0], ts), rtol=1e-9, atol=1e-12)
+
+
+def _alone(fit, ts) -> np.ndarray:
+    """The stored one-memory fit on a dump of more memories: its own components and features only."""
+    from memlm.mixing.inputs import mixture_inputs
+
+    inp = mixture_inputs(ts, fit.temperature or 1.0, fit.k)
+    cols = [inp.components.index(c) for c in fit.mixture.components]
+    feats = [inp.feature_names.index(f) for f in fit.mixture.feature_names]
+    return fit.mixture.logprob(inp.logprobs[:, cols], inp.features[:, feats]).numpy()
+
+
+def test_python_consumers_default_to_the_stored_fit(built, tiny_lm, capsys):
+    """generate_text, MixtureLogitsProcessor, wrap and MemlmLM with one calibrated datastore and no weights mix by
+    its stored fit (the same text as mixture= that fit) and say so; given λ, τ they keep the fixed-weight rule."""
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.generate import MixtureLogitsProcessor, generate_text
+    from memlm.knnlm.wrap import wrap
+    from memlm.storage.datastore import Datastore
+
+    model, tok = tiny_lm
+    _, ds, _, _ = built
+    fit = stored_mixture(Datastore.open(ds))
+    capsys.readouterr()
+    proc = MixtureLogitsProcessor(model, [str(ds)], k=16)
+    assert proc.fit.to_dict() == fit.to_dict() and proc.mixture.mixture.to_dict() == fit.mixture.to_dict()
+    assert f"stored with {ds}'s calibration" in capsys.readouterr().err
+    assert wrap(model, str(ds), k=16).fit.to_dict() == fit.to_dict()
+    assert wrap(model, str(ds), k=16, lam=0.3, temperature=2.0).fit is None
+    assert MixtureLogitsProcessor(model, [str(ds)], k=16, lam=0.3, temperature=2.0).fit is None
+    kw = {"max_new_tokens": 6, "k": 16}
+    by_default = generate_text(model, tok, ["the history of"], [str(ds)], **kw)
+    assert by_default == generate_text(model, tok, ["the history of"], [str(ds)], mixture=fit, **kw)
+    pytest.importorskip("lm_eval")
+    from memlm.lmeval.model import MemlmLM
+
+    lm = MemlmLM(model, tok, str(ds), window=32, min_context=8)
+    assert lm.fit is not None and lm.fit.to_dict() == fit.to_dict() and lm.mixture.to_dict() == fit.mixture.to_dict()
+    assert MemlmLM(model, tok, str(ds), window=32, min_context=8, lam=0.3, temperature=2.0).fit is None
+
+
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm, monkeypatch):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
@@ -317,6 +432,26 @@ def test_one_file_corpus_is_calibrated_on_its_tail(onefile, tiny_lm):
     assert spans > 100 and shared == 0
     shared, spans = text_overlap(ds, [head], tok)
     assert shared >= 0.95 * spans
+    # the tail is one document: its fit sees it as 512-token blocks (memlm.core.mixture.token_blocks)
+    from memlm.core.mixture import BLOCK_TOKENS
+    from memlm.knnlm.calibration import stored_mixture
+
+    fit = stored_mixture(ds).fit
+    assert cal["tokens"] > BLOCK_TOKENS and fit.documents == -(-cal["tokens"] // BLOCK_TOKENS)
+    assert len(cal["slice"]) == 1 and cal["slice"][0]["text"] == text[hold["tails"][0]["from_char"] :]
+
+
+def test_token_blocks_cut_documents_only_below_the_minimum():
+    """Fewer than 8 documents: each cut into 512-token blocks in order (a document's last block shorter, a short
+    document one block); 8 or more: the index as it is."""
+    from memlm.core.mixture import token_blocks
+
+    doc = np.r_[np.zeros(1100, int), np.ones(100, int), np.full(600, 2)]
+    blocks = token_blocks(doc)
+    assert np.array_equal(np.bincount(blocks), [512, 512, 76, 100, 512, 88])
+    assert (np.diff(blocks) >= 0).all()
+    many = np.repeat(np.arange(8), 700)
+    assert token_blocks(many) is many or np.array_equal(token_blocks(many), many)
 
 
 def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, tmp_path):
@@ -385,7 +520,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     """The fit stored in the manifest is fit_dump's on the held-out dump (τ: the rule's and its grid neighbours):
     same form, τ, sizes, weights and held-out log-likelihoods, and the same log P on every token; the build says what it
     fitted on and warns that the slice is under memlm.core.mixture's minimum sizes."""
-    from memlm.core.mixture import MIN_FIT_TOKENS
+    from memlm.core.mixture import MIN_FIT_TOKENS, token_blocks
     from memlm.knnlm.calibration import near_temperatures, stored_mixture
     from memlm.mixing.dump import DumpMixture, fit_dump
     from memlm.storage.datastore import Datastore
@@ -397,6 +532,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     stored = stored_mixture(ds)
     assert isinstance(stored, DumpMixture) and stored.mixture.components == ("lm", "knn")
     ts = _held_out_dump(ds, docs, tok, model)
+    ts.doc_index = token_blocks(ts.doc_index)  # as calibrate: a slice of few documents in blocks
     again = fit_dump(ts, near_temperatures(cal["grid"]["temperatures"], cal["temperature"]), 16)
     assert (stored.fit.form, stored.temperature, stored.k) == (again.fit.form, again.temperature, 16)
     sizes = ("tokens", "documents", "fit_tokens", "kept_tokens")

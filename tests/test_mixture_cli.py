@@ -47,11 +47,11 @@ def _by_hand(fit: dict, ts: TokenScores) -> np.ndarray:
 def test_tune_gate_fits_every_memory_and_compares_with_the_rule(tmp_path, capsys):
     """A dump with kNN neighbours, an ∞-gram and the cache: the fit mixes all four; on test the mixture's perplexity
     is the stored gate's by hand, the rule's is tune's own test row, each with its interval and paired differences;
-    the small slice is warned about; --mixture rule (the default) writes what tune wrote before."""
+    the small slice is warned about; the gate is the default (no --mixture); --mixture rule writes the rule alone."""
     valid, test = _save(synthetic_dump(0, n=600), tmp_path / "v.npz"), _save(synthetic_dump(1), tmp_path / "t.npz")
     taus = ["1", "3"]
     gate = ["tune", "--valid", valid, "--test", test, "--temperatures", *taus, "--json", str(tmp_path / "g.json")]
-    assert main([*gate, "--mixture", "gate"]) == 0
+    assert main(gate) == 0  # the default form
     err = capsys.readouterr().err
     assert "fitted on 600 tokens (fewer than 4,096)" in err and "12 documents" not in err  # said once, not once per τ
     assert err.count("fewer than 4,096") == 1
@@ -71,7 +71,8 @@ def test_tune_gate_fits_every_memory_and_compares_with_the_rule(tmp_path, capsys
     d = res["differences"]["mixture_ppl vs rule_ppl"]
     assert d["relative_change"] == pytest.approx(res["mixture_ppl"] / res["rule_ppl"] - 1, rel=1e-9)
     assert res["intervals"]["mixture_ppl"]["low"] <= res["mixture_ppl"] <= res["intervals"]["mixture_ppl"]["high"]
-    rule = ["tune", "--valid", valid, "--test", test, "--temperatures", *taus, "--json", str(tmp_path / "r.json")]
+    rule = ["tune", "--valid", valid, "--test", test, "--temperatures", *taus, "--mixture", "rule", "--json",
+            str(tmp_path / "r.json")]  # fmt: skip
     assert main(rule) == 0
     r = json.loads((tmp_path / "r.json").read_text())
     assert "mixture" not in r and r["test"] == g["test"] and r["valid"]["best"] == g["valid"]["best"]
@@ -114,16 +115,15 @@ def test_a_gate_fitted_where_it_overfits_ends_no_worse_than_the_lm_on_test(tmp_p
     so the learned mixture is no worse than the LM on test."""
     valid = _save(_unrepresentative(0, docs=8, right_in=6), tmp_path / "v.npz")
     test = _save(_unrepresentative(1, docs=4, right_in=0), tmp_path / "t.npz")
-    assert (
-        main(["tune", "--valid", valid, "--test", test, "--mixture", "gate", "--json", str(tmp_path / "g.json")]) == 0
-    )
+    assert main(["tune", "--valid", valid, "--test", test, "--json", str(tmp_path / "g.json")]) == 0  # the default
     g = json.loads((tmp_path / "g.json").read_text())
     fit, res = g["mixture"]["fit"], g["mixture_test"]
     assert fit["heldout_loglik"]["gate"] < fit["heldout_loglik"]["lm"]  # the gate fitted on 6 documents loses there
     assert fit["form"] == "lm" and res["form"] == "lm"
     assert res["rule_ppl"] > 1.05 * res["base_ppl"]  # the tuned λ's hurt on test, by more than 5%
     assert res["mixture_ppl"] <= res["base_ppl"] * (1 + 1e-12)
-    assert "tokens (fewer than 4,096)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tokens (fewer than 4,096)" in err and "falls back to the LM alone" in err
 
 
 def test_rule_logprob_is_each_rules_formula():

@@ -45,7 +45,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     """The stored fit is fit_dump's on the held-out dump scored again here (LM + this ∞-gram): same form, sizes,
     weights, log P per token; λ_sparse / λ_dense are still recorded beside it; the build says what it fitted on and
     warns below memlm.core.mixture's sizes, with the fix."""
-    from memlm.core.mixture import MIN_FIT_TOKENS
+    from memlm.core.mixture import MIN_FIT_TOKENS, token_blocks
     from memlm.knnlm.evaluate import lm_scores
     from memlm.mixing.dump import DumpMixture, fit_dump
     from memlm.ngram.mixture import add_ngram
@@ -62,6 +62,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     _, held, _ = holdout_split(docs, tok, 0.1)
     ts, _, _ = lm_scores(model, tok, held, window=64, stride=32, progress=False)
     add_ngram(ts, held, tok, NgramMemory(index))
+    ts.doc_index = token_blocks(ts.doc_index)  # as calibrate_ngram: a slice of few documents in blocks
     again = fit_dump(ts, (1.0,))
     sizes = ("form", "tokens", "documents", "fit_tokens", "kept_tokens")
     assert [getattr(stored.fit, s) for s in sizes] == [getattr(again.fit, s) for s in sizes]

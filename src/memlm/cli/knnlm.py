@@ -120,12 +120,26 @@ def cmd_eval(args: argparse.Namespace) -> None:
         mixed = mixture_result(stored_eval_mixture(args, stores, ngram), ts, res, "the memory's build-time calibration")
     elif args.mixture:
         mixed = mixture_result(load_mixture(args.mixture), ts, res, args.mixture)
+    elif not weights_given(args) and (stores or ngram is not None):
+        from memlm.knnlm.default_mixture import default_mixture
+
+        chosen = default_mixture(model, tok, stores, ngram, config, cache=args.cache, batch_size=args.batch_size)
+        chosen.announce()
+        if chosen.fit is not None:
+            mixed = mixture_result(chosen.fit, ts, res, chosen.origin)
     res.update({k: v for k, v in mixed.items() if k != "mixture"})
     _print_result(res)
     res["leakage"] = leakage
     if mixed:
         res["mixture"] = mixed["mixture"]  # the fit applied, recorded (not printed)
     write_json(args.json, res)
+
+
+def weights_given(args: argparse.Namespace) -> bool:
+    """Whether the command line sets a weight (--lambda, --temperature, --ngram-lambda-sparse / -dense): then the
+    fixed-weight rule of those values, and no default mixture."""
+    names = ("lam", "temperature", "ngram_lambda_sparse", "ngram_lambda_dense")
+    return any(getattr(args, n, None) is not None for n in names)
 
 
 def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
@@ -213,7 +227,10 @@ def cmd_tune(args: argparse.Namespace) -> None:
         out = ngram_cli.tune_with_ngram(args, valid, test, leakage)
     else:
         out = _tune_rule(args, valid, test, leakage)
-    if args.mixture == "gate":
+    if args.mixture == "gate" and valid.lm_entropy is None:
+        print("note: this dump has no LM entropy / max log-prob (written by an older memlm): the fixed-weight rule "
+              "only; rerun memlm eval --dump for the learned mixture", file=sys.stderr)  # fmt: skip
+    elif args.mixture == "gate":
         out.update(tune_mixture(args, valid, test, out["valid"]["best"]))
     write_json(args.json, out)
 
@@ -300,8 +317,19 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     )
     for w in fit.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    if fit.form == "lm":
+        print(f"warning: the learned mixture falls back to the LM alone: on the {fit.kept_tokens:,} valid tokens kept "
+              "apart neither constant weights nor the gate beat the LM (fitted on the rest); the fixed-weight rule "
+              "tuned on the same valid dump may do worse than the LM on other text", file=sys.stderr)  # fmt: skip
     out: dict[str, Any] = {"mixture": dm.to_dict()}
     if test is None:
+        return out
+    from memlm.mixing.inputs import dump_components
+
+    if dump_components(test) != dm.mixture.components:
+        print(f"note: the --test dump holds {', '.join(dump_components(test))}, the fit mixes "
+              f"{', '.join(dm.mixture.components)}: the learned mixture is not applied to it (dump both with the "
+              "same memories)", file=sys.stderr)  # fmt: skip
         return out
     weights = _rule_weights(rule_best, valid.knn_scores is not None)
     knn_taus = [rule_best.get("temperature") or 1.0] + [d["temperature"] for d in rule_best.get("datastores") or []]
@@ -345,6 +373,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         common.check_prompt_leakage(args, ds, ngrams if i == 0 else None, tok)
     torch.manual_seed(args.seed)
     config = RetrievalConfig(k=args.k, lam=args.lam, temperature=args.temperature)
+    if fit is None:
+        from memlm.knnlm.default_mixture import library_default
+
+        fit = library_default(model, tok, [*datastores, *ngrams], weights_given(args), config)  # the stored fits
     steps = memory_steps([*datastores, *ngrams], config, fit, record=args.show_neighbours > 0,
                          ngram_lambdas=ngram_lambdas, announce=fit is None)  # fmt: skip
     proc = MixtureLogitsProcessor(model, steps, fit)
@@ -580,7 +612,9 @@ def add_parsers(sub) -> None:
         metavar="FIT.json|stored",
         help="also score the learned mixture fitted by memlm tune --mixture gate --json FIT.json (same memories: "
         "--datastore, each --ngram in order, --cache) and report mixture_ppl beside the fixed-weight rows; stored: the "
-        "one memory's own fit, made when it was built or calibrated",
+        "one memory's own fit, made when it was built or calibrated. Without --mixture and without --lambda, "
+        "--temperature or --ngram-lambda-*: the memories' stored fits (one: its own; several: combined and checked "
+        "on their calibration slices), said in one line",
     )
     ngram_cli.add_eval_args(e)
     e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
@@ -597,11 +631,11 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--mixture",
         choices=["rule", "gate"],
-        default="rule",
-        help="rule: the fixed weights grid-searched (default); gate: also the learned mixture of every memory of the "
-        "dump (per-token weights from a small gate, fitted on valid with part of it kept apart, "
-        "docs/results/mixture.md), "
-        "applied to --test beside the rule; its fit goes into --json for memlm eval --mixture",
+        default="gate",
+        help="gate (default): the guarded learned mixture of every memory of the dump (the LM alone, constant "
+        "weights or per-token weights from a small gate, whichever the part of valid kept apart prefers; "
+        "docs/results/mixture.md), applied to --test beside the fixed-weight rule; its fit goes into --json for "
+        "memlm eval --mixture; rule: the fixed weights grid-searched, alone",
     )
     common.add_allow_overlap(t)
     ngram_cli.add_tune_args(t)

@@ -56,6 +56,8 @@ __all__ = [
     "fit_guarded",
     "gate_objective",
     "kept_apart",
+    "token_blocks",
+    "BLOCK_TOKENS",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,9 @@ e^-700 < 1e-304, below float64's precision beside the LM's term (log p_LM > -700
 # worse than the LM's).
 MIN_FIT_TOKENS = 4096
 MIN_FIT_DOCUMENTS = 8
+BLOCK_TOKENS = 512
+"""The size of the blocks a slice of few documents is cut into (:func:`token_blocks`): a 4,096-token slice (the
+calibration's smallest) gives 8 blocks, the fit's minimum number of documents."""
 _MIN_SPLIT_DOCUMENTS = 4  # fewer documents: the kept part is the last tokens, not the last documents
 _MIN_WEIGHT = 1e-12  # EM weights below this start the gate at log(1e-12), not at -inf
 
@@ -374,6 +379,24 @@ def kept_apart(doc_index: Any, share: float) -> tuple[np.ndarray, str]:
         return np.isin(doc, keep), "documents"
     n_keep = min(len(doc) - 1, max(1, round(share * len(doc))))
     return np.arange(len(doc)) >= len(doc) - n_keep, "tokens"
+
+
+def token_blocks(doc_index: Any, min_documents: int = MIN_FIT_DOCUMENTS, size: int = BLOCK_TOKENS) -> np.ndarray:
+    """The units a fit and its bootstrap treat as documents: ``doc_index`` itself when it holds ``min_documents``
+    documents or more, else each document cut into blocks of ``size`` consecutive tokens (the last block of a
+    document may be shorter; a document of fewer tokens stays one block). A calibration slice of one file is one
+    document (its tail); cut this way, its kept-apart part is its last blocks and its intervals resample blocks.
+    Tokens of one block are still correlated with its neighbours, so these intervals are narrower than intervals
+    over real documents would be. Returns a new index ``[N]`` (0, 1, ... in token order)."""
+    doc = np.asarray(doc_index)
+    if doc.ndim != 1 or len(np.unique(doc)) >= min_documents:
+        return doc
+    if size < 1:
+        raise MemlmError(f"the block size must be >= 1 token, got {size}")
+    new_doc = np.r_[True, doc[1:] != doc[:-1]] if len(doc) else np.zeros(0, dtype=bool)
+    start = np.maximum.accumulate(np.where(new_doc, np.arange(len(doc)), 0))  # each token's document start
+    block = (np.arange(len(doc)) - start) // size
+    return np.unique(np.stack([np.cumsum(new_doc), block]), axis=1, return_inverse=True)[1].reshape(-1)
 
 
 def _standardised(ft: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

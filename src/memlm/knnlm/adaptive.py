@@ -26,6 +26,15 @@ Features (:data:`FEATURE_NAMES`, :func:`gate_features`), all from the LM's own f
 the signal in their ablation and are free to compute.) Features are standardised with the training set's mean and
 standard deviation, stored in the gate. Training is full-batch (or seeded mini-batch) Adam from a seeded
 initialisation: the same data and seed give bit-identical gates on the same machine.
+
+**It stays a separate efficiency strategy, not a use of the stored mixture's weights.** The learned mixture
+(:mod:`memlm.core.mixture`, the default weights of every consumer) reads features of the retrieval itself (the best
+neighbour's score, the log-sum-exp of the scores, the top value's share), so its weight is known only after the
+search; a gate that decides *whether to search* can read only what exists before it, the LM's own forward pass. Its
+λ here is used for that decision (and, where the search runs, as the kNN-LM's weight, as He et al. do); which
+weights mix the searched tokens is the mixture's business, and skipping a search is a trade of perplexity for time
+that the mixture's maximum-likelihood fit never makes. Folding the two would either make the mixture blind to the
+retrieval (worse weights) or make the skip decision depend on a search already paid for (no saving).
 """
 
 from __future__ import annotations

@@ -17,9 +17,13 @@ datastore (``manifest.json`` → ``calibration``; the fit under ``calibration.mi
 :func:`stored_mixture`). The slice is part of the build's settings: a rerun with another ``--holdout`` (or over a
 datastore built without one) is refused, never calibrated on text inside the datastore; such a datastore is
 calibrated on text the user names (``memlm datastore calibrate DS --corpus FILE``). ``memlm eval``, ``generate``,
-the lm-eval adapter and the Python API take those values when none are given (:func:`knn_parameters`), say which
-they used and where they came from, and add one notice when they search with another k, mode or index than the
-calibration did.
+the lm-eval adapter and the Python API mix by the stored fit when no weights are given
+(:mod:`memlm.knnlm.default_mixture`: one memory's fit as it is, several memories' fits combined and checked on their
+calibration slices, whose text is kept under ``calibration.slice``); λ and τ remain the fixed-weight rule of
+``--lambda`` / ``--temperature`` and of eval's comparison rows (:func:`knn_parameters`, which says which values it
+used and where they came from, and adds one notice when the run searches with another k, mode or index than the
+calibration did). A slice of fewer than 8 documents (a one-file corpus: its tail) is cut into 512-token blocks
+that the fit's kept part and its intervals treat as documents (:func:`memlm.core.mixture.token_blocks`).
 
 The slice is in-domain text the datastore has not seen, so its λ/τ are a good default for text like the datastore's
 corpus. For text from another domain (domain adaptation, or a datastore much larger than the slice's context), tune on
@@ -63,6 +67,7 @@ __all__ = [
     "has_stored_mixture",
     "stored_mixture",
     "index_identity",
+    "slice_record",
     "knn_parameters",
     "tune_widening",
 ]
@@ -239,6 +244,17 @@ def holdout_split(
     return kept, held, out
 
 
+SLICE_MAX_CHARACTERS = 400_000  # a calibration keeps its text up to this size (a named corpus may be larger)
+
+
+def slice_record(held_out: Sequence) -> dict[str, Any]:
+    """``{"slice": [{"id", "text"}, ...]}``: the text a calibration scored, kept with it so that a later run over
+    several memories can score each memory's slice with all of them (:mod:`memlm.knnlm.default_mixture`'s guard);
+    empty when the text is over :data:`SLICE_MAX_CHARACTERS`."""
+    docs = [{"id": str(d.id), "text": d.text} for d in held_out]
+    return {"slice": docs} if sum(len(d["text"]) for d in docs) <= SLICE_MAX_CHARACTERS else {}
+
+
 def index_identity(datastore, index_path: str | Path | None = None) -> dict[str, Any] | None:
     """What identifies the index a datastore is searched with: its file (a name inside the datastore's folder, else
     the path), factory, metric and sampled checksum (from the sidecar ``index.faiss.json``); ``None`` if it has none."""
@@ -333,6 +349,7 @@ def calibrate(
     """
     import numpy as np
 
+    from memlm.core.mixture import token_blocks
     from memlm.data.windows import doc_hash
     from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
     from memlm.mixing.dump import fit_dump
@@ -359,6 +376,7 @@ def calibrate(
     add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=nprobe, progress=progress)
     best, grid = tune_widening(ts)
     res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
+    ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     mixture = fit_dump(ts, near_temperatures(grid["temperatures"], best["temperature"]), k)
     return {
         "lambda": float(best["lambda"]),
@@ -378,6 +396,7 @@ def calibrate(
         "seconds": time.perf_counter() - t0,
         "count": len(datastore),
         **({"text": text} if text is not None else {}),
+        **slice_record(held_out),
     }
 
 
@@ -568,6 +587,8 @@ def calibration_summary(memory) -> dict[str, Any] | None:
     if cal is None:
         return None
     out = dict(cal)
+    if out.get("slice") is not None:  # the text itself is not shown: its documents and size
+        out["slice"] = {"documents": len(cal["slice"]), "characters": sum(len(d["text"]) for d in cal["slice"])}
     if cal.get("mixture") is not None:
         try:
             out["mixture"] = mixture_summary(_read_fit(owner, kind, cal["mixture"]))
@@ -638,6 +659,7 @@ def calibrate_ngram(
 
     Returns the record ``memlm ngram build`` stores in the index's ``manifest.json`` → ``calibration`` (the fit under
     ``mixture``, read back by :func:`stored_mixture`)."""
+    from memlm.core.mixture import token_blocks
     from memlm.knnlm.evaluate import lm_scores
     from memlm.mixing.dump import fit_dump
     from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
@@ -650,6 +672,7 @@ def calibrate_ngram(
     )
     add_ngram(ts, held_out, tokenizer, memory)
     best = tune_ngram(ts)["best"]
+    ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
     return {
         "lambda_sparse": best["lambda_sparse"],
@@ -663,4 +686,5 @@ def calibrate_ngram(
         "window": window,
         "stride": stride,
         "seconds": time.perf_counter() - t0,
+        **slice_record(held_out),
     }

@@ -154,7 +154,9 @@ class MixtureLogitsProcessor(LogitsProcessor):
 
     ``mixture``: a fit (:class:`memlm.mixing.dump.DumpMixture`, its record or JSON file: its τ and k set the
     kNN terms; a :class:`Mixture`), refused with one MemlmError, before any step, when it was fitted on other
-    memories; None: the fixed-weight rule of each memory's weights. ``config``
+    memories; None: with no weights given and one memory, its stored fit
+    (:func:`memlm.knnlm.default_mixture.library_default`; ``default=False``: not looked up), else the fixed-weight
+    rule of each memory's weights (steps already made keep theirs). ``config``
     (:class:`memlm.core.config.RetrievalConfig`; default its defaults, k = :data:`~memlm.core.config.DEFAULT_K`
     as every path) gives k, λ, τ and
     nprobe (λ, τ None: each datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``),
@@ -165,10 +167,19 @@ class MixtureLogitsProcessor(LogitsProcessor):
     """
 
     def __init__(self, model, memories: Sequence, mixture: Any = None, config: RetrievalConfig | None = None, *,
-                 index=None, record: bool = False, **options: Any) -> None:  # fmt: skip
+                 index=None, record: bool = False, default: bool = True, **options: Any) -> None:  # fmt: skip
         ngram_lambdas = options.pop("ngram_lambdas", None) or (None, None)
         self.config = RetrievalConfig.with_options(config, **options)
         fit = load_fit(mixture)
+        given = (
+            self.config.lam is not None
+            or self.config.temperature is not None
+            or any(w is not None for w in ngram_lambdas)
+        )
+        if fit is None and default:
+            from memlm.knnlm.default_mixture import library_default
+
+            fit = library_default(None, None, list(memories), given)  # no weights given: one memory's stored fit
         dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
         steps = memory_steps(memories, self.config, dump_fit, index=index, record=record, ngram_lambdas=ngram_lambdas)
         self.model, self.fit = model, dump_fit
@@ -327,9 +338,18 @@ def generate_text(
     config = RetrievalConfig.with_options(config, **retrieval_options)
     if streamer is not None and len(prompts) * decoding.num_beams != 1:
         raise MemlmError("streaming shows one sequence: pass one prompt and num_beams=1 to stream")
+    if processor is None and items and mixture is None:
+        from memlm.knnlm.default_mixture import library_default
+
+        given = (
+            config.lam is not None
+            or config.temperature is not None
+            or any(w is not None for w in step_options.get("ngram_lambdas") or ())
+        )
+        mixture = library_default(model, tokenizer, items, given, config)  # no weights given: the stored fits
     if processor is None and items:
         processor = MixtureLogitsProcessor(model, items, mixture, config, index=step_options.get("index"),
-                                           ngram_lambdas=step_options.get("ngram_lambdas"))  # fmt: skip
+                                           ngram_lambdas=step_options.get("ngram_lambdas"), default=False)  # fmt: skip
         if processor.mixture.lm_alone:  # every memory at weight 0 (λ = 0): the LM's own distribution
             processor = None
     token_prompts = [

@@ -46,8 +46,10 @@ class KNNLM:
 
     ``memories``: datastores, memories with a ``key_spec`` and ∞-gram indexes, one list
     (:func:`memlm.knnlm.generate.memory_steps`; ``ngram``: more indexes); ``mixture``: a fit (its τ and k set
-    the kNN terms) or None (the fixed-weight rule: ``lam`` / ``temperature`` one value or one per datastore,
-    ``ngram_lambdas`` ``(λ_sparse, λ_dense)``, each one value or one per index; unset: calibrated)."""
+    the kNN terms) or None (no weights given: the memories' stored fits,
+    :func:`memlm.knnlm.default_mixture.library_default`, several of them combined only given ``tokenizer``; else
+    the fixed-weight rule: ``lam`` / ``temperature`` one value or one per datastore, ``ngram_lambdas``
+    ``(λ_sparse, λ_dense)``, each one value or one per index; unset: calibrated)."""
 
     def __init__(
         self,
@@ -60,12 +62,18 @@ class KNNLM:
         nprobe: int = 32,
         ngram: Any = None,
         ngram_lambdas: tuple[Any, Any] = (None, None),
+        tokenizer: Any = None,
     ) -> None:
         self.model = model
         config = RetrievalConfig(k=int(k), lam=lam, temperature=temperature, nprobe=int(nprobe))
         fit = load_fit(mixture)
-        dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
         items = [*_as_list(memories), *_as_list(ngram)]
+        if fit is None:
+            from memlm.knnlm.default_mixture import library_default
+
+            given = lam is not None or temperature is not None or any(w is not None for w in ngram_lambdas)
+            fit = library_default(model, tokenizer, items, given, config)  # no weights given: the stored fits
+        dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
         steps = memory_steps(items, config, dump_fit, ngram_lambdas=ngram_lambdas, announce=True)
         self.mixture = StepMixture(steps, fit if dump_fit is None else dump_fit.mixture)
         self.fit = dump_fit
@@ -168,4 +176,4 @@ def wrap(model, datastore: Any = None, **options: Any) -> KNNLM:
             memories[i] = item = open_datastore(item)
         if not is_ngram_index(item) and not isinstance(item, DatastoreStep):
             _check_model(model, item, tokenizer)
-    return KNNLM(model, memories, **options)
+    return KNNLM(model, memories, tokenizer=tokenizer, **options)

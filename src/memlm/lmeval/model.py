@@ -53,6 +53,7 @@ nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,6 +228,15 @@ class MemlmLM(TemplateLM):
                              "drop mixture= to mix with the fixed weights")  # fmt: skip
         dense, ngrams = _split_memories(datastore, ngram, memories, ngram_options.get("ngram_max_n"))
         self.cache = config.cache
+        default = self.fit is None and not given and len(dense) + len(ngrams) > 1 and not self.cache
+        if self.fit is None and len(dense) + len(ngrams) == 1:
+            from memlm.knnlm.default_mixture import stored_default
+
+            self.fit = stored_default([*dense, *ngrams], bool(given), self.cache)  # one memory: its stored fit
+            if self.fit is not None and self.fit.k is not None and retrieval.get("k") not in (None, self.fit.k):
+                print(f"mixture: the fixed-weight rule instead: k={retrieval['k']} given, the stored fit was made "
+                      f"with k={self.fit.k}", file=sys.stderr)  # fmt: skip
+                self.fit = None
         self.ngram_names = [component_name("ngram", r) for r in range(len(ngrams))]
         self.components = ("lm", *(component_name("knn", r) for r in range(len(dense))), *self.ngram_names,
                            *(["cache"] if self.cache else []))  # fmt: skip
@@ -238,6 +248,11 @@ class MemlmLM(TemplateLM):
         elif tokenizer is None:
             raise MemlmError("MemlmLM got a loaded model but no tokenizer: pass tokenizer= as well")
         self.model, self.tokenizer = model.eval(), tokenizer
+        if default:  # several memories, no weights given: their stored fits combined and checked on their slices
+            from memlm.knnlm.default_mixture import library_default
+
+            self.fit = library_default(model, tokenizer, [*dense, *ngrams], False, config)
+            self._check_fit()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         config = self._open_dense(dense, config, weights, retrieval.get("k"))
         self.window, self.min_context = int(config.window or DEFAULT_WINDOW), int(config.min_context or 0)

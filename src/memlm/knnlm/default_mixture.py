@@ -1,0 +1,323 @@
+"""The weights every consumer uses when none are given: the memories' own calibrated mixtures.
+
+Each memory's calibration (``memlm datastore build`` / ``calibrate``, ``memlm ngram build``) stores one guarded
+mixture of the LM and that memory (:func:`memlm.knnlm.calibration.stored_mixture`; :func:`memlm.core.mixture.
+fit_guarded`, τ and k of a datastore searched on a small grid). Without ``--lambda``, ``--temperature``,
+``--ngram-lambda-sparse`` / ``--ngram-lambda-dense`` or ``--mixture``:
+
+* **one memory**: its stored fit, as it is (what ``memlm eval --mixture stored`` applied);
+* **several memories**, each calibrated against the LM alone: their fits are combined into one mixture of every
+  component by the rule *each memory keeps its own odds against the LM* (:func:`combine`)::
+
+      λ_0(c) ∝ 1,   λ_i(c) ∝ exp(a_i(c)),   a_i(c) = W_i z_i(c) + b_i  (memory i's gate, relative to the LM)
+
+  so a memory's weight relative to the LM is what its own calibration chose, and the LM's share shrinks as more
+  memories vouch for the token. Memories that predict the same tokens then take too much from the LM, so the
+  combination is **guarded** (:func:`choose`): each memory's calibration slice (the text it was fitted on, stored
+  with it) is scored once with the LM and every memory, and the combination is used only if its mean
+  log-likelihood per token there beats the best single memory's own mixture (the others at weight 0) by more than
+  two standard errors (:func:`paired_gain`); otherwise the best single memory's mixture is used. Slice documents
+  another memory holds (by text hash or the 13-gram rule of :mod:`memlm.leakage`) are left out, and a text held out
+  by several memories is scored once.
+
+Where no fit can be used (a memory without a stored fit, several datastores, the continuous cache, whose weight no
+calibration fits) the fixed-weight rule of the calibrated λ's is used, as before, and the line says so.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memlm.core.mixture import FitOptions, Mixture, MixtureFit
+
+__all__ = [
+    "DefaultMixture",
+    "choose",
+    "combine",
+    "default_mixture",
+    "library_default",
+    "memory_name",
+    "stored_default",
+    "stored_fits",
+]
+
+
+@dataclass
+class DefaultMixture:
+    """The mixture chosen (``fit``: a :class:`~memlm.mixing.dump.DumpMixture`, None: the fixed-weight rule)
+    and ``origin``, the one line that says which and where it came from."""
+
+    fit: Any
+    origin: str
+
+    def announce(self, file=None) -> None:
+        print(f"mixture: {self.origin}", file=file or sys.stderr, flush=True)
+
+
+def memory_name(memory) -> str:
+    """A memory's folder, for messages."""
+    for owner in (memory, getattr(memory, "datastore", None), getattr(memory, "index", None)):
+        if owner is not None and getattr(owner, "path", None) is not None:
+            return str(owner.path)
+    return type(memory).__name__
+
+
+def stored_fits(memories: Sequence) -> list:
+    """Each memory's stored fit (:func:`memlm.knnlm.calibration.stored_mixture`; None where it has none, or where
+    the memory is not one that records a calibration)."""
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import _calibrated, stored_mixture
+
+    out = []
+    for m in memories:
+        try:
+            _calibrated(m)
+        except MemlmError:
+            out.append(None)
+            continue
+        out.append(stored_mixture(m))
+    return out
+
+
+def _own_features(fit, name: str) -> list[tuple[str, str]]:
+    """``(stored name, name in the combination)`` of a one-memory fit's features: the LM's as they are, the memory's
+    renamed from its kind (``knn_*``, ``ngram_*``) to its component (``knn2_*``, ``ngram2_*``)."""
+    kind = fit.mixture.components[1]
+    out = []
+    for f in fit.mixture.feature_names:
+        out.append((f, f if f.startswith("lm_") else name + f[len(kind) :]))
+    return out
+
+
+def combine(fits: Sequence, names: Sequence[str], keep: Sequence[bool] | None = None):
+    """One :class:`~memlm.mixing.dump.DumpMixture` of the LM and every memory from their one-memory fits
+    (``fits[i]`` mixes ``lm`` and memory ``names[i]``), each memory at its own odds against the LM (module
+    docstring); ``keep[i]`` False puts memory i at weight 0 (``b_i = -inf``: one memory's fit in the space of all).
+
+    The combination standardises the LM's features as the first fit does and each memory's as its own fit: memory
+    i's logit ``W_i (φ - m_i) / s_i + b_i`` is rewritten exactly on those (``W'_f = W_if s_f / s_if``,
+    ``b'_i = b_i + Σ_f W_if (m_f - m_if) / s_if``)."""
+    from memlm.mixing.dump import DumpMixture
+
+    keep = [True] * len(fits) if keep is None else list(keep)
+    lm_names = [f for f in fits[0].mixture.feature_names if f.startswith("lm_")]
+    first = fits[0].mixture
+    mean = {f: first.mean[first.feature_names.index(f)] for f in lm_names}
+    std = {f: first.std[first.feature_names.index(f)] for f in lm_names}
+    for fit, name in zip(fits, names, strict=True):
+        for old, new in _own_features(fit, name):
+            if not new.startswith("lm_"):
+                i = fit.mixture.feature_names.index(old)
+                mean[new], std[new] = fit.mixture.mean[i], fit.mixture.std[i]
+    feature_names = list(mean)
+    W = np.zeros((len(fits) + 1, len(feature_names)))
+    b = np.zeros(len(fits) + 1)
+    for r, (fit, name, on) in enumerate(zip(fits, names, keep, strict=True), 1):
+        m = fit.mixture
+        b[r] = m.b[1] if on else -math.inf
+        if not on or math.isinf(m.b[1]):
+            continue
+        for (old, new), w in zip(_own_features(fit, name), m.W[1], strict=True):
+            i = m.feature_names.index(old)
+            W[r, feature_names.index(new)] = w * std[new] / m.std[i]
+            b[r] += w * (mean[new] - m.mean[i]) / m.std[i]
+    form = "gate" if W.any() else "constant" if np.isfinite(b[1:]).any() else "lm"
+    mixture = Mixture(("lm", *names), tuple(feature_names), W, b, np.asarray(list(mean.values())),
+                      np.asarray(list(std.values())), form)  # fmt: skip
+    used = [f.fit for f, on in zip(fits, keep, strict=True) if on] or [fits[0].fit]
+    record = MixtureFit(mixture, sum(f.tokens for f in used), sum(f.documents for f in used),
+                        sum(f.fit_tokens for f in used), sum(f.kept_tokens for f in used), "combined", {},
+                        [], [w for f in used for w in f.warnings], FitOptions())  # fmt: skip
+    knn = [f for f, n in zip(fits, names, strict=True) if n.startswith("knn")]
+    return DumpMixture(record, knn[0].temperature if knn else None, knn[0].k if knn else None)
+
+
+def _slices(memories: Sequence, tokenizer, datastore, ngram) -> list:
+    """The documents of every memory's calibration slice (the same text once), less those another memory holds."""
+    from memlm.data.corpora import Document
+    from memlm.knnlm.calibration import _calibrated, _current_calibration
+    from memlm.leakage import Evaluated, _memories, find_overlap
+
+    seen, docs = set(), []
+    for memory in memories:
+        owner, kind = _calibrated(memory)
+        for d in (_current_calibration(owner, counted=kind == "knn") or {}).get("slice") or []:
+            if d["text"] not in seen:
+                seen.add(d["text"])
+                docs.append(Document(d["id"], d["text"]))
+    held = _memories(datastore, ngram)
+    return [d for d in docs if not find_overlap(Evaluated([d]), held, tokenizer)[0]]
+
+
+def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_size: int = 4) -> tuple[str, dict]:
+    """The guard (module docstring): ``(name of the candidate chosen, {candidate: mean log-likelihood per token on
+    the slices})``; ``candidates`` by name, ``"combined"`` and one per memory. ``("", {})`` when there is no slice
+    text left to score (then the caller falls back to the rule)."""
+    import dataclasses
+
+    from memlm.knnlm.evaluate import score_tokens
+
+    memories = [*([] if datastore is None else [datastore]), *getattr(ngram, "memories", [ngram] if ngram else [])]
+    docs = _slices(memories, tokenizer, datastore, ngram)
+    if not docs:
+        return "", {}
+    k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
+    cfg = dataclasses.replace(config, k=k, cache=False)
+    ts = score_tokens(model, tokenizer, docs, datastore, cfg, batch_size=batch_size, progress=False, ngram=ngram)
+    lp = {name: c.logprob(ts, "the calibration slices").numpy() for name, c in candidates.items()}
+    ll = {name: float(v.mean()) for name, v in lp.items()}
+    singles = {n: v for n, v in ll.items() if n != "combined"}
+    best = max(singles, key=lambda n: singles[n])
+    gain, se = paired_gain(lp["combined"] - lp[best], ts.doc_index)
+    ll.update(combined_gain=gain, combined_gain_se=se)
+    return ("combined" if gain > SE_MARGIN * se and gain > 0 else best), ll
+
+
+SE_MARGIN = 2.0
+"""The combination is chosen only if its gain over the best single memory on the slices is more than this many
+standard errors (:func:`paired_gain`): a gain within the noise of a few thousand tokens does not carry over."""
+
+
+def paired_gain(diff, doc_index) -> tuple[float, float]:
+    """``(D, SE)``: the mean per-token log-likelihood gain ``D = mean_t d_t`` and its standard error over 512-token
+    blocks (:func:`memlm.core.mixture.token_blocks`, every document cut; tokens of one block are correlated, blocks
+    are treated as independent): ``SE = sqrt(Σ_b n_b^2 (d̄_b - D)^2) / N``, the cluster-robust error of a mean."""
+    from memlm.core.mixture import token_blocks
+
+    diff = np.asarray(diff, dtype=np.float64)
+    blocks = token_blocks(doc_index, min_documents=len(diff) + 1)
+    n = np.bincount(blocks).astype(np.float64)
+    mean_b = np.bincount(blocks, weights=diff) / n
+    gain = float(diff.mean())
+    return gain, float(np.sqrt(((n * (mean_b - gain)) ** 2).sum()) / len(diff))
+
+
+def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache: bool = False,
+                    batch_size: int = 4) -> DefaultMixture:  # fmt: skip
+    """The mixture a run uses when no weights are given (module docstring): ``datastores`` (open), ``ngram`` (an
+    :class:`~memlm.ngram.memory.NgramMemory`, ``NgramMemories`` or None), ``config`` the run's retrieval settings
+    (its k and windows score the calibration slices when several memories are combined)."""
+    from memlm.mixing.inputs import component_name, ngram_component
+
+    ngrams = list(getattr(ngram, "memories", [ngram] if ngram is not None else []))
+    memories = [*datastores, *ngrams]
+    names = [component_name("knn", r) for r in range(len(datastores))]
+    names += [ngram_component(r) for r in range(len(ngrams))]
+    rule = "the fixed-weight rule of each memory's calibrated λ (as with --lambda / --ngram-lambda-*)"
+    if not memories:
+        return DefaultMixture(None, "the LM alone (no memory)")
+    if cache:
+        return DefaultMixture(None, f"{rule}: no calibration fits the cache's weight")
+    fits = stored_fits(memories)
+    missing = [memory_name(m) for m, f in zip(memories, fits, strict=True) if f is None]
+    if missing:
+        return DefaultMixture(None, f"{rule}: {', '.join(missing)} records no fitted mixture (calibrate it)")
+    if len(datastores) > 1:
+        return DefaultMixture(None, f"{rule}: the stored fits of several datastores are not combined")
+    wide = [f.k for f in fits if f.k is not None and int(f.k) > int(config.k)]
+    if wide:
+        return DefaultMixture(None, f"{rule}: the stored fit reads k={wide[0]} neighbours, this run retrieves "
+                                    f"k={config.k} (give --k {wide[0]} to use it)")  # fmt: skip
+    if len(memories) == 1:
+        f = fits[0].fit
+        return DefaultMixture(fits[0], f"{f.form} ({describe(fits[0])}), stored with {memory_name(memories[0])}'s "
+                                       f"calibration on {f.tokens:,} held-out tokens")  # fmt: skip
+    candidates = {"combined": combine(fits, names)}
+    for i, name in enumerate(names):
+        candidates[name] = combine(fits, names, [j == i for j in range(len(names))])
+    chosen, ll = choose(candidates, model, tokenizer, datastores[0] if datastores else None,
+                        ngram if ngrams else None, config, batch_size)  # fmt: skip
+    if not chosen:
+        return DefaultMixture(None, f"{rule}: no calibration slice text to check the stored fits' combination on")
+    dm = candidates[chosen]
+    dm.fit.heldout_loglik = ll
+    gain, se = ll.pop("combined_gain"), ll.pop("combined_gain_se")
+    lls = ", ".join(f"{n} {v:.4f}" for n, v in ll.items())
+    lls += f"; the combination's gain over the best alone {gain:+.4f} ± {se:.4f}"
+    what = ("the memories' stored fits combined (each at its own odds against the LM)" if chosen == "combined"
+            else f"{chosen}'s stored fit alone (the others at weight 0): their combination did not beat it by "
+            f"{SE_MARGIN:g} standard errors")  # fmt: skip
+    return DefaultMixture(dm, f"{what}, checked on the calibration slices (log-likelihood per token: {lls})")
+
+
+def describe(fit) -> str:
+    """τ and k of a fit's kNN term, when it has one."""
+    return f"τ={fit.temperature:g}, k={fit.k}" if fit.temperature is not None else "∞-gram"
+
+
+def _open(item):
+    """A memory given as a folder, opened (a datastore, plain or sharded, or an ∞-gram index); a generation step,
+    its memory; anything else as it is."""
+    from pathlib import Path
+
+    if isinstance(item, str | Path):
+        from memlm.knnlm.generate import is_ngram_index
+
+        if is_ngram_index(item):
+            from memlm.ngram.index import NgramIndex
+
+            return NgramIndex.open(item)
+        from memlm.storage.sharded import open_datastore
+
+        return open_datastore(item)
+    return getattr(item, "memory", item) if type(item).__name__ in ("DatastoreStep", "NgramStep") else item
+
+
+def stored_default(items: Sequence, weights_given: bool, cache: bool = False, announce: bool = True):
+    """The default fit without scoring anything: with no weights given, one memory and no cache, that memory's
+    stored fit (a :class:`~memlm.mixing.dump.DumpMixture`); else None (the fixed-weight rule). Several
+    memories' fits are combined and checked by :func:`library_default` when a model and tokenizer are at hand. Prints
+    the one line saying which (``announce``)."""
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import stored_mixture
+
+    if weights_given or not items:
+        return None
+    rule = "the fixed-weight rule of each memory's calibrated λ (as with given weights)"
+    several = "several memories' stored fits are combined and checked on their slices, which needs the tokenizer"
+    why = "the cache's weight is not calibrated" if cache else several if len(items) > 1 else ""
+    fit = None
+    if not why:
+        memory = _open(items[0])
+        try:
+            fit = stored_mixture(memory)
+        except MemlmError:  # not a calibrated memory (e.g. any search + key_spec object)
+            fit = None
+        why = "" if fit is not None else f"{memory_name(memory)} records no fitted mixture"
+    if announce:
+        if fit is None:
+            print(f"mixture: {rule}: {why}", file=sys.stderr, flush=True)
+        else:
+            print(f"mixture: {fit.fit.form} ({describe(fit)}), stored with {memory_name(memory)}'s calibration on "
+                  f"{fit.fit.tokens:,} held-out tokens", file=sys.stderr, flush=True)  # fmt: skip
+    return fit
+
+
+def library_default(model, tokenizer, items: Sequence, weights_given: bool, config=None, cache: bool = False):
+    """The default fit of a Python consumer (``generate_text``, ``memlm generate``, ``wrap``,
+    :class:`~memlm.lmeval.model.MemlmLM`) from its memories ``items`` (open or folders): None when weights are
+    given or a memory is a step already made; one memory: :func:`stored_default`; several, with a model and a
+    tokenizer: :func:`default_mixture` (their fits combined and checked on the calibration slices, at ``config``'s
+    k and windows). Prints the one line saying which."""
+    from memlm.core.config import RetrievalConfig
+    from memlm.knnlm.generate import is_ngram_index
+
+    if weights_given or not items or any(type(m).__name__ in ("DatastoreStep", "NgramStep") for m in items):
+        return None
+    opened = [_open(m) for m in items]
+    if len(opened) == 1 or model is None or tokenizer is None:
+        return stored_default(opened, weights_given, cache)
+    from memlm.ngram.memory import NgramMemories, NgramMemory
+
+    ngrams = [m if isinstance(m, NgramMemory) else NgramMemory(m) for m in opened if is_ngram_index(m)]
+    dense = [m for m in opened if not is_ngram_index(m)]
+    ngram = None if not ngrams else ngrams[0] if len(ngrams) == 1 else NgramMemories(ngrams)
+    chosen = default_mixture(model, tokenizer, dense, ngram, config or RetrievalConfig(), cache)
+    chosen.announce()
+    return chosen.fit
