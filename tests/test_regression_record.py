@@ -8,9 +8,9 @@ memory spec, or a result key is renamed), the invocation in ``tests/regression/m
 
 Recorded: ``memlm eval`` with a datastore (explicit λ, τ, k), with an ∞-gram and with both (explicit λ_sparse,
 λ_dense), with the continuous cache; the dumps of valid and test and ``memlm tune`` on them (the chosen weights and
-test perplexities, the rule and the gate); ``eval`` with no weight flags (today: the datastore's calibrated λ, τ),
-with ``--mixture stored`` (its ``mixture_ppl`` is what the default must give once the learned mixture is the default)
-and with ``--mixture fit.json``; greedy ``memlm generate`` with a datastore, an ∞-gram and both; ``memlm lm-eval`` on
+test perplexities, the rule and the gate); ``eval`` with no weight flags (the datastore's stored fit: the same
+``mixture_ppl`` as ``--mixture stored``, beside the calibrated λ, τ's ``knn_ppl``), with ``--mixture stored`` and
+with ``--mixture fit.json``; greedy ``memlm generate`` with a datastore, an ∞-gram and both; ``memlm lm-eval`` on
 ``memlm_wikitext2``; and the demo's table row (``memlm.experiments.demo._row``) on the dumps. Every command runs in
 this process on a tiny random GPT-2 named ``smollm2-135m`` and the real corpora cut to a few hundred tokens; the
 model, datastore and ∞-gram index are built once for the module.
