@@ -257,7 +257,7 @@ def _open(item):
     from pathlib import Path
 
     if isinstance(item, str | Path):
-        from memlm.knnlm.generate import is_ngram_index
+        from memlm.storage.folder import is_ngram_index
 
         if is_ngram_index(item):
             from memlm.ngram.index import NgramIndex
@@ -306,7 +306,7 @@ def library_default(model, tokenizer, items: Sequence, weights_given: bool, conf
     tokenizer: :func:`default_mixture` (their fits combined and checked on the calibration slices, at ``config``'s
     k and windows). Prints the one line saying which."""
     from memlm.core.config import RetrievalConfig
-    from memlm.knnlm.generate import is_ngram_index
+    from memlm.storage.folder import is_ngram_index
 
     if weights_given or not items or any(type(m).__name__ in ("DatastoreStep", "NgramStep") for m in items):
         return None

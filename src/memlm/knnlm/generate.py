@@ -46,13 +46,13 @@ from memlm.mixing.step import DatastoreStep, StepInputs, StepMixture, load_fit
 from memlm.models.keys import KeyCapture
 from memlm.retrieval import as_memory
 from memlm.storage.datastore import Datastore, DatastoreBase
+from memlm.storage.folder import is_ngram_index
 
 __all__ = [
     "Decoding",
     "KNNLogitsProcessor",
     "MixtureLogitsProcessor",
     "generate_text",
-    "is_ngram_index",
     "memory_steps",
     "ngram_logits_processor",
     "NeighbourStreamer",
@@ -61,15 +61,10 @@ __all__ = [
 ]
 
 
-def is_ngram_index(item: Any) -> bool:
-    """An ∞-gram index: an open NgramMemory / NgramIndex (by name: no infini-gram import) or such a folder."""
-    if type(item).__name__ in ("NgramMemory", "NgramIndex", "NgramStep"):
-        return True
-    if isinstance(item, str | Path):
-        from memlm.storage.folder import artifact_kind
-
-        return artifact_kind(item) == "∞-gram index"
-    return False
+def weights_given(config: RetrievalConfig, ngram_lambdas: Any = None) -> bool:
+    """Whether fixed weights were given (λ, τ or an ∞-gram's λ_sparse / λ_dense): then they are used, not the
+    memories' stored fits."""
+    return config.lam is not None or config.temperature is not None or any(w is not None for w in ngram_lambdas or ())
 
 
 def _per_memory(value: Any, n: int, what: str) -> list:
@@ -171,11 +166,7 @@ class MixtureLogitsProcessor(LogitsProcessor):
         ngram_lambdas = options.pop("ngram_lambdas", None) or (None, None)
         self.config = RetrievalConfig.with_options(config, **options)
         fit = load_fit(mixture)
-        given = (
-            self.config.lam is not None
-            or self.config.temperature is not None
-            or any(w is not None for w in ngram_lambdas)
-        )
+        given = weights_given(self.config, ngram_lambdas)
         if fit is None and default:
             from memlm.knnlm.default_mixture import library_default
 
@@ -341,11 +332,7 @@ def generate_text(
     if processor is None and items and mixture is None:
         from memlm.knnlm.default_mixture import library_default
 
-        given = (
-            config.lam is not None
-            or config.temperature is not None
-            or any(w is not None for w in step_options.get("ngram_lambdas") or ())
-        )
+        given = weights_given(config, step_options.get("ngram_lambdas"))
         mixture = library_default(model, tokenizer, items, given, config)  # no weights given: the stored fits
     if processor is None and items:
         processor = MixtureLogitsProcessor(model, items, mixture, config, index=step_options.get("index"),

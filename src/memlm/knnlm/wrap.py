@@ -25,10 +25,11 @@ import torch
 from memlm.core.config import DEFAULT_K, RetrievalConfig
 from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
-from memlm.knnlm.generate import is_ngram_index, memory_steps
+from memlm.knnlm.generate import memory_steps
 from memlm.mixing.step import DatastoreStep, StepInputs, StepMixture, load_fit
 from memlm.models.keys import KeyCapture
 from memlm.storage.datastore import DatastoreBase
+from memlm.storage.folder import is_ngram_index
 from memlm.storage.sharded import open_datastore
 
 __all__ = ["KNNLM", "wrap"]

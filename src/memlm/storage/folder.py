@@ -472,3 +472,12 @@ def advise_random(array: Any) -> int:
         return 0
     mapping.madvise(mmap.MADV_RANDOM)
     return 1
+
+
+def is_ngram_index(item: Any) -> bool:
+    """An ∞-gram index: an open NgramMemory / NgramIndex (by name: no infini-gram import) or such a folder."""
+    if type(item).__name__ in ("NgramMemory", "NgramIndex", "NgramStep"):
+        return True
+    if isinstance(item, str | Path):
+        return artifact_kind(item) == "∞-gram index"
+    return False
