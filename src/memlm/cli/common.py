@@ -138,7 +138,7 @@ def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="model dtype for the forward pass. Default auto = bfloat16 on GPUs and on CPUs whose bf16 products are "
-        "native and fast (AMX-BF16, Arm BF16), float32 elsewhere (bf16 on a CPU that emulates it is ~13-23x slower "
+        "native and fast (AMX-BF16, Arm BF16), float32 elsewhere (bf16 on a CPU that emulates it is ~7x slower "
         "and says so). The output head and log-softmax always run in float32; bf16 moved SmolLM2-135M's perplexity "
         "by +0.012%% on all of WikiText-2 test (AMX): compare runs at one dtype and use float32 where exact numbers "
         "matter (docs/results/performance.md)",
