@@ -47,16 +47,17 @@ from memlm.core.mixture import rule_mixture, sparse_state_features
 from memlm.data.corpora import corpus_fingerprint, load_documents
 from memlm.data.windows import limit_documents, truncate_document
 from memlm.errors import MemlmError
+from memlm.io.fileio import atomic_write_json
 from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores, tune
-from memlm.knnlm.mixture_inputs import mixture_inputs
+from memlm.knnlm.write import write_datastore
+from memlm.mixing.inputs import mixture_inputs
 from memlm.models.keys import KeySpec
 from memlm.models.resources import load_causal_lm, memlm_home
 from memlm.ngram.decontaminate import decontaminate_reference
 from memlm.ngram.index import NgramIndex, build_ngram_index
 from memlm.ngram.memory import NgramMemory
 from memlm.ngram.mixture import add_ngram, tune_ngram
-from memlm.storage.datastore import Datastore, build_datastore
-from memlm.storage.fileio import atomic_write_json
+from memlm.storage.datastore import Datastore
 
 MODEL, DTYPE, KEY, K = "smollm2-135m", "float32", "ffn_in", 256
 WINDOW, MIN_CONTEXT, BATCH = 512, 128, 4
@@ -93,7 +94,7 @@ def _datastore(model, tok, corpus: str, out: Path, tokens: int, phases: dict) ->
         pass
     t = time.perf_counter()
     docs = limit_documents(load_documents(corpus, "train"), tok, tokens)
-    ds = build_datastore(model, tok, docs, out, key=KeySpec.parse(KEY), window=WINDOW, min_context=MIN_CONTEXT,
+    ds = write_datastore(model, tok, docs, out, key=KeySpec.parse(KEY), window=WINDOW, min_context=MIN_CONTEXT,
                          stride=WINDOW, batch_size=BATCH, progress=False, overwrite=True,
                          source={"corpus": corpus, "split": "train", "documents": len(docs),
                                  "fingerprint": corpus_fingerprint(docs)})  # fmt: skip

@@ -21,7 +21,7 @@ fit_guarded`, τ and k of a datastore searched on a small grid). Without ``--lam
   by several memories is scored once.
 
 Where no fit can be used (a memory without a stored fit, several datastores, the continuous cache, whose weight no
-calibration fits) the fixed-weight rule of the calibrated λ's is used, as before, and the line says so.
+calibration fits) the fixed-weight rule of the calibrated λ's is used, and the line says so.
 """
 
 from __future__ import annotations
@@ -225,9 +225,7 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
         return DefaultMixture(None, f"{rule}: the stored fit reads k={wide[0]} neighbours, this run retrieves "
                                     f"k={config.k} (give --k {wide[0]} to use it)")  # fmt: skip
     if len(memories) == 1:
-        f = fits[0].fit
-        return DefaultMixture(fits[0], f"{f.form} ({describe(fits[0])}), stored with {memory_name(memories[0])}'s "
-                                       f"calibration on {f.tokens:,} held-out tokens")  # fmt: skip
+        return single(fits[0], memories[0])
     candidates = {"combined": combine(fits, names)}
     for i, name in enumerate(names):
         candidates[name] = combine(fits, names, [j == i for j in range(len(names))])
@@ -244,6 +242,12 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
             else f"{chosen}'s stored fit alone (the others at weight 0): their combination did not beat it by "
             f"{SE_MARGIN:g} standard errors")  # fmt: skip
     return DefaultMixture(dm, f"{what}, checked on the calibration slices (log-likelihood per token: {lls})")
+
+
+def single(fit, memory) -> DefaultMixture:
+    """One memory's stored fit as the default, with the line that says so."""
+    return DefaultMixture(fit, f"{fit.fit.form} ({describe(fit)}), stored with {memory_name(memory)}'s calibration on "
+                               f"{fit.fit.tokens:,} held-out tokens")  # fmt: skip
 
 
 def describe(fit) -> str:
@@ -266,7 +270,15 @@ def _open(item):
         from memlm.storage.sharded import open_datastore
 
         return open_datastore(item)
-    return getattr(item, "memory", item) if type(item).__name__ in ("DatastoreStep", "NgramStep") else item
+    return item.memory if _is_step(item) else item
+
+
+def _is_step(item) -> bool:
+    """A generation step already made (a datastore's or an ∞-gram's)."""
+    from memlm.mixing.step import DatastoreStep
+    from memlm.ngram.step import NgramStep
+
+    return isinstance(item, DatastoreStep | NgramStep)
 
 
 def stored_default(items: Sequence, weights_given: bool, cache: bool = False, announce: bool = True):
@@ -291,11 +303,7 @@ def stored_default(items: Sequence, weights_given: bool, cache: bool = False, an
             fit = None
         why = "" if fit is not None else f"{memory_name(memory)} records no fitted mixture"
     if announce:
-        if fit is None:
-            print(f"mixture: {rule}: {why}", file=sys.stderr, flush=True)
-        else:
-            print(f"mixture: {fit.fit.form} ({describe(fit)}), stored with {memory_name(memory)}'s calibration on "
-                  f"{fit.fit.tokens:,} held-out tokens", file=sys.stderr, flush=True)  # fmt: skip
+        (DefaultMixture(None, f"{rule}: {why}") if fit is None else single(fit, memory)).announce()
     return fit
 
 
@@ -308,7 +316,7 @@ def library_default(model, tokenizer, items: Sequence, weights_given: bool, conf
     from memlm.core.config import RetrievalConfig
     from memlm.storage.folder import is_ngram_index
 
-    if weights_given or not items or any(type(m).__name__ in ("DatastoreStep", "NgramStep") for m in items):
+    if weights_given or not items or any(_is_step(m) for m in items):
         return None
     opened = [_open(m) for m in items]
     if len(opened) == 1 or model is None or tokenizer is None:
