@@ -41,7 +41,8 @@ retrieve 1024. Generation searches as many as scoring because each datastore's Î
 evaluated and calibrated. It costs little per generated token: one step's search and p_kNN on a 200k-entry IVF
 datastore (d 576, nprobe 32, vocabulary 49,152, one CPU thread) took 21.7 ms at k = 1024 against 17.6 ms at k = 64,
 4 ms more against the LM's own step of 265 ms (SmolLM2-135M's shape, 256 tokens of KV cache): under 2% of a
-generated token (benchmarks/speed/generation_k.py, docs/results/speed/generation_k.json)."""
+generated token (benchmarks/speed/generation_k.py, docs/results/speed/generation_k.json; on a 2-core AVX2-only AMD
+EPYC while other work ran, load about 13, so the milliseconds are rough)."""
 
 DEFAULT_CACHE_LAMBDA = 0.1
 """The continuous cache's weight Î»c (Grave et al. 2017) when the cache is on (``cache=True``: ``memlm eval
