@@ -11,12 +11,17 @@ the evaluated text's own (key, next token) pairs, i.e. what a datastore built fr
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 
 from memlm.errors import MemlmError
+from memlm.mixing.component import Batch, Component, Step
+from memlm.mixing.inputs import memory_logprob, neighbour_features
+from memlm.models.keys import KeySpec
 
-__all__ = ["continuous_cache"]
+__all__ = ["CacheComponent", "continuous_cache"]
 
 
 def _similarity(q: torch.Tensor, k: torch.Tensor, metric: str) -> torch.Tensor:
@@ -67,3 +72,41 @@ def continuous_cache(
             scores[q0:q1, :kk] = top.numpy()
             values[q0:q1, :kk] = vals.numpy()
     return scores, values
+
+
+class CacheComponent(Component):
+    """The continuous cache as a component of the mixture (:mod:`memlm.mixing.component`): each target's ``k`` best
+    earlier positions of its own document (at most ``max_len`` back), keyed by the final hidden state (what the
+    softmax reads, as Grave et al.), mixed at temperature ``temperature``. Columns ``scores`` / ``values`` ``[N, k]``;
+    features the top score and the empty flag (a document's first token). Scoring only: at a generation step the
+    cache would need every earlier step's state, which generation does not keep (one MemlmError)."""
+
+    kind: ClassVar[str] = "cache"
+    key_spec = KeySpec("final", -1)
+
+    def __init__(self, k: int = 256, max_len: int = 2048, metric: str = "ip", temperature: float = 1.0) -> None:
+        self.k, self.max_len, self.metric, self.temperature = int(k), int(max_len), metric, float(temperature)
+
+    def score(self, batch: Batch) -> dict[str, np.ndarray]:
+        if batch.targets is None or batch.doc_index is None:
+            raise MemlmError("the cache scores a stream of targets in their documents: the batch needs both")
+        scores, values = continuous_cache(batch.query(self.key_spec), batch.targets, batch.doc_index, self.k,
+                                          self.max_len, self.metric)  # fmt: skip
+        return {"scores": scores, "values": values.astype(np.int32)}
+
+    def logprob(self, columns, targets, temperature: float | None = None) -> torch.Tensor:
+        tau = self.temperature if temperature is None else temperature
+        return memory_logprob(columns["scores"], columns["values"], targets, tau).double()
+
+    def features(self, columns, temperature: float | None = None) -> dict[str, np.ndarray]:
+        tau = self.temperature if temperature is None else temperature
+        found = neighbour_features(np.asarray(columns["scores"]), np.asarray(columns["values"]), tau)
+        return {"top_score": found["top_score"], "empty": found["empty"]}
+
+    def step(self, batch: Batch) -> Step:
+        raise MemlmError("the continuous cache scores a corpus (memlm eval --cache); generation, memlm.wrap and "
+                         "lm-eval have no cache: leave it out of their memories")  # fmt: skip
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "k": self.k, "max_len": self.max_len, "metric": self.metric,
+                "temperature": self.temperature}  # fmt: skip

@@ -45,6 +45,7 @@ __all__ = [
     "knn_columns",
     "lm_features",
     "memory_logprob",
+    "neighbour_features",
     "mixture_inputs",
     "ngram_component",
     "ngram_features",
@@ -97,14 +98,15 @@ def retrieval_features(name: str, scores, values, temperature: float, k: int | N
                        cache: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
     """A dense memory's features from its k retrieved (score, value) rows ``[N, k]``: ``<name>_top_score``,
     ``<name>_logsumexp``, ``<name>_top_value_share``, ``<name>_empty`` (the cache: top score and empty only)."""
-    found = _retrieval_features(np.asarray(scores), np.asarray(values), temperature, k,
+    found = neighbour_features(np.asarray(scores), np.asarray(values), temperature, k,
                                 None if log_counts is None else np.asarray(log_counts))  # fmt: skip
     keep = ("top_score", "empty") if cache else tuple(found)
     return {f"{name}_{f}": found[f] for f in keep}
 
 
-def _retrieval_features(scores, values, temperature, k, log_counts) -> dict[str, np.ndarray]:
-    """Top score, log-sum-exp of the scores / τ, the top value's share and the empty flag of k retrieved entries."""
+def neighbour_features(scores, values, temperature, k=None, log_counts=None) -> dict[str, np.ndarray]:
+    """``top_score``, ``logsumexp`` (of the scores / τ), ``top_value_share`` and ``empty`` of ``k`` retrieved
+    entries ``[N, k]`` (module docstring), unprefixed."""
     k = scores.shape[1] if k is None else k
     s = torch.from_numpy(np.ascontiguousarray(scores[:, :k]))
     v = torch.from_numpy(np.ascontiguousarray(values[:, :k]).astype(np.int64))

@@ -16,15 +16,19 @@ sparse flag) and the weights ``(λ_sparse, λ_dense)`` the fixed-weight rule giv
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from memlm.core.distribution import value_logsumexp
+from memlm.errors import MemlmError
+from memlm.mixing.component import Batch, Component, Step
 from memlm.mixing.inputs import ngram_features
-from memlm.mixing.step import Component, StepInputs
+from memlm.mixing.step import Component as StepComponent
+from memlm.mixing.step import StepInputs
 
-__all__ = ["NgramStep", "next_token_distribution"]
+__all__ = ["NgramComponent", "NgramStep", "next_token_distribution"]
 
 
 def next_token_distribution(memory, contexts: Sequence[Sequence[int]], vocab: int, k: int = 1000) -> tuple:
@@ -81,13 +85,13 @@ class NgramStep:
         p_inf, sparse, _ = self._next_tokens([row.tolist() for row in input_ids.cpu()], vocab)
         return p_inf, sparse
 
-    def component(self, name: str, inputs: StepInputs) -> Component:
+    def component(self, name: str, inputs: StepInputs) -> StepComponent:
         """P∞ over the vocabulary of each row of ``inputs`` and its features (:func:`ngram_features`: the effective
         n, 1 where nothing follows any suffix, the matched suffix's count, the sparse flag)."""
         p_inf, sparse, nt = self._next_tokens(inputs.contexts, inputs.vocab)
         n = np.where(nt.retrieved.ids[:, 0] >= 0, nt.retrieved.ids[:, 0], 1)
         flags = np.asarray(sparse, dtype=bool)
-        return Component(p_inf.to(inputs.device), ngram_features(name, n, nt.count, flags), flags)
+        return StepComponent(p_inf.to(inputs.device), ngram_features(name, n, nt.count, flags), flags)
 
     def approximate(self) -> dict | None:
         """None when every step's P∞ was exact over the vocabulary, else how many were not, and why
@@ -102,3 +106,80 @@ class NgramStep:
             "exactly (also past the engine's max_support sampling, up to max_support more distinct tokens); the "
             "mass of the others is unassigned",
         }
+
+
+class NgramComponent(Component):
+    """An ∞-gram index as a component of the mixture (:mod:`memlm.mixing.component`): at the targets, P∞ of each
+    target after its document's longest matching suffix and the statistics beside it (columns ``logprob``, ``n``,
+    ``count``, ``sparse``: :meth:`memlm.ngram.memory.NgramMemory.score_documents`); over the vocabulary, P∞ of each
+    row's next token (:func:`next_token_distribution`, at most ``k`` distinct next tokens). Features: the effective
+    n, the suffix count and the sparse flag (:func:`ngram_features`).
+
+    ``prefix``: tokens of the document before every row's first token at a step (lm-eval's ``generate_until`` cuts
+    the LM's context; the ∞-gram can read further back). ``steps`` counts the rows searched at steps,
+    ``approximate_steps`` those whose P∞ left some mass unassigned (:meth:`approximate`)."""
+
+    kind: ClassVar[str] = "ngram"
+
+    def __init__(self, memory, k: int = 1000) -> None:
+        self.memory, self.k = memory, int(k)
+        self.prefix: tuple[int, ...] = ()
+        self.steps = self.approximate_steps = 0
+        self.max_missing = 0.0
+
+    def score(self, batch: Batch) -> dict[str, np.ndarray]:
+        if batch.documents is None or batch.doc_index is None or batch.position is None or batch.targets is None:
+            raise MemlmError("an ∞-gram scores targets in their documents: the batch needs documents, doc_index, "
+                             "position and targets")  # fmt: skip
+        order = np.lexsort((batch.position, batch.doc_index))
+        doc_sorted, pos_sorted = np.asarray(batch.doc_index)[order], np.asarray(batch.position)[order]
+        bounds = np.flatnonzero(np.diff(doc_sorted)) + 1
+        docs, positions = [], []
+        for a, b in zip(np.r_[0, bounds], np.r_[bounds, len(order)], strict=True):
+            tokens = np.asarray(batch.documents[int(doc_sorted[a])])
+            if not np.array_equal(tokens[pos_sorted[a:b]], np.asarray(batch.targets)[order[a:b]]):
+                raise MemlmError("the targets are not these documents' tokens: score the same corpus")
+            docs.append(tokens)
+            positions.append(pos_sorted[a:b])
+        found = self.memory.score_documents(docs, positions)
+        out = {}
+        for name, dtype in (("logprob", np.float32), ("count", np.int64), ("n", np.int32), ("sparse", bool)):
+            out[name] = np.empty(len(order), dtype)
+            out[name][order] = getattr(found, name)
+        return out
+
+    def features(self, columns) -> dict[str, np.ndarray]:
+        found = ngram_features("", columns["n"], columns["count"], columns["sparse"])
+        return {name[1:]: value for name, value in found.items()}
+
+    def sparse(self, columns) -> np.ndarray:
+        return np.asarray(columns["sparse"], dtype=bool)
+
+    def set_prefix(self, tokens: Sequence[int]) -> None:
+        self.prefix = tuple(int(t) for t in tokens)
+
+    def step(self, batch: Batch) -> Step:
+        rows = [[*self.prefix, *c] for c in batch.contexts]
+        p_inf, sparse, nt = next_token_distribution(self.memory, rows, batch.vocab, self.k)
+        self.steps += len(nt.missing)
+        self.approximate_steps += int((nt.missing > 0).sum())
+        self.max_missing = max(self.max_missing, float(nt.missing.max(initial=0.0)))
+        n = np.where(nt.retrieved.ids[:, 0] >= 0, nt.retrieved.ids[:, 0], 1)
+        flags = np.asarray(sparse, dtype=bool)
+        return Step(p_inf.to(batch.device), self.features({"n": n, "count": nt.count, "sparse": flags}), flags)
+
+    def approximate(self) -> dict | None:
+        """None when every step's P∞ was exact over the vocabulary, else how many were not, and why."""
+        if not self.approximate_steps:
+            return None
+        return {
+            "steps": self.approximate_steps,
+            "of": self.steps,
+            "max_missing_mass": self.max_missing,
+            "reason": f"P∞ over the vocabulary keeps the k={self.k} most frequent next tokens of a suffix, counted "
+            "exactly (also past the engine's max_support sampling, up to max_support more distinct tokens); the "
+            "mass of the others is unassigned",
+        }
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, **self.memory.describe()}
