@@ -51,7 +51,10 @@ __all__ = [
     "LOG_WEIGHT_FLOOR",
     "rule_mixture",
     "sparse_state_features",
+    "FIT_FORMS",
+    "fit",
     "fit_constant",
+    "fit_rule",
     "fit_gate",
     "fit_guarded",
     "gate_objective",
@@ -457,18 +460,87 @@ def fit_guarded(
             chosen = "gate"
     mixture = _fit_forms(lp, ft, names, (chosen,), options)[chosen]
     n_docs = len(np.unique(doc))
-    warnings = []
-    if lp.shape[0] < options.min_tokens or n_docs < options.min_documents:
-        short = [f"{have:,} {what} (fewer than {need:,})" for have, need, what in
-                 ((lp.shape[0], options.min_tokens, "tokens"), (n_docs, options.min_documents, "documents"))
-                 if have < need]  # fmt: skip
-        warnings.append(f"fitted on {' and '.join(short)}: the weights may not carry over to other text; fit on a "
-                        "larger held-out slice")  # fmt: skip
-    for w in warnings:
-        log.warning(w)
+    warnings = _size_warnings(lp.shape[0], n_docs, options)
     mean_weights = mixture.log_weights(ft).exp().mean(0).tolist()
     return MixtureFit(mixture, int(lp.shape[0]), n_docs, int((~kept).sum()), int(kept.sum()), split, heldout,
                       mean_weights, warnings, options)  # fmt: skip
+
+
+FIT_FORMS = ("constant", "rule", "gate", "guarded")
+"""What :func:`fit` fits: constant weights (EM), the papers' rule (constant weights per joint sparse state of the
+∞-grams, by EM), the gate (L-BFGS), or the guarded choice among the LM alone, constant weights and the gate."""
+
+
+def fit_rule(logprobs: Any, features: Any, feature_names: Sequence[str], components: Sequence[str],
+             tol: float = 1e-10) -> Mixture:  # fmt: skip
+    """The papers' rule fitted by maximum likelihood: one constant weight vector per joint sparse state of the
+    ∞-grams (Liu et al. 2024, Sec. 5: λ_sparse where P∞ is sparse, λ_dense elsewhere; Khandelwal et al. 2020 Eq. 3's
+    constant λ when no ∞-gram is mixed), each by EM (:func:`fit_constant`) on the tokens of its state: the joint
+    log-likelihood is a sum over states, so each state's maximum is the whole's. No grid. A state with no token
+    keeps uniform weights (never used on these tokens). The states are read from ``features`` columns named by
+    :func:`sparse_state_features`."""
+    lp = _check_logprobs(logprobs, len(components))
+    names = list(feature_names)
+    state_cols = [i for i, n in enumerate(names) if n.startswith("sparse_state:")]
+    if not state_cols:
+        weights, _, _ = fit_constant(lp, tol)
+        return _table_mixture(tuple(components), [], {(): list(weights)})
+    ft = _float64(features, "features")
+    ngrams = [part.split("=")[0] for part in names[state_cols[0]].split(":", 1)[1].split(",")]
+    table = {}
+    for bits in _states(len(ngrams)):
+        col = names.index(_state_name(ngrams, bits))
+        rows = ft[:, col] > 0.5
+        if bool(rows.any()):
+            table[bits] = list(fit_constant(lp[rows], tol)[0])
+        else:
+            table[bits] = [1.0 / lp.shape[1]] * lp.shape[1]
+    return _table_mixture(tuple(components), ngrams, table)
+
+
+def fit(
+    logprobs: Any,
+    features: Any,
+    doc_index: Any,
+    components: Sequence[str],
+    feature_names: Sequence[str],
+    form: str = "guarded",
+    options: FitOptions = FitOptions(),
+) -> MixtureFit:
+    """The one fitter: a :class:`Mixture` of ``form`` (:data:`FIT_FORMS`) by maximum likelihood on held-out tokens
+    (``logprobs [N, C]``, ``features [N, F]``, each token's document ``doc_index [N]``). ``guarded`` is
+    :func:`fit_guarded`; the other forms are fitted on every token (constant: EM; rule: :func:`fit_rule`; gate:
+    L-BFGS from EM's weights), with the same size warnings."""
+    if form not in FIT_FORMS:
+        raise MemlmError(f"unknown mixture form {form!r}: use one of {', '.join(FIT_FORMS)}")
+    if form == "guarded":
+        return fit_guarded(logprobs, features, doc_index, components, feature_names, options)
+    names = (tuple(components), tuple(feature_names))
+    lp, ft = _check_inputs(logprobs, features, len(names[0]), len(names[1]))
+    _check_memories_score(lp, names[0])
+    if form == "rule":
+        mixture = fit_rule(lp, ft, names[1], names[0], options.em_tol)
+    else:
+        mixture = _fit_forms(lp, ft, names, ("lm", form) if form == "constant" else FORMS, options)[form]
+    doc = np.asarray(doc_index)
+    n_docs = len(np.unique(doc))
+    warnings = _size_warnings(lp.shape[0], n_docs, options)
+    loglik = float(mixture.logprob(lp, ft).mean())
+    return MixtureFit(mixture, int(lp.shape[0]), n_docs, int(lp.shape[0]), 0, "none", {form: loglik},
+                      mixture.log_weights(ft).exp().mean(0).tolist(), warnings, options)  # fmt: skip
+
+
+def _size_warnings(tokens: int, documents: int, options: FitOptions) -> list[str]:
+    """One warning (also logged) when a fit had fewer tokens or documents than the options' minimums."""
+    short = [f"{have:,} {what} (fewer than {need:,})" for have, need, what in
+             ((tokens, options.min_tokens, "tokens"), (documents, options.min_documents, "documents"))
+             if have < need]  # fmt: skip
+    if not short:
+        return []
+    warning = (f"fitted on {' and '.join(short)}: the weights may not carry over to other text; fit on a larger "
+               "held-out slice")  # fmt: skip
+    log.warning(warning)
+    return [warning]
 
 
 # ---------------------------------------------------------------------------------------------- the fixed-weight rule
