@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# benchmarks/reliability/: the one entry point (docs/RELIABILITY.md). Both campaigns use the tests' tiny random GPT-2
+# benchmarks/reliability/: the one entry point (docs/reference/guarantees.md). Both campaigns use the tests' tiny random GPT-2
 # and a toy corpus, so they run on a busy machine. Run from the repository root.
 #   bash benchmarks/reliability/run.sh [concurrent|kill|all]
 set -euo pipefail
