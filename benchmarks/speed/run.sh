@@ -36,9 +36,9 @@ case $step in
   search) $PY $S/bench_search.py "$@" ;;
   train) $PY $S/bench_train.py --json "${OUT:-docs/results/train_throughput.json}" "$@" ;;
   efficient)
-    $PY $S/bench_efficient.py run --datastore ds/wt2-1m --setup-only --out docs/results/efficient_rerun
+    $PY $S/bench_efficient.py run --datastore ds/wt2-1m --setup-only --out docs/results/efficient_knnlm
     $PY $S/bench_efficient.py run --datastore ds/wt2-1m --configs base,knn,adaptive,pointer,pruned,compressed \
-      --out docs/results/efficient_rerun "$@" ;;
+      --out docs/results/efficient_knnlm "$@" ;;
   npm-trime) bash $S/speed.sh "${1:-all}" ;;
   demo) bash $S/time_demo_fresh_home.sh "${1:-avx512}" ;;
   *) echo "unknown step: $step (the steps are listed in the header of $0)" >&2; exit 2 ;;
