@@ -3,7 +3,7 @@ one those
 rows were recorded with (the document-start separator counted as a token): which targets change, and the median and
 mean under each.
 
-    python benchmarks/archive/ngram_effective_n.py --index data/wt2-train \\
+    python benchmarks/papers/ngram/ngram_effective_n.py --index data/wt2-train \\
         --out docs/results/ngram/effective_n_words.json
 
 The rows' ∞-gram: WikiText-2 train (``memlm ngram build --corpus wikitext2 --holdout 0``, built here from the tokenizer
@@ -60,7 +60,7 @@ def main() -> None:
     atomic_write_json(
         Path(args.out),
         {
-            "command": f"python benchmarks/archive/ngram_effective_n.py --index {args.index} --out {args.out}",
+            "command": f"python benchmarks/papers/ngram/ngram_effective_n.py --index {args.index} --out {args.out}",
             "index_tokens": int(index.manifest["tokens"]),
             "documents": len(chunks),
             "targets": int(len(words)),
