@@ -13,7 +13,7 @@
 # trimelm-ext-p0); eval-seeds also scores the main models with App. D's overlapping windows over the documents read
 # as one stream (--stream --context 127: exactly the windows and targets of the kNN-LM rows), into eval-NAME-appd/.
 # eval-2k evaluates vanilla-2k, trimelm-2k, trimelm-long-2k and trimelm-ext-2k: the four models with the same settings but 2,000 updates,
-# trained on a GPU (benchmarks/archive/device_train.sh; the commands are in runs/trime/*-2k/final/device-command.txt):
+# trained on a GPU (benchmarks/papers/trime/device_train.sh; the commands are in runs/trime/*-2k/final/device-command.txt):
 #   memlm train --corpus wiki,news --from-scratch 4x256 --tokenizer runs/trime/tokenizer --n-positions 256 \
 #     --seq-len 256 --batch-size 16 --steps 2000 --lr 1e-3 --eval-every 500 --valid-tokens 50000 --dtype bfloat16 \
 #     --loss ce|trime|trime-long|trime-ext (+ the flags of train-main) --out runs/trime/NAME-2k

@@ -31,7 +31,7 @@ MODELS = {
     "trimelm-ext-random": "TrimeLM_ext, random batches (p = 0.9)",
     "trimelm-ext-p0": "TrimeLM_ext, BM25 batches, p = 0",
 }
-# the seeds and ablations rerun (400 updates): the main rows with seeds 1 and 2 beside seed 0 (the plain names), the
+# the seeds and ablations runs (400 updates): the main rows with seeds 1 and 2 beside seed 0 (the plain names), the
 # main rows under App. D's overlapping windows (eval-NAME-appd), and the ablations of TrimeLM_ext: p in {0, 0.5, 0.9}
 # and no back-prop
 MAIN = ("vanilla", "trimelm", "trimelm-long", "trimelm-ext")
@@ -194,9 +194,9 @@ def collect_seeds(runs: Path, previous: dict[str, Any] | None) -> dict[str, Any]
     for name in ABLATIONS:
         entry = _run(runs, name)
         if entry.get("test"):
-            res["ablations"][name] = {**entry, "source": "this rerun"}
+            res["ablations"][name] = {**entry, "source": "summary-seeds-ablations.json"}
         elif name in prev and prev[name].get("test"):
-            res["ablations"][name] = {**prev[name], "source": "summary.json (earlier run: same command, older code)"}
+            res["ablations"][name] = {**prev[name], "source": "summary.json"}
     return res
 
 
@@ -276,7 +276,7 @@ def tables_seeds(res: dict[str, Any]) -> str:
             "",
             "### TrimeLM_ext ablations (400 updates, seed 0): local-memory dropout p, back-propagation into memory",
             "",
-            "| ablation | valid ppl (end of training) | no memory | local | long-term | external | run |",
+            "| ablation | valid ppl (end of training) | no memory | local | long-term | external | file |",
             "|---|---|---|---|---|---|---|",
         ]
         for name, a in res["ablations"].items():

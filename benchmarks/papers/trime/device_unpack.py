@@ -1,6 +1,6 @@
-"""Rebuild a model that benchmarks/archive/device_train.sh trained on a GPU machine and sent back in parts.
+"""Rebuild a model that benchmarks/papers/trime/device_train.sh trained on a GPU machine and sent back in parts.
 
-    python benchmarks/archive/device_unpack.py FILES_DIR NAME DEST
+    python benchmarks/papers/trime/device_unpack.py FILES_DIR NAME DEST
 
 joins FILES_DIR/NAME.tar.part-*, unpacks the folder NAME (a `memlm train` final model with float16 weights, its
 training log and the command) and writes it to DEST with the weights cast back to float32 (the float16 rounding of

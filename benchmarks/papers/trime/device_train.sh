@@ -1,12 +1,12 @@
 #!/bin/bash
 # Train one model with `memlm train` on a GPU machine where memlm is not
 # installed and nothing can be downloaded, and send the final model back in <=15 MB parts.
-#   bash benchmarks/archive/device_train.sh NAME [memlm train arguments...]       (on the GPU machine, from the repo root)
+#   bash benchmarks/papers/trime/device_train.sh NAME [memlm train arguments...]       (on the GPU machine, from the repo root)
 # Needs the folder .dev (git-ignored, carried by the tool): .dev/site holds the data files of the named resources the
 # run reads (MiniLM-L6 as float16 safetensors, converted back to float32 here; wiki's JSON gzipped; news' zip),
 # laid out as their packages are, so memlm finds them with importlib; .dev/stub/faiss is an empty module (training
 # never searches). Output: $OUT/NAME.tar.part-* (the final model with float16 weights, its log.json and the
-# command) and $OUT/NAME-log.json. Rebuild here with benchmarks/archive/device_unpack.py.
+# command) and $OUT/NAME-log.json. Rebuild here with benchmarks/papers/trime/device_unpack.py.
 # PROBE=N first times N updates of the same command and prints the seconds per update (nothing is sent back).
 set -euo pipefail
 name=$1; shift

@@ -5,7 +5,7 @@ Retrains the run's tokenizer exactly as ``memlm train --tokenizer bpe:8192`` doe
 stream into 256-token chunks as :func:`memlm.training.loop.lm_batches` does, and divides the tokens trained on (16 x 256
 per update) by the chunks per epoch:
 
-    python benchmarks/archive/trime_epochs.py --json docs/results/trime/epochs.json
+    python benchmarks/papers/trime/trime_epochs.py --json docs/results/trime/epochs.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
     chunks = tokens // 256
     per_update = 16 * 256
     res = {
-        "command": f"python benchmarks/archive/trime_epochs.py --json {args.json}",
+        "command": f"python benchmarks/papers/trime/trime_epochs.py --json {args.json}",
         "train_documents": len(docs),
         "train_tokens_with_eos": tokens,
         "chunks_of_256": chunks,
