@@ -43,8 +43,8 @@ build_index(ds.keys, ds.path / 'index-ivf4096.faiss', factory='IVF4096,Flat', me
 fi
 
 if [[ $what == npm || $what == all ]]; then
-  PYTHONPATH=src $PY benchmarks/speed/bench_npm_speed.py --index $R/npm/idx-npm --mlm $R/npm/mlm/final --max-queries 200 \
-    --legacy --project-group --stages 50 --threads "$THREADS" --json $D/npm_vs_mlm.json
+  PYTHONPATH=src $PY benchmarks/speed/bench_npm_speed.py --index $R/npm/idx-npm --mlm $R/npm/mlm/final --max-queries 100 \
+    --threads "$THREADS" --json $D/npm_vs_mlm.json
 fi
 
 if [[ $what == trime || $what == all ]]; then

@@ -1,13 +1,13 @@
 #!/bin/bash
-# The BBC closed-set task again with exact-token verbalizer matching (App. A.4), for the
+# The BBC closed-set task with exact-token verbalizer matching (App. A.4), for the
 # encoder before training and for NPM and NPM SINGLE, each with the inference of npm.sh (k = 1,024, tau 5, the
 # 300k-token wiki-train reference), plus what each query retrieves (benchmarks/papers/npm/npm_topk.py: the top-k tokens per query).
 # Training and indexing use exactly the flags of benchmarks/papers/npm/npm.sh (250 updates of 32 x 128 wiki+news tokens per
 # encoder); every step is skipped when its output exists and `memlm train` / `memlm npm index` resume, so rerunning
 # continues where it stopped. Results go to docs/results/npm/bbc_exact_verbalizers/.
-#   bash benchmarks/archive/npm_bbc_rerun.sh [untrained|trained|all]
+#   bash benchmarks/papers/npm/npm_bbc_exact.sh [untrained|trained|all]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
 R=${RUNS:-runs}/npm
 D=${RESULTS:-docs/results/npm/bbc_exact_verbalizers}
