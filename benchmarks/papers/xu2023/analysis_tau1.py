@@ -45,7 +45,7 @@ def main() -> None:
     for folder in map(Path, sys.argv[1:]):
         results = json.loads((folder / "analysis.json").read_text())
         fig5 = fig5_best_on_valid(results)
-        lines = [tau1_tables(results), "### Fig. 5: best τ chosen on valid (and, as the old report did, on test)"]
+        lines = [tau1_tables(results), "### Fig. 5: best τ chosen on valid (and, for comparison, on test)"]
         lines.append(
             "\n| datastore | setting | τ on valid | test ppl | τ on test | test ppl | test ppl at τ = 1 |\n"
             "|---|---|---|---|---|---|---|\n"
