@@ -2,9 +2,9 @@
 # The interval tables (docs/results/ngram.md and docs/results/knnlm.md, "Intervals over documents"): SmolLM2-135M on the
 # first ~20k WikiText-2 test tokens (windows 1024 / 512, float32), the protocol of benchmarks/papers/ngram/ngram.sh (∞-gram over
 # all of WikiText-2 train, --holdout 0: the fallback weights λ_sparse 0.1, λ_dense 0.03, which ngram.sh's tuning on
-# valid also chose), and a kNN-LM datastore over the first 50k WikiText-2 train tokens (what the loaded 2-core
-# machine could build in ~30 min), both in one forward pass; then benchmarks/quality/intervals_report.py on the dumps.
-# Run from the repository root. It was run in four pieces (docs/results/evidence/run_part*.sh; logs beside).
+# valid also chose), and a kNN-LM datastore over the first 50k WikiText-2 train tokens (~30 min to build on 2
+# CPU cores), both in one forward pass; then benchmarks/quality/intervals_report.py on the dumps.
+# Run from the repository root (the logs of the run behind the committed files: docs/results/evidence/run_part*.log).
 set -euo pipefail
 D=${DATA:-data/ev-intervals}
 RES=docs/results/evidence

@@ -19,7 +19,7 @@ step() { [[ $what == "$1" || $what == all ]]; }
 
 if step wikitext2-table; then
   [[ -f data/wt2/ds-wt2-train/manifest.json ]] || $MEMLM datastore build --corpus wikitext2 --split train \
-    --dtype bfloat16 --window 1024 --min-context 128 --batch-size 4 --out data/wt2/ds-wt2-train
+    --dtype bfloat16 --window 1024 --min-context 128 --batch-size 4 --holdout 0 --out data/wt2/ds-wt2-train
   $PY $Q/wikitext2_table.py --corpus wikitext2 --datastore wt2=data/wt2/ds-wt2-train --valid-max-tokens 30000 \
     --work data/wt2/work --json docs/results/wikitext2/table_wikitext2.json
 fi
@@ -28,7 +28,8 @@ if step intervals; then
 fi
 if step mixture; then
   $PY $Q/mixture_stdlib.py --stdlib /usr/lib/python3.11 --work data/mixture --out docs/results/mixture/stdlib.json
-  bash docs/results/mixture/run_wikitext2_valid60k.sh
+  $PY $Q/mixture_table.py --valid-max-tokens 60000 --evals-only
+  $PY $Q/mixture_table.py --valid-max-tokens 60000 --out docs/results/mixture/wikitext2_valid60k.json
   $PY $Q/mixture_imdb.py --work data/imdb --out docs/results/mixture/imdb.json
 fi
 if step precision; then
