@@ -4,7 +4,7 @@
 Scores the same leading tokens of wiki test with SmolLM2-135M in each dtype (window 1024, min-context 512, batch 4,
 float32 output head in both), after one warm-up window, and writes tokens/s and perplexity per dtype::
 
-    python benchmarks/archive/dtype_speed.py --max-tokens 6000 --out docs/results/dtype_speed.json
+    python benchmarks/speed/dtype_speed.py --max-tokens 6000 --out docs/results/dtype_speed.json
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
     atomic_write_json(
         args.out,
         {
-            "command": f"python benchmarks/archive/dtype_speed.py --max-tokens {args.max_tokens} --out {args.out}",
+            "command": f"python benchmarks/speed/dtype_speed.py --max-tokens {args.max_tokens} --out {args.out}",
             "runs": runs,
             "machine": {
                 "cpus": os.cpu_count(),
