@@ -56,7 +56,7 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
     assert res["seed0_vs_summary"]["trimelm"]["test_none"] == {"now": 10.0, "summary": 10.5}
     assert res["appd"]["trimelm"]["test"]["local"]["ppl"] == 9.0
     assert (res["appd"]["trimelm"]["context"], res["appd"]["trimelm"]["stream"]) == (127, True)  # as it was scored
-    assert res["ablations"]["trimelm-ext-detach"]["source"] == "this rerun"
+    assert res["ablations"]["trimelm-ext-detach"]["source"] == "summary-seeds-ablations.json"
     assert res["ablations"]["trimelm-ext-p0"]["source"].startswith("summary.json")
     assert "trimelm-ext-p05" not in res["ablations"]  # neither rerun nor in the summary: no row
     # the tables come out the same from the JSON (string keys) as from the collected dict
