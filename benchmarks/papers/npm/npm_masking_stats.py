@@ -5,7 +5,8 @@ objective's ``max_repeat`` and once with App. A.2's cap (a span -- here a token 
 NPM's span masking (cap 10) is shown beside them. For each: masked tokens per batch, distinct token ids, the share
 of masked tokens that are punctuation or one of the 20 most frequent ids of the batches, and the most masked tokens.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/papers/npm/npm_masking_stats.py --json docs/results/npm/masking-stats.json
+    PYTHONPATH=src .venv/bin/python benchmarks/papers/npm/npm_masking_stats.py \\
+        --json docs/results/npm/masking-stats.json
 """
 
 from __future__ import annotations
