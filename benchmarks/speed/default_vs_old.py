@@ -7,7 +7,8 @@ code of one commit on ``PYTHONPATH`` and ``--dtype auto`` as that commit resolve
 from ``--old-commit`` (default: the commit before the first change, where ``auto`` picked bfloat16 on any
 AVX512-BF16 CPU). Rows alternate old / new ``--repeats`` times, each started on an idle machine
 (``protocol.wait_for_idle``), so a drift of the machine shows up in both. The child uses only APIs both commits have
-(``load_causal_lm``, ``lm_scores``, ``write_datastore``, ``load_documents``, ``limit_documents``).
+(``load_causal_lm``, ``lm_scores``, ``write_datastore``, ``load_documents``, ``limit_documents``,
+``core.distribution.perplexity``).
 
     python benchmarks/speed/default_vs_old.py --out docs/results/speed/default_vs_old.json
     python benchmarks/speed/default_vs_old.py --corpus wikitext2 --new-quantize int8 --out ...   # the int8 path
@@ -50,8 +51,8 @@ def time_eval_and_build(model, tok, docs, build_docs) -> tuple[dict[str, Any], A
     after a small warm-up, then ``datastore build``'s key pass over ``build_docs``: the timing fields of a row and the
     scored positions' keys. Uses only APIs that every commit since the original default has (the old code's child
     runs it)."""
-    import numpy as np
 
+    from memlm.core.distribution import perplexity
     from memlm.knnlm.evaluate import lm_scores
     from memlm.knnlm.write import write_datastore
     from memlm.models.keys import KeySpec
@@ -70,7 +71,7 @@ def time_eval_and_build(model, tok, docs, build_docs) -> tuple[dict[str, Any], A
         "tokens": len(ts),
         "eval_s": eval_s,
         "eval_tok_per_s": len(ts) / eval_s,
-        "ppl": float(np.exp(-ts.lm_logprob.astype(np.float64).mean())),
+        "ppl": perplexity(ts.lm_logprob),
         "build_entries": len(ds),
         "build_s": build_s,
         "build_entries_per_s": len(ds) / build_s,

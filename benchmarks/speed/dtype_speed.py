@@ -14,9 +14,9 @@ import os
 import platform
 import time
 
-import numpy as np
 import torch
 
+from memlm.core.distribution import perplexity
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
 from memlm.io.fileio import atomic_write_json
@@ -38,9 +38,8 @@ def main() -> None:
         t0 = time.perf_counter()
         ts, _, _ = lm_scores(model, tok, docs, window=1024, min_context=512, batch_size=4, progress=False)
         seconds = time.perf_counter() - t0
-        lp = ts.lm_logprob.astype(np.float64)
         runs[dtype] = {"tokens": len(ts), "seconds": seconds, "tokens_per_second": len(ts) / seconds,
-                       "ppl": float(np.exp(-lp.mean()))}  # fmt: skip
+                       "ppl": perplexity(ts.lm_logprob)}  # fmt: skip
         print(dtype, runs[dtype], flush=True)
     runs["bfloat16"]["speedup_vs_float32"] = (
         runs["bfloat16"]["tokens_per_second"] / runs["float32"]["tokens_per_second"]
