@@ -84,7 +84,7 @@ SHARD_FILE = re.compile(rf"({'|'.join(KINDS)})\.(0|[1-9][0-9]*)")  # the engine'
 BUILD_TEMP = re.compile(r"\.sa-(parts|merged)\.[0-9]+|\.sa\.[0-9]+\.building")  # a suffix-array sort's own
 HACK = 100_000  # bytes each make-part job reads past its range (the package's default lookahead)
 MIN_MEMORY_GB = 0.01  # the sort's least memory (check_memory_gb)
-FULL_CHECK_BYTES = 1 << 30  # opening hashes the smallest files whole up to 1 GiB in all (docs/RELIABILITY.md)
+FULL_CHECK_BYTES = 1 << 30  # opening hashes the smallest files whole up to 1 GiB in all (docs/reference/guarantees.md)
 REBUILD = "rebuild it with `memlm ngram build ... --overwrite` (or delete the folder)"
 INSTALL = "the ∞-gram needs the infini-gram package: pip install 'memlm[ngram]' (infini-gram >= 2.6, Python >= 3.11)"
 
