@@ -225,7 +225,7 @@ def test_faiss_gpu_detection_on_a_cpu_build():
 def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single):
     import torch
 
-    from memlm.knnlm.generate import KNNLogitsProcessor
+    from memlm.knnlm.generate import MixtureLogitsProcessor
 
     model, tok = tiny_lm
     build_sharded_index(sharded, factory="Flat", progress=False)
@@ -234,7 +234,7 @@ def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single
     ids = tok("the cat sat on the", return_tensors="pt")["input_ids"]
     outs = []
     for ds in (open_datastore(sharded.path), single):
-        with KNNLogitsProcessor(model, ds, k=8, lam=0.5) as knn, torch.no_grad():
+        with MixtureLogitsProcessor(model, f"{ds.path}?k=8", "knn=0.5") as knn, torch.no_grad():
             logits = model(ids).logits[:, -1]
             outs.append(knn(ids, logits))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)

@@ -40,12 +40,17 @@ Opener = Callable[[str | None, dict[str, str]], Component]
 
 
 def _number(options: dict[str, str], name: str, kind: type, default: Any) -> Any:
+    """Option ``name`` as a positive (finite) ``kind``, or ``default`` when it is not given."""
     if name not in options:
         return default
+    text = options.pop(name)
     try:
-        return kind(options.pop(name))
+        value = kind(text)
     except ValueError:
-        raise MemlmError(f"memory option {name} must be a {kind.__name__}, got {options.get(name)!r}") from None
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise MemlmError(f"memory option {name} must be a positive {kind.__name__}, got {text!r}")
+    return value
 
 
 def _knn(path: str | None, options: dict[str, str]) -> Component:
