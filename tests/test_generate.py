@@ -202,3 +202,25 @@ def test_every_generation_path_searches_the_same_k_and_has_one_cache_default(tin
             commands.update(action.choices)
     assert commands["eval"].get_default("k") == DEFAULT_K
     assert commands["eval"].get_default("cache_lambda") == DEFAULT_CACHE_LAMBDA
+
+
+def test_fixed_weights_as_a_string_and_as_a_mixture():
+    """``knn=0.25;ngram=0.5/0.1`` is the fixed-weight rule's weights by component name; ``fixed_mixture`` names the
+    components of a memories list as every consumer does (lm, knn, knn2, ngram); a malformed string is one error."""
+    from types import SimpleNamespace
+
+    from memlm.core.mixture import rule_mixture
+    from memlm.errors import MemlmError
+    from memlm.mixing.weights import fixed_mixture, is_weights, parse_weights, weights_text
+
+    weights = parse_weights("knn=0.25; knn2=0.1;ngram=0.5/0.1")
+    assert weights == {"knn": 0.25, "knn2": 0.1, "ngram": (0.5, 0.1)} and weights_text(weights) == (
+        "knn=0.25;knn2=0.1;ngram=0.5/0.1"
+    )
+    memories = [SimpleNamespace(kind=k) for k in ("knn", "ngram", "knn")]
+    got = fixed_mixture(memories, weights).to_dict()
+    assert got == rule_mixture(("lm", "knn", "ngram", "knn2"), weights).to_dict()
+    assert is_weights("knn=0.2") and not is_weights("fit.json")
+    for bad in ("knn", "knn=lots", "=0.2", "ngram=0.1/0.2/0.3"):
+        with pytest.raises(MemlmError, match="name=λ or name=λ_sparse/λ_dense"):
+            parse_weights(bad)

@@ -47,7 +47,7 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mixture",
         default=None,
-        metavar="FIT.json|stored|WEIGHTS",
+        metavar="MIXTURE",
         help="the weights instead: a fit of memlm tune --mixture gate --json FIT.json (the memories it was fitted on, "
         "in order; its τ and k set the kNN terms), 'stored' (the memories' stored fits, the default), or fixed "
         "weights 'knn=0.25;ngram=0.5/0.1'",
@@ -80,11 +80,15 @@ def checked_mixture(args: argparse.Namespace) -> Any:
                          f"leave out {', '.join(given)}")  # fmt: skip
     if args.mixture == "stored" or is_weights(args.mixture):
         return args.mixture
-    from memlm.cli.knnlm import load_mixture
+    from memlm.core.mixture import Mixture
+    from memlm.mixing.step import load_fit
 
-    fit = load_mixture(args.mixture)
+    fit = load_fit(args.mixture)
     kinds = [SimpleNamespace(kind=kind) for kind, _, _ in parse_spec(memory_spec_of(args))]
-    check_components(fit.mixture, component_names(kinds))
+    check_components(fit if isinstance(fit, Mixture) else fit.mixture, component_names(kinds))
+    if isinstance(fit, Mixture):
+        print(f"mixture: {fit.form} from {args.mixture}", file=sys.stderr)
+        return fit
     f = fit.fit
     print(f"mixture: {f.form} from {args.mixture}, fitted on {f.tokens:,} tokens of {f.documents:,} documents"
           + (f"; kNN term τ={fit.temperature}, k={fit.k}" if fit.temperature is not None else ""),
@@ -99,7 +103,7 @@ def cli_mixture(args: argparse.Namespace, components: list, mixture: Any) -> Any
         return mixture
     from memlm.knnlm.default_mixture import calibrated_weights
     from memlm.mixing.component import component_names
-    from memlm.mixing.weights import fixed_mixture
+    from memlm.mixing.weights import fixed_mixture, weights_text
     from memlm.ngram.mixture import per_index_lambdas
 
     if args.temperature is not None:
@@ -115,4 +119,6 @@ def cli_mixture(args: argparse.Namespace, components: list, mixture: Any) -> Any
         weights[name] = (weights[name][0] if ls is None else ls, weights[name][1] if ld is None else ld)
     if args.lam is not None:
         weights.update({n: float(args.lam) for n, c in zip(names, components, strict=True) if c.kind == "knn"})
+    print(f"mixture: the fixed-weight rule {weights_text(weights)} ({', '.join(given_weights(args))} given, the "
+          "others calibrated)", file=sys.stderr)  # fmt: skip
     return fixed_mixture(components, weights)

@@ -348,7 +348,7 @@ def _default(components: list, model, tokenizer, required: bool) -> Resolved:
     """The stored fits of ``components`` (one memory's as it is; several combined and checked), else the rule."""
     from memlm.core.config import RetrievalConfig
     from memlm.errors import MemlmError
-    from memlm.mixing.weights import fixed_mixture
+    from memlm.mixing.weights import fixed_mixture, weights_text
 
     if not components:
         return Resolved([], Mixture.lm_only(("lm",)))
@@ -377,9 +377,7 @@ def _default(components: list, model, tokenizer, required: bool) -> Resolved:
         chosen.announce()
         return _from_fit(components, chosen.fit)
     weights = calibrated_weights(components)
-    shown = ", ".join(f"{n}={'/'.join(f'{x:g}' for x in w) if isinstance(w, tuple) else f'{w:g}'}"
-                      for n, w in weights.items())  # fmt: skip
-    DefaultMixture(None, f"{chosen.origin} ({shown})").announce()
+    DefaultMixture(None, f"{chosen.origin} ({weights_text(weights)})").announce()
     return Resolved(components, fixed_mixture(components, weights))
 
 

@@ -72,6 +72,9 @@ class StepMixture:
 
     def __init__(self, components: Sequence[Component], mixture: Mixture) -> None:
         self.components = list(components)
+        if any(c.kind == "cache" for c in self.components):
+            raise MemlmError("the continuous cache scores a corpus (memlm eval --cache, lm-eval's scoring); "
+                             "generation and memlm.wrap have none: leave it out of their memories")  # fmt: skip
         names = component_names(self.components)
         self.names = list(names[1:])
         check_components(mixture, names)

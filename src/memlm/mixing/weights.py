@@ -20,7 +20,7 @@ from memlm.core.mixture import Mixture, rule_mixture
 from memlm.errors import MemlmError
 from memlm.mixing.component import component_names
 
-__all__ = ["Weight", "fixed_mixture", "is_weights", "parse_weights"]
+__all__ = ["Weight", "fixed_mixture", "is_weights", "parse_weights", "weights_text"]
 
 Weight = float | tuple[float, float]
 """One memory's fixed weight: λ, or an ∞-gram's ``(λ_sparse, λ_dense)``."""
@@ -48,6 +48,12 @@ def parse_weights(text: str) -> dict[str, Weight]:
                              "by ';' (knn=0.25;ngram=0.5/0.1)")  # fmt: skip
         out[name.strip()] = numbers[0] if len(numbers) == 1 else (numbers[0], numbers[1])
     return out
+
+
+def weights_text(weights: Mapping[str, Weight]) -> str:
+    """The weights string of ``weights`` (the inverse of :func:`parse_weights`)."""
+    return ";".join(f"{n}={'/'.join(f'{x:g}' for x in w) if isinstance(w, tuple) else f'{w:g}'}"
+                    for n, w in weights.items())  # fmt: skip
 
 
 def is_weights(text: Any) -> bool:
