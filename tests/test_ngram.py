@@ -462,7 +462,7 @@ def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
                 "generate",
                 "--model",
                 str(tiny_lm_dir),
-                "--ngram",
+                "--memory",
                 str(index.path),
                 "--prompt",
                 "the cat sat",
@@ -592,10 +592,10 @@ def test_lm_eval_adapter_with_ngram_equals_brute_force(tiny_lm, corpus, index):
 
     model, tok = tiny_lm
     ls, ld = 0.6, 0.3
-    lm = MemlmLM(model=model, tokenizer=tok, ngram=str(index.path), ngram_lambda_sparse=str(ls),
-                 ngram_lambda_dense=str(ld), window=64, min_context=32)  # fmt: skip
+    lm = MemlmLM(model=model, tokenizer=tok, memories=f"ngram:{index.path}", mixture=f"ngram={ls}/{ld}", window=64,
+                 min_context=32)  # fmt: skip
     bare = MemlmLM(model=model, tokenizer=tok, window=64, min_context=32)
-    assert [m["lambda_sparse"] for m in lm.memory_settings["memories"]] == [ls]
+    assert lm.memory_settings["memories"] == f"ngram:{index.path}"
     brute = Brute(tok, corpus)
     tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
     lm_lp = bare.rolling_token_logprobs(tokens)

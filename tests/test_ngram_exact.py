@@ -192,8 +192,8 @@ def test_lm_eval_ngram_reads_the_whole_request_and_marks_what_is_approximate(tin
     ix = build_ngram_index(tok, docs, tmp_path / "ix", progress=False)
     brute = Brute(tok, docs)
     ls, ld = 0.6, 0.3
-    lm = MemlmLM(model=model, tokenizer=tok, ngram=str(ix.path), ngram_lambda_sparse=ls, ngram_lambda_dense=ld,
-                 window=64, min_context=32, max_length=8)  # fmt: skip
+    lm = MemlmLM(model=model, tokenizer=tok, memories=str(ix.path), mixture=f"ngram={ls}/{ld}", window=64,
+                 min_context=32, max_length=8)  # fmt: skip
     words = _ids(tok, long_doc)
     ctx, cont = words[:25], words[25:27]
     (ll, _), = lm._loglikelihood_tokens([(("x", "y"), ctx, cont)])  # fmt: skip

@@ -116,7 +116,7 @@ def _settings(options: dict[str, Any]) -> dict[str, Any]:
     if moved:
         raise MemlmError(f"MemlmLM takes its memories as memories= (one spec string or list) and their weights as "
                          f"mixture=: instead of {', '.join(f'{m}=' for m in moved)} give "
-                         f"{'; '.join(_MOVED[m] for m in moved)}")  # fmt: skip
+                         f"{'; '.join(dict.fromkeys(_MOVED[m] for m in moved))}")  # fmt: skip
     unknown = sorted(set(options) - set(_ARGUMENTS))
     if unknown:
         known = ", ".join(["model", "tokenizer", "memories", "mixture", *_ARGUMENTS])
