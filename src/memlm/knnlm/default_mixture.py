@@ -295,7 +295,9 @@ class Resolved:
 
 
 def with_fit_settings(components: Sequence, fit) -> list:
-    """``components`` with a fit's kNN τ and k (every datastore's) and its cache τc: the settings it was fitted at."""
+    """``components`` with a fit's kNN τ and k (every datastore's) and its cache τc: the settings it was fitted at
+    (new components; those given are left as they are)."""
+    from memlm.knnlm.cache import CacheComponent
     from memlm.mixing.datastore import DatastoreComponent
 
     out = []
@@ -303,8 +305,8 @@ def with_fit_settings(components: Sequence, fit) -> list:
         if isinstance(c, DatastoreComponent) and (fit.temperature is not None or fit.k):
             tau = c.temperature if fit.temperature is None else fit.temperature
             c = DatastoreComponent(c.memory, int(fit.k or c.k), tau, c.record)
-        elif c.kind == "cache" and getattr(fit, "cache_temperature", None) is not None:
-            c.temperature = float(fit.cache_temperature)
+        elif isinstance(c, CacheComponent) and getattr(fit, "cache_temperature", None) is not None:
+            c = CacheComponent(c.k, c.max_len, c.metric, float(fit.cache_temperature))
         out.append(c)
     return out
 
