@@ -117,7 +117,7 @@ KD, TD, TR, JK = "{root}/knn.npz", "{root}/trime.npz", "{root}/truncated.npz", "
 BUILD = ["datastore", "build", "--model", M, "--corpus", C, "--window", "32", "--min-context", "8"]
 EVAL = ["eval", "--model", M, "--corpus", C, "--datastore", DS, "--window", "32", "--min-context", "8", "--k", "4"]
 TUNE = ["tune", "--valid", KD]
-GEN = ["generate", "--model", M, "--datastore", DS, "--prompt", "the cat", "--k", "4"]
+GEN = ["generate", "--model", M, "--memory", DS + "?k=4", "--prompt", "the cat"]
 TRAIN = ["train", "--corpus", C, "--from-scratch", "1x32", "--tokenizer", M, "--steps", "1", "--out", "{root}/run"]
 ANALYZE = ["analyze", "--model", M, "--datastore-att", DS, "--out", "{root}/an"]
 NPMI = ["npm", "index", "--encoder", M, "--corpus", C, "--out", "{root}/pi"]
@@ -142,9 +142,13 @@ CASES: list[tuple[str, list[str]]] = [
     ("ngram-info-datastore", ["ngram", "info", DS]),
     ("eval-ngram-missing", [*EVAL, "--ngram", NO]),
     ("eval-ngram-datastore-folder", [*EVAL, "--ngram", DS]),
-    ("lm-eval-k-0", ["lm-eval", "--tasks", "memlm_wikitext2", "--k", "0"]),
-    ("lm-eval-ngram-datastore-folder", ["lm-eval", "--model", M, "--tasks", "memlm_wikitext2", "--ngram", DS]),
-    ("generate-ngram-datastore-folder", ["generate", "--model", M, "--datastore", DS, "--ngram", DS, "--prompt", "a"]),
+    ("lm-eval-k-0", ["lm-eval", "--tasks", "memlm_wikitext2", "--memory", DS + "?k=0"]),
+    (
+        "lm-eval-ngram-datastore-folder",
+        ["lm-eval", "--model", M, "--tasks", "memlm_wikitext2", "--memory", "ngram:" + DS],
+    ),
+    ("lm-eval-old-flag", ["lm-eval", "--model", M, "--tasks", "memlm_wikitext2", "--datastore", DS]),
+    ("generate-ngram-datastore-folder", ["generate", "--model", M, "--memory", f"{DS};ngram:{DS}", "--prompt", "a"]),
     # datastore build
     ("build-out-file", [*BUILD, "--out", F]),
     ("build-out-under-file", [*BUILD, "--out", F + "/ds"]),
@@ -240,7 +244,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-datastore-file", [*EVAL, "--datastore", F]),
     ("eval-datastore-junk", [*EVAL, "--datastore", "{root}/junkds"]),
     ("eval-calibration-lambda-1.5", [*EVAL, "--datastore", "{root}/badcal"]),
-    ("gen-calibration-lambda-1.5", [*GEN, "--datastore", "{root}/badcal"]),
+    ("gen-calibration-lambda-1.5", [*GEN, "--memory", "{root}/badcal"]),
     ("eval-key-bogus", [*EVAL, "--key", "bogus"]),
     ("eval-key-other", [*EVAL, "--key", "final"]),
     ("eval-window-beyond-context", [*EVAL, "--window", "600"]),
@@ -272,12 +276,18 @@ CASES: list[tuple[str, list[str]]] = [
     ("gen-prompt-blank", [*GEN, "--prompt", "   "]),
     ("gen-max-new-0", [*GEN, "--max-new-tokens", "0"]),
     ("gen-max-new-neg", [*GEN, "--max-new-tokens", "-1"]),
-    ("gen-k-0", [*GEN, "--k", "0"]),
+    ("gen-k-0", [*GEN, "--memory", DS + "?k=0"]),
+    ("gen-k-text", [*GEN, "--memory", DS + "?k=many"]),
+    ("gen-memory-kind-bogus", [*GEN, "--memory", "bogus:" + DS]),
+    ("gen-memory-option-bogus", [*GEN, "--memory", DS + "?colour=red"]),
+    ("gen-no-memory", ["generate", "--model", M, "--prompt", "the cat"]),
+    ("gen-mixture-weights-bogus", [*GEN, "--mixture", "knn=lots"]),
+    ("gen-mixture-other-memory", [*GEN, "--mixture", "ngram=0.1/0.1"]),
     ("gen-lambda-1.5", [*GEN, "--lambda", "1.5"]),
     ("gen-temp-nan", [*GEN, "--temperature", "nan"]),
-    ("gen-datastore-missing", [*GEN, "--datastore", NO]),
-    ("gen-datastore-file", [*GEN, "--datastore", F]),
-    ("gen-datastore-empty-dir", [*GEN, "--datastore", D]),
+    ("gen-datastore-missing", [*GEN, "--memory", NO]),
+    ("gen-datastore-file", [*GEN, "--memory", F]),
+    ("gen-datastore-empty-dir", [*GEN, "--memory", D]),
     # train
     ("train-out-file", [*TRAIN, "--out", F]),
     ("train-out-under-file", [*TRAIN, "--out", F + "/run"]),
@@ -471,8 +481,8 @@ def test_bad_calibration_in_a_manifest_fails_before_the_model_loads(world, capsy
              "taunan": {"lambda": 0.5, "temperature": float("nan")}}  # fmt: skip
     for name, fields in cases.items():
         _bad_calibration(world / "ds", tmp_path / name, n, **fields)
-        for cmd in (EVAL, GEN):
-            code, err = run_cli([a.format(root=world) for a in cmd] + ["--datastore", str(tmp_path / name)], capsys)
+        for cmd, flag in ((EVAL, "--datastore"), (GEN, "--memory")):
+            code, err = run_cli([a.format(root=world) for a in cmd] + [flag, str(tmp_path / name)], capsys)
             assert_one_error(code, err)
             field = "lambda" if name == "lam" else "temperature"
             assert str(tmp_path / name / "manifest.json") in err and f"calibration.{field}" in err, err

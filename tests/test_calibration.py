@@ -285,8 +285,8 @@ def _alone(fit, ts) -> np.ndarray:
 
 
 def test_python_consumers_default_to_the_stored_fit(built, tiny_lm, capsys):
-    """generate_text, MixtureLogitsProcessor, wrap and MemlmLM with one calibrated datastore and no weights mix by
-    its stored fit (the same text as mixture= that fit) and say so; given λ, τ they keep the fixed-weight rule."""
+    """generate_text, MixtureLogitsProcessor, wrap and MemlmLM with one calibrated datastore and no mixture mix by
+    its stored fit (the same text as mixture= that fit) and say so; given weights they mix by the fixed-weight rule."""
     from memlm.knnlm.calibration import stored_mixture
     from memlm.knnlm.generate import MixtureLogitsProcessor, generate_text
     from memlm.knnlm.wrap import wrap
@@ -296,21 +296,23 @@ def test_python_consumers_default_to_the_stored_fit(built, tiny_lm, capsys):
     _, ds, _, _ = built
     fit = stored_mixture(Datastore.open(ds))
     capsys.readouterr()
-    proc = MixtureLogitsProcessor(model, [str(ds)], k=16)
+    memory = f"{ds}?k=16"
+    proc = MixtureLogitsProcessor(model, [memory])
     assert proc.fit.to_dict() == fit.to_dict() and proc.mixture.mixture.to_dict() == fit.mixture.to_dict()
     assert f"stored with {ds}'s calibration" in capsys.readouterr().err
-    assert wrap(model, str(ds), k=16).fit.to_dict() == fit.to_dict()
-    assert wrap(model, str(ds), k=16, lam=0.3, temperature=2.0).fit is None
-    assert MixtureLogitsProcessor(model, [str(ds)], k=16, lam=0.3, temperature=2.0).fit is None
-    kw = {"max_new_tokens": 6, "k": 16}
-    by_default = generate_text(model, tok, ["the history of"], [str(ds)], **kw)
-    assert by_default == generate_text(model, tok, ["the history of"], [str(ds)], mixture=fit, **kw)
+    assert wrap(model, memory).fit.to_dict() == fit.to_dict()
+    assert wrap(model, memory, "stored").fit.to_dict() == fit.to_dict()
+    assert wrap(model, f"{memory}&temperature=2", "knn=0.3").fit is None
+    assert MixtureLogitsProcessor(model, [memory], "knn=0.3").fit is None
+    kw = {"max_new_tokens": 6}
+    by_default = generate_text(model, tok, ["the history of"], memory, **kw)
+    assert by_default == generate_text(model, tok, ["the history of"], memory, mixture=fit, **kw)
     pytest.importorskip("lm_eval")
     from memlm.lmeval.model import MemlmLM
 
     lm = MemlmLM(model, tok, str(ds), window=32, min_context=8)
     assert lm.fit is not None and lm.fit.to_dict() == fit.to_dict() and lm.mixture.to_dict() == fit.mixture.to_dict()
-    assert MemlmLM(model, tok, str(ds), window=32, min_context=8, lam=0.3, temperature=2.0).fit is None
+    assert MemlmLM(model, tok, str(ds), "knn=0.3", window=32, min_context=8).fit is None
 
 
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm, monkeypatch):

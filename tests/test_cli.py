@@ -174,7 +174,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     assert tuned["valid"]["best"]["lambda"] in (0, 0.25, 0.5) and len(tuned["grid"]) == 6
     assert tuned["test"]["lambda"] == tuned["valid"]["best"]["lambda"]
 
-    r = memlm("generate", "--datastore", str(ds), "--prompt", "the cat", "--max-new-tokens", "5")
+    r = memlm("generate", "--memory", str(ds), "--prompt", "the cat", "--max-new-tokens", "5")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("the cat")
 

@@ -10,7 +10,7 @@ from test_datastore import build
 
 from memlm.knnlm.cache import continuous_cache
 from memlm.knnlm.evaluate import TokenScores, perplexities, score_tokens, tune
-from memlm.knnlm.generate import KNNLogitsProcessor
+from memlm.knnlm.generate import MixtureLogitsProcessor
 from memlm.storage.index import build_index
 
 
@@ -112,7 +112,7 @@ def test_generation_follows_the_datastore(tmp_path, tiny_lm):
     text = "alpha beta gamma delta epsilon zeta eta theta"
     ds = indexed(tmp_path, tiny_lm, [Doc("g", text)], window=64, min_context=1)
     ids = tok("alpha beta gamma", return_tensors="pt", add_special_tokens=False)
-    with KNNLogitsProcessor(model, ds, k=1, lam=1.0) as knn:
+    with MixtureLogitsProcessor(model, f"knn:{ds.path}?k=1", "knn=1") as knn:
         out = model.generate(
             **ids, logits_processor=[knn], do_sample=False, max_new_tokens=5, pad_token_id=tok.eos_token_id
         )

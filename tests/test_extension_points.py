@@ -1,7 +1,8 @@
 """The extension points of docs/ARCHITECTURE.md, as a user would use them: a new memory, a new searcher and a new
 retrieval method (an efficiency strategy with its own setting), each defined here in a few lines, run through memlm
-eval's scorer (`score_tokens`) and, for the memory and the searcher, generation (`KNNLogitsProcessor`,
-`generate_text`) and the lm-eval adapter (`MemlmLM`), with no edit to memlm. Each result is checked against the same
+eval's scorer (`score_tokens`) and, for the memory and the searcher, as a component of the mixture
+(`DatastoreComponent`) in generation (`MixtureLogitsProcessor`, `generate_text`), `memlm.wrap` and the lm-eval adapter
+(`MemlmLM`), with no edit to memlm. Each result is checked against the same
 quantity recomputed here with NumPy (Khandelwal et al. 2020, Eq. 2-3: p = (1-λ) p_LM + λ softmax(-d/τ) summed per
 value). A new training objective has its worked example in tests/test_train_driver.py."""
 
@@ -19,7 +20,8 @@ from test_datastore import build
 from memlm.core.config import RetrievalConfig
 from memlm.core.memory import Retrieved
 from memlm.knnlm.evaluate import EFFICIENCY_STRATEGIES, lm_scores, perplexities, score_tokens
-from memlm.knnlm.generate import KNNLogitsProcessor, generate_text
+from memlm.knnlm.generate import MixtureLogitsProcessor, generate_text
+from memlm.mixing.datastore import DatastoreComponent
 from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
 
@@ -156,7 +158,7 @@ def test_new_searcher_through_score_tokens(tiny_lm, ds):
 
 def _one_step(model, tok, mem, prompt):
     ids = tok(prompt, return_tensors="pt")["input_ids"]
-    with torch.no_grad(), KNNLogitsProcessor(model, mem, k=K, lam=LAM, temperature=TAU) as proc:
+    with torch.no_grad(), MixtureLogitsProcessor(model, [DatastoreComponent(mem, K, TAU)], f"knn={LAM}") as proc:
         logits = model(input_ids=ids).logits[:, -1]
         mixed = proc(ids, logits)[0].double()
         return ids, logits[0].double(), mixed
@@ -176,7 +178,7 @@ def test_new_memory_and_searcher_through_generation(tiny_lm, memory, ds, which):
     for w in (int(p_lm.argmax()), int(values[0]), 5):
         p_knn = math.exp(_brute_knn_logprob(keys, values, query, w, K, TAU))
         assert mixed[w].item() == pytest.approx(math.log((1 - LAM) * p_lm[w] + LAM * p_knn), rel=1e-4, abs=1e-5)
-    text = generate_text(model, tok, ["the cat sat on the"], datastore=mem, k=K, lam=LAM, temperature=TAU,
+    text = generate_text(model, tok, ["the cat sat on the"], [DatastoreComponent(mem, K, TAU)], f"knn={LAM}",
                          max_new_tokens=4)  # fmt: skip
     assert len(text) == 1 and isinstance(text[0], str)
 
@@ -192,7 +194,7 @@ def test_new_memory_and_searcher_through_lm_eval(tiny_lm, memory, ds, which):
     mem = memory if which == "memory" else DatastoreMemory(ds, searcher=NumpySearcher(ds.keys))
     keys = memory.keys if which == "memory" else np.asarray(ds.keys, np.float32)
     values = memory.values if which == "memory" else np.asarray(ds.values)
-    lm = MemlmLM(model=model, tokenizer=tok, datastore=mem, lam=LAM, k=K, temperature=TAU)
+    lm = MemlmLM(model=model, tokenizer=tok, memories=[DatastoreComponent(mem, K, TAU)], mixture=f"knn={LAM}")
     ctx, cont = "a dog ran", " in the park"
     ((logp, _),) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=(ctx, cont), idx=0)])
     seq, n_ctx = tok.encode(ctx + cont), len(tok.encode(ctx))
@@ -211,7 +213,7 @@ def test_new_memory_through_wrap(tiny_lm, memory):
     import memlm
 
     model, tok = tiny_lm
-    knn = memlm.wrap(model, memory, k=K, lam=LAM, temperature=TAU)
+    knn = memlm.wrap(model, [DatastoreComponent(memory, K, TAU)], f"knn={LAM}")
     ids = tok("the bird sang over the", return_tensors="pt")["input_ids"]
     last = knn(input_ids=ids).logits[0, -1].double()
     _, _, mixed = _one_step(model, tok, memory, "the bird sang over the")

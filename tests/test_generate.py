@@ -14,8 +14,10 @@ from test_datastore import build
 from test_reliability import memlm
 
 from memlm.core.distribution import knn_distribution, mix
-from memlm.knnlm.generate import KNNLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text, left_pad
+from memlm.knnlm.generate import MixtureLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text, left_pad
+from memlm.mixing.datastore import DatastoreComponent
 from memlm.models.keys import KeyCapture
+from memlm.retrieval import as_memory
 from memlm.storage.index import build_index
 
 
@@ -26,7 +28,7 @@ def ds(tmp_path_factory, tiny_lm):
     return store
 
 
-class Recorder(KNNLogitsProcessor):
+class Recorder(MixtureLogitsProcessor):
     """Keeps every (input_ids, returned scores) pair the generation loop saw."""
 
     calls: list
@@ -60,7 +62,7 @@ def test_batched_left_padded_and_beam_search_match_direct(tiny_lm, ds, num_beams
     token_prompts = [tok.encode(p) for p in prompts]
     pad = [max(map(len, token_prompts)) - len(p) for p in token_prompts]
     k, lam, tau = 8, 0.5, 2.0
-    rec = Recorder(model, ds, k=k, lam=lam, temperature=tau)
+    rec = Recorder(model, f"knn:{ds.path}?k={k}&temperature={tau}", f"knn={lam}")
     rec.calls = []
     torch.manual_seed(0)
     texts = generate_text(
@@ -80,8 +82,9 @@ def test_batched_left_padded_and_beam_search_match_direct(tiny_lm, ds, num_beams
 def test_batched_greedy_equals_one_prompt_at_a_time(tiny_lm, ds):
     model, tok = tiny_lm
     prompts = ["the cat", "a dog ran in the park and the", "over"]
-    together = generate_text(model, tok, prompts, datastore=ds, k=8, lam=0.5, max_new_tokens=5)
-    alone = [generate_text(model, tok, [p], datastore=ds, k=8, lam=0.5, max_new_tokens=5)[0] for p in prompts]
+    memory = f"knn:{ds.path}?k=8"
+    together = generate_text(model, tok, prompts, memory, "knn=0.5", max_new_tokens=5)
+    alone = [generate_text(model, tok, [p], memory, "knn=0.5", max_new_tokens=5)[0] for p in prompts]
     assert together == alone
 
 
@@ -120,7 +123,7 @@ def test_streamer_prints_tokens_with_their_neighbours(tmp_path, tiny_lm):
     path.write_text(json.dumps({"id": "greek", "text": text}) + "\n")
     store = build(tmp_path, tiny_lm, [Doc("greek", text)], window=64, min_context=1, source={"corpus": str(path)})
     build_index(store.keys, store.index_path, factory="Flat", metric="l2", progress=False)
-    knn = KNNLogitsProcessor(model, store, k=2, lam=1.0, record=True)
+    knn = MixtureLogitsProcessor(model, [DatastoreComponent(as_memory(store), 2, record=True)], "knn=1")
     out = io.StringIO()
     streamer = NeighbourStreamer(tok, knn, SourceLookup(store, tok), n_neighbours=1, out=out)
     got = generate_text(model, tok, ["alpha beta gamma"], max_new_tokens=3, processor=knn, streamer=streamer)
@@ -128,7 +131,7 @@ def test_streamer_prints_tokens_with_their_neighbours(tmp_path, tiny_lm):
     lines = out.getvalue().splitlines()
     # one line per token, then its nearest entry: the same token in context, from document "greek"
     assert lines[0] == repr(" delta") and lines[1].strip().startswith("[greek] ...alpha beta gamma[[ delta]]")
-    assert len(knn.steps[0].history) == 3
+    assert len(knn.components[0].history) == 3
 
 
 def test_cli_generate_streams_and_shows_neighbours(tmp_path, tiny_lm_dir):
@@ -150,26 +153,26 @@ def test_cli_generate_streams_and_shows_neighbours(tmp_path, tiny_lm_dir):
         "8",
     )
     assert r.returncode == 0, r.stderr
-    common = ["generate", "--datastore", str(ds), "--prompt", "alpha beta gamma", "--greedy", "--lambda", "1"]
-    r = memlm(*common, "--k", "1", "--max-new-tokens", "2")
+    common = ["generate", "--prompt", "alpha beta gamma", "--greedy", "--lambda", "1"]
+    r = memlm(*common, "--memory", f"{ds}?k=1", "--max-new-tokens", "2")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "alpha beta gamma delta e"  # λ = 1, k = 1 replays the datastore: " delta", " e"
-    r = memlm(*common, "--k", "2", "--max-new-tokens", "1", "--show-neighbours", "2")
+    r = memlm(*common, "--memory", f"knn:{ds}?k=2", "--max-new-tokens", "1", "--show-neighbours", "2")
     assert r.returncode == 0, r.stderr
     assert "' delta'" in r.stdout and "[greek] ...alpha beta gamma[[ delta]] epsilon" in r.stdout
 
 
 def test_every_generation_path_searches_the_same_k_and_has_one_cache_default(tiny_lm, ds):
-    """generate_text, MixtureLogitsProcessor, memlm.wrap, lm-eval's generate_until and the CLI's generate / eval /
-    lm-eval all default to core.config's DEFAULT_K neighbours (the k λ and τ are calibrated at) and the cache's weight
-    to DEFAULT_CACHE_LAMBDA: a path with its own default fails here."""
+    """generate_text, MixtureLogitsProcessor, memlm.wrap, lm-eval's generate_until and the CLI's eval all default to
+    core.config's DEFAULT_K neighbours (the k λ and τ are calibrated at) and the cache's weight to
+    DEFAULT_CACHE_LAMBDA: a path with its own default fails here."""
     import argparse
 
     from memlm.cli import build_parser
     from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K, RetrievalConfig
-    from memlm.knnlm.generate import MixtureLogitsProcessor
+    from memlm.knnlm.default_mixture import calibrated_weights
+    from memlm.knnlm.memories import open_memories
     from memlm.knnlm.wrap import wrap
-    from memlm.retrieval import as_memory
 
     model, tok = tiny_lm
     inner, seen = as_memory(ds), []
@@ -181,21 +184,43 @@ def test_every_generation_path_searches_the_same_k_and_has_one_cache_default(tin
             seen.append(k)
             return inner.search(queries, k)
 
-    generate_text(model, tok, ["the cat"], [Spy()], lam=0.5, temperature=1.0, max_new_tokens=2)
+    generate_text(model, tok, ["the cat"], [Spy()], "knn=0.5", max_new_tokens=2)
     assert seen == [DEFAULT_K, DEFAULT_K] and DEFAULT_K == 1024
-    assert MixtureLogitsProcessor(model, [ds], lam=0.5, temperature=1.0).steps[0].k == DEFAULT_K
-    assert wrap(model, ds, lam=0.5, temperature=1.0).mixture.steps[0].k == DEFAULT_K
+    assert MixtureLogitsProcessor(model, [ds], "knn=0.5").components[0].k == DEFAULT_K
+    assert wrap(model, str(ds.path), "knn=0.5").mixture.components[0].k == DEFAULT_K
     assert RetrievalConfig().cache_lambda == DEFAULT_CACHE_LAMBDA and not RetrievalConfig().cache
+    assert calibrated_weights(open_memories("cache"))["cache"] == DEFAULT_CACHE_LAMBDA
     pytest.importorskip("lm_eval")
     from memlm.lmeval.model import MemlmLM
 
-    lm = MemlmLM(model=model, tokenizer=tok, memories=[ds], lam=0.5, temperature=1.0, cache=True, window=64,
-                 min_context=32)  # fmt: skip
-    assert lm.config.k == DEFAULT_K and lm.cache_lambda == DEFAULT_CACHE_LAMBDA
-    assert [s.k for s in lm._generation_processor().steps] == [DEFAULT_K]
+    lm = MemlmLM(model=model, tokenizer=tok, memories=f"{ds.path};cache", window=64, min_context=32)
+    assert [d.k for d in lm.dense] == [DEFAULT_K] and lm.cache.k == 256
+    assert [c.k for c in lm._generation_processor().components] == [DEFAULT_K]
     commands = {}
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
             commands.update(action.choices)
-    assert commands["generate"].get_default("k") == commands["eval"].get_default("k") == DEFAULT_K
+    assert commands["eval"].get_default("k") == DEFAULT_K
     assert commands["eval"].get_default("cache_lambda") == DEFAULT_CACHE_LAMBDA
+
+
+def test_fixed_weights_as_a_string_and_as_a_mixture():
+    """``knn=0.25;ngram=0.5/0.1`` is the fixed-weight rule's weights by component name; ``fixed_mixture`` names the
+    components of a memories list as every consumer does (lm, knn, knn2, ngram); a malformed string is one error."""
+    from types import SimpleNamespace
+
+    from memlm.core.mixture import rule_mixture
+    from memlm.errors import MemlmError
+    from memlm.mixing.weights import fixed_mixture, is_weights, parse_weights, weights_text
+
+    weights = parse_weights("knn=0.25; knn2=0.1;ngram=0.5/0.1")
+    assert weights == {"knn": 0.25, "knn2": 0.1, "ngram": (0.5, 0.1)} and weights_text(weights) == (
+        "knn=0.25;knn2=0.1;ngram=0.5/0.1"
+    )
+    memories = [SimpleNamespace(kind=k) for k in ("knn", "ngram", "knn")]
+    got = fixed_mixture(memories, weights).to_dict()
+    assert got == rule_mixture(("lm", "knn", "ngram", "knn2"), weights).to_dict()
+    assert is_weights("knn=0.2") and not is_weights("fit.json")
+    for bad in ("knn", "knn=lots", "=0.2", "ngram=0.1/0.2/0.3"):
+        with pytest.raises(MemlmError, match="name=λ or name=λ_sparse/λ_dense"):
+            parse_weights(bad)

@@ -1,4 +1,4 @@
-"""Generation and ``memlm.wrap`` through the one mixture of issue 35: under a gate, every step's distribution is
+"""Generation and ``memlm.wrap`` through the one mixture: under a gate, every step's distribution is
 ``Σ_i λ_i P_i`` with ``λ = softmax(W (φ - mean) / std + b)`` over the LM, the datastores and the ∞-grams, each component
 and each feature computed here in NumPy (p_kNN from an exact search, Khandelwal et al. 2020 Eq. 2; P∞, its effective n
 and count from a scan of the reference tokens, Liu et al. 2024); ``memlm generate`` with a gate fitted by ``memlm tune
@@ -41,6 +41,12 @@ def ds2(tmp_path_factory, tiny_lm):
                             window=64, min_context=32, progress=False)  # fmt: skip
     store.build_index(factory="Flat", metric="l2", progress=False)
     return store
+
+
+def _spec(stores, indexes) -> str:
+    """The memory spec of ``stores`` (k = K, τ = TAU) and ``indexes``, in that order."""
+    knn = [f"knn:{s.path}?k={K}&temperature={TAU}" for s in stores]
+    return ";".join([*knn, *(f"ngram:{ix.path}" for ix in indexes)])
 
 
 def _knn(store, query: np.ndarray, k: int, tau: float, vocab: int) -> tuple[np.ndarray, dict[str, float]]:
@@ -112,7 +118,6 @@ def test_a_generation_step_under_a_gate_is_the_softmax_weighted_mixture_by_hand(
     word of the vocabulary the processor's distribution is the gate's mixture computed in NumPy. Fails on the old code
     (no processor took a gate, nor two datastores)."""
     from memlm.knnlm.generate import MixtureLogitsProcessor
-    from memlm.ngram.memory import NgramMemory
 
     model, tok = tiny_lm
     brutes = [Brute(tok, docs) for docs in _corpora()]
@@ -125,8 +130,8 @@ def test_a_generation_step_under_a_gate_is_the_softmax_weighted_mixture_by_hand(
     by_hand = [_components(logits[i], [q, q], row, [ds, ds2], brutes, K, TAU) for i, (row, q) in
                enumerate(zip(rows, queries, strict=True))]  # fmt: skip
     gate = _random_gate(("lm", "knn", "knn2", "ngram", "ngram2"), [f for _, f in by_hand], seed=3)
-    memories = [ds, ds2, *(NgramMemory(ix) for ix in two_indexes)]
-    with torch.no_grad(), MixtureLogitsProcessor(model, memories, gate, k=K, temperature=TAU) as proc:
+    memories = _spec([ds, ds2], two_indexes)
+    with torch.no_grad(), MixtureLogitsProcessor(model, memories, gate) as proc:
         got = torch.exp(proc(ids, model(input_ids=ids).logits[:, -1]).double()).numpy()
     for i, (comps, feats) in enumerate(by_hand):
         np.testing.assert_allclose(got[i], _gate_mix(gate.to_dict(), comps, feats), rtol=1e-4, atol=1e-7)
@@ -149,7 +154,7 @@ def test_wrap_forward_under_a_gate_is_the_mixture_at_every_position(tiny_lm, ds,
         queries = cap.keys_by_spec[ds.key_spec][0].double().numpy()
     by_hand = [_components(logits[t], [queries[t]], seq[: t + 1], [ds], [brute], K, TAU) for t in range(len(seq))]
     gate = _random_gate(("lm", "knn", "ngram"), [f for _, f in by_hand], seed=5)
-    knn_lm = memlm.wrap(model, ds, memories=[two_indexes[0].path], mixture=gate, k=K, temperature=TAU)
+    knn_lm = memlm.wrap(model, _spec([ds], two_indexes[:1]), gate)
     out = knn_lm(input_ids=ids, labels=ids)
     nll = []
     for t, (comps, feats) in enumerate(by_hand):
@@ -199,7 +204,7 @@ def test_cli_generate_with_a_tuned_gate_file(tiny_lm, tiny_lm_dir, ds, two_index
     assert rec["fit"]["form"] == "gate" and rec["fit"]["mixture"]["components"] == ["lm", "knn", "ngram"]
     assert rec["k"] == 8 and rec["temperature"] == 2.0
     prompt = "the old river"
-    argv = ["generate", "--model", str(tiny_lm_dir), "--datastore", str(ds.path), "--ngram", str(two_indexes[0].path),
+    argv = ["generate", "--model", str(tiny_lm_dir), "--memory", str(ds.path), "--memory", str(two_indexes[0].path),
             "--mixture", str(gate_fit), "--prompt", prompt, "--max-new-tokens", "5", "--greedy", "--dtype",
             "float32"]  # fmt: skip
     assert main(argv) == 0
@@ -220,8 +225,9 @@ def test_cli_generate_with_a_tuned_gate_file(tiny_lm, tiny_lm_dir, ds, two_index
         logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
         q = cap.keys_by_spec[ds.key_spec][0, -1].double().numpy()
     comps, feats = _components(logits, [q], seq, [ds], [brute], rec["k"], rec["temperature"])
-    with torch.no_grad(), MixtureLogitsProcessor(model, [ds, two_indexes[0].path], gate_fit, k=64) as proc:
-        assert (proc.steps[0].k, proc.steps[0].temperature) == (rec["k"], rec["temperature"])
+    memories = f"knn:{ds.path}?k=64;{two_indexes[0].path}"
+    with torch.no_grad(), MixtureLogitsProcessor(model, memories, gate_fit) as proc:
+        assert (proc.components[0].k, proc.components[0].temperature) == (rec["k"], rec["temperature"])
         got = torch.exp(proc(torch.tensor([seq]), model(input_ids=torch.tensor([seq])).logits[:, -1])[0].double())
     np.testing.assert_allclose(got.numpy(), _gate_mix(gate, comps, feats), rtol=1e-4, atol=1e-7)
 
@@ -236,9 +242,9 @@ def test_cli_generate_refuses_a_fit_for_other_memories_before_loading_the_model(
     base = ["generate", "--model", str(tiny_lm_dir), "--prompt", "the cat", "--mixture", str(gate_fit)]
     a, b = (str(ix.path) for ix in two_indexes)
     cases = [
-        (["--ngram", a], "fitted on components lm, knn, ngram; these memories give lm, ngram"),
-        (["--datastore", str(ds.path), "--ngram", a, "--ngram", b], "these memories give lm, knn, ngram, ngram2"),
-        (["--datastore", str(ds.path), "--ngram", a, "--lambda", "0.3"], "leave out --lambda"),
+        (["--memory", a], "fitted on components lm, knn, ngram; these memories give lm, ngram"),
+        (["--memory", f"{ds.path};{a}", "--memory", b], "these memories give lm, knn, ngram, ngram2"),
+        (["--memory", str(ds.path), "--memory", a, "--lambda", "0.3"], "leave out --lambda"),
     ]
     with_cache = synthetic_dump(1, n=400)
     with_cache.save(tmp_path / "c.npz")
@@ -247,7 +253,7 @@ def test_cli_generate_refuses_a_fit_for_other_memories_before_loading_the_model(
     )
     capsys.readouterr()
     cases.append(
-        (["--datastore", str(ds.path), "--ngram", a, "--mixture", str(tmp_path / "c.json")], "no continuous cache")
+        (["--memory", str(ds.path), "--memory", a, "--mixture", str(tmp_path / "c.json")], "no continuous cache")
     )
     for extra, message in cases:
         assert main([*base, *extra]) == 2
@@ -256,9 +262,9 @@ def test_cli_generate_refuses_a_fit_for_other_memories_before_loading_the_model(
 
 
 def test_two_datastores_and_two_indexes_in_one_generate_call(tiny_lm, tiny_lm_dir, ds, ds2, two_indexes, capsys):
-    """``memlm generate --datastore A --datastore B --ngram X --ngram Y`` with fixed weights: greedy decoding picks
-    the argmax of (1 - 2λ - Σ_r λ_r(c)) p_LM + λ p_kNN,A + λ p_kNN,B + Σ_r λ_r(c) P∞_r by hand at every step, and
-    ``generate_text(memories=[A, B, X, Y])`` gives the same text. Fails on the old code (one --datastore)."""
+    """``memlm generate --memory A --memory B --memory X --memory Y`` with fixed weights: greedy decoding picks the
+    argmax of (1 - 2λ - Σ_r λ_r(c)) p_LM + λ p_kNN,A + λ p_kNN,B + Σ_r λ_r(c) P∞_r by hand at every step, and
+    ``generate_text`` with the same spec and the weights as one mixture gives the same text."""
     from memlm.knnlm.generate import generate_text
 
     model, tok = tiny_lm
@@ -266,8 +272,8 @@ def test_two_datastores_and_two_indexes_in_one_generate_call(tiny_lm, tiny_lm_di
     lam, pairs = 0.2, [(0.3, 0.1), (0.2, 0.05)]
     prompt = "the old river"
     a, b = (str(ix.path) for ix in two_indexes)
-    argv = ["generate", "--model", str(tiny_lm_dir), "--datastore", str(ds.path), "--datastore", str(ds2.path),
-            "--ngram", a, "--ngram", b, "--k", str(K), "--lambda", str(lam), "--temperature", str(TAU),
+    argv = ["generate", "--model", str(tiny_lm_dir), "--memory", f"{ds.path}?k={K}", "--memory", f"{ds2.path}?k={K}",
+            "--memory", a, "--memory", b, "--lambda", str(lam), "--temperature", str(TAU),
             "--ngram-lambda-sparse", "0.3", "0.2", "--ngram-lambda-dense", "0.1", "0.05", "--prompt", prompt,
             "--max-new-tokens", "5", "--greedy", "--dtype", "float32"]  # fmt: skip
     assert main(argv) == 0
@@ -280,6 +286,7 @@ def test_two_datastores_and_two_indexes_in_one_generate_call(tiny_lm, tiny_lm_di
 
     want = _greedy_by_hand(model, _ids(tok, prompt), 5, [ds, ds2], brutes, rule)
     assert out.startswith(prompt + tok.decode(want) + "\n")
-    text = generate_text(model, tok, [prompt], memories=[ds, ds2, a, b], k=K, lam=lam, temperature=TAU,
-                         ngram_lambdas=([0.3, 0.2], [0.1, 0.05]), max_new_tokens=5)  # fmt: skip
+    weights = f"knn={lam};knn2={lam};ngram=0.3/0.1;ngram2=0.2/0.05"
+    text = generate_text(model, tok, [prompt], memories=_spec([ds, ds2], two_indexes), mixture=weights,
+                         max_new_tokens=5)  # fmt: skip
     assert text[0] == tok.decode(want)

@@ -197,7 +197,7 @@ def test_eval_refuses_a_file_of_the_memorys_documents_and_records_allow_overlap(
 def test_generate_refuses_a_prompt_copied_from_the_memory(built, tiny_lm_dir, capsys):
     doc = next(d for d in make_toy_docs(40, seed=11) if len(d.text.split()) > 30)
     base = ["generate", "--model", str(tiny_lm_dir), "--dtype", "float32", "--max-new-tokens", "2", "--greedy"]
-    for memory in (["--ngram", str(built / "ix")], ["--datastore", str(built / "ds")]):
+    for memory in (["--memory", str(built / "ix")], ["--memory", f"knn:{built / 'ds'}"]):
         capsys.readouterr()
         assert main([*base, *memory, "--prompt", doc.text]) == 2
         assert "the prompt leaks into the memory" in capsys.readouterr().err
@@ -214,7 +214,7 @@ def test_lm_eval_refuses_a_memory_holding_the_task_split(tiny_lm_dir, tmp_path, 
     tok = gpt2_tokenizer()
     ix = tmp_path / "ix"
     build_ngram_index(tok, make_toy_docs(5), ix, source={"corpus": "bbc", "split": "all"}, progress=False)
-    args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_bbc_topic", "--ngram", str(ix), "--limit", "1"]
+    args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_bbc_topic", "--memory", str(ix), "--limit", "1"]
     capsys.readouterr()
     assert main(args) == 2
     err = capsys.readouterr().err

@@ -58,9 +58,15 @@ def _brute_force_loglik(model, ds, seq: list[int], n_cont: int, lam: float, k: i
     return total, greedy
 
 
+def _knn(store, k: int | None = None, tau: float | None = None) -> str:
+    """The memory spec of one datastore at k and τ (unset: the defaults)."""
+    options = "&".join(f"{n}={v}" for n, v in (("k", k), ("temperature", tau)) if v is not None)
+    return f"knn:{store.path}" + (f"?{options}" if options else "")
+
+
 def test_loglikelihood_equals_brute_force(tiny_lm, ds):
     model, tok = tiny_lm
-    lm = MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.4, k=8, temperature=3.0, batch_size=2)
+    lm = MemlmLM(model=model, tokenizer=tok, memories=_knn(ds, 8, 3.0), mixture="knn=0.4", batch_size=2)
     pairs = [("the cat sat on", " the mat"), ("a dog ran", " in the park and"), ("bird", " sang"), ("", "the old")]
     got = lm.loglikelihood([_req("loglikelihood", p, i) for i, p in enumerate(pairs)])
     for (ctx, cont), (logp, greedy) in zip(pairs, got, strict=True):
@@ -92,7 +98,8 @@ def test_greedy_flag_follows_the_interpolated_distribution(tiny_lm, replay_ds):
     ids = tok.encode(REPLAY_TEXT)
     reqs = [((tok.decode(ids[:6]), tok.decode(ids[6:])), ids[:6], ids[6:])]
     # λ = 1, k = 1: p is the nearest entry's value, here the text's own next token: greedy with probability 1
-    logp, greedy = MemlmLM(model=model, tokenizer=tok, datastore=replay_ds, lam=1.0, k=1)._loglikelihood_tokens(reqs)[0]
+    lm = MemlmLM(model=model, tokenizer=tok, memories=_knn(replay_ds, 1), mixture="knn=1")
+    logp, greedy = lm._loglikelihood_tokens(reqs)[0]
     assert greedy and logp == pytest.approx(0.0, abs=1e-5)
     # the bare random LM neither predicts it greedily nor with probability 1
     logp, greedy = MemlmLM(model=model, tokenizer=tok)._loglikelihood_tokens(reqs)[0]
@@ -102,7 +109,7 @@ def test_greedy_flag_follows_the_interpolated_distribution(tiny_lm, replay_ds):
 def test_lambda_zero_equals_bare_lm(tiny_lm, ds):
     model, tok = tiny_lm
     pairs = [("the cat sat on", " the mat"), ("over the old", " river")]
-    with_ds = MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.0).loglikelihood(
+    with_ds = MemlmLM(model=model, tokenizer=tok, memories=_knn(ds), mixture="knn=0").loglikelihood(
         [_req("loglikelihood", p) for p in pairs]
     )
     bare = MemlmLM(model=model, tokenizer=tok).loglikelihood([_req("loglikelihood", p) for p in pairs])
@@ -116,7 +123,7 @@ def test_lambda_zero_equals_bare_lm(tiny_lm, ds):
         assert a[0] == pytest.approx(ref, rel=1e-5)
     text = " ".join(d.text for d in make_toy_docs(3, seed=9))
     rolling = [_req("loglikelihood_rolling", (text,))]
-    lm0 = MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.0, window=64, min_context=16)
+    lm0 = MemlmLM(model=model, tokenizer=tok, memories=_knn(ds), mixture="knn=0", window=64, min_context=16)
     assert lm0.loglikelihood_rolling(rolling) == MemlmLM(
         model=model, tokenizer=tok, window=64, min_context=16
     ).loglikelihood_rolling(rolling)
@@ -133,12 +140,8 @@ def test_rolling_equals_memlm_eval(tiny_lm, ds, cache):
     lm = MemlmLM(
         model=model,
         tokenizer=tok,
-        datastore=ds,
-        lam=lam,
-        temperature=tau,
-        k=k,
-        cache=cache,
-        cache_lambda=cache_lam,
+        memories=_knn(ds, k, tau) + (";cache" if cache else ""),
+        mixture=f"knn={lam}" + (f";cache={cache_lam}" if cache else ""),
         window=window,
         min_context=min_context,
         batch_size=3,
@@ -186,7 +189,7 @@ def test_rolling_uses_sliding_windows_not_quadratic(tiny_lm):
 
 def test_generate_until_follows_the_datastore_and_stops(tiny_lm, replay_ds):
     model, tok = tiny_lm
-    lm = MemlmLM(model=model, tokenizer=tok, datastore=replay_ds, lam=1.0, k=1)
+    lm = MemlmLM(model=model, tokenizer=tok, memories=_knn(replay_ds, 1), mixture="knn=1")
     out = lm.generate_until(
         [
             _req("generate_until", ("alpha beta gamma", {"until": [" zeta"], "max_gen_toks": 10})),
@@ -200,10 +203,13 @@ def test_generate_until_follows_the_datastore_and_stops(tiny_lm, replay_ds):
 
 def test_bad_arguments(tiny_lm, ds):
     model, tok = tiny_lm
-    with pytest.raises(MemlmError, match="needs a datastore"):
-        MemlmLM(model=model, tokenizer=tok, lam=0.2)
-    with pytest.raises(MemlmError, match="sum to at most 1"):
-        MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=0.8, cache=True, cache_lambda=0.5)
+    with pytest.raises(MemlmError, match="weights given for knn, which are not memories of this mixture"):
+        MemlmLM(model=model, tokenizer=tok, mixture="knn=0.2")
+    with pytest.raises(MemlmError, match="the LM's weight would be <= 0"):
+        MemlmLM(model=model, tokenizer=tok, memories=f"{_knn(ds)};cache", mixture="knn=0.8;cache=0.5")
+    for old, new in (("datastore", "memories=knn:DIR"), ("lam", "mixture=knn=λ"), ("ngram_lambda_dense", "mixture=")):
+        with pytest.raises(MemlmError, match=f"instead of {old}= give {new}"):
+            MemlmLM(model=model, tokenizer=tok, **{old: 0.2})
     with pytest.raises(MemlmError, match="unknown MemlmLM argument"):
         MemlmLM(model=model, tokenizer=tok, lamda=0.2)
     with pytest.raises(MemlmError, match="no tokenizer"):
@@ -228,7 +234,7 @@ def test_cli_lm_eval_wikitext2_word_perplexity(tiny_lm, tiny_lm_dir, tmp_path, c
     assert main(args) == 0
     record = json.loads(out.read_text())
     got = record["results"]["memlm_wikitext2"]["word_perplexity,none"]
-    assert record["memlm"]["window"] == 256 and record["memlm"]["memories"] == []
+    assert record["memlm"]["window"] == 256 and record["memlm"]["memories"] == ""
     printed = capfd.readouterr()
     assert "word_perplexity" in printed.out
     assert "not a git repository" not in printed.err and "--metadata" not in printed.out + printed.err

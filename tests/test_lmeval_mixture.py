@@ -1,8 +1,9 @@
-"""lm-eval's ``MemlmLM`` through one ``Mixture`` (issue 35): a stored gate mixes every continuation token as a NumPy
+"""lm-eval's ``MemlmLM`` through one ``Mixture``: a stored gate mixes every continuation token as a NumPy
 transcription of ``λ(c) = softmax(W (φ(c) - mean) / std + b)``, ``P = Σ_i λ_i(c) P_i`` says (p_LM from the model, p_kNN
 from an exact search, Khandelwal et al. 2020 Eq. 2; P∞ from a scan of the reference tokens, Liu et al. 2024; the cache
-over the sequence's own earlier states, Grave et al. 2017); memories are one list (two datastores, two ∞-gram indexes,
-no special case); a fit made for other memories is refused before anything is scored."""
+over the sequence's own earlier states, Grave et al. 2017); memories are one spec string or list (two datastores, two
+∞-gram indexes, no special case); a fit made for other memories is refused before anything is scored; one mixture over
+the same memories gives the same log p in scoring, a generation step, ``memlm.wrap`` and lm-eval."""
 
 from __future__ import annotations
 
@@ -164,15 +165,17 @@ def test_a_stored_gate_mixes_every_token_as_the_formula_says(tiny_lm, memories, 
     fit, mixture = _gate_file(tmp_path / "fit.json", components, seed=len(components))
     by_name = {"knn": ds1, "knn2": ds2, "ngram": b1, "ngram2": b2, "cache": None}
     parts = {c: by_name[c] for c in components[1:]}
-    listed = {"knn": str(ds1.path), "knn2": ds2, "ngram": str(ng1.path), "ngram2": ng2}  # folders and open ones
-    lm = MemlmLM(model=model, tokenizer=tok, memories=[listed[c] for c in components[1:] if c != "cache"],
-                 cache="cache" in components, mixture=str(fit), window=64, min_context=32)  # fmt: skip
+    listed = {"knn": str(ds1.path), "knn2": ds2, "ngram": str(ng1.path), "ngram2": ng2, "cache": "cache"}  # any form
+    lm = MemlmLM(model=model, tokenizer=tok, memories=[listed[c] for c in components[1:]], mixture=str(fit), window=64,
+                 min_context=32)  # fmt: skip
     assert lm.components == tuple(components)
     settings = lm.memory_settings
-    assert settings["mixture"] == mixture.to_dict() and [m["component"] for m in settings["memories"]] == components[1:]
+    assert settings["mixture"] == mixture.to_dict()
+    assert [m["component"] for m in settings["components"]] == components[1:]
     if "knn" in components:
-        assert settings["k"] == K and settings["mixture_fit"]["temperature"] == TAU
-        assert {m["temperature"] for m in settings["memories"] if m["kind"] == "datastore"} == {TAU}
+        assert settings["mixture_fit"]["k"] == K and settings["mixture_fit"]["temperature"] == TAU
+        assert {(m["k"], m["temperature"]) for m in settings["components"] if m["kind"] == "knn"} == {(K, TAU)}
+        assert f"k={K}&temperature={TAU}" in settings["memories"]
     assert not {"datastore", "lambda", "temperature", "ngram", "ngram_lambda_sparse", "cache_lambda"} & set(settings)
     tokens = _ids(tok, TEXT)
     seq = [lm.prefix_token_id, *tokens]  # rolling: every token after the prefix token, the ∞-gram's document the text
@@ -198,40 +201,49 @@ def test_a_fit_for_other_memories_is_refused_before_scoring(tiny_lm, memories, t
     fit, _ = _gate_file(tmp_path / "fit.json", ["lm", "knn", "ngram", "cache"], seed=0)
     base = {"model": model, "tokenizer": tok, "mixture": str(fit)}
     with pytest.raises(
-        MemlmError, match=r"mixes lm, knn, ngram, cache; these memories give lm, ngram, ngram2, cache: give"
+        MemlmError, match=r"fitted on components lm, knn, ngram, cache; these memories give lm, ngram, ngram2, cache:"
     ):
-        MemlmLM(**base, memories=[ng1.path, ng2.path], cache=True)
+        MemlmLM(**base, memories=[ng1.path, ng2.path, "cache"])
     with pytest.raises(MemlmError, match="these memories give lm, knn, ngram:"):
         MemlmLM(**base, memories=[ds1.path, ng1.path])  # no cache
     with pytest.raises(MemlmError, match="these memories give lm, knn, knn2, cache:"):
         # refused before the model loads (there is none at that path)
-        MemlmLM(model=str(tmp_path / "no-model"), mixture=str(fit), memories=[ds1.path, ds1.path], cache=True)
-    with pytest.raises(MemlmError, match="mixture= gives the weights; lam would be ignored"):
-        MemlmLM(**base, memories=[ds1.path, ng1.path], cache=True, lam=0.2)
-    with pytest.raises(MemlmError, match="fitted with k=8"):
-        MemlmLM(**base, memories=[ds1.path, ng1.path], cache=True, k=16)
+        MemlmLM(model=str(tmp_path / "no-model"), mixture=str(fit), memories=f"{ds1.path};{ds1.path};cache")
+    with pytest.raises(MemlmError, match="instead of lam= give mixture=knn=λ"):
+        MemlmLM(**base, memories=[ds1.path, ng1.path, "cache"], lam=0.2)
+    with pytest.raises(MemlmError, match=r"instead of k= give memories=knn:DIR\?k=N"):
+        MemlmLM(**base, memories=[ds1.path, ng1.path, "cache"], k=16)
     (tmp_path / "bad.json").write_text('{"form": "gate"}')
     with pytest.raises(MemlmError, match="holds no fitted mixture"):
         MemlmLM(**{**base, "mixture": str(tmp_path / "bad.json")}, memories=[ds1.path])
-    ok = MemlmLM(**base, memories=[ds1.path, ng1.path], cache=True)  # the memories it was made for
+    ok = MemlmLM(**base, memories=[ds1.path, ng1.path, "cache"])  # the memories it was made for
     assert ok.components == ("lm", "knn", "ngram", "cache")
 
 
-def test_memories_as_one_list_equal_the_keyword_form_and_the_rule(tiny_lm, memories):
-    """memories=[datastore, ∞-gram A, ∞-gram B] with the old flags is the fixed-weight rule: the same numbers as
-    datastore= + ngram=[A, B], and by hand (1 - λ - Σ_r λ_r(c)) p_LM + λ p_kNN + Σ_r λ_r(c) P∞_r, λ_r(c) = λ_sparse,r
-    where reference r is sparse, else λ_dense,r (weights that sum past 1 shared as memlm eval shares them)."""
+def test_a_spec_string_and_a_list_of_components_are_one_rule(tiny_lm, memories):
+    """memories as one spec string with weights as a string, or as components with ``fixed_mixture``: the same
+    fixed-weight rule, by hand (1 - λ - Σ_r λ_r(c)) p_LM + λ p_kNN + Σ_r λ_r(c) P∞_r, λ_r(c) = λ_sparse,r where
+    reference r is sparse, else λ_dense,r (weights that sum past 1 shared as memlm eval shares them)."""
+    from memlm.mixing.datastore import DatastoreComponent
+    from memlm.mixing.weights import fixed_mixture
+    from memlm.ngram.memory import NgramMemory
+    from memlm.ngram.step import NgramComponent
+    from memlm.retrieval import DatastoreMemory
+
     model, tok = tiny_lm
     (ds1, _), (ng1, ng2), (b1, b2) = memories
-    weights = {"lam": 0.5, "temperature": TAU, "k": K, "ngram_lambda_sparse": [0.9, 0.6], "ngram_lambda_dense": 0.1}
-    listed = MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ng1.path, ng2.path], window=64, min_context=32,
-                     **weights)  # fmt: skip
-    keyword = MemlmLM(model=model, tokenizer=tok, datastore=ds1, ngram=[ng1.path, ng2.path], window=64,
-                      min_context=32, **weights)  # fmt: skip
+    spec = f"knn:{ds1.path}?k={K}&temperature={TAU};ngram:{ng1.path};{ng2.path}"
+    listed = MemlmLM(model=model, tokenizer=tok, memories=spec, mixture="knn=0.5;ngram=0.9/0.1;ngram2=0.6/0.1",
+                     window=64, min_context=32)  # fmt: skip
+    components = [DatastoreComponent(DatastoreMemory(ds1), K, TAU), NgramComponent(NgramMemory(ng1)),
+                  NgramComponent(NgramMemory(ng2))]  # fmt: skip
+    weights = fixed_mixture(components, {"knn": 0.5, "ngram": (0.9, 0.1), "ngram2": (0.6, 0.1)})
+    objects = MemlmLM(model=model, tokenizer=tok, memories=components, mixture=weights, window=64, min_context=32)
     assert listed.components == ("lm", "knn", "ngram", "ngram2") and listed.mixture.form == "rule"
     tokens = _ids(tok, TEXT)
     got = listed.rolling_token_logprobs(tokens)
-    np.testing.assert_array_equal(got, keyword.rolling_token_logprobs(tokens))
+    np.testing.assert_array_equal(got, objects.rolling_token_logprobs(tokens))
+    assert listed.memory_settings["memories"] == objects.memory_settings["memories"]
     scale = (1 - 0.5) * 0.9 / (0.9 + 0.6)  # λ + Σ_r max_r = 2.0 > 1: the pairs scaled by (1 - λ) W / S
     pairs = [(0.9 * scale, 0.1 * scale), (0.6 * scale, 0.1 * scale)]
     seq = [listed.prefix_token_id, *tokens]
@@ -244,9 +256,7 @@ def test_memories_as_one_list_equal_the_keyword_form_and_the_rule(tiny_lm, memor
         p = (1 - 0.5 - sum(lam_r)) * p_lm[t] + 0.5 * p_knn + sum(w * r[0] for w, r in zip(lam_r, refs, strict=True))
         want.append(math.log(p[tokens[t]]))
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    ngram_entries = [m for m in listed.memory_settings["memories"] if m["kind"] == "∞-gram index"]
-    assert [m["lambda_sparse"] for m in ngram_entries] == [0.9, 0.6]  # as given; the mixture records what mixed
-    assert listed.memory_settings["mixture"] == keyword.memory_settings["mixture"]
+    assert listed.memory_settings["mixture"] == objects.memory_settings["mixture"]
     # generation mixes the same shared weights: greedy decoding picks the argmax of the mixture by hand at each step
     from lm_eval.api.instance import Instance
     from test_ngram_multi import _greedy_by_hand
@@ -258,17 +268,21 @@ def test_memories_as_one_list_equal_the_keyword_form_and_the_rule(tiny_lm, memor
 
 
 def test_two_datastores_each_at_its_own_weight(tiny_lm, memories):
-    """memories=[DS1, DS2] with lam=[a, b]: (1 - a - b) p_LM + a p_kNN,1 + b p_kNN,2 by hand; weights that sum past 1
-    are refused; generate_until follows the same mixture's argmax."""
+    """Two datastores with weights knn=a;knn2=b: (1 - a - b) p_LM + a p_kNN,1 + b p_kNN,2 by hand; weights that sum
+    past 1 are refused; generate_until follows the same mixture's argmax."""
     from lm_eval.api.instance import Instance
 
     model, tok = tiny_lm
     (ds1, ds2), _, _ = memories
-    # lm_eval's --model_args form: memories=DS1|DS2,lam=0.3|0.2
-    lm = MemlmLM(model=model, tokenizer=tok, memories=f"{ds1.path}|{ds2.path}", lam="0.3|0.2", temperature=TAU, k=K,
-                 window=64, min_context=32)  # fmt: skip
+    # lm_eval's --model_args form: memories=knn:DS1?...;knn:DS2?...,mixture=knn=0.3;knn2=0.2
+    from lm_eval.utils import simple_parse_args_string
+
+    knn = f"k={K}&temperature={TAU}"
+    model_args = f"memories=knn:{ds1.path}?{knn};{ds2.path}?{knn},mixture=knn=0.3;knn2=0.2,window=64"
+    args = simple_parse_args_string(model_args)
+    lm = MemlmLM(model=model, tokenizer=tok, **args, min_context=32)
     assert lm.components == ("lm", "knn", "knn2")
-    assert [m["lambda"] for m in lm.memory_settings["memories"]] == [0.3, 0.2]
+    assert [c["k"] for c in lm.memory_settings["components"]] == [K, K]
     tokens = _ids(tok, TEXT)
     seq = [lm.prefix_token_id, *tokens]
     p_lm, keys = _forward(model, seq, list({ds1.key_spec: 0, ds2.key_spec: 0}))
@@ -278,10 +292,10 @@ def test_two_datastores_each_at_its_own_weight(tiny_lm, memories):
         p2, _ = _knn_by_hand(ds2, keys[ds2.key_spec][t], p_lm.shape[1])
         want.append(math.log((0.5 * p_lm[t] + 0.3 * p1 + 0.2 * p2)[tokens[t]]))
     np.testing.assert_allclose(lm.rolling_token_logprobs(tokens), want, rtol=1e-5)
-    with pytest.raises(MemlmError, match="sum to at most 1"):
-        MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ds2.path], lam=0.6)
-    with pytest.raises(MemlmError, match="lam got 3 values for 2 datastore"):
-        MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ds2.path], lam=[0.1, 0.1, 0.1])
+    with pytest.raises(MemlmError, match="the LM's weight would be <= 0"):
+        MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ds2.path], mixture="knn=0.6;knn2=0.6")
+    with pytest.raises(MemlmError, match="weights given for knn3, which are not memories of this mixture"):
+        MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ds2.path], mixture="knn=0.1;knn2=0.1;knn3=0.1")
 
     # generation mixes both datastores too: each step's greedy token is the argmax of the same mixture by hand
     def greedy(prompt: str, steps: int = 3) -> tuple[list[int], list[int]]:
@@ -326,15 +340,17 @@ def test_cli_lm_eval_with_a_fit_records_the_mixture_and_refuses_other_memories(
     base = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_wikitext2", "--window", "256", "--min-context",
             "64", "--samples", '{"memlm_wikitext2": [14]}', "--mixture", str(fit), "--out", str(out)]  # fmt: skip
     monkeypatch.chdir(tmp_path)
-    assert main([*base, "--ngram", str(ng1.path), "--cache"]) == 2
-    assert "the mixture mixes lm, knn, ngram, cache; these memories give lm, ngram, cache" in capsys.readouterr().err
+    assert main([*base, "--memory", f"{ng1.path};cache"]) == 2
+    assert "fitted on components lm, knn, ngram, cache; these memories give lm, ngram, cache" in capsys.readouterr().err
     assert not out.exists()
-    assert main([*base, "--datastore", str(ds1.path), "--ngram", str(ng1.path), "--cache"]) == 0
+    assert main([*base, "--memory", str(ds1.path), "--memory", f"ngram:{ng1.path};cache"]) == 0
     record = json.loads(out.read_text())["memlm"]
     assert record["mixture"] == mixture.to_dict() and record["mixture_fit"]["form"] == "gate"
-    by_name = {m["component"]: m for m in record["memories"]}
-    assert record["k"] == K and by_name["knn"]["temperature"] == TAU and by_name["cache"]["temperature"] == CACHE_TAU
-    lm = MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ng1.path], cache=True, mixture=str(fit), window=256,
+    by_name = {m["component"]: m for m in record["components"]}
+    assert by_name["knn"]["k"] == K and by_name["knn"]["temperature"] == TAU
+    assert by_name["cache"]["temperature"] == CACHE_TAU
+    assert record["memories"].endswith(f"cache?k=256&temperature={CACHE_TAU}&max_len=2048")
+    lm = MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ng1.path, "cache"], mixture=str(fit), window=256,
                  min_context=64)  # fmt: skip
     page = load_documents("wikitext2", "test")[14].text
     (ll,) = lm.loglikelihood_rolling(
@@ -344,39 +360,58 @@ def test_cli_lm_eval_with_a_fit_records_the_mixture_and_refuses_other_memories(
     assert got == pytest.approx(math.exp(-ll / len(re.split(r"\s+", page))), rel=1e-6)
     # two --datastore: two memories at the rule's weights, both checked for leakage
     (_, ds2), _, _ = memories
-    two = [*base[: base.index("--mixture")], "--out", str(out), "--datastore", str(ds1.path), "--datastore",
-           str(ds2.path), "--lambda", "0.1", "--k", "8"]  # fmt: skip
+    two = [*base[: base.index("--mixture")], "--out", str(out), "--memory", f"{ds1.path}?k=8", "--memory",
+           f"{ds2.path}?k=8", "--lambda", "0.1"]  # fmt: skip
     assert main(two) == 0
     record = json.loads(out.read_text())
-    assert [m["component"] for m in record["memlm"]["memories"]] == ["knn", "knn2"]
+    assert [m["component"] for m in record["memlm"]["components"]] == ["knn", "knn2"]
     assert record["memlm"]["mixture"]["components"] == ["lm", "knn", "knn2"] and record["memlm"]["mixture_fit"] is None
     assert record["leakage"]["memlm_wikitext2"]["memories"] == [f"datastore {ds1.path}", f"datastore {ds2.path}"]
 
 
-def test_lm_eval_and_memlm_eval_mix_a_fit_alike(tiny_lm, memories, tmp_path):
-    """The same stored gate on the same text over several sliding windows: MemlmLM's rolling log P of every token
-    equals memlm eval's (its dump of the datastore, ∞-gram and cache, mixed by DumpMixture.logprob): one mixture, the
-    same features in both places."""
+@pytest.mark.parametrize("components", [["lm", "knn", "ngram"], ["lm", "knn", "ngram", "cache"]],
+                         ids=["datastore-ngram", "with-cache"])  # fmt: skip
+def test_one_mixture_gives_the_same_log_p_in_scoring_generation_wrap_and_lm_eval(tiny_lm, memories, tmp_path,
+                                                                                   components):  # fmt: skip
+    """The same stored gate over the same memories, on one text over several sliding windows: memlm eval's scores
+    (its dump of the datastore, ∞-gram and cache, mixed by DumpMixture.logprob), lm-eval's rolling log P of every token,
+    and, over the first window (the same context for all), a generation step's distribution at each token and
+    ``memlm.wrap``'s forward (no cache in generation: the fit without it). One mixture, the same features everywhere."""
     from conftest import Doc
 
+    import memlm
     from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.generate import MixtureLogitsProcessor
     from memlm.ngram.memory import NgramMemory
 
     model, tok = tiny_lm
     (ds1, _), (ng1, _), _ = memories
-    fit, _ = _gate_file(tmp_path / "fit.json", ["lm", "knn", "ngram", "cache"], seed=7)
+    fit, _ = _gate_file(tmp_path / "fit.json", components, seed=7)
+    spec = f"knn:{ds1.path};ngram:{ng1.path}" + (";cache" if "cache" in components else "")
     text = " ".join(d.text for d in make_toy_docs(6, seed=5))
     window, min_context = 40, 12
-    lm = MemlmLM(model=model, tokenizer=tok, memories=[ds1.path, ng1.path], cache=True, mixture=str(fit),
-                 window=window, min_context=min_context, batch_size=3, prefix_token_id=tok.eos_token_id)  # fmt: skip
+    lm = MemlmLM(model=model, tokenizer=tok, memories=spec, mixture=str(fit), window=window, min_context=min_context,
+                 batch_size=3, prefix_token_id=tok.eos_token_id)  # fmt: skip
     tokens = _ids(tok, text)
     assert len(tokens) > 3 * window  # several windows
     got = lm.rolling_token_logprobs(tokens)
     # memlm eval on the stream [EOS] + text + [EOS]: an empty document, then the text
     docs = [Doc("empty", ""), Doc("text", text)]
-    ts = score_tokens(model, tok, docs, ds1, k=K, window=window, min_context=min_context, cache=True, progress=False)
+    ts = score_tokens(model, tok, docs, ds1, k=K, window=window, min_context=min_context, cache="cache" in components,
+                      progress=False)  # fmt: skip
     NgramMemory(ng1).attach(ts, docs, tok)
-    dump_mixture = DumpMixture.from_dict(json.loads(fit.read_text()))
-    want = dump_mixture.logprob(ts).numpy()
-    assert len(want) == len(tokens) + 1  # the text's tokens, then the final EOS
-    np.testing.assert_allclose(got, want[: len(tokens)], rtol=1e-5)
+    scored = DumpMixture.from_dict(json.loads(fit.read_text())).logprob(ts).numpy()
+    assert len(scored) == len(tokens) + 1  # the text's tokens, then the final EOS
+    np.testing.assert_allclose(got, scored[: len(tokens)], rtol=1e-5)
+    if "cache" in components:
+        return
+    first = window - 1  # tokens of the first window: each read from the start of the text, as a step reads it
+    seq = torch.tensor([[tok.eos_token_id, *tokens[:first]]])
+    wrapped = memlm.wrap(model, spec, str(fit))(input_ids=seq).logits[0]
+    wrap_logp = wrapped[torch.arange(first), torch.tensor(tokens[:first])].double().numpy()
+    np.testing.assert_allclose(wrap_logp, scored[:first], rtol=1e-4)
+    with torch.no_grad(), MixtureLogitsProcessor(model, spec, str(fit)) as proc:
+        for t in (0, 5, first - 1):
+            ids = seq[:, : t + 1]
+            step = proc(ids, model(input_ids=ids).logits[:, -1])[0]
+            assert float(step[tokens[t]]) == pytest.approx(scored[t], rel=1e-4)

@@ -462,7 +462,7 @@ def test_cli_generate_with_ngram_and_sources(tiny_lm_dir, index, capsys):
                 "generate",
                 "--model",
                 str(tiny_lm_dir),
-                "--ngram",
+                "--memory",
                 str(index.path),
                 "--prompt",
                 "the cat sat",
@@ -530,18 +530,17 @@ def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tin
     """One generation step with both memories: (1 - λ - λ_∞) p_LM + λ p_kNN + λ_∞ P∞, with p_kNN from an exact
     NumPy search (Khandelwal et al. Eq. 2) and P∞ from a scan of the reference tokens (Liu et al. 2024 Sec. 3)."""
     from memlm.cli import main
-    from memlm.knnlm.generate import KNNLogitsProcessor
+    from memlm.knnlm.generate import MixtureLogitsProcessor
     from memlm.knnlm.write import write_datastore
     from memlm.models.keys import KeyCapture
-    from memlm.ngram.generate import NgramStep
 
     model, tok = tiny_lm
     ds = write_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
     ds.build_index(factory="Flat", metric="l2", progress=False)
     lam, ls, ld, k, tau = 0.3, 0.5, 0.2, 8, 2.0
     seq = _ids(tok, "the old river ran over the")
-    ngram = NgramStep(NgramMemory(index), ls, ld)
-    with torch.no_grad(), KNNLogitsProcessor(model, ds, k=k, lam=lam, temperature=tau, ngram=ngram) as proc:
+    memories = f"knn:{ds.path}?k={k}&temperature={tau};ngram:{index.path}"
+    with torch.no_grad(), MixtureLogitsProcessor(model, memories, f"knn={lam};ngram={ls}/{ld}") as proc:
         logits = model(input_ids=torch.tensor([seq])).logits[:, -1]
         got = torch.exp(proc(torch.tensor([seq]), logits)[0].double()).numpy()
     # the reference, by hand
@@ -565,7 +564,7 @@ def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tin
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
     assert p_inf.max() > 0 and p_knn.max() > 0  # both memories contributed
     # the CLI takes both memories at once and still lists the ∞-gram's sources
-    argv = ["generate", "--model", str(tiny_lm_dir), "--datastore", str(ds.path), "--ngram", str(index.path),
+    argv = ["generate", "--model", str(tiny_lm_dir), "--memory", f"{ds.path};{index.path}",
             "--prompt", "the cat sat", "--max-new-tokens", "4", "--greedy", "--show-sources", "1", "--dtype",
             "float32", "--lambda", "0.9", "--ngram-lambda-sparse", "0.5"]  # fmt: skip
     assert main(argv) == 0
@@ -593,10 +592,10 @@ def test_lm_eval_adapter_with_ngram_equals_brute_force(tiny_lm, corpus, index):
 
     model, tok = tiny_lm
     ls, ld = 0.6, 0.3
-    lm = MemlmLM(model=model, tokenizer=tok, ngram=str(index.path), ngram_lambda_sparse=str(ls),
-                 ngram_lambda_dense=str(ld), window=64, min_context=32)  # fmt: skip
+    lm = MemlmLM(model=model, tokenizer=tok, memories=f"ngram:{index.path}", mixture=f"ngram={ls}/{ld}", window=64,
+                 min_context=32)  # fmt: skip
     bare = MemlmLM(model=model, tokenizer=tok, window=64, min_context=32)
-    assert [m["lambda_sparse"] for m in lm.memory_settings["memories"]] == [ls]
+    assert lm.memory_settings["memories"] == f"ngram:{index.path}"
     brute = Brute(tok, corpus)
     tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
     lm_lp = bare.rolling_token_logprobs(tokens)

@@ -192,8 +192,8 @@ def test_lm_eval_ngram_reads_the_whole_request_and_marks_what_is_approximate(tin
     ix = build_ngram_index(tok, docs, tmp_path / "ix", progress=False)
     brute = Brute(tok, docs)
     ls, ld = 0.6, 0.3
-    lm = MemlmLM(model=model, tokenizer=tok, ngram=str(ix.path), ngram_lambda_sparse=ls, ngram_lambda_dense=ld,
-                 window=64, min_context=32, max_length=8)  # fmt: skip
+    lm = MemlmLM(model=model, tokenizer=tok, memories=str(ix.path), mixture=f"ngram={ls}/{ld}", window=64,
+                 min_context=32, max_length=8)  # fmt: skip
     words = _ids(tok, long_doc)
     ctx, cont = words[:25], words[25:27]
     (ll, _), = lm._loglikelihood_tokens([(("x", "y"), ctx, cont)])  # fmt: skip
@@ -231,22 +231,25 @@ def test_generation_step_reads_its_prefix_and_says_when_p_inf_was_approximate(to
     """The generation step: with a prefix (the context lm_eval cut off for the LM) its P∞ is that of prefix + row;
     its steps are counted, and those that left P∞ mass unassigned are reported (approximate(), approximation_note),
     an exact run reports nothing."""
-    from memlm.ngram.generate import NgramStep, approximation_note, next_token_distribution
+    from memlm.mixing.component import Batch
+    from memlm.ngram.generate import approximation_note, next_token_distribution
+    from memlm.ngram.step import NgramComponent
 
     docs = [Doc(f"m{j}", "so a dog " + w) for j, w in enumerate(COLOURS)] + [Doc("x", "big red a dog " + COLOURS[3])]
     memory = NgramMemory(build_ngram_index(tok, docs, tmp_path / "ix", progress=False))
-    step = NgramStep(memory, 0.5, 0.2)
+    step = NgramComponent(memory)
     row = torch.tensor([_ids(tok, " a dog")])
-    p, _ = step.search(row, len(tok))
+    batch = Batch(make_contexts=lambda: [row[0].tolist()], vocab=len(tok))
+    step.step(batch)
     assert step.approximate() is None and approximation_note(step) is None and step.steps == 1
     step.set_prefix(_ids(tok, "big red"))
-    p, sparse = step.search(row, len(tok))
+    p, _, sparse = step.step(batch)
     want, want_sparse, _ = next_token_distribution(memory, [_ids(tok, "big red a dog")], len(tok))
     assert _ids(tok, "big red a dog") == [*_ids(tok, "big red"), *row[0].tolist()]
     assert torch.equal(p, want) and bool(sparse[0]) and bool(want_sparse[0])  # only "x" continues the whole prefix
     memory.max_support = 2
     step.set_prefix(())
-    step.search(row, len(tok))
+    step.step(batch)
     a = step.approximate()
     assert a["steps"] == 1 and a["of"] == 3 and 0 < a["max_missing_mass"] < 1
     assert "1 of 3" in approximation_note(step)

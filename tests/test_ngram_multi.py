@@ -1,6 +1,7 @@
-"""Several ∞-gram indexes at once (``memlm eval|generate|lm-eval --ngram A --ngram B``, ``memlm tune``, ``MemlmLM(ngram=
-[A, B])``): the mixture of Liu et al. (2024)'s interpolation with one (λ_sparse, λ_dense) pair per reference, checked
-against NumPy (P∞ of each reference from a scan of its tokens, p_kNN from an exact search: Khandelwal et al. Eq. 2)."""
+"""Several ∞-gram indexes at once (``memlm eval --ngram A --ngram B``, ``memlm generate|lm-eval --memory A --memory
+B``, ``memlm tune``, ``MemlmLM(memories="ngram:A;ngram:B")``): the mixture of Liu et al. (2024)'s interpolation with
+one (λ_sparse, λ_dense) pair per reference, checked against NumPy (P∞ of each reference from a scan of its tokens,
+p_kNN from an exact search: Khandelwal et al. Eq. 2)."""
 
 from __future__ import annotations
 
@@ -223,9 +224,7 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
     """One generation step, three rows, two ∞-gram references each at its own (λ_sparse, λ_dense): alone beside the
     LM and with the kNN term, every row's distribution is the mixture computed by hand. Fails on the old code (no
     processor for several indexes)."""
-    from memlm.knnlm.generate import KNNLogitsProcessor, MixtureLogitsProcessor
-    from memlm.ngram.generate import NgramStep
-    from memlm.ngram.memory import NgramMemory
+    from memlm.knnlm.generate import MixtureLogitsProcessor
 
     model, tok = tiny_lm
     brutes = [Brute(tok, docs) for docs in _corpora()]
@@ -237,12 +236,15 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
     ]
     assert len({len(r) for r in rows}) == 1
     ws, lam, k, tau = [(0.5, 0.2), (0.3, 0.1)], 0.15, 8, 2.0
-    proc = MixtureLogitsProcessor(None, [NgramStep(NgramMemory(ix), *w) for ix, w in zip(two_indexes, ws, strict=True)])
+    indexes = ";".join(f"ngram:{ix.path}" for ix in two_indexes)
+    weights = ";".join(f"{n}={s}/{d}" for n, (s, d) in zip(("ngram", "ngram2"), ws, strict=True))
+    proc = MixtureLogitsProcessor(None, indexes, weights)
     ids = torch.tensor(rows)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, -1]
         alone = torch.exp(proc(ids, logits).double()).numpy()
-        with KNNLogitsProcessor(model, ds, k=k, lam=lam, temperature=tau, ngram=proc) as knn_proc:
+        memories = f"knn:{ds.path}?k={k}&temperature={tau};{indexes}"
+        with MixtureLogitsProcessor(model, memories, f"knn={lam};{weights}") as knn_proc:
             both = torch.exp(knn_proc(ids, model(input_ids=ids).logits[:, -1]).double()).numpy()
     p_lm = torch.softmax(logits.double(), -1).numpy()
     p_knn = _p_knn(model, ds, rows, k, tau)
@@ -254,7 +256,7 @@ def test_generation_step_with_two_indexes_is_the_mixture_by_hand(tiny_lm, two_in
         np.testing.assert_allclose(both[i], want3, rtol=1e-4, atol=1e-7)
         flags += sparse
     assert True in flags and False in flags  # both weights of the pairs are exercised
-    assert proc.steps[0].steps == proc.steps[1].steps == 2 * len(rows)  # each reference searched at every step
+    assert proc.components[0].steps == proc.components[1].steps == len(rows)  # each reference searched at each step
 
 
 def _greedy_by_hand(model, prompt, steps, brutes, weights, lam=0.0, ds=None, k=8, tau=1.0) -> list[int]:
@@ -269,18 +271,17 @@ def _greedy_by_hand(model, prompt, steps, brutes, weights, lam=0.0, ds=None, k=8
 
 
 def test_cli_generate_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, ds, capsys):
-    """`memlm generate --ngram A --ngram B` (with per-index weights; alone and with --datastore, where weights that sum
-    past 1 are shared as memlm eval shares them): greedy decoding picks the argmax of the mixture by hand at every
-    step, and --show-sources lists each token's suffix in each index. Fails on the old code (argparse kept only the
-    last --ngram and took one weight)."""
+    """`memlm generate --memory A --memory B` (with per-index weights; alone and with a datastore, where weights that
+    sum past 1 are shared as memlm eval shares them): greedy decoding picks the argmax of the mixture by hand at every
+    step, and --show-sources lists each token's suffix in each index."""
     from memlm.cli import main
 
     model, tok = tiny_lm
     brutes = [Brute(tok, docs) for docs in _corpora()]
     a, b = two_indexes
     prompt = "the old river"
-    base = ["generate", "--model", str(tiny_lm_dir), "--ngram", str(a.path), "--ngram", str(b.path), "--prompt", prompt,
-            "--max-new-tokens", "4", "--greedy", "--show-sources", "1", "--dtype", "float32"]  # fmt: skip
+    base = ["generate", "--model", str(tiny_lm_dir), "--memory", str(a.path), "--memory", str(b.path), "--prompt",
+            prompt, "--max-new-tokens", "4", "--greedy", "--show-sources", "1", "--dtype", "float32"]  # fmt: skip
     assert main([*base, "--ngram-lambda-sparse", "0.5", "0.3", "--ngram-lambda-dense", "0.2", "0.1"]) == 0
     out = capsys.readouterr().out
     want = _greedy_by_hand(model, _ids(tok, prompt), 4, brutes, [(0.5, 0.2), (0.3, 0.1)])
@@ -289,7 +290,7 @@ def test_cli_generate_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, ds, ca
     assert [line.split("] ")[0].split("[")[-1] for line in lines] == ["1:a", "2:b"] * 4
     assert all("occurrences" in line for line in lines)
     # with the kNN term: λ 0.5 + Σ_r max(λ_sparse,r, λ_dense,r) = 1.5 > 1, so the pairs are scaled by (1 - λ) W / S
-    argv = [*base, "--datastore", str(ds.path), "--k", "8", "--lambda", "0.5", "--temperature", "2",
+    argv = [*base, "--memory", f"{ds.path}?k=8", "--lambda", "0.5", "--temperature", "2",
             "--ngram-lambda-sparse", "0.9", "0.6", "--ngram-lambda-dense", "0.2", "0.1"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -304,11 +305,10 @@ def test_cli_generate_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, ds, ca
 
 
 def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, two_indexes, ds):
-    """MemlmLM(ngram=[A, B]) with a pair of weights per index: every rolling log-probability, and a loglikelihood
-    request with the datastore too (its greedy flag from the mixed distribution), equal the mixture by hand; lm_eval's
-    string form (``ngram=A|B``, ``ngram_lambda_sparse=a|b``, also through ``create_from_arg_string``) gives the same
-    model. Fails on the old code (ngram= took
-    one index)."""
+    """MemlmLM with two ∞-gram memories and a pair of weights per index: every rolling log-probability, and a
+    loglikelihood request with the datastore too (its greedy flag from the mixed distribution), equal the mixture by
+    hand; lm_eval's string form (``memories=ngram:A;ngram:B,mixture=ngram=a/b;ngram2=c/d`` through
+    ``create_from_arg_string``) gives the same model."""
     pytest.importorskip("lm_eval")
     from memlm.lmeval.model import MemlmLM
 
@@ -316,10 +316,10 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, t
     brutes = [Brute(tok, docs) for docs in _corpora()]
     a, b = two_indexes
     ws = [(0.6, 0.3), (0.2, 0.1)]
-    lm = MemlmLM(model=model, tokenizer=tok, ngram=[str(a.path), str(b.path)], ngram_lambda_sparse=[0.6, 0.2],
-                 ngram_lambda_dense=[0.3, 0.1], window=64, min_context=32)  # fmt: skip
-    entries = lm.memory_settings["memories"]
-    assert [(m["path"], m["lambda_sparse"]) for m in entries] == [(str(a.path), 0.6), (str(b.path), 0.2)]
+    weights = "ngram=0.6/0.3;ngram2=0.2/0.1"
+    lm = MemlmLM(model=model, tokenizer=tok, memories=[str(a.path), str(b.path)], mixture=weights, window=64,
+                 min_context=32)  # fmt: skip
+    assert lm.memory_settings["memories"] == f"ngram:{a.path};ngram:{b.path}"
     tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[lm.prefix_token_id, *tokens]])).logits[0].double()
@@ -327,20 +327,19 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, t
     want = [math.log(_mixture(p_lm[t], tokens[:t], brutes, ws)[0][tokens[t]]) for t in range(len(tokens))]
     got = lm.rolling_token_logprobs(tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    as_string = MemlmLM(model=model, tokenizer=tok, ngram=f"{a.path}|{b.path}", ngram_lambda_sparse="0.6|0.2",
-                        ngram_lambda_dense="0.3|0.1", window=64, min_context=32)  # fmt: skip
+    as_string = MemlmLM(model=model, tokenizer=tok, memories=f"ngram:{a.path};ngram:{b.path}", mixture=weights,
+                        window=64, min_context=32)  # fmt: skip
     assert as_string.memory_settings == lm.memory_settings
     np.testing.assert_array_equal(as_string.rolling_token_logprobs(tokens), got)
     from_args = MemlmLM.create_from_arg_string(  # what lm_eval does with --model_args
-        f"model={tiny_lm_dir},ngram={a.path}|{b.path},ngram_lambda_sparse=0.6|0.2,ngram_lambda_dense=0.3|0.1,"
-        "window=64,min_context=32,dtype=float32"
+        f"model={tiny_lm_dir},memories={a.path};{b.path},mixture={weights},window=64,min_context=32,dtype=float32"
     )
     assert from_args.memory_settings == lm.memory_settings
 
     # loglikelihood with the datastore: (1 - λ - Σ λ_r) p_LM + λ p_kNN + Σ λ_r P∞_r (0.1 + 0.8 <= 1: as given)
     lam, k, tau = 0.1, 8, 2.0
-    lm3 = MemlmLM(model=model, tokenizer=tok, datastore=ds, lam=lam, temperature=tau, k=k, ngram=[a.path, b.path],
-                  ngram_lambda_sparse=[0.6, 0.2], ngram_lambda_dense=[0.3, 0.1], window=64, min_context=32)  # fmt: skip
+    lm3 = MemlmLM(model=model, tokenizer=tok, memories=[f"{ds.path}?k={k}&temperature={tau}", a.path, b.path],
+                  mixture=f"knn={lam};{weights}", window=64, min_context=32)  # fmt: skip
     ctx, cont = _ids(tok, "the old river"), _ids(tok, " ran over the park")
     ((ll, greedy),) = lm3._loglikelihood_tokens([(("a", "b"), ctx, cont)])
     seq = ctx + cont
@@ -353,16 +352,11 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, t
         total += math.log(p[seq[pos + 1]])
         all_greedy &= int(p.argmax()) == seq[pos + 1]
     assert ll == pytest.approx(total, rel=1e-5) and greedy == all_greedy
-    # one value: every index's
-    one = MemlmLM(model=model, tokenizer=tok, ngram=[a.path, b.path], ngram_lambda_sparse=0.4, window=64,
-                  min_context=32)  # fmt: skip
-    assert [m["lambda_sparse"] for m in one.memory_settings["memories"]] == [0.4, 0.4]
 
 
 def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_path, monkeypatch):
-    """`memlm lm-eval --ngram A --ngram B` with a weight per index: the record names both indexes and the word
-    perplexity is the one MemlmLM(ngram=[A, B]) gives (itself checked by hand above). Fails on the old code (the
-    second --ngram replaced the first)."""
+    """`memlm lm-eval --memory A --memory B` with a weight per index: the record names both indexes and the word
+    perplexity is the one MemlmLM with the same memories and weights gives (itself checked by hand above)."""
     pytest.importorskip("lm_eval")
     import re
 
@@ -376,16 +370,16 @@ def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_pat
     a, b = two_indexes
     out = tmp_path / "r.json"
     args = ["lm-eval", "--model", str(tiny_lm_dir), "--tasks", "memlm_wikitext2", "--window", "256", "--min-context",
-            "64", "--samples", '{"memlm_wikitext2": [14]}', "--out", str(out), "--ngram", str(a.path), "--ngram",
+            "64", "--samples", '{"memlm_wikitext2": [14]}', "--out", str(out), "--memory", str(a.path), "--memory",
             str(b.path), "--ngram-lambda-sparse", "0.5", "0.2", "--ngram-lambda-dense", "0.1"]  # fmt: skip
     monkeypatch.chdir(tmp_path)
     assert main(args) == 0
     record = json.loads(out.read_text())
-    entries = [(m["path"], m["lambda_sparse"], m["lambda_dense"]) for m in record["memlm"]["memories"]]
-    assert entries == [(str(a.path), 0.5, 0.1), (str(b.path), 0.2, 0.1)]
+    assert record["memlm"]["memories"] == f"ngram:{a.path};ngram:{b.path}"
     model, tok = tiny_lm
-    lm = MemlmLM(model=model, tokenizer=tok, ngram=[a.path, b.path], ngram_lambda_sparse=[0.5, 0.2],
-                 ngram_lambda_dense=0.1, window=256, min_context=64)  # fmt: skip
+    lm = MemlmLM(model=model, tokenizer=tok, memories=[a.path, b.path], mixture="ngram=0.5/0.1;ngram2=0.2/0.1",
+                 window=256, min_context=64)  # fmt: skip
+    assert lm.memory_settings["mixture"] == record["memlm"]["mixture"]
     page = load_documents("wikitext2", "test")[14].text
     text = wikitext_detokenizer({"page": page})
     (ll,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
@@ -395,22 +389,22 @@ def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_pat
 
 
 def test_wrap_with_two_indexes_generates_the_mixture_by_hand(tiny_lm, two_indexes, ds):
-    """``memlm.wrap(model, ds, ngram=[A, B], ngram_lambdas=...)``: greedy ``generate`` picks the argmax of
+    """``memlm.wrap(model, "knn:DS;ngram:A;ngram:B", weights)``: greedy ``generate`` picks the argmax of
     λ p_kNN + Σ_r λ_r P∞_r + rest · p_LM by hand at every step (weights scaled as ``memlm generate`` scales them), and
-    one index gives what the single-index form gave. Fails on the old code (``ngram=`` took one index)."""
+    a list of one index gives what the spec string of it gives."""
     import memlm
 
     model, tok = tiny_lm
     brutes = [Brute(tok, docs) for docs in _corpora()]
     a, b = two_indexes
     prompt = _ids(tok, "the old river")
-    knn_lm = memlm.wrap(model, ds, k=8, lam=0.5, temperature=2.0, ngram=[a.path, b.path],
-                        ngram_lambdas=([0.9, 0.6], [0.2, 0.1]))  # fmt: skip
+    knn = f"knn:{ds.path}?k=8&temperature=2"
+    knn_lm = memlm.wrap(model, f"{knn};ngram:{a.path};ngram:{b.path}", "knn=0.5;ngram=0.9/0.2;ngram2=0.6/0.1")
     out = knn_lm.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
     scale = (1 - 0.5) * 0.9 / (0.9 + 0.6)
     weights = [(0.9 * scale, 0.2 * scale), (0.6 * scale, 0.1 * scale)]
     assert out == _greedy_by_hand(model, prompt, 4, brutes, weights, lam=0.5, ds=ds, k=8, tau=2.0)
-    one = memlm.wrap(model, ds, k=8, lam=0.5, temperature=2.0, ngram=[a.path], ngram_lambdas=(0.3, 0.1))
-    same = memlm.wrap(model, ds, k=8, lam=0.5, temperature=2.0, ngram=a.path, ngram_lambdas=(0.3, 0.1))
+    one = memlm.wrap(model, [knn, a.path], "knn=0.5;ngram=0.3/0.1")
+    same = memlm.wrap(model, f"{knn};{a.path}", "knn=0.5;ngram=0.3/0.1")
     gen = [m.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False) for m in (one, same)]
     assert torch.equal(gen[0], gen[1])

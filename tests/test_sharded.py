@@ -225,7 +225,7 @@ def test_faiss_gpu_detection_on_a_cpu_build():
 def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single):
     import torch
 
-    from memlm.knnlm.generate import KNNLogitsProcessor
+    from memlm.knnlm.generate import MixtureLogitsProcessor
 
     model, tok = tiny_lm
     build_sharded_index(sharded, factory="Flat", progress=False)
@@ -234,7 +234,7 @@ def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single
     ids = tok("the cat sat on the", return_tensors="pt")["input_ids"]
     outs = []
     for ds in (open_datastore(sharded.path), single):
-        with KNNLogitsProcessor(model, ds, k=8, lam=0.5) as knn, torch.no_grad():
+        with MixtureLogitsProcessor(model, f"{ds.path}?k=8", "knn=0.5") as knn, torch.no_grad():
             logits = model(ids).logits[:, -1]
             outs.append(knn(ids, logits))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
@@ -368,8 +368,8 @@ def test_lm_eval_adapter_takes_a_sharded_datastore(tiny_lm, sharded_and_copy):
     shard, one = sharded_and_copy
     pairs = [("the cat sat on", " the mat"), ("a dog ran", " in the park")]
     reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
-    kw = {"lam": 0.5, "k": 8, "temperature": 3.0}
-    got = [MemlmLM(model=model, tokenizer=tok, datastore=str(ds.path), **kw).loglikelihood(reqs) for ds in (shard, one)]
+    kw = {"model": model, "tokenizer": tok, "mixture": "knn=0.5"}
+    got = [MemlmLM(**kw, memories=f"{ds.path}?k=8&temperature=3").loglikelihood(reqs) for ds in (shard, one)]
     bare = MemlmLM(model=model, tokenizer=tok).loglikelihood(reqs)
     for a, b, c in zip(*got, bare, strict=True):
         assert a[0] == pytest.approx(b[0], rel=1e-5) and a[0] != pytest.approx(c[0], rel=1e-3)

@@ -205,7 +205,7 @@ def test_malformed_manifest_in_every_datastore_command(bad, capsys, tiny_lm_dir,
         ["datastore", "info", ds, "--verify"],
         ["index", "build", ds],
         ["datastore", "build", "--model", tiny_lm_dir, "--corpus", corpora / "small.jsonl", "--out", ds, *W],
-        ["generate", "--model", tiny_lm_dir, "--datastore", ds, "--prompt", "the cat"],
+        ["generate", "--model", tiny_lm_dir, "--memory", ds, "--prompt", "the cat"],
     ):
         rc, _, err = run(capsys, *args)
         line = one_error(rc, err)

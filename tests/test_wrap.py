@@ -28,7 +28,7 @@ def ds(tmp_path_factory, tiny_lm):
 def test_forward_is_the_knn_lm_at_every_position(tiny_lm, ds):
     model, tok = tiny_lm
     lam, tau, k = 0.4, 3.0, 6
-    knn_lm = memlm.wrap(model, ds, k=k, lam=lam, temperature=tau, tokenizer=tok)
+    knn_lm = memlm.wrap(model, f"knn:{ds.path}?k={k}&temperature={tau}", f"knn={lam}", tokenizer=tok)
     ids = torch.tensor([tok("the cat sat on a mat while the dog ran")["input_ids"]])
     out = knn_lm(input_ids=ids, labels=ids)
     with torch.no_grad(), KeyCapture(model, [ds.key_spec]) as cap:
@@ -53,11 +53,12 @@ def test_forward_is_the_knn_lm_at_every_position(tiny_lm, ds):
 
 def test_generate_follows_the_knn_lm(tiny_lm, ds):
     model, tok = tiny_lm
-    knn_lm = memlm.wrap(model, ds, k=8, lam=0.9, temperature=1.0)
+    memory = f"{ds.path}?k=8&temperature=1"
+    knn_lm = memlm.wrap(model, memory, "knn=0.9")
     ids = tok("the old river", return_tensors="pt")
     got = knn_lm.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
     text = tok.decode(got[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    want = generate_text(model, tok, ["the old river"], datastore=ds, k=8, lam=0.9, temperature=1.0, max_new_tokens=6)
+    want = generate_text(model, tok, ["the old river"], memory, "knn=0.9", max_new_tokens=6)
     bare = generate_text(model, tok, ["the old river"], max_new_tokens=6)
     assert text == want[0] and text != bare[0]
 

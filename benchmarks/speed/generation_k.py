@@ -1,7 +1,7 @@
 """One generation step's datastore cost at k = 64 and k = 1024, beside the LM's own step (memlm.core.config.DEFAULT_K).
 
 A generation step searches each datastore for the newest position's key and turns the k neighbours into p_kNN over the
-vocabulary (Khandelwal et al. 2020, Eq. 2) with its features (:class:`memlm.mixing.step.DatastoreStep`). This
+vocabulary (Khandelwal et al. 2020, Eq. 2) with its features (:class:`memlm.mixing.datastore.DatastoreComponent`). This
 times that step on random keys in an IVF-Flat index (``--entries``, d 576 and a 49,152-token vocabulary as SmolLM2-135M,
 nprobe 32), and one new token of a randomly initialised model of SmolLM2-135M's shape with ``--context`` tokens of KV
 cache; medians over ``--repeats`` steps, on one thread.
@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from memlm.core.memory import Retrieved
-from memlm.mixing.step import DatastoreStep, StepInputs
+from memlm.mixing.component import Batch
+from memlm.mixing.datastore import DatastoreComponent
 
 VOCAB, DIM = 49152, 576
 
@@ -68,11 +69,11 @@ def main() -> None:
     for n in args.entries:
         memory = _IvfMemory(n, rng)
         for k in args.ks:
-            step = DatastoreStep(memory, k, 0.25, 1.0)
+            step = DatastoreComponent(memory, k, 1.0)
 
             def one(step=step) -> None:
                 q = rng.standard_normal((1, DIM)).astype(np.float32)
-                step.component("knn", StepInputs({"key": q}, lambda: [[1]], VOCAB))
+                step.step(Batch({"key": q}, vocab=VOCAB))
 
             result["step_ms"][f"entries={n} k={k}"] = ms = _median_ms(one, args.repeats, 5)
             print(f"datastore step, {n:,} entries, k={k}: {ms:.2f} ms", flush=True)

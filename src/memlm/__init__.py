@@ -7,7 +7,7 @@ The public API, importable from here (each name is loaded on first use, so ``imp
     model, tok = memlm.load_causal_lm("smollm2-135m")                 # any HF id or folder
     docs = memlm.limit_documents(memlm.load_documents("wiki", "train"), tok, 200_000)
     ds = memlm.build_datastore(model, tok, docs, "ds/wiki")            # as `memlm datastore build`: usable as it is
-    knn_lm = memlm.wrap(model, ds)                                     # forward / generate: the kNN-LM's distribution
+    knn_lm = memlm.wrap(model, ds)                                     # forward / generate: the mixture's distribution
 
 See README.md ("Python") for scoring, tuning, generation, the ∞-gram and lm-eval.
 """
@@ -41,8 +41,9 @@ _API = {
     "perplexities": "memlm.knnlm.evaluate",
     "tune": "memlm.knnlm.evaluate",
     "generate_text": "memlm.knnlm.generate",
-    "KNNLogitsProcessor": "memlm.knnlm.generate",
     "MixtureLogitsProcessor": "memlm.knnlm.generate",
+    "open_memories": "memlm.knnlm.memories",
+    "fixed_mixture": "memlm.mixing.weights",
     "wrap": "memlm.knnlm.wrap",
     "KNNLM": "memlm.knnlm.wrap",
     "build_ngram_index": "memlm.ngram.index",

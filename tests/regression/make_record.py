@@ -31,6 +31,8 @@ VOCAB = 4096  # GPT-2's first 4,095 tokens (256 bytes + 3,839 merges) and <|endo
 
 # the explicit weights every recorded command sets
 KNN = ["--k", "64", "--lambda", "0.3", "--temperature", "2"]
+# generate and lm-eval take the memories as specs (--memory) and the same weights
+DS_MEMORY = ["--memory", "ds/wiki?k=64", "--lambda", "0.3", "--temperature", "2"]
 NGRAM = ["--ngram-lambda-sparse", "0.3", "--ngram-lambda-dense", "0.1"]
 EVAL_TOKENS = ["--max-tokens", "400"]
 # tune's grids (the defaults' joint grid over λ, τ, λ_sparse, λ_dense costs minutes even on 400 tokens)
@@ -73,12 +75,11 @@ COMMANDS: dict[str, tuple[list[str], str]] = {
     "eval_mixture_fit": (["eval", "--corpus", "wiki", "--datastore", "ds/wiki", "--ngram", "idx/wt2", "--k", "64",
                           "--mixture", "fit.json", *EVAL_TOKENS, "--json", "eval_mixture_fit.json"], "eval"),
     # 6. greedy generation: datastore, ∞-gram, both
-    "generate_knn": (["generate", "--datastore", "ds/wiki", *KNN, *PROMPT], "generate"),
-    "generate_ngram": (["generate", "--ngram", "idx/wt2", *NGRAM, *PROMPT], "generate"),
-    "generate_knn_ngram": (["generate", "--datastore", "ds/wiki", "--ngram", "idx/wt2", *KNN, *NGRAM, *PROMPT],
-                           "generate"),
+    "generate_knn": (["generate", *DS_MEMORY, *PROMPT], "generate"),
+    "generate_ngram": (["generate", "--memory", "idx/wt2", *NGRAM, *PROMPT], "generate"),
+    "generate_knn_ngram": (["generate", *DS_MEMORY, "--memory", "idx/wt2", *NGRAM, *PROMPT], "generate"),
     # 7. lm-evaluation-harness on the offline task, explicit weights
-    "lm_eval": (["lm-eval", "--tasks", "memlm_wikitext2", "--datastore", "ds/wiki", "--ngram", "idx/wt2", *KNN, *NGRAM,
+    "lm_eval": (["lm-eval", "--tasks", "memlm_wikitext2", *DS_MEMORY, "--memory", "idx/wt2", *NGRAM,
                  "--limit", "1", "--out", "lmeval.json"], "lm-eval"),
 }  # fmt: skip
 

@@ -21,6 +21,7 @@ from memlm.cli.common import (
     window_kwargs,
     write_json,
 )
+from memlm.cli.memories import add_memory_args
 from memlm.cli.report import print_result
 from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K, RetrievalConfig
 from memlm.data.corpora import load_corpus_source
@@ -349,37 +350,31 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    """``memlm generate``: the LM and every --datastore and --ngram mixed at each step by one mixture (the fitted
-    --mixture, else the fixed-weight rule of their λ's), streamed; neighbours and ∞-gram sources on request."""
+    """``memlm generate``: the LM and every --memory mixed at each step by one mixture (--mixture, the fixed weights
+    of --lambda / --ngram-lambda-*, else the memories' stored fits), streamed; neighbours and ∞-gram sources on
+    request."""
     import torch
 
-    from memlm.knnlm.generate import (
-        MixtureLogitsProcessor,
-        NeighbourStreamer,
-        SourceLookup,
-        generate_text,
-        memory_steps,
-    )
-    from memlm.storage.sharded import open_datastore
+    from memlm.cli.memories import checked_mixture, cli_mixture, memory_spec_of
+    from memlm.knnlm.generate import MixtureLogitsProcessor, NeighbourStreamer, SourceLookup, generate_text
+    from memlm.knnlm.memories import open_memories
 
-    fit = _generation_fit(args)
-    datastores = [open_datastore(path, ray=args.ray) for path in args.datastore or []]
+    if not memory_spec_of(args):
+        raise MemlmError("memlm generate needs --memory: a datastore or ∞-gram index folder, or a spec "
+                         "(knn:DS;ngram:IDX; --memory may be given more than once)")  # fmt: skip
+    mixture = checked_mixture(args)
+    components = open_memories(memory_spec_of(args))
+    datastores = [c.datastore for c in components if c.kind == "knn" and c.datastore is not None]
+    ngrams = [c.memory for c in components if c.kind == "ngram"]
     model, tok = common._load_model(args.model or next((ds.model_name for ds in datastores), None) or DEFAULT_MODEL,
                                     args.dtype)  # fmt: skip
-    for ds in datastores:
-        ds.check_compatible(model, tok)
-    ngrams, ngram_lambdas = ngram_cli.ngram_memories(args, tok)
+    for c in components:
+        c.check_compatible(model, tok)
+        c.record = args.show_neighbours > 0
     for i, ds in enumerate(datastores or [None]):
         common.check_prompt_leakage(args, ds, ngrams if i == 0 else None, tok)
     torch.manual_seed(args.seed)
-    config = RetrievalConfig(k=args.k, lam=args.lam, temperature=args.temperature)
-    if fit is None:
-        from memlm.knnlm.default_mixture import library_default
-
-        fit = library_default(model, tok, [*datastores, *ngrams], weights_given(args), config)  # the stored fits
-    steps = memory_steps([*datastores, *ngrams], config, fit, record=args.show_neighbours > 0,
-                         ngram_lambdas=ngram_lambdas, announce=fit is None)  # fmt: skip
-    proc = MixtureLogitsProcessor(model, steps, fit)
+    proc = MixtureLogitsProcessor(model, components, cli_mixture(args, components, mixture), tokenizer=tok)
     lookup = SourceLookup(datastores[0], tok) if args.show_neighbours > 0 and datastores else None
     streamer = NeighbourStreamer(tok, proc, lookup, n_neighbours=args.show_neighbours)
     print(args.prompt, end="" if lookup is None else "\n", flush=True)
@@ -396,35 +391,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = list(tok(args.prompt, add_special_tokens=False)["input_ids"])
         ngram_cli.print_sources(args, ngrams, tok, prompt, text)
         ngram_cli.note_approximate(proc)
-
-
-def _generation_fit(args: argparse.Namespace):
-    """``memlm generate --mixture FIT.json``: the fit, checked against the memories given (and against weights given
-    beside it) before anything is loaded; None without --mixture."""
-    from memlm.mixing.step import check_components, step_components
-
-    if not args.datastore and not args.ngram:
-        raise MemlmError("memlm generate needs --datastore DS or --ngram DIR (each may be given more than once)")
-    if not args.mixture:
-        return None
-    fit = load_mixture(args.mixture)
-    flags = (
-        ("--lambda", args.lam),
-        ("--temperature", args.temperature),
-        ("--ngram-lambda-sparse", args.ngram_lambda_sparse),
-        ("--ngram-lambda-dense", args.ngram_lambda_dense),
-    )
-    given = [name for name, value in flags if value is not None]
-    if given:
-        raise MemlmError(f"--mixture {args.mixture} sets every memory's weight (and the kNN term's τ and k): leave "
-                         f"out {', '.join(given)}")  # fmt: skip
-    kinds = ["knn"] * len(args.datastore or []) + ["ngram"] * len(args.ngram or [])
-    check_components(fit.mixture, step_components(kinds))
-    f = fit.fit
-    print(f"mixture: {f.form} from {args.mixture}, fitted on {f.tokens:,} tokens of {f.documents:,} documents"
-          + (f"; kNN term τ={fit.temperature}, k={fit.k}" if fit.temperature is not None else ""),
-          file=sys.stderr)  # fmt: skip
-    return fit
 
 
 def cmd_gate_train(args: argparse.Namespace) -> None:
@@ -641,14 +607,11 @@ def add_parsers(sub) -> None:
     ngram_cli.add_tune_args(t)
     t.set_defaults(func=cmd_tune)
 
-    g = sub.add_parser("generate", help="sample from the kNN-LM, streaming tokens as they come")
+    g = sub.add_parser("generate", help="sample from the LM mixed with its memories, streaming tokens as they come")
     add_model(g)
-    several = "datastore folder (or give --ngram); again for several datastores, each its own kNN term"
-    g.add_argument("--datastore", type=V.existing_dir, action="append", help=several)
     g.add_argument("--prompt", type=V.nonempty_text, required=True)
     g.add_argument("--max-new-tokens", type=V.positive_int, default=40)
-    g.add_argument("--k", type=V.neighbours, default=DEFAULT_K, help=f"neighbours per step (default {DEFAULT_K})")
-    add_knn_weights(g)
+    add_memory_args(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")
     g.add_argument(
@@ -659,16 +622,14 @@ def add_parsers(sub) -> None:
         help="print under each generated token the N nearest datastore entries with their source text",
     )
     g.add_argument(
-        "--mixture",
-        type=V.existing_file,
-        default=None,
-        metavar="FIT.json",
-        help="mix with the learned mixture of memlm tune --mixture gate --json FIT.json instead of fixed weights "
-        "(the memories it was fitted on: each --datastore, each --ngram in order; its τ and k set the kNN terms)",
+        "--show-sources",
+        type=V.nonneg_int,
+        default=0,
+        metavar="N",
+        help="with an ∞-gram memory: after the text, each generated token's longest matching suffix and N documents "
+        "of the index that hold it (document index, id, offset)",
     )
-    add_ray(g, "search a sharded datastore with one Ray actor per shard")
     common.add_allow_overlap(g)
-    ngram_cli.add_generate_args(g)
     g.set_defaults(func=cmd_generate)
 
     gate = sub.add_parser("gate", help="adaptive retrieval (He et al. 2021): train the gate that predicts λ per token")

@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from memlm.cli import ngram as ngram_cli
 from memlm.cli import validate as V
-from memlm.cli.common import DEFAULT_MODEL, add_allow_overlap, add_knn_weights, add_model
-from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K
+from memlm.cli.common import DEFAULT_MODEL, add_allow_overlap, add_model
+from memlm.cli.memories import add_memory_args, checked_mixture, cli_mixture, memory_spec_of
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json
 from memlm.lmeval import TASK_CORPORA, TASKS, task_manager
@@ -25,6 +24,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
         raise MemlmError(
             "memlm lm-eval needs EleutherAI's lm-evaluation-harness: pip install 'memlm[lmeval]' (lm_eval==0.4.13)"
         ) from error
+    from memlm.knnlm.memories import open_memories
     from memlm.lmeval.model import MemlmLM  # imports lm_eval and torch
 
     samples = None
@@ -43,32 +43,18 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
             f"unknown lm-eval task(s) {unknown}: memlm's offline tasks are {', '.join(TASKS)}; add "
             "--lm-eval-tasks for lm_eval's own tasks (they download their data from the dataset hub)"
         )
-    fit = None
-    if args.mixture:
-        from memlm.cli.knnlm import load_mixture
-
-        fit = load_mixture(args.mixture)
+    mixture = checked_mixture(args)
+    components = open_memories(memory_spec_of(args) or None)
     lm = MemlmLM(
         model=args.model or DEFAULT_MODEL,
-        datastore=args.datastore,
-        ngram=args.ngram,
-        mixture=fit,
-        lam=args.lam,
-        temperature=args.temperature,
-        k=args.k,
-        nprobe=args.nprobe,
-        cache=args.cache,
-        cache_lambda=args.cache_lambda,
-        cache_temperature=args.cache_temperature,
+        memories=components,
+        mixture=cli_mixture(args, components, mixture),
         window=args.window,
         min_context=args.min_context,
         max_length=args.max_length,
         batch_size=args.batch_size,
         dtype=args.dtype,
         progress=True,
-        ngram_lambda_sparse=args.ngram_lambda_sparse,
-        ngram_lambda_dense=args.ngram_lambda_dense,
-        ngram_max_n=args.ngram_max_n,
     )
     leakage = _check_leakage(args, tasks, lm)
     print(f"memlm lm-eval: {json.dumps(lm.memory_settings)}", file=sys.stderr)
@@ -125,29 +111,7 @@ def add_parsers(sub) -> None:
     )
     add_model(le)
     le.add_argument("--tasks", required=True, help="comma-separated: memlm_wikitext2, memlm_imdb, memlm_bbc_topic")
-    le.add_argument(
-        "--datastore",
-        default=None,
-        action="append",
-        help="kNN-LM datastore folder (none: the bare LM, or cache only); again for several, each its own memory",
-    )
-    add_knn_weights(le)
-    le.add_argument("--k", type=V.neighbours, default=None, help=f"neighbours per token (default {DEFAULT_K}; a fit's)")
-    le.add_argument("--nprobe", type=V.positive_int, default=32)
-    le.add_argument("--cache", action="store_true", help="add the continuous cache (Grave et al. 2017)")
-    le.add_argument(
-        "--cache-lambda", type=V.probability, default=None, help=f"the cache's weight (default {DEFAULT_CACHE_LAMBDA})"
-    )
-    le.add_argument(
-        "--cache-temperature", type=V.positive_float, default=None, help="the cache's τc (default 1; a fit's)"
-    )
-    le.add_argument(
-        "--mixture",
-        default=None,
-        metavar="FIT.json",
-        help="mix with the mixture fitted by memlm tune --mixture gate --json FIT.json (the same memories, in the "
-        "same order, as the dump it was fitted on) instead of the fixed weights",
-    )
+    add_memory_args(le)
     le.add_argument(
         "--window", type=V.positive_int, default=1024, help="sliding window of rolling log-likelihoods (tokens)"
     )
@@ -158,7 +122,6 @@ def add_parsers(sub) -> None:
         "--max-length", type=V.positive_int, default=None, help="tokens of a loglikelihood request (default window)"
     )
     le.add_argument("--batch-size", type=V.positive_int, default=4)
-    ngram_cli.add_eval_args(le)
     add_allow_overlap(le)
     le.add_argument("--limit", type=float, default=None, help="first N documents per task (or a fraction)")
     le.add_argument("--samples", default=None, help="document indices per task, JSON: '{\"memlm_wikitext2\": [0, 9]}'")

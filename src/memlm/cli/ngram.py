@@ -269,19 +269,6 @@ def print_datastores(found: list[dict[str, Any]]) -> None:
               f"ppl={d['ppl']:.4f}")  # fmt: skip
 
 
-def add_generate_args(p: argparse.ArgumentParser) -> None:
-    """``--ngram DIR`` (and its weights, ``--show-sources``) for ``memlm generate``."""
-    add_eval_args(p)
-    p.add_argument(
-        "--show-sources",
-        type=V.nonneg_int,
-        default=0,
-        metavar="N",
-        help="with --ngram: after the text, each generated token's longest matching suffix and N documents "
-        "of the index that hold it (document index, id, offset)",
-    )
-
-
 def note_approximate(step) -> None:
     """A line on stderr when generation's P∞ was not exact over the vocabulary at some step."""
     from memlm.ngram.generate import approximation_note
@@ -290,19 +277,9 @@ def note_approximate(step) -> None:
         print(note, file=sys.stderr)
 
 
-def ngram_memories(args: argparse.Namespace, tok) -> tuple[list, tuple[list, list]]:
-    """The ``--ngram`` indexes of ``memlm generate`` (checked against the tokenizer), in order, and their
-    ``([λ_sparse], [λ_dense])`` as given (None: each index's calibration; mixed by the fixed-weight rule, which
-    shares weights set apart beside the kNN terms as ``memlm eval`` does: :func:`memlm.core.mixture.rule_mixture`)."""
-    memory = open_ngram(args, tok)
-    memories = [] if memory is None else list(getattr(memory, "memories", [memory]))  # NgramMemories: several
-    given = given_lambdas(args, len(memories)) if memories else []
-    return memories, ([g[0] for g in given], [g[1] for g in given])
-
-
 def print_sources(args: argparse.Namespace, memories, tok, prompt: list[int], text: str) -> None:
     """``--show-sources N``: under the generated text, each token's longest matched suffix and up to N documents;
-    with several indexes, one line per index (``[i:folder]``, in the order of ``--ngram``)."""
+    with several indexes, one line per index (``[i:folder]``, in the order of the ∞-gram memories)."""
     from memlm.ngram.generate import token_sources
 
     if not args.show_sources:

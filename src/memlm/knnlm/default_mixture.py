@@ -38,13 +38,15 @@ from memlm.core.mixture import FitOptions, Mixture, MixtureFit
 
 __all__ = [
     "DefaultMixture",
+    "Resolved",
     "choose",
     "combine",
     "default_mixture",
-    "library_default",
+    "calibrated_weights",
     "memory_name",
-    "stored_default",
+    "resolve_mixture",
     "stored_fits",
+    "with_fit_settings",
 ]
 
 
@@ -255,77 +257,137 @@ def describe(fit) -> str:
     return f"τ={fit.temperature:g}, k={fit.k}" if fit.temperature is not None else "∞-gram"
 
 
-def _open(item):
-    """A memory given as a folder, opened (a datastore, plain or sharded, or an ∞-gram index); a generation step,
-    its memory; anything else as it is."""
-    from pathlib import Path
-
-    if isinstance(item, str | Path):
-        from memlm.storage.folder import is_ngram_index
-
-        if is_ngram_index(item):
-            from memlm.ngram.index import NgramIndex
-
-            return NgramIndex.open(item)
-        from memlm.storage.sharded import open_datastore
-
-        return open_datastore(item)
-    return item.memory if _is_step(item) else item
-
-
-def _is_step(item) -> bool:
-    """A generation step already made (a datastore's or an ∞-gram's)."""
-    from memlm.mixing.step import DatastoreStep
-    from memlm.ngram.step import NgramStep
-
-    return isinstance(item, DatastoreStep | NgramStep)
-
-
-def stored_default(items: Sequence, weights_given: bool, cache: bool = False, announce: bool = True):
-    """The default fit without scoring anything: with no weights given, one memory and no cache, that memory's
-    stored fit (a :class:`~memlm.mixing.dump.DumpMixture`); else None (the fixed-weight rule). Several
-    memories' fits are combined and checked by :func:`library_default` when a model and tokenizer are at hand. Prints
-    the one line saying which (``announce``)."""
+def calibrated_weights(components: Sequence) -> dict[str, Any]:
+    """Each memory's weight in the fixed-weight rule when none is given (by component name,
+    :func:`memlm.mixing.component.component_names`): a datastore's calibrated λ
+    (:func:`memlm.knnlm.calibration.knn_parameters`), an ∞-gram index's calibrated ``(λ_sparse, λ_dense)``
+    (:func:`memlm.ngram.mixture.ngram_parameters`; each a fallback where the memory records none), the cache's
+    :data:`~memlm.core.config.DEFAULT_CACHE_LAMBDA`. Another kind has no default weight: one MemlmError."""
+    from memlm.core.config import DEFAULT_CACHE_LAMBDA
     from memlm.errors import MemlmError
-    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.calibration import knn_parameters
+    from memlm.mixing.component import component_names
+    from memlm.ngram.mixture import ngram_parameters
 
-    if weights_given or not items:
-        return None
-    rule = "the fixed-weight rule of each memory's calibrated λ (as with given weights)"
-    several = "several memories' stored fits are combined and checked on their slices, which needs the tokenizer"
-    why = "the cache's weight is not calibrated" if cache else several if len(items) > 1 else ""
-    fit = None
-    if not why:
-        memory = _open(items[0])
-        try:
-            fit = stored_mixture(memory)
-        except MemlmError:  # not a calibrated memory (e.g. any search + key_spec object)
-            fit = None
-        why = "" if fit is not None else f"{memory_name(memory)} records no fitted mixture"
-    if announce:
-        (DefaultMixture(None, f"{rule}: {why}") if fit is None else single(fit, memory)).announce()
-    return fit
+    out: dict[str, Any] = {}
+    for name, c in zip(component_names(components)[1:], components, strict=True):
+        if c.kind == "knn":
+            out[name] = knn_parameters(c.memory, None, c.temperature, announce=False)[0]
+        elif c.kind == "ngram":
+            out[name] = tuple(ngram_parameters(c.memory.index, announce=False)[:2])
+        elif c.kind == "cache":
+            out[name] = DEFAULT_CACHE_LAMBDA
+        else:
+            raise MemlmError(f"memory {name} ({type(c).__name__}) has no calibrated weight: give the weights, "
+                             f"mixture='{name}=0.25' (memlm.mixing.weights), or a fitted mixture")  # fmt: skip
+    return out
 
 
-def library_default(model, tokenizer, items: Sequence, weights_given: bool, config=None, cache: bool = False):
-    """The default fit of a Python consumer (``generate_text``, ``memlm generate``, ``wrap``,
-    :class:`~memlm.lmeval.model.MemlmLM`) from its memories ``items`` (open or folders): None when weights are
-    given or a memory is a step already made; one memory: :func:`stored_default`; several, with a model and a
-    tokenizer: :func:`default_mixture` (their fits combined and checked on the calibration slices, at ``config``'s
-    k and windows). Prints the one line saying which."""
+@dataclass
+class Resolved:
+    """A consumer's memories and the one :class:`~memlm.core.mixture.Mixture` over them: ``components`` (a fit's
+    τ and k set its kNN terms, its τc the cache's), ``mixture``, and ``fit`` (the
+    :class:`~memlm.mixing.dump.DumpMixture` it came from, or None)."""
+
+    components: list
+    mixture: Mixture
+    fit: Any = None
+
+
+def with_fit_settings(components: Sequence, fit) -> list:
+    """``components`` with a fit's kNN τ and k (every datastore's) and its cache τc: the settings it was fitted at
+    (new components; those given are left as they are)."""
+    from memlm.knnlm.cache import CacheComponent
+    from memlm.mixing.datastore import DatastoreComponent
+
+    out = []
+    for c in components:
+        if isinstance(c, DatastoreComponent) and (fit.temperature is not None or fit.k):
+            tau = c.temperature if fit.temperature is None else fit.temperature
+            c = DatastoreComponent(c.memory, int(fit.k or c.k), tau, c.record)
+        elif isinstance(c, CacheComponent) and getattr(fit, "cache_temperature", None) is not None:
+            c = CacheComponent(c.k, c.max_len, c.metric, float(fit.cache_temperature))
+        out.append(c)
+    return out
+
+
+def resolve_mixture(components: Sequence, mixture: Any = None, model=None, tokenizer=None) -> Resolved:
+    """The mixture every consumer (generation, ``memlm.wrap``, lm-eval) applies over ``components``:
+
+    * a :class:`~memlm.core.mixture.Mixture` (e.g. :func:`memlm.mixing.weights.fixed_mixture`), as it is;
+    * a weights string ``knn=0.25;ngram=0.5/0.1`` (:func:`memlm.mixing.weights.parse_weights`): the fixed-weight rule;
+    * a fit (a ``memlm tune --mixture gate --json`` file, its record, a :class:`~memlm.mixing.dump.DumpMixture`): its
+      mixture, its τ and k set the kNN terms;
+    * None or ``"stored"``: the memories' stored fits (module docstring; several combined and checked on their
+      calibration slices only given ``model`` and ``tokenizer``), else the fixed-weight rule of their calibrated
+      weights (:func:`calibrated_weights`; ``"stored"`` refuses that), with one line saying which and where from.
+
+    A mixture of other components than these is refused with one MemlmError."""
+    from memlm.mixing.component import component_names
+    from memlm.mixing.step import check_components, load_fit
+    from memlm.mixing.weights import fixed_mixture, is_weights, parse_weights
+
+    components = list(components)
+    names = component_names(components)
+    if mixture is None or mixture == "stored":
+        found = _default(components, model, tokenizer, required=mixture == "stored")
+    elif isinstance(mixture, Mixture):
+        found = Resolved(components, mixture)
+    elif is_weights(mixture):
+        found = Resolved(components, fixed_mixture(components, parse_weights(mixture)))
+    else:
+        fit = load_fit(mixture)
+        found = Resolved(components, fit) if isinstance(fit, Mixture) else _from_fit(components, fit)
+    check_components(found.mixture, names)
+    return found
+
+
+def _from_fit(components: Sequence, fit) -> Resolved:
+    return Resolved(with_fit_settings(components, fit), fit.mixture, fit)
+
+
+def _default(components: list, model, tokenizer, required: bool) -> Resolved:
+    """The stored fits of ``components`` (one memory's as it is; several combined and checked), else the rule."""
     from memlm.core.config import RetrievalConfig
-    from memlm.storage.folder import is_ngram_index
+    from memlm.errors import MemlmError
+    from memlm.mixing.weights import fixed_mixture, weights_text
 
-    if weights_given or not items or any(_is_step(m) for m in items):
-        return None
-    opened = [_open(m) for m in items]
-    if len(opened) == 1 or model is None or tokenizer is None:
-        return stored_default(opened, weights_given, cache)
-    from memlm.ngram.memory import NgramMemories, NgramMemory
+    if not components:
+        return Resolved([], Mixture.lm_only(("lm",)))
+    knn = [c for c in components if c.kind == "knn"]
+    config = RetrievalConfig(k=min((c.k for c in knn), default=RetrievalConfig().k))
+    rule = "the fixed-weight rule of each memory's calibrated weight"
+    others = [c.kind for c in components if c.kind not in ("knn", "ngram")]
+    memories = [c.memory for c in components if c.kind in ("knn", "ngram")]
+    if others:
+        chosen = DefaultMixture(None, f"{rule}: no calibration fits the {others[0]}'s weight")
+    elif len(components) == 1:
+        fits = stored_fits(memories)
+        why = f"{rule}: {memory_name(memories[0])} records no fitted mixture (calibrate it)"
+        chosen = single(fits[0], memories[0]) if fits[0] is not None else DefaultMixture(None, why)
+    elif model is None or tokenizer is None:
+        chosen = DefaultMixture(None, f"{rule}: several memories' stored fits are combined and checked on their "
+                                      "slices, which needs the model and its tokenizer")  # fmt: skip
+    else:
+        chosen = _several(model, tokenizer, components, config)
+    if chosen.fit is not None and chosen.fit.k is not None and knn and int(chosen.fit.k) > config.k:
+        chosen = DefaultMixture(None, f"{rule}: the stored fit reads k={chosen.fit.k} neighbours, these memories "
+                                      f"retrieve k={config.k} (give k={chosen.fit.k} to use it)")  # fmt: skip
+    if chosen.fit is None and required:
+        raise MemlmError(f"mixture=stored: no stored fit applies ({chosen.origin.split(': ', 1)[-1]})")
+    if chosen.fit is not None:
+        chosen.announce()
+        return _from_fit(components, chosen.fit)
+    weights = calibrated_weights(components)
+    DefaultMixture(None, f"{chosen.origin} ({weights_text(weights)})").announce()
+    return Resolved(components, fixed_mixture(components, weights))
 
-    ngrams = [m if isinstance(m, NgramMemory) else NgramMemory(m) for m in opened if is_ngram_index(m)]
-    dense = [m for m in opened if not is_ngram_index(m)]
+
+def _several(model, tokenizer, components: list, config) -> DefaultMixture:
+    """Several memories' stored fits combined and checked on their calibration slices (:func:`default_mixture`)."""
+    from memlm.ngram.memory import NgramMemories
+
+    dense = [getattr(c.memory, "datastore", None) or c.memory for c in components if c.kind == "knn"]
+    ngrams = [c.memory for c in components if c.kind == "ngram"]
     ngram = None if not ngrams else ngrams[0] if len(ngrams) == 1 else NgramMemories(ngrams)
-    chosen = default_mixture(model, tokenizer, dense, ngram, config or RetrievalConfig(), cache)
-    chosen.announce()
-    return chosen.fit
+    return default_mixture(model, tokenizer, dense, ngram, config)

@@ -3,15 +3,16 @@ the LM's next-token distribution by the mixture's::
 
     P(w | c) = sum_i λ_i(c) P_i(w | c),     λ(c) = softmax(W φ(c) + b)
 
-over the LM and every memory given as one list (:mod:`memlm.mixing.step`): datastores, plain or sharded, with
-p_kNN(w | c) = sum_{(k_i, v_i) in top-k} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ) (Khandelwal et al. 2020, Eq. 2),
-and ∞-gram indexes with P∞ (Liu et al. 2024). The weights are a fitted :class:`memlm.core.mixture.Mixture` (``memlm
-tune --mixture gate``) or, without one, the fixed-weight rule of each memory's own weights: for one datastore
-``(1 - λ) p_LM + λ p_kNN`` (Eq. 3).
+over the LM and every memory given as one list or one spec string (:func:`memlm.knnlm.memories.open_memories`):
+datastores, plain or sharded, with p_kNN(w | c) = sum_{(k_i, v_i) in top-k} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ)
+(Khandelwal et al. 2020, Eq. 2), and ∞-gram indexes with P∞ (Liu et al. 2024). The weights are one
+:class:`memlm.core.mixture.Mixture` (:func:`memlm.knnlm.default_mixture.resolve_mixture`): a fit (``memlm tune
+--mixture gate``), fixed weights (:func:`memlm.mixing.weights.fixed_mixture`, or ``"knn=0.25;ngram=0.5/0.1"``; for
+one datastore ``(1 - λ) p_LM + λ p_kNN``, Eq. 3), or by default the memories' stored fits.
 
 Usage::
 
-    with MixtureLogitsProcessor(model, [datastore, ngram_index]) as proc:
+    with MixtureLogitsProcessor(model, "knn:ds/wiki;ngram:idx/wt2") as proc:
         out = model.generate(**inputs, logits_processor=[proc], do_sample=True)
 
 The processor hooks the model (each datastore's key role) while the ``with`` block is open, reads the query of the
@@ -31,176 +32,65 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from memlm.core.config import RetrievalConfig
-from memlm.core.memory import Memory
-from memlm.core.mixture import Mixture
 from memlm.errors import MemlmError
-from memlm.mixing.step import DatastoreStep, StepInputs, StepMixture, load_fit
+from memlm.knnlm.default_mixture import resolve_mixture
+from memlm.knnlm.memories import open_memories
+from memlm.mixing.component import Batch
+from memlm.mixing.datastore import DatastoreComponent
+from memlm.mixing.step import StepMixture
 from memlm.models.keys import KeyCapture
-from memlm.retrieval import as_memory
-from memlm.storage.datastore import Datastore, DatastoreBase
-from memlm.storage.folder import is_ngram_index
+from memlm.storage.datastore import Datastore
 
 __all__ = [
     "Decoding",
-    "KNNLogitsProcessor",
     "MixtureLogitsProcessor",
     "generate_text",
-    "memory_steps",
-    "ngram_logits_processor",
     "NeighbourStreamer",
     "SourceLookup",
     "Neighbour",
 ]
 
 
-def weights_given(config: RetrievalConfig, ngram_lambdas: Any = None) -> bool:
-    """Whether fixed weights were given (λ, τ or an ∞-gram's λ_sparse / λ_dense): then they are used, not the
-    memories' stored fits."""
-    return config.lam is not None or config.temperature is not None or any(w is not None for w in ngram_lambdas or ())
-
-
-def _per_memory(value: Any, n: int, what: str) -> list:
-    """One value per memory of a kind: the same for all (a number or None), or one each."""
-    values = list(value) if isinstance(value, list | tuple) else [value] * n
-    if len(values) != n:
-        raise MemlmError(f"{len(values)} values of {what} for {n} memories: give one, or one per memory")
-    return values
-
-
-def memory_steps(
-    memories: Sequence,
-    config: RetrievalConfig,
-    fit: Any = None,
-    *,
-    index: Any = None,
-    record: bool = False,
-    ngram_lambdas: tuple[Any, Any] = (None, None),
-    announce: bool = False,
-) -> list:
-    """Each memory as its step, datastores first, then ∞-gram indexes (the components' order, :class:`StepMixture`).
-
-    ``memories``: datastores (open, or folders: plain or sharded), any memory with a ``key_spec``, ∞-gram indexes
-    (:class:`memlm.ngram.memory.NgramMemory`, :class:`memlm.ngram.index.NgramIndex` or folders), or steps already
-    made (:class:`DatastoreStep`, :class:`memlm.ngram.generate.NgramStep`: kept as they are). A datastore's k is
-    ``config.k``, its λ and τ ``config.lam`` / ``config.temperature`` (one for all, or a list, one per datastore;
-    None: each datastore's calibration, :func:`memlm.knnlm.calibration.knn_parameters`); an index's (λ_sparse,
-    λ_dense) ``ngram_lambdas`` (each one value or one per index; None: its calibration). ``fit`` (a
-    :class:`memlm.mixing.dump.DumpMixture`): the kNN terms take the τ and k it was fitted with. ``index``: a
-    FAISS index already loaded, for the first datastore; ``record``: keep each datastore step's retrievals."""
-    from memlm.knnlm.calibration import knn_parameters
-
-    items = list(memories)
-    ngram_items = [m for m in items if is_ngram_index(m)]
-    dense_items = [m for m in items if not is_ngram_index(m)]
-    k = int(fit.k) if fit is not None and getattr(fit, "k", None) else config.k
-    lams = _per_memory(config.lam, len(dense_items), "λ")
-    taus = _per_memory(config.temperature if fit is None or fit.temperature is None else fit.temperature,
-                       len(dense_items), "τ")  # fmt: skip
-    steps: list = []
-    for i, (item, lam, tau) in enumerate(zip(dense_items, lams, taus, strict=True)):
-        if isinstance(item, DatastoreStep):
-            steps.append(item)
-            continue
-        if isinstance(item, str | Path):
-            from memlm.storage.sharded import open_datastore
-
-            item = open_datastore(item)
-        if not isinstance(item, DatastoreBase | Memory):
-            raise MemlmError(f"memories holds a {type(item).__name__}: give datastores (open or folders), memories "
-                             "(search + key_spec) or ∞-gram indexes (NgramMemory or folders)")  # fmt: skip
-        memory = as_memory(item, config.nprobe, index if i == 0 else None)
-        setting = {"k": k, "nprobe": config.nprobe, "search": "index"}
-        lam, tau, _ = knn_parameters(memory, lam, tau, announce=announce, setting=setting)
-        steps.append(DatastoreStep(memory, k, lam, tau, record))
-    steps += _ngram_steps(ngram_items, ngram_lambdas, announce)
-    return steps
-
-
-def _ngram_steps(items: Sequence, ngram_lambdas: tuple[Any, Any], announce: bool) -> list:
-    if not items:
-        return []
-    from memlm.ngram.memory import NgramMemory
-    from memlm.ngram.mixture import ngram_parameters, per_index_lambdas
-    from memlm.ngram.step import NgramStep
-
-    steps = []
-    given = per_index_lambdas(*ngram_lambdas, len(items))
-    for item, (ls, ld) in zip(items, given, strict=True):
-        if isinstance(item, NgramStep):
-            steps.append(item)
-            continue
-        memory = item if isinstance(item, NgramMemory) else NgramMemory(item)
-        steps.append(NgramStep(memory, *ngram_parameters(memory.index, ls, ld, announce=announce)[:2]))
-    return steps
-
-
 class MixtureLogitsProcessor(LogitsProcessor):
-    """Each generation step's distribution replaced by the mixture of the LM and ``memories`` (one list: datastores,
-    any memory with a ``key_spec``, ∞-gram indexes; :func:`memory_steps`), mixed by one
-    :class:`~memlm.core.mixture.Mixture` (:class:`~memlm.mixing.step.StepMixture`).
+    """Each generation step's distribution replaced by the mixture of the LM and ``memories`` (one list or one spec
+    string: :func:`memlm.knnlm.memories.open_memories`) by ``mixture``
+    (:func:`memlm.knnlm.default_mixture.resolve_mixture`: a :class:`~memlm.core.mixture.Mixture`, a weights string,
+    a fit; None: the memories' stored fits, several combined only given ``tokenizer``), refused with one MemlmError,
+    before any step, when it mixes other components. ``model`` may be None when no memory reads the model's hidden
+    states (∞-grams only). A datastore component made with ``record=True`` keeps each call's retrievals."""
 
-    ``mixture``: a fit (:class:`memlm.mixing.dump.DumpMixture`, its record or JSON file: its τ and k set the
-    kNN terms; a :class:`Mixture`), refused with one MemlmError, before any step, when it was fitted on other
-    memories; None: with no weights given and one memory, its stored fit
-    (:func:`memlm.knnlm.default_mixture.library_default`; ``default=False``: not looked up), else the fixed-weight
-    rule of each memory's weights (steps already made keep theirs). ``config``
-    (:class:`memlm.core.config.RetrievalConfig`; default its defaults, k = :data:`~memlm.core.config.DEFAULT_K`
-    as every path) gives k, λ, τ and
-    nprobe (λ, τ None: each datastore's calibrated values); ``options`` set its fields by name (``k=8, lam=0.5``),
-    and ``ngram_lambdas=(λ_sparse, λ_dense)`` the ∞-grams' weights (each one value or one per index; unset: each
-    index's calibration). ``record=True``: every datastore step keeps, for every call, the ``(scores, ids)`` of its
-    retrieved entries (``[rows, k]``) in its ``history`` (``steps``). ``index`` reuses an already loaded FAISS index
-    (the first datastore's). ``model`` may be None when no memory reads the model's hidden states (∞-grams only).
-    """
-
-    def __init__(self, model, memories: Sequence, mixture: Any = None, config: RetrievalConfig | None = None, *,
-                 index=None, record: bool = False, default: bool = True, **options: Any) -> None:  # fmt: skip
-        ngram_lambdas = options.pop("ngram_lambdas", None) or (None, None)
-        self.config = RetrievalConfig.with_options(config, **options)
-        fit = load_fit(mixture)
-        given = weights_given(self.config, ngram_lambdas)
-        if fit is None and default:
-            from memlm.knnlm.default_mixture import library_default
-
-            fit = library_default(None, None, list(memories), given)  # no weights given: one memory's stored fit
-        dump_fit = None if fit is None or isinstance(fit, Mixture) else fit
-        steps = memory_steps(memories, self.config, dump_fit, index=index, record=record, ngram_lambdas=ngram_lambdas)
-        self.model, self.fit = model, dump_fit
-        self.mixture = StepMixture(steps, fit if dump_fit is None else dump_fit.mixture)
-        self.steps = self.mixture.steps
-        dense = [s for s in self.steps if isinstance(s, DatastoreStep)]
-        self.specs = list(dict.fromkeys(s.key_spec for s in dense))
+    def __init__(self, model, memories: Any, mixture: Any = None, *, tokenizer: Any = None) -> None:
+        found = resolve_mixture(open_memories(memories), mixture, model, tokenizer)
+        self.model, self.fit = model, found.fit
+        self.mixture = StepMixture(found.components, found.mixture)
+        self.components = self.mixture.components
+        self.specs = self.mixture.key_specs
         if self.specs and model is None:
             raise MemlmError("a datastore reads the model's hidden states: give the model")
         self._capture = KeyCapture(model, self.specs) if self.specs else None
 
     @property
-    def ngram_steps(self) -> list:
-        return [s for s in self.steps if s.kind == "ngram"]
-
-    @property
-    def ngram_memories(self) -> list:
-        """The ∞-gram indexes mixed, in order (their sources, their leakage checks)."""
-        return [s.memory for s in self.ngram_steps]
+    def ngram_components(self) -> list:
+        """The ∞-gram indexes mixed, in order."""
+        return self.mixture.of_kind("ngram")
 
     def set_prefix(self, tokens: Sequence[int]) -> None:
-        """Every ∞-gram's context starts with ``tokens`` (:class:`memlm.ngram.generate.NgramStep`)."""
-        for step in self.ngram_steps:
-            step.set_prefix(tokens)
+        """Every ∞-gram's context starts with ``tokens`` (:class:`memlm.ngram.step.NgramComponent`)."""
+        for c in self.ngram_components:
+            c.set_prefix(tokens)
 
     def approximate(self) -> dict | None:
         """None when every ∞-gram step's P∞ was exact over the vocabulary; else the one index's note, or each
         index's that is not None by position (``reference 1``, ...)."""
-        notes = {f"reference {i + 1}": a for i, s in enumerate(self.ngram_steps) if (a := s.approximate()) is not None}
-        if len(self.ngram_steps) == 1:
+        ngrams = self.ngram_components
+        notes = {f"reference {i + 1}": a for i, c in enumerate(ngrams) if (a := c.approximate()) is not None}
+        if len(ngrams) == 1:
             return notes.get("reference 1")
         return notes or None
 
@@ -223,22 +113,9 @@ class MixtureLogitsProcessor(LogitsProcessor):
                 raise RuntimeError(f"hooked {keys.shape[0]} rows but got scores for {scores.shape[0]}")
             queries[spec] = keys[:, -1].float().cpu().numpy()  # [rows, D]: each row's newest position (left padding)
         lm = torch.log_softmax(scores.float(), dim=-1)
-        inputs = StepInputs(queries, lambda: [row.tolist() for row in input_ids.cpu()], lm.shape[-1], lm.device)
-        return self.mixture.mix(lm, inputs).to(scores.dtype)
-
-
-class KNNLogitsProcessor(MixtureLogitsProcessor):
-    """:class:`MixtureLogitsProcessor` of one ``datastore`` (a datastore, plain or sharded, searched with its own
-    index, or any memory with a ``key_spec``): ``(1 - λ) p_LM + λ p_kNN`` (Eq. 3) at each step. ``ngram``: ∞-gram
-    steps (a :class:`memlm.ngram.generate.NgramStep`, a list of them, or a :class:`MixtureLogitsProcessor` of them)
-    mixed in too, each with its own (λ_sparse, λ_dense), as ``memlm eval`` mixes them."""
-
-    def __init__(self, model, datastore: DatastoreBase | Memory, config: RetrievalConfig | None = None, *,
-                 index=None, record: bool = False, ngram=None, **options: Any) -> None:  # fmt: skip
-        if isinstance(ngram, MixtureLogitsProcessor):
-            ngram = ngram.steps
-        ngrams = [] if ngram is None else list(ngram) if isinstance(ngram, list | tuple) else [ngram]
-        super().__init__(model, [datastore, *ngrams], None, config, index=index, record=record, **options)
+        batch = Batch(queries, make_contexts=lambda: [row.tolist() for row in input_ids.cpu()], vocab=lm.shape[-1],
+                      device=lm.device)  # fmt: skip
+        return self.mixture.mix(lm, batch).to(scores.dtype)
 
 
 class _Temperature(LogitsProcessor):
@@ -288,10 +165,16 @@ class Decoding:
     stop: Sequence[str] = ()
 
 
-def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``options`` of :func:`generate_text` into (decoding fields, retrieval fields)."""
+def _decoding(decoding: Decoding | None, options: dict[str, Any]) -> Decoding:
+    """``decoding`` with the fields ``options`` set by name; any other name is refused (memories and weights are
+    ``memories=`` and ``mixture=``)."""
     names = {f.name for f in dataclasses.fields(Decoding)}
-    return {k: v for k, v in options.items() if k in names}, {k: v for k, v in options.items() if k not in names}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise MemlmError(f"generate_text got {', '.join(unknown)}: decoding takes {', '.join(sorted(names))}; "
+                         "memories and their settings are memories= (a list or a spec string, e.g. "
+                         "'knn:ds/wiki?k=64&temperature=2'), weights are mixture= (e.g. 'knn=0.25')")  # fmt: skip
+    return dataclasses.replace(decoding or Decoding(), **options)
 
 
 @torch.inference_mode()
@@ -300,10 +183,9 @@ def generate_text(
     tokenizer,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     memories: Any = None,
-    config: RetrievalConfig | None = None,
+    mixture: Any = None,
     decoding: Decoding | None = None,
     *,
-    mixture: Any = None,
     streamer=None,
     processor: MixtureLogitsProcessor | None = None,
     **options: Any,
@@ -311,34 +193,19 @@ def generate_text(
     """Continue each prompt (strings or token-id lists) from the mixture of the LM and ``memories`` (the bare LM
     when there are none).
 
-    ``memories``: one list (or one memory) of datastores, memories with a ``key_spec`` and ∞-gram indexes
-    (:class:`MixtureLogitsProcessor`; ``datastore=`` is one more, first); ``mixture`` a fit (else the fixed-weight
-    rule of their weights); ``config`` the retrieval settings (default ``RetrievalConfig()``: k =
-    :data:`~memlm.core.config.DEFAULT_K`, as scoring and calibration), ``decoding``
-    how to decode (:class:`Decoding`); ``options`` set fields of either by name (``k=8, lam=0.5, max_new_tokens=5,
-    num_beams=4``), ``ngram_lambdas`` the ∞-grams' weights and ``index`` a loaded FAISS index of the first datastore.
-    Prompts are left-padded into one batch. ``processor``: a :class:`MixtureLogitsProcessor` already made (then
-    ``memories``, ``mixture`` and ``config`` are not used). Returns the generated text of each prompt (no prompt).
-    """
-    items = [] if memories is None else list(memories) if isinstance(memories, list | tuple) else [memories]
-    if options.get("datastore") is not None:
-        items.insert(0, options["datastore"])
-    step_options = {k: options.pop(k) for k in ("datastore", "index", "ngram_lambdas") if k in options}
-    decode_options, retrieval_options = _split_options(options)
-    decoding = dataclasses.replace(decoding or Decoding(), **decode_options)
-    config = RetrievalConfig.with_options(config, **retrieval_options)
+    ``memories``: one list or one spec string (:func:`memlm.knnlm.memories.open_memories`: datastores, ∞-gram
+    indexes, components; k is :data:`~memlm.core.config.DEFAULT_K` unless the spec says); ``mixture``: the weights
+    (:func:`memlm.knnlm.default_mixture.resolve_mixture`; None: the memories' stored fits); ``decoding``: how to
+    decode (:class:`Decoding`), its fields also by name in ``options`` (``max_new_tokens=5, num_beams=4``). Prompts
+    are left-padded into one batch. ``processor``: a :class:`MixtureLogitsProcessor` already made (then
+    ``memories`` and ``mixture`` are not used). Returns the generated text of each prompt (no prompt)."""
+    decoding = _decoding(decoding, options)
     if streamer is not None and len(prompts) * decoding.num_beams != 1:
         raise MemlmError("streaming shows one sequence: pass one prompt and num_beams=1 to stream")
-    if processor is None and items and mixture is None:
-        from memlm.knnlm.default_mixture import library_default
-
-        given = weights_given(config, step_options.get("ngram_lambdas"))
-        mixture = library_default(model, tokenizer, items, given, config)  # no weights given: the stored fits
-    if processor is None and items:
-        processor = MixtureLogitsProcessor(model, items, mixture, config, index=step_options.get("index"),
-                                           ngram_lambdas=step_options.get("ngram_lambdas"), default=False)  # fmt: skip
-        if processor.mixture.lm_alone:  # every memory at weight 0 (λ = 0): the LM's own distribution
-            processor = None
+    if processor is None and memories is not None:
+        processor = MixtureLogitsProcessor(model, memories, mixture, tokenizer=tokenizer)
+    if processor is not None and processor.mixture.lm_alone:  # every memory at weight 0: the LM's distribution
+        processor = None
     token_prompts = [
         list(tokenizer(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts
     ]
@@ -476,22 +343,10 @@ class NeighbourStreamer(TextStreamer):
 
     def _history(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """The retrievals of the processor's step that searches ``lookup``'s datastore (none: empty)."""
-        for step in self.processor.steps:
-            if isinstance(step, DatastoreStep) and step.datastore is self.lookup.datastore:
-                return step.history
+        for c in self.processor.components:
+            if isinstance(c, DatastoreComponent) and c.datastore is self.lookup.datastore:
+                return c.history
         return []
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         print(text, file=self.out, flush=True, end="" if not stream_end else "\n")
-
-
-def ngram_logits_processor(memories: Sequence, weights: Sequence[Sequence[float]]):
-    """The generation step of the LM and the ∞-gram ``memories``, each with its ``(λ_sparse, λ_dense)`` in the
-    fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`): a
-    :class:`MixtureLogitsProcessor` of :class:`memlm.ngram.step.NgramStep` s (also the ``ngram=`` of a
-    :class:`KNNLogitsProcessor`, which mixes them with its datastore by one rule)."""
-    from memlm.ngram.step import NgramStep
-
-    if not memories:
-        raise MemlmError("no ∞-gram memory to generate with")
-    return MixtureLogitsProcessor(None, [NgramStep(m, w[0], w[1]) for m, w in zip(memories, weights, strict=True)])

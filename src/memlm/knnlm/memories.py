@@ -7,7 +7,8 @@ Memories are separated by ``;``; each is ``kind:path?option=value&...`` (``cache
 
 =========  ======================================================  ==============================================
 ``knn``    a datastore folder, plain or sharded (its own index)     ``k``, ``temperature``, ``nprobe``, ``search``,
-                                                                    ``scores``
+                                                                    ``scores``, ``ray`` (a sharded datastore's
+                                                                    Ray cluster: ``local`` or its address)
 ``ngram``  an ∞-gram index folder (Liu et al. 2024)                 ``k`` (distinct next tokens at a step), ``max_n``
 ``cache``  the continuous cache (Grave et al. 2017)                 ``k``, ``max_len``, ``metric``, ``temperature``
 =========  ======================================================  ==============================================
@@ -33,34 +34,46 @@ from memlm.retrieval import as_memory
 from memlm.storage.datastore import DatastoreBase
 from memlm.storage.folder import is_ngram_index
 
-__all__ = ["KINDS", "memory_spec", "open_memories", "parse_spec", "register_kind"]
+__all__ = ["KINDS", "datastore_component", "memory_spec", "open_memories", "parse_spec", "register_kind"]
 
 Opener = Callable[[str | None, dict[str, str]], Component]
 
 
 def _number(options: dict[str, str], name: str, kind: type, default: Any) -> Any:
+    """Option ``name`` as a positive (finite) ``kind``, or ``default`` when it is not given."""
     if name not in options:
         return default
+    text = options.pop(name)
     try:
-        return kind(options.pop(name))
+        value = kind(text)
     except ValueError:
-        raise MemlmError(f"memory option {name} must be a {kind.__name__}, got {options.get(name)!r}") from None
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise MemlmError(f"memory option {name} must be a positive {kind.__name__}, got {text!r}")
+    return value
 
 
 def _knn(path: str | None, options: dict[str, str]) -> Component:
-    from memlm.knnlm.calibration import knn_parameters
     from memlm.retrieval import DatastoreMemory
     from memlm.storage.sharded import open_datastore
 
     if not path:
         raise MemlmError("a knn memory needs its datastore folder: knn:PATH")
-    datastore = open_datastore(path)
+    datastore = open_datastore(path, ray=options.pop("ray", None) or None)
     k = _number(options, "k", int, DEFAULT_K)
     nprobe = _number(options, "nprobe", int, 32)
     temperature = _number(options, "temperature", float, None)
     memory = DatastoreMemory(datastore, options.pop("search", "index"), options.pop("scores", "index"), nprobe)
-    _, tau, _ = knn_parameters(memory, 0.0, temperature, announce=False,
-                               setting={"k": k, "nprobe": nprobe, "search": "index"})  # fmt: skip
+    return datastore_component(memory, k, temperature)
+
+
+def datastore_component(memory: Any, k: int = DEFAULT_K, temperature: float | None = None) -> DatastoreComponent:
+    """A dense memory searched for its ``k`` best entries at τ = ``temperature``, else its datastore's calibrated τ
+    (:func:`memlm.knnlm.calibration.knn_parameters`; 1 without one)."""
+    from memlm.knnlm.calibration import knn_parameters
+
+    setting = {"k": k, "nprobe": getattr(memory, "nprobe", 32), "search": "index"}
+    _, tau, _ = knn_parameters(memory, 0.0, temperature, announce=False, setting=setting)
     return DatastoreComponent(memory, k, tau)
 
 
@@ -134,7 +147,7 @@ def _open_one(item: Any) -> list[Component]:
 
         return [NgramComponent(item if isinstance(item, NgramMemory) else NgramMemory(item))]
     if isinstance(item, DatastoreBase | Memory):
-        return [DatastoreComponent(as_memory(item), DEFAULT_K)]
+        return [datastore_component(as_memory(item))]
     raise MemlmError(f"memories holds a {type(item).__name__}: give a memory spec string (knn:PATH;ngram:PATH), "
                      "folders, open datastores or ∞-gram indexes, or components")  # fmt: skip
 

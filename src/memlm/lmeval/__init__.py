@@ -1,8 +1,9 @@
 """memlm inside EleutherAI's lm-evaluation-harness (``pip install memlm[lmeval]``).
 
 - :class:`memlm.lmeval.model.MemlmLM` (registered with lm_eval as ``memlm``): any memlm model + its memories
-  (datastores, ∞-gram indexes, the continuous cache; one list) as an lm_eval ``LM``, mixed by one
-  :class:`memlm.core.mixture.Mixture`: the fixed weights, or a fit of ``memlm tune --mixture gate`` (``mixture=``).
+  (datastores, ∞-gram indexes, the continuous cache; one spec string or list, ``memories=``) as an lm_eval ``LM``,
+  mixed by one :class:`memlm.core.mixture.Mixture` (``mixture=``): fixed weights, a fit of ``memlm tune --mixture
+  gate``, or by default the memories' stored fits.
 - ``TASKS_DIR``: offline task YAMLs that read memlm's named corpora (no dataset hub): ``memlm_wikitext2`` (word
   perplexity exactly as lm_eval's ``wikitext`` task defines it), ``memlm_imdb`` (sentiment) and ``memlm_bbc_topic``
   (5 topics), both loglikelihood multiple choice. Pass ``task_manager()`` to ``lm_eval.simple_evaluate`` or
@@ -13,8 +14,8 @@ Example::
     import lm_eval
     from memlm.lmeval import MemlmLM, task_manager
 
-    lm = MemlmLM(model="smollm2-135m", datastore="ds/", lam=0.25)
-    # or: MemlmLM(model="smollm2-135m", memories=["ds/", "idx/"], cache=True, mixture="fit.json")
+    lm = MemlmLM(model="smollm2-135m", memories="ds/", mixture="knn=0.25")
+    # or: MemlmLM(model="smollm2-135m", memories="knn:ds/?k=64;ngram:idx/;cache", mixture="fit.json")
     lm_eval.simple_evaluate(model=lm, tasks=["memlm_wikitext2"], task_manager=task_manager())
 """
 

@@ -1,10 +1,10 @@
 """Generation with the ∞-gram: the LM and ∞-gram indexes at a generation step, and where each token came from.
 
-Each index is a component of the one mixture at every step (:class:`NgramStep`, :mod:`memlm.ngram.step`: P∞ of each
+Each index is a component of the one mixture at every step (:class:`memlm.ngram.step.NgramComponent`: P∞ of each
 row's longest matching suffix, Liu et al. 2024, and its features); :class:`memlm.knnlm.generate.MixtureLogitsProcessor`
-(:func:`memlm.knnlm.generate.ngram_logits_processor` for ∞-grams alone) mixes it with the LM and any other memory
-through one :class:`memlm.core.mixture.Mixture`. Under the fixed-weight rule, as ``memlm eval`` mixes
-(:func:`memlm.core.mixture.rule_mixture`, weights calibrated apart that sum past 1 scaled as it says)::
+mixes it with the LM and any other memory through one :class:`memlm.core.mixture.Mixture`. Under the fixed-weight
+rule, as ``memlm eval`` mixes (:func:`memlm.core.mixture.rule_mixture`, weights calibrated apart that sum past 1
+scaled as it says)::
 
     p(w | c) = (1 - Σ_j λ_j - Σ_r λ_r(c)) p_LM + Σ_j λ_j p_kNN,j + Σ_r λ_r(c) P∞_r(w | c),
     λ_r(c) = λ_sparse,r when one token follows every occurrence of reference r's matched suffix, else λ_dense,r
@@ -21,10 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from memlm.errors import MemlmError
-from memlm.ngram.step import NgramStep, next_token_distribution
+from memlm.ngram.step import next_token_distribution
 
 __all__ = [
-    "NgramStep",
     "approximation_note",
     "next_token_distribution",
     "token_sources",
@@ -33,7 +32,7 @@ __all__ = [
 
 def approximation_note(step) -> str | None:
     """One line for a command's output when ``step`` (an ∞-gram generation step) mixed in a P∞ that was not exact
-    over the whole vocabulary at some step (:meth:`memlm.ngram.step.NgramStep.approximate`), else None."""
+    over the whole vocabulary at some step (:meth:`memlm.ngram.step.NgramComponent.approximate`), else None."""
     a = None if step is None else step.approximate()
     if a is None:
         return None

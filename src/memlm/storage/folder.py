@@ -476,7 +476,7 @@ def advise_random(array: Any) -> int:
 
 def is_ngram_index(item: Any) -> bool:
     """An ∞-gram index: an open NgramMemory / NgramIndex (by name: no infini-gram import) or such a folder."""
-    if type(item).__name__ in ("NgramMemory", "NgramIndex", "NgramStep"):
+    if type(item).__name__ in ("NgramMemory", "NgramIndex"):
         return True
     if isinstance(item, str | Path):
         return artifact_kind(item) == "∞-gram index"
