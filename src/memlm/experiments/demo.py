@@ -27,8 +27,8 @@ Why IMDB: among the offline corpora measured alike (``benchmarks/quality/demo_do
 ``docs/results/demo/domain_candidates.json``), it is the domain where each memory's swap gains with an interval
 clear of 0 and none of the gain is corpus formatting: kNN -2.5% [-3.7, -1.5], ∞-gram -8.7% [-10.3, -7.2] against
 the base LM, the wiki memories near 0 there. WikiText-2 gained more (kNN -7.4%) but 13% of its test tokens are its
-own tokenization artifacts (`` @-@ ``, spaced punctuation); news's kNN memory lost (+0.7%); BBC's intervals were
-4-5 times wider on fewer documents.
+own tokenization artifacts (`` @-@ ``, spaced punctuation); news's kNN memory lost (+0.7%); BBC's ∞-gram and both
+intervals were 3-4 times wider (34 test documents against imdb's 50).
 
 The forward pass is most of the run (one pass per datastore entry, per slice token and per scored token;
 ``results.json`` records each phase's tokens and seconds under ``work``). Everything is cached under
@@ -151,16 +151,20 @@ def _training_text(cfg: DemoConfig, tok, corpus: str) -> tuple[list, list, list,
     return _leading(kept, tok, cfg.datastore_tokens), kept, held, source
 
 
-def _leading(docs: list, tok, max_tokens: int | None) -> list:
-    """:func:`limit_documents` of ``docs``, tokenizing only a leading part that holds ``max_tokens`` (doubling it
-    from 256 documents until it does) instead of the whole corpus."""
-    n = 256
-    while max_tokens is not None and n < len(docs):
-        ids = tok([d.text for d in docs[:n]], add_special_tokens=False)["input_ids"]
-        if sum(len(x) + 1 for x in ids) > max_tokens:
-            break
-        n *= 2
-    return limit_documents(docs[:n], tok, max_tokens)
+def _leading(docs: list, tok, max_tokens: int | None, chunk: int = 512) -> list:
+    """:func:`limit_documents` of ``docs`` (the leading documents whose tokens, an EOS after each, add up to at most
+    ``max_tokens``), tokenizing ``chunk`` documents at a time and stopping there instead of the whole corpus."""
+    if max_tokens is None:
+        return list(docs)
+    kept, total = [], 0
+    for start in range(0, len(docs), chunk):
+        part = docs[start : start + chunk]
+        for doc, ids in zip(part, tok([d.text for d in part], add_special_tokens=False)["input_ids"], strict=True):
+            if total + len(ids) + 1 > max_tokens:
+                return kept or limit_documents([doc], tok, max_tokens)  # one long document: its leading part
+            kept.append(doc)
+            total += len(ids) + 1
+    return kept
 
 
 def _record(source: dict[str, Any], docs: list) -> dict[str, Any]:
