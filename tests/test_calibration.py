@@ -674,3 +674,33 @@ def test_calibration_searches_the_mixtures_temperature_next_to_the_rules():
     assert near_temperatures(grid, 3.0) == [1.0, 3.0, 10.0]
     assert near_temperatures(grid, 0.1) == [0.1, 1.0]
     assert near_temperatures(list(reversed(grid)), 100.0) == [10.0, 100.0]
+
+
+def test_shared_calibration_is_each_memorys_own_in_one_pass(built, tiny_lm, tmp_path):
+    """calibrate_shared: one forward pass over a slice both memories held out gives the records calibrate and
+    calibrate_ngram give (each with its own pass, the datastore's windows), and the slice's scores with both."""
+    pytest.importorskip("infini_gram")
+    from memlm.knnlm.calibration import calibrate, calibrate_ngram, calibrate_shared
+    from memlm.ngram.index import build_ngram_index
+    from memlm.ngram.memory import NgramMemory
+    from memlm.storage.datastore import Datastore
+
+    model, tok = tiny_lm
+    ds = Datastore.open(built[1])
+    ngram = NgramMemory(build_ngram_index(tok, make_toy_docs(80, seed=81), tmp_path / "idx", progress=False))
+    held = make_toy_docs(20, seed=82)
+    calls = []
+    hook = model.register_forward_hook(lambda m, a, kw, out: calls.append(1), with_kwargs=True)
+    try:
+        knn, grams, ts = calibrate_shared(model, tok, ds, ngram, held, k=16, progress=False)
+        shared = len(calls)
+        calls.clear()
+        alone = calibrate(model, tok, ds, held, k=16, progress=False)
+        assert shared == len(calls)
+    finally:
+        hook.remove()
+    window, stride = knn["window"], knn["stride"]
+    own = calibrate_ngram(model, tok, ngram, held, window=window, stride=stride, progress=False)
+    for mine, theirs in ((knn, alone), (grams, own)):
+        assert {k: v for k, v in mine.items() if k != "seconds"} == {k: v for k, v in theirs.items() if k != "seconds"}
+    assert ts.knn_scores is not None and ts.ngram_logprob is not None and len(ts) == knn["tokens"]

@@ -1,16 +1,15 @@
-"""``memlm demo``'s rows (issue 35 part 3): every system mixed through one ``Mixture`` on the test dump, with the
-weights tuned (and the gate fitted) on the valid dump only; checked against NumPy transcriptions of the formulas."""
+"""``memlm demo``'s rows: every column mixed by a stored fit (the memories' build-time calibration), each on the
+columns of the test dump it reads, with its paired interval; checked against NumPy transcriptions of the formulas."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
 
 from memlm.experiments import demo
-from memlm.knnlm.evaluate import TokenScores, tune
-from memlm.ngram.mixture import tune_ngram
+from memlm.knnlm.default_mixture import combine
+from memlm.knnlm.evaluate import TokenScores
+from memlm.mixing.dump import fit_dump
 
 V, K = 50, 8
 
@@ -55,33 +54,54 @@ def _ppl(p: np.ndarray) -> float:
     return float(np.exp(-np.log(p).mean()))
 
 
-def test_rows_mix_as_the_papers_formulas_with_weights_from_valid():
-    valid, test = _dump(1), _dump(2)
-    cfg = demo.DemoConfig(k=K)
-    row, (lams, curve) = demo._row(valid, test, cfg)
-    # the weights are the ones memlm tune / the ∞-gram tuning pick on valid (the same grids as before issue 35)
-    best = tune(valid)["best"]
-    alone, joint = tune_ngram(demo._without_neighbours(valid))["best"], tune_ngram(valid)["best"]
-    assert (row["lambda"], row["temperature"]) == (best["lambda"], best["temperature"]) and best["lambda"] > 0
-    assert row["ngram_weights"] == {k: alone[k] for k in ("lambda_sparse", "lambda_dense")}
-    assert row["knn_ngram_weights"] == {k: joint[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")}
-    p_lm, p_ng = np.exp(test.lm_logprob.astype(np.float64)), np.exp(test.ngram_logprob.astype(np.float64))
-    lam, knn = row["lambda"], _p_knn(test, row["temperature"])
-    assert row["base_ppl"] == pytest.approx(_ppl(p_lm), rel=1e-6)
-    assert row["knn_ppl"] == pytest.approx(_ppl((1 - lam) * p_lm + lam * knn), rel=1e-6)  # Eq. 3
-    assert row["oracle_ppl"] == pytest.approx(_ppl(np.maximum(p_lm, knn)), rel=1e-6)
-    # Liu et al. (2024) Sec. 5: λ∞ = λ_sparse where P∞ is sparse, else λ_dense; both: beside λ p_kNN
-    w = row["ngram_weights"]
-    lam_inf = np.where(test.ngram_sparse, w["lambda_sparse"], w["lambda_dense"])
-    assert row["ngram_ppl"] == pytest.approx(_ppl((1 - lam_inf) * p_lm + lam_inf * p_ng), rel=1e-6)
-    w3 = row["knn_ngram_weights"]
-    lam3 = np.where(test.ngram_sparse, w3["lambda_sparse"], w3["lambda_dense"])
-    p3 = (1 - w3["lambda"] - lam3) * p_lm + w3["lambda"] * _p_knn(test, w3["temperature"]) + lam3 * p_ng
-    assert row["knn_ngram_ppl"] == pytest.approx(_ppl(p3), rel=1e-6)
-    # the curve: Eq. 3 at each λ < 1, at the tuned τ
-    assert lams and max(lams) < 1
-    for x, ppl in zip(lams, curve, strict=True):
-        assert ppl == pytest.approx(_ppl((1 - x) * p_lm + x * knn), rel=1e-6)
+def _features(d: TokenScores, tau: float) -> dict[str, np.ndarray]:
+    """The gate's features by name, transcribed (memlm.mixing.inputs)."""
+    s = d.knn_scores.astype(np.float64) / tau
+    lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+    top_share = (np.exp(s - lse[:, None]) * (d.knn_values == d.knn_values[:, :1])).sum(1)
+    return {
+        "lm_entropy": d.lm_entropy, "lm_max_logprob": d.lm_max_logprob, "knn_top_score": d.knn_scores[:, 0],
+        "knn_logsumexp": lse, "knn_top_value_share": top_share, "knn_empty": np.zeros(len(d)),
+        "ngram_log_n": np.log1p(d.ngram_n), "ngram_log_count": np.log1p(d.ngram_count),
+        "ngram_sparse": d.ngram_sparse.astype(np.float64),
+    }  # fmt: skip
+
+
+def _gate_ppl(m: dict, d: TokenScores, tau: float | None) -> float:
+    """A stored mixture record on dump ``d``: standardised features, logits, softmax, the weighted components."""
+    feats = _features(d, tau or 1.0)
+    z = (np.stack([np.asarray(feats[f], dtype=np.float64) for f in m["feature_names"]], 1) - m["feature_mean"]) / m[
+        "feature_std"
+    ]
+    b = np.array([-np.inf if x is None else x for x in m["b"]])
+    a = z @ np.asarray(m["W"]).T + b
+    lam = np.exp(a - a.max(1, keepdims=True))
+    lam /= lam.sum(1, keepdims=True)
+    comps = {"lm": np.exp(d.lm_logprob.astype(np.float64)), "ngram": np.exp(d.ngram_logprob.astype(np.float64))}
+    if tau is not None:
+        comps["knn"] = _p_knn(d, tau)
+    p = np.stack([comps[c] for c in m["components"]], 1)
+    return _ppl((lam * p).sum(1))
+
+
+def _fits(slice_dump: TokenScores) -> dict:
+    """The stored fits as a build makes them (fit_dump on the slice, one memory each), and their combination."""
+    knn = fit_dump(demo._view(slice_dump, "knn_ppl"), [2.0, 5.0], K)
+    ngram = fit_dump(demo._view(slice_dump, "ngram_ppl"), (1.0,))
+    return {"knn_ppl": knn, "ngram_ppl": ngram, "knn_ngram_ppl": combine([knn, ngram], ["knn", "ngram"])}
+
+
+def test_each_column_is_its_stored_fit_on_the_columns_it_reads():
+    fits, test = _fits(_dump(1)), _dump(2)
+    row, logprobs = demo._row(test, fits)
+    assert row["base_ppl"] == pytest.approx(_ppl(np.exp(test.lm_logprob.astype(np.float64))), rel=1e-6)
+    for key, fit in fits.items():
+        m = fit.to_dict()["fit"]["mixture"]
+        assert m["components"] == {"knn_ppl": ["lm", "knn"], "ngram_ppl": ["lm", "ngram"],
+                                   "knn_ngram_ppl": ["lm", "knn", "ngram"]}[key]  # fmt: skip
+        assert row[key] == pytest.approx(_gate_ppl(m, test, fit.temperature), rel=1e-5), key
+        assert row[key] == pytest.approx(float(np.exp(-float(logprobs[key].mean()))), rel=1e-9)
+    assert row["tokens"] == len(test) and row["documents"] == 12
     # every system has its interval and its paired change against the base LM
     for key in ("base_ppl", *demo.SYSTEMS):
         assert row["intervals"][key]["low"] <= row[key] <= row["intervals"][key]["high"]
@@ -90,55 +110,30 @@ def test_rows_mix_as_the_papers_formulas_with_weights_from_valid():
         assert d["relative_change"] == pytest.approx(row[key] / row[ref] - 1, rel=1e-9)
 
 
-def test_the_gate_is_fitted_on_valid_only_and_mixed_on_test():
-    """The learned row: fitted on valid (a quarter of its documents kept apart), never on the reported tokens: the
-    same valid dump gives the same gate whatever the test dump, and its test perplexity is that gate's mixture there
-    (softmax of W z + b over the components, z the standardised features)."""
-    valid, test = _dump(1), _dump(2)
-    row, _ = demo._row(valid, test, demo.DemoConfig(k=K))
-    other, _ = demo._row(valid, _dump(3), demo.DemoConfig(k=K))
-    assert row["mixture"]["fit"] == other["mixture"]["fit"]
-    fit = row["mixture"]
-    assert fit["fit_tokens"] == len(valid) and fit["form"] in ("gate", "constant", "lm")
-    assert fit["temperature"] == row["knn_ngram_weights"]["temperature"]
-    # the gate, transcribed: features of the test dump by name, standardised, logits, softmax, the weighted mixture
-    m = fit["fit"]["fit"]["mixture"]
-    tau = fit["temperature"]
-    s = test.knn_scores.astype(np.float64) / tau
-    knn = _p_knn(test, tau)
-    lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
-    top_share = (np.exp(s - lse[:, None]) * (test.knn_values == test.knn_values[:, :1])).sum(1)
-    feats = {
-        "lm_entropy": test.lm_entropy, "lm_max_logprob": test.lm_max_logprob, "knn_top_score": test.knn_scores[:, 0],
-        "knn_logsumexp": lse, "knn_top_value_share": top_share, "knn_empty": np.zeros(len(test)),
-        "ngram_log_n": np.log1p(test.ngram_n), "ngram_log_count": np.log1p(test.ngram_count),
-        "ngram_sparse": test.ngram_sparse.astype(np.float64),
-    }  # fmt: skip
-    assert m["feature_names"] == list(feats) and m["components"] == ["lm", "knn", "ngram"]
-    z = (np.stack([np.asarray(feats[f], dtype=np.float64) for f in m["feature_names"]], 1) - m["feature_mean"]) / m[
-        "feature_std"
-    ]
-    b = np.array([-np.inf if x is None else x for x in m["b"]])
-    a = z @ np.asarray(m["W"]).T + b
-    lam = np.exp(a - a.max(1, keepdims=True))
-    lam /= lam.sum(1, keepdims=True)
-    p = np.stack([np.exp(test.lm_logprob.astype(np.float64)), knn, np.exp(test.ngram_logprob.astype(np.float64))], 1)
-    assert row["mixture_ppl"] == pytest.approx(_ppl((lam * p).sum(1)), rel=1e-5)
+def test_the_swap_is_paired_on_the_same_tokens():
+    test = _dump(2)
+    lp_wiki = demo._row(test, _fits(_dump(3)))[1]
+    lp_imdb = demo._row(test, _fits(_dump(1)))[1]
+    swap = demo._swap({("imdb", "wiki"): lp_wiki, ("imdb", "imdb"): lp_imdb}, test.doc_index)
+    for key in demo.SYSTEMS:
+        change = float(np.exp(-float(lp_imdb[key].mean() - lp_wiki[key].mean()))) - 1
+        assert swap[key]["relative_change"] == pytest.approx(change, rel=1e-9)
+        assert swap[key]["low"] <= swap[key]["relative_change"] <= swap[key]["high"]
+    assert swap["bootstrap"]["documents"] == 12
 
 
 def test_the_table_prints_each_change_with_its_interval(capsys):
-    valid, test = _dump(1), _dump(2)
-    row, _ = demo._row(valid, test, demo.DemoConfig(k=K))
-    row = {"eval": "wiki test", "datastore": "wiki train (1,000 entries)", "ngram": {"tokens_indexed": 5}, **row}
-    demo._print_table([row])
+    from memlm.knnlm.default_mixture import DefaultMixture
+
+    fits, test = _fits(_dump(1)), _dump(2)
+    row, lp = demo._row(test, fits)
+    rows = [{"eval": e, "memory": m, "datastore_entries": 1000, "ngram_tokens": 5000, **row}
+            for e, m in demo.ROWS]  # fmt: skip
+    swap = demo._swap({("imdb", "wiki"): lp, ("imdb", "imdb"): lp}, test.doc_index)
+    mixtures = {c: {k: DefaultMixture(f, f"the fit of {c}") for k, f in fits.items()} for c in demo.CORPORA}
+    demo._print_table(rows, swap, mixtures)
     out = capsys.readouterr().out
-    for header in ("base ppl", "kNN-LM", "∞-gram", "both", "gate", "oracle"):
+    for header in ("base ppl", "kNN-LM", "∞-gram", "both", "swapping the wiki memories", "the fit of imdb"):
         assert header in out
     d = row["differences"]["knn_ppl vs base_ppl"]
     assert f"{100 * d['relative_change']:+.1f}% [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" in out
-    assert f"({row['bootstrap']['documents']} documents)" in out
-    no_ngram = dict.fromkeys(("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"))
-    plain, _ = demo._row(dataclasses.replace(valid, **no_ngram), dataclasses.replace(test, **no_ngram),
-                         demo.DemoConfig(k=K))  # fmt: skip
-    assert "ngram_ppl" not in plain and {"knn_ppl", "mixture_ppl"} <= set(plain)
-    assert plain["mixture"]["fit"]["fit"]["mixture"]["components"] == ["lm", "knn"]

@@ -11,9 +11,9 @@ Recorded: ``memlm eval`` with a datastore (explicit λ, τ, k), with an ∞-gram
 test perplexities, the rule and the gate); ``eval`` with no weight flags (the datastore's stored fit: the same
 ``mixture_ppl`` as ``--mixture stored``, beside the calibrated λ, τ's ``knn_ppl``), with ``--mixture stored`` and
 with ``--mixture fit.json``; greedy ``memlm generate`` with a datastore, an ∞-gram and both; ``memlm lm-eval`` on
-``memlm_wikitext2``; and the demo's table row (``memlm.experiments.demo._row``) on the dumps. Every command runs in
-this process on a tiny random GPT-2 named ``smollm2-135m`` and the real corpora cut to a few hundred tokens; the
-model, datastore and ∞-gram index are built once for the module.
+``memlm_wikitext2``; and the demo's table row (``memlm.experiments.demo._row``) with the memories' stored fits.
+Every command runs in this process on a tiny random GPT-2 named ``smollm2-135m`` and the real corpora cut to a few
+hundred tokens; the model, datastore and ∞-gram index are built once for the module.
 """
 
 from __future__ import annotations

@@ -48,33 +48,23 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
 
 
 def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
-    from memlm.experiments.demo import run_demo
+    from memlm.experiments.demo import _view, run_demo
     from memlm.knnlm.evaluate import TokenScores
+    from memlm.mixing.dump import DumpMixture
 
     result = run_demo(out=tmp_path, quick=True)
-    assert {r["eval"] for r in result["rows"]} == {"wiki test", "news test"}
+    assert [(r["eval"], r["memory"]) for r in result["rows"]] == [
+        ("wiki test", "wiki"), ("imdb test", "wiki"), ("imdb test", "imdb")]  # fmt: skip
     out = next(tmp_path.glob("quick-*"))
     for r in result["rows"]:
-        # each row's numbers, recomputed with NumPy from its test dump under the row's λ and τ (Eq. 2 and 3)
-        d = TokenScores.load(out / f"{r['eval'].split()[0]}-test-{r['datastore'].split()[0]}.npz")
-        lm, sc = d.lm_logprob.astype(np.float64), d.knn_scores.astype(np.float64) / r["temperature"]
-        w = np.exp(sc - sc.max(1, keepdims=True))
-        with np.errstate(divide="ignore"):
-            knn = np.log((w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1))
-        lam = r["lambda"]
-        assert r["base_ppl"] == pytest.approx(np.exp(-lm.mean()), rel=1e-6)
-        assert r["knn_ppl"] == pytest.approx(
-            np.exp(-np.log((1 - lam) * np.exp(lm) + lam * np.exp(knn)).mean()), rel=1e-5
-        )
-        assert r["oracle_ppl"] == pytest.approx(np.exp(-np.maximum(lm, knn).mean()), rel=1e-5)
-        # the ∞-gram columns (Liu et al. 2024): λ_∞ = λ_sparse where P∞ is one-hot, else λ_dense
-        w3 = r["knn_ngram_weights"]
-        lam_inf = np.where(d.ngram_sparse, w3["lambda_sparse"], w3["lambda_dense"])
-        sc3 = d.knn_scores.astype(np.float64) / w3["temperature"]
-        w = np.exp(sc3 - sc3.max(1, keepdims=True))
-        p_knn = (w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1)
-        p = (1 - w3["lambda"] - lam_inf) * np.exp(lm) + w3["lambda"] * p_knn + lam_inf * np.exp(d.ngram_logprob)
-        assert r["knn_ngram_ppl"] == pytest.approx(np.exp(-np.log(p).mean()), rel=1e-5)
+        # each column recomputed from the row's test dump with the mixture it records (the memories' stored fits)
+        d = TokenScores.load(out / f"{r['eval'].split()[0]}-test-{r['memory']}.npz")
+        assert r["base_ppl"] == pytest.approx(np.exp(-d.lm_logprob.astype(np.float64).mean()), rel=1e-6)
+        for key, record in r["mixtures"].items():
+            lp = DumpMixture.from_dict(record).logprob(_view(d, key)).numpy()
+            assert r[key] == pytest.approx(np.exp(-lp.mean()), rel=1e-6)
+    swap = result["swap"]["knn_ngram_ppl"]
+    assert swap["high"] < 0  # the imdb memories beat the wiki ones on imdb test, the interval clear of 0
     assert (out / "ppl_vs_lambda.png").stat().st_size > 10_000
     assert json.loads((out / "results.json").read_text())["rows"]
     assert "kNN-LM" in capsys.readouterr().out

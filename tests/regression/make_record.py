@@ -83,9 +83,11 @@ COMMANDS: dict[str, tuple[list[str], str]] = {
                  "--limit", "1", "--out", "lmeval.json"], "lm-eval"),
 }  # fmt: skip
 
-# 8. the demo's rows (memlm.experiments.demo._row: λ, τ and the ∞-gram weights tuned on valid, every row mixed on
-# test) on the dumps of item 4, as its own `_row` computes them; `k` is the dumps' k
-DEMO = {"dumps": ["valid.npz", "test.npz"], "function": "memlm.experiments.demo._row", "k": 64}
+# 8. the demo's row (memlm.experiments.demo._row: each column mixed by the mixture memlm eval applies with no weights,
+# from the memories' build-time calibration) on wiki test scored with ds/wiki and idx/wt2 at the stored fit's k: the
+# datastore's stored fit, the index's, and their combination checked on the calibration slices
+DEMO = {"function": "memlm.experiments.demo._row", "corpus": "wiki", "split": "test", "max_tokens": 400,
+        "memories": ["ds/wiki", "idx/wt2"]}  # fmt: skip
 
 _SKIP = {"intervals", "bootstrap", "differences", "frequency_buckets", "leakage", "retrieval"}
 
@@ -214,17 +216,32 @@ def outputs(argv: list[str], kind: str, stdout: str) -> dict[str, Any]:
 
 
 def demo_rows() -> dict[str, Any]:
-    """The demo's row on the item-4 dumps, through its own ``_row``: perplexities and the weights it tuned."""
-    from memlm.experiments.demo import DemoConfig, _row
-    from memlm.knnlm.evaluate import TokenScores
+    """The demo's row through its own ``_row``, each column's mixture chosen as ``memlm eval`` chooses it with no
+    weights (:func:`memlm.knnlm.default_mixture.default_mixture`): perplexities and the forms chosen."""
+    from memlm.core.config import RetrievalConfig
+    from memlm.data.corpora import load_documents
+    from memlm.data.windows import limit_documents
+    from memlm.experiments.demo import _row
+    from memlm.knnlm.calibration import stored_mixture
+    from memlm.knnlm.default_mixture import default_mixture
+    from memlm.knnlm.evaluate import score_tokens
+    from memlm.models.resources import load_causal_lm
+    from memlm.ngram.index import NgramIndex
+    from memlm.ngram.memory import NgramMemory
+    from memlm.storage.datastore import Datastore
 
-    valid, test = (TokenScores.load(p) for p in DEMO["dumps"])
-    row, (lams, curve) = _row(valid, test, DemoConfig(k=DEMO["k"]))
-    out = {k: v for k, v in perplexities(row).items() if not k.startswith("mixture.")}
-    out.update({k: row[k] for k in ("lambda", "temperature")})
-    out.update({f"ngram_weights.{k}": v for k, v in row["ngram_weights"].items()})
-    out.update({f"knn_ngram_weights.{k}": v for k, v in row["knn_ngram_weights"].items()})
-    out.update({f"curve.{lam}": ppl for lam, ppl in zip(lams, curve, strict=True)})
+    model, tok = load_causal_lm("smollm2-135m", dtype="float32")
+    ds, ngram = Datastore.open(DEMO["memories"][0]), NgramMemory(NgramIndex.open(DEMO["memories"][1]))
+    config = RetrievalConfig(k=int(stored_mixture(ds).k))
+    docs = limit_documents(load_documents(DEMO["corpus"], DEMO["split"]), tok, DEMO["max_tokens"])
+    ts = score_tokens(model, tok, docs, ds, config, ngram=ngram, progress=False)
+    chosen = {"knn_ppl": default_mixture(model, tok, [ds], None, config),
+              "ngram_ppl": default_mixture(model, tok, [], ngram, config),
+              "knn_ngram_ppl": default_mixture(model, tok, [ds], ngram, config)}  # fmt: skip
+    row, _ = _row(ts, {key: dm.fit for key, dm in chosen.items()})
+    out = perplexities(row)
+    out.update({f"form.{key}": dm.fit.fit.form for key, dm in chosen.items()})
+    out["documents"] = row["documents"]
     return out
 
 

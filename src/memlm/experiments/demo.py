@@ -1,30 +1,45 @@
-"""``memlm demo``: SmolLM2-135M with a Wikipedia datastore, then domain adaptation to news by swapping datastores,
-each beside an ∞-gram over the same corpus's whole training split.
+"""``memlm demo``: SmolLM2-135M with a Wikipedia memory, then adapted to movie reviews by swapping the memory.
 
-The user story of Khandelwal et al. (2020) on the offline defaults, with no training:
+The user story of Khandelwal et al. (2020, Sec. 5: domain adaptation by swapping the datastore, no training), on the
+offline defaults, with the weights every memory brings with it:
 
-1. build a datastore from Wikipedia training articles and one from news training articles (``ffn_in`` keys; one
-   forward pass per entry, in non-overlapping blocks, so a slice of each); index **all** of each corpus's training
-   text as an ∞-gram (Liu et al. 2024: a suffix array, no forward pass; :mod:`memlm.ngram`, when the ``ngram`` extra
-   is installed), less the documents the paper's decontamination drops against every set the demo evaluates
-   (App. B, as ``memlm ngram build`` does: :func:`memlm.ngram.decontaminate.decontaminate_reference`; recorded in
-   the index's manifest);
-2. score held-out Wikipedia and held-out news once each (valid and test splits, each target with at least 128
-   tokens of context), retrieving from each memory by exact search over all its keys;
-3. on valid: tune λ, τ of the kNN-LM (``memlm tune``), λ_sparse / λ_dense of LM + ∞-gram, the four jointly for
-   LM + kNN + ∞-gram, and fit the learned gate over the same memories (:func:`memlm.mixing.dump.fit_dump`,
-   memlm.core.mixture); on test: every row mixes through one :class:`memlm.core.mixture.Mixture` (the fixed weights as
-   :func:`memlm.core.mixture.rule_mixture`, the gate as fitted), with 95% bootstrap intervals over documents
-   (:mod:`memlm.core.bootstrap`); print a table, write JSON and a PNG of perplexity vs λ (the paper's Fig. 5).
+1. for each of two corpora, wiki (Wikipedia lead sections) and imdb (IMDB / Rotten Tomatoes reviews): hold out a
+   slice of its training split (:func:`memlm.knnlm.calibration.holdout_split`, 4,096 scored tokens, whole documents),
+   build a datastore of the next few thousand training tokens (``ffn_in`` keys, one forward pass in non-overlapping
+   blocks; exact search over all keys, no index) and an ∞-gram over the whole training split (Liu et al. 2024: a
+   suffix array, no forward pass), both less the slice and less the training documents the paper's decontamination
+   finds in the test sets (App. B, :func:`memlm.ngram.decontaminate.decontaminate_reference`);
+2. calibrate both memories on their slice at build time, in one forward pass
+   (:func:`memlm.knnlm.calibration.calibrate_shared`): each stores its guarded mixture with the LM in its manifest,
+   as ``memlm datastore build`` and ``memlm ngram build`` do;
+3. score the two test splits once each (windows of 512 overlapping by 128; the imdb test text is scored once for
+   both memories), and mix every column with the mixture ``memlm eval`` applies when no weight is given
+   (:func:`memlm.knnlm.default_mixture.default_mixture`): kNN-LM and ∞-gram, each memory's stored fit; both, the two
+   fits combined at their own odds against the LM if that beats the better one alone on the calibration slice, else
+   that one. Nothing is tuned on valid text.
 
-The forward pass is most of the run (one pass per datastore entry and per scored token; ``results.json`` records the
-tokens and seconds of each phase under ``work``). Everything is cached under ``$MEMLM_HOME/demo`` (model
-conversion, datastores, indexes, per-token dumps), so a rerun only reloads and re-tunes. Each step is a public API
-call; read this file as a worked example.
+Rows: wiki test with the wiki memories; imdb test with the wiki memories; imdb test with the imdb memories (the
+swap), each with its paired 95% bootstrap interval over the test documents (:mod:`memlm.core.bootstrap`), and the
+swap against the wiki memories on the same imdb tokens. Printed as a table, written as JSON with a PNG of test
+perplexity vs the kNN-LM's λ at each datastore's calibrated τ (the paper's Fig. 5).
+
+Why IMDB: among the offline corpora measured alike (``benchmarks/quality/demo_domains.py``,
+``docs/results/demo/domain_candidates.json``), it is the domain where each memory's swap gains with an interval
+clear of 0 and none of the gain is corpus formatting: kNN -2.5% [-3.7, -1.5], ∞-gram -8.7% [-10.3, -7.2] against
+the base LM, the wiki memories near 0 there. WikiText-2 gained more (kNN -7.4%) but 13% of its test tokens are its
+own tokenization artifacts (`` @-@ ``, spaced punctuation); news's kNN memory lost (+0.7%); BBC's ∞-gram and both
+intervals were 3-4 times wider (34 test documents against imdb's 50).
+
+The forward pass is most of the run (one pass per datastore entry, per slice token and per scored token;
+``results.json`` records each phase's tokens and seconds under ``work``). Everything is cached under
+``$MEMLM_HOME/demo`` (the model's conversion, memories with their calibrations, the slices' and the test splits'
+per-token dumps), so a rerun only reloads and mixes. Each step is a public API call; read this file as a worked
+example.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -37,23 +52,26 @@ import numpy as np
 import torch
 
 from memlm.core.bootstrap import evidence
+from memlm.core.config import RetrievalConfig
 from memlm.core.distribution import perplexity
-from memlm.core.mixture import Mixture, rule_mixture, sparse_state_features
+from memlm.core.mixture import MIN_FIT_TOKENS, rule_mixture
 from memlm.core.tuning import DEFAULT_LAMBDAS
 from memlm.data.corpora import corpus_fingerprint, load_documents
-from memlm.data.windows import limit_documents, sliding_windows, tokenize_documents
+from memlm.data.windows import limit_documents, sliding_windows, tokenize_documents, truncate_document
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json, memlm_home
 from memlm.io.locking import folder_lock
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores, tune
+from memlm.knnlm.calibration import calibrate_shared, holdout_split, stored_mixture
+from memlm.knnlm.default_mixture import DefaultMixture, default_mixture
+from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores
 from memlm.knnlm.write import write_datastore
 from memlm.leakage import document_record
-from memlm.mixing.dump import DumpMixture, fit_dump
-from memlm.mixing.inputs import MixtureInputs, mixture_inputs
+from memlm.mixing.dump import DumpMixture
+from memlm.mixing.inputs import mixture_inputs
 from memlm.models.keys import KeySpec
 from memlm.models.resources import default_dtype, load_causal_lm
-from memlm.ngram.decontaminate import EVAL_SPLITS, decontaminate_reference
-from memlm.ngram.mixture import add_ngram, tune_ngram
+from memlm.ngram.decontaminate import decontaminate_reference
+from memlm.ngram.mixture import add_ngram
 from memlm.storage.datastore import Datastore
 
 __all__ = ["DemoConfig", "planned_work", "run_demo", "work_totals"]
@@ -64,58 +82,40 @@ class DemoConfig:
     model: str = "smollm2-135m"
     dtype: str = field(default_factory=default_dtype)  # bf16 only with AMX-BF16 (0.57x float32 without); keys fp16
     key: str = "ffn_in"
-    # per corpus: one keys-only forward token per entry, the largest share of the run (~1,000 tokens/s on 2 idle
-    # cores in float32, docs/results/demo_full_fresh_home_50k_datastores.log; 50k a round ago: the run took 217 s)
-    datastore_tokens: int = 32_000
-    eval_tokens: int = 8_000
-    # >= 4,096 scored wiki tokens: the size below which the learned gate's fit warns (core.mixture.MIN_FIT_TOKENS)
-    valid_tokens: int = 4_400
+    # per corpus: one keys-only forward token per entry (~600 tokens/s on 2 AVX2 cores in float32). 10k entries per
+    # corpus is what docs/results/demo/domain_candidates.json measured the domains with (imdb kNN -2.5%)
+    datastore_tokens: int = 10_000
+    # each memory's calibration slice, in scored tokens: the guarded fit's minimum (core.mixture.MIN_FIT_TOKENS), so
+    # no fit warns; wiki's and imdb's documents are short, so the slice holds well over the fit's 8 documents
+    holdout_tokens: int = MIN_FIT_TOKENS
+    # per test split: its leading documents, each cut to doc_tokens, up to test_tokens (> 30 documents each)
+    test_tokens: int = 6_000
+    doc_tokens: int = 384
     window: int = 512
-    min_context: int = 128  # overlapping windows only (datastore_blocks / eval_blocks off)
+    min_context: int = 128  # the test windows overlap by this much (each target with >= 128 tokens of context)
     batch_size: int = 4
-    # the datastores' forward pass in non-overlapping blocks of `window` tokens (each train token read once, the
-    # context of a key 0..window-1 tokens), instead of windows overlapping by min_context: 25% fewer tokens to run
-    datastore_blocks: bool = True
-    # the valid and test splits scored in windows overlapping by min_context (each target with >= 128 tokens of
-    # context; 1.33x the forward tokens of blocks). In blocks (True) the first tokens of each block have little
-    # context: base perplexity rose 14% (wiki 14.73 -> 16.76, news 27.08 -> 30.24) and every memory's gain grew with
-    # it, docs/results/speed/demo_blocks_loaded.log, so the demo keeps the overlap
-    eval_blocks: bool = False
+    # neighbours per token, at calibration and test alike: a quarter of memlm eval's default (DEFAULT_K), which a
+    # datastore of 10k entries does not need; as the domain candidates were measured
     k: int = 256
-    ngram: bool = True  # an ∞-gram over each corpus's whole train split beside its datastore (needs memlm[ngram])
-    ngram_tokens: int | None = None  # cap on the ∞-gram's training tokens (None: all of them)
-    # the ∞-gram indexes decontaminated against the valid and test splits of every evaluated corpus (the paper's
-    # App. B, as `memlm ngram build` does by default)
-    decontaminate: bool = True
+    # each ∞-gram over its corpus's first 1M training tokens (wiki's whole train split is 0.95M; imdb's 6.9M would
+    # cost ~40 s more of tokenizing and indexing on 2 cores)
+    ngram_tokens: int | None = 1_000_000
+    decontaminate: bool = True  # the ∞-gram and datastore text against both test splits (the paper's App. B)
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(datastore_tokens=8_000, eval_tokens=1_500, valid_tokens=1_000, window=256, min_context=64, k=64,
-                   ngram_tokens=200_000)  # fmt: skip
+        return cls(datastore_tokens=3_000, test_tokens=2_000, window=256, min_context=64, ngram_tokens=300_000)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
-    def stride(self, blocks: bool) -> int:
-        """The windows' stride: the window (non-overlapping blocks) or ``window - min_context``."""
-        return self.window if blocks else self.window - self.min_context
 
-
-PLAN = {"wiki": ["wiki"], "news": ["wiki", "news"]}  # evaluated corpus (valid and test) -> datastores to try
-EVAL_CORPORA = tuple(PLAN)
-# the systems of each row, by perplexity key, with their column headers (each mixed through one Mixture)
-SYSTEMS = {"knn_ppl": "kNN-LM", "ngram_ppl": "∞-gram", "knn_ngram_ppl": "both", "mixture_ppl": "gate"}
-CHANGES = tuple(("base_ppl", key) for key in SYSTEMS) + (("knn_ngram_ppl", "mixture_ppl"),)
+CORPORA = ("wiki", "imdb")  # each gives a datastore and an ∞-gram
+ROWS = (("wiki", "wiki"), ("imdb", "wiki"), ("imdb", "imdb"))  # (test split's corpus, memories' corpus)
+SYSTEMS = {"knn_ppl": "kNN-LM", "ngram_ppl": "∞-gram", "knn_ngram_ppl": "both"}  # perplexity key -> column header
+CHANGES = tuple(("base_ppl", key) for key in SYSTEMS)
 
 _clock = {"start": time.perf_counter()}  # reset when a demo starts: each log line says how far into the run it is
-
-
-def _train_source(corpus: str, docs: list) -> dict:
-    """The source record of a demo memory built from ``corpus``'s train split, with the document hashes that eval's
-    leakage check compares (:func:`memlm.leakage.document_record`), as ``memlm datastore build`` / ``ngram build``
-    record them."""
-    return {"corpus": corpus, "split": "train", "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
-            "document_hashes": document_record(docs)}  # fmt: skip
 
 
 def _log(msg: str) -> None:
@@ -134,136 +134,195 @@ def _forward_work(docs: list, tok, window: int, stride: int) -> dict[str, int]:
     return n
 
 
-def _documents(cfg: DemoConfig, tok, corpus: str, split: str) -> list:
-    """The leading documents of ``corpus/split`` the demo reads: a datastore's train slice, or a scored split."""
-    n = {"train": cfg.datastore_tokens, "valid": cfg.valid_tokens, "test": cfg.eval_tokens}[split]
-    return limit_documents(load_documents(corpus, split), tok, n)
+def _decontamination_sets(cfg: DemoConfig) -> list[str]:
+    """The sets the demo evaluates on: the test split of each corpus (none when ``decontaminate`` is off)."""
+    return [f"{corpus}:test" for corpus in CORPORA] if cfg.decontaminate else []
+
+
+def _training_text(cfg: DemoConfig, tok, corpus: str) -> tuple[list, list, list, dict[str, Any]]:
+    """``(datastore documents, ∞-gram documents, calibration slice, source record)`` of ``corpus``'s train split:
+    decontaminated, the slice held out of both memories, the datastore the leading ``datastore_tokens`` of the rest."""
+    docs = _leading(load_documents(corpus, "train"), tok, cfg.ngram_tokens)
+    docs, record = decontaminate_reference(docs, _decontamination_sets(cfg), tok)
+    kept, held, hold = holdout_split(docs, tok, min_tokens=cfg.holdout_tokens, max_tokens=cfg.holdout_tokens,
+                                     window=cfg.window, stride=cfg.window)  # fmt: skip
+    source = {"corpus": corpus, "split": "train", "holdout": hold,
+              **({"decontamination": record} if record is not None else {})}  # fmt: skip
+    return _leading(kept, tok, cfg.datastore_tokens), kept, held, source
+
+
+def _leading(docs: list, tok, max_tokens: int | None, chunk: int = 512) -> list:
+    """:func:`limit_documents` of ``docs`` (the leading documents whose tokens, an EOS after each, add up to at most
+    ``max_tokens``), tokenizing ``chunk`` documents at a time and stopping there instead of the whole corpus."""
+    if max_tokens is None:
+        return list(docs)
+    kept, total = [], 0
+    for start in range(0, len(docs), chunk):
+        part = docs[start : start + chunk]
+        for doc, ids in zip(part, tok([d.text for d in part], add_special_tokens=False)["input_ids"], strict=True):
+            if total + len(ids) + 1 > max_tokens:
+                return kept or limit_documents([doc], tok, max_tokens)  # one long document: its leading part
+            kept.append(doc)
+            total += len(ids) + 1
+    return kept
+
+
+def _record(source: dict[str, Any], docs: list) -> dict[str, Any]:
+    """A memory's source record: the corpus, its held-out slice, and the documents it holds (count, fingerprint and
+    the hashes eval's leakage check compares, :func:`memlm.leakage.document_record`)."""
+    return {**source, "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
+            "document_hashes": document_record(docs)}  # fmt: skip
+
+
+def _cached_memories(out: Path, corpus: str):
+    """``(datastore, ∞-gram memory, slice scores)`` of ``corpus`` if a previous run finished them (both calibrated,
+    the slice's dump written last), else None."""
+    from memlm.ngram.index import NgramIndex
+    from memlm.ngram.memory import NgramMemory
+
+    try:
+        ds, ngram = Datastore.open(out / f"{corpus}-datastore"), NgramMemory(NgramIndex.open(out / f"{corpus}-ngram"))
+    except MemlmError:
+        return None
+    path = out / f"{corpus}-slice.npz"
+    if stored_mixture(ds) is None or stored_mixture(ngram) is None or not path.exists():
+        return None
+    return ds, ngram, TokenScores.load(path)
+
+
+def _build_memories(cfg: DemoConfig, model, tok, corpus: str, out: Path, work: list):
+    """``corpus``'s datastore and ∞-gram, built and calibrated in one pass over their shared slice (module
+    docstring, steps 1-2); returns them with the slice's scores (the check of their fits' combination reads them)."""
+    from memlm.ngram.index import build_ngram_index
+    from memlm.ngram.memory import NgramMemory
+
+    t0 = time.perf_counter()
+    ds_docs, ngram_docs, held, source = _training_text(cfg, tok, corpus)
+    work.append({"phase": f"{corpus}: read, decontaminate and hold out the slice", "seconds": time.perf_counter() - t0})
+    t0 = time.perf_counter()
+    ds = write_datastore(model, tok, ds_docs, out / f"{corpus}-datastore", key=KeySpec.parse(cfg.key),
+                         window=cfg.window, min_context=cfg.min_context, stride=cfg.window,
+                         batch_size=cfg.batch_size, source=_record(source, ds_docs), progress=False,
+                         overwrite=True)  # fmt: skip
+    work.append({"phase": f"{corpus} datastore", **_forward_work(ds_docs, tok, cfg.window, cfg.window),
+                 "head": False, "seconds": time.perf_counter() - t0})  # fmt: skip
+    t0 = time.perf_counter()
+    index = build_ngram_index(tok, ngram_docs, out / f"{corpus}-ngram", source=_record(source, ngram_docs),
+                              overwrite=True, progress=False)  # fmt: skip
+    ngram = NgramMemory(index)
+    work.append({"phase": f"{corpus} ∞-gram index ({int(index.manifest['tokens']):,} tokens, no forward pass)",
+                 "seconds": time.perf_counter() - t0})  # fmt: skip
+    t0 = time.perf_counter()
+    hold = source["holdout"]
+    text = {"held_out": True, "documents": hold["documents"], "ids_sha256": hold.get("ids_sha256")}
+    knn_cal, ngram_cal, ts = calibrate_shared(model, tok, ds, ngram, held, k=cfg.k, batch_size=cfg.batch_size,
+                                              progress=False, text=text)  # fmt: skip
+    for owner, cal in ((ds, knn_cal), (index, ngram_cal)):
+        owner.record_calibration({**cal, "holdout_ids": hold.get("ids_sha256")})
+    ts.save(out / f"{corpus}-slice.npz")
+    work.append({"phase": f"calibrate both {corpus} memories on their slice", "head": True,
+                 **_forward_work(held, tok, cfg.window, cfg.window), "seconds": time.perf_counter() - t0})  # fmt: skip
+    _log(f"{corpus} memories ready: {len(ds):,} datastore entries, ∞-gram of {int(index.manifest['tokens']):,} "
+         f"tokens, calibrated on {len(ts):,} held-out tokens ({hold['documents']} documents)")  # fmt: skip
+    return ds, ngram, ts
+
+
+def _test_documents(cfg: DemoConfig, tok, corpus: str) -> list:
+    """The leading documents of ``corpus``'s test split, each cut to ``doc_tokens`` tokens, up to ``test_tokens``."""
+    docs = [truncate_document(d, tok, cfg.doc_tokens) for d in load_documents(corpus, "test")[: cfg.test_tokens // 16]]
+    return limit_documents(docs, tok, cfg.test_tokens)
 
 
 def planned_work(cfg: DemoConfig, tok) -> list[dict[str, Any]]:
-    """What a first run of ``cfg`` computes, counted without running it (the tokenizer only): each datastore build's
-    and each scored split's forward tokens (``head``: with the output projection), and each exact search's query x
-    key pairs."""
+    """What a first run of ``cfg`` runs through the model, counted without running it (the tokenizer only): each
+    datastore's and each calibration slice's forward tokens, and each test split's (``head``: with the output
+    projection)."""
     work = []
-    entries = {}
-    for corpus in ("wiki", "news"):
-        n = _forward_work(_documents(cfg, tok, corpus, "train"), tok, cfg.window, cfg.stride(cfg.datastore_blocks))
-        entries[corpus] = n["targets"]
-        work.append({"phase": f"{corpus} datastore", **n, "head": False})
-    for corpus, names in PLAN.items():
-        for split in ("valid", "test"):
-            n = _forward_work(_documents(cfg, tok, corpus, split), tok, cfg.window, cfg.stride(cfg.eval_blocks))
-            work.append({"phase": f"score {corpus}/{split}", **n, "head": True})
-            work += [{"phase": f"search {corpus}/{split} in {name}", "search_pairs": n["targets"] * entries[name]}
-                     for name in names]  # fmt: skip
+    for corpus in CORPORA:
+        ds_docs, _, held, _ = _training_text(cfg, tok, corpus)
+        work.append({"phase": f"{corpus} datastore", **_forward_work(ds_docs, tok, cfg.window, cfg.window),
+                     "head": False})  # fmt: skip
+        work.append({"phase": f"calibrate both {corpus} memories on their slice", "head": True,
+                     **_forward_work(held, tok, cfg.window, cfg.window)})  # fmt: skip
+    for corpus in dict.fromkeys(c for c, _ in ROWS):
+        docs = _test_documents(cfg, tok, corpus)
+        work.append({"phase": f"score {corpus}/test", "head": True,
+                     **_forward_work(docs, tok, cfg.window, cfg.window - cfg.min_context)})  # fmt: skip
     return work
 
 
-def _cached_datastore(out: Path) -> Datastore | None:
-    """The datastore in ``out`` if a previous run finished it, else None (the manifest is written last)."""
-    try:
-        return Datastore.open(out)
-    except MemlmError:
-        return None
-
-
-def _datastore(cfg: DemoConfig, model, tok, corpus: str, out: Path, work: list) -> Datastore:
-    """A keys-only datastore of ``corpus``'s leading train tokens, searched exactly (all keys): no FAISS index."""
-    t0 = time.perf_counter()
-    docs = _documents(cfg, tok, corpus, "train")
-    stride = cfg.stride(cfg.datastore_blocks)
-    ds = write_datastore(model, tok, docs, out, key=KeySpec.parse(cfg.key), window=cfg.window,
-                         min_context=cfg.min_context, stride=cfg.window if cfg.datastore_blocks else None,
-                         batch_size=cfg.batch_size, source=_train_source(corpus, docs))  # fmt: skip
-    work.append({"phase": f"{corpus} datastore", **_forward_work(docs, tok, cfg.window, stride), "head": False,
-                 "seconds": time.perf_counter() - t0})  # fmt: skip
-    _log(f"{corpus} datastore ready: {len(ds):,} entries")
-    return ds
-
-
-def _ngram_memory(cfg: DemoConfig, tok, corpus: str, out: Path):
-    """An ∞-gram memory over all of ``corpus``'s training split (cached), or None without the ``ngram`` extra."""
-    if not cfg.ngram:
-        return None
-    from memlm.ngram.index import NgramIndex, build_ngram_index
-    from memlm.ngram.memory import NgramMemory
-
-    path = out / f"{corpus}-ngram"
-    try:
-        return NgramMemory(NgramIndex.open(path))
-    except MemlmError:
-        pass
-    try:
-        from infini_gram.engine import InfiniGramEngine  # noqa: F401
-    except ImportError:
-        _log("no ∞-gram rows: the infini-gram engine is not installed (pip install 'memlm[ngram]')")
-        return None
-    if tok is None:  # a rerun from cached dumps: they were scored without an ∞-gram
-        return None
-    docs = load_documents(corpus, "train")
-    if cfg.ngram_tokens is not None:
-        docs = limit_documents(docs, tok, cfg.ngram_tokens)
-    docs, record = decontaminate_reference(docs, _decontamination_sets(cfg), tok)
-    if record is not None:
-        _log(
-            f"decontaminated {corpus} train against {', '.join(record['eval_sets'])}: dropped "
-            f"{record['dropped_documents']:,} of {record['checked_documents']:,} documents"
-        )
-    _log(f"indexing {corpus} train as an ∞-gram ({len(docs):,} documents, no forward pass)")
-    source = _train_source(corpus, docs)
-    if record is not None:
-        source["decontamination"] = record
-    return NgramMemory(build_ngram_index(tok, docs, path, source=source))
-
-
-def _decontamination_sets(cfg: DemoConfig) -> list[str]:
-    """Every set the demo evaluates a memory on: the valid and test splits of each evaluated corpus (none when
-    ``cfg.decontaminate`` is off)."""
-    if not cfg.decontaminate:
-        return []
-    return [f"{corpus}:{split}" for corpus in EVAL_CORPORA for split in EVAL_SPLITS]
-
-
-def _dumps(
-    cfg: DemoConfig,
-    model,
-    tok,
-    corpus: str,
-    split: str,
-    stores: dict[str, Datastore],
-    out: Path,
-    ngrams: dict,
-    work: list,
-) -> dict[str, TokenScores]:
-    """One forward pass over ``corpus/split``; one dump per datastore (cached), with its corpus's ∞-gram."""
-    paths = {name: out / f"{corpus}-{split}-{name}.npz" for name in stores}
+def _test_dumps(cfg: DemoConfig, model, tok, corpus: str, memories: dict, out: Path, work: list) -> dict:
+    """One forward pass over ``corpus``'s test documents; one dump per memories' corpus (its datastore's
+    neighbours and its ∞-gram's statistics), cached."""
+    paths = {name: out / f"{corpus}-test-{name}.npz" for name in memories}
     if all(p.exists() for p in paths.values()):
         return {name: TokenScores.load(p) for name, p in paths.items()}
     t0 = time.perf_counter()
-    docs = _documents(cfg, tok, corpus, split)
-    specs = list(dict.fromkeys(ds.key_spec for ds in stores.values()))
-    stride = cfg.stride(cfg.eval_blocks)
-    _log(f"scoring {corpus}/{split} ({len(docs)} documents)")
-    base, queries, _ = lm_scores(model, tok, docs, specs, cfg.window, cfg.min_context, cfg.batch_size,
-                                 meta={"corpus": corpus, "split": split},
-                                 stride=cfg.window if cfg.eval_blocks else None)  # fmt: skip
-    seconds = time.perf_counter() - t0
-    work.append({"phase": f"score {corpus}/{split}", **_forward_work(docs, tok, cfg.window, stride), "head": True,
-                 "seconds": seconds})  # fmt: skip
+    docs = _test_documents(cfg, tok, corpus)
+    _log(f"scoring {corpus}/test ({len(docs)} documents) for the {' and '.join(memories)} memories")
+    spec = KeySpec.parse(cfg.key)
+    base, queries, _ = lm_scores(model, tok, docs, [spec], cfg.window, cfg.min_context, cfg.batch_size,
+                                 progress=False, meta={"corpus": corpus, "split": "test"})  # fmt: skip
+    work.append({"phase": f"score {corpus}/test", "head": True, "seconds": time.perf_counter() - t0,
+                 **_forward_work(docs, tok, cfg.window, cfg.window - cfg.min_context)})  # fmt: skip
     dumps = {}
-    for name, ds in stores.items():
+    for name, (ds, ngram, _) in memories.items():
+        t0 = time.perf_counter()
         ts = base.lm_only()
-        # exact search over all keys (torch matmul + top-k): the neighbours of a Flat index, without building one
-        add_neighbours(ts, queries[ds.key_spec], ds, k=cfg.k, search="exact")
-        work.append({"phase": f"search {corpus}/{split} in {name}", "search_pairs": len(ts) * len(ds),
-                     "seconds": ts.meta["seconds_search"]})  # fmt: skip
-        if ngrams.get(name) is not None:
-            t1 = time.perf_counter()
-            add_ngram(ts, docs, tok, ngrams[name])
-            work.append({"phase": f"∞-gram lookups {corpus}/{split} in {name}", "seconds": time.perf_counter() - t1})
+        # exact search over all keys (torch matmul + top-k), as the calibration searched
+        add_neighbours(ts, queries[spec], ds, k=min(cfg.k, len(ds)), search="exact", progress=False)
+        add_ngram(ts, docs, tok, ngram)
         ts.save(paths[name])
         dumps[name] = ts
+        work.append({"phase": f"search {corpus}/test in the {name} memories", "search_pairs": len(ts) * len(ds),
+                     "seconds": time.perf_counter() - t0})  # fmt: skip
     return dumps
+
+
+def _mixtures(cfg: DemoConfig, ds, ngram, slice_scores: TokenScores) -> dict[str, DefaultMixture]:
+    """Each column's mixture, as ``memlm eval`` chooses it with no weight flags
+    (:func:`memlm.knnlm.default_mixture.default_mixture`): the datastore's stored fit, the ∞-gram's, and for both
+    their combination checked on the calibration slice (scored already: no forward pass)."""
+    config = RetrievalConfig(k=cfg.k)
+    return {
+        "knn_ppl": default_mixture(None, None, [ds], None, config),
+        "ngram_ppl": default_mixture(None, None, [], ngram, config),
+        "knn_ngram_ppl": default_mixture(None, None, [ds], ngram, config, slice_scores=slice_scores),
+    }
+
+
+def _view(ts: TokenScores, key: str) -> TokenScores:
+    """The columns of ``ts`` a system reads: the datastore's (kNN-LM), the ∞-gram's, or both."""
+    if key == "knn_ppl":
+        return dataclasses.replace(ts, ngram_logprob=None, ngram_count=None, ngram_n=None, ngram_sparse=None)
+    if key == "ngram_ppl":
+        out = ts.lm_only()
+        for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
+            setattr(out, f, getattr(ts, f))
+        return out
+    return ts
+
+
+def _row(test: TokenScores, mixtures: dict[str, DumpMixture]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One table row: the base LM and each system of ``mixtures`` (perplexity key -> fit) mixed on ``test``, with
+    the intervals and the paired changes against the base LM; and each system's per-token log-probabilities."""
+    logprobs = {"base_ppl": torch.from_numpy(test.lm_logprob).double()}
+    for key, fit in mixtures.items():
+        logprobs[key] = fit.logprob(_view(test, key), f"the {SYSTEMS[key]} column")
+    row: dict[str, Any] = {"tokens": len(test), "documents": int(len(np.unique(test.doc_index)))}
+    row.update({key: perplexity(lp) for key, lp in logprobs.items()})
+    row.update(evidence(logprobs, test.doc_index, pairs=[p for p in CHANGES if p[1] in mixtures]))
+    return row, logprobs
+
+
+def _curve(test: TokenScores, ds) -> tuple[list[float], list[float]]:
+    """Test perplexity of the kNN-LM's fixed-weight rule (Eq. 3) at each λ < 1, at the datastore's calibrated τ."""
+    cal = ds.manifest["calibration"]
+    inp = mixture_inputs(_view(test, "knn_ppl"), float(cal["temperature"]), int(cal["k"]))
+    lams = [x for x in DEFAULT_LAMBDAS if x < 1]  # λ = 1 is infinite: some targets are never retrieved
+    curve = [perplexity(rule_mixture(("lm", "knn"), {"knn": x}).mix(
+        {c: inp.logprobs[:, j] for j, c in enumerate(inp.components)}, {})) for x in lams]  # fmt: skip
+    return lams, curve
 
 
 def _plot(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> None:
@@ -276,9 +335,8 @@ def _plot(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> Non
     ax.set_xlabel("λ (weight of the kNN distribution)")
     ax.set_ylabel("test perplexity")
     ax.set_yscale("log")
-    ax.set_title(
-        "SmolLM2-135M + kNN-LM: test perplexity vs λ\n(temperature tuned on valid; λ = 1 is infinite)", fontsize=10
-    )
+    ax.set_title("SmolLM2-135M + kNN-LM: test perplexity vs λ\n(τ as each datastore's calibration chose it)",
+                 fontsize=10)  # fmt: skip
     ax.grid(True, which="both", alpha=0.3)
     finish_figure(fig, path, ax, legend_fontsize=10)
 
@@ -294,44 +352,37 @@ def run_demo(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
 def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     t0 = _clock["start"] = time.perf_counter()
     _log(f"outputs in {out}")
-    plan = PLAN
+    out.mkdir(parents=True, exist_ok=True)
     work: list[dict[str, Any]] = []  # what each phase ran: forward tokens, scored tokens, search pairs, seconds
-    dumps_done = all((out / f"{c}-{s}-{n}.npz").exists() for c, names in plan.items() for s in ("valid", "test")
-                     for n in names)  # fmt: skip
-    cached = {c: _cached_datastore(out / f"{c}-datastore") for c in ("wiki", "news")}
-    if dumps_done and all(cached.values()):  # a rerun: nothing to compute, so the model is not even loaded
-        _log("datastores and per-token dumps are cached: re-tuning only")
-        model = tok = None
-        stores = {c: ds for c, ds in cached.items() if ds is not None}
-    else:
+    memories = {c: _cached_memories(out, c) for c in CORPORA}
+    tests_done = all((out / f"{c}-test-{m}.npz").exists() for c, m in ROWS)
+    model = tok = None
+    if not (tests_done and all(memories.values())):
         _log(f"loading {cfg.model} ({cfg.dtype})")
         t1 = time.perf_counter()
         model, tok = load_causal_lm(cfg.model, dtype=cfg.dtype)
         work.append({"phase": "load the model (a fresh home: convert it once)", "seconds": time.perf_counter() - t1})
-        # a datastore a previous run finished is reused as it is (no forward pass, none recorded)
-        stores = {c: cached[c] or _datastore(cfg, model, tok, c, out / f"{c}-datastore", work)
-                  for c in ("wiki", "news")}  # fmt: skip
-    t1 = time.perf_counter()
-    ngrams = {c: _ngram_memory(cfg, tok, c, out) for c in EVAL_CORPORA}
-    work.append({"phase": "∞-gram indexes (no forward pass)", "seconds": time.perf_counter() - t1})
-    rows, curves = [], {}
-    for corpus, names in plan.items():
-        sub = {n: stores[n] for n in names}
-        valid = _dumps(cfg, model, tok, corpus, "valid", sub, out, ngrams, work)
-        test = _dumps(cfg, model, tok, corpus, "test", sub, out, ngrams, work)
-        t1 = time.perf_counter()
-        _log(f"tuning the weights and fitting the gate on {corpus}/valid, scoring {corpus}/test")
+    else:
+        _log("memories and per-token dumps are cached: mixing only")
+    for c in CORPORA:  # a memory pair a previous run finished is reused as it is (no forward pass, none recorded)
+        memories[c] = memories[c] or _build_memories(cfg, model, tok, c, out, work)
+    mixtures = {c: _mixtures(cfg, *memories[c]) for c in CORPORA}
+    rows, curves, logprobs, doc_index = [], {}, {}, {}
+    for corpus in dict.fromkeys(c for c, _ in ROWS):
+        names = [m for c, m in ROWS if c == corpus]
+        dumps = _test_dumps(cfg, model, tok, corpus, {m: memories[m] for m in names}, out, work)
+        doc_index[corpus] = dumps[names[0]].doc_index
         for name in names:
-            row, curves[f"{corpus} test, {name} datastore"] = _row(valid[name], test[name], cfg)
-            row = {"eval": f"{corpus} test", "datastore": f"{name} train ({len(stores[name]):,} entries)", **row}
-            if ngrams[name] is not None and "ngram_ppl" in row:
-                memory = ngrams[name]
-                row["ngram"] = {**memory.describe(), "tokens_indexed": int(memory.index.manifest["tokens"])}
-            rows.append(row)
-        work.append({"phase": f"tune and fit on {corpus}/valid, mix {corpus}/test", "seconds":
-                     time.perf_counter() - t1})  # fmt: skip
-    _print_table(rows)
-    result = {"config": asdict(cfg), "rows": rows, "work": work, "forward_tokens": work_totals(work),
+            ds, ngram, _ = memories[name]
+            row, logprobs[(corpus, name)] = _row(dumps[name], {k: v.fit for k, v in mixtures[name].items()})
+            rows.append({"eval": f"{corpus} test", "memory": name, "datastore_entries": len(ds),
+                         "ngram_tokens": int(ngram.index.manifest["tokens"]), **row,
+                         "mixtures": {k: {"origin": v.origin, **v.fit.to_dict()}
+                                      for k, v in mixtures[name].items()}})  # fmt: skip
+            curves[f"{corpus} test, {name} datastore"] = _curve(dumps[name], ds)
+    swap = _swap(logprobs, doc_index["imdb"])
+    _print_table(rows, swap, mixtures)
+    result = {"config": asdict(cfg), "rows": rows, "swap": swap, "work": work, "forward_tokens": work_totals(work),
               "seconds": time.perf_counter() - t0}  # fmt: skip
     atomic_write_json(out / "results.json", result)
     _plot(curves, out / "ppl_vs_lambda.png")
@@ -340,89 +391,18 @@ def _run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     return result
 
 
-class _TestMixer:
-    """One test dump's components and features by name (:func:`mixture_inputs`, per kNN temperature), mixed through
-    :meth:`Mixture.mix`: every row of the table goes through this one path."""
-
-    def __init__(self, ts: TokenScores, k: int) -> None:
-        self.ts, self.k, self._inputs = ts, k, {}
-
-    def inputs(self, temperature: float) -> MixtureInputs:
-        if temperature not in self._inputs:
-            self._inputs[temperature] = mixture_inputs(self.ts, temperature, self.k)
-        return self._inputs[temperature]
-
-    def component(self, name: str, temperature: float = 1.0) -> torch.Tensor:
-        inp = self.inputs(temperature)
-        return torch.from_numpy(inp.logprobs[:, inp.components.index(name)])
-
-    def logprob(self, mixture: Mixture, temperature: float = 1.0) -> torch.Tensor:
-        """``log P(target)`` per token of ``mixture`` with the kNN term at ``temperature``."""
-        inp = self.inputs(temperature)
-        logprobs = {c: inp.logprobs[:, inp.components.index(c)] for c in mixture.components}
-        features = {f: inp.features[:, j] for j, f in enumerate(inp.feature_names)}
-        if self.ts.ngram_sparse is not None:  # the rule's λ_sparse / λ_dense is a gate on the sparse flag's state
-            features.update(sparse_state_features({"ngram": self.ts.ngram_sparse}))
-        return mixture.mix(logprobs, features)
-
-
-def _row(valid: TokenScores, test: TokenScores, cfg: DemoConfig) -> tuple[dict[str, Any], tuple[list, list]]:
-    """One table row: the weights tuned (and the gate fitted) on ``valid``, every system mixed on ``test`` through
-    its :class:`Mixture`, with the intervals; and the curve of test perplexity vs λ at the tuned τ."""
-    mixer = _TestMixer(test, cfg.k)
-    best = tune(valid)["best"]
-    lam, tau = best["lambda"], best["temperature"]
-    lm, knn = mixer.component("lm", tau), mixer.component("knn", tau)
-    logprobs = {"base_ppl": lm, "knn_ppl": mixer.logprob(rule_mixture(("lm", "knn"), {"knn": lam}), tau),
-                "oracle_ppl": torch.maximum(lm, knn)}  # fmt: skip
-    row: dict[str, Any] = {"tokens": len(test), "lambda": lam, "temperature": tau, "k": cfg.k,
-                           "target_in_neighbours": float(torch.isfinite(knn).float().mean())}  # fmt: skip
-    gate_tau = tau
-    if test.ngram_logprob is not None:
-        alone = tune_ngram(_without_neighbours(valid))["best"]
-        joint = tune_ngram(valid)["best"]
-        pair = {w: (r["lambda_sparse"], r["lambda_dense"]) for w, r in (("alone", alone), ("joint", joint))}
-        logprobs["ngram_ppl"] = mixer.logprob(rule_mixture(("lm", "ngram"), {"ngram": pair["alone"]}))
-        both = rule_mixture(("lm", "knn", "ngram"), {"knn": joint["lambda"], "ngram": pair["joint"]})
-        logprobs["knn_ngram_ppl"] = mixer.logprob(both, joint["temperature"])
-        row.update(ngram_weights={k: alone[k] for k in ("lambda_sparse", "lambda_dense")},
-                   knn_ngram_weights={k: joint[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")},
-                   ngram_sparse_share=float(np.mean(test.ngram_sparse)),
-                   ngram_median_n=float(np.median(test.ngram_n)))  # fmt: skip
-        gate_tau = joint["temperature"]
-    # the learned gate over the same memories, fitted on valid only (a quarter of its documents kept apart to check
-    # it beats the constant weights there, else those or the LM alone), at the τ the rule of the same memories chose
-    fit = fit_dump(valid, [gate_tau], cfg.k)
-    logprobs["mixture_ppl"] = mixer.logprob(fit.mixture, fit.temperature or 1.0)
-    row["mixture"] = _fit_record(fit)
-    row.update({key: perplexity(lp) for key, lp in logprobs.items()})
-    row.update(evidence(logprobs, test.doc_index, pairs=CHANGES))
-    lams = [x for x in DEFAULT_LAMBDAS if x < 1]  # λ = 1 is infinite: some targets are never retrieved
-    curve = [perplexity(mixer.logprob(rule_mixture(("lm", "knn"), {"knn": x}), tau)) for x in lams]
-    return row, (lams, curve)
-
-
-def _fit_record(fit: DumpMixture) -> dict[str, Any]:
-    """What the table and results.json say of a gate fit: its form, τ, sizes, held-out log-likelihoods, mean
-    weights, warnings, and the mixture itself."""
-    f = fit.fit
-    return {"form": f.form, "temperature": fit.temperature, "k": fit.k, "fit_tokens": f.tokens,
-            "fit_documents": f.documents, "kept_tokens": f.kept_tokens, "heldout_loglik": f.heldout_loglik,
-            "mean_weights": dict(zip(f.mixture.components, f.mean_weights, strict=True)), "warnings": f.warnings,
-            "fit": fit.to_dict()}  # fmt: skip
-
-
-def _without_neighbours(ts: TokenScores) -> TokenScores:
-    """The dump's LM and ∞-gram columns only (to tune the ∞-gram alone)."""
-    out = ts.lm_only()
-    for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
-        setattr(out, f, getattr(ts, f))
-    return out
+def _swap(logprobs: dict, doc_index: np.ndarray) -> dict[str, Any]:
+    """Each system with the imdb memories against the same system with the wiki memories, on the same imdb test
+    tokens: the swap's paired changes and intervals."""
+    wiki, imdb = logprobs[("imdb", "wiki")], logprobs[("imdb", "imdb")]
+    lp = {**{f"{k} wiki": wiki[k] for k in SYSTEMS}, **{f"{k} imdb": imdb[k] for k in SYSTEMS}}
+    ev = evidence(lp, doc_index, pairs=[(f"{k} wiki", f"{k} imdb") for k in SYSTEMS])
+    return {k: ev["differences"][f"{k} imdb vs {k} wiki"] for k in SYSTEMS} | {"bootstrap": ev["bootstrap"]}
 
 
 def work_totals(work: list[dict[str, Any]]) -> dict[str, int]:
-    """Forward tokens of the datastore builds and of the scoring (with the output projection), scored tokens, and
-    query x key pairs searched: what the run's time is mostly made of."""
+    """Forward tokens of the datastore builds and of the scoring (calibration slices and test splits, with the
+    output projection), scored tokens, and query x key pairs searched: what the run's time is mostly made of."""
 
     def total(what: str, head: bool | None = None) -> int:
         return int(sum(w.get(what, 0) for w in work if head is None or w.get("head") is head))
@@ -444,43 +424,36 @@ def _log_work(work: list[dict[str, Any]]) -> None:
          f"scored); exact search: {t['search_pairs']:,} query x key pairs")  # fmt: skip
 
 
-def _change(row: dict[str, Any], key: str, ref: str = "base_ppl") -> str:
-    """``-3.0% [-4.2, -2.0]``: the relative change of ``key`` against ``ref`` with its paired 95% interval."""
-    d = row.get("differences", {}).get(f"{key} vs {ref}")
+def _change(d: dict[str, Any] | None) -> str:
+    """``-3.0% [-4.2, -2.0]``: a relative change with its paired 95% interval."""
     if d is None:
         return "n/a"
     ci = f" [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" if d.get("low") is not None else ""
     return f"{100 * d['relative_change']:+.1f}%{ci}"
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
-    ngram = any("ngram_ppl" in r for r in rows)
-    keys = [k for k in SYSTEMS if k != "ngram_ppl" and k != "knn_ngram_ppl" or ngram]
-    head = (f"{'evaluated on':14s} {'datastore':28s} {'tokens':>7s} {'base ppl':>9s}"
-            + "".join(f" {SYSTEMS[k]:>8s}" for k in keys) + f" {'oracle':>8s} {'λ':>5s} {'τ':>5s}")  # fmt: skip
+def _print_table(rows: list[dict[str, Any]], swap: dict[str, Any], mixtures: dict) -> None:
+    head = (f"{'evaluated on':13s} {'memories':9s} {'tokens':>6s} {'docs':>5s} {'base ppl':>9s}"
+            + "".join(f" {h:>8s}" for h in SYSTEMS.values()))  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in rows:
-        cells = "".join(f" {r.get(k, float('nan')):8.2f}" for k in keys)
-        print(f"{r['eval']:14s} {r['datastore']:28s} {r['tokens']:7d} {r['base_ppl']:9.2f}{cells} "
-              f"{r['oracle_ppl']:8.2f} {r['lambda']:5.2f} {r['temperature']:5.1f}")  # fmt: skip
-    print("\nchange against the base LM, [95% bootstrap interval over the test documents, paired]")
-    print(f"{'evaluated on':14s} {'datastore':28s}" + "".join(f" {SYSTEMS[k]:>22s}" for k in keys))
+        print(f"{r['eval']:13s} {r['memory']:9s} {r['tokens']:6d} {r['documents']:5d} {r['base_ppl']:9.2f}"
+              + "".join(f" {r[k]:8.2f}" for k in SYSTEMS))  # fmt: skip
+    print("\nchange against the base LM [95% bootstrap interval over the test documents, paired]")
+    print(f"{'evaluated on':13s} {'memories':9s}" + "".join(f" {h:>22s}" for h in SYSTEMS.values()))
     for r in rows:
-        print(f"{r['eval']:14s} {r['datastore']:28s}" + "".join(f" {_change(r, k):>22s}" for k in keys)
-              + f"   ({r['bootstrap']['documents']} documents)")  # fmt: skip
-    if ngram:
-        ix = {r["datastore"].split()[0]: r["ngram"]["tokens_indexed"] for r in rows if "ngram" in r}
-        print(
-            "∞-gram: LM + an ∞-gram over the datastore corpus's whole train split ("
-            + ", ".join(f"{c} {n:,} tokens" for c, n in ix.items())
-            + "); both: LM + kNN + ∞-gram, the four weights tuned jointly on valid"
-        )
-    forms = ", ".join(f"{r['eval'].split()[0]}/{r['datastore'].split()[0]}: {r['mixture']['form']}" for r in rows)
-    print(
-        f"gate: the learned mixture of the same memories, fitted on valid with a quarter of its documents "
-        f"kept apart, falling back to constant weights or the LM alone where it does not beat them there ({forms})"
-    )
-    warned = {w for r in rows for w in r["mixture"]["warnings"]}
-    for w in sorted(warned):
-        print(f"  gate fit: {w}")
+        print(f"{r['eval']:13s} {r['memory']:9s}"
+              + "".join(f" {_change(r['differences'].get(f'{k} vs base_ppl')):>22s}" for k in SYSTEMS))  # fmt: skip
+    print(f"\nswapping the wiki memories for the imdb ones, on the same imdb test tokens "
+          f"({swap['bootstrap']['documents']} documents, paired):")  # fmt: skip
+    print(f"{'':23s}" + "".join(f" {_change(swap[k]):>22s}" for k in SYSTEMS))
+    print("\nmemories (each less a held-out slice and less the training documents found in the test splits):")
+    for r in {r["memory"]: r for r in rows}.values():
+        print(f"  {r['memory']} train: datastore of {r['datastore_entries']:,} entries, ∞-gram of "
+              f"{r['ngram_tokens']:,} tokens")  # fmt: skip
+    print("mixtures (what memlm eval applies with no weight flags; from each memory's build-time calibration):")
+    for corpus, chosen in mixtures.items():
+        for key, dm in chosen.items():
+            fit = dm.fit.fit
+            print(f"  {corpus} {SYSTEMS[key]}: {dm.origin}; fitted on {fit.documents} documents")

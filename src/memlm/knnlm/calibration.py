@@ -59,6 +59,9 @@ __all__ = [
     "holdout_split",
     "calibrate",
     "calibrate_ngram",
+    "calibrate_shared",
+    "knn_calibration",
+    "ngram_calibration",
     "near_temperatures",
     "calibration_mismatch",
     "calibration_summary",
@@ -150,13 +153,14 @@ def holdout_split(
     window: int | None = None,
     stride: int | None = None,
     block_start: str = "skip",
+    max_tokens: int = HOLDOUT_MAX_TOKENS,
 ) -> tuple[list, list, dict[str, Any]]:
     """``(kept, held_out, info)``: documents for the datastore, text for calibration, and what was held out.
 
     The slice's goal is ``max(fraction * T, min_tokens)`` scored tokens, ``T`` the corpus's tokens, at most
-    :data:`HOLDOUT_MAX_TOKENS` (or ``min_tokens`` when larger) and never more than ``HOLDOUT_MAX_SHARE * T`` (so a
-    corpus under ``min_tokens / HOLDOUT_MAX_SHARE`` tokens holds out that share, fewer than ``min_tokens``;
-    ``info["short_of_minimum"]`` then says so). The rule (:data:`HOLDOUT_RULE`):
+    ``max_tokens`` (:data:`HOLDOUT_MAX_TOKENS`; or ``min_tokens`` when larger) and never more than
+    ``HOLDOUT_MAX_SHARE * T`` (so a corpus under ``min_tokens / HOLDOUT_MAX_SHARE`` tokens holds out that share,
+    fewer than ``min_tokens``; ``info["short_of_minimum"]`` then says so). The rule (:data:`HOLDOUT_RULE`):
 
     1. whole documents, in the order of :func:`_rank`, while they fit under the cap and leave one document;
     2. if the slice is still short of its goal (a corpus of one document, or of a few long ones), the tails of the
@@ -174,12 +178,14 @@ def holdout_split(
         raise MemlmError(f"--holdout must be in [0, 1), got {fraction}")
     docs = list(documents)
     info: dict[str, Any] = {"fraction": fraction, "min_tokens": min_tokens, "rule": HOLDOUT_RULE}
+    if max_tokens != HOLDOUT_MAX_TOKENS:
+        info["max_tokens"] = max_tokens
     if fraction == 0 or not docs:
         reason = "--holdout 0" if fraction == 0 else "no documents"
         return docs, [], {**info, "documents": 0, "tokens": 0, "reason": reason}
     lengths = [len(ids) for ids in tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]]
     total = sum(lengths)
-    want, cap = min(max(fraction * total, min_tokens), max(HOLDOUT_MAX_TOKENS, min_tokens)), HOLDOUT_MAX_SHARE * total
+    want, cap = min(max(fraction * total, min_tokens), max(max_tokens, min_tokens)), HOLDOUT_MAX_SHARE * total
 
     def scored(stream: int) -> int:  # scored targets of a stream of ``stream`` tokens (windows.count_targets)
         if window is not None and stride == window:
@@ -347,15 +353,21 @@ def calibrate(
     held-out slice or the corpus a user named) and the fit (``mixture``: :meth:`DumpMixture.to_dict`, read back by
     :func:`stored_mixture`).
     """
-    import numpy as np
-
-    from memlm.core.mixture import token_blocks
-    from memlm.data.windows import doc_hash
-    from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
-    from memlm.mixing.dump import fit_dump
-
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
+    _refuse_inside(datastore, held_out)
+    t0 = time.perf_counter()
+    ts = _score_slice(model, tokenizer, datastore, held_out, k, nprobe, batch_size, progress)
+    return {**knn_calibration(ts, datastore, nprobe, text), "seconds": time.perf_counter() - t0,
+            **slice_record(held_out)}  # fmt: skip
+
+
+def _refuse_inside(datastore, held_out: Sequence) -> None:
+    """One MemlmError when documents of ``held_out`` are in ``datastore`` (same id and text)."""
+    import numpy as np
+
+    from memlm.data.windows import doc_hash
+
     inside = np.isin(np.asarray([doc_hash(d.id, d.text) for d in held_out], dtype=np.int64),
                      np.asarray(datastore.doc_hash[:]))  # fmt: skip
     if inside.any():
@@ -363,25 +375,53 @@ def calibrate(
             f"{int(inside.sum())} of the {len(held_out)} documents to calibrate on are in datastore "
             f"{datastore.path} (same id and text): calibrate on text outside it"
         )
+
+
+def _score_slice(model, tokenizer, datastore, held_out: Sequence, k: int, nprobe: int, batch_size: int,
+                 progress: bool, ngram=None):  # fmt: skip
+    """One forward pass over ``held_out`` in the datastore's own windows, its ``k`` neighbours per token (its index,
+    or exact search when it has none) and, with ``ngram``, that ∞-gram memory's statistics: a
+    :class:`~memlm.knnlm.evaluate.TokenScores` whose ``meta["search"]`` says how it searched."""
+    from memlm.knnlm.evaluate import add_neighbours, lm_scores
+    from memlm.ngram.mixture import add_ngram
+
     m = datastore.manifest
-    t0 = time.perf_counter()
     window = int(m["window"])
     stride = int(m.get("stride", window - int(m["min_context"])))
-    block_start = m.get("block_start", "skip")
     ts, queries, _ = lm_scores(model, tokenizer, held_out, [datastore.key_spec], window=window, stride=stride,
-                               block_start=block_start, batch_size=batch_size, progress=progress)  # fmt: skip
+                               block_start=m.get("block_start", "skip"), batch_size=batch_size,
+                               progress=progress)  # fmt: skip
     problem = getattr(datastore, "index_problem", None)  # a sharded datastore's index is checked when opened
     search = "index" if problem is None or problem() is None else "exact"
-    k = min(k, len(datastore))
-    add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=nprobe, progress=progress)
+    add_neighbours(ts, queries[datastore.key_spec], datastore, k=min(k, len(datastore)), search=search,
+                   nprobe=nprobe, progress=progress)  # fmt: skip
+    if ngram is not None:
+        add_ngram(ts, held_out, tokenizer, ngram)
+    ts.meta.update(search=search, window=window, stride=stride, k=min(k, len(datastore)))
+    return ts
+
+
+def knn_calibration(ts, datastore, nprobe: int = 32, text: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The calibration record of ``datastore`` from its slice's scores ``ts`` (:func:`_score_slice`; the ∞-gram's
+    columns, if any, are left out): λ and τ by :func:`tune_widening`, the guarded mixture of the LM and the datastore
+    fitted on the same tokens (:func:`memlm.mixing.dump.fit_dump`, τ near the rule's), and what they were measured
+    with."""
+    import dataclasses as dc
+
+    from memlm.core.mixture import token_blocks
+    from memlm.knnlm.evaluate import perplexities
+    from memlm.mixing.dump import fit_dump
+
+    ts = dc.replace(ts, ngram_logprob=None, ngram_count=None, ngram_n=None, ngram_sparse=None)
     best, grid = tune_widening(ts)
     res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
+    k, search = int(ts.meta["k"]), ts.meta["search"]
     ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     mixture = fit_dump(ts, near_temperatures(grid["temperatures"], best["temperature"]), k)
     return {
         "lambda": float(best["lambda"]),
         "temperature": float(best["temperature"]),
-        "k": int(k),
+        "k": k,
         "nprobe": int(nprobe),
         "search": search,
         "scores": "index",
@@ -391,13 +431,41 @@ def calibrate(
         "base_ppl": float(res["base_ppl"]),
         "knn_ppl": float(res["knn_ppl"]),
         "mixture": mixture.to_dict(),
-        "window": window,
-        "stride": stride,
-        "seconds": time.perf_counter() - t0,
+        "window": int(ts.meta["window"]),
+        "stride": int(ts.meta["stride"]),
         "count": len(datastore),
         **({"text": text} if text is not None else {}),
-        **slice_record(held_out),
     }
+
+
+def calibrate_shared(
+    model,
+    tokenizer,
+    datastore,
+    ngram,
+    held_out: Sequence,
+    k: int = DEFAULT_K,
+    nprobe: int = 32,
+    batch_size: int = 4,
+    progress: bool = True,
+    text: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """``(datastore's record, ∞-gram's record, the slice's scores)``: the calibrations of a datastore and an ∞-gram
+    index (``ngram``: an :class:`~memlm.ngram.memory.NgramMemory`) that both held out the same slice ``held_out``, from
+    one forward pass over it (:func:`_score_slice`, the datastore's windows) instead of one each. Each record is the
+    one :func:`calibrate` / :func:`calibrate_ngram` would store; the scores hold the LM, the neighbours and the
+    ∞-gram on the slice, what :func:`memlm.knnlm.default_mixture.choose` scores to check the two fits' combination."""
+    if not held_out:
+        raise MemlmError("nothing to calibrate on: the held-out slice is empty")
+    _refuse_inside(datastore, held_out)
+    t0 = time.perf_counter()
+    ts = _score_slice(model, tokenizer, datastore, held_out, k, nprobe, batch_size, progress, ngram=ngram)
+    knn = {**knn_calibration(ts, datastore, nprobe, text), "seconds": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    grams = {**ngram_calibration(ts), "window": int(ts.meta["window"]), "stride": int(ts.meta["stride"]),
+             "seconds": time.perf_counter() - t1}  # fmt: skip
+    shared = slice_record(held_out)
+    return {**knn, **shared}, {**grams, **shared}, ts
 
 
 def calibration_mismatch(datastore, calibration: dict[str, Any], setting: dict[str, Any]) -> list[str]:
@@ -659,10 +727,8 @@ def calibrate_ngram(
 
     Returns the record ``memlm ngram build`` stores in the index's ``manifest.json`` → ``calibration`` (the fit under
     ``mixture``, read back by :func:`stored_mixture`)."""
-    from memlm.core.mixture import token_blocks
     from memlm.knnlm.evaluate import lm_scores
-    from memlm.mixing.dump import fit_dump
-    from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
+    from memlm.ngram.mixture import add_ngram
 
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
@@ -671,6 +737,19 @@ def calibrate_ngram(
         model, tokenizer, held_out, window=window, stride=stride, batch_size=batch_size, progress=progress
     )
     add_ngram(ts, held_out, tokenizer, memory)
+    return {**ngram_calibration(ts), "window": window, "stride": stride, "seconds": time.perf_counter() - t0,
+            **slice_record(held_out)}  # fmt: skip
+
+
+def ngram_calibration(ts) -> dict[str, Any]:
+    """The ∞-gram part of a calibration record from a slice's scores ``ts`` (its datastore columns, if any, left
+    out): λ_sparse, λ_dense by grid search (:func:`memlm.ngram.mixture.tune_ngram`) and the guarded mixture of the LM
+    and the ∞-gram (:func:`memlm.mixing.dump.fit_dump`)."""
+    from memlm.core.mixture import token_blocks
+    from memlm.mixing.dump import fit_dump
+    from memlm.ngram.mixture import ngram_report, tune_ngram
+
+    ts = ts if ts.knn_scores is None else _ngram_only(ts)
     best = tune_ngram(ts)["best"]
     ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
@@ -683,8 +762,12 @@ def calibrate_ngram(
         "sparse_share": rep["sparse_share"],
         "effective_n_median": rep["effective_n"]["median"],
         "mixture": fit_dump(ts, (1.0,)).to_dict(),  # no kNN term: no temperature to search
-        "window": window,
-        "stride": stride,
-        "seconds": time.perf_counter() - t0,
-        **slice_record(held_out),
     }
+
+
+def _ngram_only(ts):
+    """The dump's LM and ∞-gram columns only."""
+    out = ts.lm_only()
+    for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
+        setattr(out, f, getattr(ts, f))
+    return out

@@ -157,21 +157,18 @@ def _slices(memories: Sequence, tokenizer, datastore, ngram) -> list:
     return [d for d in docs if not find_overlap(Evaluated([d]), held, tokenizer)[0]]
 
 
-def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_size: int = 4) -> tuple[str, dict]:
+def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_size: int = 4,
+           scores=None) -> tuple[str, dict]:  # fmt: skip
     """The guard (module docstring): ``(name of the candidate chosen, {candidate: mean log-likelihood per token on
     the slices})``; ``candidates`` by name, ``"combined"`` and one per memory. ``("", {})`` when there is no slice
-    text left to score (then the caller falls back to the rule)."""
-    import dataclasses
-
-    from memlm.knnlm.evaluate import score_tokens
-
-    memories = [*([] if datastore is None else [datastore]), *getattr(ngram, "memories", [ngram] if ngram else [])]
-    docs = _slices(memories, tokenizer, datastore, ngram)
-    if not docs:
+    text left to score (then the caller falls back to the rule). ``scores``: the slices already scored with the LM and
+    every memory (a :class:`~memlm.knnlm.evaluate.TokenScores`, e.g. the one pass of
+    :func:`memlm.knnlm.calibration.calibrate_shared` over the slice two memories both held out), used instead of
+    scoring them again."""
+    ts = scores if scores is not None else _score_slices(candidates, model, tokenizer, datastore, ngram, config,
+                                                         batch_size)  # fmt: skip
+    if ts is None:
         return "", {}
-    k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
-    cfg = dataclasses.replace(config, k=k, cache=False)
-    ts = score_tokens(model, tokenizer, docs, datastore, cfg, batch_size=batch_size, progress=False, ngram=ngram)
     lp = {name: c.logprob(ts, "the calibration slices").numpy() for name, c in candidates.items()}
     ll = {name: float(v.mean()) for name, v in lp.items()}
     singles = {n: v for n, v in ll.items() if n != "combined"}
@@ -179,6 +176,22 @@ def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_s
     gain, se = paired_gain(lp["combined"] - lp[best], ts.doc_index)
     ll.update(combined_gain=gain, combined_gain_se=se)
     return ("combined" if gain > SE_MARGIN * se and gain > 0 else best), ll
+
+
+def _score_slices(candidates: dict, model, tokenizer, datastore, ngram, config, batch_size: int):
+    """The memories' calibration slices (:func:`_slices`) scored with the LM and every memory, at the widest k of
+    the candidates; None when no slice text is left."""
+    import dataclasses
+
+    from memlm.knnlm.evaluate import score_tokens
+
+    memories = [*([] if datastore is None else [datastore]), *getattr(ngram, "memories", [ngram] if ngram else [])]
+    docs = _slices(memories, tokenizer, datastore, ngram)
+    if not docs:
+        return None
+    k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
+    cfg = dataclasses.replace(config, k=k, cache=False)
+    return score_tokens(model, tokenizer, docs, datastore, cfg, batch_size=batch_size, progress=False, ngram=ngram)
 
 
 SE_MARGIN = 2.0
@@ -201,10 +214,11 @@ def paired_gain(diff, doc_index) -> tuple[float, float]:
 
 
 def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache: bool = False,
-                    batch_size: int = 4) -> DefaultMixture:  # fmt: skip
+                    batch_size: int = 4, slice_scores=None) -> DefaultMixture:  # fmt: skip
     """The mixture a run uses when no weights are given (module docstring): ``datastores`` (open), ``ngram`` (an
     :class:`~memlm.ngram.memory.NgramMemory`, ``NgramMemories`` or None), ``config`` the run's retrieval settings
-    (its k and windows score the calibration slices when several memories are combined)."""
+    (its k and windows score the calibration slices when several memories are combined; ``slice_scores``: those
+    slices already scored, see :func:`choose`)."""
     from memlm.mixing.inputs import component_name, ngram_component
 
     ngrams = list(getattr(ngram, "memories", [ngram] if ngram is not None else []))
@@ -232,7 +246,7 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
     for i, name in enumerate(names):
         candidates[name] = combine(fits, names, [j == i for j in range(len(names))])
     chosen, ll = choose(candidates, model, tokenizer, datastores[0] if datastores else None,
-                        ngram if ngrams else None, config, batch_size)  # fmt: skip
+                        ngram if ngrams else None, config, batch_size, slice_scores)  # fmt: skip
     if not chosen:
         return DefaultMixture(None, f"{rule}: no calibration slice text to check the stored fits' combination on")
     dm = candidates[chosen]
