@@ -72,6 +72,7 @@ __all__ = [
     "REDUCED_RANGE_AVX2",
     "ReducedRangeInt8Linear",
     "SharedInput",
+    "fbgemm_available",
     "input_absmax",
     "int8_linear_class",
     "quantize_int8",
@@ -483,6 +484,11 @@ def _describe(measured: dict[str, Any]) -> str:
             f"float32's tokens/s on all of WikiText-2 test, {measured['file']}")  # fmt: skip
 
 
+def fbgemm_available() -> bool:
+    """Whether this torch has FBGEMM's quantized kernels (x86 builds), which :class:`ReducedRangeInt8Linear` needs."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 def int8_linear_class() -> type[Int8Linear]:
     """The layer ``--quantize int8`` uses on this CPU: :class:`Int8Linear` where it has int8 dot-product instructions
     and ``torch._int_mm`` is exact; else :class:`ReducedRangeInt8Linear` if FBGEMM is there and
@@ -491,7 +497,7 @@ def int8_linear_class() -> type[Int8Linear]:
     exact, native = int8_products_exact(), int8_products_native()
     if exact and native:
         return Int8Linear
-    if "fbgemm" in torch.backends.quantized.supported_engines and reduced_range_adopted(REDUCED_RANGE_AVX2):
+    if fbgemm_available() and reduced_range_adopted(REDUCED_RANGE_AVX2):
         return ReducedRangeInt8Linear
     why = ("its int8 matrix products are not exact (torch._int_mm saturates without VNNI or AMX-INT8)" if not exact
            else "torch's int8 products run about 24x slower than float32's without VNNI or AMX-INT8")  # fmt: skip
