@@ -384,6 +384,10 @@ RULE_CASES = [
     ({"ppl_change": 0.001, "ppl_change_low": 0.0005, "ppl_change_high": 0.0015, "speed_vs_float32": 1.0}, False),
     ({"ppl_change": None, "ppl_change_low": None, "ppl_change_high": None, "speed_vs_float32": None}, False),
 ]
+RULE_CASES = [({**m, "complete": True}, a) for m, a in RULE_CASES] + [  # part of the test set only: never adopted
+    ({"ppl_change": 0.001, "ppl_change_low": 0.0005, "ppl_change_high": 0.0015, "speed_vs_float32": 1.2,
+      "complete": False, "tokens": 90000}, False),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("measured, adopted", RULE_CASES)
