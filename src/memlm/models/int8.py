@@ -233,7 +233,8 @@ class SharedInput:
     by one σ: the first layer to see a tensor quantizes it (``prepare``), the others reuse it, and the last of the
     group's ``users`` lets it go (nothing of a batch is held between forward passes)."""
 
-    def __init__(self, inv_smooth: torch.Tensor | None, prepare: FusedOps = quantize_input):
+    def __init__(self, inv_smooth: torch.Tensor | None,
+                 prepare: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_input):  # fmt: skip
         self.inv_smooth = inv_smooth
         self.prepare = prepare  # quantize_input (Int8Linear) or normalize_input (ReducedRangeInt8Linear)
         self.users = 0  # Int8Linear layers reading through this one (each registers itself)
