@@ -99,6 +99,7 @@ def load_models(calibration: str) -> tuple[dict[str, torch.nn.Module], Any, dict
 def run_chunks(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Score every chunk not yet in ``work``, float32 then int8 per chunk; returns the int8 layer's record."""
     models, tok, info = load_models("wiki")
+    (work / "int8.json").write_text(json.dumps(info) + "\n")
     docs = load_documents("wikitext2", "test")
     bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     windows = list(sliding_windows(tokenize_documents(docs, tok), WINDOW, stride=STRIDE, bos_id=bos))
@@ -195,7 +196,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    info = None if args.report_only else run_chunks(args, work)
+    info = json.loads((work / "int8.json").read_text()) if args.report_only else run_chunks(args, work)
     if args.out:
         result = {"what": __doc__.split("\n\n")[0], "command": " ".join(["python", *sys.argv]),
                   "machine": protocol.machine(), "lscpu_flags": lscpu_flags(),
