@@ -5,6 +5,7 @@ quantized once per group, keys within the stated error, and the compute-path che
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from memlm.models.compute import KEY_ERROR, ComputePath, apply_compute_path, che
 from memlm.models.compute import relative_key_error as rke
 from memlm.models.int8 import (
     Int8Linear,
+    ReducedRangeInt8Linear,
     SharedInput,
     int8_products_exact,
     quantize_int8,
@@ -149,11 +151,9 @@ def test_smooth_factor_is_eq4_with_the_groups_weight_maximum():
 
 
 @exact_int8
-def test_shared_input_is_quantized_once_per_forward_and_then_let_go(monkeypatch):
+def test_shared_input_is_quantized_once_per_forward_and_then_let_go():
     calls = []
-    real = int8_lib.quantize_input
-    monkeypatch.setattr(int8_lib, "quantize_input", lambda x, inv: calls.append(1) or real(x, inv))
-    shared = SharedInput(None)
+    shared = SharedInput(None, lambda x, inv: calls.append(1) or int8_lib.quantize_input(x, inv))
     layers = [Int8Linear(nn.Linear(16, n), None, shared) for n in (16, 8, 8)]
     assert shared.users == 3
     x = torch.randn(2, 5, 16)
@@ -287,27 +287,142 @@ def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
     assert r.returncode == 2 and "built on compute path float32+sdpa+int8" in r.stderr
 
 
-def test_int8_is_refused_where_the_products_are_not_exact(monkeypatch):
-    monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: False)
-    with pytest.raises(MemlmError, match="not exact.*--quantize none with --dtype float32 .*the faster exact path"):
-        quantize_int8(tiny_llama(), gpt2_tokenizer(), calibration_texts())
-
-
 @pytest.mark.parametrize(
     "flags, native",
     [(["avx2"], False), (["avx2", "avx_vnni"], True), (["avx2", "avx512f", "avx512_vnni"], True),
      (["avx2", "amx_int8", "amx_tile"], True), (["bf16", "i8mm"], True), ([], True)],
 )  # fmt: skip
-def test_int8_is_refused_as_slow_without_vnni(monkeypatch, flags, native):
-    """Exact but without VNNI, AVX-VNNI or AMX-INT8 (torch._int_mm 24x slower than float32 on an AVX2 EPYC), the
-    path is refused naming the faster choice; unreadable CPU features make no claim."""
+def test_int8_products_are_native_with_vnni_amx_or_i8mm(monkeypatch, flags, native):
+    """Unreadable CPU features make no claim (native)."""
     monkeypatch.setattr(int8_lib, "int8_products_native", NATIVE)
-    monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: True)
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     assert int8_lib.int8_products_native() is native
-    if not native:
-        with pytest.raises(MemlmError, match="no int8 dot-product.*24x slower.*--quantize none with --dtype float32"):
-            quantize_int8(tiny_llama(), gpt2_tokenizer(), calibration_texts())
+
+
+fbgemm = pytest.mark.skipif(not int8_lib.fbgemm_available(), reason="no FBGEMM (not x86)")
+
+
+def reduced_range_bound(x: np.ndarray, w: np.ndarray, sigma: np.ndarray, outliers: np.ndarray) -> np.ndarray:
+    """The largest |y - x Wᵀ| ReducedRangeInt8Linear's rounding allows, element by element: over the channels j ∉ O,
+    activations x'[t] = x[t] / σ rounded to a step of at most 2 m[t] / 127 (m[t] = max_j |x'[t, j]|: rows scaled to
+    [-1, 1], 7-bit codes 0..127), weights W' = W σ to s_w[o] = max_j |W'[o, j]| / 127, each to the nearest step:
+    |Δy[t, o]| <= Σ_j (m[t] / 127 · |W'[o, j]| + |x'[t, j]| · s_w[o] / 2 + m[t] / 127 · s_w[o] / 2)."""
+    rest = np.setdiff1d(np.arange(x.shape[1]), outliers)
+    xs, ws = x[:, rest] / sigma[rest], w[:, rest] * sigma[rest]
+    dx = np.abs(xs).max(1, keepdims=True) / 127  # half of the activation step 2 m / 127
+    dw = np.abs(ws).max(1, keepdims=True) / 127 / 2
+    return dx * np.abs(ws).sum(1)[None, :] + np.abs(xs) @ np.broadcast_to(dw, ws.shape).T + dx * dw.T * len(rest)
+
+
+@fbgemm
+@pytest.mark.parametrize("outliers", [[], [5, 17]])
+def test_reduced_range_linear_is_within_the_rounding_bound(outliers):
+    g = torch.Generator().manual_seed(4)
+    lin = nn.Linear(96, 40, bias=True)
+    x = torch.randn(3, 50, 96, generator=g)
+    x[..., 5] *= 30
+    x[..., 17] *= -50
+    sigma = torch.rand(96, generator=g) + 0.5
+    out = torch.tensor(outliers, dtype=torch.long)
+    layer = ReducedRangeInt8Linear(lin, sigma, outliers=out)
+    with torch.inference_mode():
+        got = layer(x).reshape(-1, 40).double().numpy()
+    x2, w = x.reshape(-1, 96).double().numpy(), lin.weight.detach().double().numpy()
+    want = x2 @ w.T + lin.bias.detach().double().numpy()
+    bound = reduced_range_bound(x2, w, sigma.double().numpy(), out.numpy())
+    err = np.abs(got - want)
+    assert np.all(err <= bound * 1.001 + 1e-5)
+    assert err.max() > 1e-4 and np.median(err / bound) < 0.2  # rounded, not exact; the bound is not vacuous
+    assert layer.weight_outlier_t.shape == (len(outliers), 40) if outliers else layer.outliers is None
+
+
+@fbgemm
+def test_reduced_range_products_are_exact_where_8_bit_pairs_saturate():
+    """All-positive rows times all-positive weights: every 7-bit code is 127 and every pair sums to 127 · 127 · 2 =
+    32,258 < 32,767, so the int32 sums are exact and y = x Wᵀ exactly. With 8-bit codes (255) the pair is 64,770: a
+    u8 × s8 product summed in saturating int16 pairs (vpmaddubsw, x86 without VNNI) gives 32,767 per pair, about half,
+    as FBGEMM's full-range product does on such a CPU."""
+    lin = nn.Linear(64, 8, bias=False)
+    lin.weight.data.fill_(0.5)
+    x = torch.full((4, 64), 2.0)
+    layer = ReducedRangeInt8Linear(lin)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), torch.full((4, 8), 64.0), rtol=1e-6)
+        full = torch.ops.quantized.linear_dynamic(x / 2.0, layer._packed, False)  # 8-bit codes, the same weights
+    codes, wq = np.full((4, 32, 2), 255), np.full((2,), 127)
+    pairs = np.minimum((codes * wq).sum(-1), 32767).sum(-1)
+    assert pairs[0] == 32 * 32767 < 64 * 255 * 127  # where a saturating product would lose half the sum
+    if not any(f in cpu.cpu_flags() for f in int8_lib.INT8_FEATURES) and cpu.cpu_flags():
+        assert full.max() < 0.6 * 32.0  # this CPU's 8-bit product saturates (y should be 32)
+
+
+@fbgemm
+def test_quantize_int8_with_the_reduced_range_layer():
+    q = tiny_llama()
+    info = quantize_int8(q, gpt2_tokenizer(), calibration_texts(), layer=ReducedRangeInt8Linear)
+    first, last = find_decoder_layers(q)
+    assert {n for n, m in first.named_modules() if isinstance(m, ReducedRangeInt8Linear)} == {
+        f"self_attn.{p}_proj" for p in "qkvo"} | {"mlp.gate_proj", "mlp.up_proj"}  # fmt: skip
+    assert first.mlp.gate_proj.shared is first.mlp.up_proj.shared
+    assert first.mlp.up_proj.shared.prepare is int8_lib.normalize_input
+    assert info["products"].startswith("FBGEMM") and info["quantized_linears"] == 6
+    ids = torch.randint(0, 50257, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref, got = tiny_llama()(input_ids=ids).logits, q(input_ids=ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05
+
+
+#: measurements of the 7-bit path on a CPU without VNNI, and whether the rule adopts it (±0.2% interval and faster)
+RULE_CASES = [
+    ({"ppl_change": 0.001, "ppl_change_low": 0.0005, "ppl_change_high": 0.0015, "speed_vs_float32": 1.2}, True),
+    ({"ppl_change": 0.001, "ppl_change_low": -0.002, "ppl_change_high": 0.002, "speed_vs_float32": 1.01}, True),
+    ({"ppl_change": 0.0018, "ppl_change_low": 0.0015, "ppl_change_high": 0.0021, "speed_vs_float32": 1.5}, False),
+    ({"ppl_change": -0.001, "ppl_change_low": -0.0021, "ppl_change_high": 0.0, "speed_vs_float32": 1.5}, False),
+    ({"ppl_change": 0.001, "ppl_change_low": 0.0005, "ppl_change_high": 0.0015, "speed_vs_float32": 0.97}, False),
+    ({"ppl_change": 0.001, "ppl_change_low": 0.0005, "ppl_change_high": 0.0015, "speed_vs_float32": 1.0}, False),
+    ({"ppl_change": None, "ppl_change_low": None, "ppl_change_high": None, "speed_vs_float32": None}, False),
+]
+RULE_CASES = [({**m, "complete": True}, a) for m, a in RULE_CASES] + [  # part of the test set only: never adopted
+    ({"ppl_change": 0.001, "ppl_change_low": 0.0005, "ppl_change_high": 0.0015, "speed_vs_float32": 1.2,
+      "complete": False, "tokens": 90000}, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("measured, adopted", RULE_CASES)
+def test_the_no_vnni_choice_follows_the_rule(monkeypatch, measured, adopted):
+    """Without int8 dot-product instructions (inexact or slow ``_int_mm``), ``--quantize int8`` takes the 7-bit FBGEMM
+    layer only if its perplexity interval lies within ±0.2% and it is faster than float32; else it is refused, the
+    refusal naming the measurement and float32 as the faster choice. With VNNI it is always Int8Linear."""
+    assert int8_lib.reduced_range_adopted(measured) is adopted
+    monkeypatch.setattr(int8_lib, "REDUCED_RANGE_AVX2", {**measured, "file": "results.json"})
+    monkeypatch.setattr(int8_lib, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(int8_lib, "int8_products_exact", lambda: True)
+    assert int8_lib.int8_linear_class() is Int8Linear
+    for exact, native in ((True, False), (False, True), (False, False)):
+        monkeypatch.setattr(int8_lib, "int8_products_exact", lambda e=exact: e)
+        monkeypatch.setattr(int8_lib, "int8_products_native", lambda n=native: n)
+        if adopted:
+            assert int8_lib.int8_linear_class() is ReducedRangeInt8Linear
+            continue
+        why = "24x slower" if exact else "not exact"
+        said = "not measured" if measured["ppl_change"] is None else f"perplexity {measured['ppl_change']:+.2%}"
+        said = re.escape(said)
+        with pytest.raises(MemlmError, match=f"no int8 dot-product.*{why}.*{said}.*--quantize none with --dtype float"):
+            int8_lib.int8_linear_class()
+    monkeypatch.setattr(int8_lib, "fbgemm_available", lambda: False)  # no FBGEMM (Arm): refused
+    with pytest.raises(MemlmError, match="the faster choice"):
+        int8_lib.int8_linear_class()
+
+
+def test_the_recorded_measurement_is_the_results_file():
+    """REDUCED_RANGE_AVX2 (what the rule reads) holds the numbers of the file it names."""
+    import json
+    from pathlib import Path
+
+    rec = int8_lib.REDUCED_RANGE_AVX2
+    data = json.loads((Path(__file__).resolve().parents[1] / rec["file"]).read_text())
+    assert {k: rec[k] for k in data["rule"]["measured"]} == data["rule"]["measured"]
+    assert data["rule"]["adopted"] is int8_lib.reduced_range_adopted(rec)
 
 
 def test_the_exactness_check_sees_saturated_products(monkeypatch):

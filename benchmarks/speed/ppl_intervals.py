@@ -9,7 +9,8 @@ change ``ppl_B / ppl_A - 1`` with its 95% paired percentile interval over docume
 resamples, seed 0). Nothing is timed, so the machine need not be idle; each path's scores are kept in ``--work`` and a
 rerun skips the paths already scored (resumable).
 
-Paths: ``NAME`` is ``float32`` or ``int8`` (``--quantize int8`` on float32) or ``bfloat16``, optionally ``@avx2``
+Paths: ``NAME`` is ``float32`` or ``int8`` (``--quantize int8`` on float32) or ``int8-reduced-range`` (its 7-bit
+FBGEMM layer, :class:`memlm.models.int8.ReducedRangeInt8Linear`, on any CPU) or ``bfloat16``, optionally ``@avx2``
 (torch, oneDNN and MKL held to AVX2: a CPU without AVX-512, VNNI or bf16) or ``@avxvnni`` (held to AVX2 with AVX-VNNI:
 Intel's 12th-14th generation Core). The env lines are ``int8_exactness.py``'s.
 
@@ -39,6 +40,7 @@ PROXIES: dict[str, dict[str, str]] = {
 #: (reference, system) pairs reported when both paths were scored: the fast path against float32 on the same CPU kind
 PAIRS = (
     ("float32", "int8"),
+    ("float32", "int8-reduced-range"),
     ("float32", "bfloat16"),
     ("float32@avx2", "int8@avxvnni"),
     ("float32", "float32@avx2"),
@@ -48,8 +50,9 @@ PAIRS = (
 def split_path(name: str) -> tuple[str, str]:
     """``"int8@avxvnni"`` -> ``("int8", "avxvnni")``; refuses an unknown path or proxy."""
     path, _, proxy = name.partition("@")
-    if path not in ("float32", "int8", "bfloat16") or proxy not in PROXIES:
-        raise SystemExit(f"unknown path {name!r}: float32, int8 or bfloat16, optionally @avx2 or @avxvnni")
+    if path not in ("float32", "int8", "int8-reduced-range", "bfloat16") or proxy not in PROXIES:
+        raise SystemExit(f"unknown path {name!r}: float32, int8, int8-reduced-range or bfloat16, optionally @avx2 "
+                         "or @avxvnni")  # fmt: skip
     return path, proxy
 
 
@@ -70,6 +73,10 @@ def child(args: argparse.Namespace) -> None:
     model, tok = load_causal_lm(args.model, dtype=dtype)
     if path == "int8":
         apply_compute_path(model, ComputePath("float32", quantize="int8"), tokenizer=tok)
+    if path == "int8-reduced-range":  # the 7-bit FBGEMM layer whatever this CPU's rule chooses
+        from memlm.models.int8 import ReducedRangeInt8Linear, quantize_int8
+
+        quantize_int8(model, tok, layer=ReducedRangeInt8Linear)
     docs = load_documents(args.corpus, "test")
     if args.tokens:
         docs = limit_documents(docs, tok, args.tokens)
