@@ -29,8 +29,9 @@ def _tree_hash(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_lm):
     """A folder with everything a command may be pointed at: model, corpus, datastore, dumps, junk files."""
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.knnlm.write import write_datastore
+    from memlm.mixing.datastore import DatastoreComponent
     from memlm.trime.inference import TrimeScores
 
     root = tmp_path_factory.mktemp("adversarial")
@@ -59,13 +60,12 @@ def world(tmp_path_factory, tiny_lm):
         build_index(other.keys, other.index_path, factory="Flat", metric="l2")
     n = 20
     rng = np.random.default_rng(0)
-    TokenScores(
-        targets=rng.integers(0, 100, n),
-        lm_logprob=-rng.random(n).astype(np.float32),
-        doc_index=np.zeros(n, np.int32),
-        knn_scores=-rng.random((n, 4)).astype(np.float32),
-        knn_values=rng.integers(0, 100, (n, 4)).astype(np.int32),
-    ).save(root / "knn.npz")
+    table = TokenTable(
+        targets=rng.integers(0, 100, n), lm_logprob=-rng.random(n).astype(np.float32), doc_index=np.zeros(n, np.int32)
+    )
+    table.add(DatastoreComponent(None, 4), {"scores": -rng.random((n, 4)).astype(np.float32),
+                                            "values": rng.integers(0, 100, (n, 4)).astype(np.int32)})  # fmt: skip
+    table.save(root / "knn.npz")
     TrimeScores(
         targets=rng.integers(0, 100, n),
         doc_index=np.zeros(n, np.int32),
@@ -566,24 +566,24 @@ def test_max_tokens_is_honoured_inside_one_long_document(tiny_lm):
 
 
 def test_dumps_of_the_wrong_kind_or_truncated_are_refused(world):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.trime.inference import TrimeScores
 
-    assert len(TokenScores.load(world / "knn.npz")) == 20
+    assert len(TokenTable.load(world / "knn.npz")) == 20
     assert len(TrimeScores.load(world / "trime.npz")) == 20
     with pytest.raises(MemlmError, match="TRIME dump"):
-        TokenScores.load(world / "trime.npz")
+        TokenTable.load(world / "trime.npz")
     with pytest.raises(MemlmError, match="kNN-LM dump"):
         TrimeScores.load(world / "knn.npz")
     for bad in ("truncated.npz", "junk.npz", "file.txt"):
         with pytest.raises(MemlmError):
-            TokenScores.load(world / bad)
+            TokenTable.load(world / bad)
         with pytest.raises(MemlmError):
             TrimeScores.load(world / bad)
 
 
 def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
     np.savez(
         tmp_path / "x.npz",
@@ -593,7 +593,7 @@ def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
         meta=np.array(json.dumps({})),
     )
     with pytest.raises(MemlmError, match="rows"):
-        TokenScores.load(tmp_path / "x.npz")
+        TokenTable.load(tmp_path / "x.npz")
     np.savez(
         tmp_path / "y.npz",
         targets=np.zeros(5, np.int64),
@@ -603,7 +603,7 @@ def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
         meta=np.array(json.dumps([1])),
     )
     with pytest.raises(MemlmError):
-        TokenScores.load(tmp_path / "y.npz")
+        TokenTable.load(tmp_path / "y.npz")
 
 
 def test_prune_refusals_name_the_problem(world, capsys):

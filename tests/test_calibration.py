@@ -181,7 +181,7 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
     the eval's dump; with two memories, or a memory without a fit, one clear error."""
     from memlm.core.distribution import perplexity
     from memlm.knnlm.calibration import stored_mixture
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.storage.datastore import Datastore
 
     root, ds, _, _ = built
@@ -191,7 +191,7 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "m.json").read_text())
     fit = stored_mixture(Datastore.open(ds))
-    want = perplexity(fit.logprob(TokenScores.load(tmp_path / "d.npz")))
+    want = perplexity(fit.logprob(TokenTable.load(tmp_path / "d.npz")))
     assert res["mixture_ppl"] == pytest.approx(want, rel=1e-9)
     assert res["mixture"]["from"] == "the memory's build-time calibration"
     r = memlm(*common, "--cache", "--mixture", "stored")
@@ -201,7 +201,7 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
 def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built, tmp_path):
     """No weight flags: eval applies the datastore's stored mixture, the same mixture_ppl as --mixture stored, and
     says so in one line; --lambda/--temperature: the fixed weights only (no mixture_ppl), the rule's formula."""
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
     root, ds, _, _ = built
     common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
@@ -221,12 +221,12 @@ def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built,
     assert r.returncode == 0, r.stderr
     fixed = json.loads((tmp_path / "fixed.json").read_text())
     assert "mixture_ppl" not in fixed and "mixture" not in fixed and "mixture: " not in r.stderr
-    ts = TokenScores.load(tmp_path / "d.npz")
-    s = ts.knn_scores[:, :16].astype(np.float64) / 2
+    ts = TokenTable.load(tmp_path / "d.npz")
+    s = ts.columns["knn"]["scores"][:, :16].astype(np.float64) / 2
     p_knn = np.zeros(len(ts))
     for i in range(len(ts)):
         w = np.exp(s[i] - s[i].max())
-        p_knn[i] = w[ts.knn_values[i, :16] == ts.targets[i]].sum() / w.sum()
+        p_knn[i] = w[ts.columns["knn"]["values"][i, :16] == ts.targets[i]].sum() / w.sum()
     want = np.exp(-np.log(0.7 * np.exp(ts.lm_logprob.astype(np.float64)) + 0.3 * p_knn).mean())
     assert fixed["knn_ppl"] == pytest.approx(want, rel=1e-5)
 
@@ -239,7 +239,7 @@ def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_
     from memlm.core.distribution import perplexity
     from memlm.knnlm.calibration import stored_mixture
     from memlm.knnlm.default_mixture import combine
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.ngram.index import NgramIndex
     from memlm.storage.datastore import Datastore
 
@@ -267,7 +267,7 @@ def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_
     keep = None if chosen == "combined" else [chosen == "knn", chosen == "ngram"]
     want = combine(fits, ["knn", "ngram"], keep)
     assert res["mixture"]["fit"]["mixture"] == want.fit.mixture.to_dict()
-    ts = TokenScores.load(tmp_path / "d.npz")
+    ts = TokenTable.load(tmp_path / "d.npz")
     assert res["mixture_ppl"] == pytest.approx(perplexity(want.logprob(ts)), rel=1e-9)
     # one memory's fit in the space of both gives exactly that memory's stored mixture
     alone = combine(fits, ["knn", "ngram"], [True, False])

@@ -3,19 +3,20 @@ weights tuned (and the gate fitted) on the valid dump only; checked against NumP
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from memlm.experiments import demo
-from memlm.knnlm.evaluate import TokenScores, tune
+from memlm.knnlm.evaluate import tune
+from memlm.knnlm.table import TokenTable
+from memlm.mixing.datastore import DatastoreComponent
 from memlm.ngram.mixture import tune_ngram
+from memlm.ngram.step import NgramComponent
 
 V, K = 50, 8
 
 
-def _dump(seed: int, n_docs: int = 12, per_doc: int = 100) -> TokenScores:
+def _dump(seed: int, n_docs: int = 12, per_doc: int = 100) -> TokenTable:
     """A dump where the memories carry signal: the kNN neighbours and the ∞-gram often hold the target."""
     rng = np.random.default_rng(seed)
     n = n_docs * per_doc
@@ -29,26 +30,24 @@ def _dump(seed: int, n_docs: int = 12, per_doc: int = 100) -> TokenScores:
     sparse = rng.random(n) < 0.3
     ng = np.where(rng.random(n) < np.where(sparse, 0.8, 0.4), np.log(rng.uniform(0.05, 1.0, n)), -np.inf)
     ng[sparse & np.isfinite(ng)] = 0.0  # a sparse P∞ puts all its mass on one token
-    return TokenScores(
+    table = TokenTable(
         targets=targets.astype(np.int64),
         lm_logprob=lm[np.arange(n), targets].astype(np.float32),
         doc_index=np.repeat(np.arange(n_docs), per_doc).astype(np.int32),
-        knn_scores=scores.astype(np.float32),
-        knn_values=values.astype(np.int32),
         lm_entropy=(-(np.exp(lm) * lm).sum(1)).astype(np.float32),
         lm_max_logprob=lm.max(1).astype(np.float32),
-        ngram_logprob=ng.astype(np.float32),
-        ngram_count=rng.integers(1, 100, n).astype(np.int64),
-        ngram_n=rng.integers(1, 12, n).astype(np.int32),
-        ngram_sparse=sparse,
     )
+    table.add(DatastoreComponent(None, K), {"scores": scores.astype(np.float32), "values": values.astype(np.int32)})
+    counts, ns = rng.integers(1, 100, n).astype(np.int64), rng.integers(1, 12, n).astype(np.int32)
+    table.add(NgramComponent(None), {"logprob": ng.astype(np.float32), "count": counts, "n": ns, "sparse": sparse})
+    return table
 
 
-def _p_knn(d: TokenScores, tau: float) -> np.ndarray:
+def _p_knn(d: TokenTable, tau: float) -> np.ndarray:
     """Khandelwal et al. (2020) Eq. 2: softmax of the scores / τ, summed over the neighbours holding the target."""
-    s = d.knn_scores.astype(np.float64) / tau
+    s = d.columns["knn"]["scores"].astype(np.float64) / tau
     w = np.exp(s - s.max(1, keepdims=True))
-    return (w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1)
+    return (w * (d.columns["knn"]["values"] == d.targets[:, None])).sum(1) / w.sum(1)
 
 
 def _ppl(p: np.ndarray) -> float:
@@ -65,17 +64,17 @@ def test_rows_mix_as_the_papers_formulas_with_weights_from_valid():
     assert (row["lambda"], row["temperature"]) == (best["lambda"], best["temperature"]) and best["lambda"] > 0
     assert row["ngram_weights"] == {k: alone[k] for k in ("lambda_sparse", "lambda_dense")}
     assert row["knn_ngram_weights"] == {k: joint[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")}
-    p_lm, p_ng = np.exp(test.lm_logprob.astype(np.float64)), np.exp(test.ngram_logprob.astype(np.float64))
+    p_lm, p_ng = np.exp(test.lm_logprob.astype(np.float64)), np.exp(test.columns["ngram"]["logprob"].astype(np.float64))
     lam, knn = row["lambda"], _p_knn(test, row["temperature"])
     assert row["base_ppl"] == pytest.approx(_ppl(p_lm), rel=1e-6)
     assert row["knn_ppl"] == pytest.approx(_ppl((1 - lam) * p_lm + lam * knn), rel=1e-6)  # Eq. 3
     assert row["oracle_ppl"] == pytest.approx(_ppl(np.maximum(p_lm, knn)), rel=1e-6)
     # Liu et al. (2024) Sec. 5: λ∞ = λ_sparse where P∞ is sparse, else λ_dense; both: beside λ p_kNN
     w = row["ngram_weights"]
-    lam_inf = np.where(test.ngram_sparse, w["lambda_sparse"], w["lambda_dense"])
+    lam_inf = np.where(test.columns["ngram"]["sparse"], w["lambda_sparse"], w["lambda_dense"])
     assert row["ngram_ppl"] == pytest.approx(_ppl((1 - lam_inf) * p_lm + lam_inf * p_ng), rel=1e-6)
     w3 = row["knn_ngram_weights"]
-    lam3 = np.where(test.ngram_sparse, w3["lambda_sparse"], w3["lambda_dense"])
+    lam3 = np.where(test.columns["ngram"]["sparse"], w3["lambda_sparse"], w3["lambda_dense"])
     p3 = (1 - w3["lambda"] - lam3) * p_lm + w3["lambda"] * _p_knn(test, w3["temperature"]) + lam3 * p_ng
     assert row["knn_ngram_ppl"] == pytest.approx(_ppl(p3), rel=1e-6)
     # the curve: Eq. 3 at each λ < 1, at the tuned τ
@@ -104,15 +103,19 @@ def test_the_gate_is_fitted_on_valid_only_and_mixed_on_test():
     # the gate, transcribed: features of the test dump by name, standardised, logits, softmax, the weighted mixture
     m = fit["fit"]["fit"]["mixture"]
     tau = fit["temperature"]
-    s = test.knn_scores.astype(np.float64) / tau
+    s = test.columns["knn"]["scores"].astype(np.float64) / tau
     knn = _p_knn(test, tau)
     lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
-    top_share = (np.exp(s - lse[:, None]) * (test.knn_values == test.knn_values[:, :1])).sum(1)
+    top_share = (
+        np.exp(s - lse[:, None]) * (test.columns["knn"]["values"] == test.columns["knn"]["values"][:, :1])
+    ).sum(1)
+    neighbours, ngram = test.columns["knn"], test.columns["ngram"]
     feats = {
-        "lm_entropy": test.lm_entropy, "lm_max_logprob": test.lm_max_logprob, "knn_top_score": test.knn_scores[:, 0],
+        "lm_entropy": test.lm_entropy, "lm_max_logprob": test.lm_max_logprob,
+        "knn_top_score": neighbours["scores"][:, 0],
         "knn_logsumexp": lse, "knn_top_value_share": top_share, "knn_empty": np.zeros(len(test)),
-        "ngram_log_n": np.log1p(test.ngram_n), "ngram_log_count": np.log1p(test.ngram_count),
-        "ngram_sparse": test.ngram_sparse.astype(np.float64),
+        "ngram_log_n": np.log1p(ngram["n"]), "ngram_log_count": np.log1p(ngram["count"]),
+        "ngram_sparse": ngram["sparse"].astype(np.float64),
     }  # fmt: skip
     assert m["feature_names"] == list(feats) and m["components"] == ["lm", "knn", "ngram"]
     z = (np.stack([np.asarray(feats[f], dtype=np.float64) for f in m["feature_names"]], 1) - m["feature_mean"]) / m[
@@ -122,7 +125,10 @@ def test_the_gate_is_fitted_on_valid_only_and_mixed_on_test():
     a = z @ np.asarray(m["W"]).T + b
     lam = np.exp(a - a.max(1, keepdims=True))
     lam /= lam.sum(1, keepdims=True)
-    p = np.stack([np.exp(test.lm_logprob.astype(np.float64)), knn, np.exp(test.ngram_logprob.astype(np.float64))], 1)
+    p = np.stack(
+        [np.exp(test.lm_logprob.astype(np.float64)), knn, np.exp(test.columns["ngram"]["logprob"].astype(np.float64))],
+        1,
+    )
     assert row["mixture_ppl"] == pytest.approx(_ppl((lam * p).sum(1)), rel=1e-5)
 
 
@@ -137,8 +143,6 @@ def test_the_table_prints_each_change_with_its_interval(capsys):
     d = row["differences"]["knn_ppl vs base_ppl"]
     assert f"{100 * d['relative_change']:+.1f}% [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" in out
     assert f"({row['bootstrap']['documents']} documents)" in out
-    no_ngram = dict.fromkeys(("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"))
-    plain, _ = demo._row(dataclasses.replace(valid, **no_ngram), dataclasses.replace(test, **no_ngram),
-                         demo.DemoConfig(k=K))  # fmt: skip
+    plain, _ = demo._row(valid.select(["knn"]), test.select(["knn"]), demo.DemoConfig(k=K))
     assert "ngram_ppl" not in plain and {"knn_ppl", "mixture_ppl"} <= set(plain)
     assert plain["mixture"]["fit"]["fit"]["mixture"]["components"] == ["lm", "knn"]

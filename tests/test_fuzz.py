@@ -152,18 +152,20 @@ def test_fuzz_eval_numbers_campaign(ds_dir, flag, value):
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
+    from memlm.mixing.datastore import DatastoreComponent
 
     rng = np.random.default_rng(0)
     n = 30
     path = tmp_path_factory.mktemp("fuzz-dump") / "valid.npz"
-    TokenScores(
+    table = TokenTable(
         targets=rng.integers(0, 50, n),
         lm_logprob=np.log(rng.random(n) + 1e-3).astype(np.float32),
         doc_index=np.zeros(n, np.int32),
-        knn_scores=-np.sort(rng.random((n, 8)), axis=1).astype(np.float32),
-        knn_values=rng.integers(0, 50, (n, 8)).astype(np.int32),
-    ).save(path)
+    )
+    table.add(DatastoreComponent(None, 8), {"scores": -np.sort(rng.random((n, 8)), axis=1).astype(np.float32),
+                                            "values": rng.integers(0, 50, (n, 8)).astype(np.int32)})  # fmt: skip
+    table.save(path)
     return path
 
 

@@ -244,9 +244,9 @@ def dumps(built, tiny_lm_dir, tmp_path_factory):
 
 
 def _edited(dumps, name, tmp_path, **meta):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
-    ts = TokenScores.load(dumps[name])
+    ts = TokenTable.load(dumps[name])
     for k, v in meta.items():
         if isinstance(v, dict):
             ts.meta[k] = {**ts.meta.get(k, {}), **v}
@@ -308,10 +308,13 @@ def test_check_dumps_compares_every_memory_of_the_pair():
     def dump(**meta):
         return SimpleNamespace(meta={"model": "m", "source": {"corpus": "a.txt", "split": "valid"}, **meta})
 
-    same = {"datastore": "ds", "datastore_entries": 10, "datastore_build_id": "b1"}
+    knn = {"kind": "knn", "datastore": "ds", "datastore_entries": 10}
+    same = {"datastore_build_id": "b1", "components": {"knn": knn}}
     check_dumps(dump(**same), dump(**same))
-    for other in ({**same, "datastore_entries": 11}, {**same, "datastore_build_id": "b2"}, {},
-                  {**same, "ngram": "ix", "ngram_build_id": "n1"}):  # fmt: skip
+    ngram = {"kind": "ngram", "ngram": "ix", "ngram_build_id": "n1"}
+    others = ({**same, "components": {"knn": {**knn, "datastore_entries": 11}}}, {**same, "datastore_build_id": "b2"},
+              {}, {**same, "components": {"knn": knn, "ngram": ngram}})  # fmt: skip
+    for other in others:
         with pytest.raises(MemlmError, match="other memories or another model"):
             check_dumps(dump(**same), dump(**other))
 

@@ -359,7 +359,8 @@ def test_lm_eval_and_memlm_eval_mix_a_fit_alike(tiny_lm, memories, tmp_path):
     same features in both places."""
     from conftest import Doc
 
-    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.cache import CacheComponent
+    from memlm.knnlm.scoring import score_tokens
     from memlm.ngram.memory import NgramMemory
 
     model, tok = tiny_lm
@@ -374,8 +375,8 @@ def test_lm_eval_and_memlm_eval_mix_a_fit_alike(tiny_lm, memories, tmp_path):
     got = lm.rolling_token_logprobs(tokens)
     # memlm eval on the stream [EOS] + text + [EOS]: an empty document, then the text
     docs = [Doc("empty", ""), Doc("text", text)]
-    ts = score_tokens(model, tok, docs, ds1, k=K, window=window, min_context=min_context, cache=True, progress=False)
-    NgramMemory(ng1).attach(ts, docs, tok)
+    ts = score_tokens(model, tok, docs, [ds1, NgramMemory(ng1), CacheComponent()], k=K, window=window,
+                      min_context=min_context, progress=False)  # fmt: skip
     dump_mixture = DumpMixture.from_dict(json.loads(fit.read_text()))
     want = dump_mixture.logprob(ts).numpy()
     assert len(want) == len(tokens) + 1  # the text's tokens, then the final EOS

@@ -11,7 +11,7 @@ from memlm.core.distribution import mix
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import score_tokens
+from memlm.knnlm.scoring import score_tokens
 from memlm.knnlm.write import write_datastore
 from memlm.mixing.inputs import memory_logprob
 from memlm.models.resources import load_causal_lm
@@ -42,25 +42,25 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
     ts = score_tokens(model, tok, [probe], ds, k=32, window=256, min_context=1, progress=False)
     lantern = tok(" lanterns", add_special_tokens=False)["input_ids"][0]
     pos = int(np.flatnonzero(ts.targets == lantern)[0])
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature=10.0)
+    knn = memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, temperature=10.0)
     mixed = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[0.75, 0.25])
     assert mixed[pos] > ts.lm_logprob[pos] + 0.1, (float(mixed[pos].exp()), float(np.exp(ts.lm_logprob[pos])))
 
 
 def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
     from memlm.experiments.demo import run_demo
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
     result = run_demo(out=tmp_path, quick=True)
     assert {r["eval"] for r in result["rows"]} == {"wiki test", "news test"}
     out = next(tmp_path.glob("quick-*"))
     for r in result["rows"]:
         # each row's numbers, recomputed with NumPy from its test dump under the row's λ and τ (Eq. 2 and 3)
-        d = TokenScores.load(out / f"{r['eval'].split()[0]}-test-{r['datastore'].split()[0]}.npz")
-        lm, sc = d.lm_logprob.astype(np.float64), d.knn_scores.astype(np.float64) / r["temperature"]
+        d = TokenTable.load(out / f"{r['eval'].split()[0]}-test-{r['datastore'].split()[0]}.npz")
+        lm, sc = d.lm_logprob.astype(np.float64), d.columns["knn"]["scores"].astype(np.float64) / r["temperature"]
         w = np.exp(sc - sc.max(1, keepdims=True))
         with np.errstate(divide="ignore"):
-            knn = np.log((w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1))
+            knn = np.log((w * (d.columns["knn"]["values"] == d.targets[:, None])).sum(1) / w.sum(1))
         lam = r["lambda"]
         assert r["base_ppl"] == pytest.approx(np.exp(-lm.mean()), rel=1e-6)
         assert r["knn_ppl"] == pytest.approx(
@@ -69,11 +69,15 @@ def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
         assert r["oracle_ppl"] == pytest.approx(np.exp(-np.maximum(lm, knn).mean()), rel=1e-5)
         # the ∞-gram columns (Liu et al. 2024): λ_∞ = λ_sparse where P∞ is one-hot, else λ_dense
         w3 = r["knn_ngram_weights"]
-        lam_inf = np.where(d.ngram_sparse, w3["lambda_sparse"], w3["lambda_dense"])
-        sc3 = d.knn_scores.astype(np.float64) / w3["temperature"]
+        lam_inf = np.where(d.columns["ngram"]["sparse"], w3["lambda_sparse"], w3["lambda_dense"])
+        sc3 = d.columns["knn"]["scores"].astype(np.float64) / w3["temperature"]
         w = np.exp(sc3 - sc3.max(1, keepdims=True))
-        p_knn = (w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1)
-        p = (1 - w3["lambda"] - lam_inf) * np.exp(lm) + w3["lambda"] * p_knn + lam_inf * np.exp(d.ngram_logprob)
+        p_knn = (w * (d.columns["knn"]["values"] == d.targets[:, None])).sum(1) / w.sum(1)
+        p = (
+            (1 - w3["lambda"] - lam_inf) * np.exp(lm)
+            + w3["lambda"] * p_knn
+            + lam_inf * np.exp(d.columns["ngram"]["logprob"])
+        )
         assert r["knn_ngram_ppl"] == pytest.approx(np.exp(-np.log(p).mean()), rel=1e-5)
     assert (out / "ppl_vs_lambda.png").stat().st_size > 10_000
     assert json.loads((out / "results.json").read_text())["rows"]

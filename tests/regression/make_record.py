@@ -215,9 +215,9 @@ def outputs(argv: list[str], kind: str, stdout: str) -> dict[str, Any]:
 def demo_rows() -> dict[str, Any]:
     """The demo's row on the item-4 dumps, through its own ``_row``: perplexities and the weights it tuned."""
     from memlm.experiments.demo import DemoConfig, _row
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
-    valid, test = (TokenScores.load(p) for p in DEMO["dumps"])
+    valid, test = (TokenTable.load(p) for p in DEMO["dumps"])
     row, (lams, curve) = _row(valid, test, DemoConfig(k=DEMO["k"]))
     out = {k: v for k, v in perplexities(row).items() if not k.startswith("mixture.")}
     out.update({k: row[k] for k in ("lambda", "temperature")})

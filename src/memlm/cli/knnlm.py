@@ -31,7 +31,8 @@ from memlm.knnlm.calibration import knn_parameters
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import perplexities, score_tokens, value_counts
+    from memlm.knnlm.evaluate import perplexities, value_counts
+    from memlm.knnlm.scoring import score_tokens
     from memlm.leakage import Evaluated, check_leakage
     from memlm.models.keys import KeySpec
     from memlm.storage.sharded import open_datastore
@@ -66,7 +67,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
         scores=args.scores,
         nprobe=args.nprobe,
         drop_self_matches=args.drop_self_matches,
-        cache=args.cache,
         adaptive=args.adaptive,
         adaptive_fraction=args.adaptive_fraction,
         pointer_min=args.pointer_min,
@@ -77,8 +77,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     meta = {"model": model_name, "source": source, "leakage": leakage}  # memlm tune compares these
     if ds is not None:
         meta["datastore_build_id"] = ds.manifest.get("build_id")
-    ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram,
-                      memories=stores[1:])  # fmt: skip
+    memories = [*stores, *([] if ngram is None else getattr(ngram, "memories", [ngram]))]
+    if args.cache:
+        from memlm.knnlm.cache import CacheComponent
+
+        memories.append(CacheComponent())
+    ts = score_tokens(model, tok, docs, memories, config, batch_size=args.batch_size, meta=meta)
     if args.dump:
         ts.save(args.dump)
         print(f"wrote {args.dump}", file=sys.stderr)
@@ -97,15 +101,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
         target_counts=value_counts(ds, ts.targets) if ds is not None else None,
         datastores=[(w[0], w[1]) for w in weights[1:]],
     )
+    first = ts.meta["components"].get("knn", {})  # the first datastore's description
     res.update(
         model=model_name,
         corpus=args.corpus,
         split=args.split,
         **({"parameters_from": origin} if origin else {}),
         **({"datastores": each} if (each := _each_datastore(ts, weights)) else {}),
-        **{
-            k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
-        },
+        **{k: v for k, v in ts.meta.items() if k.startswith("seconds")},
+        **{k: v for k, v in first.items() if k in ("datastore", "key", "search", "scores")},
         retrieval={  # the values this result used (score_tokens records the search; λ, τ are chosen here)
             **ts.meta["retrieval"],
             **({"lam": res.get("lambda", lam), "temperature": temperature} if ds is not None else {}),
@@ -146,8 +150,9 @@ def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[st
     """With several datastores: each one's description and the λ, τ it was mixed with (and where they came from)."""
     if len(weights) < 2:
         return []
+    described = [ts.meta["components"][name] for name in ts.names("knn")]
     return [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
-            for d, w in zip(ts.meta["datastores"], weights, strict=True)]  # fmt: skip
+            for d, w in zip(described, weights, strict=True)]  # fmt: skip
 
 
 def stored_eval_mixture(args: argparse.Namespace, stores: list, ngram):
@@ -178,32 +183,23 @@ def load_mixture(path: str):
     return DumpMixture.from_dict(data, f"--mixture {path}")
 
 
-def _rule_rows(ts, res: dict[str, Any]) -> dict[str, Any]:
-    """Per-token log p of each fixed-weight row of eval's result ``res``, re-mixed by the rule it recorded under
-    ``mixtures`` (its weights, at its τ and k), for the paired differences of the learned mixture against them."""
-    from memlm.core.mixture import Mixture
-    from memlm.mixing.dump import rule_logprob
-
-    rows = {}
-    for key, record in (res.get("mixtures") or {}).items():
-        taus = res.get("temperatures") or res.get("temperature") or 1.0  # several datastores: one τ each
-        rows[key] = rule_logprob(ts, Mixture.from_dict(record), taus, res.get("k"), res.get("cache_temperature") or 1.0)
-    return rows
-
-
 def mixture_result(dm, ts, res: dict[str, Any], path: str) -> dict[str, Any]:
     """``memlm eval --mixture``: ``mixture_ppl`` of the stored fit on this eval's tokens, its interval and its paired
-    differences against the base LM and each fixed-weight row of ``res``, merged into ``res``'s evidence."""
+    differences against the base LM and each fixed-weight row of ``res`` (re-mixed by the rule it recorded under
+    ``mixtures``, at its τ and k), merged into ``res``'s evidence (memlm.mixing.report)."""
     import torch
 
-    from memlm.core.bootstrap import evidence
-    from memlm.core.distribution import perplexity
+    from memlm.core.mixture import Mixture
+    from memlm.mixing.report import report
 
-    rows = {"base_ppl": torch.from_numpy(ts.lm_logprob), **_rule_rows(ts, res),
+    rules = {key: Mixture.from_dict(record) for key, record in (res.get("mixtures") or {}).items()}
+    rows = {"base_ppl": torch.from_numpy(ts.lm_logprob), **rules,
             "mixture_ppl": dm.logprob(ts, "this eval (its --datastore, --ngram and --cache)")}  # fmt: skip
-    own = evidence(rows, ts.doc_index, pairs=[(key, "mixture_ppl") for key in rows if key != "mixture_ppl"])
+    taus = res.get("temperatures") or res.get("temperature") or 1.0  # several datastores: one τ each
+    own = report(ts, rows, [(key, "mixture_ppl") for key in rows if key != "mixture_ppl"], temperature=taus,
+                 k=res.get("k"), cache_temperature=res.get("cache_temperature") or 1.0)  # fmt: skip
     return {
-        "mixture_ppl": perplexity(rows["mixture_ppl"]),
+        "mixture_ppl": own["mixture_ppl"],
         "mixture_form": dm.fit.form,
         "mixture": {"from": path, **dm.to_dict()},
         "intervals": {**res.get("intervals", {}), "mixture_ppl": own["intervals"]["mixture_ppl"]},
@@ -217,13 +213,13 @@ def _print_result(res: dict[str, Any]) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.leakage import check_dumps
 
-    valid = TokenScores.load(args.valid)
-    test = TokenScores.load(args.test) if args.test else None
+    valid = TokenTable.load(args.valid)
+    test = TokenTable.load(args.test) if args.test else None
     leakage = check_dumps(valid, test, allow_overlap=args.allow_overlap)  # every path: the same memories, no leak
-    if valid.ngram_logprob is not None:
+    if "ngram" in valid.columns:
         out = ngram_cli.tune_with_ngram(args, valid, test, leakage)
     else:
         out = _tune_rule(args, valid, test, leakage)
@@ -256,7 +252,7 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
         f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
         f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
     )
-    if valid.knn_extra_scores is not None:
+    if len(valid.names("knn")) > 1:
         grid = (lambdas, temperatures)
         from memlm.mixing.dump import tune_datastores_beside
 
@@ -300,10 +296,9 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     rule tuned on the same ``valid`` (``rule_best``), with intervals and paired differences."""
     import torch
 
-    from memlm.core.bootstrap import evidence
-    from memlm.core.distribution import perplexity
     from memlm.core.tuning import DEFAULT_TEMPERATURES
-    from memlm.mixing.dump import fit_dump, rule_for, rule_logprob
+    from memlm.mixing.dump import fit_dump, rule_for
+    from memlm.mixing.report import report
 
     temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
     dm = fit_dump(valid, temperatures, args.k, args.cache_temperatures)
@@ -331,18 +326,13 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
               f"{', '.join(dm.mixture.components)}: the learned mixture is not applied to it (dump both with the "
               "same memories)", file=sys.stderr)  # fmt: skip
         return out
-    weights = _rule_weights(rule_best, valid.knn_scores is not None)
+    weights = _rule_weights(rule_best, "knn" in valid.columns)
     knn_taus = [rule_best.get("temperature") or 1.0] + [d["temperature"] for d in rule_best.get("datastores") or []]
     taus = (knn_taus if len(knn_taus) > 1 else knn_taus[0], rule_best.get("cache_temperature") or 1.0)
-    rows = {
-        "base_ppl": torch.from_numpy(test.lm_logprob),
-        "rule_ppl": rule_logprob(test, weights, taus[0], args.k, taus[1]),
-        "mixture_ppl": dm.logprob(test, "the --test dump"),
-    }
-    res: dict[str, Any] = {"tokens": len(test), "form": fit.form, **{k: perplexity(v) for k, v in rows.items()},
-                           "mixtures": {"rule_ppl": rule_for(test, weights).to_dict()}}  # fmt: skip
+    rows = {"base_ppl": torch.from_numpy(test.lm_logprob), "rule_ppl": rule_for(test, weights),
+            "mixture_ppl": dm.logprob(test, "the --test dump")}  # fmt: skip
     pairs = (("base_ppl", "rule_ppl"), ("base_ppl", "mixture_ppl"), ("rule_ppl", "mixture_ppl"))
-    res.update(evidence(rows, test.doc_index, pairs=pairs))
+    res = {"form": fit.form, **report(test, rows, pairs, temperature=taus[0], k=args.k, cache_temperature=taus[1])}
     print("on test (rule_ppl: the fixed-weight rule tuned on the same valid dump; mixture_ppl: the learned mixture):")
     _print_result(res)
     return {**out, "mixture_test": res}
@@ -431,14 +421,13 @@ def cmd_gate_train(args: argparse.Namespace) -> None:
     import numpy as np
 
     from memlm.knnlm.adaptive import gate_features, train_gate
-    from memlm.knnlm.evaluate import TokenScores
-    from memlm.mixing.inputs import memory_logprob
+    from memlm.knnlm.table import TokenTable
 
-    ts = TokenScores.load(args.dump)
-    if ts.knn_scores is None or ts.lm_entropy is None or ts.position is None:
+    ts = TokenTable.load(args.dump)
+    if "knn" not in ts.columns or ts.lm_entropy is None or ts.position is None:
         raise MemlmError(f"{args.dump} lacks datastore neighbours or the LM's entropy: rerun memlm eval --datastore DS "
                          "--dump with this memlm")  # fmt: skip
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, args.temperature, None, ts.knn_log_counts)
+    knn = ts.logprob("knn", temperature=args.temperature)
     gate = train_gate(gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position), ts.lm_logprob, knn.numpy(),
                       steps=args.steps, seed=args.seed)  # fmt: skip
     gate.save(args.out)

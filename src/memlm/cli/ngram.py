@@ -245,8 +245,8 @@ def tune_with_ngram(
                            args.cache_temperatures)  # fmt: skip
     out = tune_ngram_dump(valid, test, grids)
     best = out["valid"]["best"]
-    knn = f" lambda={best['lambda']} temperature={best['temperature']}" if valid.knn_scores is not None else ""
-    if valid.ngram_extra_logprob is not None:  # several indexes
+    knn = f" lambda={best['lambda']} temperature={best['temperature']}" if "knn" in valid.columns else ""
+    if len(valid.names("ngram")) > 1:  # several indexes
         pairs = "; ".join(f"({a:g}, {b:g})" for a, b in best["weights"])
         print(f"best on valid: (lambda_sparse, lambda_dense) per ∞-gram index {pairs}{knn} ppl={best['ppl']:.4f}")
     else:

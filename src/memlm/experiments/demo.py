@@ -45,7 +45,8 @@ from memlm.data.windows import limit_documents, sliding_windows, tokenize_docume
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json, memlm_home
 from memlm.io.locking import folder_lock
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores, tune
+from memlm.knnlm.evaluate import add_memory, add_neighbours, lm_scores, tune
+from memlm.knnlm.table import TokenTable
 from memlm.knnlm.write import write_datastore
 from memlm.leakage import document_record
 from memlm.mixing.dump import DumpMixture, fit_dump
@@ -53,7 +54,7 @@ from memlm.mixing.inputs import MixtureInputs, mixture_inputs
 from memlm.models.keys import KeySpec
 from memlm.models.resources import default_dtype, load_causal_lm
 from memlm.ngram.decontaminate import EVAL_SPLITS, decontaminate_reference
-from memlm.ngram.mixture import add_ngram, tune_ngram
+from memlm.ngram.mixture import tune_ngram
 from memlm.storage.datastore import Datastore
 
 __all__ = ["DemoConfig", "planned_work", "run_demo", "work_totals"]
@@ -234,11 +235,11 @@ def _dumps(
     out: Path,
     ngrams: dict,
     work: list,
-) -> dict[str, TokenScores]:
+) -> dict[str, TokenTable]:
     """One forward pass over ``corpus/split``; one dump per datastore (cached), with its corpus's ∞-gram."""
     paths = {name: out / f"{corpus}-{split}-{name}.npz" for name in stores}
     if all(p.exists() for p in paths.values()):
-        return {name: TokenScores.load(p) for name, p in paths.items()}
+        return {name: TokenTable.load(p) for name, p in paths.items()}
     t0 = time.perf_counter()
     docs = _documents(cfg, tok, corpus, split)
     specs = list(dict.fromkeys(ds.key_spec for ds in stores.values()))
@@ -252,14 +253,14 @@ def _dumps(
                  "seconds": seconds})  # fmt: skip
     dumps = {}
     for name, ds in stores.items():
-        ts = base.lm_only()
+        ts = base.select()
         # exact search over all keys (torch matmul + top-k): the neighbours of a Flat index, without building one
         add_neighbours(ts, queries[ds.key_spec], ds, k=cfg.k, search="exact")
         work.append({"phase": f"search {corpus}/{split} in {name}", "search_pairs": len(ts) * len(ds),
-                     "seconds": ts.meta["seconds_search"]})  # fmt: skip
+                     "seconds": ts.meta["components"]["knn"]["seconds"]})  # fmt: skip
         if ngrams.get(name) is not None:
             t1 = time.perf_counter()
-            add_ngram(ts, docs, tok, ngrams[name])
+            add_memory(ts, ngrams[name], docs, tok)
             work.append({"phase": f"∞-gram lookups {corpus}/{split} in {name}", "seconds": time.perf_counter() - t1})
         ts.save(paths[name])
         dumps[name] = ts
@@ -344,7 +345,7 @@ class _TestMixer:
     """One test dump's components and features by name (:func:`mixture_inputs`, per kNN temperature), mixed through
     :meth:`Mixture.mix`: every row of the table goes through this one path."""
 
-    def __init__(self, ts: TokenScores, k: int) -> None:
+    def __init__(self, ts: TokenTable, k: int) -> None:
         self.ts, self.k, self._inputs = ts, k, {}
 
     def inputs(self, temperature: float) -> MixtureInputs:
@@ -361,12 +362,12 @@ class _TestMixer:
         inp = self.inputs(temperature)
         logprobs = {c: inp.logprobs[:, inp.components.index(c)] for c in mixture.components}
         features = {f: inp.features[:, j] for j, f in enumerate(inp.feature_names)}
-        if self.ts.ngram_sparse is not None:  # the rule's λ_sparse / λ_dense is a gate on the sparse flag's state
-            features.update(sparse_state_features({"ngram": self.ts.ngram_sparse}))
+        if "ngram" in self.ts.columns:  # the rule's λ_sparse / λ_dense is a gate on the sparse flag's state
+            features.update(sparse_state_features({"ngram": self.ts.sparse("ngram")}))
         return mixture.mix(logprobs, features)
 
 
-def _row(valid: TokenScores, test: TokenScores, cfg: DemoConfig) -> tuple[dict[str, Any], tuple[list, list]]:
+def _row(valid: TokenTable, test: TokenTable, cfg: DemoConfig) -> tuple[dict[str, Any], tuple[list, list]]:
     """One table row: the weights tuned (and the gate fitted) on ``valid``, every system mixed on ``test`` through
     its :class:`Mixture`, with the intervals; and the curve of test perplexity vs λ at the tuned τ."""
     mixer = _TestMixer(test, cfg.k)
@@ -378,7 +379,7 @@ def _row(valid: TokenScores, test: TokenScores, cfg: DemoConfig) -> tuple[dict[s
     row: dict[str, Any] = {"tokens": len(test), "lambda": lam, "temperature": tau, "k": cfg.k,
                            "target_in_neighbours": float(torch.isfinite(knn).float().mean())}  # fmt: skip
     gate_tau = tau
-    if test.ngram_logprob is not None:
+    if "ngram" in test.columns:
         alone = tune_ngram(_without_neighbours(valid))["best"]
         joint = tune_ngram(valid)["best"]
         pair = {w: (r["lambda_sparse"], r["lambda_dense"]) for w, r in (("alone", alone), ("joint", joint))}
@@ -387,8 +388,8 @@ def _row(valid: TokenScores, test: TokenScores, cfg: DemoConfig) -> tuple[dict[s
         logprobs["knn_ngram_ppl"] = mixer.logprob(both, joint["temperature"])
         row.update(ngram_weights={k: alone[k] for k in ("lambda_sparse", "lambda_dense")},
                    knn_ngram_weights={k: joint[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")},
-                   ngram_sparse_share=float(np.mean(test.ngram_sparse)),
-                   ngram_median_n=float(np.median(test.ngram_n)))  # fmt: skip
+                   ngram_sparse_share=float(np.mean(test.columns["ngram"]["sparse"])),
+                   ngram_median_n=float(np.median(test.columns["ngram"]["n"])))  # fmt: skip
         gate_tau = joint["temperature"]
     # the learned gate over the same memories, fitted on valid only (a quarter of its documents kept apart to check
     # it beats the constant weights there, else those or the LM alone), at the τ the rule of the same memories chose
@@ -412,12 +413,9 @@ def _fit_record(fit: DumpMixture) -> dict[str, Any]:
             "fit": fit.to_dict()}  # fmt: skip
 
 
-def _without_neighbours(ts: TokenScores) -> TokenScores:
-    """The dump's LM and ∞-gram columns only (to tune the ∞-gram alone)."""
-    out = ts.lm_only()
-    for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
-        setattr(out, f, getattr(ts, f))
-    return out
+def _without_neighbours(ts: TokenTable) -> TokenTable:
+    """The table's LM and ∞-gram columns only (to tune the ∞-gram alone)."""
+    return ts.select(ts.names("ngram"))
 
 
 def work_totals(work: list[dict[str, Any]]) -> dict[str, int]:

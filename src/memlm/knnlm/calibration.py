@@ -660,9 +660,9 @@ def calibrate_ngram(
     Returns the record ``memlm ngram build`` stores in the index's ``manifest.json`` → ``calibration`` (the fit under
     ``mixture``, read back by :func:`stored_mixture`)."""
     from memlm.core.mixture import token_blocks
-    from memlm.knnlm.evaluate import lm_scores
+    from memlm.knnlm.evaluate import add_memory, lm_scores
     from memlm.mixing.dump import fit_dump
-    from memlm.ngram.mixture import add_ngram, ngram_report, tune_ngram
+    from memlm.ngram.mixture import ngram_report, tune_ngram
 
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
@@ -670,7 +670,7 @@ def calibrate_ngram(
     ts, _, _ = lm_scores(
         model, tokenizer, held_out, window=window, stride=stride, batch_size=batch_size, progress=progress
     )
-    add_ngram(ts, held_out, tokenizer, memory)
+    add_memory(ts, memory, held_out, tokenizer)
     best = tune_ngram(ts)["best"]
     ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])

@@ -161,7 +161,7 @@ def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_s
     text left to score (then the caller falls back to the rule)."""
     import dataclasses
 
-    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.scoring import score_tokens
 
     memories = [*([] if datastore is None else [datastore]), *getattr(ngram, "memories", [ngram] if ngram else [])]
     docs = _slices(memories, tokenizer, datastore, ngram)
@@ -169,7 +169,7 @@ def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_s
         return "", {}
     k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
     cfg = dataclasses.replace(config, k=k, cache=False)
-    ts = score_tokens(model, tokenizer, docs, datastore, cfg, batch_size=batch_size, progress=False, ngram=ngram)
+    ts = score_tokens(model, tokenizer, docs, memories, cfg, batch_size=batch_size, progress=False)
     lp = {name: c.logprob(ts, "the calibration slices").numpy() for name, c in candidates.items()}
     ll = {name: float(v.mean()) for name, v in lp.items()}
     singles = {n: v for n, v in ll.items() if n != "combined"}

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.core.dumps import TokenDump
 from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
 from memlm.mixing.inputs import (
@@ -67,7 +66,7 @@ class DumpMixture:
     def mixture(self) -> Mixture:
         return self.fit.mixture
 
-    def inputs(self, ts: TokenDump, where: str = "this dump") -> MixtureInputs:
+    def inputs(self, ts: Any, where: str = "this dump") -> MixtureInputs:
         """The mixture's inputs on ``ts``, or one MemlmError when its memories are not the fit's."""
         inp = mixture_inputs(ts, self.temperature or 1.0, self.k, self.cache_temperature or 1.0)
         m = self.mixture
@@ -80,7 +79,7 @@ class DumpMixture:
             )
         return inp
 
-    def logprob(self, ts: TokenDump, where: str = "this dump") -> torch.Tensor:
+    def logprob(self, ts: Any, where: str = "this dump") -> torch.Tensor:
         """``log P(target)`` per token of the fitted mixture on ``ts``, float64 ``[N]``."""
         inp = self.inputs(ts, where)
         return self.mixture.logprob(inp.logprobs, inp.features)
@@ -105,7 +104,7 @@ class DumpMixture:
 
 
 def fit_dump(
-    ts: TokenDump,
+    ts: Any,
     temperatures: Sequence[float],
     k: int | None = None,
     cache_temperatures: Sequence[float] = (1.0,),
@@ -113,9 +112,10 @@ def fit_dump(
 ) -> DumpMixture:
     """The guarded mixture of every memory of ``ts`` (module docstring), τ (and τc) searched on the kept part. The
     fit's size warnings are in ``fit.warnings`` (logged by the fit once per τ otherwise: the caller shows them)."""
-    taus: Sequence[float | None] = temperatures if ts.knn_scores is not None else [None]
-    cache_taus: Sequence[float | None] = cache_temperatures if ts.cache_scores is not None else [None]
-    k_used = (k or ts.knn_scores.shape[1]) if ts.knn_scores is not None else None
+    has_knn = "knn" in ts.columns
+    taus: Sequence[float | None] = temperatures if has_knn else [None]
+    cache_taus: Sequence[float | None] = cache_temperatures if "cache" in ts.columns else [None]
+    k_used = (k or ts.columns["knn"]["scores"].shape[1]) if has_knn else None
     best: tuple[float, MixtureFit, float | None, float | None] | None = None
     search = []
     quiet = logging.getLogger("memlm.core.mixture")
@@ -137,7 +137,7 @@ def fit_dump(
     return DumpMixture(best[1], best[2], k_used, best[3], search)
 
 
-def rule_for(ts: TokenDump, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
+def rule_for(ts: Any, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
     """The fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`) over the LM and the memories of ``ts`` that
     ``weights`` names (by component: ``knn``, ``knn2``, ... a constant λ; ``ngram``, ``ngram2``, ... a pair
     ``(λ_sparse, λ_dense)``, or a constant; ``cache`` λc), in the dump's order; one MemlmError for a memory the dump
@@ -151,7 +151,7 @@ def rule_for(ts: TokenDump, weights: Mapping[str, float | Sequence[float]]) -> M
 
 
 def rule_logprob(
-    ts: TokenDump,
+    ts: Any,
     rule: Mixture | Mapping[str, float | Sequence[float]],
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
@@ -192,7 +192,7 @@ def mix_by_rule(
 
 
 def rule_rows(
-    ts: TokenDump,
+    ts: Any,
     rows: Mapping[str, Mapping[str, float | Sequence[float]]],
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
@@ -205,7 +205,7 @@ def rule_rows(
 
 
 def tune_beside(
-    ts: TokenDump,
+    ts: Any,
     weights: Mapping[str, float | Sequence[float]],
     component: str,
     grid: tuple[Sequence[float], Sequence[float]],
@@ -239,7 +239,7 @@ def tune_beside(
 
 
 def tune_datastores_beside(
-    ts: TokenDump,
+    ts: Any,
     weights: Mapping[str, float | Sequence[float]],
     grid: tuple[Sequence[float], Sequence[float]],
     temperature: float = 1.0,
@@ -251,7 +251,7 @@ def tune_datastores_beside(
     before it; :func:`tune_beside`): one pass of coordinate search, never worse on ``ts`` than without the datastore
     when 0 is among the λ's. Returns ``[{"component", "lambda", "temperature", "ppl"}, ...]``."""
     weights = dict(weights)
-    taus = [float(temperature)] + [1.0] * (0 if ts.knn_extra_scores is None else ts.knn_extra_scores.shape[1])
+    taus = [float(temperature)] + [1.0] * (len(ts.names("knn")) - 1)
     found = []
     for r in range(1, len(taus)):
         name = component_name("knn", r)
