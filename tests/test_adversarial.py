@@ -115,7 +115,7 @@ F, D, NO = "{root}/file.txt", "{root}/emptydir", "{root}/no/such"
 KD, TD, TR, JK = "{root}/knn.npz", "{root}/trime.npz", "{root}/truncated.npz", "{root}/junk.npz"
 
 BUILD = ["datastore", "build", "--model", M, "--corpus", C, "--window", "32", "--min-context", "8"]
-EVAL = ["eval", "--model", M, "--corpus", C, "--datastore", DS, "--window", "32", "--min-context", "8", "--k", "4"]
+EVAL = ["eval", "--model", M, "--corpus", C, "--memory", DS, "--window", "32", "--min-context", "8", "--k", "4"]
 TUNE = ["tune", "--valid", KD]
 GEN = ["generate", "--model", M, "--datastore", DS, "--prompt", "the cat", "--k", "4"]
 TRAIN = ["train", "--corpus", C, "--from-scratch", "1x32", "--tokenizer", M, "--steps", "1", "--out", "{root}/run"]
@@ -140,8 +140,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("ngram-build-into-datastore", ["ngram", "build", "--model", M, "--corpus", C, "--out", DS]),
     ("ngram-info-missing", ["ngram", "info", NO]),
     ("ngram-info-datastore", ["ngram", "info", DS]),
-    ("eval-ngram-missing", [*EVAL, "--ngram", NO]),
-    ("eval-ngram-datastore-folder", [*EVAL, "--ngram", DS]),
+    ("eval-ngram-missing", [*EVAL, "--memory", "ngram:" + NO]),
+    ("eval-ngram-datastore-folder", [*EVAL, "--memory", "ngram:" + DS]),
     ("lm-eval-k-0", ["lm-eval", "--tasks", "memlm_wikitext2", "--k", "0"]),
     ("lm-eval-ngram-datastore-folder", ["lm-eval", "--model", M, "--tasks", "memlm_wikitext2", "--ngram", DS]),
     ("generate-ngram-datastore-folder", ["generate", "--model", M, "--datastore", DS, "--ngram", DS, "--prompt", "a"]),
@@ -225,8 +225,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-temp-inf", [*EVAL, "--temperature", "inf"]),
     ("eval-temp-0", [*EVAL, "--temperature", "0"]),
     ("eval-temp-neg", [*EVAL, "--temperature", "-1"]),
-    ("eval-cache-lambda-2", [*EVAL, "--cache", "--cache-lambda", "2"]),
-    ("eval-cache-temp-0", [*EVAL, "--cache", "--cache-temperature", "0"]),
+    ("eval-cache-lambda-2", [*EVAL, "--memory", "cache", "--cache-lambda", "2"]),
+    ("eval-cache-temp-0", [*EVAL, "--memory", "cache", "--cache-temperature", "0"]),
     ("eval-nprobe-0", [*EVAL, "--nprobe", "0"]),
     ("eval-batch-0", [*EVAL, "--batch-size", "0"]),
     ("eval-max-tokens-0", [*EVAL, "--max-tokens", "0"]),
@@ -236,10 +236,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-json-under-file", [*EVAL, "--json", F + "/x.json"]),
     ("eval-dump-dir", [*EVAL, "--dump", D]),
     ("eval-dump-missing-parent", [*EVAL, "--dump", "{root}/no/such/dir/x.npz"]),
-    ("eval-datastore-missing", [*EVAL, "--datastore", NO]),
-    ("eval-datastore-file", [*EVAL, "--datastore", F]),
-    ("eval-datastore-junk", [*EVAL, "--datastore", "{root}/junkds"]),
-    ("eval-calibration-lambda-1.5", [*EVAL, "--datastore", "{root}/badcal"]),
+    ("eval-datastore-missing", [*EVAL, "--memory", NO]),
+    ("eval-datastore-file", [*EVAL, "--memory", F]),
+    ("eval-datastore-junk", [*EVAL, "--memory", "{root}/junkds"]),
+    ("eval-calibration-lambda-1.5", [*EVAL, "--memory", "{root}/badcal"]),
     ("gen-calibration-lambda-1.5", [*GEN, "--datastore", "{root}/badcal"]),
     ("eval-key-bogus", [*EVAL, "--key", "bogus"]),
     ("eval-key-other", [*EVAL, "--key", "final"]),
@@ -472,7 +472,8 @@ def test_bad_calibration_in_a_manifest_fails_before_the_model_loads(world, capsy
     for name, fields in cases.items():
         _bad_calibration(world / "ds", tmp_path / name, n, **fields)
         for cmd in (EVAL, GEN):
-            code, err = run_cli([a.format(root=world) for a in cmd] + ["--datastore", str(tmp_path / name)], capsys)
+            flag = "--memory" if cmd is EVAL else "--datastore"
+            code, err = run_cli([a.format(root=world) for a in cmd] + [flag, str(tmp_path / name)], capsys)
             assert_one_error(code, err)
             field = "lambda" if name == "lam" else "temperature"
             assert str(tmp_path / name / "manifest.json") in err and f"calibration.{field}" in err, err

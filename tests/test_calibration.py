@@ -161,7 +161,7 @@ def test_build_holds_out_and_calibrates(built):
 def test_eval_without_flags_uses_the_calibration(built, tmp_path):
     root, ds, _, _ = built
     cal = json.loads((ds / "manifest.json").read_text())["calibration"]
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--k", "16", "--window", "32",
               "--min-context", "8"]  # fmt: skip
     r = memlm(*common, "--json", str(tmp_path / "a.json"))
     assert r.returncode == 0, r.stderr
@@ -185,7 +185,7 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
     from memlm.storage.datastore import Datastore
 
     root, ds, _, _ = built
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--k", "16", "--window", "32",
               "--min-context", "8"]  # fmt: skip
     r = memlm(*common, "--mixture", "stored", "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "m.json"))
     assert r.returncode == 0, r.stderr
@@ -194,8 +194,8 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
     want = perplexity(fit.logprob(TokenTable.load(tmp_path / "d.npz")))
     assert res["mixture_ppl"] == pytest.approx(want, rel=1e-9)
     assert res["mixture"]["from"] == "the memory's build-time calibration"
-    r = memlm(*common, "--cache", "--mixture", "stored")
-    assert r.returncode != 0 and "give exactly one --datastore or one --ngram" in r.stderr
+    r = memlm(*common, "--memory", "cache", "--mixture", "stored")
+    assert r.returncode != 0 and "give exactly one datastore or one ∞-gram index (--memory)" in r.stderr
 
 
 def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built, tmp_path):
@@ -204,7 +204,7 @@ def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built,
     from memlm.knnlm.table import TokenTable
 
     root, ds, _, _ = built
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--k", "16", "--window", "32",
               "--min-context", "8"]  # fmt: skip
     r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "default.json"))
     assert r.returncode == 0, r.stderr
@@ -249,7 +249,7 @@ def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_
               "--window", "32", "--stride", "16")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads((ix / "manifest.json").read_text())["calibration"]["slice"]  # the slice's text is kept
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--ngram", str(ix), "--k", "16",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--memory", str(ix), "--k", "16",
               "--window", "32", "--min-context", "8", "--allow-overlap"]  # fmt: skip
     r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "two.json"))
     assert r.returncode == 0, r.stderr
@@ -316,12 +316,12 @@ def test_python_consumers_default_to_the_stored_fit(built, tiny_lm, capsys):
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm, monkeypatch):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
-    from memlm.knnlm import evaluate
     from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
+    from memlm.mixing import report
     from memlm.storage.datastore import Datastore
 
     # each grid point's perplexity, not its bootstrap intervals (most of perplexities' time, ~300 times here)
-    monkeypatch.setattr(evaluate, "evidence", lambda *_a, **_k: {})
+    monkeypatch.setattr(report, "evidence", lambda *_a, **_k: {})
 
     root, ds_path, docs, _ = built
     model, tok = tiny_lm
@@ -484,8 +484,8 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     fit = DumpMixture.from_dict(cal["mixture"])
     assert (fit.fit.tokens, fit.k, fit.mixture.components) == (cal["tokens"], 16, ("lm", "knn"))
     assert f"mixture of lm + knn: {fit.fit.form}" in r.stderr and "warning: fitted on" in r.stderr
-    common = ["eval", "--corpus", str(tmp_path / "other.txt"), "--datastore", str(ds), "--window", "32",
-              "--min-context", "8", "--cache", "--cache-lambda", "0.05"]  # fmt: skip
+    common = ["eval", "--corpus", str(tmp_path / "other.txt"), "--memory", str(ds), "--window", "32",
+              "--min-context", "8", "--memory", "cache", "--cache-lambda", "0.05"]  # fmt: skip
     r = memlm(*common, "--k", "16", "--json", str(tmp_path / "a.json"))
     assert r.returncode == 0 and "named with memlm datastore calibrate" in r.stderr and "note:" not in r.stderr
     ret = json.loads((tmp_path / "a.json").read_text())["retrieval"]

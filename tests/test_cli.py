@@ -71,7 +71,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     assert r.returncode == 0, r.stderr
     assert json.loads((ds / "index.faiss.json").read_text())["factory"] == "HNSW16"
 
-    common = ["--datastore", str(ds), "--k", "16", "--window", "32", "--min-context", "8"]  # --model from the folder
+    common = ["--memory", str(ds), "--k", "16", "--window", "32", "--min-context", "8"]  # --model from the folder
     r = memlm("eval", "--corpus", str(corpus_dir / "valid"), *common, "--dump", str(tmp_path / "valid.npz"))
     assert r.returncode == 0, r.stderr
     r = memlm(
@@ -83,7 +83,8 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         str(tmp_path / "test.npz"),
         "--json",
         str(tmp_path / "test.json"),
-        "--cache",
+        "--memory",
+        "cache",
         "--search",
         "exact",
         "--scores",

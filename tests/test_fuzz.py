@@ -125,7 +125,7 @@ def _eval_property(ds_dir, flag: str, value: str) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cli, "_load_model", reached)
-        argv = ["eval", "--corpus", "wiki", "--datastore", str(ds_dir), "--min-context", "8", "--window", "32"]
+        argv = ["eval", "--corpus", "wiki", "--memory", str(ds_dir), "--min-context", "8", "--window", "32"]
         code, err = _run([*argv, "--k", "4", flag, value] if flag != "--k" else [*argv, flag, value])
     valid = EVAL_FLAGS[flag](value)
     if flag == "--k" and valid and int(value) > 1024:

@@ -20,7 +20,7 @@ from memlm.cli import main  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
 from memlm.knnlm.table import TokenTable  # noqa: E402
 from memlm.mixing.datastore import DatastoreComponent  # noqa: E402
-from memlm.mixing.dump import DumpMixture, components_of, rule_logprob  # noqa: E402
+from memlm.mixing.dump import DumpMixture, rule_logprob  # noqa: E402
 
 
 def _save(ts: TokenTable, path: Path) -> str:
@@ -150,7 +150,7 @@ def test_a_stored_fit_refuses_other_memories(tmp_path):
     argv = ["tune", "--valid", _save(v, tmp_path / "v.npz"), "--mixture", "gate", "--json", str(tmp_path / "g.json")]
     assert main(argv) == 0
     dm = DumpMixture.from_dict(json.loads((tmp_path / "g.json").read_text()))
-    assert dm.mixture.components == components_of(True, 1, True)
+    assert dm.mixture.components == ("lm", "knn", "ngram", "cache")
     other = synthetic_dump(6).select(["knn", "ngram"])
     with pytest.raises(Exception, match="fitted on components lm, knn, ngram, cache .* gives lm, knn, ngram"):
         dm.logprob(other)
@@ -193,7 +193,7 @@ def _eval(tiny_lm_dir, tmp_path, name, seed, extra) -> tuple[dict, str]:
 
 def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, memories, tmp_path, capsys):
     store, index = memories
-    mem = ["--datastore", str(store.path), "--ngram", str(index.path), "--lambda", "0.25", "--temperature", "5"]
+    mem = ["--memory", str(store.path), "--memory", str(index.path), "--lambda", "0.25", "--temperature", "5"]
     _eval(tiny_lm_dir, tmp_path, "valid", 41, mem)
     _, test_docs = _eval(tiny_lm_dir, tmp_path, "test", 42, mem)
     fit = str(tmp_path / "fit.json")
@@ -220,7 +220,7 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
         assert perplexity(rule_logprob(again, Mixture.from_dict(record), 5.0)) == pytest.approx(res[key], rel=1e-9)
     assert "mixture_ppl" in capsys.readouterr().out
     # other memories: one clear error before the model loads
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--ngram", str(index.path), "--mixture", fit]
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--memory", str(index.path), "--mixture", fit]
     assert main(argv) == 2
     assert "mixes lm, knn, ngram, this eval gives lm, ngram" in capsys.readouterr().err
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--mixture", str(tmp_path / "valid.json")]
@@ -230,7 +230,7 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
 
 def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_dir, tiny_lm, memories, tmp_path,
                                                                         capsys):  # fmt: skip
-    """eval --datastore A --datastore B: B's neighbours are what B alone dumps (knn_extra_*); multi_knn_ppl is
+    """eval --memory A --memory B: B's neighbours are what B alone scores (component knn2); multi_knn_ppl is
     (1 - λ_A - λ_B) p_LM + λ_A p_A + λ_B p_B by hand, knn2_ppl is B alone's kNN-LM; tune --mixture gate fits lm,
     knn, knn2 and eval --mixture applies it to the same two datastores (and refuses one)."""
     from memlm.knnlm.write import write_datastore
@@ -241,9 +241,9 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     b = write_datastore(model, tok, make_toy_docs(8, seed=77), tmp_path / "ds-b", window=64, min_context=32,
                         progress=False)  # fmt: skip
     b.build_index(factory="Flat", metric="l2", progress=False)
-    both = ["--datastore", str(a.path), "--datastore", str(b.path), "--lambda", "0.2", "--temperature", "5"]
+    both = ["--memory", str(a.path), "--memory", str(b.path), "--lambda", "0.2", "--temperature", "5"]
     res, _ = _eval(tiny_lm_dir, tmp_path, "ab", 43, both)
-    alone_b, _ = _eval(tiny_lm_dir, tmp_path, "b", 43, ["--datastore", str(b.path), "--lambda", "0.2",
+    alone_b, _ = _eval(tiny_lm_dir, tmp_path, "b", 43, ["--memory", str(b.path), "--lambda", "0.2",
                                                          "--temperature", "5"])  # fmt: skip
     ts, ts_b = TokenTable.load(tmp_path / "ab.npz"), TokenTable.load(tmp_path / "b.npz")
     assert ts.names() == ("knn", "knn2") and ts.columns["knn2"]["scores"].shape == (len(ts), 16)
@@ -258,6 +258,7 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     assert res["knn2_ppl"] == pytest.approx(alone_b["knn_ppl"], rel=1e-9)
     assert res["mixtures"]["multi_knn_ppl"]["components"] == ["lm", "knn", "knn2"]
     assert [d["lambda"] for d in res["datastores"]] == [0.2, 0.2] and res["temperatures"] == [5.0, 5.0]
+    assert res["memories"] == f"knn:{a.path}?k=16&temperature=5.0;knn:{b.path}?k=16&temperature=5.0"
     assert "multi_knn_ppl vs base_ppl" in res["differences"]
     _eval(tiny_lm_dir, tmp_path, "ab-test", 44, both)
     fit = str(tmp_path / "fit2.json")
@@ -291,7 +292,7 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     d = again["differences"]["mixture_ppl vs multi_knn_ppl"]
     assert d["relative_change"] == pytest.approx(again["mixture_ppl"] / again["multi_knn_ppl"] - 1, rel=1e-6)
     capsys.readouterr()
-    one = ["--datastore", str(a.path), "--lambda", "0.2", "--temperature", "5", "--mixture", fit]
+    one = ["--memory", str(a.path), "--lambda", "0.2", "--temperature", "5", "--mixture", fit]
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(tmp_path / "ab.jsonl"), *one]
     assert main(argv) == 2
     assert "mixes lm, knn, knn2, this eval gives lm, knn" in capsys.readouterr().err

@@ -420,7 +420,7 @@ def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
         str(tiny_lm_dir),
         "--corpus",
         str(docs),
-        "--ngram",
+        "--memory",
         str(out),
         "--window",
         "64",
@@ -499,8 +499,8 @@ def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, corpus, index, 
     docs = tmp_path / "e.jsonl"
     docs.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(6, seed=31)))
     dump, res = tmp_path / "d.npz", tmp_path / "r.json"
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--datastore", str(ds.path), "--k", "8",
-            "--ngram", str(index.path), "--lambda", "0.5", "--temperature", "1", "--ngram-lambda-sparse", "0.9",
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--memory", str(ds.path), "--k", "8",
+            "--memory", str(index.path), "--lambda", "0.5", "--temperature", "1", "--ngram-lambda-sparse", "0.9",
             "--ngram-lambda-dense", "0.2", "--window", "64", "--min-context", "32", "--dump", str(dump),
             "--json", str(res)]  # fmt: skip
     assert main(argv) == 0

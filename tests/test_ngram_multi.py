@@ -66,7 +66,7 @@ def _eval(tiny_lm_dir, docs, ngrams, tmp_path, name, extra=()) -> tuple[dict, To
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--window", "64", "--min-context", "32",
             "--dtype", "float32", "--dump", str(dump), "--json", str(res), "--allow-overlap", *extra]  # fmt: skip
     for ix in ngrams:
-        argv += ["--ngram", str(ix.path)]
+        argv += ["--memory", str(ix.path)]
     assert main(argv) == 0
     return json.loads(res.read_text()), TokenTable.load(dump)
 
@@ -145,7 +145,7 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_ind
     from memlm.cli import main
     from memlm.mixing.inputs import memory_logprob
 
-    extra = ["--datastore", str(ds.path), "--k", "8", "--lambda", "0.5", "--temperature", "1",
+    extra = ["--memory", str(ds.path), "--k", "8", "--lambda", "0.5", "--temperature", "1",
              "--ngram-lambda-sparse", "0.9", "--ngram-lambda-dense", "0.2"]  # fmt: skip
     res, ts = _eval(tiny_lm_dir, eval_docs, two_indexes, tmp_path, "kab", extra)
     w = res["knn_multi_ngram_weights"]
@@ -179,7 +179,7 @@ def test_same_index_twice_is_refused(tiny_lm_dir, two_indexes, eval_docs, capsys
     from memlm.cli import main
 
     a, _ = two_indexes
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(eval_docs), "--ngram", str(a.path), "--ngram",
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(eval_docs), "--memory", str(a.path), "--memory",
             str(a.path)]  # fmt: skip
     assert main(argv) != 0
     assert "same index twice" in capsys.readouterr().err

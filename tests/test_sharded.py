@@ -243,7 +243,7 @@ def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single
 
 def test_cli_eval_takes_a_sharded_datastore(tiny_lm_dir, tmp_path, capsys):
     """The README's sharded path on the command line: `memlm datastore build --shards 2`, then `memlm eval
-    --datastore SHARDED` passes the pre-flight checks (--k against the entries of all shards) and scores."""
+    --memory SHARDED` passes the pre-flight checks (--k against the entries of all shards) and scores."""
     from test_train_lm import write_jsonl
 
     from memlm.cli import main
@@ -257,7 +257,7 @@ def test_cli_eval_takes_a_sharded_datastore(tiny_lm_dir, tmp_path, capsys):
     assert main(build) == 0, capsys.readouterr().err
     n = len(open_datastore(ds))
     out = tmp_path / "eval.json"
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(valid), "--datastore", str(ds), "--k", "8",
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(valid), "--memory", str(ds), "--k", "8",
             *window, "--json", str(out)]  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err
     res = json.loads(out.read_text())

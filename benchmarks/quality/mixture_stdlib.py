@@ -89,7 +89,7 @@ def commands(work: Path, model: str) -> list[tuple[list[str], Path]]:
                "--holdout", "0", "--decontaminate", "none", "--out", str(index)], index / "manifest.json")]  # fmt: skip
     for name in ("small", "test"):
         steps.append(([*memlm, "eval", "--model", model, "--dtype", "float32", "--corpus", str(work / f"{name}.jsonl"),
-                       "--split", "all", "--ngram", str(index), "--dump", str(work / f"{name}.npz"),
+                       "--split", "all", "--memory", str(index), "--dump", str(work / f"{name}.npz"),
                        "--json", str(work / f"{name}_eval.json")], work / f"{name}.npz"))  # fmt: skip
     return steps
 

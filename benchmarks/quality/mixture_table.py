@@ -45,7 +45,7 @@ def evals(data: Path, work: Path, res: Path, valid_tokens: int, datastore: Path 
           tag: str = "") -> list[tuple[list[str], Path]]:  # fmt: skip
     ds = datastore or data / "ds50k"
     memlm = [sys.executable, "-m", "memlm.cli", "eval", "--model", "smollm2-135m", "--dtype", "float32", "--corpus",
-             "wikitext2", "--ngram", str(data / "wt2"), "--datastore", str(ds), "--cache"]  # fmt: skip
+             "wikitext2", "--memory", str(ds), "--memory", str(data / "wt2"), "--memory", "cache"]  # fmt: skip
     out = []
     for split, tokens in (("valid", valid_tokens), ("test", 20000)):
         name = f"{split}{tokens // 1000}k_knn_ngram_cache"

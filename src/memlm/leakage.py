@@ -403,7 +403,7 @@ def check_dumps(valid: Any, test: Any = None, names: tuple[str, str] = ("--valid
             raise MemlmError(
                 f"{names[1]} was scored with other memories or another model than {names[0]} "
                 f"({'; '.join(diff)}): parameters tuned for one do not apply to the other; rerun memlm "
-                f"eval --dump on the test split with the same --model, --datastore and --ngram options"
+                f"eval --dump on the test split with the same --model and --memory options"
             )
     record: dict[str, Any] = {"allow_overlap": bool(allow_overlap)}
     for name, dump in zip(names, (valid, test), strict=True):

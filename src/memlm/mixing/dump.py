@@ -33,21 +33,11 @@ from memlm.mixing.inputs import (
     component_name,
     dump_components,
     mixture_inputs,
-    ngram_component,
     ngram_sparse,
 )
 
-__all__ = ["DumpMixture", "components_of", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
+__all__ = ["DumpMixture", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
            "rule_weights", "tune_beside", "tune_datastores_beside"]  # fmt: skip
-
-
-def components_of(datastores: int, ngrams: int, cache: bool) -> tuple[str, ...]:
-    """The mixture's components for these memories (how many datastores and ∞-gram indexes), in
-    :func:`mixture_inputs`' order (to check a stored fit against ``memlm eval``'s options before anything is
-    scored)."""
-    names = ["lm"] + [component_name("knn", r) for r in range(int(datastores))]
-    names += [ngram_component(r) for r in range(ngrams)]
-    return tuple(names + (["cache"] if cache else []))
 
 
 @dataclass
@@ -67,17 +57,21 @@ class DumpMixture:
         return self.fit.mixture
 
     def inputs(self, ts: Any, where: str = "this dump") -> MixtureInputs:
-        """The mixture's inputs on ``ts``, or one MemlmError when its memories are not the fit's."""
+        """The mixture's inputs on ``ts``, its columns in the fit's order (components and features are matched by
+        name, whatever order the memories were given in), or one MemlmError when its memories are not the fit's."""
         inp = mixture_inputs(ts, self.temperature or 1.0, self.k, self.cache_temperature or 1.0)
         m = self.mixture
-        if (inp.components, inp.feature_names) != (m.components, m.feature_names):
+        if (sorted(inp.components), sorted(inp.feature_names)) != (sorted(m.components), sorted(m.feature_names)):
             raise MemlmError(
                 f"the mixture was fitted on components {', '.join(m.components)} (features "
                 f"{', '.join(m.feature_names)}), {where} gives {', '.join(inp.components)} (features "
-                f"{', '.join(inp.feature_names)}): give the same memories (--datastore, each --ngram in the same "
-                "order, --cache) as the valid dump it was fitted on, or fit again with memlm tune --mixture gate"
+                f"{', '.join(inp.feature_names)}): give the same memories (--memory) as the valid dump it was "
+                "fitted on, or fit again with memlm tune --mixture gate"
             )
-        return inp
+        comps = [inp.components.index(c) for c in m.components]
+        feats = [inp.feature_names.index(f) for f in m.feature_names]
+        return MixtureInputs(inp.logprobs[:, comps], inp.features[:, feats], m.components, m.feature_names,
+                             inp.doc_index)  # fmt: skip
 
     def logprob(self, ts: Any, where: str = "this dump") -> torch.Tensor:
         """``log P(target)`` per token of the fitted mixture on ``ts``, float64 ``[N]``."""
@@ -146,7 +140,7 @@ def rule_for(ts: Any, weights: Mapping[str, float | Sequence[float]]) -> Mixture
     missing = [c for c in weights if c not in held]
     if missing:
         raise MemlmError(f"this dump has no {', '.join(missing)} (it holds {', '.join(held)}): rerun memlm eval "
-                         "--dump with those memories (--datastore, --ngram, --cache)")  # fmt: skip
+                         "--dump with those memories (--memory)")  # fmt: skip
     return rule_mixture([c for c in held if c == "lm" or c in weights], weights)
 
 

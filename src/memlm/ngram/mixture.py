@@ -239,7 +239,7 @@ def ngram_parameters(
         lambda_dense = DEFAULT_LAMBDA_DENSE if lambda_dense is None else lambda_dense
         origin = (
             "memlm's fallback defaults (the index records no calibration: tune on your valid text with "
-            "`memlm eval --ngram DIR --dump` + `memlm tune`)"
+            "`memlm eval --memory DIR --dump` + `memlm tune`)"
         )
     if announce:
         print(f"∞-gram parameters: λ_sparse={lambda_sparse:g}, λ_dense={lambda_dense:g}: {origin}", file=sys.stderr)

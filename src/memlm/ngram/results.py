@@ -97,7 +97,7 @@ def multi_ngram_result(
     base: dict[str, Any] | None = None,
     given: Sequence[tuple[float | None, float | None]] | None = None,
 ) -> dict:
-    """``memlm eval`` with several ``--ngram``: each index alone beside the LM (its own λ's: ``given``, else its
+    """``memlm eval`` with several ∞-gram indexes: each index alone beside the LM (its own λ's: ``given``, else its
     calibration, as for one index), and all of them together, each with its own λ's, mixed by the rule
     (:func:`memlm.core.mixture.rule_mixture`, which scales weights that sum past 1 to leave the LM a weight > 0);
     with a datastore, with the kNN term too. ``multi_ngram_weights`` records the weights the rule used. The weights
@@ -203,7 +203,7 @@ def tune_ngram_dump(valid, test=None, grids: NgramTuneGrids = NgramTuneGrids()) 
 
 
 def _tune_ngrams(valid, test, grids: NgramTuneGrids) -> dict[str, Any]:
-    """:func:`tune_ngram_dump` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``):
+    """:func:`tune_ngram_dump` on a dump with several ∞-gram indexes (``memlm eval --memory A --memory B --dump``):
     each index's (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
     :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
     from memlm.mixing.inputs import ngram_component
