@@ -29,8 +29,9 @@ def _tree_hash(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_lm):
     """A folder with everything a command may be pointed at: model, corpus, datastore, dumps, junk files."""
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.knnlm.write import write_datastore
+    from memlm.mixing.datastore import DatastoreComponent
     from memlm.trime.inference import TrimeScores
 
     root = tmp_path_factory.mktemp("adversarial")
@@ -59,13 +60,12 @@ def world(tmp_path_factory, tiny_lm):
         build_index(other.keys, other.index_path, factory="Flat", metric="l2")
     n = 20
     rng = np.random.default_rng(0)
-    TokenScores(
-        targets=rng.integers(0, 100, n),
-        lm_logprob=-rng.random(n).astype(np.float32),
-        doc_index=np.zeros(n, np.int32),
-        knn_scores=-rng.random((n, 4)).astype(np.float32),
-        knn_values=rng.integers(0, 100, (n, 4)).astype(np.int32),
-    ).save(root / "knn.npz")
+    table = TokenTable(
+        targets=rng.integers(0, 100, n), lm_logprob=-rng.random(n).astype(np.float32), doc_index=np.zeros(n, np.int32)
+    )
+    table.add(DatastoreComponent(None, 4), {"scores": -rng.random((n, 4)).astype(np.float32),
+                                            "values": rng.integers(0, 100, (n, 4)).astype(np.int32)})  # fmt: skip
+    table.save(root / "knn.npz")
     TrimeScores(
         targets=rng.integers(0, 100, n),
         doc_index=np.zeros(n, np.int32),
@@ -115,7 +115,7 @@ F, D, NO = "{root}/file.txt", "{root}/emptydir", "{root}/no/such"
 KD, TD, TR, JK = "{root}/knn.npz", "{root}/trime.npz", "{root}/truncated.npz", "{root}/junk.npz"
 
 BUILD = ["datastore", "build", "--model", M, "--corpus", C, "--window", "32", "--min-context", "8"]
-EVAL = ["eval", "--model", M, "--corpus", C, "--datastore", DS, "--window", "32", "--min-context", "8", "--k", "4"]
+EVAL = ["eval", "--model", M, "--corpus", C, "--memory", DS, "--window", "32", "--min-context", "8", "--k", "4"]
 TUNE = ["tune", "--valid", KD]
 GEN = ["generate", "--model", M, "--memory", DS + "?k=4", "--prompt", "the cat"]
 TRAIN = ["train", "--corpus", C, "--from-scratch", "1x32", "--tokenizer", M, "--steps", "1", "--out", "{root}/run"]
@@ -140,8 +140,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("ngram-build-into-datastore", ["ngram", "build", "--model", M, "--corpus", C, "--out", DS]),
     ("ngram-info-missing", ["ngram", "info", NO]),
     ("ngram-info-datastore", ["ngram", "info", DS]),
-    ("eval-ngram-missing", [*EVAL, "--ngram", NO]),
-    ("eval-ngram-datastore-folder", [*EVAL, "--ngram", DS]),
+    ("eval-ngram-missing", [*EVAL, "--memory", "ngram:" + NO]),
+    ("eval-ngram-datastore-folder", [*EVAL, "--memory", "ngram:" + DS]),
     ("lm-eval-k-0", ["lm-eval", "--tasks", "memlm_wikitext2", "--memory", DS + "?k=0"]),
     (
         "lm-eval-ngram-datastore-folder",
@@ -229,8 +229,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-temp-inf", [*EVAL, "--temperature", "inf"]),
     ("eval-temp-0", [*EVAL, "--temperature", "0"]),
     ("eval-temp-neg", [*EVAL, "--temperature", "-1"]),
-    ("eval-cache-lambda-2", [*EVAL, "--cache", "--cache-lambda", "2"]),
-    ("eval-cache-temp-0", [*EVAL, "--cache", "--cache-temperature", "0"]),
+    ("eval-cache-lambda-2", [*EVAL, "--memory", "cache", "--cache-lambda", "2"]),
+    ("eval-cache-temp-0", [*EVAL, "--memory", "cache", "--cache-temperature", "0"]),
     ("eval-nprobe-0", [*EVAL, "--nprobe", "0"]),
     ("eval-batch-0", [*EVAL, "--batch-size", "0"]),
     ("eval-max-tokens-0", [*EVAL, "--max-tokens", "0"]),
@@ -240,10 +240,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("eval-json-under-file", [*EVAL, "--json", F + "/x.json"]),
     ("eval-dump-dir", [*EVAL, "--dump", D]),
     ("eval-dump-missing-parent", [*EVAL, "--dump", "{root}/no/such/dir/x.npz"]),
-    ("eval-datastore-missing", [*EVAL, "--datastore", NO]),
-    ("eval-datastore-file", [*EVAL, "--datastore", F]),
-    ("eval-datastore-junk", [*EVAL, "--datastore", "{root}/junkds"]),
-    ("eval-calibration-lambda-1.5", [*EVAL, "--datastore", "{root}/badcal"]),
+    ("eval-datastore-missing", [*EVAL, "--memory", NO]),
+    ("eval-datastore-file", [*EVAL, "--memory", F]),
+    ("eval-datastore-junk", [*EVAL, "--memory", "{root}/junkds"]),
+    ("eval-calibration-lambda-1.5", [*EVAL, "--memory", "{root}/badcal"]),
     ("gen-calibration-lambda-1.5", [*GEN, "--memory", "{root}/badcal"]),
     ("eval-key-bogus", [*EVAL, "--key", "bogus"]),
     ("eval-key-other", [*EVAL, "--key", "final"]),
@@ -481,7 +481,7 @@ def test_bad_calibration_in_a_manifest_fails_before_the_model_loads(world, capsy
              "taunan": {"lambda": 0.5, "temperature": float("nan")}}  # fmt: skip
     for name, fields in cases.items():
         _bad_calibration(world / "ds", tmp_path / name, n, **fields)
-        for cmd, flag in ((EVAL, "--datastore"), (GEN, "--memory")):
+        for cmd, flag in ((EVAL, "--memory"), (GEN, "--memory")):
             code, err = run_cli([a.format(root=world) for a in cmd] + [flag, str(tmp_path / name)], capsys)
             assert_one_error(code, err)
             field = "lambda" if name == "lam" else "temperature"
@@ -576,24 +576,24 @@ def test_max_tokens_is_honoured_inside_one_long_document(tiny_lm):
 
 
 def test_dumps_of_the_wrong_kind_or_truncated_are_refused(world):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.trime.inference import TrimeScores
 
-    assert len(TokenScores.load(world / "knn.npz")) == 20
+    assert len(TokenTable.load(world / "knn.npz")) == 20
     assert len(TrimeScores.load(world / "trime.npz")) == 20
     with pytest.raises(MemlmError, match="TRIME dump"):
-        TokenScores.load(world / "trime.npz")
+        TokenTable.load(world / "trime.npz")
     with pytest.raises(MemlmError, match="kNN-LM dump"):
         TrimeScores.load(world / "knn.npz")
     for bad in ("truncated.npz", "junk.npz", "file.txt"):
         with pytest.raises(MemlmError):
-            TokenScores.load(world / bad)
+            TokenTable.load(world / bad)
         with pytest.raises(MemlmError):
             TrimeScores.load(world / bad)
 
 
 def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
     np.savez(
         tmp_path / "x.npz",
@@ -603,7 +603,7 @@ def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
         meta=np.array(json.dumps({})),
     )
     with pytest.raises(MemlmError, match="rows"):
-        TokenScores.load(tmp_path / "x.npz")
+        TokenTable.load(tmp_path / "x.npz")
     np.savez(
         tmp_path / "y.npz",
         targets=np.zeros(5, np.int64),
@@ -613,7 +613,7 @@ def test_dump_with_inconsistent_arrays_is_refused(tmp_path):
         meta=np.array(json.dumps([1])),
     )
     with pytest.raises(MemlmError):
-        TokenScores.load(tmp_path / "y.npz")
+        TokenTable.load(tmp_path / "y.npz")
 
 
 def test_prune_refusals_name_the_problem(world, capsys):

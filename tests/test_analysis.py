@@ -71,15 +71,17 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
         assert row["oracle_ppl"] <= row["interp_ppl"] + 1e-6
     # exact search with exact scores finds at least as close neighbours as the IVF-PQ index
     # rank by rank, the exact top-k scores dominate the exact scores of the index's candidates
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
-    real = TokenScores.load(_dump(out, "att-l2-f1-exact-exact-test"))
-    faiss_real = TokenScores.load(_dump(out, "att-l2-f1-index-exact-test"))
-    assert (real.knn_scores >= faiss_real.knn_scores - 1e-3).all()
-    assert (real.knn_scores > faiss_real.knn_scores + 1e-3).any()  # and the approximate index misses some
+    real = TokenTable.load(_dump(out, "att-l2-f1-exact-exact-test"))
+    faiss_real = TokenTable.load(_dump(out, "att-l2-f1-index-exact-test"))
+    assert (real.columns["knn"]["scores"] >= faiss_real.columns["knn"]["scores"] - 1e-3).all()
+    assert (
+        real.columns["knn"]["scores"] > faiss_real.columns["knn"]["scores"] + 1e-3
+    ).any()  # and the approximate index misses some
     # the row's recall is the dump's: the fraction of targets among their k neighbours
     rows = {(r["fraction"], r["setting"]): r for r in res["approx"]}
-    found = (real.knn_values == real.targets[:, None]).any(1).mean()
+    found = (real.columns["knn"]["values"] == real.targets[:, None]).any(1).mean()
     assert rows[(1.0, "real mask, real score")]["target_in_neighbours"] == pytest.approx(found)
     saved = json.loads((out / "analysis.json").read_text(), parse_constant=_refuse)  # strict JSON: no Infinity/NaN
     assert saved["base"]["test_tokens"] == res["base"]["test_tokens"]
@@ -103,18 +105,18 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
 
 def test_exact_mask_dump_matches_bruteforce(setup):
     tmp, spec = setup
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.storage.datastore import Datastore
 
     out = tmp / "out"
     run_analysis(spec, out, progress=False, log=lambda m: None)
-    ts = TokenScores.load(_dump(out, "att-l2-f1-exact-exact-test"))
+    ts = TokenTable.load(_dump(out, "att-l2-f1-exact-exact-test"))
     q = np.load(out / "queries-test-att.npy")
     ds = Datastore.open(spec.datastores["att"])
     keys = np.asarray(ds.keys, dtype=np.float32)
     d2 = ((q[:5, None, :] - keys[None]) ** 2).sum(-1)
     top = np.sort(-d2, axis=1)[:, ::-1][:, : spec.k]
-    np.testing.assert_allclose(ts.knn_scores[:5], top, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(ts.columns["knn"]["scores"][:5], top, rtol=1e-4, atol=1e-3)
 
 
 def test_helpers_and_errors(setup):
@@ -172,11 +174,14 @@ def test_rerun_with_other_settings_does_not_reuse_caches(setup):
         and again["learned"][0]["train_loss"] != first["learned"][0]["train_loss"]
     )
     # both runs' dumps are kept side by side, each with the settings that made it
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
     dumps = sorted((out / "nb").glob("att-l2-f1-index-index-test-*.npz"))
     assert len(dumps) == 2
-    made = {(TokenScores.load(d).meta["cache_settings"]["k"], TokenScores.load(d).meta["nprobe"]) for d in dumps}
+    made = {
+        (TokenTable.load(d).meta["cache_settings"]["k"], TokenTable.load(d).meta["components"]["knn"]["nprobe"])
+        for d in dumps
+    }
     assert made == {(16, 32), (8, 1)}
 
 

@@ -161,7 +161,7 @@ def test_build_holds_out_and_calibrates(built):
 def test_eval_without_flags_uses_the_calibration(built, tmp_path):
     root, ds, _, _ = built
     cal = json.loads((ds / "manifest.json").read_text())["calibration"]
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--k", "16", "--window", "32",
               "--min-context", "8"]  # fmt: skip
     r = memlm(*common, "--json", str(tmp_path / "a.json"))
     assert r.returncode == 0, r.stderr
@@ -181,30 +181,30 @@ def test_eval_mixture_stored_applies_the_build_time_fit(built, tmp_path):
     the eval's dump; with two memories, or a memory without a fit, one clear error."""
     from memlm.core.distribution import perplexity
     from memlm.knnlm.calibration import stored_mixture
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.storage.datastore import Datastore
 
     root, ds, _, _ = built
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--k", "16", "--window", "32",
               "--min-context", "8"]  # fmt: skip
     r = memlm(*common, "--mixture", "stored", "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "m.json"))
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "m.json").read_text())
     fit = stored_mixture(Datastore.open(ds))
-    want = perplexity(fit.logprob(TokenScores.load(tmp_path / "d.npz")))
+    want = perplexity(fit.logprob(TokenTable.load(tmp_path / "d.npz")))
     assert res["mixture_ppl"] == pytest.approx(want, rel=1e-9)
     assert res["mixture"]["from"] == "the memory's build-time calibration"
-    r = memlm(*common, "--cache", "--mixture", "stored")
-    assert r.returncode != 0 and "give exactly one --datastore or one --ngram" in r.stderr
+    r = memlm(*common, "--memory", "cache", "--mixture", "stored")
+    assert r.returncode != 0 and "give exactly one datastore or one ∞-gram index (--memory)" in r.stderr
 
 
 def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built, tmp_path):
     """No weight flags: eval applies the datastore's stored mixture, the same mixture_ppl as --mixture stored, and
     says so in one line; --lambda/--temperature: the fixed weights only (no mixture_ppl), the rule's formula."""
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
     root, ds, _, _ = built
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--k", "16", "--window", "32",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--k", "16", "--window", "32",
               "--min-context", "8"]  # fmt: skip
     r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "default.json"))
     assert r.returncode == 0, r.stderr
@@ -221,12 +221,12 @@ def test_eval_defaults_to_the_stored_fit_and_flags_give_the_fixed_weights(built,
     assert r.returncode == 0, r.stderr
     fixed = json.loads((tmp_path / "fixed.json").read_text())
     assert "mixture_ppl" not in fixed and "mixture" not in fixed and "mixture: " not in r.stderr
-    ts = TokenScores.load(tmp_path / "d.npz")
-    s = ts.knn_scores[:, :16].astype(np.float64) / 2
+    ts = TokenTable.load(tmp_path / "d.npz")
+    s = ts.columns["knn"]["scores"][:, :16].astype(np.float64) / 2
     p_knn = np.zeros(len(ts))
     for i in range(len(ts)):
         w = np.exp(s[i] - s[i].max())
-        p_knn[i] = w[ts.knn_values[i, :16] == ts.targets[i]].sum() / w.sum()
+        p_knn[i] = w[ts.columns["knn"]["values"][i, :16] == ts.targets[i]].sum() / w.sum()
     want = np.exp(-np.log(0.7 * np.exp(ts.lm_logprob.astype(np.float64)) + 0.3 * p_knn).mean())
     assert fixed["knn_ppl"] == pytest.approx(want, rel=1e-5)
 
@@ -239,7 +239,7 @@ def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_
     from memlm.core.distribution import perplexity
     from memlm.knnlm.calibration import stored_mixture
     from memlm.knnlm.default_mixture import combine
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.ngram.index import NgramIndex
     from memlm.storage.datastore import Datastore
 
@@ -249,7 +249,7 @@ def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_
               "--window", "32", "--stride", "16")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads((ix / "manifest.json").read_text())["calibration"]["slice"]  # the slice's text is kept
-    common = ["eval", "--corpus", str(root / "test"), "--datastore", str(ds), "--ngram", str(ix), "--k", "16",
+    common = ["eval", "--corpus", str(root / "test"), "--memory", str(ds), "--memory", str(ix), "--k", "16",
               "--window", "32", "--min-context", "8", "--allow-overlap"]  # fmt: skip
     r = memlm(*common, "--dump", str(tmp_path / "d.npz"), "--json", str(tmp_path / "two.json"))
     assert r.returncode == 0, r.stderr
@@ -267,7 +267,7 @@ def test_eval_with_two_calibrated_memories_takes_the_guarded_choice(built, tiny_
     keep = None if chosen == "combined" else [chosen == "knn", chosen == "ngram"]
     want = combine(fits, ["knn", "ngram"], keep)
     assert res["mixture"]["fit"]["mixture"] == want.fit.mixture.to_dict()
-    ts = TokenScores.load(tmp_path / "d.npz")
+    ts = TokenTable.load(tmp_path / "d.npz")
     assert res["mixture_ppl"] == pytest.approx(perplexity(want.logprob(ts)), rel=1e-9)
     # one memory's fit in the space of both gives exactly that memory's stored mixture
     alone = combine(fits, ["knn", "ngram"], [True, False])
@@ -318,12 +318,12 @@ def test_python_consumers_default_to_the_stored_fit(built, tiny_lm, capsys):
 def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm, monkeypatch):
     """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
     from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
-    from memlm.knnlm import evaluate
     from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
+    from memlm.mixing import report
     from memlm.storage.datastore import Datastore
 
     # each grid point's perplexity, not its bootstrap intervals (most of perplexities' time, ~300 times here)
-    monkeypatch.setattr(evaluate, "evidence", lambda *_a, **_k: {})
+    monkeypatch.setattr(report, "evidence", lambda *_a, **_k: {})
 
     root, ds_path, docs, _ = built
     model, tok = tiny_lm
@@ -486,8 +486,8 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     fit = DumpMixture.from_dict(cal["mixture"])
     assert (fit.fit.tokens, fit.k, fit.mixture.components) == (cal["tokens"], 16, ("lm", "knn"))
     assert f"mixture of lm + knn: {fit.fit.form}" in r.stderr and "warning: fitted on" in r.stderr
-    common = ["eval", "--corpus", str(tmp_path / "other.txt"), "--datastore", str(ds), "--window", "32",
-              "--min-context", "8", "--cache", "--cache-lambda", "0.05"]  # fmt: skip
+    common = ["eval", "--corpus", str(tmp_path / "other.txt"), "--memory", str(ds), "--window", "32",
+              "--min-context", "8", "--memory", "cache", "--cache-lambda", "0.05"]  # fmt: skip
     r = memlm(*common, "--k", "16", "--json", str(tmp_path / "a.json"))
     assert r.returncode == 0 and "named with memlm datastore calibrate" in r.stderr and "note:" not in r.stderr
     ret = json.loads((tmp_path / "a.json").read_text())["retrieval"]

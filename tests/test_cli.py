@@ -71,7 +71,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     assert r.returncode == 0, r.stderr
     assert json.loads((ds / "index.faiss.json").read_text())["factory"] == "HNSW16"
 
-    common = ["--datastore", str(ds), "--k", "16", "--window", "32", "--min-context", "8"]  # --model from the folder
+    common = ["--memory", str(ds), "--k", "16", "--window", "32", "--min-context", "8"]  # --model from the folder
     r = memlm("eval", "--corpus", str(corpus_dir / "valid"), *common, "--dump", str(tmp_path / "valid.npz"))
     assert r.returncode == 0, r.stderr
     r = memlm(
@@ -83,7 +83,8 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         str(tmp_path / "test.npz"),
         "--json",
         str(tmp_path / "test.json"),
-        "--cache",
+        "--memory",
+        "cache",
         "--search",
         "exact",
         "--scores",
@@ -100,22 +101,22 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     assert "cache_ppl" not in res and "knn_cache_ppl" in r.stdout and "(LM + kNN + cache)" in r.stdout  # issue 24
     assert res["k"] == 16 and res["search"] == "exact"
     # the reported perplexities, recomputed with NumPy from the per-token dump (Eq. 2 and 3, λ = 0.25, τ = 1)
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
-    d = TokenScores.load(tmp_path / "test.npz")
-    lm, sc = d.lm_logprob.astype(np.float64), d.knn_scores.astype(np.float64)
+    d = TokenTable.load(tmp_path / "test.npz")
+    lm, sc = d.lm_logprob.astype(np.float64), d.columns["knn"]["scores"].astype(np.float64)
     w = np.exp(sc - sc.max(1, keepdims=True))
     with np.errstate(divide="ignore"):
-        knn = np.log((w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1))
+        knn = np.log((w * (d.columns["knn"]["values"] == d.targets[:, None])).sum(1) / w.sum(1))
     assert np.isneginf(knn).any() and np.isfinite(knn).any()  # some targets retrieved, some not
     assert res["tokens"] == len(d) and res["base_ppl"] == pytest.approx(np.exp(-lm.mean()), rel=1e-6)
     assert res["knn_ppl"] == pytest.approx(np.exp(-np.log(0.75 * np.exp(lm) + 0.25 * np.exp(knn)).mean()), rel=1e-5)
     assert res["oracle_ppl"] == pytest.approx(np.exp(-np.maximum(lm, knn).mean()), rel=1e-5)
     # LM + kNN + cache (Khandelwal et al. Table 1) with the default λc = 0.1, τc = 1: p_cache from the dump's cache
-    cs = d.cache_scores.astype(np.float64)
+    cs = d.columns["cache"]["scores"].astype(np.float64)
     cw = np.exp(cs - np.where(np.isfinite(cs).any(1), cs.max(1), 0.0)[:, None])  # exp(-inf) = 0 for empty slots
-    p_cache = np.divide((cw * (d.cache_values == d.targets[:, None])).sum(1), cw.sum(1), out=np.zeros(len(d)),
-                        where=cw.sum(1) > 0)  # fmt: skip
+    hit = d.columns["cache"]["values"] == d.targets[:, None]
+    p_cache = np.divide((cw * hit).sum(1), cw.sum(1), out=np.zeros(len(d)), where=cw.sum(1) > 0)
     mix = 0.65 * np.exp(lm) + 0.25 * np.exp(knn) + 0.1 * p_cache
     assert res["knn_cache_ppl"] == pytest.approx(np.exp(-np.log(mix).mean()), rel=1e-5)
     assert res["target_in_neighbours"] == pytest.approx(np.isfinite(knn).mean())

@@ -293,7 +293,7 @@ def test_cli_records_the_path_and_refuses_a_query_past_the_tolerance(tmp_path):
     assert r.returncode == 0, r.stderr
     path = json.loads((tmp_path / "ds" / "manifest.json").read_text())["build"]["compute_path"]
     assert (path["dtype"], path["attention"], path["quantize"]) == ("float32", "eager", "none")
-    evaluate = [*common, "--corpus", str(corpora["test"]), "--datastore", str(tmp_path / "ds")]
+    evaluate = [*common, "--corpus", str(corpora["test"]), "--memory", str(tmp_path / "ds")]
     r = memlm("eval", *evaluate, "--quantize", "int8-dynamic")
     assert r.returncode == 2 and "built on compute path float32+eager" in r.stderr and "int8" in r.stderr
     r = memlm("eval", *evaluate)  # the default path: allowed

@@ -8,13 +8,15 @@ import pytest
 
 from memlm.experiments import demo
 from memlm.knnlm.default_mixture import combine
-from memlm.knnlm.evaluate import TokenScores
+from memlm.knnlm.table import TokenTable
+from memlm.mixing.datastore import DatastoreComponent
 from memlm.mixing.dump import fit_dump
+from memlm.ngram.step import NgramComponent
 
 V, K = 50, 8
 
 
-def _dump(seed: int, n_docs: int = 12, per_doc: int = 100) -> TokenScores:
+def _dump(seed: int, n_docs: int = 12, per_doc: int = 100) -> TokenTable:
     """A dump where the memories carry signal: the kNN neighbours and the ∞-gram often hold the target."""
     rng = np.random.default_rng(seed)
     n = n_docs * per_doc
@@ -28,46 +30,45 @@ def _dump(seed: int, n_docs: int = 12, per_doc: int = 100) -> TokenScores:
     sparse = rng.random(n) < 0.3
     ng = np.where(rng.random(n) < np.where(sparse, 0.8, 0.4), np.log(rng.uniform(0.05, 1.0, n)), -np.inf)
     ng[sparse & np.isfinite(ng)] = 0.0  # a sparse P∞ puts all its mass on one token
-    return TokenScores(
+    table = TokenTable(
         targets=targets.astype(np.int64),
         lm_logprob=lm[np.arange(n), targets].astype(np.float32),
         doc_index=np.repeat(np.arange(n_docs), per_doc).astype(np.int32),
-        knn_scores=scores.astype(np.float32),
-        knn_values=values.astype(np.int32),
         lm_entropy=(-(np.exp(lm) * lm).sum(1)).astype(np.float32),
         lm_max_logprob=lm.max(1).astype(np.float32),
-        ngram_logprob=ng.astype(np.float32),
-        ngram_count=rng.integers(1, 100, n).astype(np.int64),
-        ngram_n=rng.integers(1, 12, n).astype(np.int32),
-        ngram_sparse=sparse,
     )
+    table.add(DatastoreComponent(None, K), {"scores": scores.astype(np.float32), "values": values.astype(np.int32)})
+    counts, ns = rng.integers(1, 100, n).astype(np.int64), rng.integers(1, 12, n).astype(np.int32)
+    table.add(NgramComponent(None), {"logprob": ng.astype(np.float32), "count": counts, "n": ns, "sparse": sparse})
+    return table
 
 
-def _p_knn(d: TokenScores, tau: float) -> np.ndarray:
+def _p_knn(d: TokenTable, tau: float) -> np.ndarray:
     """Khandelwal et al. (2020) Eq. 2: softmax of the scores / τ, summed over the neighbours holding the target."""
-    s = d.knn_scores.astype(np.float64) / tau
+    s = d.columns["knn"]["scores"].astype(np.float64) / tau
     w = np.exp(s - s.max(1, keepdims=True))
-    return (w * (d.knn_values == d.targets[:, None])).sum(1) / w.sum(1)
+    return (w * (d.columns["knn"]["values"] == d.targets[:, None])).sum(1) / w.sum(1)
 
 
 def _ppl(p: np.ndarray) -> float:
     return float(np.exp(-np.log(p).mean()))
 
 
-def _features(d: TokenScores, tau: float) -> dict[str, np.ndarray]:
+def _features(d: TokenTable, tau: float) -> dict[str, np.ndarray]:
     """The gate's features by name, transcribed (memlm.mixing.inputs)."""
-    s = d.knn_scores.astype(np.float64) / tau
+    s = d.columns["knn"]["scores"].astype(np.float64) / tau
     lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
-    top_share = (np.exp(s - lse[:, None]) * (d.knn_values == d.knn_values[:, :1])).sum(1)
+    top_share = (np.exp(s - lse[:, None]) * (d.columns["knn"]["values"] == d.columns["knn"]["values"][:, :1])).sum(1)
     return {
-        "lm_entropy": d.lm_entropy, "lm_max_logprob": d.lm_max_logprob, "knn_top_score": d.knn_scores[:, 0],
+        "lm_entropy": d.lm_entropy, "lm_max_logprob": d.lm_max_logprob,
+        "knn_top_score": d.columns["knn"]["scores"][:, 0],
         "knn_logsumexp": lse, "knn_top_value_share": top_share, "knn_empty": np.zeros(len(d)),
-        "ngram_log_n": np.log1p(d.ngram_n), "ngram_log_count": np.log1p(d.ngram_count),
-        "ngram_sparse": d.ngram_sparse.astype(np.float64),
+        "ngram_log_n": np.log1p(d.columns["ngram"]["n"]), "ngram_log_count": np.log1p(d.columns["ngram"]["count"]),
+        "ngram_sparse": d.columns["ngram"]["sparse"].astype(np.float64),
     }  # fmt: skip
 
 
-def _gate_ppl(m: dict, d: TokenScores, tau: float | None) -> float:
+def _gate_ppl(m: dict, d: TokenTable, tau: float | None) -> float:
     """A stored mixture record on dump ``d``: standardised features, logits, softmax, the weighted components."""
     feats = _features(d, tau or 1.0)
     z = (np.stack([np.asarray(feats[f], dtype=np.float64) for f in m["feature_names"]], 1) - m["feature_mean"]) / m[
@@ -77,14 +78,17 @@ def _gate_ppl(m: dict, d: TokenScores, tau: float | None) -> float:
     a = z @ np.asarray(m["W"]).T + b
     lam = np.exp(a - a.max(1, keepdims=True))
     lam /= lam.sum(1, keepdims=True)
-    comps = {"lm": np.exp(d.lm_logprob.astype(np.float64)), "ngram": np.exp(d.ngram_logprob.astype(np.float64))}
+    comps = {
+        "lm": np.exp(d.lm_logprob.astype(np.float64)),
+        "ngram": np.exp(d.columns["ngram"]["logprob"].astype(np.float64)),
+    }
     if tau is not None:
         comps["knn"] = _p_knn(d, tau)
     p = np.stack([comps[c] for c in m["components"]], 1)
     return _ppl((lam * p).sum(1))
 
 
-def _fits(slice_dump: TokenScores) -> dict:
+def _fits(slice_dump: TokenTable) -> dict:
     """The stored fits as a build makes them (fit_dump on the slice, one memory each), and their combination."""
     knn = fit_dump(demo._view(slice_dump, "knn_ppl"), [2.0, 5.0], K)
     ngram = fit_dump(demo._view(slice_dump, "ngram_ppl"), (1.0,))

@@ -8,9 +8,11 @@ import torch
 from conftest import Doc
 from test_datastore import build
 
-from memlm.knnlm.cache import continuous_cache
-from memlm.knnlm.evaluate import TokenScores, perplexities, score_tokens, tune
+from memlm.knnlm.cache import CacheComponent, continuous_cache
+from memlm.knnlm.evaluate import perplexities, tune
 from memlm.knnlm.generate import MixtureLogitsProcessor
+from memlm.knnlm.scoring import score_tokens
+from memlm.knnlm.table import TokenTable
 from memlm.storage.index import build_index
 
 
@@ -55,7 +57,7 @@ def test_rare_continuation_seen_once_gets_probability_raised(tmp_path, tiny_lm, 
     from memlm.core.distribution import mix
     from memlm.mixing.inputs import memory_logprob
 
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0)
+    knn = memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, 1.0)
     mixed = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[1 - lam, lam])
     assert ts.lm_logprob[pos] < np.log(1e-3)  # the random LM has no idea
     assert mixed[pos].exp() > 0.2  # the datastore remembers it
@@ -68,21 +70,21 @@ def test_drop_self_matches(tmp_path, tiny_lm, toy_docs):
     kw = {"k": 4, "window": 32, "min_context": 8, "progress": False}
     with_self = score_tokens(model, tok, toy_docs[:5], ds, **kw)
     # the evaluated text is the datastore's: every token finds itself at distance ~0
-    assert (with_self.knn_scores[:, 0] > -1e-2).all()
+    assert (with_self.columns["knn"]["scores"][:, 0] > -1e-2).all()
     no_self = score_tokens(model, tok, toy_docs[:5], ds, drop_self_matches=True, **kw)
-    assert (no_self.knn_scores[:, 0] < -1e-2).mean() > 0.9
+    assert (no_self.columns["knn"]["scores"][:, 0] < -1e-2).mean() > 0.9
     assert perplexities(no_self, lam=0.5)["knn_ppl"] > perplexities(with_self, lam=0.5)["knn_ppl"]
 
 
 def test_tune_and_dump_roundtrip(tmp_path, tiny_lm, toy_docs):
     model, tok = tiny_lm
     ds = indexed(tmp_path, tiny_lm, toy_docs[:20])
-    ts = score_tokens(model, tok, toy_docs[20:], ds, k=16, window=32, min_context=8, cache=True, progress=False)
+    ts = score_tokens(model, tok, toy_docs[20:], [ds, CacheComponent()], k=16, window=32, min_context=8, progress=False)
     path = tmp_path / "dump.npz"
     ts.save(path)
-    back = TokenScores.load(path)
-    np.testing.assert_array_equal(back.knn_values, ts.knn_values)
-    assert back.meta["k"] == 16
+    back = TokenTable.load(path)
+    np.testing.assert_array_equal(back.columns["knn"]["values"], ts.columns["knn"]["values"])
+    assert back.meta["components"]["knn"]["k"] == 16 and back.names() == ("knn", "cache")
     res = tune(back, lambdas=[0.0, 0.1, 0.5, 0.9], temperatures=[1.0, 10.0], cache_lambdas=[0.0, 0.1])
     grid = {(g["lambda"], g["temperature"], g["cache_lambda"]): g["ppl"] for g in res["grid"]}
     assert res["best"]["ppl"] == min(grid.values())
@@ -151,8 +153,8 @@ def test_pipelined_search_equals_searching_after_the_forward_pass(tmp_path, tiny
     plain = score_tokens(model, tok, probe, ds, k=8, window=32, min_context=8, batch_size=2, progress=False)
     piped = score_tokens(model, tok, probe, ds, k=8, window=32, min_context=8, batch_size=2, progress=False,
                          pipeline=True)  # fmt: skip
-    np.testing.assert_array_equal(piped.knn_values, plain.knn_values)
-    np.testing.assert_array_equal(piped.knn_scores, plain.knn_scores)
+    np.testing.assert_array_equal(piped.columns["knn"]["values"], plain.columns["knn"]["values"])
+    np.testing.assert_array_equal(piped.columns["knn"]["scores"], plain.columns["knn"]["scores"])
     assert piped.meta["retrieval"]["pipeline"] and not plain.meta["retrieval"]["pipeline"]
 
 
@@ -163,12 +165,17 @@ def test_pointer_reuse_in_eval_skips_searches_and_equals_plain_search_when_it_ne
     kw = dict(k=8, window=32, min_context=8, progress=False)
     plain = score_tokens(model, tok, probe, ds, scores="exact", **kw)  # pointer reuse scores every row exactly
     never = score_tokens(model, tok, probe, ds, pointer_min=9, pointer_rule="replace", **kw)  # 8 < 9: always search
-    np.testing.assert_array_equal(np.sort(never.knn_values, 1), np.sort(plain.knn_values, 1))
-    assert never.searched.all() and never.meta["scores"] == "exact"
+    np.testing.assert_array_equal(
+        np.sort(never.columns["knn"]["values"], 1), np.sort(plain.columns["knn"]["values"], 1)
+    )
+    assert never.columns["knn"]["searched"].all() and never.meta["components"]["knn"]["scores"] == "exact"
     reuse = score_tokens(model, tok, probe, ds, pointer_min=1, **kw)
-    assert 0 < reuse.searched.mean() < 0.9 and reuse.meta["retrieval"]["pointer_rule"] == "retomaton"
-    searched = reuse.searched
-    for got, want in zip(reuse.knn_values[searched], plain.knn_values[searched], strict=True):
+    searched = reuse.columns["knn"]["searched"]
+    assert 0 < searched.mean() < 0.9 and reuse.meta["retrieval"]["pointer_rule"] == "retomaton"
+    searched = reuse.columns["knn"]["searched"]
+    for got, want in zip(
+        reuse.columns["knn"]["values"][searched], plain.columns["knn"]["values"][searched], strict=True
+    ):
         assert set(want) <= set(got)  # the search results (and, with the authors' rule, surviving pointers)
     assert perplexities(reuse, lam=0.25)["searched_fraction"] == pytest.approx(searched.mean())
 
@@ -182,8 +189,8 @@ def test_pointer_reuse_with_self_matches_dropped_searches_and_keeps_neighbours(t
     kw = dict(k=8, window=32, min_context=8, drop_self_matches=True)
     ts = score_tokens(model, tok, toy_docs[:3], ds, pointer_min=1, progress=True, **kw)
     err = capsys.readouterr().err
-    assert (ts.knn_values >= 0).any(1).mean() > 0.95  # every row keeps neighbours other than itself
-    assert ts.searched.mean() > 0.2
+    assert (ts.columns["knn"]["values"] >= 0).any(1).mean() > 0.95  # every row keeps neighbours other than itself
+    assert ts.columns["knn"]["searched"].mean() > 0.2
     assert "pointer search" in err and re.search(r"(?<!pointer )search:", err) is None  # one bar, not one per round
 
 
@@ -218,8 +225,8 @@ def test_adaptive_gate_in_eval_searches_the_requested_fraction_with_the_gate_lam
     gate.save(tmp_path / "gate.npz")
     kw = dict(k=8, window=32, min_context=8, progress=False)
     plain = score_tokens(model, tok, toy_docs[3:5], ds, **kw)
-    ts = score_tokens(model, tok, toy_docs[3:5], ds, adaptive=tmp_path / "gate.npz", adaptive_fraction=0.5,
-                      cache=True, **kw)  # fmt: skip
+    ts = score_tokens(model, tok, toy_docs[3:5], [ds, CacheComponent()], adaptive=tmp_path / "gate.npz",
+                      adaptive_fraction=0.5, **kw)  # fmt: skip
     # the gate's λ from the formula, on the features of the module docstring (entropy, max log p, log(1 + position))
     f = np.stack([ts.lm_entropy, ts.lm_max_logprob, np.log1p(ts.position)], axis=1).astype(np.float64)
     lam = 1.0 / (1.0 + np.exp(-(((f - mean) / std) @ w + b)))
@@ -227,21 +234,24 @@ def test_adaptive_gate_in_eval_searches_the_requested_fraction_with_the_gate_lam
     top = np.argsort(-lam, kind="stable")[: round(0.5 * len(ts))]  # the half with the largest λ is searched
     want_searched = np.zeros(len(ts), bool)
     want_searched[top] = True
-    np.testing.assert_array_equal(ts.searched, want_searched)
-    np.testing.assert_array_equal(ts.knn_values[ts.searched], plain.knn_values[ts.searched])
-    assert (ts.knn_values[~ts.searched] == -1).all()
+    np.testing.assert_array_equal(ts.columns["knn"]["searched"], want_searched)
+    np.testing.assert_array_equal(
+        ts.columns["knn"]["values"][ts.columns["knn"]["searched"]],
+        plain.columns["knn"]["values"][ts.columns["knn"]["searched"]],
+    )
+    assert (ts.columns["knn"]["values"][~ts.columns["knn"]["searched"]] == -1).all()
     lam_t = np.where(want_searched, lam, 0.0)
-    np.testing.assert_allclose(ts.knn_lambda, lam_t, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ts.columns["knn"]["lambda"], lam_t, rtol=1e-5, atol=1e-7)
 
     p_lm = np.exp(ts.lm_logprob.astype(np.float64))
-    p_knn = _np_memory_prob(ts.knn_scores, ts.knn_values, ts.targets, 2.0)
+    p_knn = _np_memory_prob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, 2.0)
     got = perplexities(ts, temperature=2.0)
     want = np.exp(-np.log((1 - lam_t) * p_lm + lam_t * p_knn).mean())
     assert got["knn_ppl"] == pytest.approx(want, rel=1e-5)
     assert got["lambda"] == "adaptive" and got["searched_fraction"] == want_searched.mean()
 
     lc = 0.3
-    p_cache = _np_memory_prob(ts.cache_scores, ts.cache_values, ts.targets, 1.5)
+    p_cache = _np_memory_prob(ts.columns["cache"]["scores"], ts.columns["cache"]["values"], ts.targets, 1.5)
     assert 0 < p_cache.mean() and (lam_t > 1 - lc).any()  # the cache matters and the cap on λ_t is exercised
     capped = np.minimum(lam_t, 1 - lc)
     want = np.exp(-np.log((1 - capped - lc) * p_lm + capped * p_knn + lc * p_cache).mean())

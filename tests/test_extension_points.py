@@ -19,8 +19,9 @@ from test_datastore import build
 
 from memlm.core.config import RetrievalConfig
 from memlm.core.memory import Retrieved
-from memlm.knnlm.evaluate import EFFICIENCY_STRATEGIES, lm_scores, perplexities, score_tokens
+from memlm.knnlm.evaluate import EFFICIENCY_STRATEGIES, lm_scores, perplexities
 from memlm.knnlm.generate import MixtureLogitsProcessor, generate_text
+from memlm.knnlm.scoring import score_tokens
 from memlm.mixing.datastore import DatastoreComponent
 from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.retrieval import DatastoreMemory
@@ -91,13 +92,13 @@ class UnsureConfig(RetrievalConfig):
 
 def search_when_unsure(ts, queries, memory, config, provenance, progress):
     """A toy adaptive retrieval: search (and interpolate with λ = LAM) only where the LM's entropy exceeds
-    ``min_entropy``; elsewhere λ_t = 0 and nothing is searched."""
-    ts.searched = ts.lm_entropy > config.min_entropy
-    ts.knn_lambda = np.where(ts.searched, LAM, 0.0).astype(np.float32)
+    ``min_entropy``; elsewhere λ_t = 0 and nothing is searched (the datastore's ``searched`` and ``lambda``
+    columns)."""
+    searched = ts.lm_entropy > config.min_entropy
     scores = np.full((len(queries), config.k), -np.inf, np.float32)
     ids = np.full((len(queries), config.k), -1, np.int64)
-    scores[ts.searched], ids[ts.searched] = memory.search_ids(queries[ts.searched], config.k)
-    return scores, ids
+    scores[searched], ids[searched] = memory.search_ids(queries[searched], config.k)
+    return scores, ids, {"searched": searched, "lambda": np.where(searched, LAM, 0.0).astype(np.float32)}
 
 
 # ----------------------------------------------------------------------------------------------------- checks
@@ -134,7 +135,10 @@ def test_new_memory_through_score_tokens(tiny_lm, memory):
     model, tok = tiny_lm
     docs = make_toy_docs(3, seed=8)
     ts = score_tokens(model, tok, docs, memory, k=K, window=W, min_context=C, progress=False)
-    assert ts.meta["memory"] == "sentences" and ts.knn_scores.shape == (len(ts.targets), K)
+    assert ts.meta["components"]["knn"]["memory"] == "sentences" and ts.columns["knn"]["scores"].shape == (
+        len(ts.targets),
+        K,
+    )
     got = perplexities(ts, lam=LAM, temperature=TAU)["knn_ppl"]
     ref = _brute_ppl(model, tok, docs, memory.keys, memory.values, memory.key_spec)
     assert got == pytest.approx(ref, rel=1e-4)
@@ -147,13 +151,14 @@ def test_new_searcher_through_score_tokens(tiny_lm, ds):
     docs = make_toy_docs(3, seed=8)
     toy = DatastoreMemory(ds, searcher=NumpySearcher(ds.keys))
     ts = score_tokens(model, tok, docs, toy, k=K, window=W, min_context=C, progress=False)
-    assert ts.meta["searcher"] == {"search": "numpy"} and ts.meta["datastore"] == str(ds.path)
+    described = ts.meta["components"]["knn"]
+    assert described["searcher"] == {"search": "numpy"} and described["datastore"] == str(ds.path)
     got = perplexities(ts, lam=LAM, temperature=TAU)["knn_ppl"]
     ref = _brute_ppl(model, tok, docs, np.asarray(ds.keys, np.float32), np.asarray(ds.values), ds.key_spec)
     assert got == pytest.approx(ref, rel=1e-4)
     # a memory over a datastore keeps every option: RetoMaton's pointers reuse the toy searcher's results
     reuse = score_tokens(model, tok, docs, toy, k=K, window=W, min_context=C, progress=False, pointer_min=2)
-    assert reuse.searched is not None and 0 < reuse.searched.mean() < 1
+    assert 0 < reuse.columns["knn"]["searched"].mean() < 1
 
 
 def _one_step(model, tok, mem, prompt):
@@ -231,7 +236,7 @@ def test_new_retrieval_method_through_score_tokens(tiny_lm, ds, monkeypatch):
     config = UnsureConfig(k=K, window=W, min_context=C, min_entropy=threshold)
     toy = DatastoreMemory(ds, searcher=NumpySearcher(ds.keys))  # the toy searcher above: no FAISS index needed
     ts = score_tokens(model, tok, docs, toy, config, progress=False)
-    assert ts.meta["retrieval"]["min_entropy"] == threshold and 0 < ts.searched.mean() < 1
+    assert ts.meta["retrieval"]["min_entropy"] == threshold and 0 < ts.columns["knn"]["searched"].mean() < 1
     got = perplexities(ts, lam=LAM, temperature=TAU)["knn_ppl"]
     keys, values, q = np.asarray(ds.keys, np.float32), np.asarray(ds.values), queries[ds.key_spec]
     total = 0.0

@@ -125,7 +125,7 @@ def _eval_property(ds_dir, flag: str, value: str) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cli, "_load_model", reached)
-        argv = ["eval", "--corpus", "wiki", "--datastore", str(ds_dir), "--min-context", "8", "--window", "32"]
+        argv = ["eval", "--corpus", "wiki", "--memory", str(ds_dir), "--min-context", "8", "--window", "32"]
         code, err = _run([*argv, "--k", "4", flag, value] if flag != "--k" else [*argv, flag, value])
     valid = EVAL_FLAGS[flag](value)
     if flag == "--k" and valid and int(value) > 1024:
@@ -152,18 +152,20 @@ def test_fuzz_eval_numbers_campaign(ds_dir, flag, value):
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
+    from memlm.mixing.datastore import DatastoreComponent
 
     rng = np.random.default_rng(0)
     n = 30
     path = tmp_path_factory.mktemp("fuzz-dump") / "valid.npz"
-    TokenScores(
+    table = TokenTable(
         targets=rng.integers(0, 50, n),
         lm_logprob=np.log(rng.random(n) + 1e-3).astype(np.float32),
         doc_index=np.zeros(n, np.int32),
-        knn_scores=-np.sort(rng.random((n, 8)), axis=1).astype(np.float32),
-        knn_values=rng.integers(0, 50, (n, 8)).astype(np.int32),
-    ).save(path)
+    )
+    table.add(DatastoreComponent(None, 8), {"scores": -np.sort(rng.random((n, 8)), axis=1).astype(np.float32),
+                                            "values": rng.integers(0, 50, (n, 8)).astype(np.int32)})  # fmt: skip
+    table.save(path)
     return path
 
 

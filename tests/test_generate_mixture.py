@@ -184,11 +184,12 @@ def gate_fit(tmp_path_factory):
     """``memlm tune --mixture gate`` on a dump with a datastore's neighbours and one ∞-gram (no cache) where the
     neighbours hold the target exactly when the nearest is close: a gate on the top score beats constant weights."""
     root = tmp_path_factory.mktemp("fit")
-    valid = synthetic_dump(0, n=1200)
-    valid.cache_scores = valid.cache_values = None
-    close = valid.knn_scores[:, :1] > np.median(valid.knn_scores[:, 0])
-    held = valid.knn_values >= 0
-    valid.knn_values = np.where(held, np.where(close, valid.targets[:, None], (valid.targets[:, None] + 1) % 12), -1)
+    valid = synthetic_dump(0, n=1200).select(["knn", "ngram"])
+    close = valid.columns["knn"]["scores"][:, :1] > np.median(valid.columns["knn"]["scores"][:, 0])
+    held = valid.columns["knn"]["values"] >= 0
+    valid.columns["knn"]["values"] = np.where(
+        held, np.where(close, valid.targets[:, None], (valid.targets[:, None] + 1) % 12), -1
+    )
     valid.save(root / "v.npz")
     fit = root / "fit.json"
     argv = ["tune", "--valid", str(root / "v.npz"), "--mixture", "gate", "--temperatures", "2", "--json", str(fit)]

@@ -283,7 +283,7 @@ def test_cli_builds_on_int8_and_refuses_a_float32_query(tmp_path):
     assert r.returncode == 0, r.stderr
     path = json.loads((tmp_path / "ds" / "manifest.json").read_text())["build"]["compute_path"]
     assert path["quantize"] == "int8" and path["int8"]["calibration"] == "wiki train"
-    r = memlm("eval", *common, "--corpus", str(corpora["test"]), "--datastore", str(tmp_path / "ds"))
+    r = memlm("eval", *common, "--corpus", str(corpora["test"]), "--memory", str(tmp_path / "ds"))
     assert r.returncode == 2 and "built on compute path float32+sdpa+int8" in r.stderr
 
 

@@ -173,7 +173,7 @@ def test_eval_refuses_a_file_of_the_memorys_documents_and_records_allow_overlap(
     docs = make_toy_docs(40, seed=11)
     mixed = _jsonl(tmp_path / "mixed.jsonl", [Doc(f"copy{i}", d.text) for i, d in enumerate(docs[:3])]
                    + make_toy_docs(4, seed=12))  # fmt: skip
-    args = _eval_args(tiny_lm_dir, mixed, "--datastore", str(built / "ds"), "--ngram", str(built / "ix"))
+    args = _eval_args(tiny_lm_dir, mixed, "--memory", str(built / "ds"), "--memory", str(built / "ix"))
     capsys.readouterr()
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
@@ -187,8 +187,7 @@ def test_eval_refuses_a_file_of_the_memorys_documents_and_records_allow_overlap(
     assert [o["documents"] for o in res["leakage"]["overlap"]] == [3, 3]
     clean = _jsonl(tmp_path / "clean.jsonl", make_toy_docs(4, seed=12))
     assert (
-        main([*_eval_args(tiny_lm_dir, clean, "--datastore", str(built / "ds")), "--json", str(tmp_path / "c.json")])
-        == 0
+        main([*_eval_args(tiny_lm_dir, clean, "--memory", str(built / "ds")), "--json", str(tmp_path / "c.json")]) == 0
     )
     assert json.loads((tmp_path / "c.json").read_text())["leakage"] == {
         "allow_overlap": False, "overlap": [], "notes": [], "memories": [f"datastore {built / 'ds'}"]}  # fmt: skip
@@ -236,17 +235,17 @@ def dumps(built, tiny_lm_dir, tmp_path_factory):
     build_ngram_index(gpt2_tokenizer(), make_toy_docs(30, seed=23), other, source={"corpus": "toy2"}, progress=False)
     out = {}
     for name, corpus in (("valid", valid), ("test", test)):
-        for mem, flags in (("ds", ["--datastore", str(built / "ds"), "--lambda", "0.25"]),
-                           ("ix", ["--ngram", str(built / "ix")]), ("ix2", ["--ngram", str(other)])):  # fmt: skip
+        for mem, flags in (("ds", ["--memory", str(built / "ds"), "--lambda", "0.25"]),
+                           ("ix", ["--memory", str(built / "ix")]), ("ix2", ["--memory", str(other)])):  # fmt: skip
             out[f"{name}_{mem}"] = root / f"{name}_{mem}.npz"
             assert main([*_eval_args(tiny_lm_dir, corpus, *flags), "--dump", str(out[f"{name}_{mem}"])]) == 0
     return out
 
 
 def _edited(dumps, name, tmp_path, **meta):
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
-    ts = TokenScores.load(dumps[name])
+    ts = TokenTable.load(dumps[name])
     for k, v in meta.items():
         if isinstance(v, dict):
             ts.meta[k] = {**ts.meta.get(k, {}), **v}
@@ -308,10 +307,13 @@ def test_check_dumps_compares_every_memory_of_the_pair():
     def dump(**meta):
         return SimpleNamespace(meta={"model": "m", "source": {"corpus": "a.txt", "split": "valid"}, **meta})
 
-    same = {"datastore": "ds", "datastore_entries": 10, "datastore_build_id": "b1"}
+    knn = {"kind": "knn", "datastore": "ds", "datastore_entries": 10}
+    same = {"datastore_build_id": "b1", "components": {"knn": knn}}
     check_dumps(dump(**same), dump(**same))
-    for other in ({**same, "datastore_entries": 11}, {**same, "datastore_build_id": "b2"}, {},
-                  {**same, "ngram": "ix", "ngram_build_id": "n1"}):  # fmt: skip
+    ngram = {"kind": "ngram", "ngram": "ix", "ngram_build_id": "n1"}
+    others = ({**same, "components": {"knn": {**knn, "datastore_entries": 11}}}, {**same, "datastore_build_id": "b2"},
+              {}, {**same, "components": {"knn": knn, "ngram": ngram}})  # fmt: skip
+    for other in others:
         with pytest.raises(MemlmError, match="other memories or another model"):
             check_dumps(dump(**same), dump(**other))
 
@@ -324,7 +326,7 @@ def test_eval_on_split_all_of_the_memorys_named_corpus(tiny_lm_dir, tmp_path, ca
     ix = tmp_path / "ix"
     build_ngram_index(gpt2_tokenizer(), make_toy_docs(5), ix, source={"corpus": "bbc", "split": "train"},
                       progress=False)  # fmt: skip
-    args = [*_eval_args(tiny_lm_dir, "bbc", "--ngram", str(ix), "--max-tokens", "200")]
+    args = [*_eval_args(tiny_lm_dir, "bbc", "--memory", str(ix), "--max-tokens", "200")]
     capsys.readouterr()
     assert main([*args, "--split", "all"]) == 2
     err = capsys.readouterr().err

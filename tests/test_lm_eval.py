@@ -17,7 +17,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from memlm.core.distribution import mix  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
-from memlm.knnlm.evaluate import score_tokens  # noqa: E402
+from memlm.knnlm.cache import CacheComponent  # noqa: E402
+from memlm.knnlm.scoring import score_tokens  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
 from memlm.mixing.inputs import memory_logprob
 from memlm.storage.index import build_index  # noqa: E402
@@ -153,17 +154,19 @@ def test_rolling_equals_memlm_eval(tiny_lm, ds, cache):
         model,
         tok,
         [Doc("empty", ""), Doc("text", text)],
-        ds,
+        [ds, CacheComponent()] if cache else [ds],
         k=k,
         window=window,
         min_context=min_context,
-        cache=cache,
         progress=False,
     )
-    comps = [torch.from_numpy(ts.lm_logprob), memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, tau)]
+    comps = [
+        torch.from_numpy(ts.lm_logprob),
+        memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, tau),
+    ]
     weights = [1 - lam, lam]
     if cache:
-        comps.append(memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, 1.0))
+        comps.append(memory_logprob(ts.columns["cache"]["scores"], ts.columns["cache"]["values"], ts.targets, 1.0))
         weights = [1 - lam - cache_lam, lam, cache_lam]
     per_token = mix(comps, weights=weights).double().numpy()
     assert len(per_token) == n + 1  # the text's tokens, then the final EOS

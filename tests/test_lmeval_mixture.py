@@ -380,8 +380,9 @@ def test_one_mixture_gives_the_same_log_p_in_scoring_generation_wrap_and_lm_eval
     from conftest import Doc
 
     import memlm
-    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.cache import CacheComponent
     from memlm.knnlm.generate import MixtureLogitsProcessor
+    from memlm.knnlm.scoring import score_tokens
     from memlm.ngram.memory import NgramMemory
 
     model, tok = tiny_lm
@@ -397,9 +398,8 @@ def test_one_mixture_gives_the_same_log_p_in_scoring_generation_wrap_and_lm_eval
     got = lm.rolling_token_logprobs(tokens)
     # memlm eval on the stream [EOS] + text + [EOS]: an empty document, then the text
     docs = [Doc("empty", ""), Doc("text", text)]
-    ts = score_tokens(model, tok, docs, ds1, k=K, window=window, min_context=min_context, cache="cache" in components,
-                      progress=False)  # fmt: skip
-    NgramMemory(ng1).attach(ts, docs, tok)
+    memories = [ds1, NgramMemory(ng1), *([CacheComponent()] if "cache" in components else [])]
+    ts = score_tokens(model, tok, docs, memories, k=K, window=window, min_context=min_context, progress=False)
     scored = DumpMixture.from_dict(json.loads(fit.read_text())).logprob(ts).numpy()
     assert len(scored) == len(tokens) + 1  # the text's tokens, then the final EOS
     np.testing.assert_allclose(got, scored[: len(tokens)], rtol=1e-5)

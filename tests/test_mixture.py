@@ -27,9 +27,13 @@ from memlm.core.mixture import (
     sparse_state_features,
 )
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import TokenScores, perplexities
+from memlm.knnlm.cache import CacheComponent
+from memlm.knnlm.evaluate import perplexities
+from memlm.knnlm.table import TokenTable
+from memlm.mixing.datastore import DatastoreComponent
 from memlm.mixing.inputs import mixture_inputs
 from memlm.ngram.mixture import ngram_report
+from memlm.ngram.step import NgramComponent
 
 # ------------------------------------------------------------------------------------------------ NumPy references
 
@@ -158,7 +162,7 @@ def test_a_gate_with_w_zero_is_the_constant_mixture():
 # ------------------------------------------------------------------------------------- today's formulas reproduced
 
 
-def synthetic_dump(seed: int = 0, n: int = 300, vocab: int = 12, k: int = 8, refs: int = 1) -> TokenScores:
+def synthetic_dump(seed: int = 0, n: int = 300, vocab: int = 12, k: int = 8, refs: int = 1) -> TokenTable:
     """A dump with every memory memlm scores: kNN neighbours, the cache, ∞-gram references."""
     rng = np.random.default_rng(seed)
     targets = rng.integers(0, vocab, n)
@@ -180,26 +184,22 @@ def synthetic_dump(seed: int = 0, n: int = 300, vocab: int = 12, k: int = 8, ref
         ng["n"].append(rng.integers(1, 20, n).astype(np.int32))
         ng["count"].append(rng.integers(1, 1000, n))
         ng["sparse"].append(sparse)
-    extra = {f"ngram_extra_{f}": np.stack(v[1:], 1) for f, v in ng.items()} if refs > 1 else {}
-    return TokenScores(
+    table = TokenTable(
         targets=targets.astype(np.int64),
         lm_logprob=lm[np.arange(n), targets].astype(np.float32),
         doc_index=(np.arange(n) // 50).astype(np.int32),
-        knn_scores=knn_scores,
-        knn_values=knn_values,
-        cache_scores=cache_scores,
-        cache_values=cache_values,
         lm_entropy=(-(np.exp(lm) * lm).sum(1)).astype(np.float32),
         lm_max_logprob=lm.max(1).astype(np.float32),
-        **{f"ngram_{f}": v[0] for f, v in ng.items()},
-        **extra,
     )
+    table.add(DatastoreComponent(None, k), {"scores": knn_scores, "values": knn_values})
+    for r in range(refs):
+        table.add(NgramComponent(None), {f: v[r] for f, v in ng.items()})
+    table.add(CacheComponent(), {"scores": cache_scores, "values": cache_values})
+    return table
 
 
 def test_constant_mixture_is_khandelwals_interpolation():
-    ts = synthetic_dump(1)
-    ts.cache_scores = ts.cache_values = None
-    ts.ngram_logprob = ts.ngram_n = ts.ngram_count = ts.ngram_sparse = None
+    ts = synthetic_dump(1).select(["knn"])
     lam, tau = 0.3, 2.0
     inp = mixture_inputs(ts, temperature=tau)
     assert inp.components == ("lm", "knn")
@@ -212,7 +212,7 @@ def test_constant_mixture_is_khandelwals_interpolation():
 
 def test_constant_mixture_is_the_kNN_plus_cache_mixture():
     ts = synthetic_dump(2)
-    ts.ngram_logprob = ts.ngram_n = ts.ngram_count = ts.ngram_sparse = None
+    ts = ts.select(["knn", "cache"])
     lam, tau, lam_c, tau_c = 0.25, 3.0, 0.1, 0.5
     inp = mixture_inputs(ts, temperature=tau, cache_temperature=tau_c)
     assert inp.components == ("lm", "knn", "cache")
@@ -238,31 +238,29 @@ def sparse_flag_gate(components, feature_names, w_sparse, w_dense) -> Mixture:
 
 
 def test_a_gate_on_the_sparse_flag_is_infinigrams_two_lambdas():
-    ts = synthetic_dump(3)
-    ts.cache_scores = ts.cache_values = ts.knn_scores = ts.knn_values = None
+    ts = synthetic_dump(3).select(["ngram"])
     ls, ld = 0.6, 0.07
     inp = mixture_inputs(ts)
     assert inp.components == ("lm", "ngram")
     mix = sparse_flag_gate(inp.components, inp.feature_names, [1 - ls, ls], [1 - ld, ld])
     got = mix.logprob(inp.logprobs, inp.features)
-    lam_inf = np.where(ts.ngram_sparse, ls, ld)  # Liu et al. 2024, Sec. 5, in NumPy
+    lam_inf = np.where(ts.columns["ngram"]["sparse"], ls, ld)  # Liu et al. 2024, Sec. 5, in NumPy
     want = np.log((1 - lam_inf) * np.exp(inp.logprobs[:, 0]) + lam_inf * np.exp(inp.logprobs[:, 1]))
     assert np.allclose(got.numpy(), want, rtol=0, atol=1e-12)
     lam = mix.log_weights(inp.features).exp()[:, 1].numpy()
-    assert np.allclose(lam, np.where(ts.ngram_sparse, ls, ld), rtol=0, atol=1e-15)
+    assert np.allclose(lam, np.where(ts.columns["ngram"]["sparse"], ls, ld), rtol=0, atol=1e-15)
     assert np.isclose(perplexity(got), ngram_report(ts, ls, ld)["ngram_ppl"], rtol=1e-6)
 
 
 def test_a_gate_on_the_sparse_flag_is_the_three_way_kNN_and_ngram_mixture():
-    ts = synthetic_dump(4)
-    ts.cache_scores = ts.cache_values = None
+    ts = synthetic_dump(4).select(["knn", "ngram"])
     lam, tau, ls, ld = 0.2, 2.0, 0.5, 0.05
     inp = mixture_inputs(ts, temperature=tau)
     assert inp.components == ("lm", "knn", "ngram")
     mix = sparse_flag_gate(inp.components, inp.feature_names, [1 - lam - ls, lam, ls], [1 - lam - ld, lam, ld])
     got = mix.logprob(inp.logprobs, inp.features)
     p = np.exp(inp.logprobs)  # lm, knn, ngram
-    lam_inf = np.where(ts.ngram_sparse, ls, ld)  # (1 - λ - λ∞) p_LM + λ p_kNN + λ∞ P∞, in NumPy
+    lam_inf = np.where(ts.columns["ngram"]["sparse"], ls, ld)  # (1 - λ - λ∞) p_LM + λ p_kNN + λ∞ P∞, in NumPy
     want = np.log((1 - lam - lam_inf) * p[:, 0] + lam * p[:, 1] + lam_inf * p[:, 2])
     assert np.allclose(got.numpy(), want, rtol=0, atol=1e-12)
     today = ngram_report(ts, ls, ld, lam=lam, temperature=tau)["knn_ngram_ppl"]
@@ -278,7 +276,7 @@ def test_mixture_inputs_features_match_numpy():
     inp = mixture_inputs(ts, temperature=tau, k=k, cache_temperature=0.5)
     assert inp.components == ("lm", "knn", "ngram", "ngram2", "cache")
     col = {name: inp.features[:, i] for i, name in enumerate(inp.feature_names)}
-    s, v = ts.knn_scores[:, :k].astype(np.float64), ts.knn_values[:, :k]
+    s, v = ts.columns["knn"]["scores"][:, :k].astype(np.float64), ts.columns["knn"]["values"][:, :k]
     valid = v >= 0
     e = np.where(valid, np.exp(s / tau), 0.0)
     assert np.allclose(col["knn_top_score"], s[:, 0])
@@ -288,13 +286,13 @@ def test_mixture_inputs_features_match_numpy():
     with np.errstate(divide="ignore"):
         assert np.allclose(inp.logprobs[:, 1], np.log(hit), atol=1e-6)
         assert np.array_equal(np.isinf(inp.logprobs[:, 1]), hit == 0)
-    assert np.array_equal(col["ngram_sparse"], ts.ngram_sparse.astype(float))
-    assert np.allclose(col["ngram_log_n"], np.log(1 + ts.ngram_n))
-    assert np.allclose(col["ngram2_log_count"], np.log(1 + ts.ngram_extra_count[:, 0]))
-    assert np.array_equal(inp.logprobs[:, 3], ts.ngram_extra_logprob[:, 0].astype(np.float64))
-    empty = ts.cache_values[:, 0] < 0
+    assert np.array_equal(col["ngram_sparse"], ts.columns["ngram"]["sparse"].astype(float))
+    assert np.allclose(col["ngram_log_n"], np.log(1 + ts.columns["ngram"]["n"]))
+    assert np.allclose(col["ngram2_log_count"], np.log(1 + ts.columns["ngram2"]["count"]))
+    assert np.array_equal(inp.logprobs[:, 3], ts.columns["ngram2"]["logprob"].astype(np.float64))
+    empty = ts.columns["cache"]["values"][:, 0] < 0
     assert np.array_equal(col["cache_empty"], empty.astype(float))
-    assert np.allclose(col["cache_top_score"], np.where(empty, 0.0, ts.cache_scores[:, 0]))
+    assert np.allclose(col["cache_top_score"], np.where(empty, 0.0, ts.columns["cache"]["scores"][:, 0]))
     assert np.isfinite(inp.features).all()
     assert np.isneginf(inp.logprobs[empty, 4]).all()
 

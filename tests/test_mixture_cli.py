@@ -18,16 +18,17 @@ from test_mixture import synthetic_dump  # noqa: E402
 
 from memlm.cli import main  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
-from memlm.knnlm.evaluate import TokenScores  # noqa: E402
-from memlm.mixing.dump import DumpMixture, components_of, rule_logprob  # noqa: E402
+from memlm.knnlm.table import TokenTable  # noqa: E402
+from memlm.mixing.datastore import DatastoreComponent  # noqa: E402
+from memlm.mixing.dump import DumpMixture, rule_logprob  # noqa: E402
 
 
-def _save(ts: TokenScores, path: Path) -> str:
+def _save(ts: TokenTable, path: Path) -> str:
     ts.save(path)
     return str(path)
 
 
-def _by_hand(fit: dict, ts: TokenScores) -> np.ndarray:
+def _by_hand(fit: dict, ts: TokenTable) -> np.ndarray:
     """log Σ_i λ_ti p_ti with λ_t = softmax(W (φ_t - mean) / std + b) from the stored fit, in NumPy float64."""
     from memlm.mixing.inputs import mixture_inputs
 
@@ -63,7 +64,7 @@ def test_tune_gate_fits_every_memory_and_compares_with_the_rule(tmp_path, capsys
     chosen = max(fit["search"], key=lambda s: s["heldout_loglik"][s["form"]])  # τ by the kept part's likelihood
     assert chosen["temperature"] == fit["temperature"] and chosen["form"] == fit["fit"]["form"]
     res = g["mixture_test"]
-    ts = TokenScores.load(test)
+    ts = TokenTable.load(test)
     assert res["mixture_ppl"] == pytest.approx(float(np.exp(-_by_hand(g, ts).mean())), rel=1e-9)
     assert res["rule_ppl"] == pytest.approx(g["test"]["knn_ngram_ppl"], rel=1e-9)  # the rule tuned on this valid
     assert res["base_ppl"] == pytest.approx(g["test"]["base_ppl"], rel=1e-12)
@@ -80,9 +81,7 @@ def test_tune_gate_fits_every_memory_and_compares_with_the_rule(tmp_path, capsys
 
 def test_tune_gate_on_a_knn_and_cache_dump_compares_with_the_tuned_cache_rule(tmp_path):
     """Without the ∞-gram the rule is Khandelwal's λ with the cache's λc (Table 1): its test row is the rule's."""
-    v, t = synthetic_dump(2, n=400), synthetic_dump(3)
-    for ts in (v, t):
-        ts.ngram_logprob = ts.ngram_n = ts.ngram_count = ts.ngram_sparse = None
+    v, t = synthetic_dump(2, n=400).select(["knn", "cache"]), synthetic_dump(3).select(["knn", "cache"])
     argv = ["tune", "--valid", _save(v, tmp_path / "v.npz"), "--test", _save(t, tmp_path / "t.npz"), "--mixture",
             "gate", "--cache-lambdas", "0", "0.1", "0.2", "--json", str(tmp_path / "g.json")]  # fmt: skip
     assert main(argv) == 0
@@ -92,7 +91,7 @@ def test_tune_gate_on_a_knn_and_cache_dump_compares_with_the_tuned_cache_rule(tm
     assert g["mixture_test"]["rule_ppl"] == pytest.approx(g["test"][key], rel=1e-6)  # the rule scores in float32
 
 
-def _unrepresentative(seed: int, docs: int, right_in: int, n_per_doc: int = 80) -> TokenScores:
+def _unrepresentative(seed: int, docs: int, right_in: int, n_per_doc: int = 80) -> TokenTable:
     """LM p ~ U(0.05, 0.6); the ∞-gram sparse on 40% of tokens, its estimate right (P∞ = 1) in the first
     ``right_in`` documents and wrong (P∞ = 0) in the others; dense: P∞ = 0.02."""
     ts = synthetic_dump(seed, n=docs * n_per_doc)
@@ -100,12 +99,12 @@ def _unrepresentative(seed: int, docs: int, right_in: int, n_per_doc: int = 80) 
     rng = np.random.default_rng(seed + 100)
     ts.lm_logprob = np.log(rng.uniform(0.05, 0.6, n)).astype(np.float32)
     ts.doc_index = (np.arange(n) // n_per_doc).astype(np.int32)
-    ts.ngram_sparse = rng.random(n) < 0.4
+    ts.columns["ngram"]["sparse"] = rng.random(n) < 0.4
     right = ts.doc_index < right_in
     with np.errstate(divide="ignore"):
-        ts.ngram_logprob = np.where(ts.ngram_sparse, np.log(right.astype(float)), np.log(0.02)).astype(np.float32)
-    ts.knn_scores = ts.knn_values = ts.cache_scores = ts.cache_values = None
-    return ts
+        p = np.where(ts.columns["ngram"]["sparse"], np.log(right.astype(float)), np.log(0.02))
+    ts.columns["ngram"]["logprob"] = p.astype(np.float32)
+    return ts.select(["ngram"])
 
 
 def test_a_gate_fitted_where_it_overfits_ends_no_worse_than_the_lm_on_test(tmp_path, capsys):
@@ -136,7 +135,7 @@ def test_rule_logprob_is_each_rules_formula():
     p = np.exp(mixture_inputs(ts, tau, None, tc).logprobs)  # lm, knn, ngram, cache
     got = rule_logprob(ts, {"knn": lam, "cache": lc}, tau, None, tc).numpy()
     assert np.allclose(got, np.log((1 - lam - lc) * p[:, 0] + lam * p[:, 1] + lc * p[:, 3]), atol=1e-12)
-    lam_ng = np.where(ts.ngram_sparse, ls, ld)
+    lam_ng = np.where(ts.columns["ngram"]["sparse"], ls, ld)
     got = rule_logprob(ts, {"knn": lam, "ngram": (ls, ld)}, tau).numpy()
     assert np.allclose(got, np.log((1 - lam - lam_ng) * p[:, 0] + lam * p[:, 1] + lam_ng * p[:, 2]), atol=1e-12)
     got = rule_logprob(ts, {"knn": lam, "ngram": (ls, ld), "cache": lc}, tau, None, tc).numpy()
@@ -151,9 +150,8 @@ def test_a_stored_fit_refuses_other_memories(tmp_path):
     argv = ["tune", "--valid", _save(v, tmp_path / "v.npz"), "--mixture", "gate", "--json", str(tmp_path / "g.json")]
     assert main(argv) == 0
     dm = DumpMixture.from_dict(json.loads((tmp_path / "g.json").read_text()))
-    assert dm.mixture.components == components_of(True, 1, True)
-    other = synthetic_dump(6)
-    other.cache_scores = other.cache_values = None
+    assert dm.mixture.components == ("lm", "knn", "ngram", "cache")
+    other = synthetic_dump(6).select(["knn", "ngram"])
     with pytest.raises(Exception, match="fitted on components lm, knn, ngram, cache .* gives lm, knn, ngram"):
         dm.logprob(other)
     assert torch.isfinite(dm.logprob(synthetic_dump(6))).all()
@@ -195,7 +193,7 @@ def _eval(tiny_lm_dir, tmp_path, name, seed, extra) -> tuple[dict, str]:
 
 def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, memories, tmp_path, capsys):
     store, index = memories
-    mem = ["--datastore", str(store.path), "--ngram", str(index.path), "--lambda", "0.25", "--temperature", "5"]
+    mem = ["--memory", str(store.path), "--memory", str(index.path), "--lambda", "0.25", "--temperature", "5"]
     _eval(tiny_lm_dir, tmp_path, "valid", 41, mem)
     _, test_docs = _eval(tiny_lm_dir, tmp_path, "test", 42, mem)
     fit = str(tmp_path / "fit.json")
@@ -215,14 +213,14 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
     from memlm.core.distribution import perplexity
     from memlm.core.mixture import Mixture
 
-    again = TokenScores.load(tmp_path / "again.npz")
+    again = TokenTable.load(tmp_path / "again.npz")
     assert set(res["mixtures"]) == {"knn_ppl", "ngram_ppl", "knn_ngram_ppl"}
     for key, record in res["mixtures"].items():
         assert record["form"] == "rule" or key == "knn_ppl"
         assert perplexity(rule_logprob(again, Mixture.from_dict(record), 5.0)) == pytest.approx(res[key], rel=1e-9)
     assert "mixture_ppl" in capsys.readouterr().out
     # other memories: one clear error before the model loads
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--ngram", str(index.path), "--mixture", fit]
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--memory", str(index.path), "--mixture", fit]
     assert main(argv) == 2
     assert "mixes lm, knn, ngram, this eval gives lm, ngram" in capsys.readouterr().err
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", test_docs, "--mixture", str(tmp_path / "valid.json")]
@@ -232,7 +230,7 @@ def test_eval_applies_the_tuned_mixture_and_refuses_other_memories(tiny_lm_dir, 
 
 def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_dir, tiny_lm, memories, tmp_path,
                                                                         capsys):  # fmt: skip
-    """eval --datastore A --datastore B: B's neighbours are what B alone dumps (knn_extra_*); multi_knn_ppl is
+    """eval --memory A --memory B: B's neighbours are what B alone scores (component knn2); multi_knn_ppl is
     (1 - λ_A - λ_B) p_LM + λ_A p_A + λ_B p_B by hand, knn2_ppl is B alone's kNN-LM; tune --mixture gate fits lm,
     knn, knn2 and eval --mixture applies it to the same two datastores (and refuses one)."""
     from memlm.knnlm.write import write_datastore
@@ -243,23 +241,24 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     b = write_datastore(model, tok, make_toy_docs(8, seed=77), tmp_path / "ds-b", window=64, min_context=32,
                         progress=False)  # fmt: skip
     b.build_index(factory="Flat", metric="l2", progress=False)
-    both = ["--datastore", str(a.path), "--datastore", str(b.path), "--lambda", "0.2", "--temperature", "5"]
+    both = ["--memory", str(a.path), "--memory", str(b.path), "--lambda", "0.2", "--temperature", "5"]
     res, _ = _eval(tiny_lm_dir, tmp_path, "ab", 43, both)
-    alone_b, _ = _eval(tiny_lm_dir, tmp_path, "b", 43, ["--datastore", str(b.path), "--lambda", "0.2",
+    alone_b, _ = _eval(tiny_lm_dir, tmp_path, "b", 43, ["--memory", str(b.path), "--lambda", "0.2",
                                                          "--temperature", "5"])  # fmt: skip
-    ts, ts_b = TokenScores.load(tmp_path / "ab.npz"), TokenScores.load(tmp_path / "b.npz")
-    assert ts.knn_extra_scores.shape == (len(ts), 1, 16)
-    np.testing.assert_array_equal(ts.knn_extra_scores[:, 0], ts_b.knn_scores)
-    np.testing.assert_array_equal(ts.knn_extra_values[:, 0], ts_b.knn_values)
+    ts, ts_b = TokenTable.load(tmp_path / "ab.npz"), TokenTable.load(tmp_path / "b.npz")
+    assert ts.names() == ("knn", "knn2") and ts.columns["knn2"]["scores"].shape == (len(ts), 16)
+    np.testing.assert_array_equal(ts.columns["knn2"]["scores"], ts_b.columns["knn"]["scores"])
+    np.testing.assert_array_equal(ts.columns["knn2"]["values"], ts_b.columns["knn"]["values"])
     p = [np.exp(ts.lm_logprob.astype(np.float64))] + [
         np.exp(memory_logprob(s, v, ts.targets, 5.0).numpy().astype(np.float64))
-        for s, v in ((ts.knn_scores, ts.knn_values), (ts_b.knn_scores, ts_b.knn_values))
+        for s, v in ((ts.columns[c]["scores"], ts.columns[c]["values"]) for c in ("knn", "knn2"))
     ]
     want = np.log(0.6 * p[0] + 0.2 * p[1] + 0.2 * p[2])
     assert res["multi_knn_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-9)
     assert res["knn2_ppl"] == pytest.approx(alone_b["knn_ppl"], rel=1e-9)
     assert res["mixtures"]["multi_knn_ppl"]["components"] == ["lm", "knn", "knn2"]
     assert [d["lambda"] for d in res["datastores"]] == [0.2, 0.2] and res["temperatures"] == [5.0, 5.0]
+    assert res["memories"] == f"knn:{a.path}?k=16&temperature=5.0;knn:{b.path}?k=16&temperature=5.0"
     assert "multi_knn_ppl vs base_ppl" in res["differences"]
     _eval(tiny_lm_dir, tmp_path, "ab-test", 44, both)
     fit = str(tmp_path / "fit2.json")
@@ -277,10 +276,11 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     def knn_p(ts, scores, values, t):
         return np.exp(memory_logprob(scores, values, ts.targets, t).numpy().astype(np.float64))
 
-    v = TokenScores.load(tmp_path / "ab.npz")
-    p_lm, p_a = np.exp(v.lm_logprob.astype(np.float64)), knn_p(v, v.knn_scores, v.knn_values, tau)
+    v = TokenTable.load(tmp_path / "ab.npz")
+    p_lm = np.exp(v.lm_logprob.astype(np.float64))
+    p_a = knn_p(v, v.columns["knn"]["scores"], v.columns["knn"]["values"], tau)
     grid = {(l2, t2): float(np.exp(-np.log((1 - lam - l2) * p_lm + lam * p_a + l2 * knn_p(
-        v, v.knn_extra_scores[:, 0], v.knn_extra_values[:, 0], t2)).mean()))
+        v, v.columns["knn2"]["scores"], v.columns["knn2"]["values"], t2)).mean()))
         for l2 in DEFAULT_LAMBDAS for t2 in (1.0, 5.0) if lam + l2 < 1}  # fmt: skip
     l2, t2 = min(grid, key=grid.get)
     assert best["datastores"] == [{"component": "knn2", "lambda": l2, "temperature": t2,
@@ -292,16 +292,16 @@ def test_eval_mixes_two_datastores_by_one_rule_and_the_gate_takes_both(tiny_lm_d
     d = again["differences"]["mixture_ppl vs multi_knn_ppl"]
     assert d["relative_change"] == pytest.approx(again["mixture_ppl"] / again["multi_knn_ppl"] - 1, rel=1e-6)
     capsys.readouterr()
-    one = ["--datastore", str(a.path), "--lambda", "0.2", "--temperature", "5", "--mixture", fit]
+    one = ["--memory", str(a.path), "--lambda", "0.2", "--temperature", "5", "--mixture", fit]
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(tmp_path / "ab.jsonl"), *one]
     assert main(argv) == 2
     assert "mixes lm, knn, knn2, this eval gives lm, knn" in capsys.readouterr().err
 
 
 def test_score_tokens_takes_every_memory_as_one_list(tiny_lm, memories, tmp_path):
-    """memories=[A, ∞-gram, B] dumps what datastore=A, ngram=..., memories=[B] dumps (the old keywords fold into the
-    list), and B's neighbours are B's own search."""
-    from memlm.knnlm.evaluate import score_tokens
+    """memories=[A, ∞-gram, B] scores components knn, ngram, knn2 in one forward pass: each memory's columns are what
+    it scores alone, and B's neighbours are B's own search."""
+    from memlm.knnlm.scoring import score_tokens
     from memlm.ngram.memory import NgramMemory
 
     model, tok = tiny_lm
@@ -310,11 +310,17 @@ def test_score_tokens_takes_every_memory_as_one_list(tiny_lm, memories, tmp_path
     docs = make_toy_docs(3, seed=45)
     opts = {"k": 8, "window": 64, "min_context": 32, "search": "exact", "progress": False}
     one = score_tokens(model, tok, docs, memories=[a, NgramMemory(index), b], **opts)
-    kw = score_tokens(model, tok, docs, a, ngram=NgramMemory(index), memories=[b], **opts)
-    for f in ("knn_scores", "knn_values", "knn_extra_scores", "knn_extra_values", "ngram_logprob", "ngram_sparse"):
-        np.testing.assert_array_equal(getattr(one, f), getattr(kw, f), err_msg=f)
-    np.testing.assert_array_equal(one.knn_extra_scores[:, 0], one.knn_scores)  # B is A: the same neighbours
-    assert [d["datastore"] for d in one.meta["datastores"]] == [str(a.path), str(a.path)]
+    assert one.names() == ("knn", "ngram", "knn2")
+    alone = {
+        "knn": score_tokens(model, tok, docs, a, **opts),
+        "ngram": score_tokens(model, tok, docs, [NgramMemory(index)], **opts),
+    }
+    for name, ts in alone.items():
+        for f, v in ts.columns[name].items():
+            np.testing.assert_array_equal(one.columns[name][f], v, err_msg=f"{name}/{f}")
+    for f in ("scores", "values"):  # B is A: the same neighbours
+        np.testing.assert_array_equal(one.columns["knn2"][f], one.columns["knn"][f])
+    assert [one.meta["components"][n]["datastore"] for n in one.names("knn")] == [str(a.path), str(a.path)]
     with pytest.raises(MemlmError, match="one datastore"):
         score_tokens(model, tok, docs, memories=[a, b], pointer_min=4, **opts)
 
@@ -337,11 +343,14 @@ def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
 
     def by_hand(ts, lc, tc):
         p = np.exp(mixture_inputs(ts, best["temperature"], None, tc).logprobs)  # lm, knn, ngram, cache
-        lam, lam_inf = best["lambda"], np.where(ts.ngram_sparse, best["lambda_sparse"], best["lambda_dense"])
+        lam, lam_inf = (
+            best["lambda"],
+            np.where(ts.columns["ngram"]["sparse"], best["lambda_sparse"], best["lambda_dense"]),
+        )
         mix = (1 - lam - lam_inf - lc) * p[:, 0] + lam * p[:, 1] + lam_inf * p[:, 2] + lc * p[:, 3]
         return float(np.exp(-np.log(mix).mean()))
 
-    v, t = TokenScores.load(valid), TokenScores.load(test)
+    v, t = TokenTable.load(valid), TokenTable.load(test)
     grid = {(lc, tc): by_hand(v, lc, tc) for lc in cache_grid for tc in cache_taus}
     lc, tc = min(grid, key=grid.get)
     assert (best["cache_lambda"], best["cache_temperature"]) == (lc, tc) and lc > 0  # the cache helps here
@@ -355,14 +364,15 @@ def test_tune_weighs_the_cache_beside_the_ngram_rule(tmp_path):
 def test_tune_with_ngram_tunes_a_second_datastore_beside_the_rule(tmp_path):
     """A dump with two datastores and an ∞-gram: tune finds λ, τ, λ_sparse, λ_dense, then knn2's λ_2, τ_2 beside
     them; tune --mixture gate's rule_ppl on test is (1 - λ - λ_2 - λ∞) p_LM + λ p_kNN + λ_2 p_kNN2 + λ∞ P∞ by hand."""
-    from memlm.mixing.inputs import memory_logprob
 
     def two(seed, n):
-        ts = synthetic_dump(seed, n=n)
-        ts.cache_scores = ts.cache_values = None
-        ts.knn_extra_scores = (ts.knn_scores * 0.5)[:, None]  # another datastore's neighbours: other scores
-        ts.knn_extra_values = np.roll(ts.knn_values, 1, axis=0)[:, None]
-        ts.knn_extra_scores[np.roll(ts.knn_values, 1, axis=0)[:, None] < 0] = -np.inf
+        full = synthetic_dump(seed, n=n)
+        ts = full.select(["knn"])
+        knn = ts.columns["knn"]
+        values = np.roll(knn["values"], 1, axis=0)
+        scores = np.where(values < 0, -np.inf, knn["scores"] * 0.5).astype(np.float32)  # another datastore's
+        ts.add(DatastoreComponent(None, values.shape[1]), {"scores": scores, "values": values})
+        ts.add(full.components["ngram"], full.columns["ngram"])
         return ts
 
     valid, test = _save(two(8, 400), tmp_path / "v.npz"), _save(two(9, 300), tmp_path / "t.npz")
@@ -374,12 +384,12 @@ def test_tune_with_ngram_tunes_a_second_datastore_beside_the_rule(tmp_path):
     best = out["valid"]["best"]
     (d,) = best["datastores"]
     assert d["component"] == "knn2" and d["lambda"] in (0, 0.1, 0.2, 0.4) and d["temperature"] in (1, 3)
-    t = TokenScores.load(test)
+    t = TokenTable.load(test)
     p = [np.exp(x.astype(np.float64)) for x in (
-        t.lm_logprob, memory_logprob(t.knn_scores, t.knn_values, t.targets, best["temperature"]).numpy(),
-        memory_logprob(t.knn_extra_scores[:, 0], t.knn_extra_values[:, 0], t.targets, d["temperature"]).numpy(),
-        t.ngram_logprob)]  # fmt: skip
-    lam_inf = np.where(t.ngram_sparse, best["lambda_sparse"], best["lambda_dense"])
+        t.lm_logprob, t.logprob("knn", temperature=best["temperature"]).numpy(),
+        t.logprob("knn2", temperature=d["temperature"]).numpy(),
+        t.columns["ngram"]["logprob"])]  # fmt: skip
+    lam_inf = np.where(t.columns["ngram"]["sparse"], best["lambda_sparse"], best["lambda_dense"])
     lam, lam2 = best["lambda"], d["lambda"]
     want = np.log((1 - lam - lam2 - lam_inf) * p[0] + lam * p[1] + lam2 * p[2] + lam_inf * p[3])
     assert out["mixture_test"]["rule_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-9)

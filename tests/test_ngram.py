@@ -316,13 +316,13 @@ def test_rerun_with_other_corpus_is_refused(tok, corpus, index):
 
 
 def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
-    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.scoring import score_tokens
     from memlm.mixing.dump import rule_logprob
     from memlm.ngram.mixture import ngram_report, tune_ngram
 
     model, tok = tiny_lm
     evals = make_toy_docs(5, seed=21)
-    ts = score_tokens(model, tok, evals, window=64, min_context=32, progress=False, ngram=NgramMemory(index))
+    ts = score_tokens(model, tok, evals, [NgramMemory(index)], window=64, min_context=32, progress=False)
     lm = torch.from_numpy(ts.lm_logprob)
     mixed = rule_logprob(ts, {"ngram": (0.0, 0.0)})  # the rule eval mixes by, at λ_sparse = λ_dense = 0
     assert torch.equal(mixed, lm.double())
@@ -333,7 +333,11 @@ def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
     for i in [0, 5, 17, len(ts) - 1]:
         d = [t for t in _ids(tok, evals[int(ts.doc_index[i])].text)] + [tok.eos_token_id]
         prob, count, n, sparse = brute.infgram(d[: int(ts.position[i])], int(ts.targets[i]))
-        assert (ts.ngram_count[i], ts.ngram_n[i], bool(ts.ngram_sparse[i])) == (count, n, sparse)
+        assert (
+            ts.columns["ngram"]["count"][i],
+            ts.columns["ngram"]["n"][i],
+            bool(ts.columns["ngram"]["sparse"][i]),
+        ) == (count, n, sparse)
     best = tune_ngram(ts)["best"]
     assert best["ppl"] <= rep["base_ppl"] + 1e-9
     assert math.isclose(
@@ -345,7 +349,7 @@ def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_d
     """Tuning λ_sparse, λ_dense per subset for each (λ, τ) finds the optimum of the full product grid."""
     import itertools
 
-    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.scoring import score_tokens
     from memlm.knnlm.write import write_datastore
     from memlm.mixing.inputs import memory_logprob
     from memlm.ngram.mixture import tune_ngram
@@ -356,21 +360,24 @@ def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_d
         model,
         tok,
         make_toy_docs(4, seed=9),
-        ds,
+        [ds, NgramMemory(index)],
         k=16,
         window=64,
         min_context=32,
         search="exact",
         progress=False,
-        ngram=NgramMemory(index),
     )
     lams, taus, ngl = (0.0, 0.2, 0.5), (1.0, 10.0), (0.0, 0.1, 0.3, 0.6)
     res = tune_ngram(ts, lambdas=ngl, knn_lambdas=lams, temperatures=taus)["best"]
-    p_lm, p_ng = np.exp(ts.lm_logprob.astype(np.float64)), np.exp(ts.ngram_logprob.astype(np.float64))
+    p_lm, p_ng = np.exp(ts.lm_logprob.astype(np.float64)), np.exp(ts.columns["ngram"]["logprob"].astype(np.float64))
 
     def ppl(lam, t, a, b):  # (1 - λ - λ∞) p_LM + λ p_kNN + λ∞ P∞, λ∞ = a where sparse else b (by hand, NumPy)
-        p_knn = np.exp(memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t).numpy().astype(np.float64))
-        lam_inf = np.where(ts.ngram_sparse, a, b)
+        p_knn = np.exp(
+            memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, t)
+            .numpy()
+            .astype(np.float64)
+        )
+        lam_inf = np.where(ts.columns["ngram"]["sparse"], a, b)
         return float(np.exp(-np.log((1 - lam - lam_inf) * p_lm + lam * p_knn + lam_inf * p_ng).mean()))
 
     full = min(ppl(*p) for p in itertools.product(lams, taus, ngl, ngl) if p[0] + max(p[2], p[3]) <= 1)
@@ -413,7 +420,7 @@ def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
         str(tiny_lm_dir),
         "--corpus",
         str(docs),
-        "--ngram",
+        "--memory",
         str(out),
         "--window",
         "64",
@@ -492,8 +499,8 @@ def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, corpus, index, 
     docs = tmp_path / "e.jsonl"
     docs.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(6, seed=31)))
     dump, res = tmp_path / "d.npz", tmp_path / "r.json"
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--datastore", str(ds.path), "--k", "8",
-            "--ngram", str(index.path), "--lambda", "0.5", "--temperature", "1", "--ngram-lambda-sparse", "0.9",
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--memory", str(ds.path), "--k", "8",
+            "--memory", str(index.path), "--lambda", "0.5", "--temperature", "1", "--ngram-lambda-sparse", "0.9",
             "--ngram-lambda-dense", "0.2", "--window", "64", "--min-context", "32", "--dump", str(dump),
             "--json", str(res)]  # fmt: skip
     assert main(argv) == 0
@@ -508,9 +515,9 @@ def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, corpus, index, 
         diff = r["differences"][f"{system} vs {ref}"]
         assert diff["relative_change"] == pytest.approx(r[system] / r[ref] - 1, rel=1e-6)
     assert r["bootstrap"]["documents"] == 6
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
-    d = TokenScores.load(dump)
+    d = TokenTable.load(dump)
     values = np.bincount(np.fromfile(ds.path / "values.bin", dtype=np.int32), minlength=int(d.targets.max()) + 1)
     all_tokens = Brute(tok, corpus).follow_all()  # the ∞-gram's unigram counts, EOS = document ends
     for system, counts in (("knn_ppl", values[d.targets]), ("ngram_ppl", [all_tokens.count(t) for t in d.targets])):

@@ -46,9 +46,8 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     weights, log P per token; λ_sparse / λ_dense are still recorded beside it; the build says what it fitted on and
     warns below memlm.core.mixture's sizes, with the fix."""
     from memlm.core.mixture import MIN_FIT_TOKENS, token_blocks
-    from memlm.knnlm.evaluate import lm_scores
+    from memlm.knnlm.evaluate import add_memory, lm_scores
     from memlm.mixing.dump import DumpMixture, fit_dump
-    from memlm.ngram.mixture import add_ngram
 
     root, ix, docs, _, r = built
     model, tok = tiny_lm
@@ -61,7 +60,7 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     assert stored_mixture(NgramMemory(index)).to_dict() == stored.to_dict()  # a memory over the index: the same
     _, held, _ = holdout_split(docs, tok, 0.1)
     ts, _, _ = lm_scores(model, tok, held, window=64, stride=32, progress=False)
-    add_ngram(ts, held, tok, NgramMemory(index))
+    add_memory(ts, NgramMemory(index), held, tok)
     ts.doc_index = token_blocks(ts.doc_index)  # as calibrate_ngram: a slice of few documents in blocks
     again = fit_dump(ts, (1.0,))
     sizes = ("form", "tokens", "documents", "fit_tokens", "kept_tokens")

@@ -71,7 +71,7 @@ def test_eval_reports_what_was_checked(flipped, monkeypatch, tiny_lm_dir, tmp_pa
     text = tmp_path / "eval.jsonl"
     text.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in make_toy_docs(4, seed=9)))
     capsys.readouterr()
-    rc = main(["eval", "--model", str(tiny_lm_dir), "--corpus", str(text), "--ngram", str(flipped), "--window", "64",
+    rc = main(["eval", "--model", str(tiny_lm_dir), "--corpus", str(text), "--memory", str(flipped), "--window", "64",
                "--min-context", "32", "--max-tokens", "200", "--json", str(tmp_path / "r.json")])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 0, err

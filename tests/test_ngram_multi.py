@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import Doc, gpt2_tokenizer, make_toy_docs  # noqa: E402
 from test_ngram import Brute, _brute_p_inf, _ids  # noqa: E402
 
-from memlm.knnlm.evaluate import TokenScores  # noqa: E402
+from memlm.knnlm.table import TokenTable  # noqa: E402
 from memlm.ngram.index import build_ngram_index  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def eval_docs(tmp_path):
     return docs
 
 
-def _eval(tiny_lm_dir, docs, ngrams, tmp_path, name, extra=()) -> tuple[dict, TokenScores]:
+def _eval(tiny_lm_dir, docs, ngrams, tmp_path, name, extra=()) -> tuple[dict, TokenTable]:
     from memlm.cli import main
 
     dump, res = tmp_path / f"{name}.npz", tmp_path / f"{name}.json"
@@ -67,17 +67,15 @@ def _eval(tiny_lm_dir, docs, ngrams, tmp_path, name, extra=()) -> tuple[dict, To
     argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(docs), "--window", "64", "--min-context", "32",
             "--dtype", "float32", "--dump", str(dump), "--json", str(res), "--allow-overlap", *extra]  # fmt: skip
     for ix in ngrams:
-        argv += ["--ngram", str(ix.path)]
+        argv += ["--memory", str(ix.path)]
     assert main(argv) == 0
-    return json.loads(res.read_text()), TokenScores.load(dump)
+    return json.loads(res.read_text()), TokenTable.load(dump)
 
 
-def _by_hand(ts: TokenScores, weights, lam: float = 0.0, knn: np.ndarray | None = None) -> np.ndarray:
+def _by_hand(ts: TokenTable, weights, lam: float = 0.0, knn: np.ndarray | None = None) -> np.ndarray:
     """log P(target) = log[(1 - λ - Σ_r λ_r) P_LM + λ P_kNN + Σ_r λ_r P∞_r], λ_r = λ_sparse,r where reference r is
     sparse, else λ_dense,r: from the dump's per-reference columns, in float64."""
-    cols = [(ts.ngram_logprob, ts.ngram_sparse)]
-    extra = ts.ngram_extra_logprob.shape[1]
-    cols += [(ts.ngram_extra_logprob[:, j], ts.ngram_extra_sparse[:, j]) for j in range(extra)]
+    cols = [(ts.columns[name]["logprob"], ts.columns[name]["sparse"]) for name in ts.names("ngram")]
     p_lm = np.exp(ts.lm_logprob.astype(np.float64))
     lam_r = [np.where(sp, w[0], w[1]) for (_, sp), w in zip(cols, weights, strict=True)]
     p = (1.0 - lam - sum(lam_r)) * p_lm
@@ -99,19 +97,19 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
     res, ts = _eval(tiny_lm_dir, eval_docs, [a, b], tmp_path, "ab")
     _, ts_a = _eval(tiny_lm_dir, eval_docs, [a], tmp_path, "a")
     _, ts_b = _eval(tiny_lm_dir, eval_docs, [b], tmp_path, "b")
-    # the dump: the first index in ngram_*, the second in the extra column, exactly as each alone
-    assert ts.ngram_extra_logprob.shape == (len(ts), 1)
-    np.testing.assert_array_equal(ts.ngram_logprob, ts_a.ngram_logprob)
-    np.testing.assert_array_equal(ts.ngram_extra_logprob[:, 0], ts_b.ngram_logprob)
-    np.testing.assert_array_equal(ts.ngram_extra_sparse[:, 0], ts_b.ngram_sparse)
-    np.testing.assert_array_equal(ts.ngram_extra_n[:, 0], ts_b.ngram_n)
-    assert [d["ngram_build_id"] for d in ts.meta["ngrams"]] == [a.manifest["build_id"], b.manifest["build_id"]]
+    # the table: the first index as component ngram, the second as ngram2, exactly as each alone
+    assert ts.names() == ("ngram", "ngram2")
+    for f in ("logprob", "sparse", "n", "count"):
+        np.testing.assert_array_equal(ts.columns["ngram"][f], ts_a.columns["ngram"][f])
+        np.testing.assert_array_equal(ts.columns["ngram2"][f], ts_b.columns["ngram"][f])
+    described = [ts.meta["components"][n]["ngram_build_id"] for n in ts.names()]
+    assert described == [a.manifest["build_id"], b.manifest["build_id"]]
     # the result records each memory and its weights (no calibration: the fallback 0.1 / 0.03 each)
     assert [r["ngram"] for r in res["ngrams"]] == [str(a.path), str(b.path)]
     assert all((r["lambda_sparse"], r["lambda_dense"]) == (0.1, 0.03) for r in res["ngrams"])
     assert res["multi_ngram_weights"] == [[0.1, 0.03], [0.1, 0.03]]
     want = _by_hand(ts, res["multi_ngram_weights"])
-    assert np.isfinite(want).all() and (ts.ngram_extra_sparse.any() or ts.ngram_sparse.any())
+    assert np.isfinite(want).all() and (ts.columns["ngram2"]["sparse"].any() or ts.columns["ngram"]["sparse"].any())
     weights = dict(zip(("ngram", "ngram2"), res["multi_ngram_weights"], strict=True))
     np.testing.assert_allclose(rule_logprob(ts, weights).numpy(), want, rtol=1e-6, atol=1e-9)
     assert res["multi_ngram_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-6)
@@ -148,13 +146,13 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_ind
     from memlm.cli import main
     from memlm.mixing.inputs import memory_logprob
 
-    extra = ["--datastore", str(ds.path), "--k", "8", "--lambda", "0.5", "--temperature", "1",
+    extra = ["--memory", str(ds.path), "--k", "8", "--lambda", "0.5", "--temperature", "1",
              "--ngram-lambda-sparse", "0.9", "--ngram-lambda-dense", "0.2"]  # fmt: skip
     res, ts = _eval(tiny_lm_dir, eval_docs, two_indexes, tmp_path, "kab", extra)
     w = res["knn_multi_ngram_weights"]
     scale = 0.5 * 0.9 / 1.8  # (1 - λ) W / S: the two share what one reference of weight W = 0.9 would get
     assert w["lambda"] == 0.5 and w["weights"] == [pytest.approx([0.9 * scale, 0.2 * scale])] * 2
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, 1.0).numpy()
+    knn = memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, 1.0).numpy()
     want = _by_hand(ts, w["weights"], lam=0.5, knn=knn)
     assert np.isfinite(want).all()  # the LM keeps weight 1 - 0.5 - 2 * 0.9 * scale = 0.05
     assert res["knn_multi_ngram_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-6)
@@ -171,7 +169,9 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_ind
                 ) == 0  # fmt: skip
     best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
     assert best["lambda"] in (0.0, 0.3) and best["temperature"] in (1.0, 10.0) and len(best["weights"]) == 2
-    knn_t = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, best["temperature"]).numpy()
+    knn_t = memory_logprob(
+        ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, best["temperature"]
+    ).numpy()
     by_hand = float(np.exp(-_by_hand(ts, best["weights"], lam=best["lambda"], knn=knn_t).mean()))
     assert best["ppl"] == pytest.approx(by_hand, rel=1e-6)
 
@@ -180,7 +180,7 @@ def test_same_index_twice_is_refused(tiny_lm_dir, two_indexes, eval_docs, capsys
     from memlm.cli import main
 
     a, _ = two_indexes
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(eval_docs), "--ngram", str(a.path), "--ngram",
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(eval_docs), "--memory", str(a.path), "--memory",
             str(a.path)]  # fmt: skip
     assert main(argv) != 0
     assert "same index twice" in capsys.readouterr().err

@@ -18,8 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "papers" / "ngram"))
 import ngram_paper_metrics as pm  # noqa: E402
 
-from memlm.knnlm.evaluate import TokenScores  # noqa: E402
+from memlm.knnlm.table import TokenTable  # noqa: E402
 from memlm.ngram.mixture import ngram_report  # noqa: E402
+from memlm.ngram.step import NgramComponent  # noqa: E402
 
 # (neural, + ∞-gram, printed %) from the paper's Table 1, test columns of GPT-2 117M, GPT-Neo 1.3B, Llama-2 70B with
 # Pile-train, and Llama-2 70B with Pile-train + RedPajama, and the valid column of Llama-2 70B with Pile-train
@@ -45,33 +46,31 @@ def test_gap_closed_ends():
     assert pm.relative_change(20.0, 10.0) == -0.5
 
 
-def _dump() -> TokenScores:
+def _dump() -> TokenTable:
     p = np.array([0.0, 0.3, 0.5, 0.5000001, 0.7, 1.0, 1.0, 0.0, 0.9, 1.0])
     sparse = np.array([0, 0, 0, 0, 0, 1, 1, 1, 0, 0], bool)  # P∞ is 1 or 0 on a sparse estimate
     with np.errstate(divide="ignore"):
         ngram = np.log(p).astype(np.float32)
     n = len(p)
-    return TokenScores(
+    table = TokenTable(
         targets=np.arange(n, dtype=np.int64),
         lm_logprob=np.full(n, math.log(0.2), np.float32),
         doc_index=np.zeros(n, np.int32),
         position=np.arange(n, dtype=np.int32),
-        ngram_logprob=ngram,
-        ngram_count=np.ones(n, np.int64),
-        ngram_n=np.full(n, 3, np.int32),
-        ngram_sparse=sparse,
-        meta={},
     )
+    table.add(NgramComponent(None), {"logprob": ngram, "count": np.ones(n, np.int64), "n": np.full(n, 3, np.int32),
+                                     "sparse": sparse})  # fmt: skip
+    return table
 
 
 def test_ngram_report_gives_the_papers_agreement_beside_nonzero():
     ts = _dump()
-    p = np.exp(ts.ngram_logprob.astype(np.float64))
+    p = np.exp(ts.columns["ngram"]["logprob"].astype(np.float64))
     rep = ngram_report(ts, 0.1, 0.03)
     assert rep["ngram_target_above_half"] == pytest.approx(np.mean(p > 0.5))  # 0.5 itself is not above
     assert rep["ngram_target_above_half"] == pytest.approx(0.6)
     assert rep["ngram_target_nonzero"] == pytest.approx(np.mean(p > 0))
-    assert rep["sparse_correct"] == pytest.approx(np.mean(p[ts.ngram_sparse] > 0.5))
+    assert rep["sparse_correct"] == pytest.approx(np.mean(p[ts.columns["ngram"]["sparse"]] > 0.5))
     keep = np.arange(len(p)) < 5
     masked = ngram_report(ts, 0.1, 0.03, mask=keep)
     assert masked["ngram_target_above_half"] == pytest.approx(np.mean(p[keep] > 0.5))

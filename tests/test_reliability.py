@@ -204,9 +204,9 @@ def test_bad_input_gives_one_clear_error_line(case, tmp_path, tiny_lm_dir, corpu
         "empty_corpus": build_args(tiny_lm_dir, empty, tmp_path / "x"),
         "unknown_model": build_args("no-such-model-xyz", corpus_file, tmp_path / "x"),
         "bad_factory": ["index", "build", str(ds), "--factory", "IVF4096,PQ63"],
-        "missing_datastore": ["eval", "--corpus", str(corpus_file), "--datastore", str(tmp_path / "nope")],
-        "truncated_keys": ["eval", "--corpus", str(corpus_file), "--datastore", str(ds)],
-        "other_role": ["eval", "--corpus", str(corpus_file), "--datastore", str(ds), "--key", "final"],
+        "missing_datastore": ["eval", "--corpus", str(corpus_file), "--memory", str(tmp_path / "nope")],
+        "truncated_keys": ["eval", "--corpus", str(corpus_file), "--memory", str(ds)],
+        "other_role": ["eval", "--corpus", str(corpus_file), "--memory", str(ds), "--key", "final"],
     }[case]
     if case == "truncated_keys":
         keys = ds / "keys.bin"

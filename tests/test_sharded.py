@@ -10,7 +10,7 @@ import pytest
 from conftest import make_toy_docs
 
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import score_tokens
+from memlm.knnlm.scoring import score_tokens
 from memlm.knnlm.write import build_sharded, write_datastore
 from memlm.storage.datastore import Datastore
 from memlm.storage.index import build_index, exact_search, load_index, search
@@ -189,10 +189,10 @@ def test_eval_takes_a_sharded_datastore_like_a_single_one(tiny_lm, sharded, sing
     kw = {"k": 8, "window": W, "min_context": C, "progress": False}
     a = score_tokens(model, tok, eval_docs, opened, **kw)
     b = score_tokens(model, tok, eval_docs, single, **kw)
-    np.testing.assert_array_equal(a.knn_values, b.knn_values)
-    np.testing.assert_allclose(a.knn_scores, b.knn_scores, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(a.columns["knn"]["values"], b.columns["knn"]["values"])
+    np.testing.assert_allclose(a.columns["knn"]["scores"], b.columns["knn"]["scores"], rtol=1e-3, atol=1e-3)
     c = score_tokens(model, tok, eval_docs, opened, search="exact", scores="exact", **kw)
-    np.testing.assert_array_equal(c.knn_values, b.knn_values)
+    np.testing.assert_array_equal(c.columns["knn"]["values"], b.columns["knn"]["values"])
 
 
 def test_mmap_index_searches_like_the_loaded_one(tiny_lm, single, tmp_path):
@@ -243,7 +243,7 @@ def test_generation_processor_takes_a_sharded_datastore(tiny_lm, sharded, single
 
 def test_cli_eval_takes_a_sharded_datastore(tiny_lm_dir, tmp_path, capsys):
     """The README's sharded path on the command line: `memlm datastore build --shards 2`, then `memlm eval
-    --datastore SHARDED` passes the pre-flight checks (--k against the entries of all shards) and scores."""
+    --memory SHARDED` passes the pre-flight checks (--k against the entries of all shards) and scores."""
     from test_train_lm import write_jsonl
 
     from memlm.cli import main
@@ -257,7 +257,7 @@ def test_cli_eval_takes_a_sharded_datastore(tiny_lm_dir, tmp_path, capsys):
     assert main(build) == 0, capsys.readouterr().err
     n = len(open_datastore(ds))
     out = tmp_path / "eval.json"
-    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(valid), "--datastore", str(ds), "--k", "8",
+    argv = ["eval", "--model", str(tiny_lm_dir), "--corpus", str(valid), "--memory", str(ds), "--k", "8",
             *window, "--json", str(out)]  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err
     res = json.loads(out.read_text())

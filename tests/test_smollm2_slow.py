@@ -11,7 +11,7 @@ from memlm.core.distribution import mix
 from memlm.data.corpora import load_documents
 from memlm.data.windows import limit_documents
 from memlm.errors import MemlmError
-from memlm.knnlm.evaluate import score_tokens
+from memlm.knnlm.scoring import score_tokens
 from memlm.knnlm.write import write_datastore
 from memlm.mixing.inputs import memory_logprob
 from memlm.models.resources import load_causal_lm
@@ -42,14 +42,14 @@ def test_rare_fact_in_datastore_raises_probability_for_a_paraphrase(tmp_path, sm
     ts = score_tokens(model, tok, [probe], ds, k=32, window=256, min_context=1, progress=False)
     lantern = tok(" lanterns", add_special_tokens=False)["input_ids"][0]
     pos = int(np.flatnonzero(ts.targets == lantern)[0])
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature=10.0)
+    knn = memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, temperature=10.0)
     mixed = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[0.75, 0.25])
     assert mixed[pos] > ts.lm_logprob[pos] + 0.1, (float(mixed[pos].exp()), float(np.exp(ts.lm_logprob[pos])))
 
 
 def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
     from memlm.experiments.demo import _view, run_demo
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.mixing.dump import DumpMixture
 
     result = run_demo(out=tmp_path, quick=True)
@@ -58,7 +58,7 @@ def test_quick_demo_writes_table_and_plot(tmp_path, capsys):
     out = next(tmp_path.glob("quick-*"))
     for r in result["rows"]:
         # each column recomputed from the row's test dump with the mixture it records (the memories' stored fits)
-        d = TokenScores.load(out / f"{r['eval'].split()[0]}-test-{r['memory']}.npz")
+        d = TokenTable.load(out / f"{r['eval'].split()[0]}-test-{r['memory']}.npz")
         assert r["base_ppl"] == pytest.approx(np.exp(-d.lm_logprob.astype(np.float64).mean()), rel=1e-6)
         for key, record in r["mixtures"].items():
             lp = DumpMixture.from_dict(record).logprob(_view(d, key)).numpy()

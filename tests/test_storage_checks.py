@@ -71,7 +71,7 @@ def snapshot(folder):
 
 
 def eval_args(tiny_lm_dir, corpora, ds, *extra):
-    return ["eval", "--model", tiny_lm_dir, "--corpus", corpora / "other.jsonl", "--datastore", ds, "--k", "8", *W[:4],
+    return ["eval", "--model", tiny_lm_dir, "--corpus", corpora / "other.jsonl", "--memory", ds, "--k", "8", *W[:4],
             *extra]  # fmt: skip
 
 

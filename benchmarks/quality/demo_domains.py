@@ -48,7 +48,8 @@ from memlm.data.corpora import corpus_fingerprint, load_documents
 from memlm.data.windows import limit_documents, truncate_document
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores, tune
+from memlm.knnlm.evaluate import add_memory, add_neighbours, lm_scores, tune
+from memlm.knnlm.table import TokenTable
 from memlm.knnlm.write import write_datastore
 from memlm.mixing.inputs import mixture_inputs
 from memlm.models.keys import KeySpec
@@ -56,7 +57,7 @@ from memlm.models.resources import load_causal_lm, memlm_home
 from memlm.ngram.decontaminate import decontaminate_reference
 from memlm.ngram.index import NgramIndex, build_ngram_index
 from memlm.ngram.memory import NgramMemory
-from memlm.ngram.mixture import add_ngram, tune_ngram
+from memlm.ngram.mixture import tune_ngram
 from memlm.storage.datastore import Datastore
 
 MODEL, DTYPE, KEY, K = "smollm2-135m", "float32", "ffn_in", 256
@@ -118,11 +119,11 @@ def _ngram(tok, corpus: str, out: Path, against: list[str], phases: dict) -> Ngr
     return memory
 
 
-def _dumps(model, tok, docs, split, stores, ngrams, cache: Path, phases: dict) -> dict[str, TokenScores]:
+def _dumps(model, tok, docs, split, stores, ngrams, cache: Path, phases: dict) -> dict[str, TokenTable]:
     """One forward pass over ``docs``; one dump per memory name (its datastore's neighbours and its ∞-gram)."""
     paths = {name: cache / f"{split}-{name}.npz" for name in stores}
     if all(p.exists() for p in paths.values()):
-        return {name: TokenScores.load(p) for name, p in paths.items()}
+        return {name: TokenTable.load(p) for name, p in paths.items()}
     t = time.perf_counter()
     specs = list(dict.fromkeys(ds.key_spec for ds in stores.values()))
     base, queries, _ = lm_scores(model, tok, docs, specs, WINDOW, MIN_CONTEXT, BATCH, progress=False,
@@ -130,35 +131,32 @@ def _dumps(model, tok, docs, split, stores, ngrams, cache: Path, phases: dict) -
     phases[f"score {split} ({len(base):,} tokens, {len(docs)} documents)"] = time.perf_counter() - t
     out = {}
     for name, ds in stores.items():
-        ts = base.lm_only()
+        ts = base.select()
         t = time.perf_counter()
         add_neighbours(ts, queries[ds.key_spec], ds, k=K, search="exact")
         phases[f"search {split} in {name} datastore"] = time.perf_counter() - t
         t = time.perf_counter()
-        add_ngram(ts, docs, tok, ngrams[name])
+        add_memory(ts, ngrams[name], docs, tok)
         phases[f"∞-gram lookups {split} in {name}"] = time.perf_counter() - t
         ts.save(paths[name])
         out[name] = ts
     return out
 
 
-def _lm_and_ngram(ts: TokenScores) -> TokenScores:
-    out = ts.lm_only()
-    for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
-        setattr(out, f, getattr(ts, f))
-    return out
+def _lm_and_ngram(ts: TokenTable) -> TokenTable:
+    return ts.select(["ngram"])
 
 
-def _mix(ts: TokenScores, mixture, temperature: float) -> torch.Tensor:
+def _mix(ts: TokenTable, mixture, temperature: float) -> torch.Tensor:
     """``log P(target)`` per token of ``mixture`` on dump ``ts`` (the kNN term at ``temperature``)."""
     inp = mixture_inputs(ts, temperature, K)
     logprobs = {c: inp.logprobs[:, inp.components.index(c)] for c in mixture.components}
     features = {f: inp.features[:, j] for j, f in enumerate(inp.feature_names)}
-    features.update(sparse_state_features({"ngram": ts.ngram_sparse}))
+    features.update(sparse_state_features({"ngram": ts.columns["ngram"]["sparse"]}))
     return mixture.mix(logprobs, features)
 
 
-def _systems(valid: TokenScores, test: TokenScores) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _systems(valid: TokenTable, test: TokenTable) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Each system's test log-probabilities with its weights fixed on ``valid``: kNN (λ, τ), ∞-gram (λ_sparse,
     λ_dense), both (the four jointly)."""
     knn = tune(valid)["best"]
@@ -179,7 +177,7 @@ def _systems(valid: TokenScores, test: TokenScores) -> tuple[dict[str, torch.Ten
     return logprobs, weights
 
 
-def _formatting_tokens(ts: TokenScores, tok) -> np.ndarray:
+def _formatting_tokens(ts: TokenTable, tok) -> np.ndarray:
     """Targets that are corpus formatting rather than words: a lone punctuation mark after a space (WikiText's
     `` , `` and `` . ``), or an ``@`` (its `` @-@ ``)."""
     out = np.zeros(len(ts), dtype=bool)

@@ -23,24 +23,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memlm.io.fileio import atomic_write_json  # noqa: E402
-from memlm.knnlm.evaluate import TokenScores, perplexities, value_counts  # noqa: E402
+from memlm.knnlm.evaluate import perplexities, value_counts  # noqa: E402
+from memlm.knnlm.table import TokenTable  # noqa: E402
 from memlm.ngram.mixture import ngram_report  # noqa: E402
 from memlm.ngram.results import ngram_result  # noqa: E402
 
 ROWS = ("base_ppl", "knn_ppl", "ngram_ppl", "knn_ngram_ppl")
 
 
-def rescore(ts: TokenScores, res: dict) -> dict:
+def rescore(ts: TokenTable, res: dict) -> dict:
     """The run's result recomputed from its dump, with intervals, differences and frequency buckets."""
     from memlm.ngram.memory import NgramMemory
     from memlm.storage.sharded import open_datastore
 
-    has_knn = ts.knn_scores is not None
+    has_knn = "knn" in ts.columns
     lam = float(res["lambda"]) if has_knn else 0.0
     temperature = float(res.get("temperature", 1.0)) if has_knn else 1.0
     counts = value_counts(open_datastore(res["datastore"]), ts.targets) if has_knn else None
     out = perplexities(ts, lam=lam, temperature=temperature, k=res.get("k"), target_counts=counts)
-    if ts.ngram_logprob is not None:
+    if "ngram" in ts.columns:
         given = [(res["lambda_sparse"], res["lambda_dense"])]
         out.update(ngram_result(ts, NgramMemory(res["ngram"]), lam, temperature, base=out, given=given))
     for key in ROWS:
@@ -49,7 +50,7 @@ def rescore(ts: TokenScores, res: dict) -> dict:
     return out
 
 
-def per_document(ts: TokenScores, res: dict) -> list[dict]:
+def per_document(ts: TokenTable, res: dict) -> list[dict]:
     """Each document's tokens and perplexity under every row (with few documents, whether they agree in sign says
     more than an interval)."""
     import numpy as np
@@ -58,8 +59,8 @@ def per_document(ts: TokenScores, res: dict) -> list[dict]:
     from memlm.mixing.dump import rule_logprob
 
     rows = {"base_ppl": ts.lm_logprob}
-    if ts.ngram_logprob is not None:
-        lam = res.get("lambda") if ts.knn_scores is not None else None
+    if "ngram" in ts.columns:
+        lam = res.get("lambda") if "knn" in ts.columns else None
         rows["ngram_ppl"] = rule_logprob(ts, {"ngram": (res["lambda_sparse"], res["lambda_dense"])})
         if lam is not None:
             w3 = res["knn_ngram_weights"]
@@ -74,7 +75,7 @@ def per_document(ts: TokenScores, res: dict) -> list[dict]:
             for d in range(boot.documents)]  # fmt: skip
 
 
-def buckets_without(ts: TokenScores, res: dict, keep) -> dict:
+def buckets_without(ts: TokenTable, res: dict, keep) -> dict:
     """The ∞-gram's frequency buckets on the tokens in ``keep`` only (e.g. without WikiText's formatting tokens)."""
     import dataclasses
 
@@ -82,7 +83,7 @@ def buckets_without(ts: TokenScores, res: dict, keep) -> dict:
     from memlm.mixing.dump import rule_logprob
     from memlm.ngram.memory import NgramMemory
 
-    if ts.ngram_logprob is None:
+    if "ngram" not in ts.columns:
         return {}
     fields = [f.name for f in dataclasses.fields(ts) if f.name != "meta"]
     sub = dataclasses.replace(ts, **{f: getattr(ts, f)[keep] for f in fields if getattr(ts, f) is not None})
@@ -91,7 +92,7 @@ def buckets_without(ts: TokenScores, res: dict, keep) -> dict:
                                       f"∞-gram index {res['ngram']}")}  # fmt: skip
 
 
-def other_reference(ts: TokenScores, res: dict, path: str, fmt) -> dict:
+def other_reference(ts: TokenTable, res: dict, path: str, fmt) -> dict:
     """LM + ∞-gram with another index (the same dump's LM scores, the other index's statistics: benchmarks/
     ngram_swap.py) against this run's ∞-gram, paired, with the run's λ_sparse, λ_dense for both."""
     import numpy as np
@@ -99,7 +100,7 @@ def other_reference(ts: TokenScores, res: dict, path: str, fmt) -> dict:
     from memlm.core.bootstrap import evidence
     from memlm.mixing.dump import rule_logprob
 
-    other = TokenScores.load(path)
+    other = TokenTable.load(path)
     for f in ("targets", "doc_index", "lm_logprob"):
         assert np.array_equal(getattr(other, f), getattr(ts, f)), f"{path} is not a swap of this dump ({f})"
     lams = (res["lambda_sparse"], res["lambda_dense"])
@@ -140,7 +141,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--other-dump", default=None, help="this dump with another index's ∞-gram scores (ngram_swap.py)")
     args = ap.parse_args()
-    ts = TokenScores.load(args.dump)
+    ts = TokenTable.load(args.dump)
     res = json.loads(Path(args.result).read_text())
     out = rescore(ts, res)
     report = {
@@ -170,7 +171,7 @@ def main() -> None:
         report["other_reference"] = other_reference(ts, res, args.other_dump, fmt)
     if fmt is not None:
         w3 = res.get("knn_ngram_weights") or {}
-        lam = res.get("lambda") if ts.knn_scores is not None else None
+        lam = res.get("lambda") if "knn" in ts.columns else None
         ls, ld = res["lambda_sparse"], res["lambda_dense"]
         rep = ngram_report(ts, ls, ld, mask=~fmt)
         if lam is not None and w3:

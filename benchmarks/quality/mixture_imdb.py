@@ -46,8 +46,8 @@ def main() -> None:
     for split in ("valid", "test"):
         dumps[split] = work / f"{split}_knn_ngram_cache.npz"
         run([*cli, "eval", *model, "--corpus", "imdb", "--split", split, "--max-tokens", str(args.tokens),
-             "--ngram", str(work / "ix"), "--datastore", str(work / "ds50k"), "--cache", "--dump", str(dumps[split]),
-             "--json", str(res / f"eval_imdb_{split}.json")], dumps[split], log, ran)  # fmt: skip
+             "--memory", str(work / "ds50k"), "--memory", str(work / "ix"), "--memory", "cache", "--dump",
+             str(dumps[split]), "--json", str(res / f"eval_imdb_{split}.json")], dumps[split], log, ran)  # fmt: skip
     rows = []
     for row in "abcd":
         keep = ROWS[row][0]

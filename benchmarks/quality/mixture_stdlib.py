@@ -89,7 +89,7 @@ def commands(work: Path, model: str) -> list[tuple[list[str], Path]]:
                "--holdout", "0", "--decontaminate", "none", "--out", str(index)], index / "manifest.json")]  # fmt: skip
     for name in ("small", "test"):
         steps.append(([*memlm, "eval", "--model", model, "--dtype", "float32", "--corpus", str(work / f"{name}.jsonl"),
-                       "--split", "all", "--ngram", str(index), "--dump", str(work / f"{name}.npz"),
+                       "--split", "all", "--memory", str(index), "--dump", str(work / f"{name}.npz"),
                        "--json", str(work / f"{name}_eval.json")], work / f"{name}.npz"))  # fmt: skip
     return steps
 
@@ -139,11 +139,11 @@ def compare(work: Path) -> dict:
     import torch
 
     from memlm.core.distribution import perplexity
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.mixing.dump import rule_logprob
     from memlm.ngram.mixture import DEFAULT_LAMBDA_DENSE, DEFAULT_LAMBDA_SPARSE
 
-    small, test = TokenScores.load(work / "small.npz"), TokenScores.load(work / "test.npz")
+    small, test = TokenTable.load(work / "small.npz"), TokenTable.load(work / "test.npz")
     lm = torch.from_numpy(test.lm_logprob)
     fallback = perplexity(rule_logprob(test, {"ngram": (DEFAULT_LAMBDA_SPARSE, DEFAULT_LAMBDA_DENSE)}))
     slices = [slice_row(subset(small, small.doc_index == d), test, SMALL[d]) for d in range(len(SMALL))]
@@ -159,7 +159,7 @@ def compare(work: Path) -> dict:
         "test_lm_ppl": base,
         "test_fallback_lambdas_ppl": fallback,
         "test_fallback_change_vs_lm_percent": 100.0 * (fallback / base - 1.0),
-        "test_sparse_share": float(np.mean(test.ngram_sparse)),
+        "test_sparse_share": float(np.mean(test.columns["ngram"]["sparse"])),
         "slices": slices,
         "summary_one_module_slices": {
             "slices": len(one),

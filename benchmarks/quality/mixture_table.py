@@ -38,19 +38,14 @@ ROWS = {  # row: (memories kept, what the row is)
     "c": (("knn", "ngram"), "LM + datastore + ∞-gram"),
     "d": (("knn", "ngram", "cache"), "LM + datastore + ∞-gram + cache"),
 }
-FIELDS = {
-    "knn": ("knn_scores", "knn_values", "knn_log_counts"),
-    "ngram": ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"),
-    "cache": ("cache_scores", "cache_values"),
-}
-META = {"knn": ("datastore", "datastore_build_id", "datastore_entries"), "ngram": ("ngram", "ngram_build_id", "ngrams")}
+META = {"knn": ("datastore_build_id",)}  # what the eval recorded of a memory beside the table's components
 
 
 def evals(data: Path, work: Path, res: Path, valid_tokens: int, datastore: Path | None = None,
           tag: str = "") -> list[tuple[list[str], Path]]:  # fmt: skip
     ds = datastore or data / "ds50k"
     memlm = [sys.executable, "-m", "memlm.cli", "eval", "--model", "smollm2-135m", "--dtype", "float32", "--corpus",
-             "wikitext2", "--ngram", str(data / "wt2"), "--datastore", str(ds), "--cache"]  # fmt: skip
+             "wikitext2", "--memory", str(ds), "--memory", str(data / "wt2"), "--memory", "cache"]  # fmt: skip
     out = []
     for split, tokens in (("valid", valid_tokens), ("test", 20000)):
         name = f"{split}{tokens // 1000}k_knn_ngram_cache"
@@ -60,17 +55,15 @@ def evals(data: Path, work: Path, res: Path, valid_tokens: int, datastore: Path 
 
 
 def view(src: Path, dst: Path, keep: tuple[str, ...]) -> None:
-    """``src`` with only the memories in ``keep`` (their arrays and their meta), written to ``dst``."""
-    from memlm.knnlm.evaluate import TokenScores
+    """``src`` with only the memories in ``keep`` (their columns and their meta), written to ``dst``."""
+    from memlm.knnlm.table import TokenTable
 
     if dst.exists():
         return
-    ts = TokenScores.load(src)
-    for memory, fields in FIELDS.items():
+    ts = TokenTable.load(src).select(keep)
+    for memory, keys in META.items():
         if memory not in keep:
-            for f in fields:
-                setattr(ts, f, None)
-            for k in META.get(memory, ()):
+            for k in keys:
                 ts.meta.pop(k, None)
     ts.save(dst)
 

@@ -51,13 +51,14 @@ def _forward(args: argparse.Namespace, ds, split: str, n_tokens: int):
     import numpy as np
 
     from memlm.data.corpora import load_documents
-    from memlm.knnlm.evaluate import TokenScores, lm_scores
+    from memlm.knnlm.evaluate import lm_scores
+    from memlm.knnlm.table import TokenTable
     from memlm.models.resources import load_causal_lm
 
     work = Path(args.work)
     dump, qfile = work / f"lm-{split}-{n_tokens}.npz", work / f"queries-{split}-{n_tokens}.npy"
     if dump.exists() and qfile.exists():
-        ts = TokenScores.load(dump)
+        ts = TokenTable.load(dump)
         if ds is not None and (ts.meta.get("model"), ts.meta.get("key")) != (ds.model_name, ds.key_spec.describe()):
             raise SystemExit(f"{dump} was made with {ts.meta.get('model')} {ts.meta.get('key')}, not the datastore's")
         return ts, np.load(qfile)
@@ -85,18 +86,23 @@ def _evaluate(args: argparse.Namespace, ds, valid, test) -> dict[str, Any]:
     import numpy as np
 
     from memlm.knnlm.evaluate import perplexities, tune
+    from memlm.mixing.datastore import DatastoreComponent
     from memlm.retrieval import DatastoreMemory
 
     memory = DatastoreMemory(ds, "index", "index", args.nprobe, progress=True)
     dumps = {}
     for name, (ts0, q) in (("valid", valid), ("test", test)):
         r = memory.search(q, args.k)
-        ts = ts0.lm_only()
-        ts.knn_scores, ts.knn_values, ts.knn_log_counts = r.scores, r.values.astype(np.int32), r.log_counts
+        ts = ts0.select()
+        columns = {"scores": r.scores, "values": r.values.astype(np.int32)}
+        if r.log_counts is not None:
+            columns["log_counts"] = r.log_counts
+        ts.add(DatastoreComponent(memory, args.k), columns)
         dumps[name] = ts
     best = tune(dumps["valid"])["best"]
     res = perplexities(dumps["test"], lam=best["lambda"], temperature=best["temperature"])
-    authors = _authors_weighting(dumps["valid"], dumps["test"]) if dumps["test"].knn_log_counts is not None else None
+    pruned = "log_counts" in dumps["test"].columns["knn"]
+    authors = _authors_weighting(dumps["valid"], dumps["test"]) if pruned else None
     edge = {
         "lambda": best["lambda"] in (min(_grid()[0]), max(_grid()[0])),
         "temperature": best["temperature"] in (min(_grid()[1]), max(_grid()[1])),
@@ -127,7 +133,8 @@ def _authors_weighting(valid, test) -> dict[str, Any]:
     lambdas, temperatures = _grid()
 
     def knn(ts, t):
-        return memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, t, None, ts.knn_log_counts / t)
+        knn = ts.columns["knn"]
+        return memory_logprob(knn["scores"], knn["values"], ts.targets, t, None, knn["log_counts"] / t)
 
     def ppl(ts, knn_lp, lam):
         return perplexity(mix([torch.from_numpy(ts.lm_logprob), knn_lp], weights=[1.0 - lam, lam]))

@@ -33,8 +33,8 @@ import torch
 from memlm.core.distribution import mix, perplexity
 from memlm.data.corpora import load_documents
 from memlm.io.fileio import atomic_write_json
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, perplexities, tune
-from memlm.mixing.inputs import memory_logprob
+from memlm.knnlm.evaluate import add_neighbours, perplexities, tune
+from memlm.knnlm.table import TokenTable
 from memlm.models.forward import rolling_forward
 from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import load_causal_lm
@@ -61,9 +61,9 @@ def _pages(corpus: str, split: str, tok, max_tokens: int | None) -> tuple[list[s
     return raw, texts
 
 
-def _forward(model, tok, texts, spec, args, path: Path) -> tuple[TokenScores, np.ndarray]:
+def _forward(model, tok, texts, spec, args, path: Path) -> tuple[TokenTable, np.ndarray]:
     if path.with_suffix(".queries.npy").exists() and path.exists():
-        return TokenScores.load(path), np.load(path.with_suffix(".queries.npy"))
+        return TokenTable.load(path), np.load(path.with_suffix(".queries.npy"))
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -73,30 +73,30 @@ def _forward(model, tok, texts, spec, args, path: Path) -> tuple[TokenScores, np
     meta = {"tokens": int(len(targets)), "window": args.window, "min_context": args.min_context,
             "protocol": "lm_eval loglikelihood_rolling (BOS prefix, per article)",
             "seconds_forward": time.perf_counter() - t0}  # fmt: skip
-    ts = TokenScores(targets=targets, lm_logprob=lm, doc_index=docs, meta=meta)
+    ts = TokenTable(targets=targets, lm_logprob=lm, doc_index=docs, meta=meta)
     queries = keys[spec].astype(np.float16)  # cached like the datastore's keys, in float16
     np.save(path.with_suffix(".queries.npy"), queries)
     ts.save(path)
     return ts, queries
 
 
-def _neighbours(ts: TokenScores, queries: np.ndarray, ds: Datastore, args, path: Path) -> TokenScores:
+def _neighbours(ts: TokenTable, queries: np.ndarray, ds: Datastore, args, path: Path) -> TokenTable:
     if path.exists():
-        return TokenScores.load(path)
-    out = add_neighbours(ts.lm_only(), queries.astype(np.float32), ds, k=args.k, nprobe=args.nprobe)
+        return TokenTable.load(path)
+    out = add_neighbours(ts.select(), queries.astype(np.float32), ds, k=args.k, nprobe=args.nprobe)
     out.save(path)
     return out
 
 
-def _sum_logprob(ts: TokenScores, lam: float, tau: float) -> float:
+def _sum_logprob(ts: TokenTable, lam: float, tau: float) -> float:
     lm = torch.from_numpy(ts.lm_logprob)
-    if ts.knn_scores is None or lam == 0:
+    if "knn" not in ts.columns or lam == 0:
         return float(lm.double().sum())
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, tau)
+    knn = ts.logprob("knn", temperature=tau)
     return float(mix([lm, knn], weights=[1 - lam, lam]).double().sum())
 
 
-def _row(ts: TokenScores, raw: list[str], lam: float, tau: float) -> dict:
+def _row(ts: TokenTable, raw: list[str], lam: float, tau: float) -> dict:
     total = _sum_logprob(ts, lam, tau)
     words = sum(len(re.split(r"\s+", p)) for p in raw)
     nbytes = sum(len(p.encode("utf-8")) for p in raw)
@@ -172,10 +172,11 @@ def main() -> None:
         for how, lam, tau in settings_list:
             row = _row(dumps["test"], raw_test, lam, tau)
             stats = perplexities(dumps["test"], lam=lam, temperature=tau)
+            searched = dumps["test"].meta["components"]["knn"].get("seconds")
             result["rows"].append({"datastore": name, "params": how,
                                    "valid_ppl": perplexities(dumps["valid"], lam=lam, temperature=tau)["knn_ppl"],
                                    "target_in_neighbours": stats["target_in_neighbours"],
-                                   "seconds_search_test": dumps["test"].meta.get("seconds_search"), **row})  # fmt: skip
+                                   "seconds_search_test": searched, **row})  # fmt: skip
     result["seconds"] = time.perf_counter() - t_start
     atomic_write_json(args.json, result)
     for r in result["rows"]:

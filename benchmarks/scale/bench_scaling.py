@@ -403,7 +403,7 @@ def cmd_eval(a: argparse.Namespace) -> None:
                 "valid",
                 "--max-tokens",
                 str(a.tokens),
-                "--datastore",
+                "--memory",
                 str(target),
                 "--k",
                 "1024",

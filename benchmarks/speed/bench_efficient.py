@@ -100,7 +100,8 @@ def one(args: argparse.Namespace) -> None:
 
     from memlm.data.corpora import load_documents
     from memlm.data.windows import limit_documents
-    from memlm.knnlm.evaluate import perplexities, score_tokens
+    from memlm.knnlm.evaluate import perplexities
+    from memlm.knnlm.scoring import score_tokens
     from memlm.models.resources import load_causal_lm
     from memlm.storage.datastore import Datastore
 
@@ -128,7 +129,7 @@ def one(args: argparse.Namespace) -> None:
         "lambda": res.get("lambda"),
         "temperature": res.get("temperature"),
         "tuned_on": variant_of(args.one) if ds is not None else None,
-        "searched_fraction": (float(ts.searched.mean()) if ts.searched is not None else (1.0 if ds else 0.0)),
+        "searched_fraction": res.get("searched_fraction", 1.0 if ds else 0.0),
         "peak_rss_mib": peak_rss_mib(),
         "seconds_forward": ts.meta.get("seconds_forward"),
         "seconds_search_after_forward": ts.meta.get("seconds_search"),
@@ -144,12 +145,11 @@ def one(args: argparse.Namespace) -> None:
 def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
     """Pruned datastore, compressed index, per-variant valid dumps and tuned λ, τ, and the gate for one datastore,
     each step cached in ``work`` (a rerun continues where it stopped)."""
-    import torch
 
-    from memlm.core.distribution import knn_target_logprob
     from memlm.knnlm.adaptive import gate_features, train_gate
-    from memlm.knnlm.evaluate import TokenScores, attach_neighbours, tune
+    from memlm.knnlm.evaluate import attach_neighbours, tune
     from memlm.knnlm.prune import prune_datastore
+    from memlm.knnlm.table import TokenTable
     from memlm.retrieval import DatastoreMemory
     from memlm.storage.datastore import Datastore
 
@@ -187,14 +187,15 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
         if name in st["tuned"]:
             continue
         if dump.exists():
-            valid = TokenScores.load(dump)
+            valid = TokenTable.load(dump)
         else:
             if valid_lm is None:
                 valid_lm, queries, provenance = valid_forward(args, ds, work.parent / "valid-forward")
             use = Datastore.open(st["pruned"]) if opts.get("pruned") else ds
             kw = score_kwargs(opts, args, st)
             memory = DatastoreMemory(use, nprobe=args.nprobe, index_path=kw["index_path"], progress=True)
-            valid = attach_neighbours(valid_lm.lm_only(), queries, memory, args.k, pointer_min=kw["pointer_min"])
+            valid = valid_lm.select()
+            attach_neighbours(valid, queries, memory, args.k, pointer_min=kw["pointer_min"])
             valid.save(dump)
         best = tune(valid)["best"]
         st["tuned"][name] = {"lambda": best["lambda"], "temperature": best["temperature"], "valid_ppl": best["ppl"],
@@ -203,10 +204,9 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
               f"on {len(valid):,} tokens", flush=True)  # fmt: skip
         save()
     if "gate" not in st:
-        valid = TokenScores.load(work / "valid-knn.npz")
+        valid = TokenTable.load(work / "valid-knn.npz")
         tau = st["tuned"]["knn"]["temperature"]
-        knn = knn_target_logprob(torch.from_numpy(valid.knn_scores), torch.from_numpy(valid.knn_values.astype("int64")),
-                                 torch.from_numpy(valid.targets), tau)  # fmt: skip
+        knn = valid.logprob("knn", temperature=tau).float()
         feats = gate_features(valid.lm_entropy, valid.lm_max_logprob, valid.position)
         gate = train_gate(feats, valid.lm_logprob, knn.numpy())
         gate.save(work / "gate.npz")
@@ -222,7 +222,8 @@ def valid_forward(args: argparse.Namespace, ds, cache: Path):
 
     from memlm.data.corpora import load_documents
     from memlm.data.windows import limit_documents
-    from memlm.knnlm.evaluate import TokenScores, lm_scores
+    from memlm.knnlm.evaluate import lm_scores
+    from memlm.knnlm.table import TokenTable
     from memlm.models.resources import load_causal_lm
 
     spec = ds.key_spec
@@ -238,7 +239,7 @@ def valid_forward(args: argparse.Namespace, ds, cache: Path):
         np.save(q_path, queries[spec])
         ts.save(lm_path)  # last: its presence marks the cache complete
     prov = dict(np.load(p_path))
-    return TokenScores.load(lm_path), np.load(q_path, mmap_mode="r"), prov
+    return TokenTable.load(lm_path), np.load(q_path, mmap_mode="r"), prov
 
 
 def compressed_factory(template: str, base: str) -> str:

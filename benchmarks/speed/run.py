@@ -45,7 +45,8 @@ from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, resolve_stride, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
 from memlm.io.fileio import atomic_write_json  # noqa: E402
-from memlm.knnlm.evaluate import lm_scores, score_tokens  # noqa: E402
+from memlm.knnlm.evaluate import lm_scores  # noqa: E402
+from memlm.knnlm.scoring import score_tokens  # noqa: E402
 from memlm.knnlm.write import write_datastore  # noqa: E402
 from memlm.models.allocator import allocator_state  # noqa: E402
 from memlm.models.compute import (  # noqa: E402

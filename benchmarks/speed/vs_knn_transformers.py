@@ -270,8 +270,9 @@ def their_version(checkout: Path) -> dict[str, Any]:
 
 
 def run_memlm(args, model, tok, docs, params: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray]:
-    from memlm.core.distribution import knn_target_logprob, mix
-    from memlm.knnlm.evaluate import perplexities, score_tokens
+    from memlm.core.distribution import mix
+    from memlm.knnlm.evaluate import perplexities
+    from memlm.knnlm.scoring import score_tokens
 
     ds = Datastore.open(args.datastore)
     options = {"k": params["k"], "nprobe": params["nprobe"], "window": args.window, "stride": args.stride,
@@ -288,8 +289,7 @@ def run_memlm(args, model, tok, docs, params: dict[str, Any]) -> tuple[dict[str,
 
     rec = protocol.timed("memlm", timed)
     ts = rec.pop("_ts")
-    knn = knn_target_logprob(torch.from_numpy(ts.knn_scores), torch.from_numpy(ts.knn_values).long(),
-                             torch.from_numpy(ts.targets), params["temperature"])  # fmt: skip
+    knn = ts.logprob("knn", temperature=params["temperature"]).float()
     lam = params["lambda"]
     per_token = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[1 - lam, lam]).numpy()
     rec.update(tokens_per_s=rec["tokens"] / rec["seconds"], ppl_from_per_token=float(np.exp(-per_token.mean())))

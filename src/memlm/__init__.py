@@ -37,7 +37,7 @@ _API = {
     "holdout_split": "memlm.knnlm.calibration",
     "calibrate": "memlm.knnlm.calibration",
     "knn_parameters": "memlm.knnlm.calibration",
-    "score_tokens": "memlm.knnlm.evaluate",
+    "score_tokens": "memlm.knnlm.scoring",
     "perplexities": "memlm.knnlm.evaluate",
     "tune": "memlm.knnlm.evaluate",
     "generate_text": "memlm.knnlm.generate",

@@ -336,11 +336,13 @@ def check_leakage(
 def dump_memories(meta: dict[str, Any]) -> dict[str, Any]:
     """What a dump was scored with (its ``meta``): the model, the datastore (build id where recorded, path and
     entries) and the ∞-gram indexes (build ids, in order)."""
-    ngrams = meta.get("ngrams") or ([meta] if meta.get("ngram") else [])
+    described = list((meta.get("components") or {}).values())
+    ngrams = [d for d in described if d.get("kind") == "ngram"]
+    knn = next((d for d in described if d.get("kind") == "knn"), {})
     out: dict[str, Any] = {"model": meta.get("model")}
-    if meta.get("datastore"):
-        out["datastore"] = {"build_id": meta.get("datastore_build_id"), "path": meta.get("datastore"),
-                            "entries": meta.get("datastore_entries")}  # fmt: skip
+    if knn.get("datastore"):
+        out["datastore"] = {"build_id": meta.get("datastore_build_id"), "path": knn.get("datastore"),
+                            "entries": knn.get("datastore_entries")}  # fmt: skip
     out["ngram"] = [r.get("ngram_build_id") or r.get("ngram") for r in ngrams]
     return out
 
@@ -367,8 +369,9 @@ def _recheck(meta: dict[str, Any]) -> list[dict]:
     (named corpus, split, fingerprint; no documents are read)."""
     src = meta.get("source") or {}
     ev = Evaluated([], src.get("corpus"), src.get("split"), src.get("fingerprint"))
-    folders = [("datastore", meta.get("datastore"))]
-    folders += [("∞-gram index", r.get("ngram")) for r in meta.get("ngrams") or ([meta] if meta.get("ngram") else [])]
+    described = list((meta.get("components") or {}).values())
+    folders = [("datastore" if d.get("kind") == "knn" else "∞-gram index", d.get("datastore") or d.get("ngram"))
+               for d in described if d.get("kind") in ("knn", "ngram")]  # fmt: skip
     memories = []
     for kind, folder in folders:
         path = Path(folder) / "manifest.json" if folder else None
@@ -400,7 +403,7 @@ def check_dumps(valid: Any, test: Any = None, names: tuple[str, str] = ("--valid
             raise MemlmError(
                 f"{names[1]} was scored with other memories or another model than {names[0]} "
                 f"({'; '.join(diff)}): parameters tuned for one do not apply to the other; rerun memlm "
-                f"eval --dump on the test split with the same --model, --datastore and --ngram options"
+                f"eval --dump on the test split with the same --model and --memory options"
             )
     record: dict[str, Any] = {"allow_overlap": bool(allow_overlap)}
     for name, dump in zip(names, (valid, test), strict=True):

@@ -276,7 +276,7 @@ _BUILT_IN = (FaissSearcher, ExactSearcher, RescoredSearcher, ShardedSearcher)  #
 
 
 def as_memory(source: Any, nprobe: int = 32, index: Any = None) -> Any:
-    """What the kNN-LM's consumers (:func:`memlm.knnlm.evaluate.score_tokens`, generation, the lm-eval adapter,
+    """What the kNN-LM's consumers (:func:`memlm.knnlm.scoring.score_tokens`, generation, the lm-eval adapter,
     :func:`memlm.wrap`) search: a datastore (plain or sharded) becomes a :class:`DatastoreMemory` over its own index
     (``index``: a FAISS index or searcher already open); a memory -- anything with ``search(queries, k) ->
     Retrieved`` and the ``key_spec`` (:class:`memlm.models.keys.KeySpec`) of the hidden state that queries it,

@@ -49,30 +49,30 @@ BUILD: list[list[str]] = [
 # name -> (argv, kind); run in this order (later commands read the files earlier ones wrote)
 COMMANDS: dict[str, tuple[list[str], str]] = {
     # 1. datastore, explicit λ, τ, k
-    "eval_knn": (["eval", "--corpus", "wiki", "--datastore", "ds/wiki", *KNN, *EVAL_TOKENS, "--json", "eval_knn.json"],
+    "eval_knn": (["eval", "--corpus", "wiki", "--memory", "ds/wiki", *KNN, *EVAL_TOKENS, "--json", "eval_knn.json"],
                  "eval"),
     # 2. ∞-gram alone, and with the datastore, explicit weights
-    "eval_ngram": (["eval", "--corpus", "wikitext2", "--ngram", "idx/wt2", *NGRAM, *EVAL_TOKENS,
+    "eval_ngram": (["eval", "--corpus", "wikitext2", "--memory", "idx/wt2", *NGRAM, *EVAL_TOKENS,
                     "--json", "eval_ngram.json"], "eval"),
-    "eval_knn_ngram": (["eval", "--corpus", "wikitext2", "--ngram", "idx/wt2", "--datastore", "ds/wiki", *KNN, *NGRAM,
+    "eval_knn_ngram": (["eval", "--corpus", "wikitext2", "--memory", "ds/wiki", "--memory", "idx/wt2", *KNN, *NGRAM,
                         *EVAL_TOKENS, "--json", "eval_knn_ngram.json"], "eval"),
     # 3. continuous cache with explicit kNN weights
-    "eval_knn_cache": (["eval", "--corpus", "wiki", "--datastore", "ds/wiki", *KNN, "--cache", "--cache-lambda", "0.1",
-                        "--cache-temperature", "1", *EVAL_TOKENS, "--json", "eval_knn_cache.json"], "eval"),
+    "eval_knn_cache": (["eval", "--corpus", "wiki", "--memory", "ds/wiki", *KNN, "--memory", "cache", "--cache-lambda",
+                        "0.1", "--cache-temperature", "1", *EVAL_TOKENS, "--json", "eval_knn_cache.json"], "eval"),
     # 4. dumps (datastore + ∞-gram, explicit weights), tune on valid, apply to test
-    "dump_valid": (["eval", "--corpus", "wiki", "--split", "valid", "--datastore", "ds/wiki", "--ngram", "idx/wt2",
+    "dump_valid": (["eval", "--corpus", "wiki", "--split", "valid", "--memory", "ds/wiki", "--memory", "idx/wt2",
                     *KNN, *NGRAM, *EVAL_TOKENS, "--dump", "valid.npz", "--json", "dump_valid.json"], "eval"),
-    "dump_test": (["eval", "--corpus", "wiki", "--split", "test", "--datastore", "ds/wiki", "--ngram", "idx/wt2",
+    "dump_test": (["eval", "--corpus", "wiki", "--split", "test", "--memory", "ds/wiki", "--memory", "idx/wt2",
                    *KNN, *NGRAM, *EVAL_TOKENS, "--dump", "test.npz", "--json", "dump_test.json"], "eval"),
     "tune": (["tune", "--valid", "valid.npz", "--test", "test.npz", *GRID, "--json", "tuned.json"], "tune"),
     "tune_gate": (["tune", "--valid", "valid.npz", "--test", "test.npz", *GRID, "--mixture", "gate", "--json",
                    "fit.json"], "tune"),
     # 5. the default (the datastore's calibrated λ, τ today), the stored mixture, a fitted mixture
-    "eval_default": (["eval", "--corpus", "wiki", "--datastore", "ds/wiki", *EVAL_TOKENS, "--json",
+    "eval_default": (["eval", "--corpus", "wiki", "--memory", "ds/wiki", *EVAL_TOKENS, "--json",
                       "eval_default.json"], "eval"),
-    "eval_mixture_stored": (["eval", "--corpus", "wiki", "--datastore", "ds/wiki", "--mixture", "stored",
+    "eval_mixture_stored": (["eval", "--corpus", "wiki", "--memory", "ds/wiki", "--mixture", "stored",
                              *EVAL_TOKENS, "--json", "eval_mixture_stored.json"], "eval"),
-    "eval_mixture_fit": (["eval", "--corpus", "wiki", "--datastore", "ds/wiki", "--ngram", "idx/wt2", "--k", "64",
+    "eval_mixture_fit": (["eval", "--corpus", "wiki", "--memory", "ds/wiki", "--memory", "idx/wt2", "--k", "64",
                           "--mixture", "fit.json", *EVAL_TOKENS, "--json", "eval_mixture_fit.json"], "eval"),
     # 6. greedy generation: datastore, ∞-gram, both
     "generate_knn": (["generate", *DS_MEMORY, *PROMPT], "generate"),
@@ -224,7 +224,7 @@ def demo_rows() -> dict[str, Any]:
     from memlm.experiments.demo import _row
     from memlm.knnlm.calibration import stored_mixture
     from memlm.knnlm.default_mixture import default_mixture
-    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.scoring import score_tokens
     from memlm.models.resources import load_causal_lm
     from memlm.ngram.index import NgramIndex
     from memlm.ngram.memory import NgramMemory
@@ -234,7 +234,7 @@ def demo_rows() -> dict[str, Any]:
     ds, ngram = Datastore.open(DEMO["memories"][0]), NgramMemory(NgramIndex.open(DEMO["memories"][1]))
     config = RetrievalConfig(k=int(stored_mixture(ds).k))
     docs = limit_documents(load_documents(DEMO["corpus"], DEMO["split"]), tok, DEMO["max_tokens"])
-    ts = score_tokens(model, tok, docs, ds, config, ngram=ngram, progress=False)
+    ts = score_tokens(model, tok, docs, [ds, ngram], config, progress=False)
     chosen = {"knn_ppl": default_mixture(model, tok, [ds], None, config),
               "ngram_ppl": default_mixture(model, tok, [], ngram, config),
               "knn_ngram_ppl": default_mixture(model, tok, [ds], ngram, config)}  # fmt: skip

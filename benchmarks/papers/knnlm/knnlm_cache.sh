@@ -4,7 +4,7 @@
 set -e
 mkdir -p runs/cache
 DS=runs/knnlm/ds-wiki-ffn_in
-COMMON="--datastore $DS --dtype bfloat16 --window 512 --min-context 128 --k 1024 --cache"
+COMMON="--memory $DS --dtype bfloat16 --window 512 --min-context 128 --k 1024 --memory cache"
 memlm eval --corpus wiki --split valid --max-tokens 15000 $COMMON --dump runs/cache/valid.npz
 memlm eval --corpus wiki --split test --max-tokens 30000 $COMMON --dump runs/cache/test.npz
 memlm tune --valid runs/cache/valid.npz --test runs/cache/test.npz --temperatures 1 2 3 5 \

@@ -28,7 +28,8 @@ from memlm.core.tuning import DEFAULT_LAMBDAS
 from memlm.data.corpora import corpus_fingerprint, load_corpora, load_documents
 from memlm.data.windows import limit_documents
 from memlm.io.fileio import atomic_write_json, dumps_json
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores, perplexities, tune
+from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities, tune
+from memlm.knnlm.table import TokenTable
 from memlm.knnlm.write import write_datastore
 from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import load_causal_lm
@@ -83,7 +84,8 @@ def forward(args, model, tok, corpus: str, split: str, specs, out: Path):
     names = [s.describe() for s in specs]
     if path.exists():
         with np.load(path) as z:
-            ts = TokenScores(z["targets"], z["lm_logprob"], z["doc_index"], meta=json.loads(str(z["meta"])))
+            ts = TokenTable(targets=z["targets"], lm_logprob=z["lm_logprob"], doc_index=z["doc_index"],
+                            meta=json.loads(str(z["meta"])))  # fmt: skip
             return ts, {s: z[f"q_{n}"] for s, n in zip(specs, names, strict=True)}
     n = args.test_tokens if split == "test" else args.valid_tokens
     docs = limit_documents(load_corpora(corpus, split), tok, n)  # "wiki" or "wiki,news"
@@ -103,17 +105,17 @@ def forward(args, model, tok, corpus: str, split: str, specs, out: Path):
     return ts, queries
 
 
-def neighbours(base: TokenScores, queries, ds: Datastore, k: int, path: Path) -> TokenScores:
+def neighbours(base: TokenTable, queries, ds: Datastore, k: int, path: Path) -> TokenTable:
     if path.exists():
-        return TokenScores.load(path)
-    ts = base.lm_only()
+        return TokenTable.load(path)
+    ts = base.select()
     add_neighbours(ts, queries[ds.key_spec], ds, k=k)
     ts.save(path)
-    log(f"neighbours {path.name}: search {ts.meta['seconds_search']:.1f} s")
+    log(f"neighbours {path.name}: search {ts.meta['components']['knn']['seconds']:.1f} s")
     return ts
 
 
-def tuned(valid: TokenScores, test: TokenScores, k: int | None = None) -> dict:
+def tuned(valid: TokenTable, test: TokenTable, k: int | None = None) -> dict:
     best = tune(valid, k=k)["best"]
     return {
         **perplexities(test, lam=best["lambda"], temperature=best["temperature"], k=k),

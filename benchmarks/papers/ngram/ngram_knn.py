@@ -17,7 +17,6 @@ unchanged).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,23 +31,21 @@ from memlm.core.distribution import perplexity  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import limit_documents  # noqa: E402
 from memlm.io.fileio import atomic_write_json  # noqa: E402
-from memlm.knnlm.evaluate import TokenScores, tune  # noqa: E402
-from memlm.mixing.inputs import memory_logprob
+from memlm.knnlm.evaluate import add_memory, tune  # noqa: E402
+from memlm.knnlm.table import TokenTable  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
 from memlm.ngram.memory import NgramMemory  # noqa: E402
-from memlm.ngram.mixture import add_ngram, refs_logprob, tune_multi_ngram, tune_ngram  # noqa: E402
+from memlm.ngram.mixture import refs_logprob, tune_multi_ngram, tune_ngram  # noqa: E402
 
 
-def _with_ngram(ts: TokenScores, docs, tok, memory) -> TokenScores:
-    out = dataclasses.replace(ts, meta=dict(ts.meta))
-    return add_ngram(out, docs, tok, memory)
-
-
-def _no_knn(ts: TokenScores) -> TokenScores:
-    out = ts.lm_only()
-    for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
-        setattr(out, f, getattr(ts, f))
+def _with_ngram(ts: TokenTable, docs, tok, memory) -> TokenTable:
+    out = ts.select([n for n in ts.names() if n not in ts.names("ngram")])
+    add_memory(out, memory, docs, tok)
     return out
+
+
+def _no_knn(ts: TokenTable) -> TokenTable:
+    return ts.select(ts.names("ngram"))
 
 
 def main() -> None:
@@ -66,7 +63,7 @@ def main() -> None:
         "valid": limit_documents(load_documents("wikitext2", "valid"), tok, args.valid_tokens),
         "test": limit_documents(load_documents("wikitext2", "test"), tok, args.test_tokens),
     }
-    dumps = {"valid": TokenScores.load(args.valid), "test": TokenScores.load(args.test)}
+    dumps = {"valid": TokenTable.load(args.valid), "test": TokenTable.load(args.test)}
     indexes = dict(x.split("=", 1) for x in args.index)
     with_ng = {name: {s: _with_ngram(dumps[s], docs[s], tok, NgramMemory(p)) for s in dumps}
                for name, p in indexes.items()}  # fmt: skip
@@ -90,22 +87,21 @@ def main() -> None:
     rows = out["rows"]
     rows["base"] = row(lm)
     best = tune(dumps["valid"])["best"]
-    knn = memory_logprob(test.knn_scores, test.knn_values, test.targets, best["temperature"], None,
-                         test.knn_log_counts)  # fmt: skip
+    knn = test.logprob("knn", temperature=best["temperature"])
     rows["knn"] = row(refs_logprob(lm, [], [], knn=knn, lam=best["lambda"]), **{
         "lambda": best["lambda"], "temperature": best["temperature"]})  # fmt: skip
     refs_test, joint_best = [], None
     for name in indexes:
         v, t = with_ng[name]["valid"], with_ng[name]["test"]
-        ng, sp = torch.from_numpy(t.ngram_logprob), torch.from_numpy(t.ngram_sparse)
+        ng, sp = torch.from_numpy(t.columns["ngram"]["logprob"]), torch.from_numpy(t.columns["ngram"]["sparse"])
         refs_test.append((ng, sp))
         a = tune_ngram(_no_knn(v))["best"]
         rows[f"ngram:{name}"] = row(refs_logprob(lm, [(ng, sp)], [(a["lambda_sparse"], a["lambda_dense"])]),
                                     lambda_sparse=a["lambda_sparse"], lambda_dense=a["lambda_dense"],
                                     sparse_share=float(sp.float().mean()),
-                                    effective_n_median=float(np.median(t.ngram_n)))  # fmt: skip
+                                    effective_n_median=float(np.median(t.columns["ngram"]["n"])))  # fmt: skip
         j = tune_ngram(v)["best"]
-        k_j = memory_logprob(t.knn_scores, t.knn_values, t.targets, j["temperature"], None, t.knn_log_counts)
+        k_j = t.logprob("knn", temperature=j["temperature"])
         rows[f"knn+ngram:{name}"] = row(
             refs_logprob(lm, [(ng, sp)], [(j["lambda_sparse"], j["lambda_dense"])], knn=k_j, lam=j["lambda"]),
             **{k: j[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")},
@@ -114,16 +110,16 @@ def main() -> None:
             joint_best = j
     if len(indexes) > 1:
         valid_ng = [with_ng[n]["valid"] for n in indexes]
-        v_refs = [(torch.from_numpy(d.ngram_logprob), torch.from_numpy(d.ngram_sparse)) for d in valid_ng]
+        v_refs = [(d.logprob("ngram"), torch.from_numpy(d.columns["ngram"]["sparse"])) for d in valid_ng]
         v_lm = torch.from_numpy(dumps["valid"].lm_logprob)
         m = tune_multi_ngram(v_lm, v_refs)
         rows["ngram:" + "+".join(indexes)] = row(refs_logprob(lm, refs_test, m["weights"]),
                                                  weights=m["weights"], valid_ppl=m["ppl"])  # fmt: skip
         vd = dumps["valid"]
         tau, lam = joint_best["temperature"], joint_best["lambda"]
-        v_knn = memory_logprob(vd.knn_scores, vd.knn_values, vd.targets, tau, None, vd.knn_log_counts)
+        v_knn = vd.logprob("knn", temperature=tau)
         mk = tune_multi_ngram(v_lm, v_refs, knn=v_knn, lam=lam)
-        k_t = memory_logprob(test.knn_scores, test.knn_values, test.targets, tau, None, test.knn_log_counts)
+        k_t = test.logprob("knn", temperature=tau)
         rows["knn+ngram:" + "+".join(indexes)] = row(
             refs_logprob(lm, refs_test, mk["weights"], knn=k_t, lam=lam),
             **{"lambda": lam, "temperature": tau, "weights": mk["weights"], "valid_ppl": mk["ppl"]},

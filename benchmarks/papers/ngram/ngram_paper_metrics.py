@@ -186,12 +186,12 @@ def agreement(dump: str) -> dict:
     """The paper's agreement statistics (Sec. 4.1) on a ``memlm eval --ngram --dump`` dump's tokens."""
     import numpy as np
 
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
 
-    ts = TokenScores.load(dump)
-    if ts.ngram_logprob is None:
+    ts = TokenTable.load(dump)
+    if "ngram" not in ts.columns:
         sys.exit(f"{dump} has no ∞-gram scores: make it with memlm eval --ngram DIR --dump")
-    lp, sparse = ts.ngram_logprob.astype(np.float64), ts.ngram_sparse.astype(bool)
+    lp, sparse = ts.columns["ngram"]["logprob"].astype(np.float64), ts.columns["ngram"]["sparse"].astype(bool)
     above = lp > math.log(0.5)
     return {
         "dump": dump,

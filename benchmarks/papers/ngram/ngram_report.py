@@ -12,7 +12,6 @@ LM + kNN + ∞-gram (tuned jointly). Each also without WikiText's formatting tok
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -22,8 +21,8 @@ import torch
 
 from memlm.core.distribution import mix, perplexity
 from memlm.io.fileio import atomic_write_json
-from memlm.knnlm.evaluate import TokenScores, tune
-from memlm.mixing.inputs import memory_logprob
+from memlm.knnlm.evaluate import tune
+from memlm.knnlm.table import TokenTable
 from memlm.ngram.mixture import ngram_report, tune_ngram
 
 FORMAT = re.compile(r" @[-,.]@ ")
@@ -33,7 +32,7 @@ PAPER = {
 }
 
 
-def formatting_mask(ts: TokenScores, corpus: str, split: str, max_tokens: int | None, model: str) -> np.ndarray:
+def formatting_mask(ts: TokenTable, corpus: str, split: str, max_tokens: int | None, model: str) -> np.ndarray:
     """True for targets inside ` @-@ ` / ` @,@ ` / ` @.@ ` (the @ and the middle character)."""
     from memlm.data.corpora import load_corpus_source
     from memlm.models.resources import load_causal_lm
@@ -43,7 +42,7 @@ def formatting_mask(ts: TokenScores, corpus: str, split: str, max_tokens: int | 
     return formatting_mask_of(ts, docs, tok)
 
 
-def formatting_mask_of(ts: TokenScores, docs, tok) -> np.ndarray:
+def formatting_mask_of(ts: TokenTable, docs, tok) -> np.ndarray:
     """:func:`formatting_mask` for the documents ``docs`` the dump ``ts`` was scored on."""
     fmt_by_doc = {}
     for i, d in enumerate(docs):
@@ -68,7 +67,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    valid, test = TokenScores.load(args.valid), TokenScores.load(args.test)
+    valid, test = TokenTable.load(args.valid), TokenTable.load(args.test)
     fmt = formatting_mask(test, args.corpus, "test", args.max_tokens, args.model)
     keep = ~fmt
     out = {
@@ -83,22 +82,15 @@ def main() -> None:
     out["base"] = {"ppl": perplexity(lm), "ppl_without_formatting": perplexity(lm[torch.from_numpy(keep)])}
 
     def strip(ts, knn: bool, ngram: bool):
-        changes = {}
-        if not knn:
-            changes.update(knn_scores=None, knn_values=None, knn_log_counts=None)
-        if not ngram:
-            changes.update(ngram_logprob=None, ngram_count=None, ngram_n=None, ngram_sparse=None)
-        return dataclasses.replace(ts, **changes)
+        return ts.select([n for n in ts.names() if (knn or n != "knn") and (ngram or n != "ngram")])
 
     best = tune_ngram(strip(valid, False, True))["best"]
     rep = ngram_report(strip(test, False, True), best["lambda_sparse"], best["lambda_dense"])
     rep_clean = ngram_report(strip(test, False, True), best["lambda_sparse"], best["lambda_dense"], mask=keep)
     out["ngram"] = {"tuned_on_valid": best, "test": rep, "test_without_formatting": rep_clean}
-    if valid.knn_scores is not None:
+    if "knn" in valid.columns:
         kbest = tune(strip(valid, True, False))["best"]
-        knn = memory_logprob(
-            test.knn_scores, test.knn_values, test.targets, kbest["temperature"], None, test.knn_log_counts
-        )
+        knn = test.logprob("knn", temperature=kbest["temperature"])
         mixed = mix([lm, knn], weights=[1 - kbest["lambda"], kbest["lambda"]])
         out["knn"] = {
             "tuned_on_valid": kbest,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 
 from memlm.data.corpora import load_corpus_source
-from memlm.knnlm.evaluate import TokenScores
+from memlm.knnlm.evaluate import add_memory
+from memlm.knnlm.table import TokenTable
 from memlm.models.resources import load_causal_lm
 from memlm.ngram.index import NgramIndex
 from memlm.ngram.memory import NgramMemory
-from memlm.ngram.mixture import add_ngram
 
 
 def main() -> None:
@@ -29,15 +29,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     _, tok = load_causal_lm(args.model, dtype="float32")
-    ts = TokenScores.load(args.dump)
+    loaded = TokenTable.load(args.dump)
+    ts = loaded.select([n for n in loaded.names() if n not in loaded.names("ngram")])
     index = NgramIndex.open(args.index)
     index.check_tokenizer(tok)
     docs, _ = load_corpus_source(args.corpus, args.split, tok, args.max_tokens)
-    add_ngram(ts, docs, tok, NgramMemory(index))
+    add_memory(ts, NgramMemory(index), docs, tok)
     ts.save(args.out)
     print(
-        f"wrote {args.out}: {len(ts)} tokens, sparse {ts.ngram_sparse.mean():.3f}, "
-        f"seconds {ts.meta['seconds_ngram']:.1f}"
+        f"wrote {args.out}: {len(ts)} tokens, sparse {ts.columns['ngram']['sparse'].mean():.3f}, "
+        f"seconds {ts.meta['components']['ngram']['seconds']:.1f}"
     )
 
 

@@ -73,7 +73,7 @@ def main() -> None:
         # the kNN-LM with the same datastore, keys and similarity: exact IP search, τ = 1, λ tuned on valid
         knn = {}
         for split, ts, q in (("valid", v_ts, vq), ("test", t_ts, tq)):
-            d = ts.lm_only()
+            d = ts.select()
             add_neighbours(d, q, ds, k=args.k, search="exact", scores="exact", metric="ip", progress=False)
             knn[split] = d
         lam = tune(knn["valid"], temperatures=[1.0])["best"]["lambda"]

@@ -32,7 +32,9 @@ from memlm.knnlm.calibration import knn_parameters
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import perplexities, score_tokens, value_counts
+    from memlm.knnlm.evaluate import perplexities, value_counts
+    from memlm.knnlm.memories import memory_spec
+    from memlm.knnlm.scoring import score_tokens
     from memlm.leakage import Evaluated, check_leakage
     from memlm.models.keys import KeySpec
     from memlm.storage.sharded import open_datastore
@@ -55,7 +57,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
             leakage[key] = leakage[key] + more[key]
     setting = {k: getattr(args, k) for k in ("k", "search", "scores", "nprobe", "index")}  # noticed if uncalibrated
     weights = [knn_parameters(store, args.lam, args.temperature, setting=setting) for store in stores]
-    total = sum(w[0] for w in weights) + (args.cache_lambda if args.cache else 0.0)
+    cache = args.cache is not None
+    total = sum(w[0] for w in weights) + (args.cache_lambda if cache else 0.0)
     if len(stores) > 1 and total >= 1.0:
         given = ", ".join(f"{w[0]:g}" for w in weights)
         raise MemlmError(f"the datastores' λ's ({given}) and the cache's sum to {total:g}: the LM would keep no "
@@ -67,7 +70,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
         scores=args.scores,
         nprobe=args.nprobe,
         drop_self_matches=args.drop_self_matches,
-        cache=args.cache,
         adaptive=args.adaptive,
         adaptive_fraction=args.adaptive_fraction,
         pointer_min=args.pointer_min,
@@ -78,39 +80,42 @@ def cmd_eval(args: argparse.Namespace) -> None:
     meta = {"model": model_name, "source": source, "leakage": leakage}  # memlm tune compares these
     if ds is not None:
         meta["datastore_build_id"] = ds.manifest.get("build_id")
-    ts = score_tokens(model, tok, docs, ds, config, batch_size=args.batch_size, meta=meta, ngram=ngram,
-                      memories=stores[1:])  # fmt: skip
+    ts = score_tokens(model, tok, docs, _eval_components(args, stores, ngram), config, batch_size=args.batch_size,
+                      meta=meta)  # fmt: skip
+    for name, (_, tau, _) in zip(ts.names("knn"), weights, strict=True):  # each datastore read at its τ by default
+        ts.components[name].temperature = ts.meta["components"][name]["temperature"] = float(tau)
     if args.dump:
         ts.save(args.dump)
         print(f"wrote {args.dump}", file=sys.stderr)
     lam, temperature, origin = 0.0, args.temperature or 1.0, None
     if ds is not None:
         lam, temperature, origin = weights[0]
-        if args.cache and args.lam is None and lam + args.cache_lambda > 1:
+        if cache and args.lam is None and lam + args.cache_lambda > 1:
             lam = 1.0 - args.cache_lambda  # the calibrated λ was tuned without the cache: leave the cache its weight
             print(f"λ lowered to {lam:g} so that λ + --cache-lambda <= 1", file=sys.stderr)
     res = perplexities(
         ts,
         lam=lam,
         temperature=temperature,
-        cache_lambda=args.cache_lambda if args.cache else 0.0,
+        cache_lambda=args.cache_lambda if cache else 0.0,
         cache_temperature=args.cache_temperature,
         target_counts=value_counts(ds, ts.targets) if ds is not None else None,
         datastores=[(w[0], w[1]) for w in weights[1:]],
     )
+    first = ts.meta["components"].get("knn", {})  # the first datastore's description
     res.update(
         model=model_name,
+        memories=memory_spec(list(ts.components.values())),
         corpus=args.corpus,
         split=args.split,
         **({"parameters_from": origin} if origin else {}),
         **({"datastores": each} if (each := _each_datastore(ts, weights)) else {}),
-        **{
-            k: v for k, v in ts.meta.items() if k.startswith("seconds") or k in ("datastore", "key", "search", "scores")
-        },
+        **{k: v for k, v in ts.meta.items() if k.startswith("seconds")},
+        **{k: v for k, v in first.items() if k in ("datastore", "key", "search", "scores")},
         retrieval={  # the values this result used (score_tokens records the search; λ, τ are chosen here)
             **ts.meta["retrieval"],
             **({"lam": res.get("lambda", lam), "temperature": temperature} if ds is not None else {}),
-            "cache_lambda": res.get("cache_lambda", args.cache_lambda if args.cache else 0.0),
+            "cache_lambda": res.get("cache_lambda", args.cache_lambda if cache else 0.0),
             "cache_temperature": args.cache_temperature,
         },
     )
@@ -124,7 +129,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     elif not weights_given(args) and (stores or ngram is not None):
         from memlm.knnlm.default_mixture import default_mixture
 
-        chosen = default_mixture(model, tok, stores, ngram, config, cache=args.cache, batch_size=args.batch_size)
+        chosen = default_mixture(model, tok, stores, ngram, config, cache=cache, batch_size=args.batch_size)
         chosen.announce()
         if chosen.fit is not None:
             mixed = mixture_result(chosen.fit, ts, res, chosen.origin)
@@ -147,8 +152,9 @@ def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[st
     """With several datastores: each one's description and the λ, τ it was mixed with (and where they came from)."""
     if len(weights) < 2:
         return []
+    described = [ts.meta["components"][name] for name in ts.names("knn")]
     return [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
-            for d, w in zip(ts.meta["datastores"], weights, strict=True)]  # fmt: skip
+            for d, w in zip(described, weights, strict=True)]  # fmt: skip
 
 
 def stored_eval_mixture(args: argparse.Namespace, stores: list, ngram):
@@ -179,32 +185,23 @@ def load_mixture(path: str):
     return DumpMixture.from_dict(data, f"--mixture {path}")
 
 
-def _rule_rows(ts, res: dict[str, Any]) -> dict[str, Any]:
-    """Per-token log p of each fixed-weight row of eval's result ``res``, re-mixed by the rule it recorded under
-    ``mixtures`` (its weights, at its τ and k), for the paired differences of the learned mixture against them."""
-    from memlm.core.mixture import Mixture
-    from memlm.mixing.dump import rule_logprob
-
-    rows = {}
-    for key, record in (res.get("mixtures") or {}).items():
-        taus = res.get("temperatures") or res.get("temperature") or 1.0  # several datastores: one τ each
-        rows[key] = rule_logprob(ts, Mixture.from_dict(record), taus, res.get("k"), res.get("cache_temperature") or 1.0)
-    return rows
-
-
 def mixture_result(dm, ts, res: dict[str, Any], path: str) -> dict[str, Any]:
     """``memlm eval --mixture``: ``mixture_ppl`` of the stored fit on this eval's tokens, its interval and its paired
-    differences against the base LM and each fixed-weight row of ``res``, merged into ``res``'s evidence."""
+    differences against the base LM and each fixed-weight row of ``res`` (re-mixed by the rule it recorded under
+    ``mixtures``, at its τ and k), merged into ``res``'s evidence (memlm.mixing.report)."""
     import torch
 
-    from memlm.core.bootstrap import evidence
-    from memlm.core.distribution import perplexity
+    from memlm.core.mixture import Mixture
+    from memlm.mixing.report import report
 
-    rows = {"base_ppl": torch.from_numpy(ts.lm_logprob), **_rule_rows(ts, res),
-            "mixture_ppl": dm.logprob(ts, "this eval (its --datastore, --ngram and --cache)")}  # fmt: skip
-    own = evidence(rows, ts.doc_index, pairs=[(key, "mixture_ppl") for key in rows if key != "mixture_ppl"])
+    rules = {key: Mixture.from_dict(record) for key, record in (res.get("mixtures") or {}).items()}
+    rows = {"base_ppl": torch.from_numpy(ts.lm_logprob), **rules,
+            "mixture_ppl": dm.logprob(ts, "this eval (its --memory)")}  # fmt: skip
+    taus = res.get("temperatures") or res.get("temperature") or 1.0  # several datastores: one τ each
+    own = report(ts, rows, [(key, "mixture_ppl") for key in rows if key != "mixture_ppl"], temperature=taus,
+                 k=res.get("k"), cache_temperature=res.get("cache_temperature") or 1.0)  # fmt: skip
     return {
-        "mixture_ppl": perplexity(rows["mixture_ppl"]),
+        "mixture_ppl": own["mixture_ppl"],
         "mixture_form": dm.fit.form,
         "mixture": {"from": path, **dm.to_dict()},
         "intervals": {**res.get("intervals", {}), "mixture_ppl": own["intervals"]["mixture_ppl"]},
@@ -218,13 +215,13 @@ def _print_result(res: dict[str, Any]) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import TokenScores
+    from memlm.knnlm.table import TokenTable
     from memlm.leakage import check_dumps
 
-    valid = TokenScores.load(args.valid)
-    test = TokenScores.load(args.test) if args.test else None
+    valid = TokenTable.load(args.valid)
+    test = TokenTable.load(args.test) if args.test else None
     leakage = check_dumps(valid, test, allow_overlap=args.allow_overlap)  # every path: the same memories, no leak
-    if valid.ngram_logprob is not None:
+    if "ngram" in valid.columns:
         out = ngram_cli.tune_with_ngram(args, valid, test, leakage)
     else:
         out = _tune_rule(args, valid, test, leakage)
@@ -257,7 +254,7 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
         f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
         f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
     )
-    if valid.knn_extra_scores is not None:
+    if len(valid.names("knn")) > 1:
         grid = (lambdas, temperatures)
         from memlm.mixing.dump import tune_datastores_beside
 
@@ -301,10 +298,9 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
     rule tuned on the same ``valid`` (``rule_best``), with intervals and paired differences."""
     import torch
 
-    from memlm.core.bootstrap import evidence
-    from memlm.core.distribution import perplexity
     from memlm.core.tuning import DEFAULT_TEMPERATURES
-    from memlm.mixing.dump import fit_dump, rule_for, rule_logprob
+    from memlm.mixing.dump import fit_dump, rule_for
+    from memlm.mixing.report import report
 
     temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
     dm = fit_dump(valid, temperatures, args.k, args.cache_temperatures)
@@ -332,18 +328,13 @@ def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any
               f"{', '.join(dm.mixture.components)}: the learned mixture is not applied to it (dump both with the "
               "same memories)", file=sys.stderr)  # fmt: skip
         return out
-    weights = _rule_weights(rule_best, valid.knn_scores is not None)
+    weights = _rule_weights(rule_best, "knn" in valid.columns)
     knn_taus = [rule_best.get("temperature") or 1.0] + [d["temperature"] for d in rule_best.get("datastores") or []]
     taus = (knn_taus if len(knn_taus) > 1 else knn_taus[0], rule_best.get("cache_temperature") or 1.0)
-    rows = {
-        "base_ppl": torch.from_numpy(test.lm_logprob),
-        "rule_ppl": rule_logprob(test, weights, taus[0], args.k, taus[1]),
-        "mixture_ppl": dm.logprob(test, "the --test dump"),
-    }
-    res: dict[str, Any] = {"tokens": len(test), "form": fit.form, **{k: perplexity(v) for k, v in rows.items()},
-                           "mixtures": {"rule_ppl": rule_for(test, weights).to_dict()}}  # fmt: skip
+    rows = {"base_ppl": torch.from_numpy(test.lm_logprob), "rule_ppl": rule_for(test, weights),
+            "mixture_ppl": dm.logprob(test, "the --test dump")}  # fmt: skip
     pairs = (("base_ppl", "rule_ppl"), ("base_ppl", "mixture_ppl"), ("rule_ppl", "mixture_ppl"))
-    res.update(evidence(rows, test.doc_index, pairs=pairs))
+    res = {"form": fit.form, **report(test, rows, pairs, temperature=taus[0], k=args.k, cache_temperature=taus[1])}
     print("on test (rule_ppl: the fixed-weight rule tuned on the same valid dump; mixture_ppl: the learned mixture):")
     _print_result(res)
     return {**out, "mixture_test": res}
@@ -397,14 +388,13 @@ def cmd_gate_train(args: argparse.Namespace) -> None:
     import numpy as np
 
     from memlm.knnlm.adaptive import gate_features, train_gate
-    from memlm.knnlm.evaluate import TokenScores
-    from memlm.mixing.inputs import memory_logprob
+    from memlm.knnlm.table import TokenTable
 
-    ts = TokenScores.load(args.dump)
-    if ts.knn_scores is None or ts.lm_entropy is None or ts.position is None:
+    ts = TokenTable.load(args.dump)
+    if "knn" not in ts.columns or ts.lm_entropy is None or ts.position is None:
         raise MemlmError(f"{args.dump} lacks datastore neighbours or the LM's entropy: rerun memlm eval --datastore DS "
                          "--dump with this memlm")  # fmt: skip
-    knn = memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, args.temperature, None, ts.knn_log_counts)
+    knn = ts.logprob("knn", temperature=args.temperature)
     gate = train_gate(gate_features(ts.lm_entropy, ts.lm_max_logprob, ts.position), ts.lm_logprob, knn.numpy(),
                       steps=args.steps, seed=args.seed)  # fmt: skip
     gate.save(args.out)
@@ -413,7 +403,57 @@ def cmd_gate_train(args: argparse.Namespace) -> None:
           f"median {float(np.median(lam)):.3f}")  # fmt: skip
 
 
+def _memory_specs(args: argparse.Namespace) -> None:
+    """``--memory`` read (memlm.knnlm.memories.parse_spec, nothing opened): ``args.memories`` the ``(kind, path,
+    options)`` of each memory in order, and by kind ``args.datastore``, ``args.ngram`` (paths) and ``args.cache``
+    (the cache's options, or None)."""
+    from memlm.knnlm.memories import parse_spec
+
+    items = [item for spec in args.memory or [] for item in parse_spec(spec)]
+    args.memories, args.cache = items, None
+    args.datastore = [path for kind, path, _ in items if kind == "knn"]
+    args.ngram = [path for kind, path, _ in items if kind == "ngram"]
+    for kind, path, options in items:
+        if kind not in ("knn", "ngram", "cache"):
+            raise MemlmError(f"memlm eval reads datastores, ∞-gram indexes and the cache; --memory {kind}:{path} is "
+                             "another kind: score it with memlm.score_tokens")  # fmt: skip
+        if kind == "cache":
+            if args.cache is not None:
+                raise MemlmError("--memory names the cache twice: give it once")
+            unknown = set(options) - {"k", "max_len", "metric"}
+            if unknown:
+                raise MemlmError(f"the cache takes k, max_len and metric (its λc and τ: --cache-lambda, "
+                                 f"--cache-temperature), not {', '.join(sorted(unknown))}")  # fmt: skip
+            args.cache = options
+        elif options:
+            flags = "--k, --search, --scores, --nprobe, --lambda, --temperature" if kind == "knn" else (
+                "--ngram-max-n, --ngram-lambda-sparse, --ngram-lambda-dense")  # fmt: skip
+            raise MemlmError(f"memlm eval sets a {kind} memory's options with its flags ({flags}), not in --memory "
+                             f"{path}?{'&'.join(options)}")  # fmt: skip
+        elif not Path(path).is_dir():
+            raise MemlmError(f"--memory: folder {path!r} does not exist")
+
+
+def _cache_component(options: dict[str, str]):
+    """The continuous cache of ``--memory cache?k=..&max_len=..&metric=..`` (its defaults otherwise)."""
+    from memlm.knnlm.cache import CacheComponent
+
+    try:
+        return CacheComponent(int(options.get("k", 256)), int(options.get("max_len", 2048)),
+                              options.get("metric", "ip"))  # fmt: skip
+    except ValueError as error:
+        raise MemlmError(f"--memory cache?...: k and max_len are whole numbers ({error})") from None
+
+
+def _eval_components(args: argparse.Namespace, stores: list, ngram) -> list:
+    """The memories of ``memlm eval`` in the order ``--memory`` gave them: the open datastores, the ∞-gram memories,
+    the cache."""
+    found = {"knn": iter(stores), "ngram": iter(getattr(ngram, "memories", [ngram] if ngram is not None else []))}
+    return [_cache_component(options) if kind == "cache" else next(found[kind]) for kind, _, options in args.memories]
+
+
 def check_eval(args: argparse.Namespace) -> None:
+    _memory_specs(args)
     V.check_windows(args)
     if args.key:
         from memlm.models.keys import KeySpec
@@ -423,12 +463,12 @@ def check_eval(args: argparse.Namespace) -> None:
     for path in paths:
         V.check_datastore_k(path, args.k)
     if len({str(Path(p).resolve()) for p in paths}) < len(paths):
-        raise MemlmError(f"--datastore names the same datastore twice ({', '.join(paths)}): give each once")
+        raise MemlmError(f"--memory names the same datastore twice ({', '.join(paths)}): give each once")
     several = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min),
                                ("--index", args.index)) if on]  # fmt: skip
     if len(paths) > 1 and several:
-        raise MemlmError(f"{several[0]} applies to one datastore; give one --datastore with it, or leave it out to "
-                         "mix several")  # fmt: skip
+        raise MemlmError(f"{several[0]} applies to one datastore; give one datastore (--memory) with it, or leave "
+                         "it out to mix several")  # fmt: skip
     fast = [f for f, on in (("--adaptive", args.adaptive), ("--pointer-min", args.pointer_min)) if on]
     if args.pipeline and fast:
         raise MemlmError(f"--pipeline searches each batch as it comes, {fast[0]} needs every query first: use one")
@@ -437,7 +477,7 @@ def check_eval(args: argparse.Namespace) -> None:
     if args.adaptive_fraction is not None and args.adaptive is None:
         raise MemlmError("--adaptive-fraction needs --adaptive GATE (a gate from memlm gate train)")
     if (args.adaptive or args.pointer_min or args.pipeline or args.index) and not args.datastore:
-        raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a --datastore to search")
+        raise MemlmError("--adaptive, --pointer-min, --pipeline and --index need a datastore (--memory DIR) to search")
     if args.index:
         _index_of_datastore(args.index, paths[0])
     if args.mixture:
@@ -447,21 +487,25 @@ def check_eval(args: argparse.Namespace) -> None:
 def _mixture_of_memories(args: argparse.Namespace) -> None:
     """``--mixture``: a fit whose components are this eval's memories, before the model loads (the features are
     checked again on the scored tokens)."""
-    from memlm.mixing.dump import components_of
+    from memlm.mixing.component import component_name
 
     if args.mixture == "stored":
-        if len(args.datastore or []) + len(args.ngram or []) != 1 or args.cache:
+        if len(args.datastore or []) + len(args.ngram or []) != 1 or args.cache is not None:
             raise MemlmError("--mixture stored applies one memory's build-time fit (LM + that memory): give exactly "
-                             "one --datastore or one --ngram, without --cache; for several memories fit them together "
-                             "with memlm tune --mixture gate and pass its --json file")  # fmt: skip
+                             "one datastore or one ∞-gram index (--memory), without the cache; for several memories "
+                             "fit them together with memlm tune --mixture gate and pass its --json file")  # fmt: skip
         return
     dm = load_mixture(args.mixture)
-    given = components_of(len(args.datastore or []), len(args.ngram or []), bool(args.cache))
-    if dm.mixture.components != given:
+    counts: dict[str, int] = {}
+    given = ["lm"]
+    for kind, _, _ in args.memories:
+        given.append(component_name(kind, counts.get(kind, 0)))
+        counts[kind] = counts.get(kind, 0) + 1
+    if sorted(dm.mixture.components) != sorted(given):
         raise MemlmError(
             f"--mixture {args.mixture} mixes {', '.join(dm.mixture.components)}, this eval gives "
-            f"{', '.join(given)}: give the same memories (--datastore, each --ngram in the same order, --cache) as "
-            "the valid dump it was fitted on, or fit again with memlm tune --mixture gate"
+            f"{', '.join(given)}: give the same memories (--memory) as the valid dump it was fitted on, or fit again "
+            "with memlm tune --mixture gate"
         )
 
 
@@ -486,12 +530,15 @@ def add_parsers(sub) -> None:
     common.add_compute_path(e)
     add_corpus(e, "test")
     e.add_argument(
-        "--datastore",
-        type=V.existing_dir,
+        "--memory",
         default=None,
         action="append",
-        help="datastore folder (its model and key are used); give it again for several datastores, each with its "
-        "calibrated λ, τ (or --lambda / --temperature for every one), mixed by one rule (row multi_knn_ppl)",
+        metavar="SPEC",
+        help="a memory to mix, in order (memlm.knnlm.memories): a datastore folder (its model and key are used; "
+        "several: each its calibrated λ, τ or --lambda / --temperature, mixed by one rule, row multi_knn_ppl), an "
+        "∞-gram index folder (each its own weights), or cache (the continuous cache, Grave et al. 2017; "
+        "cache?k=256&max_len=2048&metric=ip); kind:PATH spells the kind out (knn:DIR, ngram:DIR); give it again "
+        "for more, or join specs with ';'",
     )
     e.add_argument("--key", default=None, help="check that the datastore holds this key role[@layer]")
     e.add_argument(
@@ -511,8 +558,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="ignore neighbours that are the evaluated token itself (text also in the datastore)",
     )
-    e.add_argument("--cache", action="store_true", help="also compute the continuous cache (Grave et al. 2017)")
-    e.add_argument("--cache-lambda", type=V.probability, default=DEFAULT_CACHE_LAMBDA)
+    e.add_argument("--cache-lambda", type=V.probability, default=DEFAULT_CACHE_LAMBDA, help="the cache's λc")
     e.add_argument("--cache-temperature", type=V.positive_float, default=1.0)
     add_windows(e)
     common.add_allow_overlap(e)
@@ -576,13 +622,13 @@ def add_parsers(sub) -> None:
         type=lambda value: value if value == "stored" else V.existing_file(value),
         default=None,
         metavar="FIT.json|stored",
-        help="also score the learned mixture fitted by memlm tune --mixture gate --json FIT.json (same memories: "
-        "--datastore, each --ngram in order, --cache) and report mixture_ppl beside the fixed-weight rows; stored: the "
+        help="also score the learned mixture fitted by memlm tune --mixture gate --json FIT.json (the same "
+        "--memory in the same order) and report mixture_ppl beside the fixed-weight rows; stored: the "
         "one memory's own fit, made when it was built or calibrated. Without --mixture and without --lambda, "
         "--temperature or --ngram-lambda-*: the memories' stored fits (one: its own; several: combined and checked "
         "on their calibration slices), said in one line",
     )
-    ngram_cli.add_eval_args(e)
+    ngram_cli.add_eval_args(e, selection=False)
     e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
 
     t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")

@@ -142,10 +142,13 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ memlm eval / tune --ngram
 
 
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """``--ngram DIR`` (more than once for several indexes) and its weights for ``memlm eval``, ``generate`` and
-    ``lm-eval``."""
+def add_eval_args(p: argparse.ArgumentParser, selection: bool = True) -> None:
+    """``--ngram DIR`` (more than once for several indexes; without ``selection``: not, ``memlm eval`` takes the
+    indexes as ``--memory``) and its weights for ``memlm eval``, ``generate`` and ``lm-eval``."""
     g = p.add_argument_group("∞-gram (docs/results/ngram.md)")
+    if not selection:
+        _add_ngram_weights(g)
+        return
     g.add_argument(
         "--ngram",
         type=V.existing_dir,
@@ -155,13 +158,17 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
         help="an ∞-gram index (memlm ngram build) to interpolate, alone or with --datastore; give it again for "
         "several indexes, each with its own weights",
     )
+    _add_ngram_weights(g)
+
+
+def _add_ngram_weights(g) -> None:
     g.add_argument(
         "--ngram-lambda-sparse",
         type=V.probability,
         nargs="+",
         default=None,
         metavar="λ",
-        help="weight of P∞ where it is sparse: one value, or one per --ngram in order (default: each index's "
+        help="weight of P∞ where it is sparse: one value, or one per ∞-gram index in order (default: each index's "
         "calibration, else 0.1)",
     )
     g.add_argument(
@@ -170,7 +177,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="λ",
-        help="weight of P∞ elsewhere: one value, or one per --ngram (default: each index's calibration, else 0.03)",
+        help="weight of P∞ elsewhere: one value, or one per ∞-gram index (default: each index's calibration, else "
+        "0.03)",
     )
     g.add_argument(
         "--ngram-max-n",
@@ -245,8 +253,8 @@ def tune_with_ngram(
                            args.cache_temperatures)  # fmt: skip
     out = tune_ngram_dump(valid, test, grids)
     best = out["valid"]["best"]
-    knn = f" lambda={best['lambda']} temperature={best['temperature']}" if valid.knn_scores is not None else ""
-    if valid.ngram_extra_logprob is not None:  # several indexes
+    knn = f" lambda={best['lambda']} temperature={best['temperature']}" if "knn" in valid.columns else ""
+    if len(valid.names("ngram")) > 1:  # several indexes
         pairs = "; ".join(f"({a:g}, {b:g})" for a, b in best["weights"])
         print(f"best on valid: (lambda_sparse, lambda_dense) per ∞-gram index {pairs}{knn} ppl={best['ppl']:.4f}")
     else:

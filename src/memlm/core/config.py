@@ -34,7 +34,7 @@ DEFAULT_WINDOW, DEFAULT_MIN_CONTEXT = 1024, 512  # the evaluation windows when n
 
 DEFAULT_K = 1024
 """Neighbours per query wherever a datastore is searched and none is given: scoring (``memlm eval``,
-:func:`memlm.knnlm.evaluate.score_tokens`), calibration, and every generation path (:func:`memlm.knnlm.generate.
+:func:`memlm.knnlm.scoring.score_tokens`), calibration, and every generation path (:func:`memlm.knnlm.generate.
 generate_text`, ``memlm generate``, :func:`memlm.wrap`, lm-eval's ``generate_until``). Khandelwal et al. (2020)
 retrieve 1024. Generation searches as many as scoring because each datastore's λ and τ are calibrated at this k
 (:func:`memlm.knnlm.calibration.knn_parameters`): a smaller k would generate from another distribution than the one

@@ -2,11 +2,11 @@
 
 A dump holds what every later question about an evaluation needs without a new forward pass or search: the targets,
 the LM's scores and, per memory, the ``(scores, values)`` of its retrieved entries (``-inf`` / ``-1`` in empty
-slots). The kNN-LM's :class:`memlm.knnlm.evaluate.TokenScores` and TRIME's
-:class:`memlm.trime.inference.TrimeScores` are dumps; each declares its arrays (name -> number of dimensions),
-which are required, and which ``(scores, values)`` pairs must come together with equal shapes. ``meta`` records how
-the dump was made (model, corpus, windows and the :class:`memlm.core.config.RetrievalConfig` of its memory), so a
-result file can always say what produced it.
+slots). TRIME's :class:`memlm.trime.inference.TrimeScores` is such a dump: it declares its arrays (name -> number
+of dimensions), which are required, and which ``(scores, values)`` pairs must come together with equal shapes. The
+kNN-LM's per-token table (:class:`memlm.knnlm.table.TokenTable`) names its arrays by component and reads them with
+:func:`read_npz_dump`. ``meta`` records how the dump was made (model, corpus, windows and the
+:class:`memlm.core.config.RetrievalConfig` of its memory), so a result file can always say what produced it.
 
 Writes are atomic (a uniquely named temporary file, then ``os.replace``); reading checks every array's presence,
 rank and length, the pairs' shapes and the meta JSON, and names the command that rewrites a bad dump.
@@ -36,10 +36,11 @@ _DUMP_KINDS = {"lm_logprob": "a kNN-LM dump (memlm eval --dump)", "mem_all": "a 
 
 
 def read_npz_dump(
-    path: str | Path, what: str, required: dict[str, int], optional: dict[str, int], hint: str
+    path: str | Path, what: str, required: dict[str, int], optional: dict[str, int] | None, hint: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The arrays and meta dict of a score dump (``.npz``), checked: readable (not truncated), every ``required``
-    array present with its number of dimensions (``required[name]``), every array with the same first dimension,
+    array present with its number of dimensions (``required[name]``; ``optional`` None: every other array is read,
+    of any rank from 1), every array with the same first dimension,
     numeric (or boolean), and ``meta`` a JSON object. A dump of the other kind (kNN-LM vs TRIME) is named as such.
 
     Raises :class:`MemlmError` naming the file and ``hint`` (how to rewrite it).
@@ -53,7 +54,8 @@ def read_npz_dump(
                 other = next((desc for key, desc in _DUMP_KINDS.items() if key in files and key not in required), None)
                 found = f"it is {other}" if other else f"it lacks {', '.join(missing)}"
                 raise MemlmError(f"{path} is not {what}: {found}; {hint}")
-            for k in (*required, *optional):
+            others = sorted(files - {"meta"}) if optional is None else optional
+            for k in (*required, *others):
                 if k in files:
                     arrays[k] = z[k]
             meta = json.loads(str(z["meta"])) if "meta" in files else {}
@@ -66,9 +68,10 @@ def read_npz_dump(
         raise MemlmError(f"{what} {path} has a malformed meta record (not a JSON object); {hint}")
     n = None
     for k, a in arrays.items():
-        ndim = required.get(k, optional.get(k))
-        if a.dtype.kind not in "biuf" or a.ndim != ndim:
-            raise MemlmError(f"{what} {path}: array {k} is {a.dtype} with {a.ndim} dimensions, not {ndim}; {hint}")
+        ndim = required.get(k, (optional or {}).get(k))
+        if a.dtype.kind not in "biuf" or (a.ndim != ndim if ndim is not None else a.ndim < 1):
+            want = ndim or "1 or more"
+            raise MemlmError(f"{what} {path}: array {k} is {a.dtype} with {a.ndim} dimensions, not {want}; {hint}")
         if n is None:
             n = a.shape[0]
         elif a.shape[0] != n:

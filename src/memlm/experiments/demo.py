@@ -39,7 +39,6 @@ example.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sys
@@ -63,7 +62,8 @@ from memlm.io.fileio import atomic_write_json, memlm_home
 from memlm.io.locking import folder_lock
 from memlm.knnlm.calibration import calibrate_shared, holdout_split, stored_mixture
 from memlm.knnlm.default_mixture import DefaultMixture, default_mixture
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, lm_scores
+from memlm.knnlm.evaluate import add_memory, add_neighbours, lm_scores
+from memlm.knnlm.table import TokenTable
 from memlm.knnlm.write import write_datastore
 from memlm.leakage import document_record
 from memlm.mixing.dump import DumpMixture
@@ -71,7 +71,6 @@ from memlm.mixing.inputs import mixture_inputs
 from memlm.models.keys import KeySpec
 from memlm.models.resources import default_dtype, load_causal_lm
 from memlm.ngram.decontaminate import decontaminate_reference
-from memlm.ngram.mixture import add_ngram
 from memlm.storage.datastore import Datastore
 
 __all__ = ["DemoConfig", "planned_work", "run_demo", "work_totals"]
@@ -187,7 +186,7 @@ def _cached_memories(out: Path, corpus: str):
     path = out / f"{corpus}-slice.npz"
     if stored_mixture(ds) is None or stored_mixture(ngram) is None or not path.exists():
         return None
-    return ds, ngram, TokenScores.load(path)
+    return ds, ngram, TokenTable.load(path)
 
 
 def _build_memories(cfg: DemoConfig, model, tok, corpus: str, out: Path, work: list):
@@ -256,7 +255,7 @@ def _test_dumps(cfg: DemoConfig, model, tok, corpus: str, memories: dict, out: P
     neighbours and its ∞-gram's statistics), cached."""
     paths = {name: out / f"{corpus}-test-{name}.npz" for name in memories}
     if all(p.exists() for p in paths.values()):
-        return {name: TokenScores.load(p) for name, p in paths.items()}
+        return {name: TokenTable.load(p) for name, p in paths.items()}
     t0 = time.perf_counter()
     docs = _test_documents(cfg, tok, corpus)
     _log(f"scoring {corpus}/test ({len(docs)} documents) for the {' and '.join(memories)} memories")
@@ -268,10 +267,10 @@ def _test_dumps(cfg: DemoConfig, model, tok, corpus: str, memories: dict, out: P
     dumps = {}
     for name, (ds, ngram, _) in memories.items():
         t0 = time.perf_counter()
-        ts = base.lm_only()
+        ts = base.select()
         # exact search over all keys (torch matmul + top-k), as the calibration searched
         add_neighbours(ts, queries[spec], ds, k=min(cfg.k, len(ds)), search="exact", progress=False)
-        add_ngram(ts, docs, tok, ngram)
+        add_memory(ts, ngram, docs, tok)
         ts.save(paths[name])
         dumps[name] = ts
         work.append({"phase": f"search {corpus}/test in the {name} memories", "search_pairs": len(ts) * len(ds),
@@ -279,7 +278,7 @@ def _test_dumps(cfg: DemoConfig, model, tok, corpus: str, memories: dict, out: P
     return dumps
 
 
-def _mixtures(cfg: DemoConfig, ds, ngram, slice_scores: TokenScores) -> dict[str, DefaultMixture]:
+def _mixtures(cfg: DemoConfig, ds, ngram, slice_scores: TokenTable) -> dict[str, DefaultMixture]:
     """Each column's mixture, as ``memlm eval`` chooses it with no weight flags
     (:func:`memlm.knnlm.default_mixture.default_mixture`): the datastore's stored fit, the ∞-gram's, and for both
     their combination checked on the calibration slice (scored already: no forward pass)."""
@@ -291,19 +290,14 @@ def _mixtures(cfg: DemoConfig, ds, ngram, slice_scores: TokenScores) -> dict[str
     }
 
 
-def _view(ts: TokenScores, key: str) -> TokenScores:
+def _view(ts: TokenTable, key: str) -> TokenTable:
     """The columns of ``ts`` a system reads: the datastore's (kNN-LM), the ∞-gram's, or both."""
-    if key == "knn_ppl":
-        return dataclasses.replace(ts, ngram_logprob=None, ngram_count=None, ngram_n=None, ngram_sparse=None)
-    if key == "ngram_ppl":
-        out = ts.lm_only()
-        for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
-            setattr(out, f, getattr(ts, f))
-        return out
+    if key in ("knn_ppl", "ngram_ppl"):
+        return ts.select(ts.names(key.removesuffix("_ppl")))
     return ts
 
 
-def _row(test: TokenScores, mixtures: dict[str, DumpMixture]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _row(test: TokenTable, mixtures: dict[str, DumpMixture]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """One table row: the base LM and each system of ``mixtures`` (perplexity key -> fit) mixed on ``test``, with
     the intervals and the paired changes against the base LM; and each system's per-token log-probabilities."""
     logprobs = {"base_ppl": torch.from_numpy(test.lm_logprob).double()}
@@ -315,7 +309,7 @@ def _row(test: TokenScores, mixtures: dict[str, DumpMixture]) -> tuple[dict[str,
     return row, logprobs
 
 
-def _curve(test: TokenScores, ds) -> tuple[list[float], list[float]]:
+def _curve(test: TokenTable, ds) -> tuple[list[float], list[float]]:
     """Test perplexity of the kNN-LM's fixed-weight rule (Eq. 3) at each λ < 1, at the datastore's calibrated τ."""
     cal = ds.manifest["calibration"]
     inp = mixture_inputs(_view(test, "knn_ppl"), float(cal["temperature"]), int(cal["k"]))

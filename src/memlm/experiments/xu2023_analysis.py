@@ -47,7 +47,8 @@ from memlm.core.distribution import mix, perplexity
 from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, grid_search
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json, dumps_json, unique_tmp
-from memlm.knnlm.evaluate import TokenScores, add_neighbours, perplexities, tune
+from memlm.knnlm.evaluate import add_neighbours, perplexities, tune
+from memlm.knnlm.table import TokenTable
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import Datastore
 
@@ -186,7 +187,7 @@ def interpolation_row(
     }
 
 
-def _dump_row(valid: TokenScores, test: TokenScores, temperatures: Sequence[float], k: int) -> dict[str, Any]:
+def _dump_row(valid: TokenTable, test: TokenTable, temperatures: Sequence[float], k: int) -> dict[str, Any]:
     """λ and τ tuned on the valid dump, applied to the test dump."""
     best = tune(valid, temperatures=temperatures, k=k)["best"]
     res = perplexities(test, lam=best["lambda"], temperature=best["temperature"], k=k)
@@ -237,7 +238,7 @@ class _Run:
             self._model = (model, tok)
         return self._model
 
-    def forward(self, split: str) -> tuple[TokenScores, dict[str, np.ndarray]]:
+    def forward(self, split: str) -> tuple[TokenTable, dict[str, np.ndarray]]:
         """LM scores and the queries of every role for the valid or test split (cached)."""
         dump = self.out / f"forward-{split}.npz"
         qpaths = {role: self.out / f"queries-{split}-{role}.npy" for role in self.datastores}
@@ -269,7 +270,7 @@ class _Run:
                 np.save(tmp, queries[ds.key_spec].astype(np.float32))
                 os.replace(tmp, qpaths[role])
             ts.save(dump)
-        ts = TokenScores.load(dump)
+        ts = TokenTable.load(dump)
         want = self._forward_meta(split)
         have = {k: ts.meta.get(k) for k in want}
         if have != json.loads(json.dumps(want)):
@@ -337,7 +338,7 @@ class _Run:
             "forward": self._forward_meta(split),
         }
 
-    def neighbours(self, role: str, metric: str, fraction: float, setting: str, split: str) -> TokenScores:
+    def neighbours(self, role: str, metric: str, fraction: float, setting: str, split: str) -> TokenTable:
         """The neighbour dump of one setting; cached under a name keyed by all its settings (stored inside too)."""
         search, scores = SETTINGS[setting]
         settings = self.neighbour_settings(role, metric, fraction, setting, split)
@@ -345,7 +346,7 @@ class _Run:
         path = self.out / "nb" / name
         want = json.loads(dumps_json(settings))
         if path.exists():
-            cached = TokenScores.load(path)
+            cached = TokenTable.load(path)
             if cached.meta.get("cache_settings") == want:
                 return cached
             self.log(f"{path} was made with other settings; recomputing it")
@@ -353,7 +354,7 @@ class _Run:
         ts, queries = self.forward(split)
         index_path = self.index_path(ds, metric) if search == "index" else None
         self.log(f"retrieving {setting} ({role}, {metric}, {fraction:g} of the datastore) for {split}")
-        dumped = ts.lm_only()
+        dumped = ts.select()
         add_neighbours(
             dumped,
             np.array(queries[role], dtype=np.float32),

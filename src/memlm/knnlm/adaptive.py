@@ -11,7 +11,7 @@ He et al.'s objective::
     L = - mean_t log( (1 - λ(x_t)) p_LM(w_t | x_t) + λ(x_t) p_kNN(w_t | x_t) )
 
 with ``p_kNN`` computed at the chosen temperature τ (and k) from a per-token dump
-(:class:`memlm.knnlm.evaluate.TokenScores`).
+(:class:`memlm.knnlm.table.TokenTable`).
 At inference, tokens whose predicted λ is below a threshold skip the search: their λ is set to 0 and ``p = p_LM``;
 :func:`threshold_for_fraction` picks the threshold that searches a given fraction of the tokens.
 

@@ -87,6 +87,14 @@ class CacheComponent(Component):
     def __init__(self, k: int = 256, max_len: int = 2048, metric: str = "ip", temperature: float = 1.0) -> None:
         self.k, self.max_len, self.metric, self.temperature = int(k), int(max_len), metric, float(temperature)
 
+    @classmethod
+    def from_description(cls, description) -> CacheComponent:
+        """Its saved columns read at the recorded settings."""
+        d = description
+        return cls(
+            int(d.get("k", 256)), int(d.get("max_len", 2048)), d.get("metric", "ip"), float(d.get("temperature", 1.0))
+        )
+
     def score(self, batch: Batch) -> dict[str, np.ndarray]:
         if batch.targets is None or batch.doc_index is None:
             raise MemlmError("the cache scores a stream of targets in their documents: the batch needs both")

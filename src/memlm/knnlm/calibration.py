@@ -381,9 +381,8 @@ def _score_slice(model, tokenizer, datastore, held_out: Sequence, k: int, nprobe
                  progress: bool, ngram=None):  # fmt: skip
     """One forward pass over ``held_out`` in the datastore's own windows, its ``k`` neighbours per token (its index,
     or exact search when it has none) and, with ``ngram``, that ∞-gram memory's statistics: a
-    :class:`~memlm.knnlm.evaluate.TokenScores` whose ``meta["search"]`` says how it searched."""
-    from memlm.knnlm.evaluate import add_neighbours, lm_scores
-    from memlm.ngram.mixture import add_ngram
+    :class:`~memlm.knnlm.table.TokenTable` whose ``meta["search"]`` says how it searched."""
+    from memlm.knnlm.evaluate import add_memory, add_neighbours, lm_scores
 
     m = datastore.manifest
     window = int(m["window"])
@@ -396,7 +395,7 @@ def _score_slice(model, tokenizer, datastore, held_out: Sequence, k: int, nprobe
     add_neighbours(ts, queries[datastore.key_spec], datastore, k=min(k, len(datastore)), search=search,
                    nprobe=nprobe, progress=progress)  # fmt: skip
     if ngram is not None:
-        add_ngram(ts, held_out, tokenizer, ngram)
+        add_memory(ts, ngram, held_out, tokenizer)
     ts.meta.update(search=search, window=window, stride=stride, k=min(k, len(datastore)))
     return ts
 
@@ -406,13 +405,11 @@ def knn_calibration(ts, datastore, nprobe: int = 32, text: dict[str, Any] | None
     columns, if any, are left out): λ and τ by :func:`tune_widening`, the guarded mixture of the LM and the datastore
     fitted on the same tokens (:func:`memlm.mixing.dump.fit_dump`, τ near the rule's), and what they were measured
     with."""
-    import dataclasses as dc
-
     from memlm.core.mixture import token_blocks
     from memlm.knnlm.evaluate import perplexities
     from memlm.mixing.dump import fit_dump
 
-    ts = dc.replace(ts, ngram_logprob=None, ngram_count=None, ngram_n=None, ngram_sparse=None)
+    ts = ts.select(ts.names("knn"))
     best, grid = tune_widening(ts)
     res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
     k, search = int(ts.meta["k"]), ts.meta["search"]
@@ -727,8 +724,7 @@ def calibrate_ngram(
 
     Returns the record ``memlm ngram build`` stores in the index's ``manifest.json`` → ``calibration`` (the fit under
     ``mixture``, read back by :func:`stored_mixture`)."""
-    from memlm.knnlm.evaluate import lm_scores
-    from memlm.ngram.mixture import add_ngram
+    from memlm.knnlm.evaluate import add_memory, lm_scores
 
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
@@ -736,7 +732,7 @@ def calibrate_ngram(
     ts, _, _ = lm_scores(
         model, tokenizer, held_out, window=window, stride=stride, batch_size=batch_size, progress=progress
     )
-    add_ngram(ts, held_out, tokenizer, memory)
+    add_memory(ts, memory, held_out, tokenizer)
     return {**ngram_calibration(ts), "window": window, "stride": stride, "seconds": time.perf_counter() - t0,
             **slice_record(held_out)}  # fmt: skip
 
@@ -749,7 +745,7 @@ def ngram_calibration(ts) -> dict[str, Any]:
     from memlm.mixing.dump import fit_dump
     from memlm.ngram.mixture import ngram_report, tune_ngram
 
-    ts = ts if ts.knn_scores is None else _ngram_only(ts)
+    ts = ts.select(ts.names("ngram"))
     best = tune_ngram(ts)["best"]
     ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
     rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
@@ -763,11 +759,3 @@ def ngram_calibration(ts) -> dict[str, Any]:
         "effective_n_median": rep["effective_n"]["median"],
         "mixture": fit_dump(ts, (1.0,)).to_dict(),  # no kNN term: no temperature to search
     }
-
-
-def _ngram_only(ts):
-    """The dump's LM and ∞-gram columns only."""
-    out = ts.lm_only()
-    for f in ("ngram_logprob", "ngram_count", "ngram_n", "ngram_sparse"):
-        setattr(out, f, getattr(ts, f))
-    return out

@@ -162,7 +162,7 @@ def choose(candidates: dict, model, tokenizer, datastore, ngram, config, batch_s
     """The guard (module docstring): ``(name of the candidate chosen, {candidate: mean log-likelihood per token on
     the slices})``; ``candidates`` by name, ``"combined"`` and one per memory. ``("", {})`` when there is no slice
     text left to score (then the caller falls back to the rule). ``scores``: the slices already scored with the LM and
-    every memory (a :class:`~memlm.knnlm.evaluate.TokenScores`, e.g. the one pass of
+    every memory (a :class:`~memlm.knnlm.table.TokenTable`, e.g. the one pass of
     :func:`memlm.knnlm.calibration.calibrate_shared` over the slice two memories both held out), used instead of
     scoring them again."""
     ts = scores if scores is not None else _score_slices(candidates, model, tokenizer, datastore, ngram, config,
@@ -183,7 +183,7 @@ def _score_slices(candidates: dict, model, tokenizer, datastore, ngram, config, 
     the candidates; None when no slice text is left."""
     import dataclasses
 
-    from memlm.knnlm.evaluate import score_tokens
+    from memlm.knnlm.scoring import score_tokens
 
     memories = [*([] if datastore is None else [datastore]), *getattr(ngram, "memories", [ngram] if ngram else [])]
     docs = _slices(memories, tokenizer, datastore, ngram)
@@ -191,7 +191,7 @@ def _score_slices(candidates: dict, model, tokenizer, datastore, ngram, config, 
         return None
     k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
     cfg = dataclasses.replace(config, k=k, cache=False)
-    return score_tokens(model, tokenizer, docs, datastore, cfg, batch_size=batch_size, progress=False, ngram=ngram)
+    return score_tokens(model, tokenizer, docs, memories, cfg, batch_size=batch_size, progress=False)
 
 
 SE_MARGIN = 2.0

@@ -99,6 +99,20 @@ class Component:
 
     kind: ClassVar[str] = "memory"
     key_spec: Any = None
+    kinds: ClassVar[dict[str, type[Component]]] = {}
+    """Each kind's class (the first class to declare it), by which a saved per-token table rebuilds its components
+    (:meth:`from_description`)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            Component.kinds.setdefault(cls.kind, cls)
+
+    @classmethod
+    def from_description(cls, description: Mapping[str, Any]) -> Component:
+        """A component that reads saved columns again (:meth:`logprob`, :meth:`features`, :meth:`sparse`), from what
+        :meth:`describe` recorded when they were scored; it needs not reopen its memory (default: no settings)."""
+        return cls.__new__(cls)
 
     def score(self, batch: Batch) -> dict[str, np.ndarray]:
         """Its table columns at ``batch.targets`` (each ``[rows, ...]``)."""

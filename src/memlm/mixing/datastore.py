@@ -37,6 +37,11 @@ class DatastoreComponent(Component):
         self.memory, self.k, self.temperature, self.record = memory, int(k), float(temperature), record
         self.history: list[tuple[np.ndarray, np.ndarray]] = []
 
+    @classmethod
+    def from_description(cls, description: Mapping[str, Any]) -> DatastoreComponent:
+        """Its saved columns read at the recorded τ and k (no memory: nothing to search)."""
+        return cls(None, int(description.get("k") or 0), float(description.get("temperature") or 1.0))
+
     @property
     def key_spec(self) -> Any:
         return self.memory.key_spec
@@ -91,5 +96,11 @@ class DatastoreComponent(Component):
 
     def describe(self) -> dict[str, Any]:
         describe = getattr(self.memory, "describe", None)
-        found = describe() if describe is not None else {"memory": type(self.memory).__name__}
+        found = (
+            describe()
+            if describe is not None
+            else {}
+            if self.memory is None
+            else {"memory": type(self.memory).__name__}
+        )
         return {"kind": self.kind, **found, "k": self.k, "temperature": self.temperature}

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.core.dumps import TokenDump
 from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
 from memlm.mixing.inputs import (
@@ -34,21 +33,11 @@ from memlm.mixing.inputs import (
     component_name,
     dump_components,
     mixture_inputs,
-    ngram_component,
     ngram_sparse,
 )
 
-__all__ = ["DumpMixture", "components_of", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
+__all__ = ["DumpMixture", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
            "rule_weights", "tune_beside", "tune_datastores_beside"]  # fmt: skip
-
-
-def components_of(datastores: int, ngrams: int, cache: bool) -> tuple[str, ...]:
-    """The mixture's components for these memories (how many datastores and ∞-gram indexes), in
-    :func:`mixture_inputs`' order (to check a stored fit against ``memlm eval``'s options before anything is
-    scored)."""
-    names = ["lm"] + [component_name("knn", r) for r in range(int(datastores))]
-    names += [ngram_component(r) for r in range(ngrams)]
-    return tuple(names + (["cache"] if cache else []))
 
 
 @dataclass
@@ -67,20 +56,24 @@ class DumpMixture:
     def mixture(self) -> Mixture:
         return self.fit.mixture
 
-    def inputs(self, ts: TokenDump, where: str = "this dump") -> MixtureInputs:
-        """The mixture's inputs on ``ts``, or one MemlmError when its memories are not the fit's."""
+    def inputs(self, ts: Any, where: str = "this dump") -> MixtureInputs:
+        """The mixture's inputs on ``ts``, its columns in the fit's order (components and features are matched by
+        name, whatever order the memories were given in), or one MemlmError when its memories are not the fit's."""
         inp = mixture_inputs(ts, self.temperature or 1.0, self.k, self.cache_temperature or 1.0)
         m = self.mixture
-        if (inp.components, inp.feature_names) != (m.components, m.feature_names):
+        if (sorted(inp.components), sorted(inp.feature_names)) != (sorted(m.components), sorted(m.feature_names)):
             raise MemlmError(
                 f"the mixture was fitted on components {', '.join(m.components)} (features "
                 f"{', '.join(m.feature_names)}), {where} gives {', '.join(inp.components)} (features "
-                f"{', '.join(inp.feature_names)}): give the same memories (--datastore, each --ngram in the same "
-                "order, --cache) as the valid dump it was fitted on, or fit again with memlm tune --mixture gate"
+                f"{', '.join(inp.feature_names)}): give the same memories (--memory) as the valid dump it was "
+                "fitted on, or fit again with memlm tune --mixture gate"
             )
-        return inp
+        comps = [inp.components.index(c) for c in m.components]
+        feats = [inp.feature_names.index(f) for f in m.feature_names]
+        return MixtureInputs(inp.logprobs[:, comps], inp.features[:, feats], m.components, m.feature_names,
+                             inp.doc_index)  # fmt: skip
 
-    def logprob(self, ts: TokenDump, where: str = "this dump") -> torch.Tensor:
+    def logprob(self, ts: Any, where: str = "this dump") -> torch.Tensor:
         """``log P(target)`` per token of the fitted mixture on ``ts``, float64 ``[N]``."""
         inp = self.inputs(ts, where)
         return self.mixture.logprob(inp.logprobs, inp.features)
@@ -105,7 +98,7 @@ class DumpMixture:
 
 
 def fit_dump(
-    ts: TokenDump,
+    ts: Any,
     temperatures: Sequence[float],
     k: int | None = None,
     cache_temperatures: Sequence[float] = (1.0,),
@@ -113,9 +106,10 @@ def fit_dump(
 ) -> DumpMixture:
     """The guarded mixture of every memory of ``ts`` (module docstring), τ (and τc) searched on the kept part. The
     fit's size warnings are in ``fit.warnings`` (logged by the fit once per τ otherwise: the caller shows them)."""
-    taus: Sequence[float | None] = temperatures if ts.knn_scores is not None else [None]
-    cache_taus: Sequence[float | None] = cache_temperatures if ts.cache_scores is not None else [None]
-    k_used = (k or ts.knn_scores.shape[1]) if ts.knn_scores is not None else None
+    has_knn = "knn" in ts.columns
+    taus: Sequence[float | None] = temperatures if has_knn else [None]
+    cache_taus: Sequence[float | None] = cache_temperatures if "cache" in ts.columns else [None]
+    k_used = (k or ts.columns["knn"]["scores"].shape[1]) if has_knn else None
     best: tuple[float, MixtureFit, float | None, float | None] | None = None
     search = []
     quiet = logging.getLogger("memlm.core.mixture")
@@ -137,7 +131,7 @@ def fit_dump(
     return DumpMixture(best[1], best[2], k_used, best[3], search)
 
 
-def rule_for(ts: TokenDump, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
+def rule_for(ts: Any, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
     """The fixed-weight rule (:func:`memlm.core.mixture.rule_mixture`) over the LM and the memories of ``ts`` that
     ``weights`` names (by component: ``knn``, ``knn2``, ... a constant λ; ``ngram``, ``ngram2``, ... a pair
     ``(λ_sparse, λ_dense)``, or a constant; ``cache`` λc), in the dump's order; one MemlmError for a memory the dump
@@ -146,12 +140,12 @@ def rule_for(ts: TokenDump, weights: Mapping[str, float | Sequence[float]]) -> M
     missing = [c for c in weights if c not in held]
     if missing:
         raise MemlmError(f"this dump has no {', '.join(missing)} (it holds {', '.join(held)}): rerun memlm eval "
-                         "--dump with those memories (--datastore, --ngram, --cache)")  # fmt: skip
+                         "--dump with those memories (--memory)")  # fmt: skip
     return rule_mixture([c for c in held if c == "lm" or c in weights], weights)
 
 
 def rule_logprob(
-    ts: TokenDump,
+    ts: Any,
     rule: Mixture | Mapping[str, float | Sequence[float]],
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
@@ -192,7 +186,7 @@ def mix_by_rule(
 
 
 def rule_rows(
-    ts: TokenDump,
+    ts: Any,
     rows: Mapping[str, Mapping[str, float | Sequence[float]]],
     temperature: float | Sequence[float] = 1.0,
     k: int | None = None,
@@ -205,7 +199,7 @@ def rule_rows(
 
 
 def tune_beside(
-    ts: TokenDump,
+    ts: Any,
     weights: Mapping[str, float | Sequence[float]],
     component: str,
     grid: tuple[Sequence[float], Sequence[float]],
@@ -239,7 +233,7 @@ def tune_beside(
 
 
 def tune_datastores_beside(
-    ts: TokenDump,
+    ts: Any,
     weights: Mapping[str, float | Sequence[float]],
     grid: tuple[Sequence[float], Sequence[float]],
     temperature: float = 1.0,
@@ -251,7 +245,7 @@ def tune_datastores_beside(
     before it; :func:`tune_beside`): one pass of coordinate search, never worse on ``ts`` than without the datastore
     when 0 is among the λ's. Returns ``[{"component", "lambda", "temperature", "ppl"}, ...]``."""
     weights = dict(weights)
-    taus = [float(temperature)] + [1.0] * (0 if ts.knn_extra_scores is None else ts.knn_extra_scores.shape[1])
+    taus = [float(temperature)] + [1.0] * (len(ts.names("knn")) - 1)
     found = []
     for r in range(1, len(taus)):
         name = component_name("knn", r)

@@ -26,14 +26,14 @@ an empty retrieval become 0 with the ``*_empty`` flag beside them, so every feat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from memlm.core.distribution import knn_target_logprob, memory_lse
-from memlm.core.dumps import TokenDump
 from memlm.errors import MemlmError
 from memlm.models.forward import lm_entropy
 
@@ -42,7 +42,6 @@ __all__ = [
     "component_logprobs",
     "component_name",
     "dump_components",
-    "knn_columns",
     "lm_features",
     "memory_logprob",
     "neighbour_features",
@@ -50,6 +49,7 @@ __all__ = [
     "ngram_component",
     "ngram_features",
     "ngram_sparse",
+    "read_settings",
     "retrieval_features",
 ]
 
@@ -145,30 +145,6 @@ def memory_logprob(
     )
 
 
-def _ngram_columns(ts: TokenDump) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """``(log P∞, effective n, suffix count, sparse)`` of each ∞-gram reference of the dump, in order."""
-    if ts.ngram_logprob is None:
-        return []
-    refs = [(ts.ngram_logprob, ts.ngram_n, ts.ngram_count, ts.ngram_sparse)]
-    if ts.ngram_extra_logprob is not None:
-        for r in range(ts.ngram_extra_logprob.shape[1]):
-            refs.append(tuple(getattr(ts, f"ngram_extra_{f}")[:, r] for f in ("logprob", "n", "count", "sparse")))
-    return refs
-
-
-def knn_columns(ts: TokenDump) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-    """``(scores, values, log_counts)`` ``[N, k]`` of each datastore of the dump, in order: the first from
-    ``knn_scores`` / ``knn_values`` / ``knn_log_counts``, the others from ``knn_extra_*[:, r]``."""
-    if ts.knn_scores is None:
-        return []
-    out = [(ts.knn_scores, ts.knn_values, ts.knn_log_counts)]
-    if ts.knn_extra_scores is not None:
-        for r in range(ts.knn_extra_scores.shape[1]):
-            counts = None if ts.knn_extra_log_counts is None else ts.knn_extra_log_counts[:, r]
-            out.append((ts.knn_extra_scores[:, r], ts.knn_extra_values[:, r], counts))
-    return out
-
-
 def _per_datastore(temperature: float | Sequence[float], n: int) -> list[float]:
     """One τ per datastore: the same for all (a number), or one each."""
     taus = [float(temperature)] * n if isinstance(temperature, int | float) else [float(t) for t in temperature]
@@ -177,72 +153,74 @@ def _per_datastore(temperature: float | Sequence[float], n: int) -> list[float]:
     return taus
 
 
-def dump_components(ts: TokenDump) -> tuple[str, ...]:
-    """The component names of every memory a dump holds, in :func:`mixture_inputs`' order."""
-    names = ["lm"] + [component_name("knn", r) for r in range(len(knn_columns(ts)))]
-    names += [ngram_component(r) for r in range(len(_ngram_columns(ts)))]
-    return tuple(names + (["cache"] if ts.cache_scores is not None else []))
-
-
-def component_logprobs(
-    ts: TokenDump,
-    temperature: float | Sequence[float] = 1.0,
-    k: int | None = None,
+def read_settings(
+    table: Any,
+    temperature: float | Sequence[float] | Mapping[str, float] = 1.0,
+    k: int | Mapping[str, int] | None = None,
     cache_temperature: float = 1.0,
-    names: Sequence[str] | None = None,
-) -> dict[str, torch.Tensor]:
-    """log P_i(target) per token, float64 ``[N]``, of each component of the dump by name (``-inf`` = 0): the LM,
-    each datastore's kNN term (Eq. 2) at its ``temperature`` (one for all, or one per datastore) over its ``k`` best
-    neighbours, each ∞-gram's P∞, the cache at ``cache_temperature``. ``names``: only these."""
-    want = dump_components(ts) if names is None else tuple(names)
-    out: dict[str, torch.Tensor] = {}
-    if "lm" in want:
-        out["lm"] = torch.from_numpy(ts.lm_logprob).double()
-    columns = knn_columns(ts)
-    for r, ((scores, values, counts), tau) in enumerate(zip(columns, _per_datastore(temperature, len(columns)),
-                                                            strict=True)):  # fmt: skip
-        if (name := component_name("knn", r)) in want:
-            out[name] = memory_logprob(scores, values, ts.targets, tau, k, counts).double()
-    for r, (logprob, _, _, _) in enumerate(_ngram_columns(ts)):
-        if (name := ngram_component(r)) in want:
-            out[name] = torch.from_numpy(np.asarray(logprob)).double()
-    if "cache" in want and ts.cache_scores is not None:
-        out["cache"] = memory_logprob(ts.cache_scores, ts.cache_values, ts.targets, cache_temperature).double()
-    missing = [c for c in want if c not in out]
-    if missing:
-        raise MemlmError(f"this dump has no {', '.join(missing)} (it holds {', '.join(dump_components(ts))}): rerun "
-                         "memlm eval --dump with those memories (--datastore, --ngram, --cache)")  # fmt: skip
+) -> dict[str, dict[str, Any]]:
+    """Each memory's own read settings by component name, for its ``logprob`` / ``features``: every datastore (kind
+    ``knn``) its τ and k (``temperature``: one for all, one per datastore in order, or a dict by name; ``k``: one
+    for all or a dict by name), the cache (kind ``cache``) its τ (``cache_temperature``, or ``temperature[name]``
+    when a dict names it); memories without settings none."""
+    knn = table.names("knn")
+    if isinstance(temperature, Mapping):
+        taus = [float(temperature.get(n, 1.0)) for n in knn]
+    else:
+        taus = _per_datastore(temperature, len(knn))
+    out: dict[str, dict[str, Any]] = {}
+    for name, tau in zip(knn, taus, strict=True):
+        out[name] = {"temperature": tau, "k": k.get(name) if isinstance(k, Mapping) else k}
+    for name in table.names("cache"):
+        tau = temperature.get(name, cache_temperature) if isinstance(temperature, Mapping) else cache_temperature
+        out[name] = {"temperature": float(tau)}
     return out
 
 
-def ngram_sparse(ts: TokenDump) -> dict[str, np.ndarray]:
-    """Each ∞-gram reference's sparse flag per token by component name (what :func:`rule_mixture`'s λ_sparse /
-    λ_dense switch on, through :func:`memlm.core.mixture.sparse_state_features`)."""
-    return {ngram_component(r): np.asarray(sparse) for r, (_, _, _, sparse) in enumerate(_ngram_columns(ts))}
+def dump_components(ts: Any) -> tuple[str, ...]:
+    """The component names of a per-token table: ``lm``, then each memory in the order it was scored."""
+    return ("lm", *ts.names())
+
+
+def component_logprobs(
+    ts: Any,
+    temperature: float | Sequence[float] | Mapping[str, float] = 1.0,
+    k: int | Mapping[str, int] | None = None,
+    cache_temperature: float = 1.0,
+    names: Sequence[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """log P_i(target) per token, float64 ``[N]``, of each component of the table by name (``-inf`` = 0), each
+    memory's own :meth:`~memlm.mixing.component.Component.logprob` at its settings (:func:`read_settings`: a
+    datastore's Eq. 2 at its τ over its k best neighbours, the cache at its τ). ``names``: only these."""
+    settings = read_settings(ts, temperature, k, cache_temperature)
+    want = dump_components(ts) if names is None else tuple(names)
+    return {name: ts.logprob(name, **settings.get(name, {})) for name in want}
+
+
+def ngram_sparse(ts: Any) -> dict[str, np.ndarray]:
+    """Each memory's sparse flag per token by component name (the ∞-gram indexes': what :func:`rule_mixture`'s
+    λ_sparse / λ_dense switch on, through :func:`memlm.core.mixture.sparse_state_features`)."""
+    return {name: np.asarray(f) for name in ts.names() if (f := ts.sparse(name)) is not None}
 
 
 def mixture_inputs(
-    ts: TokenDump,
-    temperature: float | Sequence[float] = 1.0,
-    k: int | None = None,
+    ts: Any,
+    temperature: float | Sequence[float] | Mapping[str, float] = 1.0,
+    k: int | Mapping[str, int] | None = None,
     cache_temperature: float = 1.0,
 ) -> MixtureInputs:
-    """The components and features (module docstring) of every memory a dump holds, each kNN term at its
-    ``temperature`` (one for all, or one per datastore) over its ``k`` best neighbours (τ is still searched outside
-    the mixture), the cache at ``cache_temperature``."""
+    """The components and features (module docstring) of every memory of a per-token table
+    (:class:`memlm.knnlm.table.TokenTable`), each from its own class's ``logprob`` and ``features`` at its settings
+    (:func:`read_settings`: τ is still searched outside the mixture); features are named ``<component>_<feature>``
+    after the LM's."""
     if ts.lm_entropy is None or ts.lm_max_logprob is None:
-        raise MemlmError("this dump has no LM entropy / max log-prob (written by an older memlm): rerun memlm eval "
-                         "--dump to get the LM's features")  # fmt: skip
-    comps = component_logprobs(ts, temperature, k, cache_temperature)
+        raise MemlmError("this table has no LM entropy / max log-prob: rerun memlm eval --dump to get the LM's "
+                         "features")  # fmt: skip
+    settings = read_settings(ts, temperature, k, cache_temperature)
+    comps = {name: ts.logprob(name, **settings.get(name, {})) for name in dump_components(ts)}
     feats: dict[str, np.ndarray] = {"lm_entropy": ts.lm_entropy, "lm_max_logprob": ts.lm_max_logprob}
-    columns = knn_columns(ts)
-    for r, ((scores, values, counts), tau) in enumerate(zip(columns, _per_datastore(temperature, len(columns)),
-                                                            strict=True)):  # fmt: skip
-        feats.update(retrieval_features(component_name("knn", r), scores, values, tau, k, counts))
-    for r, (_, n, count, sparse) in enumerate(_ngram_columns(ts)):
-        feats.update(ngram_features(ngram_component(r), n, count, sparse))
-    if ts.cache_scores is not None:
-        feats.update(retrieval_features("cache", ts.cache_scores, ts.cache_values, cache_temperature, cache=True))
+    for name in ts.names():
+        feats.update({f"{name}_{f}": v for f, v in ts.features(name, **settings.get(name, {})).items()})
     return MixtureInputs(
         logprobs=np.stack([c.numpy() for c in comps.values()], axis=1),
         features=np.stack([np.asarray(c, dtype=np.float64) for c in feats.values()], axis=1),

@@ -35,11 +35,9 @@ values ``w``), which :func:`memlm.core.distribution.knn_distribution` at tempera
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shutil
 import tempfile
-import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -314,40 +312,6 @@ class NgramMemory:
             sparse=np.asarray(out_sp, dtype=bool),
         )
 
-    def attach(self, ts, documents: Sequence, tokenizer) -> Any:
-        """Attach the ∞-gram statistics of every target of ``ts`` (a :class:`memlm.knnlm.evaluate.TokenScores`
-        from ``documents``): ``ngram_logprob``, ``ngram_count``, ``ngram_n``, ``ngram_sparse``. The context of a
-        target is its document up to it (the ∞-gram never matches across documents), whatever window the LM read
-        it in."""
-        from memlm.data.windows import tokenize_documents
-
-        if ts.position is None:
-            raise MemlmError("this dump has no target positions; rerun memlm eval with this memlm")
-        t0 = time.perf_counter()
-        chunks = {c.doc_index: c.tokens for c in tokenize_documents(documents, tokenizer)}
-        order = np.lexsort((ts.position, ts.doc_index))
-        doc_sorted, pos_sorted = ts.doc_index[order], ts.position[order]
-        bounds = np.flatnonzero(np.diff(doc_sorted)) + 1
-        starts, ends = np.r_[0, bounds], np.r_[bounds, len(order)]
-        docs, positions = [], []
-        for a, b in zip(starts, ends, strict=True):
-            tokens = chunks[int(doc_sorted[a])]
-            pos = pos_sorted[a:b]
-            if not np.array_equal(tokens[pos], ts.targets[order[a:b]]):
-                raise MemlmError("the dump's targets are not these documents' tokens: score the same corpus")
-            docs.append(tokens)
-            positions.append(pos)
-        scores = self.score_documents(docs, positions)
-        n = len(ts)
-        ts.ngram_logprob = np.empty(n, np.float32)
-        ts.ngram_count = np.empty(n, np.int64)
-        ts.ngram_n = np.empty(n, np.int32)
-        ts.ngram_sparse = np.empty(n, bool)
-        ts.ngram_logprob[order], ts.ngram_count[order] = scores.logprob, scores.count
-        ts.ngram_n[order], ts.ngram_sparse[order] = scores.n, scores.sparse
-        ts.meta.update(**self.describe(), seconds_ngram=time.perf_counter() - t0)
-        return ts
-
     def _recount(self, suffix: list[int], segments: list, seeds: Sequence[int], budget: int) -> tuple[dict, bool]:
         """``({w: cnt(suffix · w)}, complete)``, exact, for the next tokens of ``suffix`` (EOS: literal, separator and
         shard ends together): the suffix array's segment of ``suffix`` is sorted by what follows it, so each next
@@ -436,12 +400,9 @@ class NgramMemory:
 
 
 class NgramMemories:
-    """Several ∞-gram indexes scored into one dump (``memlm eval --ngram A --ngram B``; e.g. an in-domain corpus and
-    all the text a user has), each later mixed with its own weights (:func:`memlm.ngram.mixture.tune_ngrams`).
-
-    :meth:`attach` fills the dump's ``ngram_*`` arrays with the first memory's statistics, exactly as that memory alone
-    would, and the ``ngram_extra_*`` arrays with the others' (one column per memory, in order); ``meta["ngrams"]``
-    lists every memory's :meth:`NgramMemory.describe`."""
+    """Several ∞-gram indexes (e.g. an in-domain corpus and all the text a user has), each a memory of its own in the
+    per-token table (components ngram, ngram2, ...), later mixed with its own weights
+    (:func:`memlm.ngram.mixture.tune_ngrams`)."""
 
     def __init__(self, memories: Sequence[NgramMemory]) -> None:
         if len(memories) < 2:
@@ -450,19 +411,3 @@ class NgramMemories:
 
     def describe(self) -> list[dict]:
         return [m.describe() for m in self.memories]
-
-    def attach(self, ts, documents: Sequence, tokenizer) -> Any:
-        first, *rest = self.memories
-        first.attach(ts, documents, tokenizer)
-        seconds = float(ts.meta["seconds_ngram"])
-        cols: dict[str, list[np.ndarray]] = {f: [] for f in ("logprob", "count", "n", "sparse")}
-        for memory in rest:
-            scratch = dataclasses.replace(ts, meta={})  # attach sets new arrays on the copy; ts keeps the first's
-            memory.attach(scratch, documents, tokenizer)
-            for f, col in cols.items():
-                col.append(getattr(scratch, f"ngram_{f}"))
-            seconds += float(scratch.meta["seconds_ngram"])
-        for f, col in cols.items():
-            setattr(ts, f"ngram_extra_{f}", np.stack(col, axis=1))
-        ts.meta.update(ngrams=self.describe(), seconds_ngram=seconds)
-        return ts

@@ -43,7 +43,6 @@ __all__ = [
     "NGRAM_LAMBDAS",
     "DEFAULT_LAMBDA_SPARSE",
     "DEFAULT_LAMBDA_DENSE",
-    "add_ngram",
     "ngram_parameters",
     "ngram_report",
     "ngram_logprobs",
@@ -54,11 +53,6 @@ __all__ = [
 NGRAM_LAMBDAS = (0.0, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175,
                  0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # fmt: skip
 DEFAULT_LAMBDA_SPARSE, DEFAULT_LAMBDA_DENSE = 0.1, 0.03  # the fallback when an index records no calibration
-
-
-def add_ngram(ts, documents: Sequence, tokenizer, memory) -> Any:
-    """Attach the ∞-gram statistics of every target of ``ts`` (see :meth:`memlm.ngram.memory.NgramMemory.attach`)."""
-    return memory.attach(ts, documents, tokenizer)
 
 
 def per_index_lambdas(
@@ -75,16 +69,20 @@ def per_index_lambdas(
     return list(zip(*pairs, strict=True))
 
 
-def _arrays(ts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if ts.ngram_logprob is None:
-        raise MemlmError("this dump has no ∞-gram scores; rerun memlm eval with --ngram DIR --dump")
-    return torch.from_numpy(ts.lm_logprob), torch.from_numpy(ts.ngram_logprob), torch.from_numpy(ts.ngram_sparse)
+def _arrays(ts, name: str = "ngram") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LM's log p, the ∞-gram ``name``'s log P∞ and its sparse flag per target of a per-token table."""
+    if name not in ts.columns:
+        raise MemlmError("this table has no ∞-gram scores; rerun memlm eval with --memory ngram:DIR --dump")
+    cols = ts.columns[name]
+    return (
+        torch.from_numpy(ts.lm_logprob),
+        torch.from_numpy(np.asarray(cols["logprob"])),
+        torch.from_numpy(np.asarray(cols["sparse"])),
+    )
 
 
 def _knn(ts, temperature: float, k: int | None) -> torch.Tensor:
-    from memlm.mixing.inputs import memory_logprob
-
-    return memory_logprob(ts.knn_scores, ts.knn_values, ts.targets, temperature, k, ts.knn_log_counts)
+    return ts.logprob("knn", temperature=temperature, k=k)
 
 
 def ngram_report(
@@ -105,7 +103,7 @@ def ngram_report(
     rows, mixtures = ngram_logprobs(ts, (lambda_sparse, lambda_dense), lam, temperature, k)
     lm, mixed = rows["base_ppl"], rows["ngram_ppl"]
     keep = torch.ones(len(lm), dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
-    n = ts.ngram_n[keep.numpy()]
+    n = np.asarray(ts.columns["ngram"]["n"])[keep.numpy()]
     sparse = sp[keep]
     hits = torch.isfinite(ng[keep])
     out: dict[str, Any] = {
@@ -151,7 +149,7 @@ def ngram_logprobs(
     from memlm.mixing.dump import rule_rows
 
     specs: dict[str, dict[str, Any]] = {"ngram_ppl": {"ngram": tuple(lambdas)}}
-    if ts.knn_scores is not None and lam is not None:
+    if "knn" in ts.columns and lam is not None:
         specs.update(knn_ppl={"knn": lam}, knn_ngram_ppl={"knn": lam, "ngram": tuple(lambdas)})
     rows, mixtures = rule_rows(ts, specs, temperature, k)
     return {"base_ppl": _arrays(ts)[0], **rows}, mixtures
@@ -187,7 +185,7 @@ def tune_ngram(
     from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 
     lm, ng, sp = _arrays(ts)
-    has_knn = ts.knn_scores is not None
+    has_knn = "knn" in ts.columns
     knn_lambdas = (DEFAULT_LAMBDAS if knn_lambdas is None else knn_lambdas) if has_knn else (0.0,)
     temperatures = (DEFAULT_TEMPERATURES if temperatures is None else temperatures) if has_knn else (1.0,)
     cache: dict[float, torch.Tensor] = {}
@@ -241,7 +239,7 @@ def ngram_parameters(
         lambda_dense = DEFAULT_LAMBDA_DENSE if lambda_dense is None else lambda_dense
         origin = (
             "memlm's fallback defaults (the index records no calibration: tune on your valid text with "
-            "`memlm eval --ngram DIR --dump` + `memlm tune`)"
+            "`memlm eval --memory DIR --dump` + `memlm tune`)"
         )
     if announce:
         print(f"∞-gram parameters: λ_sparse={lambda_sparse:g}, λ_dense={lambda_dense:g}: {origin}", file=sys.stderr)
@@ -325,31 +323,19 @@ def tune_multi_ngram(
 
 
 def ngram_refs(ts) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(log P∞_r(target), sparse_r)`` of every ∞-gram reference of a dump (``memlm eval --ngram A --ngram B``):
-    the first from ``ngram_logprob`` / ``ngram_sparse``, the others from the columns of ``ngram_extra_logprob`` /
-    ``ngram_extra_sparse``, in the order given on the command line."""
-    _, ng, sp = _arrays(ts)
-    refs = [(ng, sp)]
-    if ts.ngram_extra_logprob is not None:
-        for r in range(ts.ngram_extra_logprob.shape[1]):
-            refs.append((torch.from_numpy(np.ascontiguousarray(ts.ngram_extra_logprob[:, r])),
-                         torch.from_numpy(np.ascontiguousarray(ts.ngram_extra_sparse[:, r]))))  # fmt: skip
-    return refs
+    """``(log P∞_r(target), sparse_r)`` of every ∞-gram reference of a per-token table (components ngram, ngram2,
+    ..., in the order given)."""
+    names = ts.names("ngram")
+    if not names:
+        raise MemlmError("this table has no ∞-gram scores; rerun memlm eval with --memory ngram:DIR --dump")
+    return [_arrays(ts, name)[1:] for name in names]
 
 
 def reference_view(ts, r: int):
-    """A copy of the dump whose ``ngram_*`` arrays are reference ``r``'s (0 = the first), for the one-reference
-    functions (:func:`ngram_report`, :func:`tune_ngram`)."""
-    import dataclasses
-
-    if r == 0:
-        return dataclasses.replace(ts, ngram_extra_logprob=None, ngram_extra_sparse=None, ngram_extra_n=None,
-                                   ngram_extra_count=None)  # fmt: skip
-    cols = {f: np.ascontiguousarray(getattr(ts, f"ngram_extra_{f}")[:, r - 1]) for f in ("logprob", "sparse", "n",
-                                                                                       "count")}  # fmt: skip
-    return dataclasses.replace(ts, ngram_logprob=cols["logprob"], ngram_sparse=cols["sparse"], ngram_n=cols["n"],
-                               ngram_count=cols["count"], ngram_extra_logprob=None, ngram_extra_sparse=None,
-                               ngram_extra_n=None, ngram_extra_count=None)  # fmt: skip
+    """The table with one ∞-gram reference, the ``r``-th (0 = the first), named ``ngram`` beside the other kinds'
+    memories, for the one-reference functions (:func:`ngram_report`, :func:`tune_ngram`)."""
+    name = ts.names("ngram")[r]
+    return ts.select([n for n in ts.names() if ts.components[n].kind != "ngram" or n == name], rename={name: "ngram"})
 
 
 def multi_ngram_report(
@@ -368,7 +354,7 @@ def multi_ngram_report(
     lm = torch.from_numpy(ts.lm_logprob)
     refs = {ngram_component(r): tuple(map(float, w)) for r, w in enumerate(weights)}
     specs: dict[str, dict[str, Any]] = {"ngram_ppl": refs}
-    if lam is not None and ts.knn_scores is not None:
+    if lam is not None and "knn" in ts.columns:
         specs.update(knn_ngram_ppl={"knn": lam, **refs}, knn_ppl={"knn": lam})
     mixed, mixtures = rule_rows(ts, specs, temperature, k)
     rows = {"base_ppl": lm, **mixed}
@@ -380,12 +366,12 @@ def multi_ngram_report(
         "references": [],
     }
     for r in range(len(weights)):
-        v = reference_view(ts, r)
+        v = reference_view(ts, r).columns["ngram"]
         out["references"].append(
             {
-                "sparse_share": float(np.mean(v.ngram_sparse)),
-                "effective_n_median": float(np.median(v.ngram_n)) if len(v.ngram_n) else None,
-                "ngram_target_nonzero": float(np.isfinite(v.ngram_logprob).mean()),
+                "sparse_share": float(np.mean(v["sparse"])),
+                "effective_n_median": float(np.median(v["n"])) if len(v["n"]) else None,
+                "ngram_target_nonzero": float(np.isfinite(v["logprob"]).mean()),
             }
         )
     if "knn_ppl" in rows:
@@ -414,7 +400,7 @@ def tune_ngrams(
     refs = ngram_refs(ts)
     alone = [tune_ngram(reference_view(ts, r), lambdas, knn_lambdas, temperatures, k)["best"] for r in range(len(refs))]
     knn, lam, temperature = None, 0.0, 1.0
-    if ts.knn_scores is not None:
+    if "knn" in ts.columns:
         pick = min(alone, key=lambda b: b["ppl"])
         lam, temperature = float(pick["lambda"]), float(pick["temperature"])
         knn = _knn(ts, temperature, k)

@@ -45,7 +45,7 @@ def ngram_result(
     if isinstance(memory, NgramMemories):
         return multi_ngram_result(ts, memory, lam, temperature, base, given)
     ls, ld, origin = ngram_parameters(memory.index, *(given or [(None, None)])[0])
-    has_knn = ts.knn_scores is not None and lam is not None
+    has_knn = "knn" in ts.columns and lam is not None
     rep = ngram_report(ts, ls, ld, lam=lam if has_knn else None, temperature=temperature)
     rows, _ = ngram_logprobs(ts, (ls, ld), lam if has_knn else None, temperature)
     rows.pop("knn_ppl", None)  # eval's own row (base)
@@ -97,7 +97,7 @@ def multi_ngram_result(
     base: dict[str, Any] | None = None,
     given: Sequence[tuple[float | None, float | None]] | None = None,
 ) -> dict:
-    """``memlm eval`` with several ``--ngram``: each index alone beside the LM (its own λ's: ``given``, else its
+    """``memlm eval`` with several ∞-gram indexes: each index alone beside the LM (its own λ's: ``given``, else its
     calibration, as for one index), and all of them together, each with its own λ's, mixed by the rule
     (:func:`memlm.core.mixture.rule_mixture`, which scales weights that sum past 1 to leave the LM a weight > 0);
     with a datastore, with the kNN term too. ``multi_ngram_weights`` records the weights the rule used. The weights
@@ -119,10 +119,10 @@ def multi_ngram_result(
                      "ngram_parameters_from": origin})  # fmt: skip
         weights[ngram_component(r)] = (ls, ld)
     specs = {"multi_ngram_ppl": weights}
-    has_knn = ts.knn_scores is not None and lam is not None
+    has_knn = "knn" in ts.columns and lam is not None
     if has_knn:
         specs["knn_multi_ngram_ppl"] = {"knn": lam, **weights}
-    if base is not None and "knn_ppl" in (base.get("intervals") or {}) and ts.knn_lambda is None:
+    if base is not None and "knn_ppl" in (base.get("intervals") or {}) and "lambda" not in ts.columns["knn"]:
         specs["knn_ppl"] = {"knn": base["lambda"]}  # the kNN-LM's row, for its difference
     mixed, mixtures = rule_rows(ts, specs, temperature)
     used = {key: rule_weights(Mixture.from_dict(m)) for key, m in mixtures.items()}
@@ -174,14 +174,14 @@ def tune_ngram_dump(valid, test=None, grids: NgramTuneGrids = NgramTuneGrids()) 
     from memlm.mixing.dump import tune_datastores_beside
     from memlm.ngram.mixture import ngram_report, tune_ngram
 
-    if valid.ngram_extra_logprob is not None:
+    if len(valid.names("ngram")) > 1:
         return _tune_ngrams(valid, test, grids)
     result = tune_ngram(valid, **grids.tuner())
     best = result["best"]
-    has_knn = valid.knn_scores is not None
+    has_knn = "knn" in valid.columns
     weights = {**({"knn": best["lambda"]} if has_knn else {}), "ngram": (best["lambda_sparse"], best["lambda_dense"])}
     best.update(_tune_cache(valid, weights, best, grids))
-    if has_knn and valid.knn_extra_scores is not None:  # several datastores: the others beside this rule
+    if has_knn and len(valid.names("knn")) > 1:  # several datastores: the others beside this rule
         from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 
         grid = (grids.lambdas or DEFAULT_LAMBDAS, grids.temperatures or DEFAULT_TEMPERATURES)
@@ -203,17 +203,19 @@ def tune_ngram_dump(valid, test=None, grids: NgramTuneGrids = NgramTuneGrids()) 
 
 
 def _tune_ngrams(valid, test, grids: NgramTuneGrids) -> dict[str, Any]:
-    """:func:`tune_ngram_dump` on a dump with several ∞-gram indexes (``memlm eval --ngram A --ngram B --dump``):
+    """:func:`tune_ngram_dump` on a dump with several ∞-gram indexes (``memlm eval --memory A --memory B --dump``):
     each index's (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
     :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
     from memlm.mixing.inputs import ngram_component
     from memlm.ngram.mixture import multi_ngram_report, tune_ngrams
 
     result = tune_ngrams(valid, **grids.tuner())
-    has_knn = valid.knn_scores is not None
+    has_knn = "knn" in valid.columns
     lam = result["lambda"] if has_knn else None
     weights = result["weights"]
-    described = valid.meta.get("ngrams") or [{} for _ in weights]
+    recorded = valid.meta.get("components") or {}
+    described = [{k: v for k, v in recorded.get(name, {}).items() if k.startswith("ngram")}
+                 for name in valid.names("ngram")]  # fmt: skip
     best = {
         "ngrams": [{**d, "lambda_sparse": w[0], "lambda_dense": w[1]} for d, w in zip(described, weights, strict=True)],
         "weights": weights,
@@ -241,7 +243,7 @@ def _tune_cache(valid, weights: dict[str, Any], best: dict[str, Any], grids: Ngr
     cache weight above 0 is asked (or the dump has no cache)."""
     from memlm.mixing.dump import tune_beside
 
-    if not any(grids.cache_lambdas) or valid.cache_scores is None:
+    if not any(grids.cache_lambdas) or "cache" not in valid.columns:
         return {}
     grid = (grids.cache_lambdas, grids.cache_temperatures)
     b = tune_beside(valid, weights, "cache", grid, best.get("temperature") or 1.0, grids.k)["best"]

@@ -64,6 +64,11 @@ class NgramComponent(Component):
         self.steps = self.approximate_steps = 0
         self.max_missing = 0.0
 
+    @classmethod
+    def from_description(cls, description) -> NgramComponent:
+        """Its saved columns (no index: nothing to search)."""
+        return cls(None, int(description.get("k") or 1000))
+
     def score(self, batch: Batch) -> dict[str, np.ndarray]:
         if batch.documents is None or batch.doc_index is None or batch.position is None or batch.targets is None:
             raise MemlmError("an ∞-gram scores targets in their documents: the batch needs documents, doc_index, "
@@ -123,4 +128,4 @@ class NgramComponent(Component):
         self.memory.index.check_tokenizer(tokenizer)
 
     def describe(self) -> dict:
-        return {"kind": self.kind, **self.memory.describe()}
+        return {"kind": self.kind, **({} if self.memory is None else self.memory.describe()), "k": self.k}
