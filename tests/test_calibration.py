@@ -703,4 +703,4 @@ def test_shared_calibration_is_each_memorys_own_in_one_pass(built, tiny_lm, tmp_
     own = calibrate_ngram(model, tok, ngram, held, window=window, stride=stride, progress=False)
     for mine, theirs in ((knn, alone), (grams, own)):
         assert {k: v for k, v in mine.items() if k != "seconds"} == {k: v for k, v in theirs.items() if k != "seconds"}
-    assert ts.knn_scores is not None and ts.ngram_logprob is not None and len(ts) == knn["tokens"]
+    assert ts.names() == ("knn", "ngram") and len(ts) == knn["tokens"]
