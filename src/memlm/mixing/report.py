@@ -23,11 +23,11 @@ import torch
 from memlm.core.bootstrap import DIFFERENCES, evidence
 from memlm.core.distribution import perplexity
 from memlm.core.frequency import bucket_table
-from memlm.core.mixture import Mixture
+from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit, token_blocks
 from memlm.mixing.dump import rule_logprob
 from memlm.mixing.inputs import mixture_inputs
 
-__all__ = ["mixture_logprob", "report"]
+__all__ = ["fit_table", "mixture_logprob", "report"]
 
 Row = Mixture | torch.Tensor | np.ndarray
 
@@ -81,3 +81,13 @@ def _logprob(table: Any, row: Row, settings: Mapping[str, Any]) -> torch.Tensor:
     if isinstance(row, Mixture):
         return mixture_logprob(table, row, **settings)
     return torch.as_tensor(row)
+
+
+def fit_table(table: Any, form: str = "guarded", options: FitOptions | None = None, **settings: Any) -> MixtureFit:
+    """The one fitter (:func:`memlm.core.mixture.fit`) on a per-token table: every component's log p and features
+    (:func:`memlm.mixing.inputs.mixture_inputs`, each memory at its ``settings``: a datastore's ``temperature`` and
+    ``k``), each token's document (a held-out slice of one file cut into blocks, :func:`token_blocks`), and ``form``
+    (constant, rule, gate or guarded)."""
+    inp = mixture_inputs(table, **settings)
+    return fit(inp.logprobs, inp.features, token_blocks(inp.doc_index), inp.components, inp.feature_names, form,
+               options or FitOptions())  # fmt: skip
