@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_toy_docs
+
 from memlm.core.mixture import Mixture
 from memlm.knnlm.generate import MixtureLogitsProcessor, generate_text
 from memlm.knnlm.scoring import score_tokens
