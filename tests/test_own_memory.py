@@ -20,10 +20,15 @@ from memlm.mixing.report import fit_table, report
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md"
 
 
+def _blocks() -> list[str]:
+    """The page's Python blocks under "A memory of your own": the class, then its use."""
+    section = PAGE.read_text().split("### A memory of your own", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
 def _memory_class():
-    """The page's first Python block under "A memory of your own", executed: its BigramMemory."""
-    section = PAGE.read_text().split("### A memory of your own", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    """The page's first block, executed: its BigramMemory."""
+    code = _blocks()[0]
     assert 25 <= len(code.strip().splitlines()) <= 40, "the worked example stays about thirty lines"
     space: dict = {}
     exec(compile(code, str(PAGE), "exec"), space)  # noqa: S102 - the page's own example
@@ -87,3 +92,19 @@ def test_a_generation_step_mixes_its_distribution(scored):
         want = w[0] * lm[t] + w[1] * _bigram_p(reference, prompt[-1], t)
         assert float(got[t].exp()) == pytest.approx(want, rel=1e-4)
     assert generate_text(model, tok, ["the cat"], [memory], mixture, max_new_tokens=3)[0]
+
+
+def test_the_pages_usage_block_runs_as_written(tiny_lm, capsys):
+    """The page's second block, run as written with a tiny model and toy text in its names."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    import memlm
+
+    torch.manual_seed(0)  # a tiny GPT-2 that reads memlm eval's default 1,024-token windows
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=1024, vocab_size=50257)
+    model, tok = AutoModelForCausalLM.from_config(cfg).eval(), tiny_lm[1]
+    space = {"memlm": memlm, "model": model, "tok": tok, "BigramMemory": _memory_class(),
+             "reference_text": " ".join(d.text for d in make_toy_docs(60, seed=4)),
+             "held_out_docs": make_toy_docs(40, seed=3)}  # fmt: skip
+    exec(compile(_blocks()[1], str(PAGE), "exec"), space)  # noqa: S102 - the page's own example
+    assert float(capsys.readouterr().out.split()[-1]) > 1
