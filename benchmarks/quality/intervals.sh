@@ -13,13 +13,13 @@ PY=${PYTHON:-python}
 mkdir -p "$D" "$RES"
 $MEMLM ngram build --model smollm2-135m --corpus wikitext2 --out "$D/wt2" --holdout 0 2>&1 | grep -v $'\r'
 $MEMLM ngram info "$D/wt2" > "$RES/index_wt2.json"
-$MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 20000 --ngram "$D/wt2" \
+$MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 20000 --memory "ngram:$D/wt2" \
   --dump "$D/test_ngram.npz" --json "$RES/eval_test_ngram.json"
 $MEMLM datastore build --model smollm2-135m --corpus wikitext2 --split train --max-tokens 50000 --out "$D/ds50k" 2>&1 \
   | grep -v $'\r'
 $MEMLM datastore info "$D/ds50k" > "$RES/ds50k_info.json"
-$MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 20000 --ngram "$D/wt2" \
-  --datastore "$D/ds50k" --dump "$D/test_knn_ngram.npz" --json "$RES/eval_test_knn_ngram.json"
+$MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 20000 --memory "knn:$D/ds50k" \
+  --memory "ngram:$D/wt2" --dump "$D/test_knn_ngram.npz" --json "$RES/eval_test_knn_ngram.json"
 # the all-offline ∞-gram (benchmarks/papers/ngram/ngram_all.sh's index) swapped into the same dump: paired against WikiText-2 train
 $MEMLM ngram build --model smollm2-135m --corpus wiki,news,brown,bbc,wikitext2,imdb --out "$D/all-train" --holdout 0 \
   2>&1 | grep -v $'\r'
@@ -31,7 +31,7 @@ $PY benchmarks/quality/intervals_report.py --dump "$D/test_ngram.npz" --result "
 $PY benchmarks/quality/intervals_report.py --dump "$D/test_knn_ngram.npz" --result "$RES/eval_test_knn_ngram.json" \
   --out "$RES/wt2_test_knn_ngram.json" --without-formatting --max-tokens 20000
 # the same eval over the first ~60k test tokens (11 articles), for intervals over more documents
-$MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 60000 --ngram "$D/wt2" \
-  --datastore "$D/ds50k" --dump "$D/test60k_knn_ngram.npz" --json "$RES/eval_test60k_knn_ngram.json"
+$MEMLM eval --model smollm2-135m --dtype float32 --corpus wikitext2 --split test --max-tokens 60000 --memory "knn:$D/ds50k" \
+  --memory "ngram:$D/wt2" --dump "$D/test60k_knn_ngram.npz" --json "$RES/eval_test60k_knn_ngram.json"
 $PY benchmarks/quality/intervals_report.py --dump "$D/test60k_knn_ngram.npz" --result "$RES/eval_test60k_knn_ngram.json" \
   --out "$RES/wt2_test60k_knn_ngram.json" --without-formatting --max-tokens 60000

@@ -13,8 +13,8 @@ every memory in one forward pass) and applied to a test dump:
 
 Each row's dumps are views of the full dumps with the other memories left out (the per-token scores of one memory do
 not depend on the others). Test dumps: the first 59,848 test tokens (11 articles, intervals.sh's, no cache: rows
-a-c) and the first 19,711 (4 articles, scored here again with --cache: rows a-d). Stages are skipped when their output
-exists; the commands run are recorded in the JSON::
+a-c) and the first 19,711 (4 articles, scored here again with --memory cache: rows a-d). Stages are skipped when their
+output exists; the commands run are recorded in the JSON::
 
     python benchmarks/quality/mixture_table.py --data data/ev-intervals --work data/mixture-wire \
         --out docs/results/mixture/wikitext2_valid60k.json

@@ -98,7 +98,7 @@ def main() -> None:
         if "prune" in only:
             results["prune"] = profiled("prune", ["datastore", "prune", str(ds), "--out", str(work / "pruned")], work)
         if "lmeval" in only:
-            results["lm_eval"] = profiled("lmeval", ["lm-eval", "--tasks", args.tasks, "--datastore", str(ds),
+            results["lm_eval"] = profiled("lmeval", ["lm-eval", "--tasks", args.tasks, "--memory", str(ds),
                                                      "--limit", str(args.limit), "--out", str(work / "le.json")],
                                           work)  # fmt: skip
     protocol.save_result(args.out, results)

@@ -50,7 +50,7 @@ What each side does per batch (the difference being timed, besides the shared fo
   search of the batch's scored queries (``k`` neighbours each), a dense ``[n, V]`` kNN distribution (``scatter_add``
   then ``log``), ``logaddexp`` with the LM over the whole vocabulary, written back into the logits, then HF's
   cross-entropy (a second ``log_softmax``) over ``[B, T, V]``;
-* memlm (``score_tokens`` + ``perplexities``, what ``memlm eval --datastore`` runs): the head only at the scored
+* memlm (``score_tokens`` + ``perplexities``, what ``memlm eval --memory DS`` runs): the head only at the scored
   positions, the target's log-probability and entropy per token, the keys by hook, then the search (after the forward
   pass, or overlapped with ``--pipeline``) and Eq. 2-3 only at each target, plus the perplexities' bootstrap intervals.
 

@@ -13,12 +13,12 @@ $MEMLM ngram build --model $M --corpus wikitext2 --out "$DATA/wt2-train" --holdo
 $MEMLM ngram info "$DATA/wt2-train" > "$RES/index_wt2_train.json"
 DSARG=()
 if [ -n "${DS:-}" ] && [ -f "$DS/manifest.json" ] && [ ! -f "$DS/progress.json" ] && [ -f "$DS/index.faiss" ]; then
-  DSARG=(--datastore "$DS")
+  DSARG=(--memory "$DS")
 fi
 for split in valid test; do
   n=$([ $split = valid ] && echo 10000 || echo 20000)
-  $MEMLM eval --model $M --dtype float32 --corpus wikitext2 --split $split --max-tokens $n --ngram "$DATA/wt2-train" \
-    ${DSARG[@]+"${DSARG[@]}"} --dump "$DATA/$split.npz" --json "$RES/eval_$split.json"
+  $MEMLM eval --model $M --dtype float32 --corpus wikitext2 --split $split --max-tokens $n \
+    ${DSARG[@]+"${DSARG[@]}"} --memory "ngram:$DATA/wt2-train" --dump "$DATA/$split.npz" --json "$RES/eval_$split.json"
 done
 $MEMLM tune --valid "$DATA/valid.npz" --test "$DATA/test.npz" --json "$DATA/tune.json"
 ${PYTHON:-python} benchmarks/papers/ngram/ngram_report.py --valid "$DATA/valid.npz" --test "$DATA/test.npz" --max-tokens 20000 \

@@ -8,9 +8,9 @@
 ``build`` runs ``memlm ngram build`` from corpus names (WikiText-2 train, then all six offline corpora's train
 splits; ``--holdout 0``, no LM pass) in a fresh process each and records the wall time, tokens/s, bytes per token
 and the process's peak RSS. ``query`` opens an index and, over the first ``--tokens`` WikiText-2 test tokens, times
-(a) ``NgramMemory.score_documents`` (what ``memlm eval --ngram`` calls: every target of a document in one walk that
-reuses the previous position's suffix), per token; (b) one cold query per position (``score_documents`` on that
-position alone: the longest-suffix search from scratch), p50 / p99; (c) the full next-token distribution of a
+(a) ``NgramMemory.score_documents`` (what ``memlm eval --memory ngram:DIR`` calls: every target of a document in one
+walk that reuses the previous position's suffix), per token; (b) one cold query per position (``score_documents``
+on that position alone: the longest-suffix search from scratch), p50 / p99; (c) the full next-token distribution of a
 context (``NgramMemory.search``, what each generation step calls), p50 / p99; and the peak RSS. ``dense`` reads a
 dense datastore's manifest and files (entries/s of its build, bytes per entry) for the comparison.
 Before each timed part the script waits until nothing else uses the CPU (a 5-s sample) and records the load.

@@ -12,7 +12,7 @@ $MEMLM ngram build --model smollm2-135m --corpus imdb --out "$W/imdb-train" --ho
 $MEMLM ngram info "$W/imdb-train" > "$R/index_imdb_train.json"
 for split in valid test; do
   n=$([ $split = valid ] && echo 10000 || echo 30000)
-  $MEMLM eval --model smollm2-135m --dtype float32 --corpus imdb --split $split --max-tokens $n --ngram "$W/imdb-train" \
+  $MEMLM eval --model smollm2-135m --dtype float32 --corpus imdb --split $split --max-tokens $n --memory "ngram:$W/imdb-train" \
     --dump "$W/$split.npz" --json "$R/eval_$split.json"
 done
 $MEMLM tune --valid "$W/valid.npz" --test "$W/test.npz" --json "$R/tune.json"

@@ -13,7 +13,7 @@ parentheses this script recomputes from its perplexities as a check of the formu
 
 Its 47% is a different statistic from memlm's ``ngram_target_nonzero``: the share of tokens whose ∞-gram
 probability of the actual next token is above 0.5 (Sec. 4.1: "deem it as accurate if this probability is higher
-than 0.5"), where memlm's field counts P∞(target) > 0. ``--dump`` (a ``memlm eval --ngram DIR --dump`` dump) adds
+than 0.5"), where memlm's field counts P∞(target) > 0. ``--dump`` (a ``memlm eval --memory ngram:DIR --dump`` dump) adds
 the paper's statistic, computed from the dump's per-token log P∞(target).
 
     python benchmarks/papers/ngram/ngram_paper_metrics.py [--dump T.npz] --out docs/results/ngram/paper_metrics.json
@@ -183,14 +183,14 @@ def cost_ratios() -> dict:
 
 
 def agreement(dump: str) -> dict:
-    """The paper's agreement statistics (Sec. 4.1) on a ``memlm eval --ngram --dump`` dump's tokens."""
+    """The paper's agreement statistics (Sec. 4.1) on a ``memlm eval --memory ngram:DIR --dump`` dump's tokens."""
     import numpy as np
 
     from memlm.knnlm.table import TokenTable
 
     ts = TokenTable.load(dump)
     if "ngram" not in ts.columns:
-        sys.exit(f"{dump} has no ∞-gram scores: make it with memlm eval --ngram DIR --dump")
+        sys.exit(f"{dump} has no ∞-gram scores: make it with memlm eval --memory ngram:DIR --dump")
     lp, sparse = ts.columns["ngram"]["logprob"].astype(np.float64), ts.columns["ngram"]["sparse"].astype(bool)
     above = lp > math.log(0.5)
     return {
@@ -222,7 +222,7 @@ def same_tokens_as_committed(stats: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dump", help="a memlm eval --ngram DIR --dump of WikiText-2 test: adds P∞(target) > 0.5")
+    ap.add_argument("--dump", help="a memlm eval --memory ngram:DIR --dump of WikiText-2 test: adds P∞(target) > 0.5")
     ap.add_argument("--dump-command", help="the command that made --dump (recorded)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -1,4 +1,5 @@
-"""docs/results/ngram.md's table from `memlm eval --ngram [--datastore] --dump` dumps of a valid and a test split.
+"""docs/results/ngram.md's table from `memlm eval --memory ngram:DIR [--memory DS] --dump` dumps of a valid and a
+test split.
 
 Every λ is tuned on the valid dump (memlm.ngram.mixture.tune_ngram; memlm.knnlm.evaluate.tune for the kNN-LM alone)
 and applied to the test dump. Rows: base LM; LM + ∞-gram; and, when the dumps hold datastore neighbours, LM + kNN and

@@ -1,4 +1,5 @@
-"""Replace the ∞-gram scores of a `memlm eval --ngram --dump` dump by those of another index (no LM pass again).
+"""Replace the ∞-gram scores of a `memlm eval --memory ngram:DIR --dump` dump by those of another index (no LM pass
+again).
 
     python benchmarks/papers/ngram/ngram_swap.py --dump T.npz --index IDX --split test --max-tokens 20000 --out T2.npz
 

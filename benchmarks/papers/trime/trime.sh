@@ -110,7 +110,7 @@ knnlm_eval() {  # [vanilla run]: + continuous cache, + kNN-LM (+ cache), with th
   for split in valid test; do
     [[ -f $out/$split.npz ]] && continue
     $M eval --model "$R/$name/final" --dtype bfloat16 --corpus wiki,news --split $split --max-tokens "$TOKENS" \
-      --datastore "$R/ds-$name" --k 1024 --window 256 --min-context 128 --batch-size 16 --cache \
+      --memory "$R/ds-$name" --memory cache --k 1024 --window 256 --min-context 128 --batch-size 16 \
       --dump "$out/$split.npz" --json "$out/$split.json"
   done
   $M tune --valid "$out/valid.npz" --test "$out/test.npz" --lambdas 0 --cache-lambdas 0 0.05 0.1 0.2 0.3 \
