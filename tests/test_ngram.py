@@ -602,7 +602,7 @@ def test_lm_eval_adapter_with_ngram_equals_brute_force(tiny_lm, corpus, index):
     lm = MemlmLM(model=model, tokenizer=tok, memories=f"ngram:{index.path}", mixture=f"ngram={ls}/{ld}", window=64,
                  min_context=32)  # fmt: skip
     bare = MemlmLM(model=model, tokenizer=tok, window=64, min_context=32)
-    assert lm.memory_settings["memories"] == f"ngram:{index.path}"
+    assert lm.memory_settings["memories"] == f"ngram:{index.path}?k=1000"  # the spec records k
     brute = Brute(tok, corpus)
     tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
     lm_lp = bare.rolling_token_logprobs(tokens)

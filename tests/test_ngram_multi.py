@@ -319,7 +319,7 @@ def test_lm_eval_adapter_with_two_indexes_equals_by_hand(tiny_lm, tiny_lm_dir, t
     weights = "ngram=0.6/0.3;ngram2=0.2/0.1"
     lm = MemlmLM(model=model, tokenizer=tok, memories=[str(a.path), str(b.path)], mixture=weights, window=64,
                  min_context=32)  # fmt: skip
-    assert lm.memory_settings["memories"] == f"ngram:{a.path};ngram:{b.path}"
+    assert lm.memory_settings["memories"] == f"ngram:{a.path}?k=1000;ngram:{b.path}?k=1000"
     tokens = _ids(tok, "the old river ran over the park while the cat sat on a mat")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[lm.prefix_token_id, *tokens]])).logits[0].double()
@@ -375,7 +375,7 @@ def test_cli_lm_eval_with_two_indexes(tiny_lm, tiny_lm_dir, two_indexes, tmp_pat
     monkeypatch.chdir(tmp_path)
     assert main(args) == 0
     record = json.loads(out.read_text())
-    assert record["memlm"]["memories"] == f"ngram:{a.path};ngram:{b.path}"
+    assert record["memlm"]["memories"] == f"ngram:{a.path}?k=1000;ngram:{b.path}?k=1000"
     model, tok = tiny_lm
     lm = MemlmLM(model=model, tokenizer=tok, memories=[a.path, b.path], mixture="ngram=0.5/0.1;ngram2=0.2/0.1",
                  window=256, min_context=64)  # fmt: skip
