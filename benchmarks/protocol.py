@@ -110,6 +110,16 @@ def _lscpu() -> dict[str, str]:
     }
 
 
+def lscpu_flags() -> list[str]:
+    """Every flag ``lscpu`` lists (empty where it cannot run): what a result file records of the CPU's features."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    line = next((x for x in out.splitlines() if x.startswith("Flags:")), "Flags:")
+    return line.split(":", 1)[1].split()
+
+
 def host() -> dict[str, Any]:
     """The machine without importing torch or FAISS (for a process whose own peak RSS is measured): CPU model
     (lscpu), cores, the cores this process may use, platform, Python."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -46,16 +45,6 @@ from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.models import int8 as int8_lib  # noqa: E402
 from memlm.models.keys import find_decoder_layers  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
-
-
-def lscpu_flags() -> list[str]:
-    """Every flag ``lscpu`` lists (empty where it cannot run)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    line = next((x for x in out.splitlines() if x.startswith("Flags:")), "Flags:")
-    return line.split(":", 1)[1].split()
 
 
 def layer_input(model: nn.Module, tok, split: str, tokens: int, layer: int) -> torch.Tensor:
@@ -170,7 +159,7 @@ def main() -> None:
         "calibration": f"wiki train, {calib.shape[0]} tokens; measured on wiki test",
         "int8_products_exact": int8_lib.int8_products_exact(), "quantized_engine": torch.backends.quantized.engine,
         "repeats": args.repeats, "idle": idle, "load_avg_before": load0, "load_avg_after": protocol.load_average(),
-        "machine": protocol.machine(), "lscpu_flags": lscpu_flags(), "rows": results,
+        "machine": protocol.machine(), "lscpu_flags": protocol.lscpu_flags(), "rows": results,
     })  # fmt: skip
 
 

@@ -55,18 +55,6 @@ PATHS = ("float32", "int8-reduced-range")
 WINDOW, STRIDE, BATCH = 1024, 512, 4
 
 
-def lscpu_flags() -> list[str]:
-    """Every flag ``lscpu`` lists (empty where it cannot run)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    line = next((x for x in out.splitlines() if x.startswith("Flags:")), "Flags:")
-    return line.split(":", 1)[1].split()
-
-
 def score_chunk(model: torch.nn.Module, batches: list, pad_id: int) -> dict[str, Any]:
     """One chunk of window batches through ``model``: each scored token's target, log-probability and document."""
     targets, logprobs, docs = [], [], []
@@ -199,7 +187,7 @@ def main() -> None:
     info = json.loads((work / "int8.json").read_text()) if args.report_only else run_chunks(args, work)
     if args.out:
         result = {"what": __doc__.split("\n\n")[0], "command": " ".join(["python", *sys.argv]),
-                  "machine": protocol.machine(), "lscpu_flags": lscpu_flags(),
+                  "machine": protocol.machine(), "lscpu_flags": protocol.lscpu_flags(),
                   "int8_products_exact": int8_lib.int8_products_exact(),
                   "int8_products_native": int8_lib.int8_products_native(), "corpus": "wikitext2 test",
                   "model": "smollm2-135m", "window": WINDOW, "stride": STRIDE, "batch": BATCH,

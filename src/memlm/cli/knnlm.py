@@ -281,11 +281,11 @@ def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -
 def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
     """The rule's weights by component (memlm.mixing.dump.rule_for) from its best point on valid (any tune
     path: λ, the cache's λc, one (λ_sparse, λ_dense) or a list of them)."""
-    from memlm.mixing.inputs import ngram_component
+    from memlm.mixing.component import component_name
 
     pairs = best.get("weights") or ([[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else [])
     weights: dict[str, Any] = {"knn": best["lambda"]} if has_knn else {}
-    weights.update({ngram_component(r): tuple(w) for r, w in enumerate(pairs)})
+    weights.update({component_name("ngram", r): tuple(w) for r, w in enumerate(pairs)})
     if best.get("cache_lambda"):
         weights["cache"] = best["cache_lambda"]
     weights.update({d["component"]: d["lambda"] for d in best.get("datastores") or []})

@@ -219,12 +219,12 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
     :class:`~memlm.ngram.memory.NgramMemory`, ``NgramMemories`` or None), ``config`` the run's retrieval settings
     (its k and windows score the calibration slices when several memories are combined; ``slice_scores``: those
     slices already scored, see :func:`choose`)."""
-    from memlm.mixing.inputs import component_name, ngram_component
+    from memlm.mixing.component import component_name
 
     ngrams = list(getattr(ngram, "memories", [ngram] if ngram is not None else []))
     memories = [*datastores, *ngrams]
     names = [component_name("knn", r) for r in range(len(datastores))]
-    names += [ngram_component(r) for r in range(len(ngrams))]
+    names += [component_name("ngram", r) for r in range(len(ngrams))]
     rule = "the fixed-weight rule of each memory's calibrated λ (as with --lambda / --ngram-lambda-*)"
     if not memories:
         return DefaultMixture(None, "the LM alone (no memory)")

@@ -27,10 +27,10 @@ import torch
 
 from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
+from memlm.mixing.component import component_name
 from memlm.mixing.inputs import (
     MixtureInputs,
     component_logprobs,
-    component_name,
     dump_components,
     mixture_inputs,
     ngram_sparse,

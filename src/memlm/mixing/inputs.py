@@ -40,29 +40,16 @@ from memlm.models.forward import lm_entropy
 __all__ = [
     "MixtureInputs",
     "component_logprobs",
-    "component_name",
     "dump_components",
     "lm_features",
     "memory_logprob",
     "neighbour_features",
     "mixture_inputs",
-    "ngram_component",
     "ngram_features",
     "ngram_sparse",
     "read_settings",
     "retrieval_features",
 ]
-
-
-def component_name(kind: str, r: int) -> str:
-    """The mixture component name of the ``r``-th memory (0-based) of a kind (``knn``, ``ngram``, ``cache``): the
-    kind, then ``<kind>2``, ``<kind>3``, ... (two datastores: knn, knn2; two ∞-gram indexes: ngram, ngram2)."""
-    return kind if r == 0 else f"{kind}{r + 1}"
-
-
-def ngram_component(r: int) -> str:
-    """The mixture component name of the dump's ``r``-th ∞-gram reference (0-based): ngram, ngram2, ngram3, ..."""
-    return component_name("ngram", r)
 
 
 @dataclass(frozen=True)

@@ -256,10 +256,10 @@ def refs_logprob(
     """``log P(target)`` of the fixed-weight rule (:func:`memlm.mixing.dump.mix_by_rule`) over the LM, a kNN
     term at weight ``lam`` and ∞-gram references ``refs`` (``(log P∞_r(target), sparse_r)``, components ngram,
     ngram2, ...) with their ``(λ_sparse, λ_dense)`` in ``weights``: what :func:`tune_multi_ngram` scores."""
+    from memlm.mixing.component import component_name
     from memlm.mixing.dump import mix_by_rule
-    from memlm.mixing.inputs import ngram_component
 
-    names = [ngram_component(r) for r in range(len(refs))]
+    names = [component_name("ngram", r) for r in range(len(refs))]
     comps = {"lm": lm, **({"knn": knn} if knn is not None else {})}
     comps.update({c: ng for c, (ng, _) in zip(names, refs, strict=True)})
     rule = {**({"knn": lam} if knn is not None else {}), **{c: tuple(w) for c, w in zip(names, weights, strict=True)}}
@@ -348,11 +348,11 @@ def multi_ngram_report(
     """Perplexities with every ∞-gram reference of a dump at ``weights`` (and, with ``lam``, the kNN term too), and
     each reference's own statistics (sparse share, effective n); intervals as :func:`ngram_report`'s, each mixed row
     by the rule (:func:`memlm.mixing.dump.rule_rows`, recorded under ``mixtures``)."""
+    from memlm.mixing.component import component_name
     from memlm.mixing.dump import rule_rows
-    from memlm.mixing.inputs import ngram_component
 
     lm = torch.from_numpy(ts.lm_logprob)
-    refs = {ngram_component(r): tuple(map(float, w)) for r, w in enumerate(weights)}
+    refs = {component_name("ngram", r): tuple(map(float, w)) for r, w in enumerate(weights)}
     specs: dict[str, dict[str, Any]] = {"ngram_ppl": refs}
     if lam is not None and "knn" in ts.columns:
         specs.update(knn_ngram_ppl={"knn": lam, **refs}, knn_ppl={"knn": lam})

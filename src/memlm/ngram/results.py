@@ -106,8 +106,8 @@ def multi_ngram_result(
     from memlm.core.bootstrap import evidence
     from memlm.core.distribution import perplexity
     from memlm.core.mixture import Mixture
+    from memlm.mixing.component import component_name
     from memlm.mixing.dump import rule_rows, rule_weights
-    from memlm.mixing.inputs import ngram_component
     from memlm.ngram.mixture import ngram_parameters, ngram_report, reference_view
 
     refs, weights = [], {}
@@ -117,7 +117,7 @@ def multi_ngram_result(
         rep = ngram_report(reference_view(ts, r), ls, ld)
         refs.append({**memory.describe(), **{k: v for k, v in rep.items() if k not in NOT_NGRAM},
                      "ngram_parameters_from": origin})  # fmt: skip
-        weights[ngram_component(r)] = (ls, ld)
+        weights[component_name("ngram", r)] = (ls, ld)
     specs = {"multi_ngram_ppl": weights}
     has_knn = "knn" in ts.columns and lam is not None
     if has_knn:
@@ -206,7 +206,7 @@ def _tune_ngrams(valid, test, grids: NgramTuneGrids) -> dict[str, Any]:
     """:func:`tune_ngram_dump` on a dump with several ∞-gram indexes (``memlm eval --memory A --memory B --dump``):
     each index's (λ_sparse, λ_dense) tuned jointly (:func:`~memlm.ngram.mixture.tune_ngrams`, coordinate descent of
     :func:`~memlm.ngram.mixture.tune_multi_ngram`), with λ, τ of the kNN term when the dump has neighbours."""
-    from memlm.mixing.inputs import ngram_component
+    from memlm.mixing.component import component_name
     from memlm.ngram.mixture import multi_ngram_report, tune_ngrams
 
     result = tune_ngrams(valid, **grids.tuner())
@@ -222,7 +222,10 @@ def _tune_ngrams(valid, test, grids: NgramTuneGrids) -> dict[str, Any]:
         **({"lambda": result["lambda"], "temperature": result["temperature"]} if has_knn else {}),
         "ppl": result["ppl"],
     }
-    rule = {**({"knn": lam} if has_knn else {}), **{ngram_component(r): tuple(w) for r, w in enumerate(weights)}}
+    rule = {
+        **({"knn": lam} if has_knn else {}),
+        **{component_name("ngram", r): tuple(w) for r, w in enumerate(weights)},
+    }
     best.update(_tune_cache(valid, rule, best, grids))
 
     def report(ts) -> dict[str, Any]:
