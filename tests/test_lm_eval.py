@@ -15,12 +15,8 @@ from test_datastore import build
 pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from memlm.core.distribution import mix  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
-from memlm.knnlm.cache import CacheComponent  # noqa: E402
-from memlm.knnlm.scoring import score_tokens  # noqa: E402
 from memlm.lmeval.model import MemlmLM  # noqa: E402
-from memlm.mixing.inputs import memory_logprob
 from memlm.storage.index import build_index  # noqa: E402
 
 
@@ -128,49 +124,6 @@ def test_lambda_zero_equals_bare_lm(tiny_lm, ds):
     assert lm0.loglikelihood_rolling(rolling) == MemlmLM(
         model=model, tokenizer=tok, window=64, min_context=16
     ).loglikelihood_rolling(rolling)
-
-
-@pytest.mark.parametrize("cache", [False, True])
-def test_rolling_equals_memlm_eval(tiny_lm, ds, cache):
-    model, tok = tiny_lm
-    text = " ".join(d.text for d in make_toy_docs(6, seed=5))
-    n = len(tok.encode(text))
-    window, min_context = 40, 12
-    assert n > 3 * window  # several sliding windows
-    lam, tau, k, cache_lam = 0.3, 2.0, 16, 0.2
-    lm = MemlmLM(
-        model=model,
-        tokenizer=tok,
-        memories=_knn(ds, k, tau) + (";cache" if cache else ""),
-        mixture=f"knn={lam}" + (f";cache={cache_lam}" if cache else ""),
-        window=window,
-        min_context=min_context,
-        batch_size=3,
-        prefix_token_id=tok.eos_token_id,
-    )
-    got = lm.loglikelihood_rolling([_req("loglikelihood_rolling", (text,))])[0]
-    # memlm eval on the stream [EOS] + text + [EOS]: an empty document, then the text
-    ts = score_tokens(
-        model,
-        tok,
-        [Doc("empty", ""), Doc("text", text)],
-        [ds, CacheComponent()] if cache else [ds],
-        k=k,
-        window=window,
-        min_context=min_context,
-        progress=False,
-    )
-    comps = [
-        torch.from_numpy(ts.lm_logprob),
-        memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, tau),
-    ]
-    weights = [1 - lam, lam]
-    if cache:
-        comps.append(memory_logprob(ts.columns["cache"]["scores"], ts.columns["cache"]["values"], ts.targets, 1.0))
-        weights = [1 - lam - cache_lam, lam, cache_lam]
-    per_token = mix(comps, weights=weights).double().numpy()
-    assert len(per_token) == n + 1  # the text's tokens, then the final EOS
-    assert got == pytest.approx(per_token[:n].sum(), rel=1e-5)
 
 
 def test_rolling_uses_sliding_windows_not_quadratic(tiny_lm):

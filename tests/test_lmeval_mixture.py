@@ -369,26 +369,41 @@ def test_cli_lm_eval_with_a_fit_records_the_mixture_and_refuses_other_memories(
     assert record["leakage"]["memlm_wikitext2"]["memories"] == [f"datastore {ds1.path}", f"datastore {ds2.path}"]
 
 
-@pytest.mark.parametrize("components", [["lm", "knn", "ngram"], ["lm", "knn", "ngram", "cache"]],
-                         ids=["datastore-ngram", "with-cache"])  # fmt: skip
+FIXED = {"knn": 0.3, "cache": 0.2}  # the fixed-weight case: λ, λc of the rule
+
+
+@pytest.mark.parametrize("components",
+                         [["lm", "knn", "ngram"], ["lm", "knn", "ngram", "cache"], ["lm", "knn", "cache"]],
+                         ids=["datastore-ngram", "with-cache", "fixed-weights-with-cache"])  # fmt: skip
 def test_one_mixture_gives_the_same_log_p_in_scoring_generation_wrap_and_lm_eval(tiny_lm, memories, tmp_path,
                                                                                    components):  # fmt: skip
-    """The same stored gate over the same memories, on one text over several sliding windows: memlm eval's scores
+    """The same mixture over the same memories, on one text over several sliding windows: memlm eval's scores
     (its dump of the datastore, ∞-gram and cache, mixed by DumpMixture.logprob), lm-eval's rolling log P of every token,
     and, over the first window (the same context for all), a generation step's distribution at each token and
-    ``memlm.wrap``'s forward (no cache in generation: the fit without it). One mixture, the same features everywhere."""
+    ``memlm.wrap``'s forward (no cache in generation: the fit without it). One mixture, the same features everywhere.
+
+    The fixed-weight case checks the rolling log P against the rule computed by hand from the dump's columns
+    (Khandelwal et al. 2020, Eq. 2; Grave et al. 2017's cache as a third term):
+    p = (1 - λ - λc) p_LM + λ p_kNN(τ) + λc p_cache(τc = 1)."""
     from conftest import Doc
 
     import memlm
+    from memlm.core.distribution import mix
     from memlm.knnlm.cache import CacheComponent
     from memlm.knnlm.generate import MixtureLogitsProcessor
     from memlm.knnlm.scoring import score_tokens
+    from memlm.mixing.inputs import memory_logprob
     from memlm.ngram.memory import NgramMemory
 
     model, tok = tiny_lm
     (ds1, _), (ng1, _), _ = memories
-    fit, _ = _gate_file(tmp_path / "fit.json", components, seed=7)
-    spec = f"knn:{ds1.path};ngram:{ng1.path}" + (";cache" if "cache" in components else "")
+    fixed = "ngram" not in components
+    if fixed:
+        fit = ";".join(f"{name}={w}" for name, w in FIXED.items())
+        spec = f"knn:{ds1.path}?k={K}&temperature={TAU};cache"
+    else:
+        fit, _ = _gate_file(tmp_path / "fit.json", components, seed=7)
+        spec = f"knn:{ds1.path};ngram:{ng1.path}" + (";cache" if "cache" in components else "")
     text = " ".join(d.text for d in make_toy_docs(6, seed=5))
     window, min_context = 40, 12
     lm = MemlmLM(model=model, tokenizer=tok, memories=spec, mixture=str(fit), window=window, min_context=min_context,
@@ -398,9 +413,16 @@ def test_one_mixture_gives_the_same_log_p_in_scoring_generation_wrap_and_lm_eval
     got = lm.rolling_token_logprobs(tokens)
     # memlm eval on the stream [EOS] + text + [EOS]: an empty document, then the text
     docs = [Doc("empty", ""), Doc("text", text)]
-    memories = [ds1, NgramMemory(ng1), *([CacheComponent()] if "cache" in components else [])]
+    memories = [ds1, *([] if fixed else [NgramMemory(ng1)]), *([CacheComponent()] if "cache" in components else [])]
     ts = score_tokens(model, tok, docs, memories, k=K, window=window, min_context=min_context, progress=False)
-    scored = DumpMixture.from_dict(json.loads(fit.read_text())).logprob(ts).numpy()
+    if fixed:
+        knn, cache = (ts.columns[n] for n in ("knn", "cache"))
+        parts = [torch.from_numpy(ts.lm_logprob), memory_logprob(knn["scores"], knn["values"], ts.targets, TAU),
+                 memory_logprob(cache["scores"], cache["values"], ts.targets, 1.0)]  # fmt: skip
+        weights = [1 - FIXED["knn"] - FIXED["cache"], FIXED["knn"], FIXED["cache"]]
+        scored = mix(parts, weights=weights).double().numpy()
+    else:
+        scored = DumpMixture.from_dict(json.loads(fit.read_text())).logprob(ts).numpy()
     assert len(scored) == len(tokens) + 1  # the text's tokens, then the final EOS
     np.testing.assert_allclose(got, scored[: len(tokens)], rtol=1e-5)
     if "cache" in components:
