@@ -55,7 +55,7 @@ def per_document(ts: TokenTable, res: dict) -> list[dict]:
     more than an interval)."""
     import numpy as np
 
-    from memlm.core.bootstrap import DocumentBootstrap
+    from memlm.core.distribution import perplexity
     from memlm.mixing.dump import rule_logprob
 
     rows = {"base_ppl": ts.lm_logprob}
@@ -68,11 +68,10 @@ def per_document(ts: TokenTable, res: dict) -> list[dict]:
             rows.update(knn_ppl=rule_logprob(ts, {"knn": lam}, *knn),
                         knn_ngram_ppl=rule_logprob(ts, {"knn": lam, "ngram": (w3["lambda_sparse"], w3["lambda_dense"])},
                                                    *knn))  # fmt: skip
-    boot = DocumentBootstrap(ts.doc_index)
-    tokens = boot.per_document(np.ones(len(ts)))
-    nll = {k: -boot.per_document(np.asarray(v, dtype=np.float64)) for k, v in rows.items()}
-    return [{"document": d, "tokens": int(tokens[d]), **{k: float(np.exp(v[d] / tokens[d])) for k, v in nll.items()}}
-            for d in range(boot.documents)]  # fmt: skip
+    doc = np.asarray(ts.doc_index)
+    return [{"document": i, "tokens": int((doc == d).sum()),
+             **{k: perplexity(np.asarray(v)[doc == d]) for k, v in rows.items()}}
+            for i, d in enumerate(np.unique(doc))]  # fmt: skip
 
 
 def buckets_without(ts: TokenTable, res: dict, keep) -> dict:

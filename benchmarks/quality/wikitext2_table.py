@@ -88,16 +88,18 @@ def _neighbours(ts: TokenTable, queries: np.ndarray, ds: Datastore, args, path: 
     return out
 
 
-def _sum_logprob(ts: TokenTable, lam: float, tau: float) -> float:
+def _logprob(ts: TokenTable, lam: float, tau: float) -> torch.Tensor:
+    """Each test token's log p: the LM's, or the kNN-LM's (Eq. 2 mixture at ``lam``, ``tau``)."""
     lm = torch.from_numpy(ts.lm_logprob)
     if "knn" not in ts.columns or lam == 0:
-        return float(lm.double().sum())
+        return lm
     knn = ts.logprob("knn", temperature=tau)
-    return float(mix([lm, knn], weights=[1 - lam, lam]).double().sum())
+    return mix([lm, knn], weights=[1 - lam, lam])
 
 
 def _row(ts: TokenTable, raw: list[str], lam: float, tau: float) -> dict:
-    total = _sum_logprob(ts, lam, tau)
+    logprob = _logprob(ts, lam, tau)
+    total = float(logprob.double().sum())
     words = sum(len(re.split(r"\s+", p)) for p in raw)
     nbytes = sum(len(p.encode("utf-8")) for p in raw)
     return {
@@ -107,7 +109,7 @@ def _row(ts: TokenTable, raw: list[str], lam: float, tau: float) -> dict:
         "tokens": len(ts),
         "words": words,
         "bytes": nbytes,
-        "token_ppl": math.exp(-total / len(ts)),
+        "token_ppl": perplexity(logprob),
         "word_ppl": math.exp(-total / words),
         "bits_per_byte": -total / nbytes / math.log(2),
     }

@@ -21,15 +21,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from memlm.storage.index import (
-    _check_queries,
-    _to_similarities,
-    build_index,
-    flat_vectors,
-    load_index,
-    plan_index,
-    search,
-)
+from memlm.storage.index import build_index, flat_vectors, load_index, plan_index, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from protocol import IDLE_BUSY, IDLE_LOAD, load_average, machine, save_result, wait_for_idle  # noqa: E402
@@ -83,18 +75,6 @@ def bench_factory(
         overlap = float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(m_ids, ids, strict=True)]))
         assert overlap > 0.99, f"memlm.search shares only {overlap:.1%} of FAISS's neighbours"
 
-    # memlm's own work in isolation (input check + in-place conversion): immune to machine-load noise
-    dist, ids = index.search(q, k)
-    is_l2 = index.metric_type == faiss.METRIC_L2
-
-    def memlm_only() -> None:
-        _check_queries(q, index.d)
-        _to_similarities(dist.copy(), ids.copy(), is_l2, k)
-
-    post_t = _time(memlm_only, 5)
-    copy_t = _time(lambda: (dist.copy(), ids.copy()), 5)
-    overhead = max(0.0, float(np.median(post_t) - np.median(copy_t)))
-
     raw_med, memlm_med = float(np.median(raw_t)), float(np.median(memlm_t))
     res = {
         "factory": factory,
@@ -111,14 +91,11 @@ def bench_factory(
         "raw_qps_median": round(len(q) / raw_med, 1),
         "memlm_qps_median": round(len(q) / memlm_med, 1),
         "ratio_median": round(raw_med / memlm_med, 4),
-        "memlm_overhead_ms": round(overhead * 1e3, 3),
         "neighbour_overlap_with_faiss": overlap,
-        "ratio_from_overhead": round(min(raw_t) / (min(raw_t) + overhead), 4),
     }
     print(
         f"{factory:>16}: raw {res['raw_qps_best']:9.1f} q/s | memlm {res['memlm_qps_best']:9.1f} q/s "
         f"(best of {repeats}) | ratio best {res['ratio_best']:.3f}, median {res['ratio_median']:.3f} "
-        f"| memlm overhead {res['memlm_overhead_ms']:.2f} ms/batch -> {res['ratio_from_overhead']:.4f} "
         f"(build {build_s:.1f}s, file {res['disk_bytes'] / 2**20:.1f} MiB)",
         flush=True,
     )

@@ -39,7 +39,7 @@ def main() -> None:
     _, tok = load_causal_lm("smollm2-135m", dtype="float32")
     text = " ".join(d.text for d in load_documents("wiki", "test")[:20])
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][: args.tokens]])
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    load_before = protocol.load_average()
     rows = {dtype: tokens_per_second(dtype, ids) for dtype in ("float32", "bfloat16")}
     out = {
         "tokens": args.tokens,
@@ -48,8 +48,9 @@ def main() -> None:
         "cpu_flags": cpu_flags(),
         "machine": protocol.host(),
         "loadavg_before": load_before,
+        "loadavg_after": protocol.load_average(),
     }
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    protocol.save_result(args.out, out)
     print(json.dumps(out["tokens_per_second"]), round(out["ratio_float32_over_bf16"], 1))
 
 

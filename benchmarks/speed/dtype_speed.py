@@ -2,7 +2,9 @@
 ``--dtype auto``).
 
 Scores the same leading tokens of wiki test with SmolLM2-135M in each dtype (window 1024, min-context 512, batch 4,
-float32 output head in both), after one warm-up window, and writes tokens/s and perplexity per dtype::
+float32 output head in both), after one warm-up window, and writes tokens/s and perplexity per dtype. Timing protocol:
+``benchmarks/protocol.py`` (idle check first, or ``--force`` to record ``idle: false``; the machine, load averages and
+peak RSS of each timed pass recorded)::
 
     python benchmarks/speed/dtype_speed.py --max-tokens 6000 --out docs/results/dtype_speed.json
 """
@@ -10,18 +12,17 @@ float32 output head in both), after one warm-up window, and writes tokens/s and 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import time
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import protocol  # noqa: E402
 
-from memlm.core.distribution import perplexity
-from memlm.data.corpora import load_documents
-from memlm.data.windows import limit_documents
-from memlm.io.fileio import atomic_write_json
-from memlm.knnlm.evaluate import lm_scores
-from memlm.models.resources import _cpu_has_native_bf16, default_dtype, load_causal_lm
+from memlm.core.distribution import perplexity  # noqa: E402
+from memlm.data.corpora import load_documents  # noqa: E402
+from memlm.data.windows import limit_documents  # noqa: E402
+from memlm.knnlm.evaluate import lm_scores  # noqa: E402
+from memlm.models.resources import default_dtype, load_causal_lm  # noqa: E402
 
 
 def main() -> None:
@@ -29,34 +30,34 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=6000)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--force", action="store_true", help="time a busy machine (recorded as idle: false)")
+    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for an idle machine")
     args = ap.parse_args()
+    idle = protocol.idle_check(args.force, args.wait)
     runs = {}
     for dtype in ("float32", "bfloat16"):
         model, tok = load_causal_lm(args.model, dtype=dtype)
         docs = limit_documents(load_documents("wiki", "test"), tok, args.max_tokens)
         lm_scores(model, tok, docs[:1], window=256, min_context=128, progress=False)  # warm-up
-        t0 = time.perf_counter()
-        ts, _, _ = lm_scores(model, tok, docs, window=1024, min_context=512, batch_size=4, progress=False)
-        seconds = time.perf_counter() - t0
-        runs[dtype] = {"tokens": len(ts), "seconds": seconds, "tokens_per_second": len(ts) / seconds,
-                       "ppl": perplexity(ts.lm_logprob)}  # fmt: skip
+
+        def scored(model=model, tok=tok, docs=docs) -> dict:
+            ts, _, _ = lm_scores(model, tok, docs, window=1024, min_context=512, batch_size=4, progress=False)
+            return {"tokens": len(ts), "ppl": perplexity(ts.lm_logprob)}
+
+        runs[dtype] = rec = protocol.timed(dtype, scored)
+        rec["tokens_per_second"] = rec["tokens"] / rec["seconds"]
         print(dtype, runs[dtype], flush=True)
     runs["bfloat16"]["speedup_vs_float32"] = (
         runs["bfloat16"]["tokens_per_second"] / runs["float32"]["tokens_per_second"]
     )
     runs["bfloat16"]["relative_ppl_difference"] = runs["bfloat16"]["ppl"] / runs["float32"]["ppl"] - 1
-    atomic_write_json(
+    protocol.save_result(
         args.out,
         {
-            "command": f"python benchmarks/speed/dtype_speed.py --max-tokens {args.max_tokens} --out {args.out}",
+            "command": " ".join(["python", *sys.argv]),
             "runs": runs,
-            "machine": {
-                "cpus": os.cpu_count(),
-                "torch_threads": torch.get_num_threads(),
-                "processor": platform.processor(),
-                "native_bf16": _cpu_has_native_bf16(),
-                "loadavg_at_end": os.getloadavg(),
-            },  # fmt: skip
+            "idle": idle,
+            "machine": protocol.machine(),
             "default_dtype_here": default_dtype(),
         },
     )

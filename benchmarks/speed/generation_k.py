@@ -4,7 +4,8 @@ A generation step searches each datastore for the newest position's key and turn
 vocabulary (Khandelwal et al. 2020, Eq. 2) with its features (:class:`memlm.mixing.datastore.DatastoreComponent`). This
 times that step on random keys in an IVF-Flat index (``--entries``, d 576 and a 49,152-token vocabulary as SmolLM2-135M,
 nprobe 32), and one new token of a randomly initialised model of SmolLM2-135M's shape with ``--context`` tokens of KV
-cache; medians over ``--repeats`` steps, on one thread.
+cache; medians over ``--repeats`` steps, on one thread. Timing protocol: ``benchmarks/protocol.py`` (idle check
+first, or ``--force`` to record ``idle: false``; the machine and the load averages recorded).
 
     PYTHONPATH=src python benchmarks/speed/generation_k.py --json docs/results/speed/generation_k.json
 """
@@ -12,16 +13,20 @@ cache; medians over ``--repeats`` steps, on one thread.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import faiss
 import numpy as np
 import torch
 
-from memlm.core.memory import Retrieved
-from memlm.mixing.component import Batch
-from memlm.mixing.datastore import DatastoreComponent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import protocol  # noqa: E402
+
+from memlm.core.memory import Retrieved  # noqa: E402
+from memlm.mixing.component import Batch  # noqa: E402
+from memlm.mixing.datastore import DatastoreComponent  # noqa: E402
 
 VOCAB, DIM = 49152, 576
 
@@ -61,11 +66,15 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=35)
     p.add_argument("--json", default=None)
+    p.add_argument("--force", action="store_true", help="time a busy machine (recorded as idle: false)")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for an idle machine")
     args = p.parse_args()
+    idle = protocol.idle_check(args.force, args.wait)
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)
     rng = np.random.default_rng(0)
-    result: dict = {"vocab": VOCAB, "dim": DIM, "nprobe": 32, "threads": 1, "step_ms": {}}
+    result: dict = {"command": " ".join(["python", *sys.argv]), "vocab": VOCAB, "dim": DIM, "nprobe": 32,
+                    "threads": 1, "idle": idle, "machine": protocol.machine(), "step_ms": {}}  # fmt: skip
     for n in args.entries:
         memory = _IvfMemory(n, rng)
         for k in args.ks:
@@ -90,10 +99,8 @@ def main() -> None:
 
         result["lm_step_ms"] = ms = _median_ms(lm_step, max(5, args.repeats // 3), 3)
     print(f"LM step (SmolLM2-135M's shape, {args.context} tokens of KV cache): {ms:.2f} ms", flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+    result["load_avg_after"] = protocol.load_average()
+    protocol.save_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ WikiText-2 test, the scored rows of one batch of 4 windows 1024 / 512), times, i
 * :class:`memlm.models.forward.fp32_head` now, as a float32 product and as bf16 products with float32 sums (the latter
   only where :func:`memlm.models.compute.bf16_products_available` says so, or with ``--force-bf16-products``);
 * the statistics (log p(target), max, entropy) on the whole tensor as before, and by row blocks
-  (:func:`memlm.models.forward.logprob_statistics`), checking that both give the same bits.
+  (:func:`memlm.models.forward.logprob_statistics`, its two row-block buffers made by each call), checking that both
+  give the same bits.
 
 Each variant: ``--repeats`` calls after one warm-up, the least and the median seconds. The logits' error against a
 float64 product is recorded for each head.
@@ -54,7 +55,7 @@ def main() -> None:
     from memlm.data.corpora import load_documents
     from memlm.data.windows import TokenChunk, sliding_windows
     from memlm.models.compute import bf16_products_available
-    from memlm.models.forward import _Buffers, fp32_head, lm_entropy, logprob_statistics
+    from memlm.models.forward import fp32_head, lm_entropy, logprob_statistics
     from memlm.models.keys import KeyCapture, KeySpec
     from memlm.models.resources import load_causal_lm
 
@@ -104,10 +105,8 @@ def main() -> None:
             return (logp.gather(-1, target[:, None]).squeeze(-1).numpy(), logp.amax(-1).numpy(),
                     lm_entropy(logp).numpy())  # fmt: skip
 
-        buffers = _Buffers()
         result["statistics"]["old: whole tensor"] = _time(whole, args.repeats)
-        result["statistics"]["now: row blocks"] = _time(lambda: logprob_statistics(logits, target, buffers),
-                                                        args.repeats)  # fmt: skip
+        result["statistics"]["now: row blocks"] = _time(lambda: logprob_statistics(logits, target), args.repeats)
         same = all(np.array_equal(a, b) for a, b in zip(whole(), logprob_statistics(logits, target), strict=True))
         result["statistics"]["same_bits"] = bool(same)
     result["load_avg_after"] = protocol.load_average()

@@ -83,6 +83,7 @@ import numpy as np  # noqa: E402
 import protocol  # noqa: E402
 import torch  # noqa: E402
 
+from memlm.core.distribution import perplexity  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import batched, limit_documents, sliding_windows, tokenize_documents  # noqa: E402
 from memlm.errors import MemlmError  # noqa: E402
@@ -249,7 +250,7 @@ def run_theirs(args, model, tok, docs, params: dict[str, Any]) -> tuple[dict[str
     rec.update(
         tokens_per_s=rec["tokens"] / rec["seconds"],
         ppl=float(np.exp(rec["nll_sum"] / rec["tokens"])),
-        ppl_from_per_token=float(np.exp(-per_token.astype(np.float64).mean())),
+        ppl_from_per_token=perplexity(per_token),
         knn_transformers=their_version(Path(args.knn_transformers)),
     )
     wrapper.break_out()
@@ -292,7 +293,7 @@ def run_memlm(args, model, tok, docs, params: dict[str, Any]) -> tuple[dict[str,
     knn = ts.logprob("knn", temperature=params["temperature"]).float()
     lam = params["lambda"]
     per_token = mix([torch.from_numpy(ts.lm_logprob), knn], weights=[1 - lam, lam]).numpy()
-    rec.update(tokens_per_s=rec["tokens"] / rec["seconds"], ppl_from_per_token=float(np.exp(-per_token.mean())))
+    rec.update(tokens_per_s=rec["tokens"] / rec["seconds"], ppl_from_per_token=perplexity(per_token))
     return rec, per_token
 
 
