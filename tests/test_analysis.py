@@ -58,10 +58,26 @@ def setup(tmp_path_factory, tiny_lm, tiny_lm_dir):
     return tmp, spec
 
 
-def test_grid_tables_figures_and_resume(setup, monkeypatch):
+@pytest.fixture(scope="module")
+def grid(setup):
+    """``(out, results)``: the whole grid of ``setup``'s spec, run once for the tests that read its results."""
     tmp, spec = setup
-    out = tmp / "out"
-    res = run_analysis(spec, out, progress=False, log=lambda m: None)
+    return tmp / "out", run_analysis(spec, tmp / "out", progress=False, log=lambda m: None)
+
+
+#: The datastores a test trains or searches: the attention one in the default run, both in ``pytest -m slow``.
+ROLES = pytest.mark.parametrize("roles", [("att",), pytest.param(("att", "ffn"), marks=pytest.mark.slow)])
+
+
+def _only(spec: AnalysisSpec, roles: tuple[str, ...]) -> AnalysisSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, datastores={r: spec.datastores[r] for r in roles})
+
+
+def test_grid_tables_figures_and_resume(setup, grid, monkeypatch):
+    _, spec = setup
+    out, res = grid
     base = res["base"]["test_ppl"]
     assert len(res["table1"]) == 4 and len(res["approx"]) == 2 * 3 and len(res["learned"]) == 2 * 2
     assert len(res["temperature"]) == 2 * 3 * 3
@@ -103,13 +119,12 @@ def test_grid_tables_figures_and_resume(setup, monkeypatch):
     assert again["table1"] == res["table1"] and again["learned"] == res["learned"]
 
 
-def test_exact_mask_dump_matches_bruteforce(setup):
-    tmp, spec = setup
+def test_exact_mask_dump_matches_bruteforce(setup, grid):
+    _, spec = setup
     from memlm.knnlm.table import TokenTable
     from memlm.storage.datastore import Datastore
 
-    out = tmp / "out"
-    run_analysis(spec, out, progress=False, log=lambda m: None)
+    out, _ = grid
     ts = TokenTable.load(_dump(out, "att-l2-f1-exact-exact-test"))
     q = np.load(out / "queries-test-att.npy")
     ds = Datastore.open(spec.datastores["att"])
@@ -151,20 +166,21 @@ def test_cli_analyze(setup, capsys):
     assert "Table 1" in out and "Table 3" in out and "Table 2" not in out
 
 
-def test_rerun_with_other_settings_does_not_reuse_caches(setup):
+@ROLES
+def test_rerun_with_other_settings_does_not_reuse_caches(setup, roles):
     """A rerun in the same --out with another k, nprobe, learned steps and lr gives what a fresh run gives."""
     import dataclasses
 
     tmp, spec = setup
     small = dataclasses.replace(
-        spec, fractions=(1.0,), temperatures=(1.0,), learned_n=(1,), skip=("approx", "temperature")
+        _only(spec, roles), fractions=(1.0,), temperatures=(1.0,), learned_n=(1,), skip=("approx", "temperature")
     )
     quiet = {"progress": False, "log": lambda m: None}
-    out = tmp / "rerun"
+    out = tmp / f"rerun-{len(roles)}"
     first = run_analysis(small, out, **quiet)
     other = dataclasses.replace(small, k=8, nprobe=1, learned_steps=5, learned_lr=1e-2)
     again = run_analysis(other, out, **quiet)
-    fresh = run_analysis(other, tmp / "fresh", **quiet)
+    fresh = run_analysis(other, tmp / f"fresh-{len(roles)}", **quiet)
     assert again["table1"] == fresh["table1"] != first["table1"]
     drop = {"train_seconds"}
     strip = [{k: v for k, v in r.items() if k not in drop} for r in again["learned"]]
@@ -185,14 +201,12 @@ def test_rerun_with_other_settings_does_not_reuse_caches(setup):
     assert made == {(16, 32), (8, 1)}
 
 
-def test_tau1_twins_and_fig5_best_tau_on_valid(setup):
+def test_tau1_twins_and_fig5_best_tau_on_valid(grid):
     """Every Table 1 / 3 row carries its τ = 1 twin (λ tuned on valid), equal to the Fig. 5 sweep's τ = 1 row where
     the sweep covers it; the report's Fig. 5 "best τ" is the valid argmin, not the test one."""
     from memlm.experiments.xu2023_analysis import tau1_row, tau1_tables
 
-    tmp, spec = setup
-    out = tmp / "out"
-    res = run_analysis(spec, out, progress=False, log=lambda m: None)
+    out, res = grid
     for r in res["table1"] + res["approx"]:
         assert r["tau1"]["temperature"] == 1.0 and r["tau1"]["valid_ppl"] >= r["valid_ppl"] - 1e-9
         sweep = [t for t in res["temperature"] if all(t[k] == r[k] for k in ("h_ds", "sim", "fraction", "setting"))]
@@ -209,19 +223,21 @@ def test_tau1_twins_and_fig5_best_tau_on_valid(setup):
         assert f"| {f:.0%} | {setting} | {best['temperature']:.1f} | {best['interp_ppl']:.3f} |" in text
 
 
-def test_learned_patience_trains_to_the_plateau(setup):
+@ROLES
+def test_learned_patience_trains_to_the_plateau(setup, roles):
     """--learned-patience: each W_ds trains until its valid memory-only loss stops improving, past the one epoch a
     fixed budget stops at; the row reports the kept (best) step, where it stopped and the curve."""
     import dataclasses
 
     tmp, spec = setup
     plateau = dataclasses.replace(
-        spec, fractions=(1.0,), temperatures=(1.0,), learned_n=(1,), learned_steps=3000, learned_lr=0.1,
+        _only(spec, roles), fractions=(1.0,), temperatures=(1.0,), learned_n=(1,), learned_steps=3000, learned_lr=0.1,
         learned_patience=2, learned_log_every=5, skip=("table1", "approx", "temperature"),
     )  # fmt: skip
     quiet = {"progress": False, "log": lambda m: None}
-    res = run_analysis(plateau, tmp / "plateau", **quiet)
-    fixed = run_analysis(dataclasses.replace(plateau, learned_patience=None), tmp / "plateau", **quiet)
+    res = run_analysis(plateau, tmp / f"plateau-{len(roles)}", **quiet)
+    fixed = run_analysis(dataclasses.replace(plateau, learned_patience=None), tmp / f"plateau-{len(roles)}", **quiet)
+    assert [row["h_ds"] for row in res["learned"]] == list(roles)
     for row, one in zip(res["learned"], fixed["learned"], strict=True):
         steps = [e["step"] for e in row["curve"]]
         assert steps[0] == 0 and steps[-1] == row["stopped_at"] < 3000  # stopped by the plateau, not the budget

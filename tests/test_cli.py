@@ -2,11 +2,14 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from conftest import make_toy_docs
-from test_reliability import memlm
+from test_reliability import SRC, memlm
 
 
 @pytest.fixture(scope="module")
@@ -231,12 +234,15 @@ def test_device_option_is_checked(tmp_path, tiny_lm_dir, corpus_dir):
         assert r.returncode == 2 and "no MPS device" in r.stderr
     # One thread and MKL's conditional numerical reproducibility: a float32 forward pass on several threads may sum in
     # another order from one process to the next (seen once in a loaded CI run: 2e-8 relative), and this test is about
-    # the flag, not the BLAS. Any change the flag makes (dtype, batch, device) still shows in the last bit.
+    # the flag, not the BLAS. Any change the flag makes (dtype, batch, device) still shows in the last bit. Both evals
+    # run in one new process (python -m memlm.cli would start two, each importing torch again).
     deterministic = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE"}
-    results = []
-    for extra in ([], ["--device", "CPU"]):
-        out = tmp_path / f"eval{len(extra)}.json"
-        r = memlm("eval", "--model", str(tiny_lm_dir), *corpus, *extra, "--json", str(out), extra_env=deterministic)
-        assert r.returncode == 0, r.stderr
-        results.append(json.loads(out.read_text())["base_ppl"])
+    outs = [tmp_path / "eval0.json", tmp_path / "eval2.json"]
+    runs = [["eval", "--model", str(tiny_lm_dir), *corpus, *extra, "--json", str(out)]
+            for extra, out in zip(([], ["--device", "CPU"]), outs, strict=True)]  # fmt: skip
+    script = "import json, sys\nfrom memlm.cli import main\nsys.exit(max(main(a) for a in json.loads(sys.argv[1])))"
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", **deterministic}
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    results = [json.loads(out.read_text())["base_ppl"] for out in outs]
     assert results[0] == results[1]

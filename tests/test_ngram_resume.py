@@ -1,6 +1,7 @@
 """``memlm ngram build`` killed at every boundary (a shard split, before and after every progress record, inside every
 step of the suffix-array sort, after the manifest) and rerun gives the same bytes as an uninterrupted build: no
-document lost or indexed twice (issue 33, item 7)."""
+document lost or indexed twice (issue 33, item 7). The default run crashes at the first and last boundary of each
+kind; ``pytest -m slow`` at every one."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from memlm.ngram import index as ix  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SHARD_TOKENS, BATCH = 1500, 32  # ~5 shards of ~200 documents, split inside batches of 32
+KINDS = {"progress-before", "progress-after", "manifest-before", "manifest-after", "sort", "shard-open"}
 TIMING = ("build_seconds", "build_id", "created", "manifest_sha256")  # time-dependent manifest fields
 
 
@@ -111,14 +113,13 @@ def _boundaries(monkeypatch, tok, docs, tmp_path) -> list[tuple[str, int]]:
     with monkeypatch.context() as m:
         p = Points(m)
         _build(tok, docs, tmp_path / "count")
+    assert set(p.seen) == KINDS
     points = [(name, k) for name, n in p.seen.items() if name != "shard-open" for k in range(1, n + 1)]
     return points + [("shard-open", s) for s in range(1, p.seen["shard-open"] + 1)]
 
 
-def test_resume_after_a_crash_at_every_boundary_is_byte_identical(monkeypatch, tok, docs, clean, tmp_path):
-    points = _boundaries(monkeypatch, tok, docs, tmp_path)
-    kinds = {name for name, _ in points}
-    assert kinds == {"progress-before", "progress-after", "manifest-before", "manifest-after", "sort", "shard-open"}
+def _crash_and_resume(monkeypatch, tok, docs, clean, tmp_path, points: list[tuple[str, int]]) -> None:
+    """For each point: the build crashes there, nothing is published, and a rerun gives the clean build's bytes."""
     for at in points:
         out = tmp_path / f"{at[0]}-{at[1]}"
         with monkeypatch.context() as m, pytest.raises(Crash):
@@ -127,6 +128,20 @@ def test_resume_after_a_crash_at_every_boundary_is_byte_identical(monkeypatch, t
         assert not (out / ix.MANIFEST).exists() or (out / ix.PROGRESS).exists(), at  # not published yet
         _build(tok, docs, out)
         assert _contents(out) == clean, at
+
+
+def test_resume_after_a_crash_at_the_first_and_last_boundary_of_each_kind(monkeypatch, tok, docs, clean, tmp_path):
+    """Every kind of boundary, at its first and its last occurrence (all of them: the slow test below)."""
+    points = _boundaries(monkeypatch, tok, docs, tmp_path)
+    last = {kind: max(k for name, k in points if name == kind) for kind, _ in points}
+    some = [(name, k) for name, k in points if k in (1, last[name])]
+    _crash_and_resume(monkeypatch, tok, docs, clean, tmp_path, some)
+
+
+@pytest.mark.slow
+def test_resume_after_a_crash_at_every_boundary_is_byte_identical(monkeypatch, tok, docs, clean, tmp_path):
+    """Every boundary the build passes (pytest -m slow)."""
+    _crash_and_resume(monkeypatch, tok, docs, clean, tmp_path, _boundaries(monkeypatch, tok, docs, tmp_path))
 
 
 def test_resume_after_crashes_at_two_boundaries(monkeypatch, tok, docs, clean, tmp_path):

@@ -12,14 +12,16 @@ conversion of SmolLM2 (``$MEMLM_HOME/models/smollm2-135m``, the cache :func:`mem
 reads); the named corpora and encoder are the real ones. A line that crashes, or exits with an error, fails the test
 and names the page and line.
 
-Builds are deterministic, so a ``datastore build`` or ``ngram build`` line identical to one an earlier page ran (same
-flags, named model and corpus) is answered with a copy of the folder that run wrote, taken right after it; the first
-run of each is real (:class:`Builds`).
+Commands are deterministic, so a line identical to one an earlier page ran over identical inputs (the same flags, and
+the same bytes in the files and folders it names: a ``datastore build``, an ``eval`` of the same datastore) is answered
+with a copy of what that run wrote, taken right after it; the first run of each is real (:class:`Runs`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -39,7 +41,7 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 
 # --max-tokens per command: the datastores need >= 1,024 entries for --k 1024 and IVF1024 (ds/wiki), >= 4,096 for
-# the sharded IVF4096 (ds/wiki-8); everything else reads a few windows
+# the sharded IVF4096 (ds/wiki-8); other builds read a few windows, evaluations and calibrations 500 tokens
 MAX_TOKENS = {"ds/wiki-8": 9000, "ds/wiki": 2000, "ds/wiki-final": 2000, "ds/lm-att": 1500, "idx/wiki": 2000}
 SMALL = {"--steps": "2", "--limit": "1"}
 
@@ -85,10 +87,10 @@ def shrink(argv: list[str]) -> list[str]:
     """The same command on small data: only sizes change (tokens read, optimizer steps, documents, queries)."""
     cmd = " ".join(a for a in argv[:2] if not a.startswith("-"))
     out = argv[argv.index("--out") + 1] if "--out" in argv else None
-    if cmd in ("datastore build", "datastore calibrate", "npm index", "ngram build") or argv[0] == "analyze":
+    if cmd in ("datastore build", "npm index", "ngram build") or argv[0] == "analyze":
         argv = _set(argv, "--max-tokens", str(MAX_TOKENS.get(out, 2000)))
-    elif argv[0] in ("eval", "trime-eval"):
-        argv = _set(argv, "--max-tokens", "1000")
+    elif cmd == "datastore calibrate" or argv[0] in ("eval", "trime-eval"):
+        argv = _set(argv, "--max-tokens", "500")
     for flag, value in SMALL.items():
         if flag in argv:
             argv = _set(argv, flag, value)
@@ -150,7 +152,7 @@ def test_pages_list_the_commands_they_document():
     assert {"datastore build", "eval", "generate", "ngram build", "tune"} <= readme
     assert len(PAGES) >= 9 and sum(not is_slow(c) for c in cmds) >= 40  # most lines run in CI
     assert shrink(["eval", "--corpus", "wiki", "--max-tokens", "9"]) == ["eval", "--corpus", "wiki", "--max-tokens",
-                                                                          "1000"]  # fmt: skip
+                                                                          "500"]  # fmt: skip
 
 
 def _command_paths(parser, path=()):
@@ -163,45 +165,67 @@ def _command_paths(parser, path=()):
                 yield from _command_paths(child, (*path, name))
 
 
-class Builds:
-    """Copies of the folders that ``datastore build`` and ``ngram build`` lines wrote, by their (shrunk) argv, taken
-    right after each ran: a later page's identical line (named model and corpus only) gets a copy instead of a rerun."""
+class Runs:
+    """What each ``memlm`` line changed in its working folder (files written, rewritten or removed), by its shrunk
+    argv and the bytes of the files and folders it names there, recorded right after it ran: a later page's identical
+    line over identical inputs gets those changes copied in instead of a rerun (memlm commands are deterministic
+    given their inputs, and the named model and corpora are the same for every page). The first run of each is
+    real."""
 
     def __init__(self, root: Path):
         self.root, self.saved = root, {}
 
     @staticmethod
-    def key(argv: list[str]) -> tuple[str, ...] | None:
-        from memlm.data.corpora import CORPORA
-        from memlm.models.resources import MODELS
+    def key(argv: list[str], workdir: Path) -> str:
+        """The argv and every file under the paths of the working folder it names (``ds/wiki``, ``knn:ds/wiki``,
+        ``ds/wiki?k=64``, ``a;b``), by their bytes."""
+        h = hashlib.sha256(json.dumps(argv).encode())
+        named = {part.split("?")[0].split(":")[-1] for arg in argv for part in arg.split(";")}
+        for name in sorted(n for n in named if n and not Path(n).is_absolute() and (workdir / n).exists()):
+            for f in sorted(_files(workdir / name)):
+                data = os.readlink(f).encode() if f.is_symlink() else f.read_bytes()
+                h.update(f"\n{f.relative_to(workdir)}\n".encode() + data)
+        return h.hexdigest()
 
-        def value(flag):
-            return argv[argv.index(flag) + 1] if flag in argv else None
-
-        if " ".join(argv[:2]) not in ("datastore build", "ngram build") or "--out" not in argv or "--append" in argv:
-            return None
-        if value("--model") not in (None, *MODELS) or not set((value("--corpus") or "?").split(",")) <= set(CORPORA):
-            return None
-        return tuple(argv)
-
-    def restore(self, argv: list[str], workdir: Path) -> bool:
-        key = self.key(argv)
+    def restore(self, key: str, workdir: Path) -> bool:
         if key not in self.saved:
             return False
-        out = workdir / argv[argv.index("--out") + 1]
-        shutil.copytree(self.saved[key], out, symlinks=True)
+        folder, removed = self.saved[key]
+        for f in _files(folder):
+            dst = workdir / f.relative_to(folder)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst, follow_symlinks=False)
+        for rel in removed:
+            (workdir / rel).unlink()
         return True
 
-    def save(self, argv: list[str], workdir: Path) -> None:
-        key = self.key(argv)
-        if key is not None and key not in self.saved:
-            self.saved[key] = self.root / str(len(self.saved))
-            shutil.copytree(workdir / argv[argv.index("--out") + 1], self.saved[key], symlinks=True)
+    def save(self, key: str, workdir: Path, before: dict[Path, tuple[int, int]]) -> None:
+        if key in self.saved:
+            return
+        folder = self.root / str(len(self.saved))
+        after = _stats(workdir)
+        for rel in (r for r, stat in after.items() if before.get(r) != stat):
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(workdir / rel, folder / rel, follow_symlinks=False)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.saved[key] = (folder, [r for r in before if r not in after])
+
+
+def _files(path: Path) -> list[Path]:
+    """The files (and links) under ``path``, or ``path`` itself."""
+    if path.is_symlink() or not path.is_dir():
+        return [path]
+    walk = ((Path(d), [*names, *(x for x in dirs if (Path(d) / x).is_symlink())]) for d, dirs, names in os.walk(path))
+    return [d / n for d, names in walk for n in names]
+
+
+def _stats(workdir: Path) -> dict[Path, tuple[int, int]]:
+    return {f.relative_to(workdir): (f.lstat().st_size, f.lstat().st_mtime_ns) for f in _files(workdir)}
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    return Builds(tmp_path_factory.mktemp("builds"))
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("runs"))
 
 
 def shrink_python(code: str) -> str:
@@ -221,7 +245,7 @@ def is_slow_python(code: str) -> bool:
     return "runs/" in code or "ds/wiki-8" in code
 
 
-def run_page(page: Path, home, workdir, builds, monkeypatch, capsys, slow: bool) -> list[str]:
+def run_page(page: Path, home, workdir, runs, monkeypatch, capsys, slow: bool) -> list[str]:
     """Run a page's steps in order (with ``slow``: all of them, else those not :func:`is_slow`); the names of the
     commands run, and ``python`` for each Python block."""
     from memlm.cli import main
@@ -247,8 +271,9 @@ def run_page(page: Path, home, workdir, builds, monkeypatch, capsys, slow: bool)
         if is_slow(argv) and not slow:
             continue
         small = shrink(argv)
-        if builds.restore(small, workdir):
-            rc, how = 0, "copied from an earlier page's identical build"
+        key, before = runs.key(small, workdir), _stats(workdir)
+        if runs.restore(key, workdir):
+            rc, how = 0, "(its output copied from an earlier page's identical run)"
         else:
             try:
                 rc = main(small)
@@ -256,7 +281,7 @@ def run_page(page: Path, home, workdir, builds, monkeypatch, capsys, slow: bool)
                 rc = exit_.code
             how = ""
             if rc == 0:
-                builds.save(small, workdir)
+                runs.save(key, workdir, before)
         out = capsys.readouterr()
         print(f"{time.perf_counter() - t0:6.1f} s  {page.name}: memlm {shlex.join(small)} {how}", file=sys.__stderr__)
         assert rc == 0, f"{page.name} line `memlm {shlex.join(argv)}` (run as `memlm {shlex.join(small)}`) exited " \
@@ -266,10 +291,10 @@ def run_page(page: Path, home, workdir, builds, monkeypatch, capsys, slow: bool)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_every_page_runs(page, home, builds, tmp_path, monkeypatch, capsys):
+def test_every_page_runs(page, home, runs, tmp_path, monkeypatch, capsys):
     """Each step of the page that is not slow, in order, succeeds: ``memlm`` lines exit 0 (in this process, as the
     ``memlm`` command would run them) and Python blocks raise nothing."""
-    ran = run_page(page, home, tmp_path, builds, monkeypatch, capsys, slow=False)
+    ran = run_page(page, home, tmp_path, runs, monkeypatch, capsys, slow=False)
     want = {"README.md": {"datastore", "eval", "generate", "ngram", "tune", "python"},
             "knn-lm.md": {"datastore", "index", "eval", "tune", "gate", "python"},
             "lm-eval.md": {"lm-eval", "python"}, "extending.md": {"python"}}  # fmt: skip
@@ -279,7 +304,7 @@ def test_every_page_runs(page, home, builds, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_every_page_runs_slow(page, home, builds, tmp_path, monkeypatch, capsys):
+def test_every_page_runs_slow(page, home, runs, tmp_path, monkeypatch, capsys):
     """Every step of the page, in order, succeeds (the slow ones too: demo, training, NPM, analysis, Ray)."""
-    ran = run_page(page, home, tmp_path, builds, monkeypatch, capsys, slow=True)
+    ran = run_page(page, home, tmp_path, runs, monkeypatch, capsys, slow=True)
     assert len(ran) == len(steps(page.read_text()))
