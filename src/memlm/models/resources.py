@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -526,9 +527,27 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
-    """A short hash (16 hex digits) of a tokenizer's vocabulary (sorted token -> id pairs) and its EOS/BOS ids."""
+    """A short hash (16 hex digits) of a tokenizer's vocabulary (sorted token -> id pairs) and its EOS/BOS ids.
+
+    Kept per tokenizer object while its size and EOS/BOS ids stay the same (sorting a 50k vocabulary costs ~0.1 s, and
+    one run checks each memory against the model's tokenizer)."""
+    state = (len(tok), tok.eos_token_id, tok.bos_token_id)
+    try:
+        cached = _FINGERPRINTS.get(tok)
+    except TypeError:  # an object that cannot be weakly referenced: computed each time
+        cached = None
+    if cached is not None and cached[0] == state:
+        return cached[1]
     h = hashlib.sha256(b"memlm-tokenizer-fingerprint-v1\n")
     h.update(json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode())
     h.update(json.dumps({"eos": tok.eos_token_id, "bos": tok.bos_token_id}).encode())
-    return h.hexdigest()[:16]
+    fingerprint = h.hexdigest()[:16]
+    try:
+        _FINGERPRINTS[tok] = (state, fingerprint)
+    except TypeError:
+        pass
+    return fingerprint
