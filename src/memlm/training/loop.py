@@ -69,8 +69,6 @@ __all__ = [
     "causal_lm_loss",
     "check_run_identity",
     "describe_callable",
-    "gpt2_config",
-    "gpt2_param_count",
     "lm_batches",
     "lr_at",
     "parse_arch",
@@ -299,33 +297,6 @@ GPT2_SIZES: dict[str, tuple[int, int, int]] = {
     "30m": (8, 352, 8),  # 29.98M
     "50m": (8, 512, 8),  # 51.48M
 }
-
-
-def gpt2_param_count(n_layer: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024) -> int:
-    """Exact parameter count of a GPT2LMHeadModel (tied input/output embeddings)."""
-    d = n_embd
-    return vocab_size * d + n_positions * d + n_layer * (12 * d * d + 13 * d) + 2 * d
-
-
-def gpt2_config(size: str | int, vocab_size: int = 50257, n_positions: int = 1024, dropout: float = 0.1, **kwargs):
-    """A GPT-2-style ``GPT2Config`` for a named size (see :data:`GPT2_SIZES`: 5m, 10m, 20m, 30m, 50m).
-
-    An integer ``size`` (a parameter count) picks the preset whose exact count for this ``vocab_size`` and
-    ``n_positions`` is closest. ``dropout`` sets all three GPT-2 dropouts; ``kwargs`` go to ``GPT2Config``.
-    """
-
-    if isinstance(size, str):
-        key = size.strip().lower()
-        if key not in GPT2_SIZES:
-            raise MemlmError(f"unknown GPT-2 size {size!r}: use one of {', '.join(GPT2_SIZES)} or a parameter count")
-    elif isinstance(size, int) and size > 0:
-        key = min(
-            GPT2_SIZES,
-            key=lambda k: abs(gpt2_param_count(*GPT2_SIZES[k][:2], vocab_size, n_positions) - size),
-        )
-    else:
-        raise MemlmError(f"GPT-2 size must be a name ({', '.join(GPT2_SIZES)}) or a positive count, got {size!r}")
-    return gpt2_shape_config(*GPT2_SIZES[key], vocab_size, n_positions, dropout, **kwargs)
 
 
 def parse_arch(size: str) -> tuple[int, int, int]:
