@@ -491,6 +491,23 @@ def train_on_sample(index: faiss.Index, keys, plan: IndexPlan, seed: int, chunk_
         ) from None
 
 
+def trained_index(keys, plan: IndexPlan, seed: int, chunk_size: int, progress: bool, sample: str = "") -> faiss.Index:
+    """The empty index of ``plan``, trained (:func:`train_on_sample`, the k-means seeded with ``seed``; no polysemous
+    PQ training, 10x slower for a search mode memlm never uses). ``sample`` describes the keys in the progress line."""
+    index = _make_index(plan.factory, plan.d, plan.metric)
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.cp.seed = seed
+    for sub in _sub_indexes(index):
+        if getattr(sub, "do_polysemous_training", False):
+            sub.do_polysemous_training = False
+    if plan.train_size:
+        if progress:
+            print(f"training {plan.factory} on {plan.train_size:,} keys{sample} ...", file=sys.stderr, flush=True)
+        train_on_sample(index, keys, plan, seed, chunk_size)
+    return index
+
+
 def _build_index_locked(
     keys: np.ndarray,
     out_path: Path,
@@ -501,24 +518,12 @@ def _build_index_locked(
     source: dict[str, Any] | None,
 ) -> faiss.Index:
     t0 = time.perf_counter()
-    n, d, metric = plan.n, plan.d, plan.metric
+    n = plan.n
     for stale in [out_path.with_name(out_path.name + ".tmp"), *out_path.parent.glob(f".{out_path.name}.*.tmp")]:
         stale.unlink(missing_ok=True)  # left by a killed build (we hold the folder's lock: no one else writes here)
     if progress:
         print(plan, file=sys.stderr, flush=True)
-    index = _make_index(plan.factory, d, metric)
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        ivf.cp.seed = seed
-    for sub in _sub_indexes(index):
-        if getattr(sub, "do_polysemous_training", False):
-            sub.do_polysemous_training = False  # 10x slower PQ training for a search mode memlm never uses
-
-    if plan.train_size:
-        if progress:
-            print(f"training {plan.factory} on {plan.train_size:,} keys ...", file=sys.stderr, flush=True)
-        train_on_sample(index, keys, plan, seed, chunk_size)
-
+    index = trained_index(keys, plan, seed, chunk_size, progress)
     with tqdm(total=n, unit="key", unit_scale=True, desc="adding keys", disable=not progress) as bar:
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
