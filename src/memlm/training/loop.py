@@ -466,6 +466,23 @@ def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _save_model(model, tokenizer, out: Path, name: str, state: dict[str, Any] | None = None) -> Path:
+    """``out/name``: the model, its tokenizer and the trainer ``state`` (a checkpoint's), written into a temporary
+    folder (``.name.tmp-*``) renamed into place once complete."""
+    tmp = out / f".{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if state is not None:
+        with open(tmp / _STATE_FILE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    shutil.rmtree(out / name, ignore_errors=True)
+    os.replace(tmp, out / name)
+    return out / name
+
+
 @torch.no_grad()
 def _evaluate(model, epochs, autocast) -> tuple[float, float]:
     """(token-weighted mean CE, perplexity) over one pass of the validation batches."""
@@ -596,11 +613,6 @@ def _train_locked(
         _set_rng_state(state["rng"])
 
     def save_checkpoint() -> None:
-        final = out / f"checkpoint-{step}"
-        tmp = out / f".checkpoint-{step}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
         state = {
             "format": _STATE_FORMAT,
             "step": step,
@@ -613,12 +625,7 @@ def _train_locked(
             "config": json.loads(json.dumps(dataclasses.asdict(config))),
             "signature": _signature(model),
         }
-        with open(tmp / _STATE_FILE, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        _save_model(model, tokenizer, out, f"checkpoint-{step}", state)
         for _, old in _checkpoints(out)[: -config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         write_log(out, config, log)
@@ -700,12 +707,6 @@ def _train_locked(
     if step >= config.max_steps:
         if valid is not None and log and "valid_ppl" not in log[-1]:
             log[-1]["valid_loss"], log[-1]["valid_ppl"] = _evaluate(model, valid, autocast)
-        final_dir = out / "final"
-        tmp = out / f".final.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.replace(tmp, final_dir)
+        final_dir = _save_model(model, tokenizer, out, "final")
     write_log(out, config, log)
     return TrainResult(step=step, out_dir=out, final_dir=final_dir, log=log)
