@@ -507,12 +507,12 @@ def test_missing_data_package_in_corpora_is_one_error(monkeypatch, capsys):
     """`memlm corpora` with a data package missing lists the others and ends with one error (was KeyError 'docs')."""
     import memlm.data.corpora as corpora
 
-    def missing(module, install, corpus):
+    def missing(module, install, corpus, *parts):
         raise MemlmError(
             f"corpus '{corpus}' needs the Python package {module}, which is not installed: run `{install}`."
         )
 
-    monkeypatch.setattr(corpora, "_package_dir", missing)
+    monkeypatch.setattr(corpora, "_package_file", missing)
     corpora._named.cache_clear()
     try:
         code, err = run_cli(["corpora"], capsys)

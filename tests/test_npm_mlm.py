@@ -10,6 +10,7 @@ import torch
 from test_npm_inference import tiny_bert
 
 from memlm.errors import MemlmError
+from memlm.models.forward import right_pad
 from memlm.models.resources import load_encoder
 from memlm.npm import mlm
 
@@ -65,7 +66,7 @@ def test_head_tied_and_loss_equals_brute_force(tok):
     loss_fn = mlm.MlmObjective(tok, seed=3)
     texts = ["the cat sat on the mat while the dog ran in the park", "a bird sang over the old river"]
     enc_ids = [[tok.cls_token_id, *tok(t, add_special_tokens=False)["input_ids"], tok.sep_token_id] for t in texts]
-    ids, att = mlm.pad_batch(enc_ids, tok.pad_token_id)
+    ids, att = right_pad(enc_ids, tok.pad_token_id)
     batch = {"input_ids": ids, "attention_mask": att, "mask_seed": torch.tensor(11)}
     loss = loss_fn(model, batch)
     masked, labels = loss_fn.mask(batch)

@@ -15,10 +15,10 @@ from memlm.errors import MemlmError
 from memlm.training.loop import (
     TrainConfig,
     causal_lm_loss,
-    gpt2_config,
-    gpt2_param_count,
+    gpt2_shape_config,
     lm_batches,
     lr_at,
+    parse_arch,
     train,
 )
 
@@ -172,17 +172,15 @@ def test_errors_a_user_can_cause(tmp_path):
         train(tiny_gpt2(0), TrainConfig(seq_len=1024, max_steps=1), [], out_dir=tmp_path, progress=False)
     with pytest.raises(MemlmError, match="no batches"):
         train(tiny_gpt2(0), TrainConfig(seq_len=16, max_steps=1), [], out_dir=tmp_path, progress=False)
-    with pytest.raises(MemlmError, match="unknown GPT-2 size"):
-        gpt2_config("7b")
+    with pytest.raises(MemlmError, match="bad model size"):
+        parse_arch("7b")
 
 
-def test_gpt2_config_param_counts():
-    cfg = gpt2_config("5m", vocab_size=1000, n_positions=64)
-    model = GPT2LMHeadModel(cfg)
-    assert sum(p.numel() for p in model.parameters()) == gpt2_param_count(4, 96, 1000, 64)
-    assert gpt2_param_count(4, 96) == 5_370_528
-    assert gpt2_config(50_000_000).n_embd == 512
-    assert gpt2_config("20m", dropout=0.0).resid_pdrop == 0.0
+def test_gpt2_preset_shapes():
+    model = GPT2LMHeadModel(gpt2_shape_config(*parse_arch("5m"), 50257, 1024, 0.1))
+    assert sum(p.numel() for p in model.parameters()) == 5_370_528  # the size GPT2_SIZES names
+    assert parse_arch("50m")[1] == 512 and parse_arch("6x384") == (6, 384, 6)
+    assert gpt2_shape_config(*parse_arch("20m"), 1000, 64, 0.0).resid_pdrop == 0.0
 
 
 def test_no_weight_decay_on_biases_and_norms():

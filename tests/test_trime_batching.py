@@ -7,14 +7,11 @@ import pytest
 
 from memlm.errors import MemlmError
 from memlm.trime.batching import (
-    Batch,
     Segment,
     batch_purity,
     bm25_neighbors,
     chain_order,
-    pack_bm25,
     pack_consecutive,
-    pack_random,
     segment_documents,
 )
 
@@ -47,9 +44,20 @@ def _word_ids(texts: list[str]) -> list[np.ndarray]:
     return [np.array([vocab.setdefault(w, len(vocab)) for w in t.split()], dtype=np.int64) for t in texts]
 
 
-def _assert_partition(batches: list[Batch], n: int) -> None:
-    flat = [i for b in batches for i in b.indices]
+def _assert_partition(batches: list[list[int]], n: int) -> None:
+    flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(n)), "every segment must be used exactly once"
+
+
+def pack_random(segs: list[Segment], batch_size: int, seed: int = 0) -> list[list[int]]:
+    order = np.random.default_rng(seed).permutation(len(segs)).tolist()
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def pack_bm25(segs: list[Segment], batch_size: int, seed: int = 0, **kw) -> list[list[int]]:
+    """Algorithm 1: the BM25 chain over the segments cut into batches."""
+    order = chain_order(bm25_neighbors(segs, **kw), seed=seed)
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def _docs(seed: int = 0, lengths: tuple[int, ...] = (23, 5, 0, 16, 1, 40, 9)) -> list[np.ndarray]:
@@ -88,15 +96,6 @@ def test_segment_len_must_be_positive() -> None:
 # --- random and consecutive packing -----------------------------------------------------------------------------------
 
 
-def test_pack_random_partition_and_determinism() -> None:
-    segs = segment_documents(_docs(), 3)
-    a, b, c = pack_random(segs, 4, seed=1), pack_random(segs, 4, seed=1), pack_random(segs, 4, seed=2)
-    _assert_partition(a, len(segs))
-    assert all(len(x) == 4 for x in a[:-1])
-    assert [x.indices for x in a] == [x.indices for x in b]
-    assert [x.indices for x in a] != [x.indices for x in c]
-
-
 @pytest.mark.parametrize(("batch_size", "m"), [(6, 3), (8, 4), (5, 2), (4, 1), (7, 7)])
 def test_pack_consecutive_groups_consecutive_segments(batch_size: int, m: int) -> None:
     segs = segment_documents(_docs(), 3)
@@ -104,11 +103,9 @@ def test_pack_consecutive_groups_consecutive_segments(batch_size: int, m: int) -
     _assert_partition(batches, len(segs))
     for b in batches:
         assert 1 <= len(b) <= batch_size
-        np.testing.assert_array_equal(b.doc_index, [segs[i].doc_index for i in b.indices])
-        np.testing.assert_array_equal(b.start, [segs[i].start for i in b.indices])
         # the batch is made of runs of <= m consecutive segments of one document, in order, starting at multiples of m
         runs: list[list[int]] = []
-        for i in b.indices:
+        for i in b:
             if runs and segs[runs[-1][-1]].doc_index == segs[i].doc_index and segs[i].index % m != 0:
                 runs[-1].append(i)
             else:
@@ -117,14 +114,8 @@ def test_pack_consecutive_groups_consecutive_segments(batch_size: int, m: int) -
             assert [segs[i].index for i in run] == list(range(segs[run[0]].index, segs[run[0]].index + len(run)))
             assert segs[run[0]].index % m == 0, "runs start at a multiple of m"
             assert len(run) <= m
-        # each segment sees the earlier segments of its run (and only same-document earlier ones)
-        vis = b.earlier_same_doc()
-        for r, i in enumerate(b.indices):
-            for c, j in enumerate(b.indices):
-                expect = segs[i].doc_index == segs[j].doc_index and segs[j].start < segs[i].start
-                assert vis[r, c] == expect
-    assert [b.indices for b in batches] == [b.indices for b in pack_consecutive(segs, batch_size, m, seed=3)]
-    assert [b.indices for b in batches] != [b.indices for b in pack_consecutive(segs, batch_size, m, seed=4)]
+    assert batches == pack_consecutive(segs, batch_size, m, seed=3)
+    assert batches != pack_consecutive(segs, batch_size, m, seed=4)
 
 
 def test_pack_consecutive_full_batches_when_runs_tile() -> None:
@@ -133,7 +124,7 @@ def test_pack_consecutive_full_batches_when_runs_tile() -> None:
     batches = pack_consecutive(segs, 4, 2, seed=0)
     _assert_partition(batches, len(segs))
     assert [len(b) for b in batches] == [4, 4, 4, 2]
-    assert all(len(set(b.doc_index[k : k + 2].tolist())) == 1 for b in batches for k in range(0, len(b), 2))
+    assert all(segs[b[k]].doc_index == segs[b[k + 1]].doc_index for b in batches for k in range(0, len(b), 2))
 
 
 def test_pack_consecutive_rejects_bad_m() -> None:
@@ -175,8 +166,8 @@ def test_bm25_packing_deterministic_and_seeded() -> None:
     a = pack_bm25(segs, 6, seed=7)
     _assert_partition(a, len(segs))
     assert all(len(b) == 6 for b in a[:-1])
-    assert [b.indices for b in a] == [b.indices for b in pack_bm25(segs, 6, seed=7)]
-    assert [b.indices for b in a] != [b.indices for b in pack_bm25(segs, 6, seed=8)]
+    assert a == pack_bm25(segs, 6, seed=7)
+    assert a != pack_bm25(segs, 6, seed=8)
 
 
 def test_bm25_neighbors_rank_by_overlap() -> None:
@@ -203,10 +194,9 @@ def test_chain_order_follows_algorithm_1() -> None:
 def test_empty_inputs() -> None:
     assert segment_documents([], 4) == []
     assert pack_bm25([], 4) == []
-    assert pack_random([], 4) == []
     assert pack_consecutive([], 4, 2) == []
     seg = Segment(0, 0, 0, 1, np.array([5]))
-    assert [b.indices for b in pack_bm25([seg], 4)] == [[0]]
+    assert pack_bm25([seg], 4) == [[0]]
 
 
 def test_bm25_query_term_cap() -> None:

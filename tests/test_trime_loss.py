@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.trime import (
-    TrimeLoss,
     memory_visibility,
     sample_drop_local,
     segment_layout,
@@ -96,16 +95,7 @@ def test_matches_bruteforce(kind, seg_doc, seg_idx, drop):
     assert abs(want - F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1)).item()) > 1e-3
 
 
-def test_module_matches_bruteforce_and_dropout_is_deterministic():
-    logits, keys, targets = make_batch(2)
-    loss = TrimeLoss("long")(logits, keys, targets, torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]))
-    assert loss.item() == pytest.approx(reference_loss(logits, keys, targets, "long", [0, 0, 1], [0, 1, 0]), rel=1e-10)
-    with_local = reference_loss(logits, keys, targets, "external", drop_local=False)
-    without = reference_loss(logits, keys, targets, "external", drop_local=True)
-    assert TrimeLoss("external", p_drop_local=1.0)(logits, keys, targets).item() == pytest.approx(without, rel=1e-10)
-    assert TrimeLoss("external", p_drop_local=0.0)(logits, keys, targets).item() == pytest.approx(with_local, rel=1e-10)
-    # eval mode never drops the local memory
-    assert TrimeLoss("external", p_drop_local=1.0).eval()(logits, keys, targets).item() == pytest.approx(with_local)
+def test_dropout_is_deterministic():
     draws = [sample_drop_local(0.9, torch.Generator().manual_seed(s)) for s in range(200)]
     assert draws == [sample_drop_local(0.9, torch.Generator().manual_seed(s)) for s in range(200)]
     assert 0.8 < sum(draws) / len(draws) < 0.97
@@ -153,7 +143,7 @@ def test_gradients_reach_memory_and_queries():
     assert logits.grad is not None and logits.grad.abs().sum() > 0
     # shared representations (the in-batch case): one tensor is both query and memory
     shared = keys.clone().requires_grad_(True)
-    TrimeLoss("local")(logits.detach(), shared, targets).backward()
+    flat_loss(logits.detach(), shared, targets, "local").backward()
     assert shared.grad is not None and torch.isfinite(shared.grad).all() and shared.grad[:, :-1].abs().sum() > 0
 
 
@@ -175,7 +165,7 @@ def test_ignore_index():
     )
     assert lp[1] == 0 and lp[11] == 0 and torch.isfinite(lp).all()
     all_ignored = torch.full((B, T), -100)
-    assert TrimeLoss("local")(logits, keys, all_ignored).item() == 0.0
+    assert flat_loss(logits, keys, all_ignored, "local").item() == 0.0
 
 
 def test_temperature_and_scale():
@@ -214,10 +204,6 @@ def test_errors():
         memory_visibility("long", seg, pos)
     with pytest.raises(MemlmError, match="drop_local"):
         memory_visibility("local", seg, pos, drop_local=True)
-    with pytest.raises(MemlmError, match="segment_doc"):
-        TrimeLoss("long")(logits, keys, targets)
-    with pytest.raises(MemlmError, match="B, T"):
-        TrimeLoss("local")(logits, keys[:, :2], targets)
     with pytest.raises(MemlmError, match="probability"):
         sample_drop_local(1.5)
 

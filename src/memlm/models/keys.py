@@ -369,24 +369,18 @@ def _resolve(model: nn.Module, spec: KeySpec) -> tuple[nn.Module, str, str]:
     arch = type(model).__name__
     if spec.role == "block_out":
         return parts.layer, "post", layer_name
-    if spec.role == "ffn_in_raw":
-        ffn = parts.ffn if parts.ffn is not None else (parts.ffn_up.module if parts.ffn_up is not None else None)
-        if ffn is None:
+    if spec.role.startswith("ffn"):
+        if parts.ffn is None and (parts.ffn_up is None or parts.ffn_down is None):
             raise MemlmError(
                 f"cannot find the feed-forward block of {arch} layer {norm.layer} ({parts.ffn_problem}); "
                 "use key role 'final' or 'block_out', which need no FFN"
             )
-        return ffn, "raw", f"{layer_name}.{parts.ffn_name or parts.ffn_up.name} (before its norm)"
-    if spec.role in ("ffn_in", "ffn_out"):
+        kind = {"ffn_in": "pre", "ffn_out": "post", "ffn_in_raw": "raw"}[spec.role]
         if parts.ffn is not None:
-            return parts.ffn, "pre" if spec.role == "ffn_in" else "post", f"{layer_name}.{parts.ffn_name}"
-        if parts.ffn_up is not None and parts.ffn_down is not None:
-            lin = parts.ffn_up if spec.role == "ffn_in" else parts.ffn_down
-            return lin.module, "pre" if spec.role == "ffn_in" else "post", f"{layer_name}.{lin.name}"
-        raise MemlmError(
-            f"cannot find the feed-forward block of {arch} layer {norm.layer} ({parts.ffn_problem}); "
-            "use key role 'final' or 'block_out', which need no FFN"
-        )
+            name = f"{layer_name}.{parts.ffn_name}"
+            return parts.ffn, kind, f"{name} (before its norm)" if kind == "raw" else name
+        lin = parts.ffn_down if kind == "post" else parts.ffn_up
+        return lin.module, kind, f"{layer_name}.{lin.name}" + (" (before its norm)" if kind == "raw" else "")
     # attn_in / attn_out
     if parts.attn is None:
         raise MemlmError(

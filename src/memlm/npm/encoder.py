@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
+from memlm.models.forward import right_pad
 
 __all__ = [
     "mask_ids",
     "special_ids",
     "max_block_tokens",
-    "pad_batch",
     "encode_padded",
     "encode_sequences",
     "masked_query",
@@ -71,17 +71,6 @@ def max_block_tokens(model, tokenizer, max_length: int | None = None) -> int:
     return int(limit) - 2
 
 
-def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ``sequences`` -> ``(input_ids [B, L] long, attention_mask [B, L] long)``."""
-    width = max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), max(width, 1)), int(pad_id), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(sequences):
-        ids[r, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        mask[r, : len(s)] = 1
-    return ids, mask
-
-
 def encode_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, L, H]`` last hidden states (attached to the graph; the caller picks ``no_grad`` or not)."""
     device = next(model.parameters()).device
@@ -102,7 +91,7 @@ def encode_sequences(model, sequences: Sequence[Sequence[int]], pad_id: int, bat
     try:
         for s in range(0, len(sequences), batch_size):
             chunk = sequences[s : s + batch_size]
-            ids, mask = pad_batch(chunk, pad_id)
+            ids, mask = right_pad(chunk, pad_id)
             hidden = encode_padded(model, ids, mask).float().cpu().numpy()
             out.extend(hidden[r, : len(seq)] for r, seq in enumerate(chunk))
     finally:

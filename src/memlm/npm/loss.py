@@ -159,6 +159,22 @@ def _check_hidden(masked_hidden: torch.Tensor, unmasked_hidden: torch.Tensor, ba
         raise MemlmError("masked_hidden is shorter than the longest masked sequence: pad, do not truncate")
 
 
+def _masked_loss(masked_hidden, unmasked_hidden, batch: MaskedBatch, reduction: str, both_ends: bool) -> torch.Tensor:
+    """The contrastive loss at each span's ``[MASK_s]`` (plus at its ``[MASK_e]`` with ``both_ends``), reduced."""
+    if reduction not in _REDUCTIONS:
+        raise MemlmError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    _check_hidden(masked_hidden, unmasked_hidden, batch)
+    targets = npm_span_targets(batch, unmasked_hidden.shape[1])
+    seq_idx, q_start, q_end, start_pos, end_pos, cand = (t.to(masked_hidden.device) for t in targets)
+    if seq_idx.numel() == 0:
+        return masked_hidden.sum() * 0.0  # no masked span: zero loss that keeps the graph
+    candidates = unmasked_hidden.reshape(-1, unmasked_hidden.shape[2])
+    loss = npm_contrastive_loss(masked_hidden[seq_idx, q_start], candidates, start_pos, cand, reduction="none")
+    if both_ends:
+        loss = loss + npm_contrastive_loss(masked_hidden[seq_idx, q_end], candidates, end_pos, cand, reduction="none")
+    return _reduce(loss, reduction)
+
+
 def npm_span_loss(
     masked_hidden: torch.Tensor, unmasked_hidden: torch.Tensor, batch: MaskedBatch, reduction: str = "sum"
 ) -> torch.Tensor:
@@ -176,17 +192,7 @@ def npm_span_loss(
         unmasked_hidden: ``[B, L, H]`` encoder outputs of ``batch.original_ids`` (right-padded, same ``B`` order).
         batch: the output of :func:`memlm.npm.masking.mask_batch`.
     """
-    if reduction not in _REDUCTIONS:
-        raise MemlmError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    _check_hidden(masked_hidden, unmasked_hidden, batch)
-    targets = npm_span_targets(batch, unmasked_hidden.shape[1])
-    seq_idx, q_start, q_end, start_pos, end_pos, cand = (t.to(masked_hidden.device) for t in targets)
-    if seq_idx.numel() == 0:
-        return masked_hidden.sum() * 0.0  # no masked span: zero loss that keeps the graph
-    candidates = unmasked_hidden.reshape(-1, unmasked_hidden.shape[2])
-    l_start = npm_contrastive_loss(masked_hidden[seq_idx, q_start], candidates, start_pos, cand, reduction="none")
-    l_end = npm_contrastive_loss(masked_hidden[seq_idx, q_end], candidates, end_pos, cand, reduction="none")
-    return _reduce(l_start + l_end, reduction)
+    return _masked_loss(masked_hidden, unmasked_hidden, batch, reduction, both_ends=True)
 
 
 def npm_single_loss(
@@ -199,13 +205,4 @@ def npm_single_loss(
     with ``Y+`` the tokens of the other sequences equal to ``x^i_t`` and ``Y-`` the rest of the other sequences;
     summed over masked tokens (``"sum"``, the paper) or averaged (``"mean"``).
     """
-    if reduction not in _REDUCTIONS:
-        raise MemlmError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    _check_hidden(masked_hidden, unmasked_hidden, batch)
-    targets = npm_span_targets(batch, unmasked_hidden.shape[1])
-    seq_idx, q_pos, _, pos, _, cand = (t.to(masked_hidden.device) for t in targets)
-    if seq_idx.numel() == 0:
-        return masked_hidden.sum() * 0.0
-    candidates = unmasked_hidden.reshape(-1, unmasked_hidden.shape[2])
-    loss = npm_contrastive_loss(masked_hidden[seq_idx, q_pos], candidates, pos, cand, reduction="none")
-    return _reduce(loss, reduction)
+    return _masked_loss(masked_hidden, unmasked_hidden, batch, reduction, both_ends=False)

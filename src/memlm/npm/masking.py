@@ -132,10 +132,10 @@ def _budget_tokens(seq: Sequence[int], special: frozenset[int], budget: float) -
     return int(np.floor(budget * n_tokens + 1e-9))  # floor: never more than `budget` of the tokens
 
 
-def _ngram_index(
-    sequences: Sequence[Sequence[int]], max_span: int, special: frozenset[int]
-) -> dict[tuple[int, ...], list[tuple[int, int]]]:
-    """Every n-gram (1 <= n <= max_span, no special token) -> its occurrences ``(seq, start)`` in the batch."""
+def _batch_ngrams(sequences: Sequence[Sequence[int]], max_span: int, special_ids: Iterable[int]) -> tuple:
+    """``(special ids, index, n_seqs_with)``: every n-gram (1 <= n <= max_span, no special token) -> its occurrences
+    ``(seq, start)`` in the batch, and -> the number of sequences it occurs in."""
+    special = frozenset(int(t) for t in special_ids)
     index: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
     for j, seq in enumerate(sequences):
         length = len(seq)
@@ -145,33 +145,34 @@ def _ngram_index(
                 if e > length or seq[e - 1] in special:
                     break
                 index[tuple(seq[s:e])].append((j, s))
-    return index
+    return special, index, {g: len({j for j, _ in occ}) for g, occ in index.items()}
 
 
-def _build_masked(
-    i: int,
-    seq: Sequence[int],
-    chosen: list[tuple[int, int]],
+def _masked_batch(
+    sequences: Sequence[Sequence[int]],
+    chosen: list[list[tuple[int, int]]],
     mask_s: int,
     mask_e: int | None,
     index: dict[tuple[int, ...], list[tuple[int, int]]],
-) -> tuple[list[int], list[MaskedSpan]]:
-    """Replace the chosen ``(start, n)`` spans of ``seq`` by ``[MASK_s][MASK_e]`` (or one ``mask_s`` if mask_e None)."""
-    out: list[int] = []
-    spans: list[MaskedSpan] = []
-    pos = 0
-    for start, n in sorted(chosen):
-        out.extend(seq[pos:start])
-        tokens = tuple(int(t) for t in seq[start : start + n])
-        mask_start = len(out)
-        out.append(mask_s)
-        if mask_e is not None:
-            out.append(mask_e)
-        positives = tuple(Occurrence(j, m, m + n - 1) for j, m in index[tokens] if j != i)
-        spans.append(MaskedSpan(i, start, start + n - 1, tokens, mask_start, len(out) - 1, positives))
-        pos = start + n
-    out.extend(seq[pos:])
-    return [int(t) for t in out], spans
+) -> MaskedBatch:
+    """Replace the chosen ``(start, n)`` spans of each sequence by ``[MASK_s][MASK_e]`` (one ``mask_s`` if mask_e
+    None), each span with its positives: its occurrences in the other sequences."""
+    input_ids: list[list[int]] = []
+    spans: list[list[MaskedSpan]] = []
+    for i, seq in enumerate(sequences):
+        out: list[int] = []
+        spans.append([])
+        pos = 0
+        for start, n in sorted(chosen[i]):
+            out.extend(seq[pos:start])
+            tokens = tuple(int(t) for t in seq[start : start + n])
+            mask_start = len(out)
+            out.extend([mask_s] if mask_e is None else [mask_s, mask_e])
+            positives = tuple(Occurrence(j, m, m + n - 1) for j, m in index[tokens] if j != i)
+            spans[i].append(MaskedSpan(i, start, start + n - 1, tokens, mask_start, len(out) - 1, positives))
+            pos = start + n
+        input_ids.append([int(t) for t in [*out, *seq[pos:]]])
+    return MaskedBatch(input_ids, [[int(t) for t in seq] for seq in sequences], spans)
 
 
 def mask_batch(
@@ -207,9 +208,7 @@ def mask_batch(
     if max_spans < 0:
         raise MemlmError(f"max_spans must be >= 0, got {max_spans}")
     pmf = truncated_geometric_pmf(p, max_span)
-    special = frozenset(int(t) for t in special_ids)
-    index = _ngram_index(sequences, max_span, special)
-    n_seqs_with = {g: len({j for j, _ in occ}) for g, occ in index.items()}
+    special, index, n_seqs_with = _batch_ngrams(sequences, max_span, special_ids)
     repeats: dict[tuple[int, ...], int] = defaultdict(int)
     chosen: list[list[tuple[int, int]]] = [[] for _ in sequences]
 
@@ -246,13 +245,7 @@ def mask_batch(
             chosen[i].append((s, n))
             remaining -= n
 
-    input_ids: list[list[int]] = []
-    spans: list[list[MaskedSpan]] = []
-    for i, seq in enumerate(sequences):
-        masked, seq_spans = _build_masked(i, seq, chosen[i], mask_s, mask_e, index)
-        input_ids.append(masked)
-        spans.append(seq_spans)
-    return MaskedBatch(input_ids, [[int(t) for t in seq] for seq in sequences], spans)
+    return _masked_batch(sequences, chosen, mask_s, mask_e, index)
 
 
 def mask_batch_single(
@@ -272,9 +265,7 @@ def mask_batch_single(
     result have length 1 and ``mask_start == mask_end``; masked sequences keep their length.
     """
     _check_common(sequences, budget, max_repeat)
-    special = frozenset(int(t) for t in special_ids)
-    index = _ngram_index(sequences, 1, special)
-    n_seqs_with = {g: len({j for j, _ in occ}) for g, occ in index.items()}
+    special, index, n_seqs_with = _batch_ngrams(sequences, 1, special_ids)
     repeats: dict[tuple[int, ...], int] = defaultdict(int)
     chosen: list[list[tuple[int, int]]] = [[] for _ in sequences]
     for i in rng.permutation(len(sequences)).tolist():
@@ -290,10 +281,4 @@ def mask_batch_single(
             repeats[g] += 1
             chosen[i].append((s, 1))
             remaining -= 1
-    input_ids: list[list[int]] = []
-    spans: list[list[MaskedSpan]] = []
-    for i, seq in enumerate(sequences):
-        masked, seq_spans = _build_masked(i, seq, chosen[i], mask_id, None, index)
-        input_ids.append(masked)
-        spans.append(seq_spans)
-    return MaskedBatch(input_ids, [[int(t) for t in seq] for seq in sequences], spans)
+    return _masked_batch(sequences, chosen, mask_id, None, index)

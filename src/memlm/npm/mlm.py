@@ -3,8 +3,8 @@
 The named encoder ``minilm-l6`` ships without an MLM head, so the baseline is made here: :func:`mlm_model` puts a
 ``BertForMaskedLM``-style head on the encoder (``AutoModelForMaskedLM.from_config(encoder.config)``: a transform
 ``dense -> gelu -> LayerNorm`` and a decoder whose weight is tied to the input word embeddings, plus a bias), copies
-the encoder's weights into it, and :func:`train_mlm` trains it with the standard BERT objective (Devlin et al. 2019)
-on the same corpus and batches as NPM (:func:`memlm.npm.objective.npm_batches`, via the shared loop
+the encoder's weights into it, and :class:`MlmTrainObjective` trains it with the standard BERT objective (Devlin et
+al. 2019) on the same corpus and batches as NPM (:func:`memlm.npm.objective.npm_batches`, via the shared loop
 :func:`memlm.training.loop.train`): ``memlm train --objective mlm``.
 
 Masking (:func:`mlm_mask`): every non-special token is selected with probability ``p = 0.15`` (independently, as
@@ -25,7 +25,6 @@ single-token verbalizers (closed set, ``score(y) = sum_{v in f(y)} P(v | query)`
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,12 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
-from memlm.npm.encoder import _cls_sep_pad, mask_ids, masked_query, max_block_tokens, pad_batch
+from memlm.models.forward import right_pad
+from memlm.npm.encoder import _cls_sep_pad, mask_ids, masked_query, max_block_tokens
 from memlm.npm.encoder import special_ids as _special_ids
 from memlm.npm.inference import LabelScores, PhrasePrediction, normalize_text
 from memlm.npm.objective import NpmBatches, npm_batches
-from memlm.npm.train_npm import EncoderObjective, NpmTrainResult, mean_eval_loss
-from memlm.training.driver import TrainSetup, train_objective
+from memlm.npm.train_npm import EncoderObjective, mean_eval_loss
+from memlm.training.driver import TrainSetup
 from memlm.training.loop import TrainConfig
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "mlm_mask",
     "mlm_model",
     "mlm_valid_loss",
-    "train_mlm",
     "verbalizer_token_ids",
 ]
 
@@ -90,7 +89,7 @@ def _is_mlm(model) -> bool:
 
 
 def load_mlm(name_or_path: str, dtype: str | torch.dtype = "float32"):
-    """``(model, tokenizer)`` of a trained masked LM (``train_mlm``'s ``out/final`` folder), in eval mode.
+    """``(model, tokenizer)`` of a trained masked LM (``out/final`` of ``memlm train --objective mlm``), in eval mode.
 
     Refuses a folder whose weights hold no MLM head (a plain encoder): its head would be random."""
     from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
@@ -233,31 +232,6 @@ class MlmTrainObjective(EncoderObjective):
         return mlm_valid_loss(model, self.loss_fn, batches)
 
 
-def train_mlm(
-    out: str | os.PathLike,
-    corpus: str | Sequence[str],
-    config: TrainConfig,
-    encoder: str | None = None,
-    scratch: str | None = None,
-    valid_corpus: str | Sequence[str] | None = None,
-    valid_tokens: int | None = 200_000,
-    n_positions: int = 512,
-    dropout: float = 0.1,
-    prob: float | None = None,
-    resume: bool = True,
-    stop_after: int | None = None,
-    progress: bool = True,
-) -> NpmTrainResult:
-    """Train the MLM baseline (module docstring) like :func:`memlm.npm.train_npm.train_npm` trains NPM: same
-    arguments (``prob``: the masking probability, default 0.15), same batches, same folder layout (``out/final`` is
-    the masked LM + tokenizer; ``valid_loss`` is the mean CE per masked token of ``valid_tokens`` validation tokens).
-    """
-    setup = TrainSetup(out, corpus, config, scratch=scratch, model=encoder, valid_corpus=valid_corpus,
-                       valid_tokens=valid_tokens, n_positions=n_positions, dropout=dropout, resume=resume,
-                       stop_after=stop_after, progress=progress)  # fmt: skip
-    return train_objective(MlmTrainObjective(prob), setup)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Predictions
 
@@ -271,7 +245,7 @@ def _mask_log_probs(model, tokenizer, query: str) -> torch.Tensor:
     limit = max_block_tokens(model, tokenizer) + 2
     if len(ids) > limit:
         raise MemlmError(f"the query is {len(ids)} tokens, longer than the model's {limit}: shorten it")
-    x, att = pad_batch([ids], tokenizer.pad_token_id)
+    x, att = right_pad([ids], tokenizer.pad_token_id)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.npm.encoder import _cls_sep_pad, encode_padded, mask_ids, pad_batch, special_ids
+from memlm.models.forward import right_pad
+from memlm.npm.encoder import _cls_sep_pad, encode_padded, mask_ids, special_ids
 from memlm.npm.loss import npm_single_loss, npm_span_loss
 from memlm.npm.masking import MaskedBatch, mask_batch, mask_batch_single
 
@@ -115,8 +116,8 @@ class NpmObjective:
     def forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[MaskedBatch, torch.Tensor, torch.Tensor]:
         """``(masked batch, masked hidden [B, Lm, H], unmasked hidden [B, L, H])``, both attached to the graph."""
         mb = self.mask(batch)
-        m_ids, m_att = pad_batch(mb.input_ids, self.pad_id)
-        u_ids, u_att = pad_batch(mb.original_ids, self.pad_id)
+        m_ids, m_att = right_pad(mb.input_ids, self.pad_id)
+        u_ids, u_att = right_pad(mb.original_ids, self.pad_id)
         masked = encode_padded(model, m_ids, m_att)
         unmasked = encode_padded(model, u_ids, u_att)
         return mb, masked, unmasked
@@ -179,7 +180,7 @@ class NpmBatches:
         return [batches[i] for i in rng.permutation(len(batches)).tolist()]
 
     def collate(self, indices: Sequence[int], mask_seed: int) -> dict[str, torch.Tensor]:
-        ids, att = pad_batch([self.sequences[i] for i in indices], self.pad)
+        ids, att = right_pad([self.sequences[i] for i in indices], self.pad)
         return {
             "input_ids": ids,
             "attention_mask": att,

@@ -5,8 +5,7 @@
 :class:`EncoderObjective` is also the MLM baseline's, :mod:`memlm.npm.mlm`): the model is the encoder
 (:func:`memlm.models.resources.load_encoder`, default the named ``minilm-l6``) or a small random BERT for an encoder's
 tokenizer (``scratch``); batches and loss come from :func:`memlm.npm.objective.npm_objective`; there is no warm-up loss
-(the loop's default one is a causal-LM loss). :func:`train_npm` runs them. Everything goes under one folder and
-rerunning the same call resumes::
+(the loop's default one is a causal-LM loss). Everything goes under one folder and rerunning the same call resumes::
 
     out/checkpoint-N/ resumable checkpoints (encoder + tokenizer + optimizer state)
     out/final/        the trained encoder + tokenizer: ``--encoder out/final`` in ``memlm npm index``
@@ -15,12 +14,11 @@ rerunning the same call resumes::
 Validation. The shared loop's periodic validation scores causal-LM perplexity, which an encoder has none of, so it
 is not used; with ``valid_tokens != 0`` the NPM loss of the first ``valid_tokens`` validation tokens is computed once
 at the end, in eval mode with the objective's deterministic masking, as the mean over masked spans (NPM) or masked
-tokens (NPM SINGLE) of the contrastive loss (``valid_loss`` in the last log entry; :attr:`NpmTrainResult.valid_loss`).
+tokens (NPM SINGLE) of the contrastive loss (``valid_loss`` in the last log entry; ``ObjectiveResult.valid_loss``).
 """
 
 from __future__ import annotations
 
-import os
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,8 +28,8 @@ import torch
 from memlm.data.corpora import Document, load_corpora
 from memlm.errors import MemlmError
 from memlm.npm.loss import npm_single_loss, npm_span_loss
-from memlm.npm.objective import OBJECTIVES, NpmBatches, NpmObjective, npm_batches, npm_objective
-from memlm.training.driver import Objective, ObjectiveResult, TrainSetup, train_objective
+from memlm.npm.objective import NpmBatches, NpmObjective, npm_batches, npm_objective
+from memlm.training.driver import Objective, TrainSetup
 from memlm.training.loop import TrainConfig, parse_arch
 
 __all__ = [
@@ -39,18 +37,14 @@ __all__ = [
     "EncoderObjective",
     "NpmSingleTrainObjective",
     "NpmTrainObjective",
-    "NpmTrainResult",
     "encoder_valid_batches",
     "limit_encoder_documents",
     "npm_validation_batches",
     "npm_valid_loss",
     "scratch_bert",
-    "train_npm",
 ]
 
 DEFAULT_ENCODER = "minilm-l6"
-
-NpmTrainResult = ObjectiveResult  # the result of an encoder run: TrainResult + valid_loss
 
 
 def scratch_bert(size: str, tokenizer, n_positions: int = 512, dropout: float = 0.1, seed: int = 0):
@@ -206,40 +200,3 @@ class NpmSingleTrainObjective(NpmTrainObjective):
     Validation: mean loss per masked token."""
 
     name = "npm-single"
-
-
-_BY_NAME: dict[str, type[NpmTrainObjective]] = {"npm": NpmTrainObjective, "npm-single": NpmSingleTrainObjective}
-
-
-def train_npm(
-    out: str | os.PathLike,
-    corpus: str | Sequence[str],
-    config: TrainConfig,
-    encoder: str | None = None,
-    scratch: str | None = None,
-    objective: str = "npm",
-    valid_corpus: str | Sequence[str] | None = None,
-    valid_tokens: int | None = 200_000,
-    n_positions: int = 512,
-    dropout: float = 0.1,
-    budget: float | None = None,
-    max_span: int | None = None,
-    resume: bool = True,
-    stop_after: int | None = None,
-    progress: bool = True,
-) -> NpmTrainResult:
-    """Train an encoder with NPM (``objective="npm"``) or NPM SINGLE (``"npm-single"``); see the module docstring.
-
-    ``encoder``: the encoder to continue (named, HF id or folder; default ``minilm-l6``). ``scratch``: instead a new
-    random BERT of this size (:func:`scratch_bert`) using ``encoder``'s tokenizer. ``corpus`` is read at split
-    ``train``, ``valid_corpus`` (default: the same corpora) at split ``valid``. ``config.seq_len`` is the encoder
-    input length (CLS and SEP included) and ``config.batch_size`` the sequences per batch; ``budget`` (masking budget,
-    0.15) and ``max_span`` (10) go to the masking. ``config.warmup_loss_steps`` must be 0 and ``eval_every`` is not
-    used (validation runs once, at the end).
-    """
-    if objective not in _BY_NAME:
-        raise MemlmError(f"unknown NPM objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
-    setup = TrainSetup(out, corpus, config, scratch=scratch, model=encoder, valid_corpus=valid_corpus,
-                       valid_tokens=valid_tokens, n_positions=n_positions, dropout=dropout, resume=resume,
-                       stop_after=stop_after, progress=progress)  # fmt: skip
-    return train_objective(_BY_NAME[objective](budget=budget, max_span=max_span), setup)

@@ -341,15 +341,7 @@ class Datastore(DatastoreBase):
 
     def index_source(self) -> dict[str, Any]:
         """The identity an index over these keys records (:func:`memlm.storage.index.build_index`'s ``source``)."""
-        src = {
-            "kind": "datastore",
-            "count": len(self),
-            "dim": self.dim,
-            "sha256": self.manifest["files"]["keys"]["sha256"],
-        }
-        if "build_id" in self.manifest:
-            src["build_id"] = self.manifest["build_id"]
-        return src
+        return index_lib.datastore_source(self.manifest)
 
     def build_index(
         self,

@@ -384,12 +384,14 @@ def _source_of_manifest(manifest_path: Path) -> dict[str, Any] | None:
             "dim": m["dim"],
             "sha256": m["files"]["vectors"]["sha256"],
         }
-    m = schema.read_json(manifest_path, schema.DATASTORE_MANIFEST, "datastore manifest",
-                         "rebuild the datastore with `memlm datastore build --overwrite`")  # fmt: skip
+    fix = "rebuild the datastore with `memlm datastore build --overwrite`"
+    return datastore_source(schema.read_json(manifest_path, schema.DATASTORE_MANIFEST, "datastore manifest", fix))
+
+
+def datastore_source(m: dict[str, Any]) -> dict[str, Any]:
+    """The identity an index over a datastore's keys records (``source``), from the datastore's manifest ``m``."""
     src = {"kind": "datastore", "count": m["count"], "dim": m["key"]["dim"], "sha256": m["files"]["keys"]["sha256"]}
-    if "build_id" in m:
-        src["build_id"] = m["build_id"]
-    return src
+    return src | ({"build_id": m["build_id"]} if "build_id" in m else {})
 
 
 def expected_source(index_path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -489,6 +491,23 @@ def train_on_sample(index: faiss.Index, keys, plan: IndexPlan, seed: int, chunk_
         ) from None
 
 
+def trained_index(keys, plan: IndexPlan, seed: int, chunk_size: int, progress: bool, sample: str = "") -> faiss.Index:
+    """The empty index of ``plan``, trained (:func:`train_on_sample`, the k-means seeded with ``seed``; no polysemous
+    PQ training, 10x slower for a search mode memlm never uses). ``sample`` describes the keys in the progress line."""
+    index = _make_index(plan.factory, plan.d, plan.metric)
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.cp.seed = seed
+    for sub in _sub_indexes(index):
+        if getattr(sub, "do_polysemous_training", False):
+            sub.do_polysemous_training = False
+    if plan.train_size:
+        if progress:
+            print(f"training {plan.factory} on {plan.train_size:,} keys{sample} ...", file=sys.stderr, flush=True)
+        train_on_sample(index, keys, plan, seed, chunk_size)
+    return index
+
+
 def _build_index_locked(
     keys: np.ndarray,
     out_path: Path,
@@ -499,24 +518,12 @@ def _build_index_locked(
     source: dict[str, Any] | None,
 ) -> faiss.Index:
     t0 = time.perf_counter()
-    n, d, metric = plan.n, plan.d, plan.metric
+    n = plan.n
     for stale in [out_path.with_name(out_path.name + ".tmp"), *out_path.parent.glob(f".{out_path.name}.*.tmp")]:
         stale.unlink(missing_ok=True)  # left by a killed build (we hold the folder's lock: no one else writes here)
     if progress:
         print(plan, file=sys.stderr, flush=True)
-    index = _make_index(plan.factory, d, metric)
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        ivf.cp.seed = seed
-    for sub in _sub_indexes(index):
-        if getattr(sub, "do_polysemous_training", False):
-            sub.do_polysemous_training = False  # 10x slower PQ training for a search mode memlm never uses
-
-    if plan.train_size:
-        if progress:
-            print(f"training {plan.factory} on {plan.train_size:,} keys ...", file=sys.stderr, flush=True)
-        train_on_sample(index, keys, plan, seed, chunk_size)
-
+    index = trained_index(keys, plan, seed, chunk_size, progress)
     with tqdm(total=n, unit="key", unit_scale=True, desc="adding keys", disable=not progress) as bar:
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
@@ -622,13 +629,9 @@ def load_index(
     :func:`expected_source`, the datastore or phrase index in the index's folder, if any). ``expect_from`` names the
     folder ``expect`` describes in the messages (default: the index's folder).
     """
-    if nprobe < 1:
-        raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
     if hnsw_ef_search is not None and hnsw_ef_search < 1:
         raise MemlmError(f"hnsw_ef_search must be >= 1, got {hnsw_ef_search}; try 128")
-    path = Path(path)
-    if not path.is_file():
-        raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
+    path = _index_file(path, nprobe)
     meta = read_index_meta(path, verify=verify)
     assert meta is not None
     if expect is None:
@@ -658,14 +661,21 @@ def load_index(
             f"index {path} holds {got[0]} x {got[1]} vectors, the {expect['kind']} in {where} has "
             f"{expect['count']} x {expect['dim']}; {_REBUILD}"
         )
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        ivf.nprobe = min(int(nprobe), int(ivf.nlist))
+    set_nprobe(index, nprobe)
     if hnsw_ef_search is not None:
         for idx in _sub_indexes(index):
             if isinstance(idx, faiss.IndexHNSW):
                 idx.hnsw.efSearch = int(hnsw_ef_search)
     return index
+
+
+def _index_file(path: str | os.PathLike[str], nprobe: int) -> Path:
+    """``path`` checked to be an index file, with a valid ``nprobe`` to search it with."""
+    if nprobe < 1:
+        raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
+    if not Path(path).is_file():
+        raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
+    return Path(path)
 
 
 def set_nprobe(index: faiss.Index, nprobe: int) -> None:
@@ -715,11 +725,7 @@ def has_exact_distances(index: faiss.Index) -> bool:
 def load_index_mmap(path: str | os.PathLike[str], nprobe: int = 32) -> faiss.Index:
     """Read an index memory-mapped: IVF inverted lists (``IO_FLAG_MMAP``) or flat codes (``IO_FLAG_MMAP_IFC``) stay
     in the file and reach RAM through the page cache, so the resident part is the quantizer (+ tables)."""
-    if nprobe < 1:
-        raise MemlmError(f"nprobe must be >= 1, got {nprobe}; the usual value is 32")
-    path = Path(path)
-    if not path.is_file():
-        raise MemlmError(f"no index at {path}; build it with `memlm index build DIR`")
+    path = _index_file(path, nprobe)
     ivf = "IVF" in _sidecar_factory(path)
     flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if ivf else faiss.IO_FLAG_MMAP_IFC
     try:
@@ -806,11 +812,15 @@ def _to_similarities(dist: np.ndarray, ids: np.ndarray, is_l2: bool, k: int) -> 
     missing = ids < 0
     if missing.any():
         dist[missing] = -np.inf
-    if dist.shape[1] < k:
-        pad = ((0, 0), (0, k - dist.shape[1]))
-        dist = np.pad(dist, pad, constant_values=-np.inf)
-        ids = np.pad(ids, pad, constant_values=-1)
-    return dist, ids
+    return _pad_to_k(dist, ids, k)
+
+
+def _pad_to_k(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(scores, ids)`` padded to ``k`` columns with empty slots (score ``-inf``, id ``-1``)."""
+    if scores.shape[1] >= k:
+        return scores, ids
+    pad = ((0, 0), (0, k - scores.shape[1]))
+    return np.pad(scores, pad, constant_values=-np.inf), np.pad(ids, pad, constant_values=-1)
 
 
 def exact_scores(keys: np.ndarray, ids: np.ndarray, queries: np.ndarray, metric: str) -> np.ndarray:
@@ -914,8 +924,4 @@ def exact_search(
             best_s = (best_s - (q * q).sum(1, keepdim=True)).clamp_(max=0.0)
     scores = best_s.cpu().numpy().astype(np.float32, copy=False)
     ids = best_i.cpu().numpy().astype(np.int64, copy=False)
-    if kk < k:
-        pad = ((0, 0), (0, k - kk))
-        scores = np.pad(scores, pad, constant_values=-np.inf)
-        ids = np.pad(ids, pad, constant_values=-1)
-    return scores, ids
+    return _pad_to_k(scores, ids, k)

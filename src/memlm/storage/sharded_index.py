@@ -63,10 +63,6 @@ def _write_index(index: faiss.Index, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    atomic_write_json(path, obj, sort_keys=False)
-
-
 def _read_sidecar(index_path: str | Path) -> dict[str, Any] | None:
     """The JSON beside a shard index or a sharded index description (``<name>.json``); ``None`` if absent.
 
@@ -98,7 +94,7 @@ def add_shard_index(trained: str, keys_path: str, n: int, d: int, out: str, meta
     _write_index(index, out_path)
     # the shard folder's identity, so the shard opens as a normal datastore whose index load_index accepts
     source = index_lib.expected_source(out_path)
-    _write_json(index_lib.meta_path(out_path), {**meta, "n": n, "shard_index": True, "source": source})
+    atomic_write_json(index_lib.meta_path(out_path), {**meta, "n": n, "shard_index": True, "source": source}, False)
     return n
 
 
@@ -127,17 +123,8 @@ def build_sharded_index(
     trained_path = folder / (name + TRAINED_SUFFIX)
     if progress:
         print(f"sharded {plan} in {len(datastore.shards)} shards", file=sys.stderr, flush=True)
-    index = faiss.index_factory(d, plan.factory, faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT)
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        ivf.cp.seed = seed
-    for sub in index_lib._sub_indexes(index):
-        if getattr(sub, "do_polysemous_training", False):
-            sub.do_polysemous_training = False  # as build_index: memlm never uses polysemous search
-    if plan.train_size:
-        if progress:
-            print(f"training {plan.factory} once on {plan.train_size:,} keys from all shards ...", file=sys.stderr)
-        index_lib.train_on_sample(index, datastore.keys, plan, seed, chunk_size)  # as build_index: global ids
+    # as build_index, on a sample of all shards' keys by global id
+    index = index_lib.trained_index(datastore.keys, plan, seed, chunk_size, progress, " from all shards")
     _write_index(index, trained_path)
     trained_sha = sha256_file(trained_path)
     common = {
@@ -179,7 +166,7 @@ def build_sharded_index(
         "offsets": [int(o) for o in datastore.offsets],
         "build_seconds": round(time.perf_counter() - t0, 3),
     }
-    _write_json(index_lib.meta_path(folder / name), description)
+    atomic_write_json(index_lib.meta_path(folder / name), description, sort_keys=False)
     return description
 
 

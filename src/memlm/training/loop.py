@@ -69,8 +69,6 @@ __all__ = [
     "causal_lm_loss",
     "check_run_identity",
     "describe_callable",
-    "gpt2_config",
-    "gpt2_param_count",
     "lm_batches",
     "lr_at",
     "parse_arch",
@@ -301,33 +299,6 @@ GPT2_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
-def gpt2_param_count(n_layer: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024) -> int:
-    """Exact parameter count of a GPT2LMHeadModel (tied input/output embeddings)."""
-    d = n_embd
-    return vocab_size * d + n_positions * d + n_layer * (12 * d * d + 13 * d) + 2 * d
-
-
-def gpt2_config(size: str | int, vocab_size: int = 50257, n_positions: int = 1024, dropout: float = 0.1, **kwargs):
-    """A GPT-2-style ``GPT2Config`` for a named size (see :data:`GPT2_SIZES`: 5m, 10m, 20m, 30m, 50m).
-
-    An integer ``size`` (a parameter count) picks the preset whose exact count for this ``vocab_size`` and
-    ``n_positions`` is closest. ``dropout`` sets all three GPT-2 dropouts; ``kwargs`` go to ``GPT2Config``.
-    """
-
-    if isinstance(size, str):
-        key = size.strip().lower()
-        if key not in GPT2_SIZES:
-            raise MemlmError(f"unknown GPT-2 size {size!r}: use one of {', '.join(GPT2_SIZES)} or a parameter count")
-    elif isinstance(size, int) and size > 0:
-        key = min(
-            GPT2_SIZES,
-            key=lambda k: abs(gpt2_param_count(*GPT2_SIZES[k][:2], vocab_size, n_positions) - size),
-        )
-    else:
-        raise MemlmError(f"GPT-2 size must be a name ({', '.join(GPT2_SIZES)}) or a positive count, got {size!r}")
-    return gpt2_shape_config(*GPT2_SIZES[key], vocab_size, n_positions, dropout, **kwargs)
-
-
 def parse_arch(size: str) -> tuple[int, int, int]:
     """``(n_layer, n_embd, n_head)`` of a preset (5m, 10m, 20m, 30m, 50m) or ``<layers>x<dim>`` (64-dim heads)."""
     key = size.strip().lower()
@@ -495,6 +466,23 @@ def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _save_model(model, tokenizer, out: Path, name: str, state: dict[str, Any] | None = None) -> Path:
+    """``out/name``: the model, its tokenizer and the trainer ``state`` (a checkpoint's), written into a temporary
+    folder (``.name.tmp-*``) renamed into place once complete."""
+    tmp = out / f".{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if state is not None:
+        with open(tmp / _STATE_FILE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    shutil.rmtree(out / name, ignore_errors=True)
+    os.replace(tmp, out / name)
+    return out / name
+
+
 @torch.no_grad()
 def _evaluate(model, epochs, autocast) -> tuple[float, float]:
     """(token-weighted mean CE, perplexity) over one pass of the validation batches."""
@@ -625,11 +613,6 @@ def _train_locked(
         _set_rng_state(state["rng"])
 
     def save_checkpoint() -> None:
-        final = out / f"checkpoint-{step}"
-        tmp = out / f".checkpoint-{step}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
         state = {
             "format": _STATE_FORMAT,
             "step": step,
@@ -642,12 +625,7 @@ def _train_locked(
             "config": json.loads(json.dumps(dataclasses.asdict(config))),
             "signature": _signature(model),
         }
-        with open(tmp / _STATE_FILE, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        _save_model(model, tokenizer, out, f"checkpoint-{step}", state)
         for _, old in _checkpoints(out)[: -config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         write_log(out, config, log)
@@ -729,12 +707,6 @@ def _train_locked(
     if step >= config.max_steps:
         if valid is not None and log and "valid_ppl" not in log[-1]:
             log[-1]["valid_loss"], log[-1]["valid_ppl"] = _evaluate(model, valid, autocast)
-        final_dir = out / "final"
-        tmp = out / f".final.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.replace(tmp, final_dir)
+        final_dir = _save_model(model, tokenizer, out, "final")
     write_log(out, config, log)
     return TrainResult(step=step, out_dir=out, final_dir=final_dir, log=log)

@@ -11,7 +11,6 @@ from memlm.trime.inference import (
 from memlm.trime.loss import (
     MEMORY_KINDS,
     MemoryKind,
-    TrimeLoss,
     memory_visibility,
     sample_drop_local,
     segment_layout,
@@ -32,7 +31,6 @@ __all__ = [
     "MemoryKind",
     "OBJECTIVES",
     "TrimeBatches",
-    "TrimeLoss",
     "TrimeObjective",
     "TrimeScores",
     "TrimeSetup",

@@ -3,19 +3,18 @@
 TRIME trains with *in-batch memories*: the memory of a token is made of the other tokens in the same training batch
 (Sec. 3), so how segments are grouped into batches decides which memory the model learns to use (Sec. 4):
 
-* ``TrimeLM`` (local memory, Sec. 4.1): any batching; here :func:`pack_random`.
+* ``TrimeLM`` (local memory, Sec. 4.1): any batching (random segments).
 * ``TrimeLM_long`` (long-term memory, Sec. 4.2): each batch holds ``m`` consecutive segments of one document, so a
   token's memory includes the tokens of the *earlier* segments of its document (:func:`pack_consecutive`; a batch of
   ``B`` segments thus holds about ``B / m`` documents).
 * ``TrimeLM_ext`` (external memory, Sec. 4.3, Algorithm 1 / App. B): segments with large lexical overlap, measured by
   BM25, are packed into the same batch, as a cheap proxy for the nearest neighbours that an external datastore returns
-  at test time (:func:`pack_bm25`; ``m = 1``). :func:`pack_random` is the "w/o BM25 batching" ablation (App. H).
+  at test time (:func:`bm25_neighbors` and :func:`chain_order`; ``m = 1``). Random batches are the "w/o BM25
+  batching" ablation (App. H). :class:`memlm.trime.training.TrimeBatches` cuts these orders into batches.
 
 Everything works on token arrays (one ``np.ndarray`` of ids per document, e.g. a
 :class:`memlm.data.windows.TokenChunk`'s ``tokens``), is deterministic given ``seed`` and uses every segment exactly
-once per call (one epoch). A batch is a
-:class:`Batch`: indices into the segment list plus each segment's document and start offset, from which a loss can
-build the "same document, earlier position" memory mask of Sec. 4.2 (:meth:`Batch.earlier_same_doc`).
+once per call (one epoch). A batch is a list of indices into the segment list.
 
 Segment convention (:func:`segment_documents`): a document of ``n`` tokens is cut at ``0, L, 2L, ...`` into segments
 that *own* ``L`` tokens each (the last one fewer); these owned tokens cover the document exactly once, in order. Each
@@ -36,11 +35,8 @@ from memlm.errors import MemlmError
 __all__ = [
     "TokenWindow",
     "Segment",
-    "Batch",
     "segment_documents",
-    "pack_random",
     "pack_consecutive",
-    "pack_bm25",
     "bm25_neighbors",
     "chain_order",
     "batch_purity",
@@ -79,24 +75,6 @@ class Segment(TokenWindow):
         return self.tokens[: self.length]
 
 
-@dataclass(frozen=True)
-class Batch:
-    """One training batch: ``indices`` into the segment list, with each segment's document and start offset."""
-
-    indices: list[int]
-    doc_index: np.ndarray  # [n] int64
-    start: np.ndarray  # [n] int64, offset of each segment's first token in its document
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def earlier_same_doc(self) -> np.ndarray:
-        """``[n, n]`` bool: ``[i, j]`` is True when segment ``j`` comes from the same document as segment ``i`` and
-        starts before it, i.e. its tokens are long-term memory for every token of ``i`` (Sec. 4.2, Fig. 2b)."""
-        same = self.doc_index[:, None] == self.doc_index[None, :]
-        return same & (self.start[None, :] < self.start[:, None])
-
-
 def segment_documents(token_docs: Sequence[np.ndarray], segment_len: int) -> list[Segment]:
     """Cut each tokenized document into consecutive segments owning ``segment_len`` tokens (Sec. 4, ``L``).
 
@@ -115,46 +93,18 @@ def segment_documents(token_docs: Sequence[np.ndarray], segment_len: int) -> lis
     return segments
 
 
-def _make_batch(segments: Sequence[Segment], indices: Sequence[int]) -> Batch:
-    idx = [int(i) for i in indices]
-    return Batch(
-        idx,
-        np.array([segments[i].doc_index for i in idx], dtype=np.int64),
-        np.array([segments[i].start for i in idx], dtype=np.int64),
-    )
-
-
-def _cut(segments: Sequence[Segment], order: Sequence[int], batch_size: int) -> list[Batch]:
-    """Cut an ordering of all segments into consecutive batches of ``batch_size`` (the last may be smaller)."""
-    return [_make_batch(segments, order[i : i + batch_size]) for i in range(0, len(order), batch_size)]
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if batch_size < 1:
-        raise MemlmError(f"batch_size must be >= 1, got {batch_size}")
-
-
-def pack_random(segments: Sequence[Segment], batch_size: int, seed: int = 0) -> list[Batch]:
-    """Random batching: a seeded permutation of all segments cut into batches of ``batch_size`` (the last may be
-    smaller). The ``m = 1`` baseline of ``TrimeLM`` (Sec. 4.1) and the "w/o BM25 batching" ablation (App. H)."""
-    _check_batch_size(batch_size)
-    order = np.random.default_rng(seed).permutation(len(segments)).tolist()
-    return _cut(segments, order, batch_size)
-
-
 def pack_consecutive(
     segments: Sequence[Segment], batch_size: int, m: int, seed: int = 0, max_open: int = 8
-) -> list[Batch]:
+) -> list[list[int]]:
     """Consecutive-segment batching for ``TrimeLM_long`` (Sec. 4.2): batches of groups of ``m`` consecutive segments.
 
     Each document's segments are split into runs of ``m`` consecutive segments (``[0, m)``, ``[m, 2m)``, ...; the last
     run may be shorter). The runs are shuffled with ``seed`` and placed first-fit into batches of at most
     ``batch_size`` segments; a run is never split, and keeps its order inside the batch, so each segment's earlier
-    segments of the same document (:meth:`Batch.earlier_same_doc`) are in its batch. Up to ``max_open`` partly filled
+    segments of the same document are in its batch. Up to ``max_open`` partly filled
     batches are kept open (the oldest is closed when one more is needed), so batches are full except when runs do not
     tile ``batch_size``; with ``batch_size % m == 0`` and whole runs only, every batch but the last is full.
     """
-    _check_batch_size(batch_size)
     if m < 1 or m > batch_size:
         raise MemlmError(f"m must be in [1, batch_size={batch_size}], got {m}")
     if max_open < 1:
@@ -182,8 +132,7 @@ def pack_consecutive(
         if len(target) == batch_size:
             open_.remove(target)
             closed.append(target)
-    closed.extend(open_)
-    return [_make_batch(segments, b) for b in closed]
+    return closed + open_
 
 
 def _bm25_corpus(segments: Sequence[Segment], texts: Sequence[str] | None) -> tuple[list[list[int]], dict[str, int]]:
@@ -300,35 +249,9 @@ def chain_order(neighbors: np.ndarray, seed: int = 0) -> list[int]:
     return order
 
 
-def pack_bm25(
-    segments: Sequence[Segment],
-    batch_size: int,
-    texts: Sequence[str] | None = None,
-    seed: int = 0,
-    k: int = 20,
-    n_threads: int = 0,
-    max_query_terms: int | None = 128,
-) -> list[Batch]:
-    """BM25 batching for ``TrimeLM_ext`` (Sec. 4.3, Algorithm 1 / App. B): lexically similar segments share a batch.
-
-    Segments are indexed with BM25 (over ``texts``, one string per segment, e.g. the decoded segment; or over the
-    segments' token ids when None). Following Algorithm 1 the segments are chained greedily: start from a random
-    segment, append the most similar unused one among its top-``k`` BM25 neighbours (``k = 20`` in the paper), continue
-    from that one, and jump to a random unused segment when all ``k`` are used (or share no term). The chain is then
-    cut into batches of ``batch_size`` (the last may be smaller). Top-``k`` lists are computed for all segments in one
-    pass (see :func:`bm25_neighbors` for ``max_query_terms``), so the chain itself is cheap; ``n_threads`` is passed
-    to ``bm25s`` retrieval.
-    """
-    _check_batch_size(batch_size)
-    if k < 1:
-        raise MemlmError(f"k must be >= 1, got {k}")
-    neighbors = bm25_neighbors(segments, k=k, texts=texts, n_threads=n_threads, max_query_terms=max_query_terms)
-    return _cut(segments, chain_order(neighbors, seed=seed), batch_size)
-
-
-def batch_purity(batches: Sequence[Batch], labels: Sequence[int] | np.ndarray) -> float:
+def batch_purity(batches: Sequence[Sequence[int]], labels: Sequence[int] | np.ndarray) -> float:
     """Mean over batches of the share of the batch's most common label (``labels[i]`` for segment ``i``): 1.0 when
     every batch is one topic. A diagnostic for BM25 batching."""
     lab = np.asarray(labels)
-    shares = [np.unique(lab[b.indices], return_counts=True)[1].max() / len(b) for b in batches if len(b)]
+    shares = [np.unique(lab[list(b)], return_counts=True)[1].max() / len(b) for b in batches if len(b)]
     return float(np.mean(shares)) if shares else 1.0

@@ -46,7 +46,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -77,7 +77,7 @@ from memlm.storage.datastore import Datastore, DatastoreBase
 from memlm.storage.searcher import as_searcher
 from memlm.storage.sharded import open_datastore
 from memlm.trime.batching import Segment, TokenWindow
-from memlm.trime.training import G_SPEC, tokenize_for_trime
+from memlm.trime.training import G_SPEC, pad_id_of, tokenize_for_trime
 
 __all__ = [
     "TrimeEvalConfig",
@@ -335,12 +335,6 @@ def _retrieve_external(
     return r.scores, r.values.astype(np.int32)
 
 
-def _nprobe_of(searcher, default: int) -> int:
-    """The nprobe an IVF index searches with (``default`` when no index or no IVF index is used)."""
-    nprobe = None if searcher is None else getattr(searcher, "nprobe", None)
-    return default if nprobe is None else int(nprobe)
-
-
 @dataclass
 class _Run:
     """What :func:`score_trime`'s segment loop needs: the settings (key role resolved for the model), the local
@@ -439,25 +433,22 @@ def _trime_scores(parts: dict[str, list], external: bool, meta: dict[str, Any]) 
 
 def _check_trime_args(model, c: TrimeEvalConfig) -> list[float]:
     """:func:`score_trime`'s settings checked before any work; returns the local temperatures as floats."""
-    seq_len, max_segments, local_temperatures, search, ext_scores, k = (
-        c.seq_len, c.max_segments, c.local_temperatures, c.search, c.ext_scores, c.k,
-    )  # fmt: skip
-    if seq_len < 2:
-        raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
+    if c.seq_len < 2:
+        raise MemlmError(f"seq_len must be >= 2 (one input and one target), got {c.seq_len}")
     n_pos = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if n_pos is not None and seq_len > n_pos:
-        raise MemlmError(f"seq_len {seq_len} is longer than the model's context ({n_pos}); use seq_len <= {n_pos}")
-    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 0:
-        raise MemlmError(f"max_segments must be an integer >= 0, got {max_segments!r}")
-    temps = [float(t) for t in local_temperatures]
+    if n_pos is not None and c.seq_len > n_pos:
+        raise MemlmError(f"seq_len {c.seq_len} is longer than the model's context ({n_pos}); use seq_len <= {n_pos}")
+    if isinstance(c.max_segments, bool) or not isinstance(c.max_segments, int) or c.max_segments < 0:
+        raise MemlmError(f"max_segments must be an integer >= 0, got {c.max_segments!r}")
+    temps = [float(t) for t in c.local_temperatures]
     if not temps or any(t <= 0 for t in temps):
-        raise MemlmError(f"local_temperatures must be a non-empty list of values > 0, got {list(local_temperatures)}")
-    if search not in ("index", "exact") or ext_scores not in ("dot", "index", "dot-index"):
+        raise MemlmError(f"local_temperatures must be a non-empty list of values > 0, got {list(c.local_temperatures)}")
+    if c.search not in ("index", "exact") or c.ext_scores not in ("dot", "index", "dot-index"):
         raise MemlmError("search must be 'index' or 'exact' and ext_scores 'dot', 'index' or 'dot-index'")
-    if ext_scores == "dot-index" and search != "index":
+    if c.ext_scores == "dot-index" and c.search != "index":
         raise MemlmError("ext_scores='dot-index' takes q.k from the FAISS index's distances: use search='index'")
-    if k < 1:
-        raise MemlmError(f"k must be >= 1, got {k}")
+    if c.k < 1:
+        raise MemlmError(f"k must be >= 1, got {c.k}")
     return temps
 
 
@@ -565,12 +556,11 @@ def score_trime(
     token_docs, provenance, segments = _trime_windows(
         documents, tokenizer, c.seq_len, c.context, c.stream, c.drop_self_matches
     )
-    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    pad_id = 0 if pad_id is None else int(pad_id)
+    pad_id = pad_id_of(tokenizer)
 
     t0 = time.perf_counter()
     parts, seconds_search = _score_segments(model, segments, batch_size, pad_id, _Run(c, temps, memory, provenance))
-    nprobe_used = _nprobe_of(index, c.nprobe)
+    nprobe_used = c.nprobe if getattr(index, "nprobe", None) is None else int(index.nprobe)  # the IVF index's own
     retrieval = None if datastore is None else RetrievalConfig(
         k=c.k, search=c.search, scores="index" if c.ext_scores == "index" else "exact", nprobe=nprobe_used,
         metric=None if c.ext_scores == "index" else "ip", drop_self_matches=c.drop_self_matches, window=c.seq_len,
@@ -711,10 +701,9 @@ def trime_perplexity(
     (``exp(-mean log softmax(E f)_w)``, same segments) and the number of ``tokens``.
     """
     lp = trime_target_logprobs(ts, segments, temperature, lam, knn_temperature, local_temperature)
-    base = torch.from_numpy(ts.target_logit).double() - torch.from_numpy(ts.logit_lse).double()
     return {
         "tokens": len(ts),
-        "base_ppl": perplexity(base),
+        "base_ppl": _base_ppl(ts),
         "ppl": perplexity(lp),
         "segments": segments,
         "local_temperature": local_temperature,
@@ -794,43 +783,27 @@ def tune_trime_inference(
     lts = valid.local_temperatures if local_temperatures is None else [float(t) for t in local_temperatures]
     if valid.ext_scores is None:
         temperatures, lambdas, knn_temperatures = (1.0,), (0.0,), (None,)
-    for t in (*temperatures, *lts, *(x for x in knn_temperatures if x is not None)):
-        if t <= 0:
-            raise MemlmError(f"temperatures must be > 0, got {t}")
-    for lam in lambdas:
-        if not 0.0 <= lam <= 1.0:
-            raise MemlmError(f"lambda must be in [0, 1], got {lam}")
-    for s, lt in itertools.product(segs, lts):
-        _check_params(valid, s, lt, 1.0, 0.0)
+    for s, lt, t, lam in itertools.product(segs, lts, temperatures, lambdas):
+        _check_params(valid, s, lt, t, lam)
+    if any(x is not None and x <= 0 for x in knn_temperatures):
+        raise MemlmError(f"temperatures must be > 0, got {list(knn_temperatures)}")
     local = functools.cache(lambda s, lt: _local_part(valid, s, lt))
     ext = functools.cache(lambda t: _ext_part(valid, t))
     knn = functools.cache(lambda kt: _knn_part(valid, kt))
 
-    def ppl(segments, local_temperature, temperature, lam, knn_temperature) -> float:
-        kt = temperature if knn_temperature is None else knn_temperature
+    def ppl(segments, local_temperature, temperature, knn_temperature, **p) -> float:
+        lam, kt = p["lambda"], temperature if knn_temperature is None else knn_temperature
         lp = _combine(valid, local(segments, local_temperature), ext(temperature), knn(kt) if lam > 0 else None, lam)
         return perplexity(lp)
 
     grid = {"segments": segs, "local_temperature": lts, "temperature": temperatures, "lambda": lambdas,
             "knn_temperature": knn_temperatures}  # fmt: skip
     # τ_kNN is irrelevant without interpolation: keep one grid point
-    tuned = grid_search(
-        lambda **p: ppl(p["segments"], p["local_temperature"], p["temperature"], p["lambda"], p["knn_temperature"]),
-        grid,
-        keep=lambda p: p["lambda"] != 0 or p["knn_temperature"] == knn_temperatures[0],
-    )
-    best, grid = tuned["best"], tuned["grid"]
-    out: dict[str, Any] = {"best": best, "grid": grid}
+    out = grid_search(ppl, grid, keep=lambda p: p["lambda"] != 0 or p["knn_temperature"] == knn_temperatures[0])
     if test is not None:
-        params = {k: best[k] for k in ("segments", "local_temperature", "temperature", "lambda", "knn_temperature")}
-        out["test"] = trime_perplexity(
-            test,
-            segments=params["segments"],
-            temperature=params["temperature"],
-            lam=params["lambda"],
-            knn_temperature=params["knn_temperature"],
-            local_temperature=params["local_temperature"],
-        )
+        b = out["best"]
+        out["test"] = trime_perplexity(test, b["segments"], b["temperature"], b["lambda"], b["knn_temperature"],
+                                       b["local_temperature"])  # fmt: skip
     return out
 
 
@@ -842,8 +815,6 @@ __all__ += ["trime_memory_results", "tune_trime_memories", "run_trime_eval"]
 
 
 def _without_external(ts: TrimeScores) -> TrimeScores:
-    from dataclasses import replace
-
     return replace(ts, ext_scores=None, ext_values=None)
 
 
@@ -934,8 +905,7 @@ def run_trime_eval(
     :func:`score_trime` (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last
     layer), write the dump to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``,
     ``λ = 0``). ``config`` / ``seq_len`` / ``options``: :func:`score_trime`'s (:class:`TrimeEvalConfig`)."""
-    from memlm.data.corpora import corpus_fingerprint, load_corpora
-    from memlm.data.windows import limit_documents
+    from memlm.data.corpora import load_corpus_source
     from memlm.models.resources import load_causal_lm
 
     ds = open_datastore(datastore) if datastore else None
@@ -947,9 +917,7 @@ def run_trime_eval(
                 f"datastore {ds.path} holds {ds.key_spec.describe()} keys, but TRIME's external memory compares "
                 f"g(c) = {want.describe()} (the last FFN's input): build it with --key ffn_in"
             )
-    docs = limit_documents(load_corpora(corpus, split), tok, max_tokens)
-    source = {"corpus": corpus, "split": split, "documents": len(docs), "fingerprint": corpus_fingerprint(docs),
-              "max_tokens": max_tokens}  # fmt: skip
+    docs, source = load_corpus_source(corpus, split, tok, max_tokens)
     ts = score_trime(
         lm, tok, docs, seq_len, config, datastore=ds, batch_size=batch_size, meta={"model": model, "source": source},
         **options,

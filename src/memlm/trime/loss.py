@@ -46,7 +46,6 @@ import math
 from typing import Literal
 
 import torch
-from torch import nn
 
 from memlm.core.distribution import joint_target_logprob, memory_lse
 from memlm.errors import MemlmError
@@ -59,7 +58,6 @@ __all__ = [
     "sample_drop_local",
     "trime_logprob",
     "trime_loss",
-    "TrimeLoss",
 ]
 
 MemoryKind = Literal["local", "long", "external"]
@@ -269,68 +267,3 @@ def trime_loss(
     keep = targets != ignore_index
     count = keep.sum()
     return -(logp * keep).sum() / count.clamp(min=1)
-
-
-class TrimeLoss(nn.Module):
-    """TRIME's loss over in-batch memories (Zhong et al. 2022, Eq. 5, Sec. 4)::
-
-        loss = -mean_i log [ (exp(E_{y_i} f_i) + Σ_{j visible, y_j = y_i} exp(g_i·g_j/√d))
-                             / (Σ_v exp(E_v f_i) + Σ_{j visible} exp(g_i·g_j/√d)) ]
-
-    over the ``N = B * T`` positions of a batch, where memory = the batch's own positions (entry ``j`` =
-    ``(g_j, y_j)``, ``y_j`` the target at ``j``) and "visible" follows ``kind`` (:func:`memory_visibility`). For
-    ``external`` in training mode the local memory is dropped with probability ``p_drop_local`` (0.9 in the paper),
-    one draw per forward. ``forward(logits [B, T, V], keys [B, T, D], targets [B, T], segment_doc=None,
-    segment_index_in_doc=None)``; ``keys`` is ``g`` (``ffn_in`` of the last layer, captured with ``detach=False``).
-    """
-
-    def __init__(
-        self,
-        kind: MemoryKind = "local",
-        p_drop_local: float = 0.9,
-        scale: float | None = None,
-        ignore_index: int = -100,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        """Store the settings; see the class docstring (TRIME Eq. 5, Sec. 4.3 for ``p_drop_local``)."""
-        super().__init__()
-        if kind not in MEMORY_KINDS:
-            raise MemlmError(f"unknown memory kind {kind!r}; use one of {', '.join(MEMORY_KINDS)}")
-        if not 0.0 <= p_drop_local <= 1.0:
-            raise MemlmError(f"p_drop_local must be in [0, 1], got {p_drop_local}")
-        self.kind: MemoryKind = kind
-        self.p_drop_local = p_drop_local
-        self.scale = scale
-        self.ignore_index = ignore_index
-        self.generator = generator
-
-    def forward(
-        self,
-        logits: torch.Tensor,
-        keys: torch.Tensor,
-        targets: torch.Tensor,
-        segment_doc: torch.Tensor | None = None,
-        segment_index_in_doc: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The scalar TRIME loss (Eq. 5) of one batch of ``B`` segments of length ``T`` with in-batch memory."""
-        if logits.dim() != 3 or keys.dim() != 3 or targets.dim() != 2:
-            raise MemlmError(
-                f"expected logits [B, T, V], keys [B, T, D], targets [B, T]; got {tuple(logits.shape)}, "
-                f"{tuple(keys.shape)}, {tuple(targets.shape)}"
-            )
-        b, t = targets.shape
-        if logits.shape[:2] != (b, t) or keys.shape[:2] != (b, t):
-            raise MemlmError(
-                f"logits {tuple(logits.shape)}, keys {tuple(keys.shape)} and targets {tuple(targets.shape)} "
-                "must agree on [B, T]"
-            )
-        if self.kind == "long" and segment_doc is None:
-            raise MemlmError("the long-term memory needs segment_doc and segment_index_in_doc for each segment")
-        seg, pos, doc = segment_layout(b, t, segment_doc, segment_index_in_doc, device=targets.device)
-        drop = self.kind == "external" and self.training and sample_drop_local(self.p_drop_local, self.generator)
-        visible = memory_visibility(self.kind, seg, pos, doc, drop_local=drop)
-        q = keys.reshape(b * t, -1)
-        y = targets.reshape(-1)
-        return trime_loss(
-            logits.reshape(b * t, -1), q, q, y, visible, y, scale=self.scale, ignore_index=self.ignore_index
-        )

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
+from memlm.models.forward import right_pad
 from memlm.models.keys import KeyCapture, KeySpec
 from memlm.training.lm import LmObjective
 from memlm.training.loop import causal_lm_loss, lm_batches
@@ -317,10 +318,7 @@ class TrimeBatches:
             return self._plans[epoch]
         n, bs = len(self.segments), self.batch_size
         if self.kind == "long":
-            batches = [
-                b.indices
-                for b in pack_consecutive(self.segments, bs, self.segments_per_doc, _epoch_seed(self.seed, epoch, 1))
-            ]
+            batches = pack_consecutive(self.segments, bs, self.segments_per_doc, _epoch_seed(self.seed, epoch, 1))
         else:
             if self._neighbors is not None:
                 order = chain_order(self._neighbors, seed=_epoch_seed(self.seed, epoch, 2))
@@ -336,15 +334,10 @@ class TrimeBatches:
     def collate(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The batch dict of segments ``indices``: right-padded to the longest row (module docstring)."""
         segs = [self.segments[i] for i in indices]
-        width = max(len(s.tokens) for s in segs)
-        ids = np.full((len(segs), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(segs), width), dtype=np.int64)
-        for r, s in enumerate(segs):
-            ids[r, : len(s.tokens)] = s.tokens
-            mask[r, : len(s.tokens)] = 1
+        ids, mask = right_pad([s.tokens for s in segs], self.pad_id)
         return {
-            "input_ids": torch.from_numpy(ids),
-            "attention_mask": torch.from_numpy(mask),
+            "input_ids": ids,
+            "attention_mask": mask,
             "segment_doc": torch.tensor([s.doc_index for s in segs], dtype=torch.long),
             "segment_index": torch.tensor([s.index for s in segs], dtype=torch.long),
         }
@@ -357,7 +350,8 @@ class TrimeBatches:
             yield self.collate(indices)
 
 
-def _pad_id(tokenizer) -> int:
+def pad_id_of(tokenizer) -> int:
+    """The pad id, else the EOS id, else 0 (right padding under an attention mask: its value is never read)."""
     for name in ("pad_token_id", "eos_token_id"):
         value = getattr(tokenizer, name, None)
         if isinstance(value, int):
@@ -391,15 +385,7 @@ def trime_batches(
         stream = np.concatenate(token_docs) if token_docs else np.zeros(0, dtype=np.int64)
         return lm_batches(stream, seq_len=seq_len, batch_size=batch_size, seed=seed)
     return TrimeBatches(
-        kind,
-        token_docs,
-        seq_len,
-        batch_size,
-        seed=seed,
-        segments_per_doc=segments_per_doc,
-        packing=packing,
-        bm25_k=bm25_k,
-        pad_id=_pad_id(tokenizer),
+        kind, token_docs, seq_len, batch_size, seed, segments_per_doc, packing, bm25_k, pad_id_of(tokenizer)
     )
 
 
