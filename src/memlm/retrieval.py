@@ -160,10 +160,11 @@ class DatastoreMemory:
     with ``search`` -- ``"index"``, the index at ``index_path`` (default the datastore's own; a sharded datastore's
     searcher) or ``"exact"``, all keys --, ``scores`` -- ``"index"`` or ``"exact"``, recomputed from the stored keys --,
     ``nprobe`` and ``metric``, default the index's); a user's searcher is used as it is, a FAISS index already read
-    goes through :func:`open_searcher` as the datastore's index would. ``counts`` (merged counts ``[N]``;
-    ``"auto"``: those of a pruned datastore, :func:`load_counts`) enter as ``log_counts``. ``chunk`` queries are
-    searched at a time.
+    goes through :func:`open_searcher` as the datastore's index would. A pruned datastore's merged counts ``[N]``
+    (:func:`load_counts`) enter as ``log_counts``. :attr:`CHUNK` queries are searched at a time.
     """
+
+    CHUNK = 4096
 
     def __init__(
         self,
@@ -173,23 +174,20 @@ class DatastoreMemory:
         nprobe: int = 32,
         index_path: str | Path | None = None,
         metric: str | None = None,
-        counts: np.ndarray | None | str = "auto",
-        chunk: int = 4096,
         progress: bool = False,
         searcher: Searcher | None = None,
     ) -> None:
         if search not in SEARCH_MODES or scores not in SEARCH_MODES:
             raise MemlmError("search and scores must each be 'index' or 'exact'")
         self.datastore, self.search_mode, self.scores_mode = datastore, search, scores
-        self.chunk, self.progress = chunk, progress
+        self.chunk, self.progress = self.CHUNK, progress
         self.index_path = Path(index_path) if index_path is not None else datastore.index_path
         if searcher is None or not isinstance(searcher, Searcher):  # None: the datastore's own; a FAISS index read
             searcher = open_searcher(datastore, search, scores, index_path, nprobe, metric, base=searcher)
         self.searcher = searcher
         self.metric = searcher.metric
         self.nprobe = nprobe
-        if isinstance(counts, str):  # "auto": a pruned datastore's own counts, None for an unpruned one
-            counts = load_counts(datastore)
+        counts = load_counts(datastore)  # a pruned datastore's own counts, None for an unpruned one
         self.pruned = counts is not None and datastore.manifest.get("pruned") is not None
         self.absorbed = load_absorbed(datastore) if self.pruned else None
         if counts is not None and len(counts) != len(datastore):
