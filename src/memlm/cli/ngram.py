@@ -43,7 +43,6 @@ def decontaminate_documents(args: argparse.Namespace, docs: list, tok) -> tuple[
 
 
 def cmd_ngram_build(args: argparse.Namespace) -> None:
-    from memlm.knnlm.calibration import has_stored_mixture, report_mixture, stored_mixture
     from memlm.ngram.index import build_ngram_index
 
     model, tok = common._load_model(args.model, args.dtype)
@@ -73,29 +72,10 @@ def cmd_ngram_build(args: argparse.Namespace) -> None:
             why = "--no-calibrate" if args.no_calibrate else source["holdout"].get("reason")
             print(f"no calibration ({why}): eval falls back to λ_sparse=0.1, λ_dense=0.03", file=sys.stderr)
             return
-        cal = m.get("calibration")
-        if (
-            cal is not None
-            and cal.get("holdout_ids") == source["holdout"].get("ids_sha256")
-            and has_stored_mixture(index)  # an index calibrated before the fit existed (or a corrupt one): again
-        ):
-            print("calibration already recorded", file=sys.stderr)
-            return
-        from memlm.knnlm.calibration import calibrate_ngram
-        from memlm.ngram.memory import NgramMemory
+        from memlm.knnlm.calibration import calibrate_index_holdout
 
-        hold = source["holdout"]
-        print(f"calibrating the mixture on {hold['tokens']:,} held-out tokens "
-              f"({hold['documents']:,} document{'s' if hold['documents'] != 1 else ''})", file=sys.stderr)  # fmt: skip
-        cal = calibrate_ngram(
-            model, tok, NgramMemory(index), held_out, window=args.window, stride=args.stride, batch_size=args.batch_size
-        )
-        cal["holdout_ids"] = hold.get("ids_sha256")
-        index.record_calibration(cal)
-        print(f"calibrated: held-out ppl {cal['base_ppl']:.3f} -> {cal['mixture_ppl']:.3f}; recorded in {index.path}",
-              file=sys.stderr)  # fmt: skip
-        report_mixture(stored_mixture(index), f"the slice is capped by the corpus: tune on your own valid text "
-                       f"with `memlm eval --ngram {index.path} --dump` + `memlm tune --mixture guarded`")  # fmt: skip
+        calibrate_index_holdout(model, tok, index, held_out, source["holdout"], window=args.window, stride=args.stride,
+                                batch_size=args.batch_size)  # fmt: skip
 
 
 def check_ngram_build(args: argparse.Namespace) -> None:

@@ -69,6 +69,7 @@ __all__ = [
     "holdout_split",
     "calibrate",
     "calibrate_ngram",
+    "calibrate_index_holdout",
     "calibrate_shared",
     "ngram_calibration",
     "near_temperatures",
@@ -797,6 +798,31 @@ def calibrate_ngram(
     add_memory(ts, memory, held_out, tokenizer)
     return {**ngram_calibration(ts), "window": window, "stride": stride, "seconds": time.perf_counter() - t0,
             **slice_record(held_out)}  # fmt: skip
+
+
+def calibrate_index_holdout(model, tokenizer, index, held_out: Sequence, holdout: dict[str, Any], window: int = 1024,
+                            stride: int = 512, batch_size: int = 4) -> dict[str, Any] | None:  # fmt: skip
+    """``memlm ngram build``'s calibration of ``index`` on the slice it held out (:func:`calibrate_ngram`), recorded in
+    its manifest and said on stderr; a rerun over the same slice keeps a usable record (None returned) and
+    recalibrates a record without a usable fit (an older memlm's, a corrupt one)."""
+    from memlm.ngram.memory import NgramMemory
+
+    cal = index.manifest.get("calibration")
+    if cal is not None and cal.get("holdout_ids") == holdout.get("ids_sha256") and has_stored_mixture(index):
+        print("calibration already recorded", file=sys.stderr)
+        return None
+    n = holdout["documents"]
+    print(f"calibrating the mixture on {holdout['tokens']:,} held-out tokens ({n:,} document{'s' if n != 1 else ''})",
+          file=sys.stderr)  # fmt: skip
+    cal = calibrate_ngram(model, tokenizer, NgramMemory(index), held_out, window=window, stride=stride,
+                          batch_size=batch_size)  # fmt: skip
+    cal["holdout_ids"] = holdout.get("ids_sha256")
+    index.record_calibration(cal)
+    print(f"calibrated: held-out ppl {cal['base_ppl']:.3f} -> {cal['mixture_ppl']:.3f}; recorded in {index.path}",
+          file=sys.stderr)  # fmt: skip
+    report_mixture(stored_mixture(index), f"the slice is capped by the corpus: fit on your own valid text with "
+                   f"`memlm eval --memory {index.path} --dump` + `memlm tune --mixture guarded`")  # fmt: skip
+    return cal
 
 
 def ngram_calibration(ts) -> dict[str, Any]:
