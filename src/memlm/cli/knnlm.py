@@ -32,7 +32,7 @@ from memlm.knnlm.calibration import datastore_weights, stored_mixture
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import perplexities, value_counts
+    from memlm.knnlm.evaluate import eval_result
     from memlm.knnlm.memories import memory_spec
     from memlm.knnlm.scoring import score_tokens
     from memlm.leakage import Evaluated, check_leakage
@@ -80,33 +80,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.dump:
         ts.save(args.dump)
         print(f"wrote {args.dump}", file=sys.stderr)
-    lam, temperature, origin = weights[0] if ds is not None else (0.0, args.temperature or 1.0, None)
-    res = perplexities(
-        ts,
-        lam=lam,
-        temperature=temperature,
-        cache_lambda=args.cache_lambda if cache else 0.0,
-        cache_temperature=args.cache_temperature,
-        target_counts=value_counts(ds, ts.targets) if ds is not None else None,
-        datastores=[(w[0], w[1]) for w in weights[1:]],
-    )
-    first = ts.meta["components"].get("knn", {})  # the first datastore's description
-    res.update(
-        model=model_name,
-        memories=memory_spec(list(ts.components.values())),
-        corpus=args.corpus,
-        split=args.split,
-        **({"parameters_from": origin} if origin else {}),
-        **({"datastores": each} if (each := _each_datastore(ts, weights)) else {}),
-        **{k: v for k, v in ts.meta.items() if k.startswith("seconds")},
-        **{k: v for k, v in first.items() if k in ("datastore", "key", "search", "scores")},
-        retrieval={  # the values this result used (score_tokens records the search; λ, τ are chosen here)
-            **ts.meta["retrieval"],
-            **({"lam": res.get("lambda", lam), "temperature": temperature} if ds is not None else {}),
-            "cache_lambda": res.get("cache_lambda", args.cache_lambda if cache else 0.0),
-            "cache_temperature": args.cache_temperature,
-        },
-    )
+    about = {"model": model_name, "memories": memory_spec(list(ts.components.values())), "corpus": args.corpus,
+             "split": args.split}  # fmt: skip
+    res = eval_result(ts, weights, (args.cache_lambda if cache else 0.0, args.cache_temperature), ds,
+                      args.temperature, about)  # fmt: skip
+    lam, temperature = weights[0][:2] if ds is not None else (0.0, args.temperature or 1.0)
     if ngram is not None:
         from memlm.ngram.results import ngram_result
 
@@ -137,15 +115,6 @@ def weights_given(args: argparse.Namespace) -> bool:
     fixed-weight rule of those values, and no default mixture."""
     names = ("lam", "temperature", "ngram_lambda_sparse", "ngram_lambda_dense")
     return any(getattr(args, n, None) is not None for n in names)
-
-
-def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
-    """With several datastores: each one's description and the λ, τ it was mixed with (and where they came from)."""
-    if len(weights) < 2:
-        return []
-    described = [ts.meta["components"][name] for name in ts.names("knn")]
-    return [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
-            for d, w in zip(described, weights, strict=True)]  # fmt: skip
 
 
 def cmd_tune(args: argparse.Namespace) -> None:

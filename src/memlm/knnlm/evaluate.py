@@ -49,6 +49,7 @@ __all__ = [
     "add_neighbours",
     "attach_neighbours",
     "perplexities",
+    "eval_result",
     "cache_mixture_ppl",
     "value_counts",
     "CACHE_KEY",
@@ -371,6 +372,45 @@ def _several_datastores(ts: TokenTable, lam: float, temperature: float, datastor
     rows.update({f"{c}_ppl": rule_for(ts, {c: weights[c]}) for c in names[1:]}, multi_knn_ppl=rule_for(ts, weights))
     stats.update(temperatures=taus, lambdas=[weights[c] for c in names])
     return taus
+
+
+def eval_result(
+    ts: TokenTable,
+    weights: Sequence[tuple[float, float, str]],
+    cache: tuple[float, float] = (0.0, 1.0),
+    datastore: DatastoreBase | None = None,
+    temperature: float | None = None,
+    about: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``memlm eval``'s result of a scored table: :func:`perplexities` with each datastore at its ``(λ, τ, origin)``
+    of ``weights`` (the first's the kNN-LM's rows, the others' ``knn2_ppl``, ``multi_knn_ppl``; no datastore: τ =
+    ``temperature`` or 1), the cache at ``cache = (λc, τc)`` (λc = 0: none), the frequency buckets counted among
+    ``datastore``'s values; then ``about`` (model, memories, corpus, split), where the weights came from
+    (``parameters_from``; each datastore's with several), the seconds spent, the first datastore's description and
+    ``retrieval``: the search settings and the weights used."""
+    has_knn = datastore is not None and bool(weights)
+    lam, tau, origin = weights[0] if has_knn else (0.0, temperature or 1.0, None)
+    res = perplexities(ts, lam=lam, temperature=tau, cache_lambda=cache[0], cache_temperature=cache[1],
+                       target_counts=value_counts(datastore, ts.targets) if has_knn else None,
+                       datastores=[(w[0], w[1]) for w in weights[1:]])  # fmt: skip
+    described = [ts.meta["components"][name] for name in ts.names("knn")]
+    each = [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
+            for d, w in zip(described, weights, strict=True)] if len(weights) > 1 else []  # fmt: skip
+    first = described[0] if described else {}
+    res.update(
+        **(about or {}),
+        **({"parameters_from": origin} if origin else {}),
+        **({"datastores": each} if each else {}),
+        **{k: v for k, v in ts.meta.items() if k.startswith("seconds")},
+        **{k: v for k, v in first.items() if k in ("datastore", "key", "search", "scores")},
+        retrieval={  # the values this result used (score_tokens records the search)
+            **ts.meta["retrieval"],
+            **({"lam": res.get("lambda", lam), "temperature": tau} if has_knn else {}),
+            "cache_lambda": res.get("cache_lambda", cache[0]),
+            "cache_temperature": cache[1],
+        },
+    )
+    return res
 
 
 def value_counts(datastore: DatastoreBase, targets: np.ndarray) -> np.ndarray:
