@@ -146,6 +146,22 @@ def test_a_calibration_of_an_older_memlm_is_refused_with_the_fix():
                 read(ds)
 
 
+def test_datastore_weights_leave_the_lm_and_the_cache_a_weight(capsys):
+    """One datastore whose calibrated weight leaves the cache too little: lowered to 1 - λc and said so (a given λ is
+    kept); several whose weights and the cache's reach 1: one error."""
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import datastore_weights
+
+    cal = {"k": 8, "tokens": 500, "count": 10, "base_ppl": 9.0, "mixture_ppl": 8.0, "mixture": _fit_record(0.9)}
+    ds = _Fake({"calibration": cal}, 10)
+    assert datastore_weights([ds], cache_lambda=0.2)[0][:2] == (pytest.approx(0.8), 3.0)
+    assert "λ lowered to 0.8 so that λ + --cache-lambda <= 1" in capsys.readouterr().err
+    assert datastore_weights([ds], lam=0.9, cache_lambda=0.2)[0][0] == 0.9
+    assert datastore_weights([ds])[0][:2] == (0.9, 3.0)
+    with pytest.raises(MemlmError, match=r"the datastores' λ's \(0.9, 0.9\) and the cache's sum to 1.8"):
+        datastore_weights([ds, ds])
+
+
 def _rule(cal: dict) -> tuple[float, float]:
     """The fixed-weight rule's (λ, τ) of a calibration: its stored fit's mean weight and τ."""
     return cal["mixture"]["rule_weights"]["knn"], cal["mixture"]["temperature"]
