@@ -94,8 +94,8 @@ def world(tmp_path_factory, tiny_lm):
 
 
 def _bad_calibration(ds: Path, out: Path, count: int, **fields: float) -> None:
-    """A copy of datastore ``ds`` whose manifest records a calibration with ``fields`` (default λ = 1.5, outside
-    [0, 1]), its checksum resealed as an older memlm or the API could have written it."""
+    """A copy of datastore ``ds`` whose manifest records a calibration whose stored mixture has ``fields`` (default
+    its rule weight 1.5, outside [0, 1]), its checksum resealed as the API could have written it."""
     import math
     import shutil
 
@@ -103,8 +103,9 @@ def _bad_calibration(ds: Path, out: Path, count: int, **fields: float) -> None:
 
     shutil.copytree(ds, out)
     m = json.loads((out / "manifest.json").read_text())
-    m["calibration"] = {"lambda": 1.5, "temperature": 1.0, "k": 4, "tokens": 10, "count": count, "base_ppl": 9.0,
-                        "knn_ppl": 8.0, **fields}  # fmt: skip
+    weight = fields.pop("knn", 1.5)
+    mixture = {"fit": {}, "temperature": 1.0, "k": 4, "rule_weights": {"knn": weight}, **fields}
+    m["calibration"] = {"k": 4, "tokens": 10, "count": count, "base_ppl": 9.0, "mixture": mixture}
     if all(math.isfinite(v) for v in fields.values()):
         m["manifest_sha256"] = manifest_digest(m)
     (out / "manifest.json").write_text(json.dumps(m))
@@ -468,8 +469,8 @@ def test_bad_arguments_fail_before_the_model_is_loaded(world, capsys, monkeypatc
 
 
 def test_bad_calibration_in_a_manifest_fails_before_the_model_loads(world, capsys, monkeypatch, tmp_path):
-    """A calibration λ > 1, τ <= 0 or NaN in a manifest is refused when the datastore is opened, naming the manifest
-    (it passed the schema and failed only after the model loaded, with a message that did not name it)."""
+    """A calibrated rule weight > 1, τ <= 0 or NaN in a manifest is refused when the datastore is opened, naming the
+    manifest (it passed the schema and failed only after the model loaded, with a message that did not name it)."""
     import memlm.cli.common as cli
 
     def no_model(*_a, **_k):
@@ -477,15 +478,15 @@ def test_bad_calibration_in_a_manifest_fails_before_the_model_loads(world, capsy
 
     monkeypatch.setattr(cli, "_load_model", no_model)
     n = json.loads((world / "ds" / "manifest.json").read_text())["count"]
-    cases = {"lam": {"lambda": 1.5}, "tau0": {"lambda": 0.5, "temperature": 0.0},
-             "taunan": {"lambda": 0.5, "temperature": float("nan")}}  # fmt: skip
+    cases = {"lam": {"knn": 1.5}, "tau0": {"knn": 0.5, "temperature": 0.0},
+             "taunan": {"knn": 0.5, "temperature": float("nan")}}  # fmt: skip
     for name, fields in cases.items():
         _bad_calibration(world / "ds", tmp_path / name, n, **fields)
         for cmd, flag in ((EVAL, "--memory"), (GEN, "--memory")):
             code, err = run_cli([a.format(root=world) for a in cmd] + [flag, str(tmp_path / name)], capsys)
             assert_one_error(code, err)
-            field = "lambda" if name == "lam" else "temperature"
-            assert str(tmp_path / name / "manifest.json") in err and f"calibration.{field}" in err, err
+            field = "rule_weights.knn" if name == "lam" else "temperature"
+            assert str(tmp_path / name / "manifest.json") in err and f"calibration.mixture.{field}" in err, err
 
 
 def test_an_index_of_another_datastore_is_refused_by_the_api_too(world):

@@ -1,4 +1,5 @@
-"""Self-calibrating datastores: the held-out slice, the λ/τ tuned on it, and their use by eval / generate / lm-eval."""
+"""Self-calibrating datastores: the held-out slice, the one mixture fitted on it, and its use by eval / generate /
+lm-eval."""
 
 import json
 
@@ -107,16 +108,63 @@ class _Fake:
         return self._n
 
 
+def _fit_record(weight: float = 0.1, temperature: float = 3.0) -> dict:
+    """A stored fit of the LM and a datastore: constant weights, ``weight`` the datastore's, at τ ``temperature``."""
+    from memlm.core.mixture import Mixture, MixtureFit
+    from memlm.mixing.dump import DumpMixture
+
+    mixture = Mixture.constant(("lm", "knn"), [1 - weight, weight])
+    fit = MixtureFit(mixture, 500, 8, 400, 100, "documents", {"constant": -1.0}, [1 - weight, weight])
+    return DumpMixture(fit, temperature, 8, rule_weights={"knn": weight}).to_dict()
+
+
 def test_knn_parameters_precedence(capsys):
-    cal = {"lambda": 0.1, "temperature": 3.0, "k": 8, "tokens": 500, "count": 10, "base_ppl": 9.0, "knn_ppl": 8.0}
+    cal = {"k": 8, "tokens": 500, "count": 10, "base_ppl": 9.0, "mixture_ppl": 8.0, "mixture": _fit_record()}
     ds = _Fake({"calibration": cal}, 10)
-    assert knn_parameters(ds)[:2] == (0.1, 3.0)
-    assert "calibrated on 500 held-out tokens" in capsys.readouterr().err
+    assert knn_parameters(ds)[:2] == (0.1, 3.0)  # the stored fit's mean weight and its τ
+    assert "mixture fitted at calibration on 500 held-out tokens" in capsys.readouterr().err
     assert knn_parameters(ds, lam=0.5)[:2] == (0.5, 3.0)  # a given value wins, the other comes from the calibration
     assert knn_parameters(ds, 0.5, 2.0)[:2] == (0.5, 2.0)
     assert knn_parameters(_Fake({}, 10))[:2] == (0.25, 1.0)  # no calibration: the fallback, said so
     assert "fallback" in capsys.readouterr().err
     assert knn_parameters(_Fake({"calibration": cal}, 11))[:2] == (0.25, 1.0)  # stale (another entry count)
+
+
+def test_a_calibration_of_an_older_memlm_is_refused_with_the_fix():
+    """A record with the grid's λ, τ beside the fit (or a fit without its rule summary): one error, recalibrate."""
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import stored_mixture
+
+    new = {"k": 8, "tokens": 500, "count": 10, "base_ppl": 9.0, "mixture_ppl": 8.0, "mixture": _fit_record()}
+    bare = {k: v for k, v in new["mixture"].items() if k != "rule_weights"}
+    for old in ({**new, "lambda": 0.1, "temperature": 3.0}, {**new, "mixture": bare}):
+        ds = _Fake({"calibration": old}, 10)
+        ds.key_spec = "ffn_in"
+        for read in (knn_parameters, stored_mixture):
+            with pytest.raises(MemlmError, match=r"ds/manifest.json: its calibration was written by an older memlm.*"
+                               r"recalibrate it: rerun the `memlm datastore build`"):  # fmt: skip
+                read(ds)
+
+
+def test_datastore_weights_leave_the_lm_and_the_cache_a_weight(capsys):
+    """One datastore whose calibrated weight leaves the cache too little: lowered to 1 - λc and said so (a given λ is
+    kept); several whose weights and the cache's reach 1: one error."""
+    from memlm.errors import MemlmError
+    from memlm.knnlm.calibration import datastore_weights
+
+    cal = {"k": 8, "tokens": 500, "count": 10, "base_ppl": 9.0, "mixture_ppl": 8.0, "mixture": _fit_record(0.9)}
+    ds = _Fake({"calibration": cal}, 10)
+    assert datastore_weights([ds], cache_lambda=0.2)[0][:2] == (pytest.approx(0.8), 3.0)
+    assert "λ lowered to 0.8 so that λ + --cache-lambda <= 1" in capsys.readouterr().err
+    assert datastore_weights([ds], lam=0.9, cache_lambda=0.2)[0][0] == 0.9
+    assert datastore_weights([ds])[0][:2] == (0.9, 3.0)
+    with pytest.raises(MemlmError, match=r"the datastores' λ's \(0.9, 0.9\) and the cache's sum to 1.8"):
+        datastore_weights([ds, ds])
+
+
+def _rule(cal: dict) -> tuple[float, float]:
+    """The fixed-weight rule's (λ, τ) of a calibration: its stored fit's mean weight and τ."""
+    return cal["mixture"]["rule_weights"]["knn"], cal["mixture"]["temperature"]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +188,8 @@ def test_build_holds_out_and_calibrates(built):
     manifest = json.loads((ds / "manifest.json").read_text())
     holdout, cal = manifest["sources"][0]["holdout"], manifest["calibration"]
     assert holdout["documents"] > 0 and holdout["tokens"] >= 0.1 * holdout["corpus_tokens"]
-    assert f"calibrated: λ={cal['lambda']:g}, τ={cal['temperature']:g}" in r.stderr
+    assert f"calibrated: held-out ppl {cal['base_ppl']:.3f} -> {cal['mixture_ppl']:.3f} (k=16" in r.stderr
+    assert not {"lambda", "temperature", "grid"} & set(cal)  # one stored weight: the fit
     assert cal["count"] == manifest["count"] and cal["k"] == 16 and cal["tokens"] > 0
     # the held-out documents are not in the datastore; every other document is
     from memlm.storage.datastore import Datastore
@@ -165,9 +214,10 @@ def test_eval_without_flags_uses_the_calibration(built, tmp_path):
               "--min-context", "8"]  # fmt: skip
     r = memlm(*common, "--json", str(tmp_path / "a.json"))
     assert r.returncode == 0, r.stderr
-    assert f"kNN-LM parameters: λ={cal['lambda']:g}, τ={cal['temperature']:g}: calibrated on" in r.stderr
+    lam, tau = _rule(cal)
+    assert f"kNN-LM parameters: λ={lam:g}, τ={tau:g}: the mean weights of the" in r.stderr
     res = json.loads((tmp_path / "a.json").read_text())
-    assert (res["lambda"], res["temperature"]) == (cal["lambda"], cal["temperature"])
+    assert (res["lambda"], res["temperature"]) == (lam, tau)
     assert "held-out" in res["parameters_from"]
     # flags override the calibration
     r = memlm(*common, "--lambda", "0.6", "--temperature", "7", "--json", str(tmp_path / "b.json"))
@@ -315,43 +365,6 @@ def test_python_consumers_default_to_the_stored_fit(built, tiny_lm, capsys):
     assert MemlmLM(model, tok, str(ds), "knn=0.3", window=32, min_context=8).fit is None
 
 
-def test_calibration_is_the_best_grid_point_on_the_held_out_slice(built, tiny_lm, monkeypatch):
-    """Recompute the held-out dump independently: the recorded (λ, τ) is its grid argmin, not the kept text's."""
-    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
-    from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
-    from memlm.mixing import report
-    from memlm.storage.datastore import Datastore
-
-    # each grid point's perplexity, not its bootstrap intervals (most of perplexities' time, ~300 times here)
-    monkeypatch.setattr(report, "evidence", lambda *_a, **_k: {})
-
-    root, ds_path, docs, _ = built
-    model, tok = tiny_lm
-    ds = Datastore.open(ds_path)
-    cal = ds.manifest["calibration"]
-    _, held, _ = holdout_split(docs, tok, fraction=0.1)
-    ts, q, _ = lm_scores(model, tok, held, [ds.key_spec], window=32, min_context=8, progress=False)
-    add_neighbours(ts, q[ds.key_spec], ds, k=16, progress=False)
-    assert len(ts) == cal["tokens"]
-    grid = cal["grid"]  # memlm tune's grid, widened while the best value sat on its edge
-    assert set(DEFAULT_LAMBDAS) <= set(grid["lambdas"]) and set(DEFAULT_TEMPERATURES) <= set(grid["temperatures"])
-    ppl = {(lam, t): perplexities(ts, lam=lam, temperature=t)["knn_ppl"] for lam in grid["lambdas"]
-           for t in grid["temperatures"]}  # fmt: skip
-    best = min(ppl.values())
-    assert ppl[(cal["lambda"], cal["temperature"])] == pytest.approx(best, rel=1e-6)
-    assert cal["knn_ppl"] == pytest.approx(best, rel=1e-6)
-    default_best = min(v for (lam, t), v in ppl.items() if lam in DEFAULT_LAMBDAS and t in DEFAULT_TEMPERATURES)
-    if grid["widened"] == 0:  # not widened: the best of the default grid is not on its τ edge
-        assert cal["temperature"] not in (min(DEFAULT_TEMPERATURES), max(DEFAULT_TEMPERATURES))
-    else:  # widened: because the default grid's best sat on its edge, and the wider grid does at least as well
-        assert best <= default_best
-        at = [t for (lam, t), v in ppl.items() if v == default_best and lam in DEFAULT_LAMBDAS]
-        assert at[0] in (min(DEFAULT_TEMPERATURES), max(DEFAULT_TEMPERATURES)) or cal["lambda"] < 0.01
-    # what the values were measured with is recorded: k, search, index (file, factory)
-    assert (cal["k"], cal["search"], cal["scores"]) == (16, "index", "index")
-    assert cal["index"]["file"] == "index.faiss" and cal["index"]["factory"]
-
-
 def test_sharded_build_is_calibrated_too(tmp_path, tiny_lm_dir):
     """`--shards N` holds out the same slice, calibrates on the merged shards and records it in shards.json."""
     docs = make_toy_docs(60, seed=11)
@@ -368,7 +381,7 @@ def test_sharded_build_is_calibrated_too(tmp_path, tiny_lm_dir):
     cal = ds.manifest["calibration"]
     assert cal["count"] == len(ds) and cal["k"] == 8
     assert json.loads((out / "shards.json").read_text())["calibration"] == cal
-    assert knn_parameters(ds, announce=False)[:2] == (cal["lambda"], cal["temperature"])
+    assert knn_parameters(ds, announce=False)[:2] == _rule(cal)
 
 
 def test_rerun_with_another_holdout_is_refused(built, tmp_path):
@@ -422,7 +435,7 @@ def test_one_file_corpus_is_calibrated_on_its_tail(onefile, tiny_lm):
     from memlm.storage.datastore import Datastore
 
     root, ds_path, _, r = onefile
-    assert "calibrated: λ=" in r.stderr and "no calibration" not in r.stderr, r.stderr
+    assert "calibrated: held-out ppl" in r.stderr and "no calibration" not in r.stderr, r.stderr
     ds = Datastore.open(ds_path)
     hold, cal = ds.manifest["sources"][0]["holdout"], ds.manifest["calibration"]
     assert hold["documents"] == 1 and hold["tails"][0]["of"] == "speeches.txt"
@@ -479,7 +492,7 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     (tmp_path / "other.txt").write_text("\n\n".join(d.text for d in make_toy_docs(30, seed=99)))
     r = memlm("datastore", "calibrate", str(ds), "--model", model, "--corpus", str(tmp_path / "other.txt"), "--k",
               "16")  # fmt: skip
-    assert r.returncode == 0 and "calibrated: λ=" in r.stderr, r.stderr
+    assert r.returncode == 0 and "calibrated: held-out ppl" in r.stderr, r.stderr
     cal = json.loads((ds / "manifest.json").read_text())["calibration"]
     assert cal["text"]["named"] and cal["text"]["corpus"] == str(tmp_path / "other.txt") and cal["k"] == 16
     # the mixture is fitted on the named text too, and said so (with the size warning: 30 short documents)
@@ -491,7 +504,7 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     r = memlm(*common, "--k", "16", "--json", str(tmp_path / "a.json"))
     assert r.returncode == 0 and "named with memlm datastore calibrate" in r.stderr and "note:" not in r.stderr
     ret = json.loads((tmp_path / "a.json").read_text())["retrieval"]
-    assert (ret["lam"], ret["temperature"]) == (cal["lambda"], cal["temperature"])  # were None
+    assert (ret["lam"], ret["temperature"]) == _rule(cal)  # were None
     assert ret["cache_lambda"] == 0.05 and ret["index"] == str(ds / "index.faiss")  # were 0.0 and absent
     r = memlm(*common, "--k", "8")
     assert r.returncode == 0 and "note: this run uses k=8 (calibrated with k=16)" in r.stderr, r.stderr
@@ -519,12 +532,16 @@ def _held_out_dump(ds, docs, tok, model, k=16):
 
 
 def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
-    """The fit stored in the manifest is fit_dump's on the held-out dump (τ: the rule's and its grid neighbours):
-    same form, τ, sizes, weights and held-out log-likelihoods, and the same log P on every token; the build says what it
-    fitted on and warns that the slice is under memlm.core.mixture's minimum sizes."""
-    from memlm.core.mixture import MIN_FIT_TOKENS, token_blocks
+    """The one fit stored in the manifest is fit_table's guarded fit on the held-out dump, τ searched at the τ where
+    EM's constant mixture is most likely and its neighbours: same form, τ, sizes, weights and held-out
+    log-likelihoods, the same log P on every token, and its rule weights its mean weight; what it was measured with is
+    recorded; the build says what it fitted on and warns that the slice is under memlm.core.mixture's minimum
+    sizes."""
+    from memlm.core.mixture import MIN_FIT_TOKENS
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
     from memlm.knnlm.calibration import near_temperatures, stored_mixture
-    from memlm.mixing.dump import DumpMixture, fit_dump
+    from memlm.mixing.dump import DumpMixture
+    from memlm.mixing.report import fit_table
     from memlm.storage.datastore import Datastore
 
     root, ds_path, docs, r = built
@@ -534,16 +551,17 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     stored = stored_mixture(ds)
     assert isinstance(stored, DumpMixture) and stored.mixture.components == ("lm", "knn")
     ts = _held_out_dump(ds, docs, tok, model)
-    ts.doc_index = token_blocks(ts.doc_index)  # as calibrate: a slice of few documents in blocks
-    again = fit_dump(ts, near_temperatures(cal["grid"]["temperatures"], cal["temperature"]), 16)
+    tau = fit_table(ts, "constant", DEFAULT_TEMPERATURES, 16).temperature
+    again = fit_table(ts, "guarded", near_temperatures(DEFAULT_TEMPERATURES, tau), 16)
     assert (stored.fit.form, stored.temperature, stored.k) == (again.fit.form, again.temperature, 16)
     sizes = ("tokens", "documents", "fit_tokens", "kept_tokens")
     assert [getattr(stored.fit, s) for s in sizes] == [getattr(again.fit, s) for s in sizes]
     assert stored.fit.tokens == cal["tokens"]
-    # τ searched next to the rule's
-    assert [s["temperature"] for s in stored.search] == near_temperatures(
-        cal["grid"]["temperatures"], cal["temperature"]
-    )
+    # τ searched next to the constant mixture's most likely; the rule weight is the fit's mean weight
+    assert [s["temperature"] for s in stored.search] == near_temperatures(DEFAULT_TEMPERATURES, tau)
+    assert stored.rule_weights["knn"] == pytest.approx(stored.fit.mean_weights[1], rel=1e-9)
+    assert (cal["k"], cal["search"], cal["scores"]) == (16, "index", "index")
+    assert cal["index"]["file"] == "index.faiss" and cal["index"]["factory"]
     for form, value in again.fit.heldout_loglik.items():
         assert stored.fit.heldout_loglik[form] == pytest.approx(value, rel=1e-6, abs=1e-9)
     np.testing.assert_allclose(stored.fit.mean_weights, again.fit.mean_weights, rtol=1e-5, atol=1e-7)
@@ -593,7 +611,7 @@ def test_calibration_warns_below_the_stated_size_only(built, tiny_lm, capsys):
 
 
 def test_calibration_adds_no_forward_pass(built, tiny_lm):
-    """λ/τ and the mixture come from one LM pass over the slice: as many forward calls, on as many tokens, as
+    """The mixture comes from one LM pass over the slice: as many forward calls, on as many tokens, as
     lm_scores alone makes."""
     from memlm.knnlm.calibration import calibrate
     from memlm.knnlm.evaluate import lm_scores
@@ -662,12 +680,12 @@ def test_a_rerun_recalibrates_a_corrupt_or_missing_fit(built, tmp_path):
     out = _corrupt_copy(ds_path, tmp_path, lambda rec: rec.clear())
     args = r.args[r.args.index("build") + 1 :]
     r2 = memlm("datastore", "build", *[str(out) if a == str(ds_path) else a for a in args])
-    assert r2.returncode == 0 and "calibrating λ, τ and the mixture" in r2.stderr, r2.stderr
+    assert r2.returncode == 0 and "calibrating the mixture" in r2.stderr, r2.stderr
     assert stored_mixture(Datastore.open(out)).to_dict()["fit"]["mixture"] == stored_mixture(
         Datastore.open(ds_path)).to_dict()["fit"]["mixture"]  # fmt: skip
 
 
-def test_calibration_searches_the_mixtures_temperature_next_to_the_rules():
+def test_calibration_searches_the_mixtures_temperature_next_to_the_constant_mixtures():
     from memlm.knnlm.calibration import near_temperatures
 
     grid = [0.1, 1.0, 3.0, 10.0, 100.0]

@@ -165,18 +165,16 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
         str(tmp_path / "test.npz"),
         "--json",
         str(tmp_path / "tuned.json"),
-        "--lambdas",
-        "0",
-        "0.25",
-        "0.5",
         "--temperatures",
         "1",
         "10",
     )
     assert r.returncode == 0, r.stderr
     tuned = strict_loads((tmp_path / "tuned.json").read_text())
-    assert tuned["valid"]["best"]["lambda"] in (0, 0.25, 0.5) and len(tuned["grid"]) == 6
-    assert tuned["test"]["lambda"] == tuned["valid"]["best"]["lambda"]
+    best = tuned["best"]  # the rule by EM: λ fitted, τ the more likely of the two
+    assert best["form"] == "rule" and 0 <= best["knn"] <= 1 and best["temperature"] in (1, 10)
+    assert [s["temperature"] for s in tuned["mixture"]["search"]] == [1, 10]
+    assert tuned["test"]["mixture_ppl"] > 0 and tuned["valid"]["mixture_ppl"] <= tuned["valid"]["base_ppl"] * (1 + 1e-9)
 
     r = memlm("generate", "--memory", str(ds), "--prompt", "the cat", "--max-new-tokens", "5")
     assert r.returncode == 0, r.stderr

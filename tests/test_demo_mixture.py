@@ -10,7 +10,7 @@ from memlm.experiments import demo
 from memlm.knnlm.default_mixture import combine
 from memlm.knnlm.table import TokenTable
 from memlm.mixing.datastore import DatastoreComponent
-from memlm.mixing.dump import fit_dump
+from memlm.mixing.report import fit_table
 from memlm.ngram.step import NgramComponent
 
 V, K = 50, 8
@@ -89,9 +89,10 @@ def _gate_ppl(m: dict, d: TokenTable, tau: float | None) -> float:
 
 
 def _fits(slice_dump: TokenTable) -> dict:
-    """The stored fits as a build makes them (fit_dump on the slice, one memory each), and their combination."""
-    knn = fit_dump(demo._view(slice_dump, "knn_ppl"), [2.0, 5.0], K)
-    ngram = fit_dump(demo._view(slice_dump, "ngram_ppl"), (1.0,))
+    """The stored fits as a build makes them (fit_table's guarded fit on the slice, one memory each), and their
+    combination."""
+    knn = fit_table(demo._view(slice_dump, "knn_ppl"), "guarded", [2.0, 5.0], K)
+    ngram = fit_table(demo._view(slice_dump, "ngram_ppl"), "guarded")
     return {"knn_ppl": knn, "ngram_ppl": ngram, "knn_ngram_ppl": combine([knn, ngram], ["knn", "ngram"])}
 
 

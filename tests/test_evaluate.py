@@ -9,7 +9,7 @@ from conftest import Doc
 from test_datastore import build
 
 from memlm.knnlm.cache import CacheComponent, continuous_cache
-from memlm.knnlm.evaluate import perplexities, tune
+from memlm.knnlm.evaluate import perplexities
 from memlm.knnlm.generate import MixtureLogitsProcessor
 from memlm.knnlm.scoring import score_tokens
 from memlm.knnlm.table import TokenTable
@@ -76,7 +76,7 @@ def test_drop_self_matches(tmp_path, tiny_lm, toy_docs):
     assert perplexities(no_self, lam=0.5)["knn_ppl"] > perplexities(with_self, lam=0.5)["knn_ppl"]
 
 
-def test_tune_and_dump_roundtrip(tmp_path, tiny_lm, toy_docs):
+def test_fit_and_dump_roundtrip(tmp_path, tiny_lm, toy_docs):
     model, tok = tiny_lm
     ds = indexed(tmp_path, tiny_lm, toy_docs[:20])
     ts = score_tokens(model, tok, toy_docs[20:], [ds, CacheComponent()], k=16, window=32, min_context=8, progress=False)
@@ -85,10 +85,16 @@ def test_tune_and_dump_roundtrip(tmp_path, tiny_lm, toy_docs):
     back = TokenTable.load(path)
     np.testing.assert_array_equal(back.columns["knn"]["values"], ts.columns["knn"]["values"])
     assert back.meta["components"]["knn"]["k"] == 16 and back.names() == ("knn", "cache")
-    res = tune(back, lambdas=[0.0, 0.1, 0.5, 0.9], temperatures=[1.0, 10.0], cache_lambdas=[0.0, 0.1])
-    grid = {(g["lambda"], g["temperature"], g["cache_lambda"]): g["ppl"] for g in res["grid"]}
-    assert res["best"]["ppl"] == min(grid.values())
-    assert grid[(0.0, 1.0, 0.0)] == pytest.approx(perplexities(back)["base_ppl"])
+    from memlm.mixing.report import fit_summary, fit_table
+
+    dm = fit_table(back, "rule", [1.0, 10.0])  # λ and λc by EM at each τ, the most likely τ kept
+    best = fit_summary(dm)
+    assert best["temperature"] == max(dm.search, key=lambda s: s["heldout_loglik"]["rule"])["temperature"]
+    at = {"temperature": best["temperature"], "cache_temperature": 1.0}
+    assert perplexities(back, lam=best["knn"], cache_lambda=best["cache"], **at)["knn_cache_ppl"] == pytest.approx(
+        best["ppl"], rel=1e-9)  # fmt: skip
+    for lam, lc in ((0.01, 0.01), (0.5, 0.1), (0.1, 0.3)):  # the maximum: no other weights do better
+        assert perplexities(back, lam=lam, cache_lambda=lc, **at)["knn_cache_ppl"] >= best["ppl"] * (1 - 1e-9)
     r = perplexities(back, lam=0.5, temperature=10.0, k=4)
     assert r["oracle_ppl"] <= min(r["base_ppl"], r["knn_ppl"]) + 1e-9
 

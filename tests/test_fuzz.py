@@ -162,6 +162,8 @@ def dump(tmp_path_factory):
         targets=rng.integers(0, 50, n),
         lm_logprob=np.log(rng.random(n) + 1e-3).astype(np.float32),
         doc_index=np.zeros(n, np.int32),
+        lm_entropy=(3 * rng.random(n)).astype(np.float32),
+        lm_max_logprob=np.log(rng.random(n) + 1e-3).astype(np.float32),
     )
     table.add(DatastoreComponent(None, 8), {"scores": -np.sort(rng.random((n, 8)), axis=1).astype(np.float32),
                                             "values": rng.integers(0, 50, (n, 8)).astype(np.int32)})  # fmt: skip
@@ -171,16 +173,16 @@ def dump(tmp_path_factory):
 
 TUNE_FLAGS = {
     "--k": lambda t: _k(t) and int(t) <= 8,  # the dump holds 8 neighbours
-    "--lambdas": _prob,
     "--temperatures": _pos_float,
-    "--cache-lambdas": _prob,
+    "--cache-temperatures": _pos_float,
 }
 
 
 def _tune_property(dump, flag: str, value: str) -> None:
     code, err = _run(["tune", "--valid", str(dump), flag, value])
-    if TUNE_FLAGS[flag](value):
-        assert code == 0, (flag, value, err)
+    if TUNE_FLAGS[flag](value):  # a τ so small that p_kNN underflows on every token leaves nothing to fit: said so
+        underflow = flag == "--temperatures" and _one_error(code, err) and "every token probability 0" in err
+        assert code == 0 or underflow, (flag, value, err)
     else:
         assert _one_error(code, err), (flag, value, code, err)
 

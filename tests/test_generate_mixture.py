@@ -192,7 +192,7 @@ def gate_fit(tmp_path_factory):
     )
     valid.save(root / "v.npz")
     fit = root / "fit.json"
-    argv = ["tune", "--valid", str(root / "v.npz"), "--mixture", "gate", "--temperatures", "2", "--json", str(fit)]
+    argv = ["tune", "--valid", str(root / "v.npz"), "--mixture", "guarded", "--temperatures", "2", "--json", str(fit)]
     assert main(argv) == 0
     return fit
 
@@ -250,7 +250,8 @@ def test_cli_generate_refuses_a_fit_for_other_memories_before_loading_the_model(
     with_cache = synthetic_dump(1, n=400)
     with_cache.save(tmp_path / "c.npz")
     assert (
-        main(["tune", "--valid", str(tmp_path / "c.npz"), "--mixture", "gate", "--json", str(tmp_path / "c.json")]) == 0
+        main(["tune", "--valid", str(tmp_path / "c.npz"), "--mixture", "guarded", "--json", str(tmp_path / "c.json")])
+        == 0
     )
     capsys.readouterr()
     cases.append(

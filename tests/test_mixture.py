@@ -31,8 +31,8 @@ from memlm.knnlm.cache import CacheComponent
 from memlm.knnlm.evaluate import perplexities
 from memlm.knnlm.table import TokenTable
 from memlm.mixing.datastore import DatastoreComponent
+from memlm.mixing.dump import rule_logprob
 from memlm.mixing.inputs import mixture_inputs
-from memlm.ngram.mixture import ngram_report
 from memlm.ngram.step import NgramComponent
 
 # ------------------------------------------------------------------------------------------------ NumPy references
@@ -249,7 +249,7 @@ def test_a_gate_on_the_sparse_flag_is_infinigrams_two_lambdas():
     assert np.allclose(got.numpy(), want, rtol=0, atol=1e-12)
     lam = mix.log_weights(inp.features).exp()[:, 1].numpy()
     assert np.allclose(lam, np.where(ts.columns["ngram"]["sparse"], ls, ld), rtol=0, atol=1e-15)
-    assert np.isclose(perplexity(got), ngram_report(ts, ls, ld)["ngram_ppl"], rtol=1e-6)
+    assert np.isclose(perplexity(got), perplexity(rule_logprob(ts, {"ngram": (ls, ld)})), rtol=1e-6)
 
 
 def test_a_gate_on_the_sparse_flag_is_the_three_way_kNN_and_ngram_mixture():
@@ -263,7 +263,7 @@ def test_a_gate_on_the_sparse_flag_is_the_three_way_kNN_and_ngram_mixture():
     lam_inf = np.where(ts.columns["ngram"]["sparse"], ls, ld)  # (1 - λ - λ∞) p_LM + λ p_kNN + λ∞ P∞, in NumPy
     want = np.log((1 - lam - lam_inf) * p[:, 0] + lam * p[:, 1] + lam_inf * p[:, 2])
     assert np.allclose(got.numpy(), want, rtol=0, atol=1e-12)
-    today = ngram_report(ts, ls, ld, lam=lam, temperature=tau)["knn_ngram_ppl"]
+    today = perplexity(rule_logprob(ts, {"knn": lam, "ngram": (ls, ld)}, tau))
     assert np.isclose(perplexity(got), today, rtol=1e-6)
 
 

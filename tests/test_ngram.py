@@ -316,9 +316,10 @@ def test_rerun_with_other_corpus_is_refused(tok, corpus, index):
 
 
 def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
+    from memlm.core.distribution import perplexity
     from memlm.knnlm.scoring import score_tokens
     from memlm.mixing.dump import rule_logprob
-    from memlm.ngram.mixture import ngram_report, tune_ngram
+    from memlm.mixing.report import fit_summary, fit_table
 
     model, tok = tiny_lm
     evals = make_toy_docs(5, seed=21)
@@ -326,9 +327,7 @@ def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
     lm = torch.from_numpy(ts.lm_logprob)
     mixed = rule_logprob(ts, {"ngram": (0.0, 0.0)})  # the rule eval mixes by, at λ_sparse = λ_dense = 0
     assert torch.equal(mixed, lm.double())
-    rep = ngram_report(ts, 0.0, 0.0)
-    assert rep["ngram_ppl"] == rep["base_ppl"]
-    # the dump's statistics are those of a direct query; tuning never does worse than λ = 0
+    # the dump's statistics are those of a direct query; the fitted rule never does worse than λ = 0
     brute = Brute(tok, corpus)
     for i in [0, 5, 17, len(ts) - 1]:
         d = [t for t in _ids(tok, evals[int(ts.doc_index[i])].text)] + [tok.eos_token_id]
@@ -338,50 +337,10 @@ def test_mixture_at_lambda_zero_is_the_lm_exactly(tiny_lm, corpus, index):
             ts.columns["ngram"]["n"][i],
             bool(ts.columns["ngram"]["sparse"][i]),
         ) == (count, n, sparse)
-    best = tune_ngram(ts)["best"]
-    assert best["ppl"] <= rep["base_ppl"] + 1e-9
-    assert math.isclose(
-        ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])["ngram_ppl"], best["ppl"], rel_tol=1e-6
-    )
-
-
-def test_three_way_mixture_tuning_is_the_full_grid_optimum(tiny_lm, index, toy_docs, tmp_path):
-    """Tuning λ_sparse, λ_dense per subset for each (λ, τ) finds the optimum of the full product grid."""
-    import itertools
-
-    from memlm.knnlm.scoring import score_tokens
-    from memlm.knnlm.write import write_datastore
-    from memlm.mixing.inputs import memory_logprob
-    from memlm.ngram.mixture import tune_ngram
-
-    model, tok = tiny_lm
-    ds = write_datastore(model, tok, toy_docs, tmp_path / "ds", window=64, min_context=32, progress=False)
-    ts = score_tokens(
-        model,
-        tok,
-        make_toy_docs(4, seed=9),
-        [ds, NgramMemory(index)],
-        k=16,
-        window=64,
-        min_context=32,
-        search="exact",
-        progress=False,
-    )
-    lams, taus, ngl = (0.0, 0.2, 0.5), (1.0, 10.0), (0.0, 0.1, 0.3, 0.6)
-    res = tune_ngram(ts, lambdas=ngl, knn_lambdas=lams, temperatures=taus)["best"]
-    p_lm, p_ng = np.exp(ts.lm_logprob.astype(np.float64)), np.exp(ts.columns["ngram"]["logprob"].astype(np.float64))
-
-    def ppl(lam, t, a, b):  # (1 - λ - λ∞) p_LM + λ p_kNN + λ∞ P∞, λ∞ = a where sparse else b (by hand, NumPy)
-        p_knn = np.exp(
-            memory_logprob(ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, t)
-            .numpy()
-            .astype(np.float64)
-        )
-        lam_inf = np.where(ts.columns["ngram"]["sparse"], a, b)
-        return float(np.exp(-np.log((1 - lam - lam_inf) * p_lm + lam * p_knn + lam_inf * p_ng).mean()))
-
-    full = min(ppl(*p) for p in itertools.product(lams, taus, ngl, ngl) if p[0] + max(p[2], p[3]) <= 1)
-    assert math.isclose(res["ppl"], full, rel_tol=1e-6)
+    best = fit_summary(fit_table(ts, "rule"))
+    assert best["ppl"] <= perplexity(lm) + 1e-9
+    weights = {"ngram": (best["ngram_sparse"], best["ngram_dense"])}  # one ∞-gram: the rule's own weights, exact
+    assert math.isclose(perplexity(rule_logprob(ts, weights)), best["ppl"], rel_tol=1e-9)
 
 
 def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
@@ -412,7 +371,8 @@ def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
         == 0
     )
     cal = NgramIndex.open(out).manifest["calibration"]
-    assert cal["tokens"] > 0 and 0 <= cal["lambda_sparse"] <= 1
+    sparse, dense = cal["mixture"]["rule_weights"]["ngram"]  # the stored fit's mean weight per state
+    assert cal["tokens"] > 0 and 0 <= sparse <= 1 and 0 <= dense <= 1
     dump = tmp_path / "valid.npz"
     args = [
         "eval",
@@ -432,12 +392,12 @@ def test_cli_build_eval_tune(tiny_lm_dir, tmp_path, capsys):
     ]
     assert main([*args, "--dump", str(dump), "--json", str(tmp_path / "r.json")]) == 0
     res = json.loads((tmp_path / "r.json").read_text())
-    assert res["lambda_sparse"] == cal["lambda_sparse"] and "effective_n" in res
+    assert (res["lambda_sparse"], res["lambda_dense"]) == (sparse, dense) and "effective_n" in res
     assert main(["tune", "--valid", str(dump), "--test", str(dump), "--json", str(tmp_path / "t.json")]) == 2
     assert "holds 11 of the 11 evaluated documents" in capsys.readouterr().err  # the dump records the overlap
     tune = ["tune", "--valid", str(dump), "--test", str(dump), "--allow-overlap", "--json", str(tmp_path / "t.json")]
     assert main(tune) == 0
-    assert json.loads((tmp_path / "t.json").read_text())["test"]["ngram_ppl"] > 0
+    assert json.loads((tmp_path / "t.json").read_text())["test"]["mixture_ppl"] > 0
     assert main(["ngram", "info", str(out), "--verify"]) == 0
 
 
@@ -526,10 +486,9 @@ def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, corpus, index, 
         for row in rows:
             hi = row["count_max"] if row["count_max"] is not None else np.inf
             assert row["tokens"] == sum(row["count_min"] <= c <= hi for c in counts), (system, row)
-    assert main(["tune", "--valid", str(dump), "--lambdas", "0", "0.3", "--temperatures", "1", "10",
-                 "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
-    best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
-    assert {"lambda", "temperature", "lambda_sparse", "lambda_dense"} <= set(best)
+    assert main(["tune", "--valid", str(dump), "--temperatures", "1", "10", "--json", str(tmp_path / "t.json")]) == 0
+    best = json.loads((tmp_path / "t.json").read_text())["best"]
+    assert {"knn", "temperature", "ngram_sparse", "ngram_dense"} <= set(best) and best["form"] == "rule"
 
 
 def test_generate_with_datastore_and_ngram_is_the_three_way_mixture(tiny_lm, tiny_lm_dir, toy_docs, corpus, index,
@@ -642,12 +601,14 @@ def test_token_counts_are_the_unigram_counts_p_inf_uses(tok, corpus, index):
     assert NgramMemory(index).token_counts(ids).tolist() == [brute.count(int(t)) for t in ids]
 
 
-def test_several_references_mixture_and_tuning():
-    """Two ∞-gram references with their own weights: the mixture equals the formula computed in NumPy, and the tuned
-    weights are a coordinate-wise optimum of the grid, no worse than either reference alone (Liu et al. 2024's
-    interpolation, one (λ_sparse, λ_dense) pair per reference)."""
+def test_several_references_mixture_and_fit():
+    """Two ∞-gram references with their own weights: the rule's mixture equals the formula computed in NumPy, and the
+    rule fitted on them (EM per joint sparse state) is no worse than either reference alone at its best weights on a
+    grid (Liu et al. 2024's interpolation, one (λ_sparse, λ_dense) pair per reference)."""
+    from memlm.knnlm.table import TokenTable
     from memlm.mixing.dump import mix_by_rule
-    from memlm.ngram.mixture import tune_multi_ngram
+    from memlm.mixing.report import fit_summary, fit_table
+    from memlm.ngram.step import NgramComponent
 
     rng = np.random.default_rng(5)
     n = 400
@@ -671,21 +632,18 @@ def test_several_references_mixture_and_tuning():
                       + l2 * np.exp(refs_np[1][0]))  # fmt: skip
 
     np.testing.assert_allclose(got, by_hand(ws, 0.2), rtol=1e-10)
-    grid = (0.0, 0.05, 0.1, 0.2, 0.4)
-    res = tune_multi_ngram(torch.from_numpy(lm), refs, lambdas=grid)
+    ts = TokenTable(targets=np.zeros(n, dtype=np.int64), doc_index=np.arange(n, dtype=np.int32) // 50,
+                    lm_logprob=lm.astype(np.float32), lm_entropy=np.ones(n, dtype=np.float32),
+                    lm_max_logprob=np.full(n, -0.5, dtype=np.float32))  # fmt: skip
+    for logp, sparse in refs_np:
+        ts.add(NgramComponent(None), {"logprob": logp.astype(np.float32), "count": np.ones(n, dtype=np.int64),
+                                      "n": np.full(n, 3, dtype=np.int32), "sparse": sparse})  # fmt: skip
+    best = fit_summary(fit_table(ts, "rule"))
 
     def ppl(w):
         return float(np.exp(-by_hand(w).mean()))
 
-    assert res["ppl"] == pytest.approx(ppl(res["weights"]), rel=1e-9)
-    for r in range(2):  # each reference alone, its best pair over the full grid
+    grid = (0.0, 0.05, 0.1, 0.2, 0.4)
+    for r in range(2):  # each reference alone, its best pair on a grid: the joint fit does at least as well
         alone = min(ppl([(a, b) if i == r else (0.0, 0.0) for i in range(2)]) for a in grid for b in grid)
-        assert res["ppl"] <= alone + 1e-9
-    for r in range(2):  # no single weight change on the grid improves the result
-        for j in (0, 1):
-            for w in grid:
-                cand = [list(x) for x in res["weights"]]
-                cand[r][j] = w
-                if sum(max(x) for x in cand) <= 1:
-                    assert ppl([tuple(x) for x in cand]) >= res["ppl"] - 1e-9
-    assert all(max(w) > 0 for w in res["weights"])  # both references used on this data
+        assert best["ppl"] <= alone * (1 + 1e-6)

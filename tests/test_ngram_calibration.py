@@ -1,6 +1,6 @@
-"""``memlm ngram build``'s calibration (memlm.knnlm.calibration.calibrate_ngram): λ_sparse / λ_dense and the
-guarded mixture of the LM and the index, fitted on the held-out slice's one scored dump and stored in the index's
-manifest (issue 35)."""
+"""``memlm ngram build``'s calibration (memlm.knnlm.calibration.calibrate_ngram): the one guarded mixture of the LM and
+the index, fitted on the held-out slice's one scored dump and stored in the index's manifest, with its summary as the
+rule's λ_sparse / λ_dense."""
 
 from __future__ import annotations
 
@@ -42,18 +42,20 @@ def built(tmp_path_factory, tiny_lm_dir):
 
 
 def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
-    """The stored fit is fit_dump's on the held-out dump scored again here (LM + this ∞-gram): same form, sizes,
-    weights, log P per token; λ_sparse / λ_dense are still recorded beside it; the build says what it fitted on and
-    warns below memlm.core.mixture's sizes, with the fix."""
-    from memlm.core.mixture import MIN_FIT_TOKENS, token_blocks
+    """The stored fit is fit_table's guarded fit on the held-out dump scored again here (LM + this ∞-gram): same
+    form, sizes, weights, log P per token; its rule weights are its mean weight where P∞ is sparse and where it is
+    not; no other weight is recorded beside it; the build says what it fitted on and warns below
+    memlm.core.mixture's sizes, with the fix."""
+    from memlm.core.mixture import MIN_FIT_TOKENS
     from memlm.knnlm.evaluate import add_memory, lm_scores
-    from memlm.mixing.dump import DumpMixture, fit_dump
+    from memlm.mixing.dump import DumpMixture
+    from memlm.mixing.report import fit_table
 
     root, ix, docs, _, r = built
     model, tok = tiny_lm
     index = NgramIndex.open(ix)
     cal = index.manifest["calibration"]
-    assert 0 <= cal["lambda_sparse"] <= 1 and 0 <= cal["lambda_dense"] <= 1  # the rule's weights, kept
+    assert not {"lambda_sparse", "lambda_dense"} & set(cal)  # one stored weight: the fit
     stored = stored_mixture(index)
     assert isinstance(stored, DumpMixture) and stored.mixture.components == ("lm", "ngram")
     assert stored.temperature is None and stored.k is None
@@ -61,23 +63,25 @@ def test_build_stores_the_mixture_fitted_on_the_held_out_dump(built, tiny_lm):
     _, held, _ = holdout_split(docs, tok, 0.1)
     ts, _, _ = lm_scores(model, tok, held, window=64, stride=32, progress=False)
     add_memory(ts, NgramMemory(index), held, tok)
-    ts.doc_index = token_blocks(ts.doc_index)  # as calibrate_ngram: a slice of few documents in blocks
-    again = fit_dump(ts, (1.0,))
+    again = fit_table(ts, "guarded")
     sizes = ("form", "tokens", "documents", "fit_tokens", "kept_tokens")
     assert [getattr(stored.fit, s) for s in sizes] == [getattr(again.fit, s) for s in sizes]
     assert stored.fit.tokens == cal["tokens"]
     np.testing.assert_allclose(stored.fit.mean_weights, again.fit.mean_weights, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(stored.logprob(ts).numpy(), again.logprob(ts).numpy(), rtol=1e-6, atol=1e-8)
     assert DumpMixture.from_dict(stored.to_dict()).to_dict() == stored.to_dict()
+    w = stored.mixture.log_weights(again.inputs(ts).features).exp()[:, 1].numpy()
+    sparse = np.asarray(ts.columns["ngram"]["sparse"], dtype=bool)
+    np.testing.assert_allclose(stored.rule_weights["ngram"], [w[sparse].mean(), w[~sparse].mean()], rtol=1e-6)
     f = stored.fit
-    assert "calibrating λ_sparse, λ_dense and the mixture on" in r.stderr
+    assert "calibrating the mixture on" in r.stderr
     assert f"mixture of lm + ngram: {f.form}, fitted on {f.tokens:,} held-out tokens of {f.documents:,} documents" in (
         r.stderr
     )
     assert f.tokens < MIN_FIT_TOKENS and f"warning: fitted on {f.tokens:,} tokens (fewer than {MIN_FIT_TOKENS:,})" in (
         r.stderr
     )
-    assert "memlm tune --mixture gate" in r.stderr.split("warning: fitted on")[1]  # the fix
+    assert "memlm tune --mixture guarded" in r.stderr.split("warning: fitted on")[1]  # the fix
 
 
 def test_ngram_info_shows_the_stored_fit(built):
@@ -113,21 +117,28 @@ def test_a_corrupt_stored_fit_is_one_clear_error_and_a_rerun_refits_it(built, tm
     assert not has_stored_mixture(index) and "cannot be used" in calibration_summary(index)["mixture"]["problem"]
     rerun = [str(out) if a == str(ix) else a for a in args]
     r = memlm(*rerun)
-    assert r.returncode == 0 and "calibrating λ_sparse, λ_dense and the mixture" in r.stderr, r.stderr
+    assert r.returncode == 0 and "calibrating the mixture" in r.stderr, r.stderr
     assert stored_mixture(NgramIndex.open(out)).to_dict()["fit"]["mixture"] == stored_mixture(
         NgramIndex.open(ix)).to_dict()["fit"]["mixture"]  # fmt: skip
     r = memlm(*rerun)  # now current: nothing to do
     assert r.returncode == 0 and "calibration already recorded" in r.stderr, r.stderr
 
 
-def test_an_index_calibrated_before_the_fit_has_none_until_rebuilt(built, tmp_path):
-    out = _edited_copy(built[1], tmp_path, lambda cal: cal.pop("mixture"))
-    assert stored_mixture(NgramIndex.open(out)) is None
-    assert calibration_summary(NgramIndex.open(out))["lambda_sparse"] >= 0
+def test_an_index_calibrated_by_an_older_memlm_is_refused_until_rebuilt(built, tmp_path):
+    """A calibration with the grid's λ_sparse / λ_dense beside the fit: one error that says to rebuild; info shows
+    the problem; eval's default weights refuse it too."""
+    from memlm.knnlm.calibration import ngram_parameters
+
+    out = _edited_copy(built[1], tmp_path, lambda cal: cal.update(lambda_sparse=0.3, lambda_dense=0.1))
+    for read in (stored_mixture, ngram_parameters):
+        with pytest.raises(MemlmError, match=r"written by an older memlm .*lambda_sparse, lambda_dense.*rerun the "
+                           r"`memlm ngram build` command"):  # fmt: skip
+            read(NgramIndex.open(out))
+    assert "older memlm" in calibration_summary(NgramIndex.open(out))["problem"]
 
 
 def test_calibration_adds_no_forward_pass(built, tiny_lm):
-    """λ_sparse / λ_dense and the mixture come from one LM pass: the forward calls of lm_scores alone."""
+    """The mixture comes from one LM pass: the forward calls of lm_scores alone."""
     from memlm.knnlm.calibration import calibrate_ngram
     from memlm.knnlm.evaluate import lm_scores
 

@@ -88,8 +88,8 @@ def _by_hand(ts: TokenTable, weights, lam: float = 0.0, knn: np.ndarray | None =
 
 def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_docs, tmp_path):
     """eval --ngram A --ngram B: each reference's column is what that index alone dumps; the mixture's per-token
-    probability and perplexity are Σ λ_i P_i by hand; tune then gives each index its own weights (jointly tuned, no
-    worse on valid than either alone) and applies them to the test dump."""
+    probability and perplexity are Σ λ_i P_i by hand; tune then fits the rule over both (EM per joint sparse state,
+    no worse on valid than either alone) and applies it to the test dump."""
     from memlm.cli import main
     from memlm.mixing.dump import rule_logprob
 
@@ -117,23 +117,17 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
     alone_b = json.loads((tmp_path / "b.json").read_text())
     assert res["ngrams"][1]["ngram_ppl"] == pytest.approx(alone_b["ngram_ppl"], rel=1e-12)
 
-    grid = ["0", "0.05", "0.1", "0.2", "0.4"]
     assert main(["tune", "--allow-overlap", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "ab.npz"),
-                 "--ngram-lambdas", *grid, "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
+                 "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
     t = json.loads((tmp_path / "t.json").read_text())
-    best = t["valid"]["best"]
-    assert [r["ngram"] for r in best["ngrams"]] == [str(a.path), str(b.path)]
-    weights = best["weights"]
-    assert [[r["lambda_sparse"], r["lambda_dense"]] for r in best["ngrams"]] == weights
-    by_hand = float(np.exp(-_by_hand(ts, weights).mean()))
-    assert best["ppl"] == pytest.approx(by_hand, rel=1e-6)
-    assert t["test"]["ngram_ppl"] == pytest.approx(by_hand, rel=1e-6)
-    # jointly tuned: no worse than either index alone with its own best pair on the same grid
-    g = [float(x) for x in grid]
-    for r in range(2):
+    best = t["best"]
+    assert {"ngram_sparse", "ngram_dense", "ngram2_sparse", "ngram2_dense"} <= set(best)
+    assert t["test"]["mixture_ppl"] == pytest.approx(best["ppl"], rel=1e-9) == pytest.approx(t["valid"]["mixture_ppl"])
+    g = (0.0, 0.05, 0.1, 0.2, 0.4)
+    for r in range(2):  # fitted together: no worse than either index alone with its own best pair on a grid
         alone = min(float(np.exp(-_by_hand(ts, [(x, y) if i == r else (0.0, 0.0) for i in range(2)]).mean()))
                     for x in g for y in g)  # fmt: skip
-        assert best["ppl"] <= alone + 1e-9
+        assert best["ppl"] <= alone * (1 + 1e-6)
     # a test dump scored with other indexes is refused
     assert (
         main(["tune", "--allow-overlap", "--valid", str(tmp_path / "ab.npz"), "--test", str(tmp_path / "a.npz")]) != 0
@@ -142,7 +136,7 @@ def test_eval_and_tune_with_two_ngram_indexes(tiny_lm_dir, two_indexes, eval_doc
 
 def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_indexes, ds, eval_docs, tmp_path):
     """LM + kNN + two ∞-grams: weights set apart that sum past 1 are scaled to leave the LM >= 0, the four-way
-    mixture equals the formula by hand; tune finds λ, τ and each index's pair."""
+    mixture equals the formula by hand; tune fits λ, τ and each index's pair."""
     from memlm.cli import main
     from memlm.mixing.inputs import memory_logprob
 
@@ -164,16 +158,15 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_ind
         assert res["differences"][f"{system} vs {ref}"]["relative_change"] == pytest.approx(
             res[system] / res[ref] - 1, rel=1e-6)  # fmt: skip
         assert res["intervals"][system]["ppl"] == pytest.approx(res[system], rel=1e-9)
-    assert main(["tune", "--allow-overlap", "--valid", str(tmp_path / "kab.npz"), "--lambdas", "0", "0.3",
-                 "--temperatures", "1", "10", "--ngram-lambdas", "0", "0.1", "0.3", "--json", str(tmp_path / "t.json")]
-                ) == 0  # fmt: skip
-    best = json.loads((tmp_path / "t.json").read_text())["valid"]["best"]
-    assert best["lambda"] in (0.0, 0.3) and best["temperature"] in (1.0, 10.0) and len(best["weights"]) == 2
-    knn_t = memory_logprob(
-        ts.columns["knn"]["scores"], ts.columns["knn"]["values"], ts.targets, best["temperature"]
-    ).numpy()
-    by_hand = float(np.exp(-_by_hand(ts, best["weights"], lam=best["lambda"], knn=knn_t).mean()))
-    assert best["ppl"] == pytest.approx(by_hand, rel=1e-6)
+    assert main(["tune", "--allow-overlap", "--valid", str(tmp_path / "kab.npz"), "--temperatures", "1", "10",
+                 "--json", str(tmp_path / "t.json")]) == 0  # fmt: skip
+    t = json.loads((tmp_path / "t.json").read_text())
+    best = t["best"]
+    assert best["temperature"] in (1.0, 10.0) and {"knn", "ngram_sparse", "ngram2_dense"} <= set(best)
+    assert t["mixture"]["fit"]["mixture"]["components"] == ["lm", "knn", "ngram", "ngram2"]
+    assert best["ppl"] == pytest.approx(t["valid"]["mixture_ppl"], rel=1e-9) and best["ppl"] <= res["base_ppl"] * (
+        1 + 1e-9
+    )
 
 
 def test_same_index_twice_is_refused(tiny_lm_dir, two_indexes, eval_docs, capsys):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "papers" / "ng
 import ngram_paper_metrics as pm  # noqa: E402
 
 from memlm.knnlm.table import TokenTable  # noqa: E402
-from memlm.ngram.mixture import ngram_report  # noqa: E402
+from memlm.ngram.mixture import ngram_statistics  # noqa: E402
 from memlm.ngram.step import NgramComponent  # noqa: E402
 
 # (neural, + ∞-gram, printed %) from the paper's Table 1, test columns of GPT-2 117M, GPT-Neo 1.3B, Llama-2 70B with
@@ -63,16 +63,16 @@ def _dump() -> TokenTable:
     return table
 
 
-def test_ngram_report_gives_the_papers_agreement_beside_nonzero():
+def test_ngram_statistics_give_the_papers_agreement_beside_nonzero():
     ts = _dump()
     p = np.exp(ts.columns["ngram"]["logprob"].astype(np.float64))
-    rep = ngram_report(ts, 0.1, 0.03)
+    rep = ngram_statistics(ts)
     assert rep["ngram_target_above_half"] == pytest.approx(np.mean(p > 0.5))  # 0.5 itself is not above
     assert rep["ngram_target_above_half"] == pytest.approx(0.6)
     assert rep["ngram_target_nonzero"] == pytest.approx(np.mean(p > 0))
     assert rep["sparse_correct"] == pytest.approx(np.mean(p[ts.columns["ngram"]["sparse"]] > 0.5))
     keep = np.arange(len(p)) < 5
-    masked = ngram_report(ts, 0.1, 0.03, mask=keep)
+    masked = ngram_statistics(ts, mask=keep)
     assert masked["ngram_target_above_half"] == pytest.approx(np.mean(p[keep] > 0.5))
 
 
@@ -80,7 +80,7 @@ def test_the_script_reads_the_same_statistics_from_a_dump_file(tmp_path):
     ts = _dump()
     ts.save(tmp_path / "t.npz")
     got = pm.agreement(str(tmp_path / "t.npz"))
-    rep = ngram_report(ts, 0.1, 0.03)
+    rep = ngram_statistics(ts)
     assert got["tokens"] == len(ts)
     assert got["target_above_half"] == pytest.approx(rep["ngram_target_above_half"])
     assert got["target_nonzero"] == pytest.approx(rep["ngram_target_nonzero"])

@@ -6,12 +6,13 @@ memory spec, or a result key is renamed), the invocation in ``tests/regression/m
 ``BUILD``, ``outputs``, ``demo_rows``) is updated and the numbers must stay; the record is rewritten
 (``python tests/regression/make_record.py``) only for a change that is meant to move them, said so in its commit.
 
-Recorded: ``memlm eval`` with a datastore (explicit λ, τ, k), with an ∞-gram and with both (explicit λ_sparse,
-λ_dense), with the continuous cache; the dumps of valid and test and ``memlm tune`` on them (the chosen weights and
-test perplexities, the rule and the gate); ``eval`` with no weight flags (the datastore's stored fit: the same
-``mixture_ppl`` as ``--mixture stored``, beside the calibrated λ, τ's ``knn_ppl``), with ``--mixture stored`` and
-with ``--mixture fit.json``; greedy ``memlm generate`` with a datastore, an ∞-gram and both; ``memlm lm-eval`` on
-``memlm_wikitext2``; and the demo's table row (``memlm.experiments.demo._row``) with the memories' stored fits.
+Recorded: ``memlm eval`` with a datastore (explicit λ, τ, k), with an ∞-gram and with both (explicit λ_sparse, λ_dense),
+with the continuous cache; the dumps of valid and test and ``memlm tune`` on them (the fitted weights and test
+perplexities, the rule and the guarded fit); ``eval`` with no weight flags (the datastore's stored fit: the same
+``mixture_ppl`` as ``--mixture stored``, beside ``knn_ppl``, the rule at the fit's mean weight and τ), with ``--mixture
+stored`` and with ``--mixture fit.json``; greedy ``memlm generate`` with a datastore, an ∞-gram and both; ``memlm
+lm-eval`` on ``memlm_wikitext2``; and the demo's table row (``memlm.experiments.demo._row``) with the memories' stored
+fits.
 Every command runs in this process on a tiny random GPT-2 named ``smollm2-135m`` and the real corpora cut to a few
 hundred tokens; the model, datastore and ∞-gram index are built once for the module.
 """

@@ -14,9 +14,9 @@ SmolLM2-135M in float32 (the demo's model), for each candidate domain D among th
   and an ∞-gram over all of wiki train, decontaminated against the valid and test splits of the candidates run):
   the memory not swapped.
 
-Every weight is fixed, chosen on D's valid split (its leading ``--valid-tokens``) by :func:`memlm.knnlm.evaluate.tune`
-and :func:`memlm.ngram.mixture.tune_ngram`, and applied unchanged on test through
-:func:`memlm.core.mixture.rule_mixture`. Each row has its paired 95% bootstrap interval over the test documents
+Every weight is fixed, fitted on D's valid split (its leading ``--valid-tokens``) by
+:func:`memlm.mixing.report.fit_table` (the rule by EM, τ the most likely), and applied unchanged on test. Each row
+has its paired 95% bootstrap interval over the test documents
 (:func:`memlm.core.bootstrap.evidence`) against the base LM and against the same system with the wiki memory. The
 JSON records the seconds of each phase, the load average before the run, and the CPU (``lscpu``): the demo must fit
 its budget on 2 cores, and the forward pass dominates. Memories and per-token dumps are cached under
@@ -43,21 +43,20 @@ import torch
 
 from memlm.core.bootstrap import evidence
 from memlm.core.distribution import perplexity
-from memlm.core.mixture import rule_mixture, sparse_state_features
+from memlm.core.tuning import DEFAULT_TEMPERATURES
 from memlm.data.corpora import corpus_fingerprint, load_documents
 from memlm.data.windows import limit_documents, truncate_document
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json
-from memlm.knnlm.evaluate import add_memory, add_neighbours, lm_scores, tune
+from memlm.knnlm.evaluate import add_memory, add_neighbours, lm_scores
 from memlm.knnlm.table import TokenTable
 from memlm.knnlm.write import write_datastore
-from memlm.mixing.inputs import mixture_inputs
+from memlm.mixing.report import fit_summary, fit_table
 from memlm.models.keys import KeySpec
 from memlm.models.resources import load_causal_lm, memlm_home
 from memlm.ngram.decontaminate import decontaminate_reference
 from memlm.ngram.index import NgramIndex, build_ngram_index
 from memlm.ngram.memory import NgramMemory
-from memlm.ngram.mixture import tune_ngram
 from memlm.storage.datastore import Datastore
 
 MODEL, DTYPE, KEY, K = "smollm2-135m", "float32", "ffn_in", 256
@@ -147,34 +146,13 @@ def _lm_and_ngram(ts: TokenTable) -> TokenTable:
     return ts.select(["ngram"])
 
 
-def _mix(ts: TokenTable, mixture, temperature: float) -> torch.Tensor:
-    """``log P(target)`` per token of ``mixture`` on dump ``ts`` (the kNN term at ``temperature``)."""
-    inp = mixture_inputs(ts, temperature, K)
-    logprobs = {c: inp.logprobs[:, inp.components.index(c)] for c in mixture.components}
-    features = {f: inp.features[:, j] for j, f in enumerate(inp.feature_names)}
-    features.update(sparse_state_features({"ngram": ts.columns["ngram"]["sparse"]}))
-    return mixture.mix(logprobs, features)
-
-
 def _systems(valid: TokenTable, test: TokenTable) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Each system's test log-probabilities with its weights fixed on ``valid``: kNN (λ, τ), ∞-gram (λ_sparse,
-    λ_dense), both (the four jointly)."""
-    knn = tune(valid)["best"]
-    alone = tune_ngram(_lm_and_ngram(valid))["best"]
-    joint = tune_ngram(valid)["best"]
-    pair = {w: (r["lambda_sparse"], r["lambda_dense"]) for w, r in (("alone", alone), ("joint", joint))}
-    logprobs = {
-        "knn": _mix(test, rule_mixture(("lm", "knn"), {"knn": knn["lambda"]}), knn["temperature"]),
-        "ngram": _mix(test, rule_mixture(("lm", "ngram"), {"ngram": pair["alone"]}), 1.0),
-        "both": _mix(test, rule_mixture(("lm", "knn", "ngram"), {"knn": joint["lambda"], "ngram": pair["joint"]}),
-                     joint["temperature"]),
-    }  # fmt: skip
-    weights = {
-        "knn": {"lambda": knn["lambda"], "temperature": knn["temperature"]},
-        "ngram": {"lambda_sparse": alone["lambda_sparse"], "lambda_dense": alone["lambda_dense"]},
-        "both": {k: joint[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")},
-    }
-    return logprobs, weights
+    """Each system's test log-probabilities with its weights fitted on ``valid`` (the rule by EM, τ the most likely:
+    :func:`memlm.mixing.report.fit_table`): kNN (λ, τ), ∞-gram (λ_sparse, λ_dense), both (together)."""
+    views = {"knn": lambda ts: ts.select(["knn"]), "ngram": _lm_and_ngram, "both": lambda ts: ts}
+    fits = {name: fit_table(view(valid), "rule", DEFAULT_TEMPERATURES, K) for name, view in views.items()}
+    logprobs = {name: fits[name].logprob(view(test), f"the {name} row") for name, view in views.items()}
+    return logprobs, {name: fit_summary(dm) for name, dm in fits.items()}
 
 
 def _formatting_tokens(ts: TokenTable, tok) -> np.ndarray:

@@ -23,9 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memlm.io.fileio import atomic_write_json  # noqa: E402
+from memlm.knnlm.calibration import ngram_parameters  # noqa: E402
 from memlm.knnlm.evaluate import perplexities, value_counts  # noqa: E402
 from memlm.knnlm.table import TokenTable  # noqa: E402
-from memlm.ngram.mixture import ngram_report  # noqa: E402
+from memlm.mixing.dump import rule_for  # noqa: E402
+from memlm.mixing.report import report as mixture_report  # noqa: E402
 from memlm.ngram.results import ngram_result  # noqa: E402
 
 ROWS = ("base_ppl", "knn_ppl", "ngram_ppl", "knn_ngram_ppl")
@@ -42,8 +44,9 @@ def rescore(ts: TokenTable, res: dict) -> dict:
     counts = value_counts(open_datastore(res["datastore"]), ts.targets) if has_knn else None
     out = perplexities(ts, lam=lam, temperature=temperature, k=res.get("k"), target_counts=counts)
     if "ngram" in ts.columns:
-        given = [(res["lambda_sparse"], res["lambda_dense"])]
-        out.update(ngram_result(ts, NgramMemory(res["ngram"]), lam, temperature, base=out, given=given))
+        memory = NgramMemory(res["ngram"])
+        weights = [ngram_parameters(memory.index, res["lambda_sparse"], res["lambda_dense"], announce=False)]
+        out.update(ngram_result(ts, memory, lam, temperature, weights, base=out))
     for key in ROWS:
         if key in res:
             assert math.isclose(out[key], res[key], rel_tol=1e-9), (key, out[key], res[key])
@@ -172,14 +175,17 @@ def main() -> None:
         w3 = res.get("knn_ngram_weights") or {}
         lam = res.get("lambda") if "knn" in ts.columns else None
         ls, ld = res["lambda_sparse"], res["lambda_dense"]
-        rep = ngram_report(ts, ls, ld, mask=~fmt)
+        import torch
+
+        rows = {"base_ppl": torch.from_numpy(ts.lm_logprob), "ngram_ppl": rule_for(ts, {"ngram": (ls, ld)})}
+        pairs = [("base_ppl", "ngram_ppl")]
         if lam is not None and w3:
-            three = ngram_report(ts, w3["lambda_sparse"], w3["lambda_dense"], lam, res["temperature"], res.get("k"),
-                                 mask=~fmt)  # fmt: skip
-            rep["intervals"].update({k: v for k, v in three["intervals"].items() if k != "ngram_ppl"})
-            same = (w3["lambda_sparse"], w3["lambda_dense"]) == (ls, ld)  # the ∞-gram row's weights: comparable
-            diffs = three["differences"].items()
-            rep["differences"].update({k: v for k, v in diffs if same or "vs ngram_ppl" not in k})
+            pair = (w3["lambda_sparse"], w3["lambda_dense"])
+            rows.update(knn_ppl=rule_for(ts, {"knn": lam}), knn_ngram_ppl=rule_for(ts, {"knn": lam, "ngram": pair}))
+            same = pair == (ls, ld)  # the ∞-gram row's weights: comparable
+            pairs += [("base_ppl", "knn_ngram_ppl"), ("knn_ppl", "knn_ngram_ppl")]
+            pairs += [("ngram_ppl", "knn_ngram_ppl")] if same else []
+        rep = mixture_report(ts, rows, pairs, mask=~fmt, temperature=res.get("temperature", 1.0), k=res.get("k"))
         report["without_formatting"] = {"tokens": int((~fmt).sum()), "formatting_tokens": int(fmt.sum()),
                                         "intervals": rep["intervals"], "differences": rep["differences"],
                                         "frequency_buckets": buckets_without(ts, res, ~fmt)}  # fmt: skip

@@ -9,8 +9,8 @@ together are a 17th, larger slice. The test text is four other modules (``glob``
 
 * the bare LM;
 * the ∞-gram with memlm's fallback λ's (λ_sparse 0.1, λ_dense 0.03: what an index without calibration uses);
-* the two-λ rule tuned on the slice (:func:`memlm.ngram.mixture.tune_ngram`, what ``memlm tune --valid`` runs on a
-  one-index dump), as a new user would;
+* the two-λ rule fitted on the slice (:func:`memlm.mixing.report.fit_table`, EM per sparse state: what ``memlm tune
+  --valid`` runs on a one-index dump), as a new user would;
 * the guarded learned mixture (:func:`memlm.core.mixture.fit_guarded`) fitted on the slice: the form it chose, its
   held-out log-likelihoods on the kept part, its warnings.
 
@@ -102,18 +102,18 @@ def subset(ts, mask):
 
 
 def slice_row(small, test, name: str) -> dict:
-    """Test perplexities of the two-λ rule tuned on ``small`` and of the guarded mixture fitted on it."""
+    """Test perplexities of the two-λ rule fitted on ``small`` and of the guarded mixture fitted on it."""
     import torch
 
     from memlm.core.distribution import perplexity
     from memlm.core.mixture import fit_guarded
-    from memlm.mixing.dump import rule_logprob
     from memlm.mixing.inputs import mixture_inputs
-    from memlm.ngram.mixture import tune_ngram
+    from memlm.mixing.report import fit_summary, fit_table
 
-    tuned = tune_ngram(small)["best"]
+    rule_fit = fit_table(small, "rule")
+    tuned = fit_summary(rule_fit)
     lm = torch.from_numpy(test.lm_logprob)
-    rule = rule_logprob(test, {"ngram": (tuned["lambda_sparse"], tuned["lambda_dense"])})
+    rule = rule_fit.logprob(test, "the test dump")
     fit_in, test_in = mixture_inputs(small), mixture_inputs(test)
     fit = fit_guarded(fit_in.logprobs, fit_in.features, fit_in.doc_index, fit_in.components, fit_in.feature_names)
     base = perplexity(lm)
@@ -125,7 +125,7 @@ def slice_row(small, test, name: str) -> dict:
         "slice": name,
         "slice_tokens": len(small),
         "slice_lm_ppl": perplexity(torch.from_numpy(small.lm_logprob)),
-        "tuned": {"lambda_sparse": tuned["lambda_sparse"], "lambda_dense": tuned["lambda_dense"],
+        "tuned": {"lambda_sparse": tuned["ngram_sparse"], "lambda_dense": tuned["ngram_dense"],
                   "slice_ppl": tuned["ppl"]},
         "test_ppl": rows,
         "test_change_vs_lm_percent": {k: 100.0 * (v / base - 1.0) for k, v in rows.items()},

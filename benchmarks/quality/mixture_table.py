@@ -7,9 +7,10 @@ same WikiText-2 VALID dump (``--valid-max-tokens 60000``, the default: the first
 every memory in one forward pass) and applied to a test dump:
 
 * (a) LM + ∞-gram, (b) LM + datastore, (c) LM + both, (d) LM + both + cache;
-* ``memlm tune --valid V --test T --mixture gate``: the rule (λ, τ / λ_sparse, λ_dense grid-searched, the cache's
-  λc where the rule can tune it) and the guarded learned mixture (memlm.mixing.dump), with the 95% bootstrap
-  interval over test documents and paired differences.
+* the rule (λ, λ_sparse / λ_dense and the cache's λc by EM, τ the most likely) and the guarded learned mixture, each
+  fitted on valid by :func:`memlm.mixing.report.fit_table` (what ``memlm tune --mixture rule`` / ``guarded`` run),
+  both applied to test in one :func:`memlm.mixing.report.report`, with the 95% bootstrap interval over test
+  documents and paired differences.
 
 Each row's dumps are views of the full dumps with the other memories left out (the per-token scores of one memory do
 not depend on the others). Test dumps: the first 59,848 test tokens (11 articles, intervals.sh's, no cache: rows
@@ -68,15 +69,31 @@ def view(src: Path, dst: Path, keep: tuple[str, ...]) -> None:
     ts.save(dst)
 
 
-#: ``--rule-cache``: the grid on which the rule tunes the cache's λc, τc beside its other weights (row d)
-CACHE_GRID = ["--cache-lambdas", "0", "0.01", "0.02", "0.05", "0.1", "0.15", "0.2", "0.3",
-              "--cache-temperatures", "0.5", "1", "2", "5"]  # fmt: skip
+#: ``--rule-cache``: the cache's τc candidates of both fits (row d; otherwise τc = 1)
+CACHE_TEMPERATURES = (0.5, 1.0, 2.0, 5.0)
 
 
-def tune(valid: Path, test: Path, out: Path, log: Path, ran: list[str], extra: tuple[str, ...] = ()) -> None:
-    cmd = [sys.executable, "-m", "memlm.cli", "tune", "--valid", str(valid), "--test", str(test), "--mixture", "gate",
-           "--json", str(out), *extra]  # fmt: skip
-    run(cmd, out, log, ran)
+def tune(valid: Path, test: Path, out: Path, ran: list[str], cache_temperatures=(1.0,)) -> None:
+    """The rule and the guarded mixture fitted on ``valid`` (:func:`memlm.mixing.report.fit_table`: the weights by
+    maximum likelihood, τ the most likely of ``DEFAULT_TEMPERATURES``), both applied to ``test`` in one report;
+    skipped when ``out`` exists."""
+    ran.append(f"fit_table({valid}, rule and guarded, cache τ {list(cache_temperatures)}) applied to {test}")
+    if out.exists():
+        return
+    import torch
+
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
+    from memlm.io.fileio import atomic_write_json
+    from memlm.knnlm.table import TokenTable
+    from memlm.mixing.report import fit_summary, fit_table, report
+
+    v, t = TokenTable.load(valid), TokenTable.load(test)
+    rule, dm = (fit_table(v, form, DEFAULT_TEMPERATURES, cache_temperatures=cache_temperatures)
+                for form in ("rule", "guarded"))  # fmt: skip
+    rows = {"base_ppl": torch.from_numpy(t.lm_logprob), "rule_ppl": rule.logprob(t), "mixture_ppl": dm.logprob(t)}
+    pairs = (("base_ppl", "rule_ppl"), ("base_ppl", "mixture_ppl"), ("rule_ppl", "mixture_ppl"))
+    atomic_write_json(out, {"valid": {"best": fit_summary(rule)}, "rule": rule.to_dict(), "mixture": dm.to_dict(),
+                            "mixture_test": report(t, rows, pairs)})  # fmt: skip
 
 
 def summary(path: Path, row: str) -> dict:
@@ -135,8 +152,8 @@ def main() -> None:
     ap.add_argument("--datastore", type=Path, default=None, help="another datastore than --data's ds50k (rows b-d on "
                     "test20k only; every output file named with --tag)")  # fmt: skip
     ap.add_argument("--tag", default="", help="appended to the names of the eval and tune JSON files")
-    ap.add_argument("--rule-cache", action="store_true", help="row d only, its rule with the cache's λc, τc tuned "
-                    "on valid beside the other weights (CACHE_GRID; tune files named ..._rulecache)")  # fmt: skip
+    ap.add_argument("--rule-cache", action="store_true", help="row d only, the cache's τc chosen among "
+                    "CACHE_TEMPERATURES (tune files named ..._rulecache)")  # fmt: skip
     args = ap.parse_args()
     res = args.out.parent
     args.work.mkdir(parents=True, exist_ok=True)
@@ -162,16 +179,16 @@ def main() -> None:
             view(valid, v, keep)
             view(test, t, keep)
             out = res / f"tune_{row}_{name}{tag}{'_rulecache' if args.rule_cache else ''}.json"
-            tune(v, t, out, log, ran, tuple(CACHE_GRID) if args.rule_cache else ())
+            tune(v, t, out, ran, CACHE_TEMPERATURES if args.rule_cache else (1.0,))
             row_summary = summary(out, row)
             if args.rule_cache:
-                row_summary["memories"] += " (the rule's λc, τc tuned too)"
+                row_summary["memories"] += " (the cache's τc chosen too)"
             if args.datastore is not None:
                 row_summary["memories"] = row_summary["memories"].replace("43,344 entries", args.datastore.name)
             rows.append({"test": name, **row_summary})
     if args.stdlib is not None:  # mixture_stdlib.py's dumps: all 16 small modules as valid, 4 as test
         out = res / "tune_stdlib.json"
-        tune(args.stdlib / "small.npz", args.stdlib / "test.npz", out, log, ran)
+        tune(args.stdlib / "small.npz", args.stdlib / "test.npz", out, ran)
         rows.append({"test": "stdlib", **summary(out, "a"), "memories": "LM + ∞-gram (Python 3.11 stdlib, 3.16M)"})
     from memlm.io.fileio import atomic_write_json
 

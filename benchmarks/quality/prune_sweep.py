@@ -11,8 +11,8 @@ Protocol (the same for the unpruned reference and every pruned datastore):
    the first ``--test-tokens`` of its test split (default windows: 1,024 tokens advancing by 512), cached in WORK;
 2. each datastore is searched with its own FAISS index (the source's factory, rebuilt on the pruned entries), k
    neighbours, ``--nprobe``, the index's scores; merged counts enter the kNN softmax as w * exp(s / tau);
-3. λ and τ are grid-searched on the valid tokens (:data:`memlm.core.tuning.DEFAULT_LAMBDAS` x
-   ``DEFAULT_TEMPERATURES``) and the test perplexity is computed with them.
+3. the rule's λ is fitted on the valid tokens by EM at each τ of ``DEFAULT_TEMPERATURES``, the most likely kept
+   (:func:`memlm.mixing.report.fit_table`), and the test perplexity is computed with them.
 
 ``k_merge`` grows through the list until half of the entries are gone or the test perplexity is more than
 ``--max-cost`` (default 1%) above the unpruned reference's (that row is kept; ``--all`` runs the whole list). Pruned
@@ -82,11 +82,13 @@ def _forward(args: argparse.Namespace, ds, split: str, n_tokens: int):
 
 
 def _evaluate(args: argparse.Namespace, ds, valid, test) -> dict[str, Any]:
-    """Search ``ds``, tune λ, τ on valid, the test perplexity with them."""
+    """Search ``ds``, fit the rule's λ (EM) and τ on valid, the test perplexity with them."""
     import numpy as np
 
-    from memlm.knnlm.evaluate import perplexities, tune
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
+    from memlm.knnlm.evaluate import perplexities
     from memlm.mixing.datastore import DatastoreComponent
+    from memlm.mixing.report import fit_summary, fit_table
     from memlm.retrieval import DatastoreMemory
 
     memory = DatastoreMemory(ds, "index", "index", args.nprobe, progress=True)
@@ -99,17 +101,14 @@ def _evaluate(args: argparse.Namespace, ds, valid, test) -> dict[str, Any]:
             columns["log_counts"] = r.log_counts
         ts.add(DatastoreComponent(memory, args.k), columns)
         dumps[name] = ts
-    best = tune(dumps["valid"])["best"]
-    res = perplexities(dumps["test"], lam=best["lambda"], temperature=best["temperature"])
+    best = fit_summary(fit_table(dumps["valid"], "rule", DEFAULT_TEMPERATURES))
+    res = perplexities(dumps["test"], lam=best["knn"], temperature=best["temperature"])
     pruned = "log_counts" in dumps["test"].columns["knn"]
     authors = _authors_weighting(dumps["valid"], dumps["test"]) if pruned else None
-    edge = {
-        "lambda": best["lambda"] in (min(_grid()[0]), max(_grid()[0])),
-        "temperature": best["temperature"] in (min(_grid()[1]), max(_grid()[1])),
-    }
+    edge = {"temperature": best["temperature"] in (min(DEFAULT_TEMPERATURES), max(DEFAULT_TEMPERATURES))}
     return {
         "entries": len(ds),
-        "lambda": best["lambda"],
+        "lambda": best["knn"],
         "temperature": best["temperature"],
         "on_grid_edge": edge,
         "valid_ppl": best["ppl"],
@@ -128,9 +127,9 @@ def _authors_weighting(valid, test) -> dict[str, Any]:
     import torch
 
     from memlm.core.distribution import mix, perplexity
+    from memlm.core.mixture import fit_constant
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
     from memlm.mixing.inputs import memory_logprob
-
-    lambdas, temperatures = _grid()
 
     def knn(ts, t):
         knn = ts.columns["knn"]
@@ -140,18 +139,12 @@ def _authors_weighting(valid, test) -> dict[str, Any]:
         return perplexity(mix([torch.from_numpy(ts.lm_logprob), knn_lp], weights=[1.0 - lam, lam]))
 
     best = (float("inf"), None, None)
-    for t in temperatures:
+    for t in DEFAULT_TEMPERATURES:  # λ by EM at each τ (memlm.core.mixture.fit_constant), the most likely τ kept
         k_lp = knn(valid, t)
-        for lam in lambdas:
-            best = min(best, (ppl(valid, k_lp, lam), lam, t), key=lambda x: x[0])
+        lam = float(fit_constant(torch.stack([torch.from_numpy(valid.lm_logprob).double(), k_lp.double()], 1))[0][1])
+        best = min(best, (ppl(valid, k_lp, lam), lam, t), key=lambda x: x[0])
     valid_ppl, lam, t = best
     return {"lambda": lam, "temperature": t, "valid_ppl": valid_ppl, "test_ppl": ppl(test, knn(test, t), lam)}
-
-
-def _grid():
-    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
-
-    return DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 
 
 def _pruned(args: argparse.Namespace, src, k_merge: int) -> tuple[Any, dict[str, Any]]:

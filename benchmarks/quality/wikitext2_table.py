@@ -31,10 +31,13 @@ import numpy as np
 import torch
 
 from memlm.core.distribution import mix, perplexity
+from memlm.core.tuning import DEFAULT_TEMPERATURES
 from memlm.data.corpora import load_documents
 from memlm.io.fileio import atomic_write_json
-from memlm.knnlm.evaluate import add_neighbours, perplexities, tune
+from memlm.knnlm.calibration import stored_mixture
+from memlm.knnlm.evaluate import add_neighbours, perplexities
 from memlm.knnlm.table import TokenTable
+from memlm.mixing.report import fit_summary, fit_table
 from memlm.models.forward import rolling_forward
 from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import load_causal_lm
@@ -165,12 +168,12 @@ def main() -> None:
         for split, (_raw, ts, q) in data.items():
             print(f"[table] {name}: neighbours for {split}", file=sys.stderr, flush=True)
             dumps[split] = _neighbours(ts, q, ds, args, args.work / f"{args.corpus}-{split}-{tag}-{name}.npz")
-        best = tune(dumps["valid"])["best"]
-        settings_list = [("tuned on valid", best["lambda"], best["temperature"]), ("λ=0.25, τ=1", 0.25, 1.0)]
-        cal = ds.manifest.get("calibration")
-        if cal is not None:  # the λ/τ the build tuned on its own held-out slice (memlm.knnlm.calibration)
-            result["datastores"][name]["calibration"] = cal
-            settings_list.append(("calibrated at build", cal["lambda"], cal["temperature"]))
+        best = fit_summary(fit_table(dumps["valid"], "rule", DEFAULT_TEMPERATURES))  # λ by EM at each τ
+        settings_list = [("tuned on valid", best["knn"], best["temperature"]), ("λ=0.25, τ=1", 0.25, 1.0)]
+        fit = stored_mixture(ds)
+        if fit is not None:  # the rule summary of the fit made at build on its held-out slice (knnlm.calibration)
+            result["datastores"][name]["calibration"] = ds.manifest["calibration"]
+            settings_list.append(("calibrated at build", fit.rule_weights["knn"], fit.temperature))
         for how, lam, tau in settings_list:
             row = _row(dumps["test"], raw_test, lam, tau)
             stats = perplexities(dumps["test"], lam=lam, temperature=tau)

@@ -146,10 +146,12 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
     """Pruned datastore, compressed index, per-variant valid dumps and tuned λ, τ, and the gate for one datastore,
     each step cached in ``work`` (a rerun continues where it stopped)."""
 
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
     from memlm.knnlm.adaptive import gate_features, train_gate
-    from memlm.knnlm.evaluate import attach_neighbours, tune
+    from memlm.knnlm.evaluate import attach_neighbours
     from memlm.knnlm.prune import prune_datastore
     from memlm.knnlm.table import TokenTable
+    from memlm.mixing.report import fit_summary, fit_table
     from memlm.retrieval import DatastoreMemory
     from memlm.storage.datastore import Datastore
 
@@ -197,10 +199,10 @@ def setup(args: argparse.Namespace, ds_path: Path, work: Path) -> dict:
             valid = valid_lm.select()
             attach_neighbours(valid, queries, memory, args.k, pointer_min=kw["pointer_min"])
             valid.save(dump)
-        best = tune(valid)["best"]
-        st["tuned"][name] = {"lambda": best["lambda"], "temperature": best["temperature"], "valid_ppl": best["ppl"],
+        best = fit_summary(fit_table(valid, "rule", DEFAULT_TEMPERATURES))  # λ by EM at each τ, the most likely
+        st["tuned"][name] = {"lambda": best["knn"], "temperature": best["temperature"], "valid_ppl": best["ppl"],
                              "valid_tokens": len(valid), "dump": str(dump)}  # fmt: skip
-        print(f"{ds_path.name} {name}: λ {best['lambda']} τ {best['temperature']} valid ppl {best['ppl']:.3f} "
+        print(f"{ds_path.name} {name}: λ {best['knn']:.4g} τ {best['temperature']} valid ppl {best['ppl']:.3f} "
               f"on {len(valid):,} tokens", flush=True)  # fmt: skip
         save()
     if "gate" not in st:

@@ -39,7 +39,6 @@ _API = {
     "knn_parameters": "memlm.knnlm.calibration",
     "score_tokens": "memlm.knnlm.scoring",
     "perplexities": "memlm.knnlm.evaluate",
-    "tune": "memlm.knnlm.evaluate",
     "generate_text": "memlm.knnlm.generate",
     "MixtureLogitsProcessor": "memlm.knnlm.generate",
     "open_memories": "memlm.knnlm.memories",

@@ -141,12 +141,13 @@ class _Memory:
 
 
 def _memories(datastore: Any = None, ngram: Any = None) -> list[_Memory]:
-    """The memories of a run: a datastore (plain or sharded, or a DatastoreMemory) and ∞-gram memories (an
-    NgramMemory, NgramMemories or a list of them)."""
+    """The memories of a run: datastores (one or a list; each plain or sharded, or a DatastoreMemory) and ∞-gram
+    memories (an NgramMemory, NgramMemories or a list of them)."""
     out = []
-    ds = getattr(datastore, "datastore", datastore)
-    if ds is not None and getattr(ds, "manifest", None) is not None:
-        out.append(_Memory(f"datastore {ds.path}", ds.manifest, values=ds.values))
+    for store in datastore if isinstance(datastore, list | tuple) else [datastore]:
+        ds = getattr(store, "datastore", store)
+        if ds is not None and getattr(ds, "manifest", None) is not None:
+            out.append(_Memory(f"datastore {ds.path}", ds.manifest, values=ds.values))
     memories = getattr(ngram, "memories", ngram if isinstance(ngram, list | tuple) else [ngram] if ngram else [])
     for m in memories:
         out.append(_Memory(f"∞-gram index {m.index.path}", m.index.manifest, engine=m.engine))
@@ -311,8 +312,9 @@ def describe_overlap(evaluated: Evaluated, overlaps: list[dict]) -> str:
 def check_leakage(
     evaluated: Evaluated, datastore: Any = None, ngram: Any = None, tokenizer=None, allow_overlap: bool = False
 ) -> dict[str, Any]:
-    """Refuse (one :class:`MemlmError` naming the overlap and the fix) an evaluation whose memories hold the
-    evaluated documents (the module docstring says how that is found), unless ``allow_overlap``. Returns the record
+    """Refuse (one :class:`MemlmError` naming the overlap and the fix) an evaluation whose memories (``datastore``: one
+    or a list; ``ngram``) hold the evaluated documents (the module docstring says how that is found), unless
+    ``allow_overlap``. Returns the record
     result files keep under ``leakage``: ``allow_overlap``, the ``overlap`` found (empty: none), ``notes``,
     ``memories`` checked. Notes and an allowed overlap are printed on stderr."""
     import sys

@@ -35,8 +35,8 @@ KNN = ["--k", "64", "--lambda", "0.3", "--temperature", "2"]
 DS_MEMORY = ["--memory", "ds/wiki?k=64", "--lambda", "0.3", "--temperature", "2"]
 NGRAM = ["--ngram-lambda-sparse", "0.3", "--ngram-lambda-dense", "0.1"]
 EVAL_TOKENS = ["--max-tokens", "400"]
-# tune's grids (the defaults' joint grid over λ, τ, λ_sparse, λ_dense costs minutes even on 400 tokens)
-GRID = ["--lambdas", "0.1", "0.25", "0.5", "--temperatures", "1", "5", "20", "--ngram-lambdas", "0.05", "0.2", "0.5"]
+# tune's τ candidates (the weights are fitted, no grid)
+GRID = ["--temperatures", "1", "5", "20"]
 PROMPT = ["--prompt", "The Eiffel Tower is", "--greedy", "--max-new-tokens", "12"]
 
 # what the fixture builds (not recorded; every recorded command reads it)
@@ -65,9 +65,9 @@ COMMANDS: dict[str, tuple[list[str], str]] = {
     "dump_test": (["eval", "--corpus", "wiki", "--split", "test", "--memory", "ds/wiki", "--memory", "idx/wt2",
                    *KNN, *NGRAM, *EVAL_TOKENS, "--dump", "test.npz", "--json", "dump_test.json"], "eval"),
     "tune": (["tune", "--valid", "valid.npz", "--test", "test.npz", *GRID, "--json", "tuned.json"], "tune"),
-    "tune_gate": (["tune", "--valid", "valid.npz", "--test", "test.npz", *GRID, "--mixture", "gate", "--json",
-                   "fit.json"], "tune"),
-    # 5. the default (the datastore's calibrated λ, τ today), the stored mixture, a fitted mixture
+    "tune_guarded": (["tune", "--valid", "valid.npz", "--test", "test.npz", *GRID, "--mixture", "guarded", "--json",
+                      "fit.json"], "tune"),
+    # 5. the default (the datastore's stored fit; knn_ppl the rule at its mean weight), the stored mixture, a fit
     "eval_default": (["eval", "--corpus", "wiki", "--memory", "ds/wiki", *EVAL_TOKENS, "--json",
                       "eval_default.json"], "eval"),
     "eval_mixture_stored": (["eval", "--corpus", "wiki", "--memory", "ds/wiki", "--mixture", "stored",

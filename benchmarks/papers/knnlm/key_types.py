@@ -39,7 +39,8 @@ from knnlm_sweeps import add_forward_args, datastore, forward, log, neighbours, 
 
 from memlm.core.tuning import DEFAULT_TEMPERATURES
 from memlm.io.fileio import atomic_write_json  # noqa: E402
-from memlm.knnlm.evaluate import perplexities, tune  # noqa: E402
+from memlm.knnlm.evaluate import perplexities  # noqa: E402
+from memlm.mixing.report import fit_summary, fit_table  # noqa: E402
 from memlm.models.keys import KeySpec  # noqa: E402
 
 # (paper row, memlm key, paper's Wikitext-103 dev perplexity)
@@ -78,8 +79,8 @@ def main() -> None:
         row = {"paper_row": paper_row, "key": spec.describe(n_layers), "paper_dev_ppl": paper_ppl,
                "entries": len(ds), "dim": ds.dim, "seconds_build_and_index": build_s}  # fmt: skip
         for label, temps in (("tau1", [1.0]), ("tuned", None)):
-            best = tune(v, temperatures=temps or TEMPERATURES)["best"]
-            lam, tau = best["lambda"], best["temperature"]
+            best = fit_summary(fit_table(v, "rule", temps or TEMPERATURES))  # λ by EM at each τ, the most likely
+            lam, tau = best["knn"], best["temperature"]
             row[label] = {
                 "lambda": lam,
                 "temperature": tau,

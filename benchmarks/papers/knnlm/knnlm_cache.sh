@@ -7,5 +7,6 @@ DS=runs/knnlm/ds-wiki-ffn_in
 COMMON="--memory $DS --dtype bfloat16 --window 512 --min-context 128 --k 1024 --memory cache"
 memlm eval --corpus wiki --split valid --max-tokens 15000 $COMMON --dump runs/cache/valid.npz
 memlm eval --corpus wiki --split test --max-tokens 30000 $COMMON --dump runs/cache/test.npz
+# λ and λc fitted together by EM (the rule), τ and τc the most likely of these
 memlm tune --valid runs/cache/valid.npz --test runs/cache/test.npz --temperatures 1 2 3 5 \
-  --cache-lambdas 0 0.02 0.05 0.1 0.15 0.2 --cache-temperatures 1 3 10 30 100 --json runs/cache/tuned.json
+  --cache-temperatures 1 3 10 30 100 --json runs/cache/tuned.json

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from memlm.core.tuning import DEFAULT_LAMBDAS
+from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
 from memlm.data.corpora import corpus_fingerprint, load_corpora, load_documents
 from memlm.data.windows import limit_documents
 from memlm.io.fileio import atomic_write_json, dumps_json
-from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities, tune
+from memlm.knnlm.evaluate import add_neighbours, lm_scores, perplexities
 from memlm.knnlm.table import TokenTable
 from memlm.knnlm.write import write_datastore
+from memlm.mixing.report import fit_summary, fit_table
 from memlm.models.keys import KeySpec, num_layers
 from memlm.models.resources import load_causal_lm
 from memlm.storage.datastore import Datastore
@@ -116,9 +117,9 @@ def neighbours(base: TokenTable, queries, ds: Datastore, k: int, path: Path) -> 
 
 
 def tuned(valid: TokenTable, test: TokenTable, k: int | None = None) -> dict:
-    best = tune(valid, k=k)["best"]
+    best = fit_summary(fit_table(valid, "rule", DEFAULT_TEMPERATURES, k))  # λ by EM at each τ, the most likely
     return {
-        **perplexities(test, lam=best["lambda"], temperature=best["temperature"], k=k),
+        **perplexities(test, lam=best["knn"], temperature=best["temperature"], k=k),
         "valid_ppl": best["ppl"],
         "valid_base_ppl": perplexities(valid)["base_ppl"],
     }
@@ -198,7 +199,7 @@ def main() -> None:
     sweeps = {}
     for corpus, name in [("wiki", "wiki"), ("news", "news"), ("news", "wiki")]:
         v, t = dumps(corpus, name, stores[name])
-        best = tune(v)["best"]
+        best = fit_summary(fit_table(v, "rule", DEFAULT_TEMPERATURES))
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= args.k]
         sweeps[f"{corpus}|{name}"] = {
             "temperature": best["temperature"],

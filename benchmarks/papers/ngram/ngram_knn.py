@@ -7,11 +7,10 @@
 ``--valid`` / ``--test``: dumps with datastore neighbours from ``benchmarks/speed/bench_efficient.py`` (the plain kNN
 variant's valid dump and the ``knn`` row's test dump; documents = the first ``--*-tokens`` tokens of WikiText-2
 valid / test, as that script reads them). The ∞-gram statistics of every index are added to both (no LM pass).
-Every weight is tuned on valid and applied to test: the kNN-LM's λ, τ (``memlm tune``'s grid); each index's
-λ_sparse, λ_dense alone and jointly with λ, τ (:func:`memlm.ngram.mixture.tune_ngram`); all indexes together, each
-with its own weights, alone and beside the kNN term at its jointly tuned λ, τ
-(:func:`memlm.ngram.mixture.tune_multi_ngram`). Each row also without WikiText's formatting tokens (the λ's
-unchanged).
+Every weight is fitted on valid and applied to test, by the rule fitted as ``memlm tune`` fits it
+(:func:`memlm.mixing.report.fit_table`: EM per joint sparse state of the ∞-grams, τ the most likely): the kNN-LM's λ,
+τ; each index's λ_sparse, λ_dense alone and together with λ, τ; all indexes together, each with its own weights, alone
+and beside the kNN term. Each row also without WikiText's formatting tokens (the λ's unchanged).
 """
 
 from __future__ import annotations
@@ -28,19 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ngram_report import formatting_mask_of  # noqa: E402
 
 from memlm.core.distribution import perplexity  # noqa: E402
+from memlm.core.tuning import DEFAULT_TEMPERATURES  # noqa: E402
 from memlm.data.corpora import load_documents  # noqa: E402
 from memlm.data.windows import limit_documents  # noqa: E402
 from memlm.io.fileio import atomic_write_json  # noqa: E402
-from memlm.knnlm.evaluate import add_memory, tune  # noqa: E402
+from memlm.knnlm.evaluate import add_memory  # noqa: E402
 from memlm.knnlm.table import TokenTable  # noqa: E402
+from memlm.mixing.report import fit_summary, fit_table  # noqa: E402
 from memlm.models.resources import load_causal_lm  # noqa: E402
 from memlm.ngram.memory import NgramMemory  # noqa: E402
-from memlm.ngram.mixture import refs_logprob, tune_multi_ngram, tune_ngram  # noqa: E402
 
 
-def _with_ngram(ts: TokenTable, docs, tok, memory) -> TokenTable:
+def _with_ngram(ts: TokenTable, docs, tok, *memories) -> TokenTable:
     out = ts.select([n for n in ts.names() if n not in ts.names("ngram")])
-    add_memory(out, memory, docs, tok)
+    for memory in memories:
+        add_memory(out, memory, docs, tok)
     return out
 
 
@@ -86,44 +87,22 @@ def main() -> None:
     }
     rows = out["rows"]
     rows["base"] = row(lm)
-    best = tune(dumps["valid"])["best"]
-    knn = test.logprob("knn", temperature=best["temperature"])
-    rows["knn"] = row(refs_logprob(lm, [], [], knn=knn, lam=best["lambda"]), **{
-        "lambda": best["lambda"], "temperature": best["temperature"]})  # fmt: skip
-    refs_test, joint_best = [], None
+
+    def fitted(valid: TokenTable, test: TokenTable, **params) -> dict:
+        dm = fit_table(valid, "rule", DEFAULT_TEMPERATURES)
+        return row(dm.logprob(test, "the test dump"), **fit_summary(dm), **params)
+
+    rows["knn"] = fitted(dumps["valid"].select(["knn"]), test.select(["knn"]))
     for name in indexes:
         v, t = with_ng[name]["valid"], with_ng[name]["test"]
-        ng, sp = torch.from_numpy(t.columns["ngram"]["logprob"]), torch.from_numpy(t.columns["ngram"]["sparse"])
-        refs_test.append((ng, sp))
-        a = tune_ngram(_no_knn(v))["best"]
-        rows[f"ngram:{name}"] = row(refs_logprob(lm, [(ng, sp)], [(a["lambda_sparse"], a["lambda_dense"])]),
-                                    lambda_sparse=a["lambda_sparse"], lambda_dense=a["lambda_dense"],
-                                    sparse_share=float(sp.float().mean()),
-                                    effective_n_median=float(np.median(t.columns["ngram"]["n"])))  # fmt: skip
-        j = tune_ngram(v)["best"]
-        k_j = t.logprob("knn", temperature=j["temperature"])
-        rows[f"knn+ngram:{name}"] = row(
-            refs_logprob(lm, [(ng, sp)], [(j["lambda_sparse"], j["lambda_dense"])], knn=k_j, lam=j["lambda"]),
-            **{k: j[k] for k in ("lambda", "temperature", "lambda_sparse", "lambda_dense")},
-        )
-        if joint_best is None or j["ppl"] < joint_best["ppl"]:
-            joint_best = j
+        cols = t.columns["ngram"]
+        rows[f"ngram:{name}"] = fitted(_no_knn(v), _no_knn(t), sparse_share=float(np.mean(cols["sparse"])),
+                                       effective_n_median=float(np.median(cols["n"])))  # fmt: skip
+        rows[f"knn+ngram:{name}"] = fitted(v, t)
     if len(indexes) > 1:
-        valid_ng = [with_ng[n]["valid"] for n in indexes]
-        v_refs = [(d.logprob("ngram"), torch.from_numpy(d.columns["ngram"]["sparse"])) for d in valid_ng]
-        v_lm = torch.from_numpy(dumps["valid"].lm_logprob)
-        m = tune_multi_ngram(v_lm, v_refs)
-        rows["ngram:" + "+".join(indexes)] = row(refs_logprob(lm, refs_test, m["weights"]),
-                                                 weights=m["weights"], valid_ppl=m["ppl"])  # fmt: skip
-        vd = dumps["valid"]
-        tau, lam = joint_best["temperature"], joint_best["lambda"]
-        v_knn = vd.logprob("knn", temperature=tau)
-        mk = tune_multi_ngram(v_lm, v_refs, knn=v_knn, lam=lam)
-        k_t = test.logprob("knn", temperature=tau)
-        rows["knn+ngram:" + "+".join(indexes)] = row(
-            refs_logprob(lm, refs_test, mk["weights"], knn=k_t, lam=lam),
-            **{"lambda": lam, "temperature": tau, "weights": mk["weights"], "valid_ppl": mk["ppl"]},
-        )
+        every = {s: _with_ngram(dumps[s], docs[s], tok, *(NgramMemory(p) for p in indexes.values())) for s in dumps}
+        rows["ngram:" + "+".join(indexes)] = fitted(_no_knn(every["valid"]), _no_knn(every["test"]))
+        rows["knn+ngram:" + "+".join(indexes)] = fitted(every["valid"], every["test"])
     for r in rows.values():
         r["relative"] = r["ppl"] / rows["base"]["ppl"] - 1
         r["relative_without_formatting"] = r["ppl_without_formatting"] / rows["base"]["ppl_without_formatting"] - 1

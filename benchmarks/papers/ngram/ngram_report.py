@@ -1,10 +1,11 @@
 """docs/results/ngram.md's table from `memlm eval --memory ngram:DIR [--memory DS] --dump` dumps of a valid and a
 test split.
 
-Every λ is tuned on the valid dump (memlm.ngram.mixture.tune_ngram; memlm.knnlm.evaluate.tune for the kNN-LM alone)
-and applied to the test dump. Rows: base LM; LM + ∞-gram; and, when the dumps hold datastore neighbours, LM + kNN and
-LM + kNN + ∞-gram (tuned jointly). Each also without WikiText's formatting tokens (the `@` and the `-`/`,`/`.` of
-` @-@ `, ` @,@ `, ` @.@ `), the λ's unchanged, so a gain is not only a formatting artifact.
+Every λ is fitted on the valid dump by the rule (memlm.mixing.report.fit_table: EM per sparse state, τ the most
+likely) and applied to the test dump (memlm.mixing.report.report, with the ∞-gram's statistics of
+memlm.ngram.mixture.ngram_statistics). Rows: base LM; LM + ∞-gram; and, when the dumps hold datastore neighbours,
+LM + kNN and LM + kNN + ∞-gram (fitted together). Each also without WikiText's formatting tokens (the `@` and the
+`-`/`,`/`.` of ` @-@ `, ` @,@ `, ` @.@ `), the λ's unchanged, so a gain is not only a formatting artifact.
 
     python benchmarks/papers/ngram/ngram_report.py --valid V.npz --test T.npz --corpus wikitext2 --max-tokens 20000 \\
         --out R.json
@@ -20,11 +21,12 @@ import sys
 import numpy as np
 import torch
 
-from memlm.core.distribution import mix, perplexity
+from memlm.core.distribution import perplexity
+from memlm.core.tuning import DEFAULT_TEMPERATURES
 from memlm.io.fileio import atomic_write_json
-from memlm.knnlm.evaluate import tune
 from memlm.knnlm.table import TokenTable
-from memlm.ngram.mixture import ngram_report, tune_ngram
+from memlm.mixing.report import fit_summary, fit_table, report
+from memlm.ngram.mixture import ngram_statistics
 
 FORMAT = re.compile(r" @[-,.]@ ")
 PAPER = {
@@ -85,27 +87,20 @@ def main() -> None:
     def strip(ts, knn: bool, ngram: bool):
         return ts.select([n for n in ts.names() if (knn or n != "knn") and (ngram or n != "ngram")])
 
-    best = tune_ngram(strip(valid, False, True))["best"]
-    rep = ngram_report(strip(test, False, True), best["lambda_sparse"], best["lambda_dense"])
-    rep_clean = ngram_report(strip(test, False, True), best["lambda_sparse"], best["lambda_dense"], mask=keep)
-    out["ngram"] = {"tuned_on_valid": best, "test": rep, "test_without_formatting": rep_clean}
+    def fitted(knn: bool, ngram: bool) -> dict:
+        """The rule fitted on valid with these memories, and its test report (with and without formatting)."""
+        v, t = strip(valid, knn, ngram), strip(test, knn, ngram)
+        dm = fit_table(v, "rule", DEFAULT_TEMPERATURES)
+        rows = {"base_ppl": lm, "mixture_ppl": dm.logprob(t, "the test dump")}
+        reports = {f"test{w}": report(t, rows, [("base_ppl", "mixture_ppl")], mask=m)
+                   for w, m in (("", None), ("_without_formatting", keep))}  # fmt: skip
+        stats = {"statistics": ngram_statistics(t), "statistics_without_formatting": ngram_statistics(t, keep)}
+        return {"fitted_on_valid": fit_summary(dm), **reports, **(stats if ngram else {})}
+
+    out["ngram"] = fitted(False, True)
     if "knn" in valid.columns:
-        kbest = tune(strip(valid, True, False))["best"]
-        knn = test.logprob("knn", temperature=kbest["temperature"])
-        mixed = mix([lm, knn], weights=[1 - kbest["lambda"], kbest["lambda"]])
-        out["knn"] = {
-            "tuned_on_valid": kbest,
-            "ppl": perplexity(mixed),
-            "ppl_without_formatting": perplexity(mixed[torch.from_numpy(keep)]),
-        }
-        jbest = tune_ngram(valid)["best"]
-        args3 = (jbest["lambda_sparse"], jbest["lambda_dense"])
-        kw = {"lam": jbest["lambda"], "temperature": jbest["temperature"]}
-        out["knn_ngram"] = {
-            "tuned_on_valid": jbest,
-            "test": ngram_report(test, *args3, **kw),
-            "test_without_formatting": ngram_report(test, *args3, **kw, mask=keep),
-        }
+        out["knn"] = fitted(True, False)
+        out["knn_ngram"] = fitted(True, True)
     atomic_write_json(args.out, out)
     json.dump({k: out[k] for k in out if k not in ("paper",)}, sys.stdout, indent=1, default=str)
 

@@ -113,11 +113,8 @@ knnlm_eval() {  # [vanilla run]: + continuous cache, + kNN-LM (+ cache), with th
       --memory "$R/ds-$name" --memory cache --k 1024 --window 256 --min-context 128 --batch-size 16 \
       --dump "$out/$split.npz" --json "$out/$split.json"
   done
-  $M tune --valid "$out/valid.npz" --test "$out/test.npz" --lambdas 0 --cache-lambdas 0 0.05 0.1 0.2 0.3 \
-    --cache-temperatures 0.5 1 2 --json "$out/cache-only.json"
-  $M tune --valid "$out/valid.npz" --test "$out/test.npz" --json "$out/knnlm.json"
-  $M tune --valid "$out/valid.npz" --test "$out/test.npz" --cache-lambdas 0 0.05 0.1 0.2 \
-    --cache-temperatures 0.5 1 2 --json "$out/knnlm-cache.json"
+  # the datastore's λ and the cache's λc fitted together by EM (memlm tune's rule), τ and τc the most likely
+  $M tune --valid "$out/valid.npz" --test "$out/test.npz" --cache-temperatures 0.5 1 2 --json "$out/knnlm-cache.json"
 }
 
 if [[ $what == train-vanilla ]]; then  # the vanilla LM alone (benchmarks/papers/xu2023/analysis.sh scratch)

@@ -35,7 +35,8 @@ from knnlm_sweeps import add_forward_args, forward, log, open_run  # noqa: E402
 
 from memlm.experiments.xu2023_analysis import gain_explained, interpolation_row  # noqa: E402
 from memlm.io.fileio import atomic_write_json  # noqa: E402
-from memlm.knnlm.evaluate import add_neighbours, perplexities, tune  # noqa: E402
+from memlm.knnlm.evaluate import add_neighbours, perplexities  # noqa: E402
+from memlm.mixing.report import fit_table  # noqa: E402
 from memlm.storage.datastore import Datastore  # noqa: E402
 from memlm.xu2023.generalized import train_learned_wds  # noqa: E402
 
@@ -76,7 +77,7 @@ def main() -> None:
             d = ts.select()
             add_neighbours(d, q, ds, k=args.k, search="exact", scores="exact", metric="ip", progress=False)
             knn[split] = d
-        lam = tune(knn["valid"], temperatures=[1.0])["best"]["lambda"]
+        lam = fit_table(knn["valid"], "rule", [1.0]).rule_weights["knn"]  # λ by EM at τ = 1
         knn_row = {"lambda": lam, "temperature": 1.0, **perplexities(knn["test"], lam=lam, temperature=1.0)}
         vocab = int(ds.manifest["tokenizer"]["vocab_size"])
         log(f"{args.label}/{role}: kNN-LM (IP, τ = 1) {knn_row['base_ppl']:.3f} -> {knn_row['knn_ppl']:.3f}")

@@ -214,8 +214,8 @@ def add_knn_weights(p: argparse.ArgumentParser) -> None:
         dest="lam",
         type=V.probability,
         default=None,
-        help="interpolation weight λ of the kNN term (default: the datastore's calibrated λ, tuned on its build's "
-        "held-out slice; 0.25 if it has none)",
+        help="interpolation weight λ of the kNN term (default: the mean weight of the datastore's calibrated mixture, "
+        "fitted on its build's held-out slice; 0.25 if it has none)",
     )
     p.add_argument(
         "--temperature",

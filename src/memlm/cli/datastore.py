@@ -1,5 +1,5 @@
 """``memlm datastore build|info`` and ``memlm index build``: kNN-LM datastores (memlm.storage.datastore,
-memlm.storage.sharded) and their FAISS indexes; a build also calibrates λ and τ on a held-out slice
+memlm.storage.sharded) and their FAISS indexes; a build also fits its mixture with the LM on a held-out slice
 (memlm.knnlm.calibration)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
 
 
 def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
-    """``memlm datastore calibrate DS --corpus FILE``: λ, τ and the mixture fitted on text the user names, outside the
+    """``memlm datastore calibrate DS --corpus FILE``: the mixture fitted on text the user names, outside the
     datastore."""
     from memlm.knnlm.build import say_calibrated
     from memlm.storage.sharded import open_datastore
@@ -78,7 +78,7 @@ def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
     if spans and shared > OVERLAP_LIMIT * spans:
         raise MemlmError(
             f"{shared:,} of the {spans:,} {OVERLAP_NGRAM}-token spans of {args.corpus} ({shared / spans:.1%}) are in "
-            f"datastore {ds.path}: its λ, τ would be tuned on text it holds; calibrate on text outside it (at most "
+            f"datastore {ds.path}: its mixture would be fitted on text it holds; calibrate on text outside it (at most "
             f"{OVERLAP_LIMIT:.0%} shared)"
         )
     text = {"named": True, **{k: source[k] for k in ("corpus", "split", "max_tokens", "fingerprint", "documents")},
@@ -88,7 +88,7 @@ def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
         cal = calibrate(model, tok, ds, docs, k=args.k, nprobe=args.nprobe, batch_size=args.batch_size, text=text)
         ds.record_calibration(cal)  # a slice under memlm.core.mixture.MIN_FIT_TOKENS: the fit's warning says so
     if old is not None:
-        print(f"replaced the calibration λ={old['lambda']:g}, τ={old['temperature']:g}", file=sys.stderr)
+        print(f"replaced the calibration of {old.get('tokens', 0):,} tokens", file=sys.stderr)
     say_calibrated(cal, ds)
 
 
@@ -225,21 +225,21 @@ def add_parsers(sub) -> None:
         "--no-index",
         dest="index",
         action="store_false",
-        help="do not build the FAISS index afterwards (nor calibrate λ, τ and the mixture, which need it)",
+        help="do not build the FAISS index afterwards (nor calibrate the mixture, which needs it)",
     )
     b.add_argument(
         "--holdout",
         type=V.holdout_fraction,
         default=0.02,
-        help="share of the corpus's tokens held out of the datastore to tune λ and τ on after the build (default "
+        help="share of the corpus's tokens held out of the datastore to fit its mixture on after the build (default "
         "0.02; 0 = none). The slice holds max(share, 4,096) scored tokens, at most 8,192 (a standard error of "
         "~0.01 nats on the held-out log-likelihood) and never more than 20%% of the corpus: whole documents first "
         "(in the order of a hash of id and text), then, when that falls short (one .txt file, a few long "
         "documents), the tail of the longest document(s), at most half of each, cut where a paragraph "
         "(else a line, sentence, word) starts; the head stays in the datastore. Deterministic (a rerun resumes), "
-        "recorded in the manifest (sources[].holdout) and part of the settings a rerun compares; eval, generate and "
-        "lm-eval use the tuned values when no --lambda/--temperature is given; the guarded mixture of the LM and the "
-        "datastore is fitted on the same tokens (memlm datastore info shows it)",
+        "recorded in the manifest (sources[].holdout) and part of the settings a rerun compares; the guarded mixture "
+        "of the LM and the datastore fitted there (memlm datastore info shows it) is what eval, generate and lm-eval "
+        "apply when no weight is given",
     )
     b.add_argument(
         "--calibration-k",
@@ -261,8 +261,7 @@ def add_parsers(sub) -> None:
     b.set_defaults(func=cmd_datastore_build, check=check_datastore_build)
     c = ds.add_parser(
         "calibrate",
-        help="tune a datastore's default λ, τ and mixture on text you name (outside it), e.g. one built without "
-        "--holdout",
+        help="fit a datastore's default mixture on text you name (outside it), e.g. one built without --holdout",
     )
     c.add_argument("dir", type=V.existing_dir, help="the datastore folder")
     add_model(c)

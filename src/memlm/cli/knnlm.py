@@ -26,16 +26,18 @@ from memlm.cli.report import print_result
 from memlm.core.config import DEFAULT_CACHE_LAMBDA, DEFAULT_K, RetrievalConfig
 from memlm.data.corpora import load_corpus_source
 from memlm.errors import MemlmError
-from memlm.knnlm.calibration import knn_parameters
+from memlm.knnlm.calibration import datastore_weights, stored_mixture
 
 # memlm.knnlm.evaluate, .generate, .keys and .sharded import torch or faiss: imported in the commands (see common.py)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.knnlm.evaluate import perplexities, value_counts
+    from memlm.knnlm.evaluate import eval_result
     from memlm.knnlm.memories import memory_spec
     from memlm.knnlm.scoring import score_tokens
     from memlm.leakage import Evaluated, check_leakage
+    from memlm.mixing.dump import DumpMixture
+    from memlm.mixing.report import mixture_beside
     from memlm.models.keys import KeySpec
     from memlm.storage.sharded import open_datastore
 
@@ -50,19 +52,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     V.check_against_model(args, model)
     docs, source = load_corpus_source(args.corpus, args.split, tok, args.max_tokens)
     evaluated = Evaluated(docs, args.corpus, args.split, source["fingerprint"])
-    leakage = check_leakage(evaluated, ds, ngram, tok, args.allow_overlap)
-    for store in stores[1:]:  # each further datastore checked as the first
-        more = check_leakage(evaluated, store, None, tok, args.allow_overlap)
-        for key in ("overlap", "notes", "memories"):
-            leakage[key] = leakage[key] + more[key]
+    leakage = check_leakage(evaluated, stores, ngram, tok, args.allow_overlap)
     setting = {k: getattr(args, k) for k in ("k", "search", "scores", "nprobe", "index")}  # noticed if uncalibrated
-    weights = [knn_parameters(store, args.lam, args.temperature, setting=setting) for store in stores]
     cache = args.cache is not None
-    total = sum(w[0] for w in weights) + (args.cache_lambda if cache else 0.0)
-    if len(stores) > 1 and total >= 1.0:
-        given = ", ".join(f"{w[0]:g}" for w in weights)
-        raise MemlmError(f"the datastores' λ's ({given}) and the cache's sum to {total:g}: the LM would keep no "
-                         "weight; give a smaller --lambda (each datastore's)")  # fmt: skip
+    weights = datastore_weights(stores, args.lam, args.temperature, args.cache_lambda if cache else 0.0, setting)
     config = RetrievalConfig.with_options(  # built once here, passed down (recorded in the result's retrieval)
         k=args.k,
         **window_kwargs(args),
@@ -87,54 +80,30 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.dump:
         ts.save(args.dump)
         print(f"wrote {args.dump}", file=sys.stderr)
-    lam, temperature, origin = 0.0, args.temperature or 1.0, None
-    if ds is not None:
-        lam, temperature, origin = weights[0]
-        if cache and args.lam is None and lam + args.cache_lambda > 1:
-            lam = 1.0 - args.cache_lambda  # the calibrated λ was tuned without the cache: leave the cache its weight
-            print(f"λ lowered to {lam:g} so that λ + --cache-lambda <= 1", file=sys.stderr)
-    res = perplexities(
-        ts,
-        lam=lam,
-        temperature=temperature,
-        cache_lambda=args.cache_lambda if cache else 0.0,
-        cache_temperature=args.cache_temperature,
-        target_counts=value_counts(ds, ts.targets) if ds is not None else None,
-        datastores=[(w[0], w[1]) for w in weights[1:]],
-    )
-    first = ts.meta["components"].get("knn", {})  # the first datastore's description
-    res.update(
-        model=model_name,
-        memories=memory_spec(list(ts.components.values())),
-        corpus=args.corpus,
-        split=args.split,
-        **({"parameters_from": origin} if origin else {}),
-        **({"datastores": each} if (each := _each_datastore(ts, weights)) else {}),
-        **{k: v for k, v in ts.meta.items() if k.startswith("seconds")},
-        **{k: v for k, v in first.items() if k in ("datastore", "key", "search", "scores")},
-        retrieval={  # the values this result used (score_tokens records the search; λ, τ are chosen here)
-            **ts.meta["retrieval"],
-            **({"lam": res.get("lambda", lam), "temperature": temperature} if ds is not None else {}),
-            "cache_lambda": res.get("cache_lambda", args.cache_lambda if cache else 0.0),
-            "cache_temperature": args.cache_temperature,
-        },
-    )
+    about = {"model": model_name, "memories": memory_spec(list(ts.components.values())), "corpus": args.corpus,
+             "split": args.split}  # fmt: skip
+    res = eval_result(ts, weights, (args.cache_lambda if cache else 0.0, args.cache_temperature), ds,
+                      args.temperature, about)  # fmt: skip
+    lam, temperature = weights[0][:2] if ds is not None else (0.0, args.temperature or 1.0)
     if ngram is not None:
-        res.update(ngram_cli.ngram_result(args, ts, ngram, lam, temperature, base=res))
+        from memlm.ngram.results import ngram_result
+
+        res.update(ngram_result(ts, ngram, lam, temperature, ngram_cli.ngram_weights(args, ngram), base=res))
     mixed = {}
     if args.mixture == "stored":
-        mixed = mixture_result(stored_eval_mixture(args, stores, ngram), ts, res, "the memory's build-time calibration")
+        memory = [*stores, *([] if ngram is None else getattr(ngram, "memories", [ngram]))][0]  # one (checked)
+        mixed = mixture_beside(stored_mixture(memory, required=True), ts, res, "the memory's build-time calibration")
     elif args.mixture:
-        mixed = mixture_result(load_mixture(args.mixture), ts, res, args.mixture)
+        mixed = mixture_beside(DumpMixture.load(args.mixture), ts, res, args.mixture)
     elif not weights_given(args) and (stores or ngram is not None):
         from memlm.knnlm.default_mixture import default_mixture
 
         chosen = default_mixture(model, tok, stores, ngram, config, cache=cache, batch_size=args.batch_size)
         chosen.announce()
         if chosen.fit is not None:
-            mixed = mixture_result(chosen.fit, ts, res, chosen.origin)
+            mixed = mixture_beside(chosen.fit, ts, res, chosen.origin)
     res.update({k: v for k, v in mixed.items() if k != "mixture"})
-    _print_result(res)
+    print_result(res)
     res["leakage"] = leakage
     if mixed:
         res["mixture"] = mixed["mixture"]  # the fit applied, recorded (not printed)
@@ -148,196 +117,30 @@ def weights_given(args: argparse.Namespace) -> bool:
     return any(getattr(args, n, None) is not None for n in names)
 
 
-def _each_datastore(ts, weights: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
-    """With several datastores: each one's description and the λ, τ it was mixed with (and where they came from)."""
-    if len(weights) < 2:
-        return []
-    described = [ts.meta["components"][name] for name in ts.names("knn")]
-    return [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
-            for d, w in zip(described, weights, strict=True)]  # fmt: skip
-
-
-def stored_eval_mixture(args: argparse.Namespace, stores: list, ngram):
-    """``memlm eval --mixture stored``: the guarded mixture fitted when the one memory given was built or calibrated
-    (memlm.knnlm.calibration.stored_mixture), or one MemlmError saying why there is none and what to do."""
-    from memlm.knnlm.calibration import stored_mixture
-
-    memories = [*stores, *([] if ngram is None else getattr(ngram, "memories", [ngram]))]  # one (checked before)
-    fit = stored_mixture(memories[0])
-    if fit is None:
-        where = getattr(memories[0], "path", None) or getattr(getattr(memories[0], "index", None), "path", "it")
-        raise MemlmError(f"{where} records no fitted mixture (built with --holdout 0 / --no-calibrate, or by an older "
-                         "memlm): calibrate it (memlm datastore calibrate, or rebuild the ∞-gram index with a "
-                         "holdout), or fit one with memlm tune --mixture gate")  # fmt: skip
-    return fit
-
-
-def load_mixture(path: str):
-    """The fitted mixture of ``memlm eval --mixture FILE`` (a tune --mixture gate result, or its record)."""
-    import json
-
-    from memlm.mixing.dump import DumpMixture
-
-    try:
-        data = json.loads(open(path, encoding="utf-8").read())
-    except (OSError, ValueError) as error:
-        raise MemlmError(f"--mixture {path}: not a readable JSON file ({error})") from error
-    return DumpMixture.from_dict(data, f"--mixture {path}")
-
-
-def mixture_result(dm, ts, res: dict[str, Any], path: str) -> dict[str, Any]:
-    """``memlm eval --mixture``: ``mixture_ppl`` of the stored fit on this eval's tokens, its interval and its paired
-    differences against the base LM and each fixed-weight row of ``res`` (re-mixed by the rule it recorded under
-    ``mixtures``, at its τ and k), merged into ``res``'s evidence (memlm.mixing.report)."""
-    import torch
-
-    from memlm.core.mixture import Mixture
-    from memlm.mixing.report import report
-
-    rules = {key: Mixture.from_dict(record) for key, record in (res.get("mixtures") or {}).items()}
-    rows = {"base_ppl": torch.from_numpy(ts.lm_logprob), **rules,
-            "mixture_ppl": dm.logprob(ts, "this eval (its --memory)")}  # fmt: skip
-    taus = res.get("temperatures") or res.get("temperature") or 1.0  # several datastores: one τ each
-    own = report(ts, rows, [(key, "mixture_ppl") for key in rows if key != "mixture_ppl"], temperature=taus,
-                 k=res.get("k"), cache_temperature=res.get("cache_temperature") or 1.0)  # fmt: skip
-    return {
-        "mixture_ppl": own["mixture_ppl"],
-        "mixture_form": dm.fit.form,
-        "mixture": {"from": path, **dm.to_dict()},
-        "intervals": {**res.get("intervals", {}), "mixture_ppl": own["intervals"]["mixture_ppl"]},
-        "differences": {**res.get("differences", {}), **own["differences"]},
-    }
-
-
-def _print_result(res: dict[str, Any]) -> None:
-    """A perplexity result with its intervals, paired differences and frequency buckets (memlm.cli.report)."""
-    print_result(res)
-
-
 def cmd_tune(args: argparse.Namespace) -> None:
+    """``memlm tune``: the one fitter on a valid table (:func:`memlm.mixing.report.fit_table`, ``--mixture`` its
+    form, τ chosen by likelihood among ``--temperatures``), reported on valid and on ``--test``
+    (:func:`memlm.mixing.report.fit_report`)."""
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
     from memlm.knnlm.table import TokenTable
     from memlm.leakage import check_dumps
+    from memlm.mixing.report import fit_report, fit_summary, fit_table
 
     valid = TokenTable.load(args.valid)
     test = TokenTable.load(args.test) if args.test else None
-    leakage = check_dumps(valid, test, allow_overlap=args.allow_overlap)  # every path: the same memories, no leak
-    if "ngram" in valid.columns:
-        out = ngram_cli.tune_with_ngram(args, valid, test, leakage)
-    else:
-        out = _tune_rule(args, valid, test, leakage)
-    if args.mixture == "gate" and valid.lm_entropy is None:
-        print("note: this dump has no LM entropy / max log-prob (written by an older memlm): the fixed-weight rule "
-              "only; rerun memlm eval --dump for the learned mixture", file=sys.stderr)  # fmt: skip
-    elif args.mixture == "gate":
-        out.update(tune_mixture(args, valid, test, out["valid"]["best"]))
-    write_json(args.json, out)
-
-
-def _tune_rule(args: argparse.Namespace, valid, test, leakage: dict[str, Any]) -> dict[str, Any]:
-    """The fixed-weight rule: λ, τ (and the cache's λc, τc) grid-searched on ``valid``, applied to ``test``."""
-    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
-    from memlm.knnlm.evaluate import perplexities, tune
-
-    lambdas = args.lambdas if args.lambdas is not None else list(DEFAULT_LAMBDAS)
-    temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
-    result = tune(
-        valid,
-        lambdas=lambdas,
-        temperatures=temperatures,
-        k=args.k,
-        cache_lambdas=args.cache_lambdas,
-        cache_temperatures=args.cache_temperatures,
-    )
-    best = result["best"]
-    out: dict[str, Any] = {"valid": {"best": best, "grid_points": len(result["grid"])}}
-    print(
-        f"best on valid: lambda={best['lambda']} temperature={best['temperature']} "
-        f"cache_lambda={best['cache_lambda']} ppl={best['ppl']:.4f}"
-    )
-    if len(valid.names("knn")) > 1:
-        grid = (lambdas, temperatures)
-        from memlm.mixing.dump import tune_datastores_beside
-
-        best["datastores"] = tune_datastores_beside(valid, _rule_weights(best, True), grid, best.get("temperature")
-                                                    or 1.0, args.k, best.get("cache_temperature") or 1.0)  # fmt: skip
-        ngram_cli.print_datastores(best["datastores"])
+    leakage = check_dumps(valid, test, allow_overlap=args.allow_overlap)  # the same memories, no leak
+    dm = fit_table(valid, args.mixture, args.temperatures or DEFAULT_TEMPERATURES, args.k, args.cache_temperatures)
+    out: dict[str, Any] = {"best": fit_summary(dm), "mixture": dm.to_dict(), "valid": fit_report(dm, valid)}
+    print("fitted on valid: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in out["best"].items()))  # fmt: skip
+    for warning in dm.fit.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if test is not None:
-        res = perplexities(
-            test,
-            lam=best["lambda"],
-            temperature=best["temperature"],
-            k=args.k,
-            cache_lambda=best["cache_lambda"],
-            cache_temperature=best["cache_temperature"],
-            datastores=[(d["lambda"], d["temperature"]) for d in best.get("datastores") or []],
-        )
-        out["test"] = res
-        _print_result(res)
-    out["grid"] = result["grid"]
+        out["test"] = fit_report(dm, test)
+        print("on test:")
+        print_result(out["test"])
     out["leakage"] = leakage
-    return out
-
-
-def _rule_weights(best: dict[str, Any], has_knn: bool) -> dict[str, Any]:
-    """The rule's weights by component (memlm.mixing.dump.rule_for) from its best point on valid (any tune
-    path: λ, the cache's λc, one (λ_sparse, λ_dense) or a list of them)."""
-    from memlm.mixing.component import component_name
-
-    pairs = best.get("weights") or ([[best["lambda_sparse"], best["lambda_dense"]]] if "lambda_sparse" in best else [])
-    weights: dict[str, Any] = {"knn": best["lambda"]} if has_knn else {}
-    weights.update({component_name("ngram", r): tuple(w) for r, w in enumerate(pairs)})
-    if best.get("cache_lambda"):
-        weights["cache"] = best["cache_lambda"]
-    weights.update({d["component"]: d["lambda"] for d in best.get("datastores") or []})
-    return weights
-
-
-def tune_mixture(args: argparse.Namespace, valid, test, rule_best: dict[str, Any]) -> dict[str, Any]:
-    """``memlm tune --mixture gate``: the guarded learned mixture of every memory of ``valid`` (τ searched on the
-    fit's kept part, memlm.mixing.dump.fit_dump), applied to ``test`` beside the base LM and the fixed-weight
-    rule tuned on the same ``valid`` (``rule_best``), with intervals and paired differences."""
-    import torch
-
-    from memlm.core.tuning import DEFAULT_TEMPERATURES
-    from memlm.mixing.dump import fit_dump, rule_for
-    from memlm.mixing.report import report
-
-    temperatures = args.temperatures if args.temperatures is not None else list(DEFAULT_TEMPERATURES)
-    dm = fit_dump(valid, temperatures, args.k, args.cache_temperatures)
-    fit = dm.fit
-    print(
-        f"learned mixture on valid: {fit.tokens:,} tokens of {fit.documents:,} documents (fitted on {fit.fit_tokens:,}"
-        f", checked on the {fit.kept_tokens:,} kept apart); chosen form {fit.form}"
-        + (f", temperature={dm.temperature:g}" if dm.temperature is not None else "")
-        + "; held-out log-likelihood per token "
-        + ", ".join(f"{f} {v:.4f}" for f, v in fit.heldout_loglik.items())
-    )
-    for w in fit.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    if fit.form == "lm":
-        print(f"warning: the learned mixture falls back to the LM alone: on the {fit.kept_tokens:,} valid tokens kept "
-              "apart neither constant weights nor the gate beat the LM (fitted on the rest); the fixed-weight rule "
-              "tuned on the same valid dump may do worse than the LM on other text", file=sys.stderr)  # fmt: skip
-    out: dict[str, Any] = {"mixture": dm.to_dict()}
-    if test is None:
-        return out
-    from memlm.mixing.inputs import dump_components
-
-    if dump_components(test) != dm.mixture.components:
-        print(f"note: the --test dump holds {', '.join(dump_components(test))}, the fit mixes "
-              f"{', '.join(dm.mixture.components)}: the learned mixture is not applied to it (dump both with the "
-              "same memories)", file=sys.stderr)  # fmt: skip
-        return out
-    weights = _rule_weights(rule_best, "knn" in valid.columns)
-    knn_taus = [rule_best.get("temperature") or 1.0] + [d["temperature"] for d in rule_best.get("datastores") or []]
-    taus = (knn_taus if len(knn_taus) > 1 else knn_taus[0], rule_best.get("cache_temperature") or 1.0)
-    rows = {"base_ppl": torch.from_numpy(test.lm_logprob), "rule_ppl": rule_for(test, weights),
-            "mixture_ppl": dm.logprob(test, "the --test dump")}  # fmt: skip
-    pairs = (("base_ppl", "rule_ppl"), ("base_ppl", "mixture_ppl"), ("rule_ppl", "mixture_ppl"))
-    res = {"form": fit.form, **report(test, rows, pairs, temperature=taus[0], k=args.k, cache_temperature=taus[1])}
-    print("on test (rule_ppl: the fixed-weight rule tuned on the same valid dump; mixture_ppl: the learned mixture):")
-    _print_result(res)
-    return {**out, "mixture_test": res}
+    write_json(args.json, out)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -493,9 +296,11 @@ def _mixture_of_memories(args: argparse.Namespace) -> None:
         if len(args.datastore or []) + len(args.ngram or []) != 1 or args.cache is not None:
             raise MemlmError("--mixture stored applies one memory's build-time fit (LM + that memory): give exactly "
                              "one datastore or one ∞-gram index (--memory), without the cache; for several memories "
-                             "fit them together with memlm tune --mixture gate and pass its --json file")  # fmt: skip
+                             "fit them together with memlm tune and pass its --json file")  # fmt: skip
         return
-    dm = load_mixture(args.mixture)
+    from memlm.mixing.dump import DumpMixture
+
+    dm = DumpMixture.load(args.mixture)
     counts: dict[str, int] = {}
     given = ["lm"]
     for kind, _, _ in args.memories:
@@ -505,7 +310,7 @@ def _mixture_of_memories(args: argparse.Namespace) -> None:
         raise MemlmError(
             f"--mixture {args.mixture} mixes {', '.join(dm.mixture.components)}, this eval gives "
             f"{', '.join(given)}: give the same memories (--memory) as the valid dump it was fitted on, or fit again "
-            "with memlm tune --mixture gate"
+            "with memlm tune"
         )
 
 
@@ -622,7 +427,7 @@ def add_parsers(sub) -> None:
         type=lambda value: value if value == "stored" else V.existing_file(value),
         default=None,
         metavar="FIT.json|stored",
-        help="also score the learned mixture fitted by memlm tune --mixture gate --json FIT.json (the same "
+        help="also score the learned mixture fitted by memlm tune --json FIT.json (the same "
         "--memory in the same order) and report mixture_ppl beside the fixed-weight rows; stored: the "
         "one memory's own fit, made when it was built or calibrated. Without --mixture and without --lambda, "
         "--temperature or --ngram-lambda-*: the memories' stored fits (one: its own; several: combined and checked "
@@ -631,26 +436,29 @@ def add_parsers(sub) -> None:
     ngram_cli.add_eval_args(e, selection=False)
     e.set_defaults(func=cmd_eval, check=check_eval)  # looked up when the parser is built (tests replace it first)
 
-    t = sub.add_parser("tune", help="grid-search λ and temperature on a validation dump; apply to a test dump")
+    t = sub.add_parser("tune", help="fit the mixture of the LM and the memories on a valid dump; apply to a test dump")
     t.add_argument("--valid", type=V.existing_file, required=True, help="dump from memlm eval --split valid --dump")
     t.add_argument("--test", type=V.existing_file, default=None, help="dump from memlm eval --split test --dump")
-    t.add_argument("--lambdas", type=V.probability, nargs="+", default=None)
-    t.add_argument("--temperatures", type=V.positive_float, nargs="+", default=None)
-    t.add_argument("--cache-lambdas", type=V.probability, nargs="+", default=[0.0])
-    t.add_argument("--cache-temperatures", type=V.positive_float, nargs="+", default=[1.0])
+    t.add_argument(
+        "--temperatures",
+        type=V.positive_float,
+        nargs="+",
+        default=None,
+        help="the datastores' τ candidates: the fit at each, the most likely on valid kept (default 0.1 ... 1000)",
+    )
+    t.add_argument("--cache-temperatures", type=V.positive_float, nargs="+", default=[1.0], help="the cache's τc")
     t.add_argument("--k", type=V.neighbours, default=None, help="use only the k best of the dumped neighbours")
-    t.add_argument("--json", type=V.output_file, default=None)
+    t.add_argument("--json", type=V.output_file, default=None, help="the fit and its reports, for memlm eval --mixture")
     t.add_argument(
         "--mixture",
-        choices=["rule", "gate"],
-        default="gate",
-        help="gate (default): the guarded learned mixture of every memory of the dump (the LM alone, constant "
-        "weights or per-token weights from a small gate, whichever the part of valid kept apart prefers; "
-        "docs/results/mixture.md), applied to --test beside the fixed-weight rule; its fit goes into --json for "
-        "memlm eval --mixture; rule: the fixed weights grid-searched, alone",
+        choices=["rule", "constant", "gate", "guarded"],
+        default="rule",
+        help="the form fitted by maximum likelihood (no grid over the weights): rule (default; the papers' fixed "
+        "weights, one per memory, an ∞-gram's λ_sparse / λ_dense, by EM), constant (one weight per memory), gate "
+        "(per-token weights from a small gate), guarded (the LM alone, constant weights or the gate, whichever the "
+        "part of valid kept apart prefers; docs/results/mixture.md)",
     )
     common.add_allow_overlap(t)
-    ngram_cli.add_tune_args(t)
     t.set_defaults(func=cmd_tune)
 
     g = sub.add_parser("generate", help="sample from the LM mixed with its memories, streaming tokens as they come")

@@ -48,7 +48,7 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
         "--mixture",
         default=None,
         metavar="MIXTURE",
-        help="the weights instead: a fit of memlm tune --mixture gate --json FIT.json (the memories it was fitted on, "
+        help="the weights instead: a fit of memlm tune --json FIT.json (the memories it was fitted on, "
         "in order; its τ and k set the kNN terms), 'stored' (the memories' stored fits, the default), or fixed "
         "weights 'knn=0.25;ngram=0.5/0.1'",
     )

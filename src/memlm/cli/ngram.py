@@ -1,4 +1,4 @@
-"""``memlm ngram build|info``: ∞-gram indexes (memlm.ngram); the ``--ngram`` options of ``memlm eval`` and ``tune``."""
+"""``memlm ngram build|info``: ∞-gram indexes (memlm.ngram); the ∞-gram options of ``memlm eval`` and ``generate``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 from memlm.cli import common
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model
-from memlm.cli.report import print_result
 from memlm.data.corpora import load_corpus_source
 from memlm.errors import MemlmError
 from memlm.io.locking import folder_lock
@@ -44,7 +43,6 @@ def decontaminate_documents(args: argparse.Namespace, docs: list, tok) -> tuple[
 
 
 def cmd_ngram_build(args: argparse.Namespace) -> None:
-    from memlm.knnlm.calibration import has_stored_mixture, report_mixture, stored_mixture
     from memlm.ngram.index import build_ngram_index
 
     model, tok = common._load_model(args.model, args.dtype)
@@ -74,35 +72,10 @@ def cmd_ngram_build(args: argparse.Namespace) -> None:
             why = "--no-calibrate" if args.no_calibrate else source["holdout"].get("reason")
             print(f"no calibration ({why}): eval falls back to λ_sparse=0.1, λ_dense=0.03", file=sys.stderr)
             return
-        cal = m.get("calibration")
-        if (
-            cal is not None
-            and cal.get("holdout_ids") == source["holdout"].get("ids_sha256")
-            and has_stored_mixture(index)  # an index calibrated before the fit existed (or a corrupt one): again
-        ):
-            print(
-                f"calibration already recorded: λ_sparse={cal['lambda_sparse']:g}, λ_dense={cal['lambda_dense']:g}",
-                file=sys.stderr,
-            )
-            return
-        from memlm.knnlm.calibration import calibrate_ngram
-        from memlm.ngram.memory import NgramMemory
+        from memlm.knnlm.calibration import calibrate_index_holdout
 
-        hold = source["holdout"]
-        print(f"calibrating λ_sparse, λ_dense and the mixture on {hold['tokens']:,} held-out tokens "
-              f"({hold['documents']:,} document{'s' if hold['documents'] != 1 else ''})", file=sys.stderr)  # fmt: skip
-        cal = calibrate_ngram(
-            model, tok, NgramMemory(index), held_out, window=args.window, stride=args.stride, batch_size=args.batch_size
-        )
-        cal["holdout_ids"] = hold.get("ids_sha256")
-        index.record_calibration(cal)
-        print(
-            f"calibrated: λ_sparse={cal['lambda_sparse']:g}, λ_dense={cal['lambda_dense']:g} (held-out ppl "
-            f"{cal['base_ppl']:.3f} -> {cal['ngram_ppl']:.3f}); recorded in {index.path}",
-            file=sys.stderr,
-        )
-        report_mixture(stored_mixture(index), f"the slice is capped by the corpus: tune on your own valid text "
-                       f"with `memlm eval --ngram {index.path} --dump` + `memlm tune --mixture gate`")  # fmt: skip
+        calibrate_index_holdout(model, tok, index, held_out, source["holdout"], window=args.window, stride=args.stride,
+                                batch_size=args.batch_size)  # fmt: skip
 
 
 def check_ngram_build(args: argparse.Namespace) -> None:
@@ -139,7 +112,7 @@ def cmd_ngram_info(args: argparse.Namespace) -> None:
     print(f"checksums {index.integrity['note']}", file=sys.stderr)
 
 
-# ------------------------------------------------------------------------------------ memlm eval / tune --ngram
+# ------------------------------------------------------------------------------------------ memlm eval --ngram
 
 
 def add_eval_args(p: argparse.ArgumentParser, selection: bool = True) -> None:
@@ -169,7 +142,7 @@ def _add_ngram_weights(g) -> None:
         default=None,
         metavar="λ",
         help="weight of P∞ where it is sparse: one value, or one per ∞-gram index in order (default: each index's "
-        "calibration, else 0.1)",
+        "calibrated mixture's mean weight there, else 0.1)",
     )
     g.add_argument(
         "--ngram-lambda-dense",
@@ -177,8 +150,8 @@ def _add_ngram_weights(g) -> None:
         nargs="+",
         default=None,
         metavar="λ",
-        help="weight of P∞ elsewhere: one value, or one per ∞-gram index (default: each index's calibration, else "
-        "0.03)",
+        help="weight of P∞ elsewhere: one value, or one per ∞-gram index (default: each index's calibrated "
+        "mixture's mean weight there, else 0.03)",
     )
     g.add_argument(
         "--ngram-max-n",
@@ -212,69 +185,17 @@ def open_ngram(args: argparse.Namespace, tokenizer):
     return memories[0] if len(memories) == 1 else NgramMemories(memories)
 
 
-def given_lambdas(args: argparse.Namespace, n: int) -> list[tuple[float | None, float | None]]:
-    """Each of the ``n`` ``--ngram`` indexes' ``(λ_sparse, λ_dense)`` as given on the command line (None: not given,
-    the index's calibration then): one value for every index, or one per index in the order of ``--ngram``."""
+def ngram_weights(args: argparse.Namespace, memory) -> list[tuple[float, float, str]]:
+    """Each ∞-gram index's ``(λ_sparse, λ_dense, origin)`` of ``memlm eval``: the flags' values (one for every index,
+    or one per index in the order of ``--memory``), else the index's calibrated mixture's
+    (:func:`memlm.knnlm.calibration.ngram_parameters`)."""
+    from memlm.knnlm.calibration import ngram_parameters
     from memlm.ngram.mixture import per_index_lambdas
 
+    memories = getattr(memory, "memories", [memory])
     names = ("--ngram-lambda-sparse", "--ngram-lambda-dense")
-    return per_index_lambdas(args.ngram_lambda_sparse, args.ngram_lambda_dense, n, names)
-
-
-def ngram_result(
-    args: argparse.Namespace, ts, memory, lam: float | None, temperature: float, base: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The ∞-gram part of ``memlm eval``'s result (:func:`memlm.ngram.results.ngram_result`) with the flags'
-    weights."""
-    from memlm.ngram.results import ngram_result as result
-
-    n = len(memory.memories) if hasattr(memory, "memories") else 1
-    return result(ts, memory, lam, temperature, base, given_lambdas(args, n))
-
-
-def add_tune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ngram-lambdas",
-        type=V.probability,
-        nargs="+",
-        default=None,
-        help="λ_sparse / λ_dense candidates for a dump with ∞-gram scores (default: a grid fine below 0.1)",
-    )
-
-
-def tune_with_ngram(
-    args: argparse.Namespace, valid, test=None, leakage: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """``memlm tune`` on a dump with ∞-gram scores (:func:`memlm.ngram.results.tune_ngram_dump` with the flags'
-    grids), printed; ``leakage`` (memlm.leakage.check_dumps of ``valid`` and ``test``) goes into the result."""
-    from memlm.ngram.results import NgramTuneGrids, tune_ngram_dump
-
-    grids = NgramTuneGrids(args.ngram_lambdas, args.lambdas, args.temperatures, args.k, args.cache_lambdas,
-                           args.cache_temperatures)  # fmt: skip
-    out = tune_ngram_dump(valid, test, grids)
-    best = out["valid"]["best"]
-    knn = f" lambda={best['lambda']} temperature={best['temperature']}" if "knn" in valid.columns else ""
-    if len(valid.names("ngram")) > 1:  # several indexes
-        pairs = "; ".join(f"({a:g}, {b:g})" for a, b in best["weights"])
-        print(f"best on valid: (lambda_sparse, lambda_dense) per ∞-gram index {pairs}{knn} ppl={best['ppl']:.4f}")
-    else:
-        print(f"best on valid: lambda_sparse={best['lambda_sparse']} lambda_dense={best['lambda_dense']}{knn} "
-              f"ppl={best['ppl']:.4f}")  # fmt: skip
-    if "cache_lambda" in best:
-        print(f"the cache beside them on valid: cache_lambda={best['cache_lambda']} cache_temperature="
-              f"{best['cache_temperature']} ppl={best['cache_ppl']:.4f}")  # fmt: skip
-    print_datastores(best.get("datastores", []))
-    if test is not None:
-        print_result(out["test"])
-    out["leakage"] = leakage
-    return out
-
-
-def print_datastores(found: list[dict[str, Any]]) -> None:
-    """Each further datastore's λ_j, τ_j tuned beside the rule (memlm.mixing.dump.tune_datastores_beside)."""
-    for d in found:
-        print(f"{d['component']} beside them on valid: lambda={d['lambda']} temperature={d['temperature']} "
-              f"ppl={d['ppl']:.4f}")  # fmt: skip
+    given = per_index_lambdas(args.ngram_lambda_sparse, args.ngram_lambda_dense, len(memories), names)
+    return [ngram_parameters(m.index, *g) for m, g in zip(memories, given, strict=True)]
 
 
 def note_approximate(step) -> None:
@@ -305,7 +226,7 @@ def print_sources(args: argparse.Namespace, memories, tok, prompt: list[int], te
 def add_parsers(sub) -> None:
     ng = sub.add_parser("ngram", help="∞-gram indexes (infini-gram): a memory built by sorting, no forward pass")
     nsub = ng.add_subparsers(dest="ngram_cmd", required=True)
-    b = nsub.add_parser("build", help="index a corpus with the model's tokenizer (suffix array) and calibrate λ's")
+    b = nsub.add_parser("build", help="index a corpus with the model's tokenizer (suffix array), calibrate its mixture")
     add_model(b, required=True)
     add_corpus(b, "train")
     b.set_defaults(split="train")
@@ -321,7 +242,7 @@ def add_parsers(sub) -> None:
         "--holdout",
         type=float,
         default=0.02,
-        help="share of the corpus's tokens held out to calibrate λ_sparse / λ_dense (0: none)",
+        help="share of the corpus's tokens held out to fit the index's mixture with the LM (0: none)",
     )
     b.add_argument("--no-calibrate", action="store_true", help="hold out the slice but do not calibrate (no LM pass)")
     b.add_argument(

@@ -19,9 +19,7 @@ PPL_LABELS = {
     "multi_ngram_ppl": "LM + every ∞-gram",
     "knn_multi_ngram_ppl": "LM + kNN + every ∞-gram",
     "multi_knn_ppl": "LM + every datastore, each its λ",
-    "rule_ppl": "the fixed weights tuned on valid",
-    "cache_rule_ppl": "the ∞-gram rule + the cache, λc tuned beside it",
-    "mixture_ppl": "the learned mixture (memlm tune --mixture gate)",
+    "mixture_ppl": "the fitted mixture (memlm tune, a stored fit)",
 }
 EVIDENCE_KEYS = ("bootstrap", "intervals", "differences", "frequency_buckets")
 RECORDED_ONLY = ("mixtures",)  # each fixed-weight row's rule (Mixture.to_dict): in the JSON, not printed

@@ -36,7 +36,7 @@ DEFAULT_K = 1024
 """Neighbours per query wherever a datastore is searched and none is given: scoring (``memlm eval``,
 :func:`memlm.knnlm.scoring.score_tokens`), calibration, and every generation path (:func:`memlm.knnlm.generate.
 generate_text`, ``memlm generate``, :func:`memlm.wrap`, lm-eval's ``generate_until``). Khandelwal et al. (2020)
-retrieve 1024. Generation searches as many as scoring because each datastore's λ and τ are calibrated at this k
+retrieve 1024. Generation searches as many as scoring because each datastore's mixture is calibrated at this k
 (:func:`memlm.knnlm.calibration.knn_parameters`): a smaller k would generate from another distribution than the one
 evaluated and calibrated. It costs little per generated token: one step's search and p_kNN on a 200k-entry IVF
 datastore (d 576, nprobe 32, vocabulary 49,152, one CPU thread) took 21.7 ms at k = 1024 against 17.6 ms at k = 64,

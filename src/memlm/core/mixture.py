@@ -520,6 +520,7 @@ def fit(
     _check_memories_score(lp, names[0])
     if form == "rule":
         mixture = fit_rule(lp, ft, names[1], names[0], options.em_tol)
+        ft = ft[:, [names[1].index(f) for f in mixture.feature_names]]  # the state columns the rule switches on
     else:
         mixture = _fit_forms(lp, ft, names, ("lm", form) if form == "constant" else FORMS, options)[form]
     doc = np.asarray(doc_index)

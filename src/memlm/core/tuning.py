@@ -1,6 +1,7 @@
-"""One grid search for every parameter memlm tunes: λ and τ of the kNN-LM (Khandelwal et al. 2020, Sec. 3), the
-continuous cache's λc and τc, the Xu et al. (2023) per-row λ / τ, TRIME's ``M``, τ_local, τ, λ and τ_kNN (Zhong et
-al. 2022, App. A) and the datastore's self-calibration.
+"""One grid search for the parameters of the paper reproductions that are searched: the Xu et al. (2023) per-row
+λ / τ, TRIME's ``M``, τ_local, τ, λ and τ_kNN (Zhong et al. 2022, App. A). The mixtures of the LM and its memories
+(the kNN-LM's λ, the ∞-gram's λ_sparse / λ_dense, the cache's λc) are fitted instead (:mod:`memlm.core.mixture`: EM,
+L-BFGS; no grid over their weights), and :data:`DEFAULT_TEMPERATURES` is the τ grid they are fitted at.
 
 A tuner is an objective (parameters -> perplexity on a dev dump, computed from stored per-token scores with no new
 forward pass or search) and a grid (parameter name -> candidate values). :func:`grid_search` evaluates every point of

@@ -294,9 +294,10 @@ def _row(test: TokenTable, mixtures: dict[str, DumpMixture]) -> tuple[dict[str, 
 
 
 def _curve(test: TokenTable, ds) -> tuple[list[float], list[float]]:
-    """Test perplexity of the kNN-LM's fixed-weight rule (Eq. 3) at each λ < 1, at the datastore's calibrated τ."""
-    cal = ds.manifest["calibration"]
-    inp = mixture_inputs(_view(test, "knn_ppl"), float(cal["temperature"]), int(cal["k"]))
+    """Test perplexity of the kNN-LM's fixed-weight rule (Eq. 3) at each λ < 1, at the τ and k of the datastore's
+    calibrated mixture."""
+    fit = stored_mixture(ds)
+    inp = mixture_inputs(_view(test, "knn_ppl"), float(fit.temperature), int(fit.k))
     lams = [x for x in DEFAULT_LAMBDAS if x < 1]  # λ = 1 is infinite: some targets are never retrieved
     curve = [perplexity(rule_mixture(("lm", "knn"), {"knn": x}).mix(
         {c: inp.logprobs[:, j] for j, c in enumerate(inp.components)}, {})) for x in lams]  # fmt: skip

@@ -47,7 +47,7 @@ from memlm.core.distribution import mix, perplexity
 from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, grid_search
 from memlm.errors import MemlmError
 from memlm.io.fileio import atomic_write_json, dumps_json, unique_tmp
-from memlm.knnlm.evaluate import add_neighbours, perplexities, tune
+from memlm.knnlm.evaluate import add_neighbours, perplexities
 from memlm.knnlm.table import TokenTable
 from memlm.storage import index as index_lib
 from memlm.storage.datastore import Datastore
@@ -172,7 +172,7 @@ def interpolation_row(
     """λ tuned on valid for ``(1-λ) p_LM + λ p_mem`` (log-probabilities of the targets), then test perplexities.
 
     Used for memories that come as target log-probabilities (the learned W_ds); datastore dumps go through
-    :func:`memlm.knnlm.evaluate.tune`, which also tunes τ.
+    :func:`memlm.mixing.report.fit_table`, which fits λ by EM and chooses τ.
     """
     tuned = grid_search(lambda lam: perplexity(mix([valid_lm, valid_mem], weights=[1 - lam, lam])), {"lam": lambdas})
     tuned = tuned["best"]
@@ -188,11 +188,13 @@ def interpolation_row(
 
 
 def _dump_row(valid: TokenTable, test: TokenTable, temperatures: Sequence[float], k: int) -> dict[str, Any]:
-    """λ and τ tuned on the valid dump, applied to the test dump."""
-    best = tune(valid, temperatures=temperatures, k=k)["best"]
-    res = perplexities(test, lam=best["lambda"], temperature=best["temperature"], k=k)
+    """λ (by EM) and τ (the most likely of ``temperatures``) fitted on the valid dump, applied to the test dump."""
+    from memlm.mixing.report import fit_summary, fit_table
+
+    best = fit_summary(fit_table(valid, "rule", temperatures, k))
+    res = perplexities(test, lam=best["knn"], temperature=best["temperature"], k=k)
     return {
-        "lambda": best["lambda"],
+        "lambda": best["knn"],
         "temperature": best["temperature"],
         "valid_ppl": best["ppl"],
         "base_ppl": res["base_ppl"],

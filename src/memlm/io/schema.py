@@ -228,21 +228,23 @@ _IDENTITY = Obj(
     }  # fmt: skip
 )
 
-#: a datastore's calibrated λ and τ (memlm.knnlm.calibration): λ a probability, τ a positive temperature
+#: a datastore's calibration (memlm.knnlm.calibration): the one mixture fitted on its held-out slice, at a positive
+#: temperature τ over k >= 1 neighbours, its rule weight a probability (the fit itself is checked when read)
 CALIBRATION = Obj(
     required={
-        "lambda": Num(min=0, max=1),
-        "temperature": Num(above=0),
         "k": Int(min=1),
         "tokens": Int(min=1),
         "count": Int(min=0),
         "base_ppl": Num(min=0),
-        "knn_ppl": Num(min=0),
     },
     optional={
         "nprobe": Int(min=1),
         "search": Str(choices=("index", "exact")),
         "scores": Str(choices=("index", "exact")),
+        "mixture": Obj(
+            required={"temperature": Num(above=0), "k": Int(min=1)},
+            optional={"rule_weights": Obj(optional={"knn": Num(min=0, max=1)})},
+        ),
     },
 )
 

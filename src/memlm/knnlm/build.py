@@ -2,12 +2,13 @@
 
 A build holds out a slice of the corpus (:func:`memlm.knnlm.calibration.holdout_split`), writes the rest's entries
 with one forward pass (:func:`memlm.knnlm.write.write_datastore`, or :func:`memlm.knnlm.write.build_sharded` over
-shards), builds the FAISS index over them and calibrates λ, τ and the learned mixture on the held-out slice
+shards), builds the FAISS index over them and calibrates the mixture of the LM and the datastore on the held-out slice
 (:func:`memlm.knnlm.calibration.calibrate`), recorded with the datastore: the kNN-LM of Khandelwal et al. (2020, Eq. 3)
+with its weight per token
 
-    p(w | c) = λ p_kNN(w | c) + (1 - λ) p_LM(w | c)
+    p(w | c) = λ(c) p_kNN(w | c) + (1 - λ(c)) p_LM(w | c),     λ(c) = softmax(W φ(c) + b)
 
-with λ and τ tuned on text the datastore does not hold, and the guarded fit of λ(c) = softmax(W φ(c) + b) beside them.
+fitted (guarded: the LM alone, a constant λ or the gate) on text the datastore does not hold, τ chosen with it.
 Eval, generation, lm-eval and :func:`memlm.wrap` read them from the folder; a rerun resumes or returns the folder as
 it is.
 """
@@ -164,7 +165,7 @@ def _ensure_index(ds, factory: str | None, metric: str, progress: bool) -> None:
 
 def calibrate_holdout(model, tokenizer, ds, held_out: Sequence, holdout: dict[str, Any], k: int = CALIBRATION_K,
                       batch_size: int = 4) -> dict[str, Any] | None:  # fmt: skip
-    """Tune λ and τ and fit the mixture of the LM and the datastore on the build's held-out slice, and record them
+    """Fit the mixture of the LM and the datastore (and its τ) on the build's held-out slice, and record it
     with the datastore (:func:`memlm.knnlm.calibration.calibrate`); a rerun recalibrates a record without a usable
     fit and keeps one on named text (``memlm datastore calibrate``). Returns the calibration recorded (None when
     nothing was held out)."""
@@ -181,8 +182,7 @@ def calibrate_holdout(model, tokenizer, ds, held_out: Sequence, holdout: dict[st
         )
     cal = ds.manifest.get("calibration")
     if cal is not None and cal.get("count") == len(ds) and (cal.get("text") or {}).get("named"):
-        print(f"calibration on {cal['text'].get('corpus')} (memlm datastore calibrate) kept: λ={cal['lambda']:g}, "
-              f"τ={cal['temperature']:g}", file=sys.stderr)  # fmt: skip
+        print(f"calibration on {cal['text'].get('corpus')} (memlm datastore calibrate) kept", file=sys.stderr)
         if not has_stored_mixture(ds):
             print(f"note: it records no usable fitted mixture; rerun `memlm datastore calibrate {ds.path} --corpus "
                   "FILE` to fit one", file=sys.stderr)  # fmt: skip
@@ -193,13 +193,13 @@ def calibrate_holdout(model, tokenizer, ds, held_out: Sequence, holdout: dict[st
         and cal.get("holdout_ids") == holdout.get("ids_sha256")
         and has_stored_mixture(ds)
     ):
-        print(f"calibration already recorded: λ={cal['lambda']:g}, τ={cal['temperature']:g}", file=sys.stderr)
+        print("calibration already recorded", file=sys.stderr)
         return cal
     if holdout.get("short_of_minimum"):
         print(f"note: {holdout['short_of_minimum']}", file=sys.stderr)
     n, tails = holdout["documents"], len(holdout.get("tails") or [])
     what = f"{n} document{'s' if n != 1 else ''}" + (f", {tails} of them a document's tail" if tails else "")
-    print(f"calibrating λ, τ and the mixture on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
+    print(f"calibrating the mixture on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
     text = {"held_out": True, "documents": holdout["documents"], "ids_sha256": holdout.get("ids_sha256")}
     cal = calibrate(model, tokenizer, ds, held_out, k=k, batch_size=batch_size, text=text)
     cal["holdout_ids"] = holdout.get("ids_sha256")
@@ -209,12 +209,10 @@ def calibrate_holdout(model, tokenizer, ds, held_out: Sequence, holdout: dict[st
 
 
 def say_calibrated(cal: dict[str, Any], ds) -> None:
-    """The calibration's lines on stderr: λ, τ, the held-out perplexities, the grid's edge and the fitted mixture."""
-    edge = cal["grid"]["on_edge"]
-    print(f"calibrated: λ={cal['lambda']:g}, τ={cal['temperature']:g} (held-out ppl {cal['base_ppl']:.3f} -> "
-          f"{cal['knn_ppl']:.3f}; k={cal['k']}, {cal['search']} search"
-          + (f", still on the grid's edge in {', '.join(edge)}" if edge else "")
-          + f"); recorded in {ds.path}", file=sys.stderr)  # fmt: skip
+    """The calibration's lines on stderr: the held-out perplexities of the LM and of the fitted mixture, and the
+    fit."""
+    print(f"calibrated: held-out ppl {cal['base_ppl']:.3f} -> {cal['mixture_ppl']:.3f} (k={cal['k']}, "
+          f"{cal['search']} search); recorded in {ds.path}", file=sys.stderr)  # fmt: skip
     report_mixture(stored_mixture(ds), f"calibrate on more text outside the datastore: `memlm datastore calibrate "
                    f"{ds.path} --corpus FILE`, or tune on your own valid text: `memlm eval --dump` + `memlm tune "
-                   "--mixture gate`")  # fmt: skip
+                   "--mixture guarded`")  # fmt: skip

@@ -1,33 +1,43 @@
-"""Self-calibrating datastores: a held-out slice of the datastore's own corpus picks its default λ and τ.
+"""Self-calibrating memories: a held-out slice of a memory's own corpus fits its mixture with the LM, stored with it.
 
 A kNN-LM's perplexity depends on the interpolation weight λ and the softmax temperature τ of Eq. 2-3 (Khandelwal et al.
-2020 tune λ on validation text; Xu et al. 2023, Sec. 3.4, show how much τ matters). No fixed default suits every
-datastore (on 92k tokens of speeches, -1.5% perplexity with the old defaults λ = 0.25, τ = 1 and -6.5%
-tuned; on WikiText-2 here the old defaults are 3.5% worse than no datastore, docs/results/knnlm.md). So ``memlm
-datastore
-build`` holds out a small deterministic slice of its corpus (:func:`holdout_split`: 2% of the tokens, at least 4,096,
-at most 8,192, never more than 20%; whole documents first, then, for a corpus of one document or a few long ones, the
-tails of the longest documents cut at a paragraph, line, sentence or word boundary), builds the datastore from the
-rest, then scores the slice with the new datastore and grid-searches λ and τ on it, widening the grid while the best
-value sits on its edge (:func:`calibrate`). On the same scored tokens (no second forward pass) it fits the guarded
-mixture of the LM and the datastore (:func:`memlm.mixing.dump.fit_dump`, τ searched over the same
-grid; the LM alone, constant weights or the gate, whichever the part of the slice kept apart prefers). The result,
-with what it was measured with (k, search and score mode, nprobe, index file and factory), is recorded with the
-datastore (``manifest.json`` → ``calibration``; the fit under ``calibration.mixture``, read back by
-:func:`stored_mixture`). The slice is part of the build's settings: a rerun with another ``--holdout`` (or over a
-datastore built without one) is refused, never calibrated on text inside the datastore; such a datastore is
-calibrated on text the user names (``memlm datastore calibrate DS --corpus FILE``). ``memlm eval``, ``generate``,
-the lm-eval adapter and the Python API mix by the stored fit when no weights are given
-(:mod:`memlm.knnlm.default_mixture`: one memory's fit as it is, several memories' fits combined and checked on their
-calibration slices, whose text is kept under ``calibration.slice``); λ and τ remain the fixed-weight rule of
-``--lambda`` / ``--temperature`` and of eval's comparison rows (:func:`knn_parameters`, which says which values it
-used and where they came from, and adds one notice when the run searches with another k, mode or index than the
-calibration did). A slice of fewer than 8 documents (a one-file corpus: its tail) is cut into 512-token blocks
+2020 tune λ on validation text; Xu et al. 2023, Sec. 3.4, show how much τ matters), an ∞-gram's on λ_sparse /
+λ_dense (Liu et al. 2024, Sec. 5). No fixed default suits every memory (on WikiText-2 here the old defaults λ = 0.25,
+τ = 1 are 3.5% worse than no datastore, docs/results/knnlm.md). So ``memlm datastore build`` (and ``memlm ngram
+build``) holds out a small deterministic slice of its corpus (:func:`holdout_split`: 2% of the tokens, at least
+4,096, at most 8,192, never more than 20%; whole documents first, then, for a corpus of one document or a few long
+ones, the tails of the longest documents cut at a paragraph, line, sentence or word boundary), builds the memory from
+the rest, then scores the slice with the new memory and fits **one** mixture of the LM and the memory on it
+(:func:`calibration_fit`, by the one fitter :func:`memlm.mixing.report.fit_table`)::
+
+    P(w | c) = λ_0(c) P_LM(w | c) + λ_1(c) P_mem(w | c),    λ(c) = softmax(W φ(c) + b)
+
+the LM alone, EM's constant weights or the gate, whichever the part of the slice kept apart prefers
+(:func:`memlm.core.mixture.fit_guarded`); no grid over the weights. A datastore's τ is the component's own read
+setting, searched on a small grid: the constant mixture (EM, cheap) at each τ of
+:data:`memlm.core.tuning.DEFAULT_TEMPERATURES` gives the τ of highest likelihood, and the guarded fit is made at it
+and its neighbours (:func:`near_temperatures`), keeping the one whose kept part prefers it; k is the run's.
+
+The fit, with what it was measured with (k, search and score mode, nprobe, index file and factory), is the
+calibration: ``manifest.json`` → ``calibration.mixture`` (:meth:`memlm.mixing.dump.DumpMixture.to_dict`, read back by
+:func:`stored_mixture`). It carries its own summary as the fixed-weight rule (``rule_weights``: the memory's mean
+weight on the slice; an ∞-gram's per sparse / dense state, :func:`memlm.mixing.dump.rule_summary`), which is where the
+rule's default weights come from wherever the rule is still used (:func:`knn_parameters`,
+:func:`ngram_parameters`: the cache beside, several datastores, ``--temperature`` alone, eval's
+comparison rows). A calibration recorded by an older memlm (a grid's λ, τ or λ_sparse, λ_dense beside the fit) is
+refused with one MemlmError saying how to recalibrate.
+
+The slice is part of the build's settings: a rerun with another ``--holdout`` (or over a datastore built without
+one) is refused, never calibrated on text inside the datastore; such a datastore is calibrated on text the user names
+(``memlm datastore calibrate DS --corpus FILE``). ``memlm eval``, ``generate``, the lm-eval adapter and the Python API
+mix by the stored fit when no weights are given (:mod:`memlm.knnlm.default_mixture`: one memory's fit as it is,
+several memories' fits combined and checked on their calibration slices, whose text is kept under
+``calibration.slice``). A slice of fewer than 8 documents (a one-file corpus: its tail) is cut into 512-token blocks
 that the fit's kept part and its intervals treat as documents (:func:`memlm.core.mixture.token_blocks`).
 
-The slice is in-domain text the datastore has not seen, so its λ/τ are a good default for text like the datastore's
-corpus. For text from another domain (domain adaptation, or a datastore much larger than the slice's context), tune on
-target-domain text instead: ``memlm eval --dump`` on a valid split, then ``memlm tune``.
+The slice is in-domain text the memory has not seen, so its fit is a good default for text like the memory's corpus.
+For text from another domain, fit on target-domain text instead: ``memlm eval --dump`` on a valid split, then
+``memlm tune``.
 """
 
 from __future__ import annotations
@@ -59,8 +69,8 @@ __all__ = [
     "holdout_split",
     "calibrate",
     "calibrate_ngram",
+    "calibrate_index_holdout",
     "calibrate_shared",
-    "knn_calibration",
     "ngram_calibration",
     "near_temperatures",
     "calibration_mismatch",
@@ -72,13 +82,15 @@ __all__ = [
     "index_identity",
     "slice_record",
     "knn_parameters",
-    "tune_widening",
+    "datastore_weights",
+    "ngram_parameters",
+    "calibration_fit",
 ]
 
 HOLDOUT_FRACTION = 0.02
 HOLDOUT_MIN_TOKENS = 4096
-#: the slice never holds more tokens than this: it tunes two or three numbers (λ, τ; λ_sparse,
-#: λ_dense), and the held-out log-likelihood difference between the LM and a mixture has a per-token standard deviation
+#: the slice never holds more tokens than this: it fits a mixture of two components (and τ), and the held-out
+#: log-likelihood difference between the LM and a mixture has a per-token standard deviation
 #: of 0.4-1.0 nats (docs/results/mixture/stdlib.json), so 8,192 tokens measure a mean difference to a standard error
 #: of 0.004-0.011 nats (0.4-1.1% of perplexity), under the differences calibration chooses between; the LM pass over the
 #: slice then costs ~1 minute on 2 cores whatever the corpus's size (2% of a 3.16M-token corpus was 68,038 tokens)
@@ -281,54 +293,30 @@ def index_identity(datastore, index_path: str | Path | None = None) -> dict[str,
 
 
 def near_temperatures(grid, best: float) -> list[float]:
-    """The rule's best τ and its neighbours in ``grid`` (up to 3 values): where the guarded mixture searches τ at
-    calibration. One guarded fit costs seconds per τ on 8k tokens with k = 1024 (an L-BFGS gate fit and the kNN
-    features at that τ), so the 14-20 τ of the whole grid would make the fit the slowest part of a build, where
-    calibration should cost little. In docs/results/mixture.md the gate's τ was next to the rule's in the fits made
-    on enough
-    text (τ 2-3 where the rule chose 2-3), and far from it only in fits under the guard's minimum size (τ 5-10 on 4
-    valid articles where the rule chose 2), so the neighbours are where a fit worth storing looks."""
+    """The constant mixture's most likely τ and its neighbours in ``grid`` (up to 3 values): where the guarded mixture
+    searches τ at calibration (:func:`calibration_fit`). One guarded fit costs seconds per τ on 8k tokens with
+    k = 1024 (an L-BFGS gate fit and the kNN features at that τ), so the 14 τ of the whole grid would make the fit the
+    slowest part of a build, where calibration should cost little. In docs/results/mixture.md the gate's τ was next
+    to the rule's in the fits made on enough text (τ 2-3 where the rule chose 2-3), and far from it only in fits
+    under the guard's minimum size (τ 5-10 on 4 valid articles where the rule chose 2), so the neighbours are where a
+    fit worth storing looks."""
     grid = sorted(float(t) for t in grid)
     i = min(range(len(grid)), key=lambda j: abs(grid[j] - float(best)))
     return grid[max(0, i - 1) : i + 2]
 
 
-def tune_widening(ts, max_widenings: int = 3) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(best, grid)``: :func:`memlm.knnlm.evaluate.tune` on ``ts``, the grid widened while the best value sits on
-    its edge: τ at the grid's lowest (highest) value adds τ/2, τ/5, τ/10 (2τ, 5τ, 10τ); λ at the smallest positive
-    value adds λ/5 and λ/2 (λ's grid already spans [0, 1]). ``grid`` records the final grids and ``on_edge``, the
-    parameters still at an open edge after ``max_widenings`` widenings (empty when the optimum is inside)."""
-    from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES
-    from memlm.knnlm.evaluate import tune
+def calibration_fit(ts, k: int | None = None) -> DumpMixture:
+    """The one mixture a calibration stores (module docstring): the guarded fit of the LM and the memories of
+    ``ts`` (:func:`memlm.mixing.report.fit_table`), a datastore's τ searched at the τ where EM's constant mixture is
+    most likely on ``ts`` and that τ's neighbours in :data:`memlm.core.tuning.DEFAULT_TEMPERATURES`."""
+    from memlm.core.tuning import DEFAULT_TEMPERATURES
+    from memlm.mixing.report import fit_table
 
-    lams, temps = sorted(DEFAULT_LAMBDAS), sorted(DEFAULT_TEMPERATURES)
-    widened = 0
-    while True:
-        best = tune(ts, lambdas=lams, temperatures=temps)["best"]
-        lam, t = best["lambda"], best["temperature"]
-        edge = []
-        if lam > 0 and t == temps[0]:
-            edge.append(("temperature", [t / 10, t / 5, t / 2]))
-        if lam > 0 and t == temps[-1]:
-            edge.append(("temperature", [t * 2, t * 5, t * 10]))
-        positive = [x for x in lams if x > 0]
-        if positive and lam == positive[0]:
-            edge.append(("lambda", [lam / 5, lam / 2]))
-        if not edge or widened == max_widenings:
-            break
-        for name, extra in edge:
-            if name == "temperature":
-                temps = sorted({*temps, *extra})
-            else:
-                lams = sorted({*lams, *extra})
-        widened += 1
-    grid = {
-        "lambdas": [float(x) for x in lams],
-        "temperatures": [float(x) for x in temps],
-        "widened": widened,
-        "on_edge": sorted({name for name, _ in edge}),
-    }
-    return best, grid
+    taus: Sequence[float] = (1.0,)
+    if ts.names("knn"):
+        tau = fit_table(ts, "constant", DEFAULT_TEMPERATURES, k).temperature
+        taus = near_temperatures(DEFAULT_TEMPERATURES, float(tau))
+    return fit_table(ts, "guarded", taus, k)
 
 
 def calibrate(
@@ -342,16 +330,15 @@ def calibrate(
     progress: bool = True,
     text: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Score ``held_out`` with ``datastore``, grid-search λ and τ on it (:func:`tune_widening`) and fit the guarded
-    mixture of the LM and the datastore on the same scored tokens (:func:`memlm.mixing.dump.fit_dump`, τ over
-    the same grid; one forward pass in all).
+    """Score ``held_out`` with ``datastore`` (one forward pass) and fit the one mixture of the LM and the datastore
+    on it (:func:`calibration_fit`).
 
     The slice is read with the datastore's own windows (``window``, ``stride``); the datastore's index (or exact
     search when it has none) gives ``k`` neighbours per token. Text whose documents are in the datastore (same id
-    and text) is refused. Returns the record stored under ``calibration``: λ, τ, and what they were measured with
-    (``k``, ``search``, ``scores``, ``nprobe``, ``index``: file, factory, metric, checksum; ``grid``; ``text``: the
-    held-out slice or the corpus a user named) and the fit (``mixture``: :meth:`DumpMixture.to_dict`, read back by
-    :func:`stored_mixture`).
+    and text) is refused. Returns the record stored under ``calibration``: the fit (``mixture``:
+    :meth:`DumpMixture.to_dict`, read back by :func:`stored_mixture`), the held-out perplexities of the LM and of the
+    fit, and what they were measured with (``k``, ``search``, ``scores``, ``nprobe``, ``index``: file, factory,
+    metric, checksum; ``text``: the held-out slice or the corpus a user named).
     """
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
@@ -402,37 +389,29 @@ def _score_slice(model, tokenizer, datastore, held_out: Sequence, k: int, nprobe
 
 def knn_calibration(ts, datastore, nprobe: int = 32, text: dict[str, Any] | None = None) -> dict[str, Any]:
     """The calibration record of ``datastore`` from its slice's scores ``ts`` (:func:`_score_slice`; the ∞-gram's
-    columns, if any, are left out): λ and τ by :func:`tune_widening`, the guarded mixture of the LM and the datastore
-    fitted on the same tokens (:func:`memlm.mixing.dump.fit_dump`, τ near the rule's), and what they were measured
-    with."""
-    from memlm.core.mixture import token_blocks
-    from memlm.knnlm.evaluate import perplexities
-    from memlm.mixing.dump import fit_dump
-
+    columns, if any, are left out): the one fit (:func:`calibration_fit`) and what it was measured with."""
     ts = ts.select(ts.names("knn"))
-    best, grid = tune_widening(ts)
-    res = perplexities(ts, lam=best["lambda"], temperature=best["temperature"])
     k, search = int(ts.meta["k"]), ts.meta["search"]
-    ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
-    mixture = fit_dump(ts, near_temperatures(grid["temperatures"], best["temperature"]), k)
     return {
-        "lambda": float(best["lambda"]),
-        "temperature": float(best["temperature"]),
+        **_fit_record(ts, calibration_fit(ts, k)),
         "k": k,
         "nprobe": int(nprobe),
         "search": search,
         "scores": "index",
         "index": index_identity(datastore) if search == "index" else None,
-        "grid": grid,
-        "tokens": len(ts),
-        "base_ppl": float(res["base_ppl"]),
-        "knn_ppl": float(res["knn_ppl"]),
-        "mixture": mixture.to_dict(),
         "window": int(ts.meta["window"]),
         "stride": int(ts.meta["stride"]),
         "count": len(datastore),
         **({"text": text} if text is not None else {}),
     }
+
+
+def _fit_record(ts, fit: DumpMixture) -> dict[str, Any]:
+    """``tokens``, ``base_ppl`` (the LM) and ``mixture_ppl`` (the fit) on the slice, and the fit itself."""
+    from memlm.core.distribution import perplexity
+
+    return {"tokens": len(ts), "base_ppl": perplexity(ts.logprob("lm")),
+            "mixture_ppl": perplexity(fit.logprob(ts, "the calibration slice")), "mixture": fit.to_dict()}  # fmt: skip
 
 
 def calibrate_shared(
@@ -513,23 +492,15 @@ def knn_parameters(
     if not missing:
         origin = "given"
     elif cal is not None:
-        lam = float(cal["lambda"]) if lam is None else lam
-        temperature = float(cal["temperature"]) if temperature is None else temperature
-        text = cal.get("text") or {}
-        what = (
-            f"{cal['tokens']:,} tokens of {text.get('corpus')} (named with memlm datastore calibrate)"
-            if text.get("named")
-            else f"{cal['tokens']:,} held-out tokens of the datastore's corpus"
-        )
-        origin = (
-            f"calibrated on {what} (held-out ppl {cal['base_ppl']:.3f} -> {cal['knn_ppl']:.3f}, k={cal['k']}), "
-            f"recorded in {datastore.path}/manifest.json"
-        )
+        fit = _read_fit(datastore, "knn", cal["mixture"])
+        lam = float(fit.rule_weights["knn"]) if lam is None else lam
+        temperature = float(fit.temperature) if temperature is None else temperature  # type: ignore[arg-type]
+        origin = f"{calibrated_on(datastore, cal, fit)}, recorded in {datastore.path}/manifest.json"
         differs = calibration_mismatch(datastore, cal, setting or {})
         if differs:
             notice = (
-                f"note: this run uses {', '.join(differs)}: the calibrated λ, τ may not be the best for it; tune for "
-                f"this setting with `memlm datastore calibrate {datastore.path} --corpus FILE` (text outside the "
+                f"note: this run uses {', '.join(differs)}: the calibrated mixture may not be the best for it; fit "
+                f"for this setting with `memlm datastore calibrate {datastore.path} --corpus FILE` (text outside the "
                 "datastore) or `memlm eval --dump` + `memlm tune`, or give --lambda/--temperature"
             )
     else:
@@ -537,7 +508,7 @@ def knn_parameters(
         temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
         origin = (
             "memlm's fallback defaults (this datastore records no calibration: calibrate it on text outside it with "
-            "`memlm datastore calibrate DS --corpus FILE`, or tune on your own valid text with `memlm eval --dump` + "
+            "`memlm datastore calibrate DS --corpus FILE`, or fit on your own valid text with `memlm eval --dump` + "
             "`memlm tune`)"
         )
     if announce and datastore is not None:
@@ -548,13 +519,94 @@ def knn_parameters(
     return float(lam), float(temperature), origin
 
 
+def calibrated_on(owner, cal: dict[str, Any], fit: DumpMixture) -> str:
+    """Where a calibration's rule weights come from, for the line that announces them: the fit, its form, its
+    slice and the held-out perplexities of the LM and of the fit."""
+    text = cal.get("text") or {}
+    what = (f"{cal['tokens']:,} tokens of {text.get('corpus')} (named with memlm datastore calibrate)"
+            if text.get("named") else f"{cal['tokens']:,} held-out tokens of its corpus")  # fmt: skip
+    knn = f", τ={fit.temperature:g}, k={fit.k}" if fit.temperature is not None else ""
+    return (f"the mean weights of the {fit.fit.form} mixture fitted at calibration on {what} (held-out ppl "
+            f"{cal['base_ppl']:.3f} -> {cal['mixture_ppl']:.3f}{knn})")  # fmt: skip
+
+
+#: fields of a calibration recorded by an older memlm: the grid's weights stored beside the fitted mixture
+OLD_FIELDS = ("lambda", "temperature", "lambda_sparse", "lambda_dense", "grid")
+
+
+def ngram_parameters(
+    index, lambda_sparse: float | None = None, lambda_dense: float | None = None, announce: bool = True
+) -> tuple[float, float, str]:
+    """``(λ_sparse, λ_dense, origin)``: the values given, else the summary of the mixture stored with the index's
+    calibration (its mean weight where P∞ is sparse and where it is not, :func:`memlm.mixing.dump.rule_summary`), else
+    the fallback (:data:`DEFAULT_LAMBDA_SPARSE`, :data:`DEFAULT_LAMBDA_DENSE`)."""
+    from memlm.ngram.mixture import DEFAULT_LAMBDA_DENSE, DEFAULT_LAMBDA_SPARSE
+
+    fit = None if lambda_sparse is not None and lambda_dense is not None else stored_mixture(index)
+    if fit is None and lambda_sparse is not None and lambda_dense is not None:
+        origin = "given"
+    elif fit is not None:
+        ws, wd = fit.rule_weights["ngram"]
+        lambda_sparse = float(ws) if lambda_sparse is None else lambda_sparse
+        lambda_dense = float(wd) if lambda_dense is None else lambda_dense
+        cal = index.manifest["calibration"]
+        origin = f"{calibrated_on(index, cal, fit)}, recorded in {index.path}/manifest.json"
+    else:
+        lambda_sparse = DEFAULT_LAMBDA_SPARSE if lambda_sparse is None else lambda_sparse
+        lambda_dense = DEFAULT_LAMBDA_DENSE if lambda_dense is None else lambda_dense
+        origin = (
+            "memlm's fallback defaults (the index records no calibration: fit on your valid text with "
+            "`memlm eval --memory DIR --dump` + `memlm tune`)"
+        )
+    if announce:
+        print(f"∞-gram parameters: λ_sparse={lambda_sparse:g}, λ_dense={lambda_dense:g}: {origin}", file=sys.stderr)
+    return float(lambda_sparse), float(lambda_dense), origin
+
+
+def datastore_weights(
+    stores: Sequence,
+    lam: float | None = None,
+    temperature: float | None = None,
+    cache_lambda: float = 0.0,
+    setting: dict[str, Any] | None = None,
+) -> list[tuple[float, float, str]]:
+    """Each datastore's ``(λ, τ, origin)`` in the fixed-weight rule of a run (:func:`knn_parameters`: as given, else
+    its stored fit's mean weight and τ), beside the cache's ``cache_lambda``. Several datastores whose λ's and the
+    cache's sum to 1 or more are one MemlmError (the LM would keep no weight). One datastore whose λ was not given and
+    leaves the cache less than its weight: λ lowered to ``1 - cache_lambda`` (its fit was made without the cache),
+    said on stderr."""
+    weights = [knn_parameters(store, lam, temperature, setting=setting) for store in stores]
+    total = sum(w[0] for w in weights) + cache_lambda
+    if len(weights) > 1 and total >= 1.0:
+        given = ", ".join(f"{w[0]:g}" for w in weights)
+        raise MemlmError(f"the datastores' λ's ({given}) and the cache's sum to {total:g}: the LM would keep no "
+                         "weight; give a smaller --lambda (each datastore's)")  # fmt: skip
+    if len(weights) == 1 and cache_lambda and lam is None and total > 1:
+        weights[0] = (1.0 - cache_lambda, *weights[0][1:])
+        print(f"λ lowered to {weights[0][0]:g} so that λ + --cache-lambda <= 1", file=sys.stderr)
+    return weights
+
+
 def _current_calibration(owner, counted: bool) -> dict[str, Any] | None:
     """The calibration ``owner``'s manifest records, or None; ``counted`` (a datastore): None too when it was
-    recorded for another version of the datastore (another entry count, e.g. before an ``--append``)."""
+    recorded for another version of the datastore (another entry count, e.g. before an ``--append``). A record of an
+    older memlm (:data:`OLD_FIELDS`, or a fit without its rule summary) is one MemlmError saying to recalibrate."""
     cal = (getattr(owner, "manifest", None) or {}).get("calibration")
-    if cal is not None and counted and int(cal.get("count", -1)) != len(owner):
+    if cal is None:
+        return None
+    old = [f for f in OLD_FIELDS if f in cal]
+    if old or not isinstance((cal.get("mixture") or {}).get("rule_weights"), dict):
+        kind = "knn" if hasattr(owner, "key_spec") else "ngram"
+        stored = f"the weights {', '.join(old)} beside its mixture" if old else "no fitted mixture with rule weights"
+        raise MemlmError(f"{_record_file(owner)}: its calibration was written by an older memlm ({stored}; a "
+                         f"calibration now stores one fitted mixture); {_recalibrate_hint(owner, kind)}")  # fmt: skip
+    if counted and int(cal.get("count", -1)) != len(owner):
         return None
     return cal
+
+
+def _record_file(owner) -> Path:
+    return Path(owner.path) / ("shards.json" if hasattr(owner, "shards") else "manifest.json")
 
 
 def _calibrated(memory) -> tuple[Any, str]:
@@ -585,7 +637,7 @@ def _read_fit(owner, kind: str, record: Any) -> DumpMixture:
     memory), or one MemlmError naming the file, what is wrong and how to recalibrate."""
     from memlm.mixing.dump import DumpMixture
 
-    where = Path(owner.path) / ("shards.json" if hasattr(owner, "shards") else "manifest.json")
+    where = _record_file(owner)
     try:
         fit = DumpMixture.from_dict(record, "the record")
         problem = None
@@ -603,18 +655,21 @@ def _read_fit(owner, kind: str, record: Any) -> DumpMixture:
     return fit
 
 
-def stored_mixture(memory) -> DumpMixture | None:
+def stored_mixture(memory, required: bool = False) -> DumpMixture | None:
     """The guarded mixture of the LM and this memory fitted when it was calibrated (components ``lm``,
     ``knn`` for a datastore, ``lm``, ``ngram`` for an ∞-gram index), a
-    :class:`~memlm.mixing.dump.DumpMixture`, or None when the memory records no current calibration or its
-    calibration has no fit (written by an older memlm; a datastore's calibration made before an ``--append`` is not
-    current). ``memory``: a datastore (plain or sharded), an ∞-gram index, or a memory over one. A record that cannot
-    be read or does not fit this memory is one MemlmError naming the file and how to recalibrate."""
+    :class:`~memlm.mixing.dump.DumpMixture`, or None when the memory records no current calibration (a datastore's
+    calibration made before an ``--append`` is not current). ``memory``: a datastore (plain or sharded), an ∞-gram
+    index, or a memory over one. A record that cannot be read, does not fit this memory or was written by an older
+    memlm is one MemlmError naming the file and how to recalibrate; ``required``: no calibration is one too (``memlm
+    eval --mixture stored``)."""
     owner, kind = _calibrated(memory)
     cal = _current_calibration(owner, counted=kind == "knn")
-    if cal is None or cal.get("mixture") is None:
-        return None
-    return _read_fit(owner, kind, cal["mixture"])
+    if cal is None and required:
+        hint = _recalibrate_hint(owner, kind)
+        raise MemlmError(f"{owner.path} records no current calibration (built with --holdout 0 / --no-calibrate, "
+                         f"or appended to since): {hint}, or fit one with memlm tune")  # fmt: skip
+    return None if cal is None else _read_fit(owner, kind, cal["mixture"])
 
 
 def has_stored_mixture(memory) -> bool:
@@ -628,7 +683,8 @@ def has_stored_mixture(memory) -> bool:
 def mixture_summary(fit: DumpMixture) -> dict[str, Any]:
     """What a stored fit (:class:`~memlm.mixing.dump.DumpMixture`) is, for ``info`` and the build's message:
     its form, the tokens and documents it was fitted on (and kept apart), τ and k, the mean weight of each component
-    over those tokens, the held-out log-likelihood per token of each form tried, and its warnings."""
+    over those tokens and its summary as the fixed-weight rule, the held-out log-likelihood per token of each form
+    tried, and its warnings."""
     f = fit.fit
     return {
         "form": f.form,
@@ -639,6 +695,7 @@ def mixture_summary(fit: DumpMixture) -> dict[str, Any]:
         "temperature": fit.temperature,
         "k": fit.k,
         "mean_weights": dict(zip(fit.mixture.components, f.mean_weights, strict=True)),
+        "rule_weights": fit.rule_weights,
         "heldout_loglik": f.heldout_loglik,
         "warnings": list(f.warnings),
     }
@@ -646,26 +703,29 @@ def mixture_summary(fit: DumpMixture) -> dict[str, Any]:
 
 def calibration_summary(memory) -> dict[str, Any] | None:
     """The calibration record of a memory's manifest as ``info`` shows it: its ``mixture`` as
-    :func:`mixture_summary` (``{"problem": ...}`` when it cannot be read), None without a calibration."""
+    :func:`mixture_summary` (``{"problem": ...}`` when it cannot be read, or was written by an older memlm), None
+    without a calibration."""
     owner, kind = _calibrated(memory)
-    cal = _current_calibration(owner, counted=False)
+    try:
+        cal = _current_calibration(owner, counted=False)
+    except MemlmError as error:
+        return {**owner.manifest["calibration"], "problem": str(error)}
     if cal is None:
         return None
     out = dict(cal)
     if out.get("slice") is not None:  # the text itself is not shown: its documents and size
         out["slice"] = {"documents": len(cal["slice"]), "characters": sum(len(d["text"]) for d in cal["slice"])}
-    if cal.get("mixture") is not None:
-        try:
-            out["mixture"] = mixture_summary(_read_fit(owner, kind, cal["mixture"]))
-        except MemlmError as error:
-            out["mixture"] = {"problem": str(error)}
+    try:
+        out["mixture"] = mixture_summary(_read_fit(owner, kind, cal["mixture"]))
+    except MemlmError as error:
+        out["mixture"] = {"problem": str(error)}
     return out
 
 
 def report_mixture(fit: DumpMixture, fix: str, file=None) -> None:
     """Print on stderr (or ``file``) what the calibration's fit is: the form chosen, the tokens and documents it was
-    fitted on, the held-out log-likelihood of each form, the mean weights; then each size warning of the fit
-    (:data:`memlm.core.mixture.MIN_FIT_TOKENS`, ``MIN_FIT_DOCUMENTS``) followed by ``fix``."""
+    fitted on, the held-out log-likelihood of each form, the mean weights and the rule weights; then each size warning
+    of the fit (:data:`memlm.core.mixture.MIN_FIT_TOKENS`, ``MIN_FIT_DOCUMENTS``) followed by ``fix``."""
     out = file or sys.stderr
     s = mixture_summary(fit)
     tau = f", τ={s['temperature']:g}" if s["temperature"] is not None else ""
@@ -673,10 +733,16 @@ def report_mixture(fit: DumpMixture, fix: str, file=None) -> None:
           f"of {s['documents']:,} document{'s' if s['documents'] != 1 else ''} ({s['fit_tokens']:,} to fit, "
           f"{s['kept_tokens']:,} kept apart to choose the form; log-likelihood per token on those: "
           + ", ".join(f"{k} {v:.4f}" for k, v in s["heldout_loglik"].items())
-          + "); mean weights " + ", ".join(f"{k} {v:.3f}" for k, v in s["mean_weights"].items()),
+          + "); mean weights " + ", ".join(f"{k} {v:.3f}" for k, v in s["mean_weights"].items())
+          + "; as the fixed-weight rule " + ", ".join(f"{k} {_weight_text(v)}" for k, v in s["rule_weights"].items()),
           file=out, flush=True)  # fmt: skip
     for w in s["warnings"]:
         print(f"warning: {w} ({fix})", file=out, flush=True)
+
+
+def _weight_text(w: Any) -> str:
+    """A rule weight for a message: ``0.123``, or ``0.300 sparse / 0.100 dense`` for an ∞-gram's pair."""
+    return f"{w:.3f}" if isinstance(w, int | float) else f"{w[0]:.3f} sparse / {w[1]:.3f} dense"
 
 
 OVERLAP_NGRAM = 16  # tokens per span compared by text_overlap
@@ -709,18 +775,15 @@ def calibrate_ngram(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Build-time calibration of an ∞-gram index: score ``held_out`` (a slice :func:`holdout_split` kept out of the
-    index, as a datastore build does) with the LM and the ∞-gram ``memory`` in one forward pass, and fit on those
-    tokens:
+    index, as a datastore build does) with the LM and the ∞-gram ``memory`` in one forward pass, and fit the one
+    mixture of the LM and the index on those tokens (:func:`calibration_fit`)::
 
-    * Liu et al. (2024, Sec. 5)'s two weights, λ_sparse where P∞(· | c) is sparse and λ_dense elsewhere, by grid search
-      (:func:`memlm.ngram.mixture.tune_ngram`): the fixed-weight rule that ``--ngram-lambda-sparse`` /
-      ``--ngram-lambda-dense`` and an index's default still give;
-    * the guarded mixture of the LM and the index (:func:`memlm.mixing.dump.fit_dump`)::
+        P(w | c) = λ_0(c) P_LM(w | c) + λ_1(c) P∞(w | c),    λ(c) = softmax(W φ(c) + b)
 
-          P(w | c) = λ_0(c) P_LM(w | c) + λ_1(c) P∞(w | c),    λ(c) = softmax(W φ(c) + b)
-
-      the LM alone, EM's constant weights or the gate over the LM's and the ∞-gram's features, whichever the part of
-      the slice kept apart prefers (:func:`memlm.core.mixture.fit_guarded`).
+    the LM alone, EM's constant weights or the gate over the LM's and the ∞-gram's features, whichever the part of
+    the slice kept apart prefers (:func:`memlm.core.mixture.fit_guarded`). Its summary as the fixed-weight rule (the
+    index's mean weight where P∞ is sparse and where it is not: Liu et al. 2024, Sec. 5's λ_sparse, λ_dense) is what
+    ``--ngram-lambda-*`` default to.
 
     Returns the record ``memlm ngram build`` stores in the index's ``manifest.json`` → ``calibration`` (the fit under
     ``mixture``, read back by :func:`stored_mixture`)."""
@@ -737,25 +800,38 @@ def calibrate_ngram(
             **slice_record(held_out)}  # fmt: skip
 
 
+def calibrate_index_holdout(model, tokenizer, index, held_out: Sequence, holdout: dict[str, Any], window: int = 1024,
+                            stride: int = 512, batch_size: int = 4) -> dict[str, Any] | None:  # fmt: skip
+    """``memlm ngram build``'s calibration of ``index`` on the slice it held out (:func:`calibrate_ngram`), recorded in
+    its manifest and said on stderr; a rerun over the same slice keeps a usable record (None returned) and
+    recalibrates a record without a usable fit (an older memlm's, a corrupt one)."""
+    from memlm.ngram.memory import NgramMemory
+
+    cal = index.manifest.get("calibration")
+    if cal is not None and cal.get("holdout_ids") == holdout.get("ids_sha256") and has_stored_mixture(index):
+        print("calibration already recorded", file=sys.stderr)
+        return None
+    n = holdout["documents"]
+    print(f"calibrating the mixture on {holdout['tokens']:,} held-out tokens ({n:,} document{'s' if n != 1 else ''})",
+          file=sys.stderr)  # fmt: skip
+    cal = calibrate_ngram(model, tokenizer, NgramMemory(index), held_out, window=window, stride=stride,
+                          batch_size=batch_size)  # fmt: skip
+    cal["holdout_ids"] = holdout.get("ids_sha256")
+    index.record_calibration(cal)
+    print(f"calibrated: held-out ppl {cal['base_ppl']:.3f} -> {cal['mixture_ppl']:.3f}; recorded in {index.path}",
+          file=sys.stderr)  # fmt: skip
+    report_mixture(stored_mixture(index), f"the slice is capped by the corpus: fit on your own valid text with "
+                   f"`memlm eval --memory {index.path} --dump` + `memlm tune --mixture guarded`")  # fmt: skip
+    return cal
+
+
 def ngram_calibration(ts) -> dict[str, Any]:
     """The ∞-gram part of a calibration record from a slice's scores ``ts`` (its datastore columns, if any, left
-    out): λ_sparse, λ_dense by grid search (:func:`memlm.ngram.mixture.tune_ngram`) and the guarded mixture of the LM
-    and the ∞-gram (:func:`memlm.mixing.dump.fit_dump`)."""
-    from memlm.core.mixture import token_blocks
-    from memlm.mixing.dump import fit_dump
-    from memlm.ngram.mixture import ngram_report, tune_ngram
+    out): the one fit (:func:`calibration_fit`) and the ∞-gram's statistics on the slice (sparse share, median
+    effective n)."""
+    import numpy as np
 
     ts = ts.select(ts.names("ngram"))
-    best = tune_ngram(ts)["best"]
-    ts.doc_index = token_blocks(ts.doc_index)  # a slice of one file: blocks the fit treats as documents
-    rep = ngram_report(ts, best["lambda_sparse"], best["lambda_dense"])
-    return {
-        "lambda_sparse": best["lambda_sparse"],
-        "lambda_dense": best["lambda_dense"],
-        "tokens": len(ts),
-        "base_ppl": rep["base_ppl"],
-        "ngram_ppl": rep["ngram_ppl"],
-        "sparse_share": rep["sparse_share"],
-        "effective_n_median": rep["effective_n"]["median"],
-        "mixture": fit_dump(ts, (1.0,)).to_dict(),  # no kNN term: no temperature to search
-    }
+    cols = ts.columns["ngram"]
+    return {**_fit_record(ts, calibration_fit(ts)), "sparse_share": float(np.mean(cols["sparse"])),
+            "effective_n_median": float(np.median(cols["n"]))}  # fmt: skip

@@ -21,7 +21,9 @@ fit_guarded`, τ and k of a datastore searched on a small grid). Without ``--lam
   by several memories is scored once.
 
 Where no fit can be used (a memory without a stored fit, several datastores, the continuous cache, whose weight no
-calibration fits) the fixed-weight rule of the calibrated λ's is used, and the line says so.
+calibration fits) the fixed-weight rule is used, each memory at its stored fit's summary as the rule (its mean weight
+on its calibration slice, an ∞-gram's per sparse / dense state: :attr:`memlm.mixing.dump.DumpMixture.rule_weights`),
+and the line says so.
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ def default_mixture(model, tokenizer, datastores: Sequence, ngram, config, cache
     memories = [*datastores, *ngrams]
     names = [component_name("knn", r) for r in range(len(datastores))]
     names += [component_name("ngram", r) for r in range(len(ngrams))]
-    rule = "the fixed-weight rule of each memory's calibrated λ (as with --lambda / --ngram-lambda-*)"
+    rule = "the fixed-weight rule of each memory's calibrated mixture's mean weights (as --lambda, --ngram-lambda-*)"
     if not memories:
         return DefaultMixture(None, "the LM alone (no memory)")
     if cache:
@@ -273,15 +275,14 @@ def describe(fit) -> str:
 
 def calibrated_weights(components: Sequence) -> dict[str, Any]:
     """Each memory's weight in the fixed-weight rule when none is given (by component name,
-    :func:`memlm.mixing.component.component_names`): a datastore's calibrated λ
-    (:func:`memlm.knnlm.calibration.knn_parameters`), an ∞-gram index's calibrated ``(λ_sparse, λ_dense)``
-    (:func:`memlm.ngram.mixture.ngram_parameters`; each a fallback where the memory records none), the cache's
+    :func:`memlm.mixing.component.component_names`): a datastore's stored fit's mean weight
+    (:func:`memlm.knnlm.calibration.knn_parameters`), an ∞-gram index's ``(λ_sparse, λ_dense)`` of its stored fit
+    (:func:`memlm.knnlm.calibration.ngram_parameters`; each a fallback where the memory records none), the cache's
     :data:`~memlm.core.config.DEFAULT_CACHE_LAMBDA`. Another kind has no default weight: one MemlmError."""
     from memlm.core.config import DEFAULT_CACHE_LAMBDA
     from memlm.errors import MemlmError
-    from memlm.knnlm.calibration import knn_parameters
+    from memlm.knnlm.calibration import knn_parameters, ngram_parameters
     from memlm.mixing.component import component_names
-    from memlm.ngram.mixture import ngram_parameters
 
     out: dict[str, Any] = {}
     for name, c in zip(component_names(components)[1:], components, strict=True):
@@ -330,7 +331,7 @@ def resolve_mixture(components: Sequence, mixture: Any = None, model=None, token
 
     * a :class:`~memlm.core.mixture.Mixture` (e.g. :func:`memlm.mixing.weights.fixed_mixture`), as it is;
     * a weights string ``knn=0.25;ngram=0.5/0.1`` (:func:`memlm.mixing.weights.parse_weights`): the fixed-weight rule;
-    * a fit (a ``memlm tune --mixture gate --json`` file, its record, a :class:`~memlm.mixing.dump.DumpMixture`): its
+    * a fit (a ``memlm tune --json`` file, its record, a :class:`~memlm.mixing.dump.DumpMixture`): its
       mixture, its τ and k set the kNN terms;
     * None or ``"stored"``: the memories' stored fits (module docstring; several combined and checked on their
       calibration slices only given ``model`` and ``tokenizer``), else the fixed-weight rule of their calibrated
@@ -370,7 +371,7 @@ def _default(components: list, model, tokenizer, required: bool) -> Resolved:
         return Resolved([], Mixture.lm_only(("lm",)))
     knn = [c for c in components if c.kind == "knn"]
     config = RetrievalConfig(k=min((c.k for c in knn), default=RetrievalConfig().k))
-    rule = "the fixed-weight rule of each memory's calibrated weight"
+    rule = "the fixed-weight rule of each memory's calibrated mixture's mean weights"
     others = [c.kind for c in components if c.kind not in ("knn", "ngram")]
     memories = [c.memory for c in components if c.kind in ("knn", "ngram")]
     if others:

@@ -1,4 +1,4 @@
-"""Perplexity of an LM with and without memory, the per-token table, and λ / temperature tuning on it.
+"""Perplexity of an LM with and without memory, and the per-token table it is computed from.
 
 ``score_tokens`` makes one forward pass over a corpus (sliding windows, see :mod:`memlm.data.windows`), capturing the
 queries of every memory's key, and then lets each memory (a :class:`memlm.mixing.component.Component`) score every
@@ -11,12 +11,12 @@ each memory's columns (a datastore's top-k retrieved (score, value) pairs, an �
     + cache: exp(-mean log((1-λ-λc) p_LM + λ p_kNN + λc p_cache))  (Table 1)
     oracle:  exp(-mean log max(p_LM, p_kNN))                       (Xu et al. 2023: the best λ ∈ {0, 1} per token)
 
-without searching again, so ``tune`` can grid-search on the validation table and apply the result to test.
+without searching again, so ``memlm tune`` can fit the mixture on the validation table
+(:func:`memlm.mixing.report.fit_table`) and apply it to test.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,8 +27,7 @@ from tqdm.auto import tqdm
 
 from memlm.core.bootstrap import DIFFERENCES
 from memlm.core.config import RetrievalConfig
-from memlm.core.distribution import mix, perplexity
-from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, grid_search
+from memlm.core.distribution import mix
 from memlm.data.windows import batched, count_targets, resolve_stride, sliding_windows, tokenize_documents
 from memlm.errors import MemlmError
 from memlm.knnlm.adaptive import AdaptiveGate, gate_features, gate_lambdas, threshold_for_fraction
@@ -50,11 +49,11 @@ __all__ = [
     "add_neighbours",
     "attach_neighbours",
     "perplexities",
+    "eval_result",
     "cache_mixture_ppl",
     "value_counts",
     "CACHE_KEY",
     "CACHE_PPL_KEYS",
-    "tune",
 ]
 
 
@@ -375,55 +374,46 @@ def _several_datastores(ts: TokenTable, lam: float, temperature: float, datastor
     return taus
 
 
+def eval_result(
+    ts: TokenTable,
+    weights: Sequence[tuple[float, float, str]],
+    cache: tuple[float, float] = (0.0, 1.0),
+    datastore: DatastoreBase | None = None,
+    temperature: float | None = None,
+    about: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``memlm eval``'s result of a scored table: :func:`perplexities` with each datastore at its ``(λ, τ, origin)``
+    of ``weights`` (the first's the kNN-LM's rows, the others' ``knn2_ppl``, ``multi_knn_ppl``; no datastore: τ =
+    ``temperature`` or 1), the cache at ``cache = (λc, τc)`` (λc = 0: none), the frequency buckets counted among
+    ``datastore``'s values; then ``about`` (model, memories, corpus, split), where the weights came from
+    (``parameters_from``; each datastore's with several), the seconds spent, the first datastore's description and
+    ``retrieval``: the search settings and the weights used."""
+    has_knn = datastore is not None and bool(weights)
+    lam, tau, origin = weights[0] if has_knn else (0.0, temperature or 1.0, None)
+    res = perplexities(ts, lam=lam, temperature=tau, cache_lambda=cache[0], cache_temperature=cache[1],
+                       target_counts=value_counts(datastore, ts.targets) if has_knn else None,
+                       datastores=[(w[0], w[1]) for w in weights[1:]])  # fmt: skip
+    described = [ts.meta["components"][name] for name in ts.names("knn")]
+    each = [{**d, "lambda": w[0], "temperature": w[1], "parameters_from": w[2]}
+            for d, w in zip(described, weights, strict=True)] if len(weights) > 1 else []  # fmt: skip
+    first = described[0] if described else {}
+    res.update(
+        **(about or {}),
+        **({"parameters_from": origin} if origin else {}),
+        **({"datastores": each} if each else {}),
+        **{k: v for k, v in ts.meta.items() if k.startswith("seconds")},
+        **{k: v for k, v in first.items() if k in ("datastore", "key", "search", "scores")},
+        retrieval={  # the values this result used (score_tokens records the search)
+            **ts.meta["retrieval"],
+            **({"lam": res.get("lambda", lam), "temperature": tau} if has_knn else {}),
+            "cache_lambda": res.get("cache_lambda", cache[0]),
+            "cache_temperature": cache[1],
+        },
+    )
+    return res
+
+
 def value_counts(datastore: DatastoreBase, targets: np.ndarray) -> np.ndarray:
     """c(w_t) of every target among a datastore's stored next-token values (one bincount over them)."""
     counts = np.bincount(np.asarray(datastore.values, dtype=np.int64), minlength=int(np.max(targets, initial=0)) + 1)
     return counts[np.asarray(targets, dtype=np.int64)]
-
-
-def tune(
-    ts: TokenTable,
-    lambdas: Sequence[float] = DEFAULT_LAMBDAS,
-    temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
-    k: int | None = None,
-    cache_lambdas: Sequence[float] = (0.0,),
-    cache_temperatures: Sequence[float] = (1.0,),
-) -> dict[str, Any]:
-    """Grid-search λ, temperature (and the cache's λc, τc) for the lowest interpolated perplexity on a dump.
-
-    Returns the best parameters and every grid point (``grid``: list of dicts), without any new search.
-    """
-    has_knn, has_cache = "knn" in ts.columns, "cache" in ts.columns
-    if not has_knn and not has_cache:
-        raise MemlmError("nothing to tune: the table has neither datastore neighbours nor cache entries")
-    lm = torch.from_numpy(ts.lm_logprob)
-    if not has_knn:
-        lambdas, temperatures = (0.0,), (1.0,)
-    if not (any(cache_lambdas) and has_cache):
-        cache_lambdas, cache_temperatures = (0.0,), (1.0,)
-
-    @functools.cache
-    def knn(t: float) -> torch.Tensor:
-        return ts.logprob("knn", temperature=t, k=k)
-
-    @functools.cache
-    def cache(t: float) -> torch.Tensor:
-        return ts.logprob("cache", temperature=t)
-
-    def ppl(lam: float, temperature: float, cache_lambda: float, cache_temperature: float) -> float:
-        comps, weights = [lm], [max(0.0, 1.0 - lam - cache_lambda)]
-        if has_knn:
-            comps.append(knn(temperature))
-            weights.append(lam)
-        if cache_lambda:
-            comps.append(cache(cache_temperature))
-            weights.append(cache_lambda)
-        return perplexity(mix(comps, weights=weights))
-
-    grid = {"lambda": lambdas, "temperature": temperatures, "cache_lambda": cache_lambdas,
-            "cache_temperature": cache_temperatures}  # fmt: skip
-    return grid_search(
-        lambda **p: ppl(p["lambda"], p["temperature"], p["cache_lambda"], p["cache_temperature"]),
-        grid,
-        keep=lambda p: p["lambda"] + p["cache_lambda"] <= 1.0 + 1e-9,
-    )

@@ -6,8 +6,8 @@ the LM's next-token distribution by the mixture's::
 over the LM and every memory given as one list or one spec string (:func:`memlm.knnlm.memories.open_memories`):
 datastores, plain or sharded, with p_kNN(w | c) = sum_{(k_i, v_i) in top-k} 1[v_i = w] softmax_i(s(h_ds(c), k_i) / τ)
 (Khandelwal et al. 2020, Eq. 2), and ∞-gram indexes with P∞ (Liu et al. 2024). The weights are one
-:class:`memlm.core.mixture.Mixture` (:func:`memlm.knnlm.default_mixture.resolve_mixture`): a fit (``memlm tune
---mixture gate``), fixed weights (:func:`memlm.mixing.weights.fixed_mixture`, or ``"knn=0.25;ngram=0.5/0.1"``; for
+:class:`memlm.core.mixture.Mixture` (:func:`memlm.knnlm.default_mixture.resolve_mixture`): a fit (``memlm
+tune``), fixed weights (:func:`memlm.mixing.weights.fixed_mixture`, or ``"knn=0.25;ngram=0.5/0.1"``; for
 one datastore ``(1 - λ) p_LM + λ p_kNN``, Eq. 3), or by default the memories' stored fits.
 
 Usage::

@@ -18,7 +18,7 @@ Memories are one spec string or list (``memories=``, :func:`memlm.knnlm.memories
   each datastore's λ (Khandelwal et al. 2020, Eq. 3), the cache's λc (Grave et al. 2017c; Khandelwal et al.,
   Table 1), each ∞-gram's λ_sparse where P∞ is sparse, λ_dense elsewhere (Liu et al. 2024, Sec. 5); the LM takes
   the rest;
-- a fit (``mixture=FIT.json``, from ``memlm tune --mixture gate --json``: a
+- a fit (``mixture=FIT.json``, from ``memlm tune --json``: a
   :class:`memlm.mixing.dump.DumpMixture`): its gate ``λ(c) = softmax(W φ(c) + b)`` over each memory's features
   (:mod:`memlm.mixing.inputs`) at the τ, k and τc it was fitted with; a fit made for other memories is refused
   before the model loads;

@@ -1,33 +1,33 @@
-"""The learned mixture (:mod:`memlm.core.mixture`) on per-token dumps: fitted on a valid dump with the kNN
-temperature searched, stored, applied to another dump, beside the fixed-weight rule it is compared with.
+"""The mixture of a per-token table fitted with its memories' read settings, stored, applied to another table, and
+the fixed-weight rule it is compared with.
 
-``memlm tune --mixture gate`` fits it (:func:`fit_dump`); ``memlm eval --mixture FIT.json`` applies it
-(:meth:`DumpMixture.logprob`). For each τ of the grid (the cache's τc too), the memories of the dump become the
-mixture's components and features (:func:`memlm.mixing.inputs.mixture_inputs`) and the guarded fit
-(:func:`memlm.core.mixture.fit_guarded`) chooses the LM alone, EM's constant weights or the gate::
+``memlm tune`` and a memory's calibration fit it (:func:`memlm.mixing.report.fit_table`); ``memlm eval --mixture
+FIT.json`` applies it (:meth:`DumpMixture.logprob`). A :class:`DumpMixture` is one fitted
+:class:`~memlm.core.mixture.Mixture` (:func:`memlm.core.mixture.fit`: the rule, constant weights, the gate or the
+guarded choice among them) with the read settings its inputs were computed at (the kNN term's τ over its k best
+neighbours, the cache's τc), and its own summary as the fixed-weight rule (:attr:`DumpMixture.rule_weights`: each
+memory's mean weight on the tokens it was fitted on, an ∞-gram's per sparse / dense state)::
 
-    P(w | c) = sum_i λ_i(c) P_i(w | c),     λ(c) = softmax(W φ(c) + b)
+    P(w | c) = sum_i λ_i(c) P_i(w | c),     λ̄_i = mean_t λ_i(c_t),     λ̄_sparse,r = mean_{t: P∞_r sparse} λ_r(c_t)
 
-τ is the one whose chosen form has the highest mean log-likelihood on the part of the slice the fit kept apart.
-The fixed-weight rule of ``memlm tune`` and ``memlm eval`` (Khandelwal et al. 2020, Eq. 3; Liu et al. 2024's
-λ_sparse / λ_dense) is the same :class:`~memlm.core.mixture.Mixture` (:func:`rule_for`, a gate on the ∞-grams'
-sparse flags), and :func:`rule_logprob` mixes a dump by it: every fixed-weight row eval and tune report.
+The fixed-weight rule of ``--lambda`` / ``--ngram-lambda-*`` and of eval's comparison rows (Khandelwal et al. 2020,
+Eq. 3; Liu et al. 2024's λ_sparse / λ_dense) is the same :class:`~memlm.core.mixture.Mixture` (:func:`rule_for`, a
+gate on the ∞-grams' sparse flags), and :func:`rule_logprob` mixes a table by it.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from memlm.core.mixture import FitOptions, Mixture, MixtureFit, fit_guarded, rule_mixture, sparse_state_features
+from memlm.core.mixture import Mixture, MixtureFit, rule_mixture, sparse_state_features
 from memlm.errors import MemlmError
-from memlm.mixing.component import component_name
 from memlm.mixing.inputs import (
     MixtureInputs,
     component_logprobs,
@@ -36,21 +36,23 @@ from memlm.mixing.inputs import (
     ngram_sparse,
 )
 
-__all__ = ["DumpMixture", "fit_dump", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows",
-           "rule_weights", "tune_beside", "tune_datastores_beside"]  # fmt: skip
+__all__ = ["DumpMixture", "mix_by_rule", "rule_for", "rule_logprob", "rule_rows", "rule_summary", "rule_weights",
+           "table_inputs"]  # fmt: skip
 
 
 @dataclass
 class DumpMixture:
-    """A guarded fit and the retrieval settings its inputs were computed with: the kNN term's ``temperature`` over
-    its ``k`` best neighbours (None: no datastore), the cache's ``cache_temperature`` (None: no cache); ``search``
-    records each (τ, τc) tried with the form chosen there and its held-out log-likelihoods."""
+    """A fit and the retrieval settings its inputs were computed with: the kNN term's ``temperature`` over its ``k``
+    best neighbours (None: no datastore), the cache's ``cache_temperature`` (None: no cache); ``search`` records each
+    (τ, τc) tried with the form chosen there and its log-likelihoods; ``rule_weights`` its summary as the
+    fixed-weight rule (module docstring, :func:`rule_summary`), by memory."""
 
     fit: MixtureFit
     temperature: float | None = None
     k: int | None = None
     cache_temperature: float | None = None
     search: list[dict[str, Any]] = field(default_factory=list)
+    rule_weights: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mixture(self) -> Mixture:
@@ -59,14 +61,15 @@ class DumpMixture:
     def inputs(self, ts: Any, where: str = "this dump") -> MixtureInputs:
         """The mixture's inputs on ``ts``, its columns in the fit's order (components and features are matched by
         name, whatever order the memories were given in), or one MemlmError when its memories are not the fit's."""
-        inp = mixture_inputs(ts, self.temperature or 1.0, self.k, self.cache_temperature or 1.0)
         m = self.mixture
-        if (sorted(inp.components), sorted(inp.feature_names)) != (sorted(m.components), sorted(m.feature_names)):
+        inp = table_inputs(ts, m.form, self.temperature or 1.0, self.k, self.cache_temperature or 1.0)
+        missing = [f for f in m.feature_names if f not in inp.feature_names]
+        if sorted(inp.components) != sorted(m.components) or missing:
             raise MemlmError(
                 f"the mixture was fitted on components {', '.join(m.components)} (features "
                 f"{', '.join(m.feature_names)}), {where} gives {', '.join(inp.components)} (features "
                 f"{', '.join(inp.feature_names)}): give the same memories (--memory) as the valid dump it was "
-                "fitted on, or fit again with memlm tune --mixture gate"
+                "fitted on, or fit again with memlm tune"
             )
         comps = [inp.components.index(c) for c in m.components]
         feats = [inp.feature_names.index(f) for f in m.feature_names]
@@ -80,55 +83,63 @@ class DumpMixture:
 
     def to_dict(self) -> dict[str, Any]:
         return {"fit": self.fit.to_dict(), "temperature": self.temperature, "k": self.k,
-                "cache_temperature": self.cache_temperature, "search": self.search}  # fmt: skip
+                "cache_temperature": self.cache_temperature, "search": self.search,
+                "rule_weights": self.rule_weights}  # fmt: skip
+
+    @classmethod
+    def load(cls, path: str | Path) -> DumpMixture:
+        """The fit in a JSON file (``memlm tune --json``, or its ``mixture`` record), or one MemlmError naming it."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise MemlmError(f"--mixture {path}: not a readable JSON file ({error})") from error
+        return cls.from_dict(data, f"--mixture {path}")
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "the file") -> DumpMixture:
-        """From :meth:`to_dict`'s record, or a ``memlm tune --mixture gate`` result that holds one (``mixture``)."""
+        """From :meth:`to_dict`'s record, or a ``memlm tune --json`` result that holds one (``mixture``)."""
         if isinstance(d, dict) and isinstance(d.get("mixture"), dict) and "fit" in d["mixture"]:
             d = d["mixture"]
         if not (isinstance(d, dict) and isinstance(d.get("fit"), dict)):
-            raise MemlmError(f"{source} holds no fitted mixture: give the JSON of memlm tune --mixture gate --json "
-                             "FILE (or its 'mixture' record)")  # fmt: skip
+            raise MemlmError(f"{source} holds no fitted mixture: give the JSON of memlm tune --json FILE (or its "
+                             "'mixture' record)")  # fmt: skip
         try:
             return cls(MixtureFit.from_dict(d["fit"]), d.get("temperature"), d.get("k"), d.get("cache_temperature"),
-                       list(d.get("search") or []))  # fmt: skip
+                       list(d.get("search") or []), dict(d.get("rule_weights") or {}))  # fmt: skip
         except MemlmError as error:
             raise MemlmError(f"{source}: {error}") from error
 
 
-def fit_dump(
-    ts: Any,
-    temperatures: Sequence[float],
-    k: int | None = None,
-    cache_temperatures: Sequence[float] = (1.0,),
-    options: FitOptions | None = None,
-) -> DumpMixture:
-    """The guarded mixture of every memory of ``ts`` (module docstring), τ (and τc) searched on the kept part. The
-    fit's size warnings are in ``fit.warnings`` (logged by the fit once per τ otherwise: the caller shows them)."""
-    has_knn = "knn" in ts.columns
-    taus: Sequence[float | None] = temperatures if has_knn else [None]
-    cache_taus: Sequence[float | None] = cache_temperatures if "cache" in ts.columns else [None]
-    k_used = (k or ts.columns["knn"]["scores"].shape[1]) if has_knn else None
-    best: tuple[float, MixtureFit, float | None, float | None] | None = None
-    search = []
-    quiet = logging.getLogger("memlm.core.mixture")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # the size warning is the caller's to show, once, not once per τ
-    try:
-        for tau, cache_tau in itertools.product(taus, cache_taus):
-            inp = mixture_inputs(ts, tau or 1.0, k_used, cache_tau or 1.0)
-            fit = fit_guarded(inp.logprobs, inp.features, inp.doc_index, inp.components, inp.feature_names,
-                              options or FitOptions())  # fmt: skip
-            score = fit.heldout_loglik[fit.form]
-            search.append({"temperature": tau, "cache_temperature": cache_tau, "form": fit.form,
-                           "heldout_loglik": fit.heldout_loglik})  # fmt: skip
-            if best is None or score > best[0]:
-                best = (score, fit, tau, cache_tau)
-    finally:
-        quiet.setLevel(level)
-    assert best is not None
-    return DumpMixture(best[1], best[2], k_used, best[3], search)
+def table_inputs(ts: Any, form: str, temperature: Any = 1.0, k: Any = None,
+                 cache_temperature: float = 1.0) -> MixtureInputs:  # fmt: skip
+    """:func:`memlm.mixing.inputs.mixture_inputs` of ``ts`` and, for the rule (``form == "rule"``), the one-hot
+    joint sparse states of its ∞-grams (:func:`memlm.core.mixture.sparse_state_features`) the rule switches on."""
+    inp = mixture_inputs(ts, temperature, k, cache_temperature)
+    flags = ngram_sparse(ts)
+    if form != "rule" or not flags:
+        return inp
+    states = {n: v.numpy() for n, v in sparse_state_features(flags).items()}
+    return MixtureInputs(inp.logprobs, np.concatenate([inp.features, np.stack(list(states.values()), 1)], 1),
+                         inp.components, (*inp.feature_names, *states), inp.doc_index)  # fmt: skip
+
+
+def rule_summary(mixture: Mixture, inp: MixtureInputs, sparse: Mapping[str, Any]) -> dict[str, Any]:
+    """A fitted mixture as the fixed-weight rule: each memory's mean weight ``mean_t λ_i(c_t)`` over the tokens of
+    ``inp``; an ∞-gram's (a memory with a flag in ``sparse``) ``[λ_sparse, λ_dense]``, its mean weight where its P∞
+    is sparse and where it is not (a state without tokens takes the mean over all). Exact for a rule or a constant
+    fit; for a gate, the weights it gives on average."""
+    named = {f: inp.features[:, j] for j, f in enumerate(inp.feature_names)}
+    weights = mixture.log_weights(mixture.features_of(named, len(inp.logprobs))).exp().numpy()
+    out: dict[str, Any] = {}
+    for i, c in enumerate(mixture.components[1:], 1):
+        mean = float(weights[:, i].mean())
+        if c not in sparse:
+            out[c] = mean
+            continue
+        flag = np.asarray(sparse[c], dtype=bool)
+        out[c] = [float(weights[flag, i].mean()) if flag.any() else mean,
+                  float(weights[~flag, i].mean()) if (~flag).any() else mean]  # fmt: skip
+    return out
 
 
 def rule_for(ts: Any, weights: Mapping[str, float | Sequence[float]]) -> Mixture:
@@ -196,63 +207,6 @@ def rule_rows(
     :func:`rule_logprob` and its rule (``Mixture.to_dict()``, what a result records under ``mixtures``)."""
     logprobs = {key: rule_logprob(ts, w, temperature, k, cache_temperature) for key, w in rows.items()}
     return logprobs, {key: rule_for(ts, w).to_dict() for key, w in rows.items()}
-
-
-def tune_beside(
-    ts: Any,
-    weights: Mapping[str, float | Sequence[float]],
-    component: str,
-    grid: tuple[Sequence[float], Sequence[float]],
-    temperature: float | Sequence[float] = 1.0,
-    k: int | None = None,
-    cache_temperature: float = 1.0,
-) -> dict[str, Any]:
-    """One memory's constant weight and temperature (a further datastore's λ_j, τ_j, or the cache's λc, τc) tuned
-    beside the rule's other ``weights``, fixed, for the lowest perplexity of :func:`rule_logprob` on ``ts``: a grid
-    search (:func:`memlm.core.tuning.grid_search`) over ``grid = (lambdas, temperatures)``, points whose constant
-    weights leave the LM nothing skipped (∞-gram weights are scaled by the rule as eval scales them). Returns
-    ``{"best", "grid"}`` with points ``{"lambda", "temperature", "ppl"}``."""
-    from memlm.core.distribution import perplexity
-    from memlm.core.tuning import grid_search
-
-    datastores = [c for c in dump_components(ts) if c.startswith("knn")]
-    if component != "cache" and component not in datastores:
-        raise MemlmError(f"{component} is not a datastore or the cache of this dump ({', '.join(datastores)})")
-    taus = [float(temperature)] * len(datastores) if isinstance(temperature, int | float) else list(temperature)
-    others = sum(float(w) for c, w in weights.items() if c != component and isinstance(w, int | float))
-
-    def ppl(lam: float, tau: float) -> float:
-        if component == "cache":
-            return perplexity(rule_logprob(ts, {**weights, component: lam}, taus, k, tau))
-        at = [tau if c == component else t for c, t in zip(datastores, taus, strict=True)]
-        return perplexity(rule_logprob(ts, {**weights, component: lam}, at, k, cache_temperature))
-
-    return grid_search(lambda **p: ppl(p["lambda"], p["temperature"]),
-                       {"lambda": list(grid[0]), "temperature": list(grid[1])},
-                       keep=lambda p: others + p["lambda"] < 1.0)  # fmt: skip
-
-
-def tune_datastores_beside(
-    ts: Any,
-    weights: Mapping[str, float | Sequence[float]],
-    grid: tuple[Sequence[float], Sequence[float]],
-    temperature: float = 1.0,
-    k: int | None = None,
-    cache_temperature: float = 1.0,
-) -> list[dict[str, Any]]:
-    """Each datastore after the first of a dump of several (components knn2, ...): its λ_j, τ_j over ``grid`` beside
-    the rule found so far, fixed (``weights``, the first datastore's at ``temperature``, and the datastores tuned
-    before it; :func:`tune_beside`): one pass of coordinate search, never worse on ``ts`` than without the datastore
-    when 0 is among the λ's. Returns ``[{"component", "lambda", "temperature", "ppl"}, ...]``."""
-    weights = dict(weights)
-    taus = [float(temperature)] + [1.0] * (len(ts.names("knn")) - 1)
-    found = []
-    for r in range(1, len(taus)):
-        name = component_name("knn", r)
-        b = tune_beside(ts, weights, name, grid, taus, k, cache_temperature)["best"]
-        weights[name], taus[r] = b["lambda"], b["temperature"]
-        found.append({"component": name, "lambda": b["lambda"], "temperature": b["temperature"], "ppl": b["ppl"]})
-    return found
 
 
 def rule_weights(mixture: Mixture) -> dict[str, Any]:

@@ -34,7 +34,7 @@ __all__ = ["StepMixture", "check_components", "load_fit"]
 
 def load_fit(mixture: Any) -> Any:
     """A fitted mixture as given to a consumer: a :class:`memlm.mixing.dump.DumpMixture` or a
-    :class:`Mixture` (kept), its record (a dict: ``memlm tune --mixture gate --json`` output, or ``Mixture.to_dict``),
+    :class:`Mixture` (kept), its record (a dict: ``memlm tune --json`` output, or ``Mixture.to_dict``),
     or the path of such a JSON file; None stays None."""
     from memlm.mixing.dump import DumpMixture
 
@@ -62,7 +62,7 @@ def check_components(mixture: Mixture, components: Sequence[str]) -> None:
     raise MemlmError(
         f"the mixture was fitted on components {', '.join(mixture.components)}{cache}; these memories give "
         f"{', '.join(components)}: give the memories it was fitted on (each datastore, each ∞-gram index in the "
-        "same order), or fit one for these memories with memlm tune --mixture gate"
+        "same order), or fit one for these memories with memlm tune"
     )
 
 

@@ -255,7 +255,7 @@ class NgramIndex:
             )
 
     def record_calibration(self, calibration: dict[str, Any]) -> None:
-        """Store λ_sparse / λ_dense tuned on the build's held-out slice in ``manifest.json`` (resealed)."""
+        """Store the calibration (the mixture fitted on the build's held-out slice) in ``manifest.json`` (resealed)."""
         manifest = json.loads(json.dumps(self.manifest))
         manifest["calibration"] = calibration
         manifest["manifest_sha256"] = manifest_digest(manifest)

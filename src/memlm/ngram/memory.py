@@ -402,7 +402,7 @@ class NgramMemory:
 class NgramMemories:
     """Several ∞-gram indexes (e.g. an in-domain corpus and all the text a user has), each a memory of its own in the
     per-token table (components ngram, ngram2, ...), later mixed with its own weights
-    (:func:`memlm.ngram.mixture.tune_ngrams`)."""
+    (:func:`memlm.mixing.report.fit_table`)."""
 
     def __init__(self, memories: Sequence[NgramMemory]) -> None:
         if len(memories) < 2:

@@ -398,7 +398,8 @@ class Datastore(DatastoreBase):
         return hashlib.sha256("".join(self.manifest["files"][k]["sha256"] for k in FILES).encode()).hexdigest()
 
     def record_calibration(self, calibration: dict[str, Any]) -> None:
-        """Store the λ/τ tuned on the build's held-out slice (:mod:`memlm.knnlm.calibration`) in ``manifest.json``.
+        """Store the calibration (:mod:`memlm.knnlm.calibration`: the mixture fitted on the build's held-out slice) in
+        ``manifest.json``.
 
         Only the manifest's own checksum changes (the build id and file checksums stay, so the index still matches).
         """

@@ -269,7 +269,8 @@ class ShardedDatastore(DatastoreBase):
         return hashlib.sha256("".join(s.checksum() for s in self.shards).encode()).hexdigest()
 
     def record_calibration(self, calibration: dict[str, Any]) -> None:
-        """Store the λ/τ tuned on the build's held-out slice (:mod:`memlm.knnlm.calibration`) in ``shards.json``."""
+        """Store the calibration (:mod:`memlm.knnlm.calibration`: the mixture fitted on the build's held-out slice) in
+        ``shards.json``."""
         sp = self.path / SHARDS_FILE
         state = json.loads(sp.read_text())
         state["calibration"] = calibration
