@@ -8,6 +8,7 @@ import pytest
 from conftest import Doc, gpt2_tokenizer, make_toy_docs
 from test_reliability import memlm
 
+from memlm.core.config import RetrievalConfig
 from memlm.data.windows import doc_hash
 from memlm.knnlm.calibration import holdout_split, knn_parameters
 
@@ -597,12 +598,12 @@ def test_calibration_warns_below_the_stated_size_only(built, tiny_lm, capsys):
     model, tok = tiny_lm
     ds = Datastore.open(built[1])
     large = make_toy_docs(170, seed=71)
-    fit = DumpMixture.from_dict(calibrate(model, tok, ds, large, k=16, progress=False)["mixture"])
+    fit = DumpMixture.from_dict(calibrate(model, tok, ds, large, RetrievalConfig(k=16), progress=False)["mixture"])
     assert fit.fit.tokens >= MIN_FIT_TOKENS and fit.fit.documents >= MIN_FIT_DOCUMENTS and not fit.fit.warnings
     report_mixture(fit, "FIX")
     assert "warning" not in capsys.readouterr().err
     few = large[:5]  # fewer documents and tokens
-    fit = DumpMixture.from_dict(calibrate(model, tok, ds, few, k=16, progress=False)["mixture"])
+    fit = DumpMixture.from_dict(calibrate(model, tok, ds, few, RetrievalConfig(k=16), progress=False)["mixture"])
     assert fit.fit.documents == 5 and len(fit.fit.warnings) == 1
     report_mixture(fit, "FIX")
     err = capsys.readouterr().err
@@ -624,7 +625,7 @@ def test_calibration_adds_no_forward_pass(built, tiny_lm):
     hook = model.register_forward_hook(lambda m, a, kw, out: calls.append(int(kw["input_ids"].numel())),
                                        with_kwargs=True)  # fmt: skip
     try:
-        cal = calibrate(model, tok, ds, held, k=16, progress=False)
+        cal = calibrate(model, tok, ds, held, RetrievalConfig(k=16), progress=False)
         during = list(calls)
         calls.clear()
         lm_scores(model, tok, held, [ds.key_spec], window=32, min_context=8, progress=False)
@@ -652,7 +653,8 @@ def _corrupt_copy(ds_path, tmp_path, edit):
     [
         lambda r: r["fit"]["mixture"].__setitem__("W", [[1.0]]),  # wrong shape
         lambda r: r["fit"]["mixture"].__setitem__("components", ["lm", "ngram"]),  # not this memory's
-        lambda r: r.__setitem__("temperature", "hot"),
+        lambda r: r.__setitem__("cache_temperature", 1.0),  # a cache term a datastore's fit has not (a bad τ is
+        # refused when the datastore opens: tests/test_adversarial.py)
         lambda r: r["fit"].pop("options"),
         lambda r: r.__setitem__("fit", 3),
     ],
@@ -710,10 +712,10 @@ def test_shared_calibration_is_each_memorys_own_in_one_pass(built, tiny_lm, tmp_
     calls = []
     hook = model.register_forward_hook(lambda m, a, kw, out: calls.append(1), with_kwargs=True)
     try:
-        knn, grams, ts = calibrate_shared(model, tok, ds, ngram, held, k=16, progress=False)
+        knn, grams, ts = calibrate_shared(model, tok, (ds, ngram), held, RetrievalConfig(k=16), progress=False)
         shared = len(calls)
         calls.clear()
-        alone = calibrate(model, tok, ds, held, k=16, progress=False)
+        alone = calibrate(model, tok, ds, held, RetrievalConfig(k=16), progress=False)
         assert shared == len(calls)
     finally:
         hook.remove()

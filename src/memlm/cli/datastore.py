@@ -12,7 +12,7 @@ from pathlib import Path
 from memlm.cli import common
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, add_model, add_ray, add_windows, window_kwargs
-from memlm.core.config import DEFAULT_K
+from memlm.core.config import DEFAULT_K, RetrievalConfig
 from memlm.data.corpora import load_corpus_source
 from memlm.errors import MemlmError
 from memlm.io.locking import folder_lock
@@ -85,7 +85,8 @@ def cmd_datastore_calibrate(args: argparse.Namespace) -> None:
             "shared_spans": [shared, spans]}  # fmt: skip
     with folder_lock(args.dir, "calibrate a datastore"):
         old = ds.manifest.get("calibration")
-        cal = calibrate(model, tok, ds, docs, k=args.k, nprobe=args.nprobe, batch_size=args.batch_size, text=text)
+        cal = calibrate(model, tok, ds, docs, RetrievalConfig(k=args.k, nprobe=args.nprobe), batch_size=args.batch_size,
+                        text=text)  # fmt: skip
         ds.record_calibration(cal)  # a slice under memlm.core.mixture.MIN_FIT_TOKENS: the fit's warning says so
     if old is not None:
         print(f"replaced the calibration of {old.get('tokens', 0):,} tokens", file=sys.stderr)

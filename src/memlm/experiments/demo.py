@@ -198,8 +198,8 @@ def _build_memories(cfg: DemoConfig, model, tok, corpus: str, out: Path, work: l
     t0 = time.perf_counter()
     hold = source["holdout"]
     text = {"held_out": True, "documents": hold["documents"], "ids_sha256": hold.get("ids_sha256")}
-    knn_cal, ngram_cal, ts = calibrate_shared(model, tok, ds, ngram, held, k=cfg.k, batch_size=cfg.batch_size,
-                                              progress=False, text=text)  # fmt: skip
+    knn_cal, ngram_cal, ts = calibrate_shared(model, tok, (ds, ngram), held, RetrievalConfig(k=cfg.k),
+                                              batch_size=cfg.batch_size, progress=False, text=text)  # fmt: skip
     for owner, cal in ((ds, knn_cal), (index, ngram_cal)):
         owner.record_calibration({**cal, "holdout_ids": hold.get("ids_sha256")})
     ts.save(out / f"{corpus}-slice.npz")

@@ -241,9 +241,9 @@ CALIBRATION = Obj(
         "nprobe": Int(min=1),
         "search": Str(choices=("index", "exact")),
         "scores": Str(choices=("index", "exact")),
-        "mixture": Obj(
-            required={"temperature": Num(above=0), "k": Int(min=1)},
-            optional={"rule_weights": Obj(optional={"knn": Num(min=0, max=1)})},
+        "mixture": Obj(  # each field checked where present; a fit missing one is refused when read (recalibrate)
+            optional={"temperature": Num(above=0), "k": Int(min=1),
+                      "rule_weights": Obj(optional={"knn": Num(min=0, max=1)})},  # fmt: skip
         ),
     },
 )

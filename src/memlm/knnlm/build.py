@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memlm.core.config import RetrievalConfig
 from memlm.data.corpora import corpus_fingerprint
 from memlm.data.windows import resolve_stride
 from memlm.errors import MemlmError, option
@@ -201,7 +202,7 @@ def calibrate_holdout(model, tokenizer, ds, held_out: Sequence, holdout: dict[st
     what = f"{n} document{'s' if n != 1 else ''}" + (f", {tails} of them a document's tail" if tails else "")
     print(f"calibrating the mixture on {holdout['tokens']:,} held-out tokens ({what})", file=sys.stderr)
     text = {"held_out": True, "documents": holdout["documents"], "ids_sha256": holdout.get("ids_sha256")}
-    cal = calibrate(model, tokenizer, ds, held_out, k=k, batch_size=batch_size, text=text)
+    cal = calibrate(model, tokenizer, ds, held_out, RetrievalConfig(k=k), batch_size=batch_size, text=text)
     cal["holdout_ids"] = holdout.get("ids_sha256")
     ds.record_calibration(cal)
     say_calibrated(cal, ds)

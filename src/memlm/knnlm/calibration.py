@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -54,7 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memlm.core.config import DEFAULT_K
+from memlm.core.config import RetrievalConfig
 from memlm.errors import MemlmError
 
 if TYPE_CHECKING:
@@ -198,22 +199,8 @@ def holdout_split(
     lengths = [len(ids) for ids in tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]]
     total = sum(lengths)
     want, cap = min(max(fraction * total, min_tokens), max(max_tokens, min_tokens)), HOLDOUT_MAX_SHARE * total
-
-    def scored(stream: int) -> int:  # scored targets of a stream of ``stream`` tokens (windows.count_targets)
-        if window is not None and stride == window:
-            return stream if block_start == "bos" else stream - -(-stream // window)
-        return max(stream - 1, 0)
-
-    # 1. whole documents (unchanged since the first --holdout: the same slice whenever this reaches the goal)
-    chosen: set[int] = set()
-    taken = 0  # text tokens held out (no EOS)
-    for i in sorted(range(len(docs)), key=lambda i: _rank(docs[i])):
-        if taken >= want or len(chosen) == len(docs) - 1:
-            break
-        if taken + lengths[i] > cap:
-            continue  # too long for the slice: try a shorter one
-        chosen.add(i)
-        taken += lengths[i]
+    scored = functools.partial(_scored_targets, window=window, stride=stride, block_start=block_start)
+    chosen, taken = _whole_documents(docs, lengths, want, cap)  # taken: text tokens held out (no EOS)
     # 2. tails of the longest remaining documents
     pieces = len(chosen)
     cuts: dict[int, dict[str, Any]] = {}
@@ -236,6 +223,47 @@ def holdout_split(
     if not pieces:
         reason = "fewer than two documents" if len(docs) < 2 else "every document is over the slice's cap"
         return docs, [], {**info, "documents": 0, "tokens": 0, "reason": reason}
+    kept, held, ids_sha256 = _apply_cuts(docs, chosen, cuts)
+    tokens = scored(taken + pieces)
+    out = {**info, "documents": len(held), "whole_documents": len(chosen), "tails": list(cuts.values()),
+           "tokens": tokens, "text_tokens": taken, "corpus_tokens": total, "ids_sha256": ids_sha256}  # fmt: skip
+    if tokens < want:
+        out["short_of_minimum"] = (
+            f"{tokens:,} held-out tokens, under the goal of {int(want):,}: the slice is capped at "
+            f"{HOLDOUT_MAX_SHARE:.0%} of this corpus's {total:,} tokens"
+        )
+    return kept, held, out
+
+
+def _scored_targets(stream: int, window: int | None, stride: int | None, block_start: str) -> int:
+    """The targets scored in a stream of ``stream`` tokens (as :func:`memlm.data.windows.count_targets` counts them):
+    every token but the first, or with non-overlapping blocks every token but each block's first (``block_start``
+    ``"skip"``) or all of them (``"bos"``)."""
+    if window is not None and stride == window:
+        return stream if block_start == "bos" else stream - -(-stream // window)
+    return max(stream - 1, 0)
+
+
+def _whole_documents(docs: list, lengths: list[int], want: float, cap: float) -> tuple[set[int], int]:
+    """Step 1 of :func:`holdout_split` (unchanged since the first ``--holdout``: the same slice whenever it reaches the
+    goal): whole documents in :func:`_rank` order while the slice is short of ``want`` tokens, each under ``cap``
+    with the others, leaving one document; ``(their indices, their tokens)``."""
+    chosen: set[int] = set()
+    taken = 0
+    for i in sorted(range(len(docs)), key=lambda i: _rank(docs[i])):
+        if taken >= want or len(chosen) == len(docs) - 1:
+            break
+        if taken + lengths[i] > cap:
+            continue  # too long for the slice: try a shorter one
+        chosen.add(i)
+        taken += lengths[i]
+    return chosen, taken
+
+
+def _apply_cuts(docs: list, chosen: set[int], cuts: dict[int, dict[str, Any]]) -> tuple[list, list, str]:
+    """``(kept, held_out, ids_sha256)`` of :func:`holdout_split`: the ``chosen`` documents held out whole, each cut
+    document's head kept (same id) and its tail held out (``ID#tail``), the rest kept in corpus order; the hash of the
+    held-out ids and the cut points identifies the slice (a slice without tails hashes its ids alone)."""
     kept, held, tails = [], [], []
     for i, d in enumerate(docs):
         if i in chosen:
@@ -246,20 +274,10 @@ def holdout_split(
             tails.append(_with_text(d, f"{d.id}#tail", d.text[p:], {**meta, "holdout_tail_of": d.id, "from_char": p}))
         else:
             kept.append(d)
-    held += tails
-    key = "\n".join(sorted(d.id for d in held if d.id not in {t.id for t in tails}))
-    if cuts:  # the cut points are part of the slice's identity (a slice without tails hashes as before)
+    key = "\n".join(sorted(d.id for d in held))
+    if cuts:
         key += "".join(f"\n{c['of']}@{c['from_char']}" for c in sorted(cuts.values(), key=lambda c: c["of"]))
-    tokens = scored(taken + pieces)
-    out = {**info, "documents": len(held), "whole_documents": len(chosen), "tails": list(cuts.values()),
-           "tokens": tokens, "text_tokens": taken, "corpus_tokens": total,
-           "ids_sha256": hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]}  # fmt: skip
-    if tokens < want:
-        out["short_of_minimum"] = (
-            f"{tokens:,} held-out tokens, under the goal of {int(want):,}: the slice is capped at "
-            f"{HOLDOUT_MAX_SHARE:.0%} of this corpus's {total:,} tokens"
-        )
-    return kept, held, out
+    return kept, held + tails, hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 SLICE_MAX_CHARACTERS = 400_000  # a calibration keeps its text up to this size (a named corpus may be larger)
@@ -324,8 +342,8 @@ def calibrate(
     tokenizer,
     datastore,
     held_out: Sequence,
-    k: int = DEFAULT_K,
-    nprobe: int = 32,
+    config: RetrievalConfig | None = None,
+    *,
     batch_size: int = 4,
     progress: bool = True,
     text: dict[str, Any] | None = None,
@@ -334,8 +352,9 @@ def calibrate(
     on it (:func:`calibration_fit`).
 
     The slice is read with the datastore's own windows (``window``, ``stride``); the datastore's index (or exact
-    search when it has none) gives ``k`` neighbours per token. Text whose documents are in the datastore (same id
-    and text) is refused. Returns the record stored under ``calibration``: the fit (``mixture``:
+    search when it has none) gives ``config.k`` neighbours per token, at ``config.nprobe`` (default
+    :class:`~memlm.core.config.RetrievalConfig`: k = 1024, nprobe = 32). Text whose documents are in the datastore
+    (same id and text) is refused. Returns the record stored under ``calibration``: the fit (``mixture``:
     :meth:`DumpMixture.to_dict`, read back by :func:`stored_mixture`), the held-out perplexities of the LM and of the
     fit, and what they were measured with (``k``, ``search``, ``scores``, ``nprobe``, ``index``: file, factory,
     metric, checksum; ``text``: the held-out slice or the corpus a user named).
@@ -344,8 +363,9 @@ def calibrate(
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
     _refuse_inside(datastore, held_out)
     t0 = time.perf_counter()
-    ts = _score_slice(model, tokenizer, datastore, held_out, k, nprobe, batch_size, progress)
-    return {**knn_calibration(ts, datastore, nprobe, text), "seconds": time.perf_counter() - t0,
+    config = config or RetrievalConfig()
+    ts = _score_slice(model, tokenizer, datastore, held_out, config, batch_size, progress)
+    return {**knn_calibration(ts, datastore, config.nprobe, text), "seconds": time.perf_counter() - t0,
             **slice_record(held_out)}  # fmt: skip
 
 
@@ -364,10 +384,10 @@ def _refuse_inside(datastore, held_out: Sequence) -> None:
         )
 
 
-def _score_slice(model, tokenizer, datastore, held_out: Sequence, k: int, nprobe: int, batch_size: int,
+def _score_slice(model, tokenizer, datastore, held_out: Sequence, config: RetrievalConfig, batch_size: int,
                  progress: bool, ngram=None):  # fmt: skip
-    """One forward pass over ``held_out`` in the datastore's own windows, its ``k`` neighbours per token (its index,
-    or exact search when it has none) and, with ``ngram``, that ∞-gram memory's statistics: a
+    """One forward pass over ``held_out`` in the datastore's own windows, its ``config.k`` neighbours per token (its
+    index, or exact search when it has none) and, with ``ngram``, that ∞-gram memory's statistics: a
     :class:`~memlm.knnlm.table.TokenTable` whose ``meta["search"]`` says how it searched."""
     from memlm.knnlm.evaluate import add_memory, add_neighbours, lm_scores
 
@@ -379,11 +399,12 @@ def _score_slice(model, tokenizer, datastore, held_out: Sequence, k: int, nprobe
                                progress=progress)  # fmt: skip
     problem = getattr(datastore, "index_problem", None)  # a sharded datastore's index is checked when opened
     search = "index" if problem is None or problem() is None else "exact"
-    add_neighbours(ts, queries[datastore.key_spec], datastore, k=min(k, len(datastore)), search=search,
-                   nprobe=nprobe, progress=progress)  # fmt: skip
+    k = min(config.k, len(datastore))
+    add_neighbours(ts, queries[datastore.key_spec], datastore, k=k, search=search, nprobe=config.nprobe,
+                   progress=progress)  # fmt: skip
     if ngram is not None:
         add_memory(ts, ngram, held_out, tokenizer)
-    ts.meta.update(search=search, window=window, stride=stride, k=min(k, len(datastore)))
+    ts.meta.update(search=search, window=window, stride=stride, k=k)
     return ts
 
 
@@ -417,26 +438,28 @@ def _fit_record(ts, fit: DumpMixture) -> dict[str, Any]:
 def calibrate_shared(
     model,
     tokenizer,
-    datastore,
-    ngram,
+    memories: Sequence,
     held_out: Sequence,
-    k: int = DEFAULT_K,
-    nprobe: int = 32,
+    config: RetrievalConfig | None = None,
+    *,
     batch_size: int = 4,
     progress: bool = True,
     text: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """``(datastore's record, ∞-gram's record, the slice's scores)``: the calibrations of a datastore and an ∞-gram
-    index (``ngram``: an :class:`~memlm.ngram.memory.NgramMemory`) that both held out the same slice ``held_out``, from
+    index (``memories = (datastore, ngram)``, ``ngram`` an :class:`~memlm.ngram.memory.NgramMemory`) that both held
+    out the same slice ``held_out``, from
     one forward pass over it (:func:`_score_slice`, the datastore's windows) instead of one each. Each record is the
     one :func:`calibrate` / :func:`calibrate_ngram` would store; the scores hold the LM, the neighbours and the
     ∞-gram on the slice, what :func:`memlm.knnlm.default_mixture.choose` scores to check the two fits' combination."""
+    datastore, ngram = memories
     if not held_out:
         raise MemlmError("nothing to calibrate on: the held-out slice is empty")
     _refuse_inside(datastore, held_out)
     t0 = time.perf_counter()
-    ts = _score_slice(model, tokenizer, datastore, held_out, k, nprobe, batch_size, progress, ngram=ngram)
-    knn = {**knn_calibration(ts, datastore, nprobe, text), "seconds": time.perf_counter() - t0}
+    config = config or RetrievalConfig()
+    ts = _score_slice(model, tokenizer, datastore, held_out, config, batch_size, progress, ngram=ngram)
+    knn = {**knn_calibration(ts, datastore, config.nprobe, text), "seconds": time.perf_counter() - t0}
     t1 = time.perf_counter()
     grams = {**ngram_calibration(ts), "window": int(ts.meta["window"]), "stride": int(ts.meta["stride"]),
              "seconds": time.perf_counter() - t1}  # fmt: skip

@@ -114,25 +114,25 @@ def lm_scores(
                     queries[s].append(o.keys[s])
                 bar.update(len(o.targets))
     cat = {name: np.concatenate(v) for name, v in parts.items()}
-    table = TokenTable(
+    windows_meta = {"window": window, "min_context": min_context, "stride": stride,
+                    **({"block_start": block_start} if stride == window else {})}  # fmt: skip
+    table = _lm_table(cat, {**(meta or {}), **windows_meta, "seconds_forward": time.perf_counter() - t0})
+    provenance = {"doc_hash": cat["hash"], "offset": cat["off"]}
+    return table, {s: np.concatenate(q) for s, q in queries.items()}, provenance
+
+
+def _lm_table(cat: dict[str, np.ndarray], meta: dict[str, Any]) -> TokenTable:
+    """:func:`lm_scores`' table from its concatenated columns (``targets``, ``lm``, ``doc``, ``off``, ``ent``,
+    ``max``): the LM's columns, no memory."""
+    return TokenTable(
         targets=cat["targets"].astype(np.int64),
         doc_index=cat["doc"].astype(np.int32),
         lm_logprob=cat["lm"].astype(np.float32),
         position=cat["off"].astype(np.int32),
         lm_entropy=cat["ent"].astype(np.float32),
         lm_max_logprob=cat["max"].astype(np.float32),
-        meta={
-            **(meta or {}),
-            "tokens": int(len(cat["targets"])),
-            "window": window,
-            "min_context": min_context,
-            "stride": stride,
-            **({"block_start": block_start} if stride == window else {}),
-            "seconds_forward": time.perf_counter() - t0,
-        },
+        meta={**meta, "tokens": int(len(cat["targets"]))},
     )
-    provenance = {"doc_hash": cat["hash"], "offset": cat["off"]}
-    return table, {s: np.concatenate(q) for s, q in queries.items()}, provenance
 
 
 def add_neighbours(
@@ -286,7 +286,6 @@ def perplexities(
     cache_lambda: float = 0.0,
     cache_temperature: float = 1.0,
     target_counts: np.ndarray | None = None,
-    counted_in: str = "the datastore's values",
     datastores: Sequence[tuple[float, float]] = (),
 ) -> dict[str, Any]:
     """Base, memory-interpolated and oracle perplexity of a dump under the given parameters, with their evidence.
@@ -311,7 +310,7 @@ def perplexities(
     Evidence (:mod:`memlm.core.bootstrap`): ``intervals`` gives each perplexity's 95% bootstrap interval over the
     dump's documents, ``differences`` the paired interval of each relative change (``knn_ppl vs base_ppl``:
     ``knn_ppl / base_ppl - 1``; the cache rows against base and against the kNN-LM), ``bootstrap`` the documents and
-    resamples. With ``target_counts`` (c(w_t) of every target in the memory's corpus, ``counted_in`` naming it),
+    resamples. With ``target_counts`` (c(w_t) of every target among the datastore's values),
     ``frequency_buckets`` breaks the kNN-LM's change down by that frequency (:mod:`memlm.core.frequency`).
     """
     lm = torch.from_numpy(ts.lm_logprob)
@@ -339,7 +338,7 @@ def perplexities(
         stats.update(cache_lambda=cache_lambda, cache_temperature=cache_temperature)
     several = [(ref, key) for key in rows if key == "multi_knn_ppl" or (key[:3] == "knn" and key[3:4].isdigit())
                for ref in ("base_ppl", "knn_ppl")]  # fmt: skip
-    res = report(ts, rows, (*DIFFERENCES, *several), target_counts, counted_in, temperature=taus, k=k,
+    res = report(ts, rows, (*DIFFERENCES, *several), target_counts, "the datastore's values", temperature=taus, k=k,
                  cache_temperature=cache_temperature)  # fmt: skip
     head = {key: v for key, v in res.items() if key == "tokens" or key in rows}
     return {**head, **stats, **{key: v for key, v in res.items() if key not in head}}
