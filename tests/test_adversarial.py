@@ -50,7 +50,7 @@ def world(tmp_path_factory, tiny_lm):
     ds = Datastore.open(root / "ds")
     build_index(ds.keys, ds.index_path, factory="Flat", metric="l2")
     _bad_calibration(root / "ds", root / "badcal", len(ds))
-    # issue 24 item 10: datastores whose indexes an `eval --index` of ds must refuse: the same documents in another
+    # datastores whose indexes an `eval --index` of ds must refuse: the same documents in another
     # order (same size and dimension, other entries behind each id) and a larger one
     write_datastore(model, tok, docs[::-1], root / "ds_reordered", window=32, min_context=8, progress=False)
     more = [*docs, Doc("extra", make_toy_docs(1, seed=6)[0].text)]
@@ -452,7 +452,7 @@ def test_bad_arguments_fail_before_the_model_is_loaded(world, capsys, monkeypatc
     for extra in (["--dump", "{root}/no/such/dir/x.npz"], ["--json", D], ["--k", "-5"], ["--temperature", "nan"]):
         code, err = run_cli([a.format(root=world) for a in [*EVAL, *extra]], capsys)
         assert_one_error(code, err)
-    # issue 24 item 10: an index of another datastore is refused before the model loads, naming both
+    # an index of another datastore is refused before the model loads, naming both
     for other in ("ds_reordered", "ds_larger"):
         index = f"{world}/{other}/index.faiss"
         code, err = run_cli([a.format(root=world) for a in [*EVAL, "--index", index]], capsys)
@@ -491,7 +491,7 @@ def test_bad_calibration_in_a_manifest_fails_before_the_model_loads(world, capsy
 
 def test_an_index_of_another_datastore_is_refused_by_the_api_too(world):
     """DatastoreMemory / open_index check the sidecar against the datastore searched, not the index's own folder
-    (issue 24 item 10: it was checked against ds_reordered's manifest and passed), with and without mmap."""
+    (it was checked against ds_reordered's manifest and passed), with and without mmap."""
     from memlm.retrieval import DatastoreMemory
     from memlm.storage.sharded import open_datastore
 

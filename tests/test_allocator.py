@@ -1,4 +1,4 @@
-"""memlm.models.allocator: glibc's allocator keeps freed activation-sized blocks mapped (issue 34).
+"""memlm.models.allocator: glibc's allocator keeps freed activation-sized blocks mapped.
 
 The page-fault checks run in a fresh interpreter: ``mallopt`` settings are per process and the test process itself
 has loaded models (which tune it). The pattern is a forward layer's: four 24 MiB buffers written, then all freed, six

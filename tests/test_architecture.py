@@ -255,7 +255,7 @@ def test_one_place_turns_retrieved_entries_into_distributions(pattern):
 
 # Every normaliser (logsumexp / (log_)softmax / logaddexp.reduce) outside core/distribution.py, by file and function,
 # with why it is not one over retrieved entries. Anything else that normalises fails the test below: a softmax over
-# retrieved (scores, values) belongs in memlm.core.distribution (issue 24 item 8: npm/inference.py's _group had its
+# retrieved (scores, values) belongs in memlm.core.distribution (npm/inference.py's _group had its
 # own logsumexp over the retrieved spans, which the line patterns above did not see).
 NORMALISERS_OUTSIDE_CORE = {
     ("models/forward.py", "logprob_statistics"): "the LM's log-softmax over its vocabulary (p_LM)",
@@ -402,8 +402,8 @@ def _subcommands(parser) -> list:
 
 
 def test_every_command_carries_its_own_check():
-    """A command's pre-flight check is registered with its subparser and lives in the command's module (issue 25,
-    "commands own their checks"), not in a table elsewhere keyed by function name."""
+    """A command's pre-flight check is registered with its subparser and lives in the command's module
+    ("commands own their checks"), not in a table elsewhere keyed by function name."""
     from memlm.cli import build_parser
 
     checked, bad = 0, []

@@ -35,7 +35,7 @@ def test_holdout_split_is_deterministic_disjoint_and_sized():
 
 def test_holdout_slice_is_capped_at_a_few_thousand_tokens():
     """A large share of a large corpus holds out HOLDOUT_MAX_TOKENS (8,192), not the share: calibration's LM pass
-    costs the same whatever the corpus's size (issue 34 item 4); a min_tokens over the cap still wins."""
+    costs the same whatever the corpus's size; a min_tokens over the cap still wins."""
     from memlm.knnlm.calibration import HOLDOUT_MAX_TOKENS
 
     tok = gpt2_tokenizer()
@@ -519,7 +519,7 @@ def test_rerun_without_the_slice_is_refused_and_named_text_calibrates(onefile, t
     ), r.stderr
 
 
-# ----------------------------------------------------------------- the guarded mixture fitted at calibration (issue 35)
+# ----------------------------------------------------------------- the guarded mixture fitted at calibration
 
 
 def _held_out_dump(ds, docs, tok, model, k=16):

@@ -101,7 +101,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     res = strict_loads((tmp_path / "test.json").read_text())
     for key in ("base_ppl", "knn_ppl", "oracle_ppl", "tokens", "lambda", "k", "temperature", "knn_cache_ppl"):
         assert key in res
-    assert "cache_ppl" not in res and "knn_cache_ppl" in r.stdout and "(LM + kNN + cache)" in r.stdout  # issue 24
+    assert "cache_ppl" not in res and "knn_cache_ppl" in r.stdout and "(LM + kNN + cache)" in r.stdout
     assert res["k"] == 16 and res["search"] == "exact"
     # the reported perplexities, recomputed with NumPy from the per-token dump (Eq. 2 and 3, λ = 0.25, τ = 1)
     from memlm.knnlm.table import TokenTable
@@ -123,7 +123,7 @@ def test_build_eval_tune_generate(tmp_path, tiny_lm_dir, corpus_dir):
     mix = 0.65 * np.exp(lm) + 0.25 * np.exp(knn) + 0.1 * p_cache
     assert res["knn_cache_ppl"] == pytest.approx(np.exp(-np.log(mix).mean()), rel=1e-5)
     assert res["target_in_neighbours"] == pytest.approx(np.isfinite(knn).mean())
-    # issue 33: intervals over documents, paired differences (printed and in the JSON), buckets by the frequency of
+    # intervals over documents, paired differences (printed and in the JSON), buckets by the frequency of
     # the target among the datastore's values
     assert res["bootstrap"]["documents"] == len(set(d.doc_index.tolist())) >= 2
     for key in ("base_ppl", "knn_ppl", "knn_cache_ppl", "oracle_ppl"):

@@ -1,6 +1,6 @@
 """Compute paths (memlm.models.compute): each fast path's keys match float32's within the stated error, keys by role
 are still captured after quantization and compile, the LM log-softmax stays float32, and a datastore built on one path
-is checked when queried on another (issue 34 item 2)."""
+is checked when queried on another."""
 
 from __future__ import annotations
 

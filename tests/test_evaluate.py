@@ -213,7 +213,7 @@ def _np_memory_prob(scores, values, targets, temperature):
 
 def test_adaptive_gate_in_eval_searches_the_requested_fraction_with_the_gate_lambda(tmp_path, tiny_lm, toy_docs):
     """He et al. (2021) Sec. 4: p = (1 - λ(x)) p_LM + λ(x) p_kNN with λ(x) = sigmoid(g(f(x))), λ = 0 where not searched;
-    with the cache (issue 24 item 7) p = (1 - λ'_t - λc) p_LM + λ'_t p_kNN + λc p_cache, λ'_t = min(λ(x_t), 1 - λc).
+    with the cache p = (1 - λ'_t - λc) p_LM + λ'_t p_kNN + λc p_cache, λ'_t = min(λ(x_t), 1 - λc).
 
     The gate is a logistic one with hand-set weights (λ from ~0.02 to ~0.98 on these tokens), and every expectation is
     computed in NumPy from those formulas and the dump's raw scores, not with memlm's combiners.

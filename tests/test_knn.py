@@ -207,7 +207,7 @@ def test_distribution_of_no_retrieved_entry_is_all_minus_inf():
 
 
 def test_perplexity_beyond_float64_is_inf_and_written_null():
-    """Issue 24 item 7: a mean log-probability below -log(float64 max) ~ -709.78 used to raise OverflowError.
+    """A mean log-probability below -log(float64 max) ~ -709.78 used to raise OverflowError.
 
     Reached with λ = 1 at a small τ: the target is retrieved (so p_kNN > 0) but 10 score units behind the best entry,
     so at τ = 0.01 its log-probability is about -1000. The perplexity is then inf, which result files write as null.
@@ -226,7 +226,7 @@ def test_perplexity_beyond_float64_is_inf_and_written_null():
 
 
 def test_value_logsumexp_gradient_of_a_value_with_no_finite_mass_is_zero_not_nan():
-    """Issue 24 item 7: a -inf entry (probability 0) whose value has no finite entry gave a NaN gradient.
+    """A -inf entry (probability 0) whose value has no finite entry gave a NaN gradient.
 
     Reference from the definition: d/dx_i log sum_{j: v_j = v} exp(x_j) = softmax within value v; an entry that carries
     no mass (-inf) gets gradient 0, whatever its value; the function itself stays -inf for such a value.

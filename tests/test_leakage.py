@@ -1,4 +1,4 @@
-"""Leakage refused at evaluation time (memlm.leakage, issue 33 item 1): each kind of overlap between the evaluated
+"""Leakage refused at evaluation time (memlm.leakage): each kind of overlap between the evaluated
 documents and a memory's recorded sources is refused with one error naming it, and allowed (and recorded) with
 --allow-overlap; memlm tune refuses a --test dump of other memories or another model than --valid, and a --valid
 dump of a test split."""

@@ -1,4 +1,4 @@
-"""The learned mixture (memlm.core.mixture, issue 35) against brute-force NumPy transcriptions of its equations:
+"""The learned mixture (memlm.core.mixture) against brute-force NumPy transcriptions of its equations:
 
     P_t = sum_i λ_ti p_ti,   λ_t = softmax(W z_t + b)  (row 0 = 0),   EM: λ_i = mean_t λ_i p_ti / P_t
 

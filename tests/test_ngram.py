@@ -466,7 +466,7 @@ def test_cli_eval_with_datastore_and_ngram(tiny_lm, tiny_lm_dir, corpus, index, 
     assert main(argv) == 0
     r = json.loads(res.read_text())
     assert r["knn_ngram_weights"]["lambda_sparse"] == pytest.approx(0.45) and r["knn_ngram_ppl"] > 0
-    # issue 33: every row with its interval, every difference paired, the buckets counted in each memory's corpus
+    # every row with its interval, every difference paired, the buckets counted in each memory's corpus
     for key in ("base_ppl", "knn_ppl", "ngram_ppl", "knn_ngram_ppl"):
         row = r["intervals"][key]
         assert row["ppl"] == pytest.approx(r[key]) and row["low"] <= row["ppl"] <= row["high"]

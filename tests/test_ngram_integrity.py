@@ -1,4 +1,4 @@
-"""What opening an ∞-gram index checks, and that ``memlm eval`` says it (issue 33, item 7): the full SHA-256 of the
+"""What opening an ∞-gram index checks, and that ``memlm eval`` says it: the full SHA-256 of the
 smallest files up to ``FULL_CHECK_BYTES``, the sampled one of the rest; a suffix array flipped between the sampled
 blocks is caught in full and named as sampled-only beyond the budget."""
 

@@ -152,7 +152,7 @@ def test_eval_and_tune_with_datastore_and_two_ngram_indexes(tiny_lm_dir, two_ind
     assert res["knn_multi_ngram_ppl"] == pytest.approx(float(np.exp(-want.mean())), rel=1e-6)
     assert res["multi_ngram_weights"] == [pytest.approx([0.45, 0.1])] * 2  # without the kNN term: W / S = 0.5
     assert res["multi_ngram_ppl"] == pytest.approx(float(np.exp(-_by_hand(ts, [[0.45, 0.1]] * 2).mean())), rel=1e-6)
-    # issue 33: the combined rows' intervals and paired differences, beside the kNN-LM's
+    # the combined rows' intervals and paired differences, beside the kNN-LM's
     for system, ref in (("multi_ngram_ppl", "base_ppl"), ("knn_multi_ngram_ppl", "base_ppl"),
                         ("knn_multi_ngram_ppl", "knn_ppl"), ("knn_ppl", "base_ppl")):  # fmt: skip
         assert res["differences"][f"{system} vs {ref}"]["relative_change"] == pytest.approx(

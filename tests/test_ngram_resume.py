@@ -1,6 +1,6 @@
 """``memlm ngram build`` killed at every boundary (a shard split, before and after every progress record, inside every
 step of the suffix-array sort, after the manifest) and rerun gives the same bytes as an uninterrupted build: no
-document lost or indexed twice (issue 33, item 7). The default run crashes at the first and last boundary of each
+document lost or indexed twice. The default run crashes at the first and last boundary of each
 kind; ``pytest -m slow`` at every one."""
 
 from __future__ import annotations

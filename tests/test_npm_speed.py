@@ -1,4 +1,4 @@
-"""NPM inference fast paths == the loops they replaced (issue 14): candidate spans, one search for q_start and q_end,
+"""NPM inference fast paths == the loops they replaced: candidate spans, one search for q_start and q_end,
 verbalizer matching, memoised decoding, plain-array index columns."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``--overwrite`` replaces only an artifact of its own kind and only the files that kind writes; anything else in the
 folder is refused by name with nothing changed; ``--memory-gb`` out of range is one error before the model loads
-(issue 33, item 7: the probe's data-loss cases)."""
+(the probe's data-loss cases)."""
 
 from __future__ import annotations
 

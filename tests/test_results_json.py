@@ -1,4 +1,4 @@
-"""Issue 12 item 12: every committed result file in docs/results is standard JSON (no Infinity / NaN tokens, which
+"""Every committed result file in docs/results is standard JSON (no Infinity / NaN tokens, which
 strict parsers reject); an infinite perplexity is written ``null``."""
 
 from __future__ import annotations

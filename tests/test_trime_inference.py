@@ -311,7 +311,7 @@ def test_full_distribution_normalises_and_matches_target(tiny_lm, ext_setup):
 @pytest.mark.parametrize("context", [3, 7])
 def test_stream_windows_are_the_knnlm_evaluation_windows(tiny_lm, ext_setup, context):
     """--stream --context C scores the targets of memlm eval --window SEQ --min-context C+1 from the same contexts,
-    so a TRIME row and a kNN-LM row share one protocol (issue 12 item 8a)."""
+    so a TRIME row and a kNN-LM row share one protocol."""
     from memlm.knnlm.evaluate import lm_scores
 
     model, tok = tiny_lm

@@ -1,4 +1,4 @@
-"""benchmarks/papers/trime/trime_report.py, issue 12 item 8: seeds summarised as mean ± sample sd, App. D rows,
+"""benchmarks/papers/trime/trime_report.py: seeds summarised as mean ± sample sd, App. D rows,
 ablations."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_seeds_are_summarised_with_sample_sd_and_missing_ablations_come_from_the
         (runs / f"eval-vanilla{suffix}-knnlm").mkdir()
         test = {"base_ppl": 400.0, "knn_ppl": ppl, "lambda": 0.5}
         (runs / f"eval-vanilla{suffix}-knnlm" / "knnlm.json").write_text(json.dumps({"test": test}))
-        # LM + kNN + cache: knn_cache_ppl since issue 24, cache_ppl in files written before (both are read)
+        # LM + kNN + cache: knn_cache_ppl, cache_ppl in files written before (both are read)
         test = {**test, ("knn_cache_ppl" if suffix else "cache_ppl"): ppl - 20}
         (runs / f"eval-vanilla{suffix}-knnlm" / "knnlm-cache.json").write_text(json.dumps({"test": test}))
     res = trime_report.collect_seeds(runs, previous)

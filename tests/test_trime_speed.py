@@ -1,4 +1,4 @@
-"""TRIME external-memory fast paths (issue 14): the rescoring of retrieved keys (exact_scores) with reused float32
+"""TRIME external-memory fast paths: the rescoring of retrieved keys (exact_scores) with reused float32
 buffers == the old code bit for bit, an index passed in, ext_scores='dot-index' == 'dot' up to float32 rounding."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from memlm.trime import score_trime
 
 
 def old_exact_scores(keys, ids, queries, metric):
-    """exact_scores before issue 14: 64 MiB blocks, NumPy float16 cast, the query rows by a boolean mask."""
+    """exact_scores before its fast path: 64 MiB blocks, NumPy float16 cast, the query rows by a boolean mask."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     nq, k = ids.shape
     d = q.shape[1]
