@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: A memlm call inside a code line: ``memlm``, ``$MEMLM``/``$M`` (scripts set them to memlm), a path ending in
 #: ``/memlm``, or ``python -m memlm.cli``; the command word follows.
-CALL = re.compile(r"""(?:^|(?<=[\s;|&(`#]))(?:"?\$(?:MEMLM|M)"?|(?:[\w./-]*/)?memlm|\S*python\S* -m memlm\.cli) (?=[a-z])""")
+CALL = re.compile(
+    r"""(?:^|(?<=[\s;|&(`#]))(?:"?\$(?:MEMLM|M)"?|(?:[\w./-]*/)?memlm|\S*python\S* -m memlm\.cli) (?=[a-z])"""
+)
 #: Where a call written in a line ends: a pipe, redirection, list operator, a backtick, or prose after it.
 END = re.compile(r"\s*(?:[;|>`+(]|&&|2>|\s#|[,:]\s)")
 #: An inline code span of a page (it may wrap onto the next line of its paragraph).
@@ -59,7 +61,10 @@ def _code_lines(path: Path) -> tuple[list[str], str]:
         if line.lstrip().startswith("```"):
             fenced = not fenced
             prose.append("")
-        elif fenced or (line.startswith("    ") and line.strip().startswith(("memlm ", "$ memlm ", "# "))):
+        elif fenced or (
+            line.startswith("    ")
+            and (line.strip().startswith(("memlm ", "$ memlm ", "# ")) or (code and code[-1].endswith("\\")))
+        ):
             code.append(line.strip().removeprefix("$ "))
             prose.append("")
         else:
@@ -134,6 +139,16 @@ def test_commands_are_found():
     assert len(COMMANDS) > 100
     assert "README.md" in sources and any(p.endswith(".sh") for p in sources)
     assert any(c.startswith("memlm tune ") for _, c in COMMANDS)
+
+
+def test_the_check_refuses_what_the_parser_lacks():
+    """An unknown option, an unknown command and a group without its subcommand are refused; a valid line is not."""
+    parser = build_parser()
+    assert _problems("memlm tune --valid v.npz --test t.npz --json f.json", parser) == []
+    assert _problems("memlm datastore build --corpus wiki --out ds --max-tokens 1000", parser) == []
+    assert _problems("memlm tune --valid v.npz --cache-lambdas 0 0.1", parser)
+    assert _problems("memlm tunes --valid v.npz", parser)
+    assert _problems("memlm datastore --out ds", parser)
 
 
 @pytest.mark.parametrize(("source", "command"), COMMANDS, ids=[f"{p}:{c[:60]}" for p, c in COMMANDS])
