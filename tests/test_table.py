@@ -159,7 +159,7 @@ def test_an_old_dump_or_an_unknown_kind_is_refused_with_the_fix(tmp_path):
         TokenTable.load(tmp_path / "mine.npz")
 
 
-def test_score_tokens_takes_one_list_and_refuses_the_cache_as_a_setting(tiny_lm):
+def test_score_tokens_takes_one_list_and_no_weight_or_cache_setting(tiny_lm):
     from memlm.knnlm.scoring import score_tokens
 
     model, tokenizer = tiny_lm
@@ -167,5 +167,6 @@ def test_score_tokens_takes_one_list_and_refuses_the_cache_as_a_setting(tiny_lm)
     ts = score_tokens(model, tokenizer, docs, [CacheComponent(k=4)], window=16, min_context=4, progress=False)
     assert ts.names() == ("cache",) and ts.columns["cache"]["scores"].shape == (len(ts), 4)
     assert ts.meta["components"]["cache"]["seconds"] >= 0
-    with pytest.raises(MemlmError, match="one of the memories"):
-        score_tokens(model, tokenizer, docs, [], cache=True, window=16, min_context=4, progress=False)
+    for setting in ({"cache": True}, {"lam": 0.25}, {"cache_lambda": 0.1}):
+        with pytest.raises(MemlmError, match=f"unknown retrieval settings \\['{next(iter(setting))}'\\]"):
+            score_tokens(model, tokenizer, docs, [], window=16, min_context=4, progress=False, **setting)

@@ -45,12 +45,10 @@ generated token (benchmarks/speed/generation_k.py, docs/results/speed/generation
 EPYC while other work ran, load about 13, so the milliseconds are rough)."""
 
 DEFAULT_CACHE_LAMBDA = 0.1
-"""The continuous cache's weight λc (Grave et al. 2017) when the cache is on (``cache=True``: ``memlm eval
---cache``, lm-eval's ``cache=true``) and no weight is given. The cache is off unless asked for, and no generation
-path has one (generation, :func:`memlm.wrap` and lm-eval's ``generate_until`` mix the LM with the datastores and
-∞-gram indexes only), so this is the one cache setting of every path. Tuned values come from ``memlm tune
---cache-lambdas``: 0.1 is the weight ``memlm eval --cache`` and lm-eval have used, so their results stay comparable;
-on SmolLM2 and Wikipedia the tuned λc is smaller (docs/results/knnlm.md: 0.02 beside the kNN-LM)."""
+"""The continuous cache's weight λc (Grave et al. 2017) in the fixed-weight rule when the cache is one of the
+memories (``cache`` in a memory spec) and no weight is given: no calibration fits the cache's weight, so this is the
+one cache weight of every path. ``memlm tune`` fits λc on valid text (on SmolLM2 and Wikipedia it is smaller:
+docs/results/knnlm.md, 0.02 beside the kNN-LM); 0.1 keeps ``memlm eval`` and lm-eval results comparable."""
 
 
 def replace_fields(record: Any, what: str, **options: Any) -> Any:
@@ -68,8 +66,6 @@ class RetrievalConfig:
     """Retrieval and scoring settings (see the module docstring); ``None`` = not set / the datastore's default."""
 
     k: int = DEFAULT_K
-    temperature: float | None = None
-    lam: float | None = None
     search: str = "index"  # "index" (FAISS, approximate) | "exact" (all keys)
     scores: str = "index"  # "index" | "exact" (recomputed from the stored keys)
     nprobe: int = 32
@@ -80,12 +76,6 @@ class RetrievalConfig:
     stride: int | None = None
     min_context: int | None = None
     block_start: str = "skip"  # non-overlapping blocks (stride = window): first token "skip"ped or scored after "bos"
-    cache: bool = False
-    cache_lambda: float = DEFAULT_CACHE_LAMBDA  # used only with cache=True
-    cache_temperature: float = 1.0
-    cache_k: int = 256
-    cache_max_len: int = 2048
-    cache_metric: str = "ip"
     adaptive: str | None = None
     adaptive_fraction: float | None = None
     pointer_min: int = 0

@@ -192,7 +192,7 @@ def _score_slices(candidates: dict, model, tokenizer, datastore, ngram, config, 
     if not docs:
         return None
     k = max([config.k] + [int(c.k) for c in candidates.values() if c.k])
-    cfg = dataclasses.replace(config, k=k, cache=False)
+    cfg = dataclasses.replace(config, k=k)
     return score_tokens(model, tokenizer, docs, memories, cfg, batch_size=batch_size, progress=False)
 
 

@@ -158,9 +158,6 @@ def score_tokens(
     min_context = config.min_context if config.min_context is not None else DEFAULT_MIN_CONTEXT
     min_context = None if config.stride is not None else min_context
     config = config.replace(window=config.window or DEFAULT_WINDOW, min_context=min_context)
-    if config.cache:
-        raise MemlmError("the continuous cache is one of the memories: give it in memories (a CacheComponent, or "
-                         "'cache' in a memory spec), not as config.cache")  # fmt: skip
     components, config = _components(memories, config, progress)
     datastores = [c for c in components if isinstance(c, DatastoreComponent)]
     if len(datastores) > 1 and (config.adaptive is not None or config.pointer_min or config.index is not None):
