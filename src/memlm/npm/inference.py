@@ -44,6 +44,7 @@ import re
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,6 +102,13 @@ class PhrasePrediction:
     log_score: float
     spans: tuple[SpanHit, ...]
 
+    def summary(self) -> dict[str, Any]:
+        """JSON record: phrase, scores, number of occurrences and the best-scoring span."""
+        h = self.spans[0]
+        top = {"doc_id": h.doc_id, "position": h.position, "score": h.score, "context": h.context}
+        return {"phrase": self.phrase, "score": self.score, "prob": self.prob, "log_score": self.log_score,
+                "occurrences": len(self.spans), "top_span": top}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class LabelScores:
@@ -113,6 +121,11 @@ class LabelScores:
     @property
     def label(self) -> str:
         return max(self.probs, key=lambda y: (self.probs[y], self.log_scores[y]))
+
+    def summary(self) -> dict[str, Any]:
+        """JSON record: the label, probabilities, whether any candidate matched, log scores (``None`` for ``-inf``)."""
+        logs = {y: v if math.isfinite(v) else None for y, v in self.log_scores.items()}
+        return {"label": self.label, "probs": self.probs, "matched": self.matched, "log_scores": logs}
 
 
 def normalize_text(text: str) -> str:
