@@ -9,32 +9,16 @@ from typing import Any
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, write_json
 from memlm.io.fileio import dumps_json
-from memlm.models.resources import load_encoder
 
 # memlm.npm imports torch: imported in the commands (see common.py)
 
 
 def cmd_npm_index(args: argparse.Namespace) -> None:
-    from memlm.data.corpora import load_corpora
-    from memlm.npm.phrase_index import build_phrase_index
-    from memlm.npm.train_npm import limit_encoder_documents
+    from memlm.experiments.npm_tasks import index_corpus
 
-    model, tok = load_encoder(args.encoder, dtype=args.dtype)
-    docs = limit_encoder_documents(load_corpora(args.corpus, args.split), tok, args.max_tokens)
-    # (the phrase index records its own corpus fingerprint)
-    source = {"corpus": args.corpus, "split": args.split, "documents": len(docs), "max_tokens": args.max_tokens}
-    pi = build_phrase_index(
-        model,
-        tok,
-        docs,
-        args.out,
-        max_length=args.max_length,
-        batch_size=args.batch_size,
-        factory=args.factory,
-        source=source,
-        progress=True,
-        overwrite=args.overwrite,
-    )
+    pi = index_corpus(args.encoder, args.corpus, args.split, args.out, args.max_tokens, args.dtype,
+                      max_length=args.max_length, batch_size=args.batch_size, factory=args.factory, progress=True,
+                      overwrite=args.overwrite)  # fmt: skip
     m = pi.manifest
     print(
         f"phrase index {pi.path}: {len(pi)} token vectors, {pi.n_blocks} blocks of <= {m['block_tokens']} tokens, "

@@ -65,6 +65,7 @@ __all__ = [
     "encoder_limit",
     "evaluate_cloze",
     "exact_match",
+    "index_corpus",
     "index_documents",
     "length_bucket",
     "mlm_classifier",
@@ -233,6 +234,23 @@ def index_documents(pi: PhraseIndex, tokenizer) -> list:
         raise MemlmError(f"the documents of {corpus['corpus']} (split {corpus.get('split')}) are not those phrase "
                          f"index {pi.path} was built from (corpus fingerprint differs): rebuild the index")  # fmt: skip
     return docs
+
+
+def index_corpus(
+    encoder: str, corpus: str, split: str | None, out: str | Path, max_tokens: int | None = None,
+    dtype: str = "float32", **options: Any,
+) -> PhraseIndex:  # fmt: skip
+    """The phrase index ``out`` of ``corpus`` at ``split`` (its leading documents up to ``max_tokens`` encoder tokens)
+    encoded by ``encoder``: :func:`~memlm.npm.phrase_index.build_phrase_index` (``options``: its settings) recording
+    the source that :func:`index_documents` reads back."""
+    from memlm.data.corpora import load_corpora
+    from memlm.models.resources import load_encoder
+    from memlm.npm.train_npm import limit_encoder_documents
+
+    model, tok = load_encoder(encoder, dtype=dtype)
+    docs = limit_encoder_documents(load_corpora(corpus, split), tok, max_tokens)
+    source = {"corpus": corpus, "split": split, "documents": len(docs), "max_tokens": max_tokens}
+    return build_phrase_index(model, tok, docs, out, source=source, **options)
 
 
 def reference_subset(documents: Sequence, fraction: float, seed: int = 0) -> list:
