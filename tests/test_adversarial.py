@@ -7,6 +7,7 @@ after).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -413,8 +414,6 @@ def test_bad_input_is_one_error(name, argv, world, capsys, tmp_path):
 
 def _subcommands() -> set[tuple[str, ...]]:
     """Every command line the real parser accepts, as its subcommand path: ('eval',), ('datastore', 'build'), ..."""
-    import argparse
-
     from memlm.cli import build_parser
 
     def walk(parser: argparse.ArgumentParser, prefix: tuple[str, ...]) -> set[tuple[str, ...]]:
@@ -527,18 +526,17 @@ def test_output_path_checks(tmp_path):
     from memlm.cli import validate as V
 
     (tmp_path / "f").write_text("x")
-    with pytest.raises(MemlmError, match="is a folder"):
-        V.check_output_file(tmp_path, "--json")
-    with pytest.raises(MemlmError, match="which is a file"):
-        V.check_output_file(tmp_path / "f" / "x.json", "--json")
-    with pytest.raises(MemlmError, match="does not exist"):
-        V.check_output_file(tmp_path / "a" / "x.json", "--json")
-    with pytest.raises(MemlmError, match="is a file"):
-        V.check_output_dir(tmp_path / "f", "--out")
-    with pytest.raises(MemlmError, match="which is a file"):
-        V.check_output_dir(tmp_path / "f" / "a" / "b", "--out")
-    V.check_output_file(tmp_path / "f", "--json")  # an existing file is overwritten
-    V.check_output_dir(tmp_path / "new" / "deeper", "--out")  # created by the command
+    for convert, path, problem in [
+        (V.output_file, tmp_path, "is a folder"),
+        (V.output_file, tmp_path / "f" / "x.json", "which is a file"),
+        (V.output_file, tmp_path / "a" / "x.json", "does not exist"),
+        (V.output_dir, tmp_path / "f", "is a file"),
+        (V.output_dir, tmp_path / "f" / "a" / "b", "which is a file"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=problem):
+            convert(str(path))
+    V.output_file(str(tmp_path / "f"))  # an existing file is overwritten
+    V.output_dir(str(tmp_path / "new" / "deeper"))  # created by the command
     assert not (tmp_path / "new").exists()
 
 

@@ -414,7 +414,7 @@ def test_every_command_carries_its_own_check():
         checked += 1
         if check.__module__ != func.__module__:
             bad.append(f"{sub.prog}: {func.__module__}.{func.__name__} checked by {check.__module__}.{check.__name__}")
-    assert checked >= 10 and not bad, "\n".join(bad)
+    assert checked >= 5 and not bad, "\n".join(bad)  # (most single-value checks are argparse converters)
 
 
 def test_benchmarks_import_only_names_that_exist():

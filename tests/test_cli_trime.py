@@ -111,4 +111,4 @@ def test_eval_overlapping_windows(tiny_lm_dir, corpus, tmp_path, capsys):
     assert (ov.targets == plain.targets).all() and not (ov.target_logit == plain.target_logit).all()
     capsys.readouterr()
     assert _eval(tiny_lm_dir, corpus, "valid", tmp_path / "ov", "--context", "15") == 2
-    assert "--context 15 leaves no target" in _error_line(capsys)
+    assert "context must be an integer in [0, 14]" in _error_line(capsys)

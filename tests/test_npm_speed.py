@@ -218,8 +218,8 @@ def test_closed_set_equals_old_loop(tok, seed):
 
 
 def test_cached_decode_is_the_tokenizer(tok):
-    dec = inf._cached_decode(tok)
-    assert inf._cached_decode(tok) is dec and inf._cached_decode(dec) is dec
+    dec = inf.cached_decoder(tok)
+    assert inf.cached_decoder(tok) is dec and inf.cached_decoder(dec) is dec
     ids = tok(TEXT, add_special_tokens=False)["input_ids"]
     for s in range(0, 60, 3):
         for n in (1, 2, 5):

@@ -38,7 +38,7 @@ from protocol import load_average, machine, save_result  # noqa: E402
 def stage_times(model, tok, pi, probes, k, l_max) -> dict[str, float]:
     """Mean ms per query of each stage of the current NPM path (encode, search, spans, span scores, grouping)."""
     t = dict.fromkeys(("encode", "search", "spans", "scores", "group"), 0.0)
-    dec = inf._cached_decode(tok)
+    dec = inf.cached_decoder(tok)
     for p in probes:
         t0 = time.perf_counter()
         q_s, q_e = encode_query(model, tok, p.query)
@@ -49,7 +49,7 @@ def stage_times(model, tok, pi, probes, k, l_max) -> dict[str, float]:
         t3 = time.perf_counter()
         logs = inf.span_log_scores(pi, spans, q_s, q_e)
         t4 = time.perf_counter()
-        inf._group(pi, dec, spans, logs, 1, False, 32)
+        inf.group_phrases(pi, dec, spans, logs, 1, False, 32)
         t5 = time.perf_counter()
         for name, a, b in (("encode", t0, t1), ("search", t1, t2), ("spans", t2, t3), ("scores", t3, t4),
                            ("group", t4, t5)):  # fmt: skip

@@ -10,7 +10,7 @@ module's wall time is its compute). Categories, exclusive (nested time subtracte
 * ``norms``: the norm modules (no linears) of each layer, and the final norm;
 * ``embedding``; ``output projection``: from the head's input to the end of the model's forward (with
   :class:`memlm.models.forward.fp32_head` this is its float32 logits, in place of the model's own head);
-* ``key capture hooks``: :class:`memlm.models.keys.KeyCapture`'s copy of each key (timed in its ``_store``);
+* ``key capture hooks``: :class:`memlm.models.keys.KeyCapture`'s copy of each key (timed in its ``store``);
 * ``rest of the model``: the model's forward less all of the above (residual adds, masks, rotary tables, Python);
 * ``log-softmax, entropy, key copies out``: :func:`memlm.models.forward.forward_windows` less the model's forward
   (float32 log-softmax of the scored rows, entropy, max, the keys' ``float().cpu().numpy()``, collation).
@@ -50,21 +50,13 @@ CATEGORIES = (
 
 
 def _layer_modules(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
-    layers = find_decoder_layers(model)
-    hidden = keys_lib._hidden_size(model, layers[0])
     out: dict[str, list[torch.nn.Module]] = defaultdict(list)
-    for layer in layers:
-        parts = keys_lib._analyze_layer(layer, hidden)
+    for parts in keys_lib.decoder_layer_parts(model):
         for name, block in (("attn", parts.attn), ("ffn", parts.ffn)):
             if block is not None:
                 out[name].append(block)
-                out[f"{name}_linear"] += [lin.module for lin in keys_lib._outer_linears(block)]
-        skip = {id(parts.attn), id(parts.ffn)}
-        out["norm"] += [
-            c
-            for _, c in layer.named_children()
-            if id(c) not in skip and keys_lib._linear_dims(c) is None and not keys_lib._outer_linears(c)
-        ]
+                out[f"{name}_linear"] += [lin.module for lin in keys_lib.outer_linears(block)]
+        out["norm"] += parts.norms
     return out
 
 
@@ -81,10 +73,10 @@ def count_flops(model: torch.nn.Module, lengths: Sequence[int], head_positions: 
     """FLOPs of forward passes over windows of ``lengths`` tokens with the head computed at ``head_positions``."""
     mods = _layer_modules(model)
     linear = sum(
-        2 * d[0] * d[1] for m in mods["attn_linear"] + mods["ffn_linear"] if (d := keys_lib._linear_dims(m)) is not None
+        2 * d[0] * d[1] for m in mods["attn_linear"] + mods["ffn_linear"] if (d := keys_lib.linear_dims(m)) is not None
     )
-    q_widths = [keys_lib._linear_dims(m) for m in mods["attn_linear"][:1]]  # the first projection: q
-    d_attn = q_widths[0][1] if q_widths and q_widths[0] else keys_lib._hidden_size(model, find_decoder_layers(model)[0])
+    q_widths = [keys_lib.linear_dims(m) for m in mods["attn_linear"][:1]]  # the first projection: q
+    d_attn = q_widths[0][1] if q_widths and q_widths[0] else keys_lib.decoder_layer_parts(model)[0].hidden
     n_layers = len(find_decoder_layers(model))
     head = model.get_output_embeddings()
     head_flops = 2 * head.in_features * head.out_features if hasattr(head, "in_features") else 0
@@ -142,7 +134,7 @@ def _timing_hooks(model: torch.nn.Module, totals: dict[str, float]):
         totals["head"] += end - starts.pop("head", end)
 
     handles.append(model.register_forward_hook(model_end, always_call=True))  # also when a key stops the pass
-    store = keys_lib.KeyCapture._store
+    store = keys_lib.KeyCapture.store
 
     def timed_store(self, spec, tensor):
         t0 = time.perf_counter()
@@ -151,11 +143,11 @@ def _timing_hooks(model: torch.nn.Module, totals: dict[str, float]):
         finally:
             totals["keys"] += time.perf_counter() - t0
 
-    keys_lib.KeyCapture._store = timed_store
+    keys_lib.KeyCapture.store = timed_store
     try:
         yield
     finally:
-        keys_lib.KeyCapture._store = store
+        keys_lib.KeyCapture.store = store
         for h in handles:
             h.remove()
 
@@ -189,9 +181,8 @@ def profile_forward(model, batches: list, specs: Sequence[KeySpec], with_logprob
     head_positions = 0 if keys_only else head_positions_scored(model, lengths, scored)
     flops = count_flops(model, lengths, head_positions)
     if keys_only and all(s.role == "ffn_in" and s.layer in (-1, len(find_decoder_layers(model)) - 1) for s in specs):
-        last = find_decoder_layers(model)[-1]
-        ffn = keys_lib._analyze_layer(last, keys_lib._hidden_size(model, last)).ffn  # the last FFN: not computed
-        dims = [keys_lib._linear_dims(lin.module) for lin in (keys_lib._outer_linears(ffn) if ffn is not None else [])]
+        ffn = keys_lib.decoder_layer_parts(model)[-1].ffn  # the last FFN: not computed
+        dims = [keys_lib.linear_dims(lin.module) for lin in (keys_lib.outer_linears(ffn) if ffn is not None else [])]
         flops["linear"] -= sum(2 * d[0] * d[1] for d in dims if d) * sum(lengths)
     return {
         "seconds_total": total,

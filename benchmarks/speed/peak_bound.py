@@ -63,15 +63,15 @@ def int8_fractions(model_name: str) -> dict[str, float]:
     import components
 
     from memlm.models import int8
-    from memlm.models.keys import _linear_dims
+    from memlm.models.keys import linear_dims
     from memlm.models.resources import load_causal_lm
 
     model, _ = load_causal_lm(model_name, dtype="float32")
     groups = components._layer_modules(model)
-    quantized = {id(lin) for _, _, lin in int8._linears_to_quantize(model)[0]}
+    quantized = {id(lin) for _, _, lin in int8.linears_to_quantize(model)[0]}
     out = {}
     for label, key in (("linear (FFN)", "ffn_linear"), ("linear (attention q/k/v/o)", "attn_linear")):
-        flops = {id(m): d[0] * d[1] for m in groups[key] if (d := _linear_dims(m)) is not None}
+        flops = {id(m): d[0] * d[1] for m in groups[key] if (d := linear_dims(m)) is not None}
         out[label] = sum(f for i, f in flops.items() if i in quantized) / sum(flops.values())
     return out
 

@@ -17,7 +17,8 @@ class MemlmError(Exception):
 
 _ON_COMMAND_LINE: ContextVar[bool] = ContextVar("memlm_on_command_line", default=False)
 
-_API_SPELLING = {"--overwrite": "overwrite=True", "--append": "append=True", "--out": "`out` folder"}
+_API_SPELLING = {"--overwrite": "overwrite=True", "--append": "append=True", "--out": "`out` folder", "--skip": "skip",
+                 "--tokenizer": "tokenizer"}  # fmt: skip
 
 
 def option(flag: str) -> str:

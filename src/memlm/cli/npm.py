@@ -4,40 +4,21 @@ closed-set classification and the evaluation tasks (memlm.npm)."""
 from __future__ import annotations
 
 import argparse
-import math
-from pathlib import Path
 from typing import Any
 
 from memlm.cli import validate as V
 from memlm.cli.common import add_corpus, write_json
-from memlm.errors import MemlmError
 from memlm.io.fileio import dumps_json
-from memlm.models.resources import load_encoder
 
 # memlm.npm imports torch: imported in the commands (see common.py)
 
 
 def cmd_npm_index(args: argparse.Namespace) -> None:
-    from memlm.data.corpora import load_corpora
-    from memlm.npm.phrase_index import build_phrase_index
-    from memlm.npm.train_npm import limit_encoder_documents
+    from memlm.experiments.npm_tasks import index_corpus
 
-    model, tok = load_encoder(args.encoder, dtype=args.dtype)
-    docs = limit_encoder_documents(load_corpora(args.corpus, args.split), tok, args.max_tokens)
-    # (the phrase index records its own corpus fingerprint)
-    source = {"corpus": args.corpus, "split": args.split, "documents": len(docs), "max_tokens": args.max_tokens}
-    pi = build_phrase_index(
-        model,
-        tok,
-        docs,
-        args.out,
-        max_length=args.max_length,
-        batch_size=args.batch_size,
-        factory=args.factory,
-        source=source,
-        progress=True,
-        overwrite=args.overwrite,
-    )
+    pi = index_corpus(args.encoder, args.corpus, args.split, args.out, args.max_tokens, args.dtype,
+                      max_length=args.max_length, batch_size=args.batch_size, factory=args.factory, progress=True,
+                      overwrite=args.overwrite)  # fmt: skip
     m = pi.manifest
     print(
         f"phrase index {pi.path}: {len(pi)} token vectors, {pi.n_blocks} blocks of <= {m['block_tokens']} tokens, "
@@ -45,26 +26,11 @@ def cmd_npm_index(args: argparse.Namespace) -> None:
     )
 
 
-def _open_phrase_index(args: argparse.Namespace):
-    from memlm.npm.phrase_index import PhraseIndex
-
-    pi = PhraseIndex.open(args.index)
-    encoder = args.encoder or (pi.manifest.get("encoder") or {}).get("model", {}).get("name")
-    if not encoder:
-        raise MemlmError(f"phrase index {args.index} records no encoder name: pass --encoder")
-    model, tok = load_encoder(encoder, dtype=args.dtype)
-    pi.check_encoder(model, tok)
-    return pi, model, tok
-
-
-def _hit_json(h) -> dict[str, Any]:
-    return {"doc_id": h.doc_id, "position": h.position, "score": h.score, "context": h.context}
-
-
 def cmd_npm_predict(args: argparse.Namespace) -> None:
     from memlm.npm.inference import npm_predict, npm_single_predict
+    from memlm.npm.phrase_index import open_with_encoder
 
-    pi, model, tok = _open_phrase_index(args)
+    pi, model, tok = open_with_encoder(args.index, args.encoder, args.dtype)
     results = []
     for query in args.query:
         if args.single:
@@ -74,23 +40,7 @@ def cmd_npm_predict(args: argparse.Namespace) -> None:
                                 combine=args.combine, top=args.top)  # fmt: skip
         results.append((query, preds))
     if args.json:
-        data = [
-            {
-                "query": q,
-                "predictions": [
-                    {
-                        "phrase": p.phrase,
-                        "score": p.score,
-                        "prob": p.prob,
-                        "log_score": p.log_score,
-                        "occurrences": len(p.spans),
-                        "top_span": _hit_json(p.spans[0]),
-                    }  # fmt: skip
-                    for p in preds
-                ],
-            }
-            for q, preds in results
-        ]
+        data = [{"query": q, "predictions": [p.summary() for p in preds]} for q, preds in results]
         print(dumps_json(data if len(data) > 1 else data[0], sort_keys=False))
         return
     for n, (query, preds) in enumerate(results):
@@ -107,17 +57,14 @@ def cmd_npm_predict(args: argparse.Namespace) -> None:
 
 def cmd_npm_classify(args: argparse.Namespace) -> None:
     from memlm.npm.inference import npm_classify
+    from memlm.npm.phrase_index import open_with_encoder
 
-    labels = V.parse_labels(args.labels)
-    pi, model, tok = _open_phrase_index(args)
-    results = []
-    for query in args.query:
-        res = npm_classify(model, tok, pi, query, labels, single=args.single, k=args.k, l_max=args.l_max,
-                           tau=args.tau, bm25_passages=args.bm25)  # fmt: skip
-        logs = {y: v if math.isfinite(v) else None for y, v in res.log_scores.items()}
-        results.append(
-            {"query": query, "label": res.label, "probs": res.probs, "matched": res.matched, "log_scores": logs}
-        )
+    pi, model, tok = open_with_encoder(args.index, args.encoder, args.dtype)
+    results = [
+        {"query": query, **npm_classify(model, tok, pi, query, args.labels, single=args.single, k=args.k,
+                                        l_max=args.l_max, tau=args.tau, bm25_passages=args.bm25).summary()}
+        for query in args.query
+    ]  # fmt: skip
     if args.json:
         print(dumps_json(results if len(results) > 1 else results[0], sort_keys=False))
         return
@@ -131,77 +78,14 @@ def cmd_npm_classify(args: argparse.Namespace) -> None:
         print(f"label: {r['label']}{note}")
 
 
-def _eval_model(args: argparse.Namespace):
-    """``(phrase index, model, tokenizer, label)`` of ``memlm npm eval``: NPM / NPM SINGLE with the index's encoder
-    (checked), or the MLM baseline (``--mlm``; the index then only names the reference corpus)."""
-    from memlm.npm.phrase_index import PhraseIndex
-
-    if args.mlm:
-        from memlm.npm.mlm import load_mlm
-
-        if args.single or args.bm25 is not None or args.encoder:
-            raise MemlmError("--mlm predicts one token without retrieval: --single, --bm25 and --encoder do not apply")
-        model, tok = load_mlm(args.mlm, dtype=args.dtype)
-        return PhraseIndex.open(args.index), model, tok, f"mlm {args.mlm}"
-    pi, model, tok = _open_phrase_index(args)
-    kind = "npm-single" if args.single else "npm"
-    bm25 = f" +bm25 top-{args.bm25}" if args.bm25 is not None else ""
-    return pi, model, tok, f"{kind}{bm25} {model.config.memlm_name}"
-
-
 def cmd_npm_eval(args: argparse.Namespace) -> None:
-    from memlm.data.corpora import load_corpora
-    from memlm.experiments import npm_tasks as tasks
-    from memlm.npm.phrase_index import PhraseIndex
+    from memlm.experiments.npm_tasks import npm_eval
 
-    if args.max_queries is not None and args.max_queries < 1:
-        raise MemlmError(f"--max-queries must be >= 1, got {args.max_queries}")
-    pi, model, tok, label = _eval_model(args)
-    npm_opts = {"single": args.single, "k": args.k, "l_max": args.l_max, "bm25_passages": args.bm25}
-    if args.task == "bbc":
-        docs = load_corpora(args.corpus or "bbc", args.split)
-        classify = (tasks.mlm_classifier(model, tok) if args.mlm
-                    else tasks.npm_classifier(model, tok, pi, tau=args.tau, **npm_opts))  # fmt: skip
-        res = tasks.bbc_classification(classify, tok, docs, max_queries=args.max_queries,
-                                       limit_tokens=tasks.encoder_limit(model, tok), max_tokens=args.article_tokens,
-                                       keep_predictions=args.predictions, seed=args.seed)  # fmt: skip
-        res["article_tokens"] = args.article_tokens
-    elif args.task == "cloze":
-        ref = PhraseIndex.open(args.reference_index) if args.reference_index else pi
-        ref_docs = tasks.index_documents(ref, tok)
-        docs = load_corpora(args.corpus or ref.manifest["corpus"]["corpus"], args.split)
-        probes = tasks.cloze_probes(docs, ref_docs, tok, n=args.max_queries or 500, seed=args.seed,
-                                    per_length=args.per_length)  # fmt: skip
-        if not probes:
-            raise MemlmError("no cloze probe found: no held-out entity occurs in the reference corpus")
-        predict = tasks.mlm_predictor(model, tok) if args.mlm else tasks.npm_predictor(model, tok, pi, **npm_opts)
-        res = tasks.evaluate_cloze(probes, predict, tok, keep_predictions=args.predictions)
-    else:
-        ref_docs = tasks.index_documents(pi, tok)
-        probes = tasks.update_probes(ref_docs, tok, n=args.max_queries or 50, seed=args.seed)
-        work = Path(args.work or f"{args.index}.update")
-        if args.mlm:
-            res = tasks.corpus_update_probe(
-                None,
-                tok,
-                probes,
-                ref_docs,
-                work,
-                distractors=args.distractors,
-                seed=args.seed,
-                predict=lambda _: tasks.mlm_predictor(model, tok),
-            )
-        else:
-            res = tasks.corpus_update_probe(model, tok, probes, ref_docs, work, distractors=args.distractors,
-                                            seed=args.seed,
-                                            predict=lambda p: tasks.npm_predictor(model, tok, p, **npm_opts),
-                                            max_length=pi.manifest.get("block_tokens", 510) + 2)  # fmt: skip
-        if not args.predictions:
-            for part in ("original", "edited"):
-                res[part].pop("predictions", None)
-    res = {"task": args.task, "model": label, "index": str(args.index), "index_tokens": len(pi),
-           "options": {"k": args.k, "l_max": args.l_max, "single": args.single, "bm25": args.bm25,
-                       "tau": args.tau, "seed": args.seed, "max_queries": args.max_queries}, **res}  # fmt: skip
+    res = npm_eval(args.task, args.index, encoder=args.encoder, mlm=args.mlm, dtype=args.dtype, single=args.single,
+                   k=args.k, l_max=args.l_max, bm25_passages=args.bm25, tau=args.tau, max_queries=args.max_queries,
+                   article_tokens=args.article_tokens, corpus=args.corpus, split=args.split,
+                   reference_index=args.reference_index, per_length=args.per_length, distractors=args.distractors,
+                   work=args.work, seed=args.seed, keep_predictions=args.predictions)  # fmt: skip
     _print_eval(res)
     write_json(args.json, res)
 
@@ -229,17 +113,6 @@ def _print_eval(res: dict[str, Any]) -> None:
 
 def check_npm_index(args: argparse.Namespace) -> None:
     V.check_factory(args.factory, "ip")
-
-
-def check_npm_query(args: argparse.Namespace) -> None:
-    for q in args.query:
-        if not q.strip():
-            raise MemlmError("a query is empty: give text with exactly one [MASK]")
-
-
-def check_npm_classify(args: argparse.Namespace) -> None:
-    check_npm_query(args)
-    V.parse_labels(args.labels)
 
 
 def add_parsers(sub) -> None:
@@ -277,20 +150,19 @@ def add_parsers(sub) -> None:
             help="search only the top-N BM25 passages of the query (default N 3, as §6.3)",
         )
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
-        p.add_argument("query", nargs="+", help="text with exactly one [MASK]")
+        p.add_argument("query", nargs="+", type=V.nonempty_text, help="text with exactly one [MASK]")
 
     npr = nsub.add_parser("predict", help="fill the [MASK] of a query with ranked corpus phrases")
     common(npr)
     npr.add_argument("--top", type=V.positive_int, default=10, help="phrases to print (default 10)")
     npr.add_argument("--combine", default="a1", choices=["a1", "sum"], help="span score: App. A.1 (a1) or §3.1 sum")
-    npr.set_defaults(func=cmd_npm_predict, check=check_npm_query)
+    npr.set_defaults(func=cmd_npm_predict)
     nc = nsub.add_parser("classify", help="closed-set label probabilities (fuzzy verbalizers, App. A.4)")
     common(nc)
-    nc.add_argument(
-        "--labels", required=True, help="label=verbalizer,verbalizer;label=... e.g. 'pos=great,good;neg=bad,awful'"
-    )
+    nc.add_argument("--labels", type=V.labels, required=True,
+                    help="label=verbalizer,verbalizer;label=... e.g. 'pos=great,good;neg=bad,awful'")  # fmt: skip
     nc.add_argument("--tau", type=V.positive_float, default=5.0, help="temperature of the candidate scores (default 5)")
-    nc.set_defaults(func=cmd_npm_classify, check=check_npm_classify)
+    nc.set_defaults(func=cmd_npm_classify)
     ne = nsub.add_parser("eval", help="evaluation tasks: BBC topics (closed set), wiki cloze probes, corpus update")
     ne.add_argument("--task", required=True, choices=["bbc", "cloze", "update"])
     ne.add_argument(

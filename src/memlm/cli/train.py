@@ -12,7 +12,6 @@ from memlm.errors import MemlmError
 
 # memlm.training.loop, .train_driver, .objectives import torch: imported in the commands (see common.py)
 if TYPE_CHECKING:
-    from memlm.training.driver import TrainSetup
     from memlm.training.loop import TrainConfig
 
 
@@ -45,12 +44,6 @@ def _encoder_objective(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """``--objective npm|npm-single|mlm``: its options from the masking flags; causal-LM flags are refused."""
     if args.loss != "ce":
         raise MemlmError(f"--loss {args.loss} is for causal LMs; --objective {args.objective} has its own loss")
-    if args.from_scratch and args.model:
-        raise MemlmError("give --from-scratch SIZE or --model ENCODER, not both")
-    if args.tokenizer and args.tokenizer.startswith("bpe:"):
-        raise MemlmError(
-            "--objective npm uses an encoder's WordPiece tokenizer: give --tokenizer ENCODER (folder/name)"
-        )
     if args.objective == "mlm":
         if args.max_span is not None:
             raise MemlmError("--max-span is for NPM's span masking; --objective mlm masks single tokens")
@@ -58,23 +51,9 @@ def _encoder_objective(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return args.objective, {"budget": args.mask_budget, "max_span": args.max_span}
 
 
-def _setup(args: argparse.Namespace, encoder: bool, config: TrainConfig) -> TrainSetup:
-    """The driver's settings from the flags (an encoder from scratch takes the tokenizer of ``--tokenizer``)."""
-    from memlm.training.driver import TrainSetup
-
-    if encoder:
-        scratch_tok = args.from_scratch and args.tokenizer and args.model is None
-        model, tokenizer = (args.tokenizer if scratch_tok else args.model), None
-    else:
-        model, tokenizer = args.model, args.tokenizer or "bpe:8192"
-    return TrainSetup(args.out, args.corpus, config, scratch=args.from_scratch, model=model, tokenizer=tokenizer,
-                      valid_corpus=args.valid_corpus, valid_tokens=args.valid_tokens, n_positions=args.n_positions,
-                      dropout=args.dropout, resume=not args.no_resume, stop_after=args.stop_after)  # fmt: skip
-
-
 def cmd_train(args: argparse.Namespace) -> None:
     from memlm.registry import make_objective
-    from memlm.training.driver import train_objective
+    from memlm.training.driver import TrainSetup, train_objective
 
     if args.detach_memory and (args.objective != "lm" or args.loss == "ce"):
         raise MemlmError("--detach-memory is a TRIME ablation: use it with --loss trime, trime-long or trime-ext")
@@ -82,7 +61,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     name, options = _encoder_objective(args) if encoder else _lm_objective(args)
     objective = make_objective(name, **options)
     changes = {"eval_every": 0} if encoder else {"warmup_loss_steps": args.ce_warmup if name != "lm" else 0}
-    result = train_objective(objective, _setup(args, encoder, _train_config(args, **changes)))
+    setup = TrainSetup(args.out, args.corpus, _train_config(args, **changes), scratch=args.from_scratch,
+                       model=args.model, tokenizer=args.tokenizer, valid_corpus=args.valid_corpus,
+                       valid_tokens=args.valid_tokens, n_positions=args.n_positions, dropout=args.dropout,
+                       resume=not args.no_resume, stop_after=args.stop_after)  # fmt: skip
+    result = train_objective(objective, setup)
     if result.final_dir is None:
         print(f"stopped at update {result.step}: rerun the same command to continue", file=sys.stderr)
         return

@@ -8,8 +8,7 @@ import sys
 from typing import Any
 
 from memlm.cli import validate as V
-from memlm.cli.common import DEFAULT_MODEL, add_corpus, add_model, floats, write_json
-from memlm.errors import MemlmError
+from memlm.cli.common import DEFAULT_MODEL, add_corpus, add_model, write_json
 
 # memlm.trime and memlm.storage.datastore import torch: imported in the commands (see common.py)
 
@@ -32,22 +31,12 @@ def _print_trime_rows(rows: list[tuple[str, dict[str, Any] | None, dict[str, Any
 def cmd_trime_eval(args: argparse.Namespace) -> None:
     from memlm.trime.inference import TrimeEvalConfig, run_trime_eval
 
-    if args.context >= args.seq_len - 1:
-        raise MemlmError(
-            f"--context {args.context} leaves no target to score in a window of --seq-len {args.seq_len} "
-            f"({args.seq_len - 1} input positions): use --context < {args.seq_len - 1}"
-        )
-    model = args.model
-    if model is None and args.datastore:
-        from memlm.storage.datastore import Datastore
-
-        model = Datastore.open(args.datastore).model_name
-    model = model or DEFAULT_MODEL
     config = TrimeEvalConfig(
-        seq_len=args.seq_len, max_segments=args.max_segments, local_temperatures=floats(args.local_temperatures),
-        k=args.k, search=args.search, nprobe=args.nprobe, drop_self_matches=args.drop_self_matches,
-        context=args.context, stream=args.stream,
+        seq_len=args.seq_len, max_segments=args.max_segments, local_temperatures=args.local_temperatures, k=args.k,
+        search=args.search, nprobe=args.nprobe, drop_self_matches=args.drop_self_matches, context=args.context,
+        stream=args.stream,
     )  # fmt: skip
+    model = args.model or (None if args.datastore else DEFAULT_MODEL)
     ts, res = run_trime_eval(
         model, args.corpus, args.split, config=config, datastore=args.datastore, batch_size=args.batch_size,
         max_tokens=args.max_tokens, dtype=args.dtype, dump=args.dump,
@@ -59,32 +48,17 @@ def cmd_trime_eval(args: argparse.Namespace) -> None:
         *((name, res[name], res[name]) for name in ("local", "long", "external") if name in res),
     ]
     _print_trime_rows(rows, f"{res['tokens']} tokens, {args.split}")
-    out = {"model": model, "corpus": args.corpus, "split": args.split, "seq_len": args.seq_len,
-           "context": args.context, "stream": args.stream, **res,
-           "meta": {k: v for k, v in ts.meta.items() if k != "source"}, "source": ts.meta.get("source")}  # fmt: skip
-    write_json(args.json, out)
+    write_json(args.json, res)
 
 
 def cmd_trime_tune(args: argparse.Namespace) -> None:
-    from memlm.trime.inference import (
-        DEFAULT_SEGMENTS,
-        DEFAULT_TRIME_LAMBDAS,
-        DEFAULT_TRIME_TEMPERATURES,
-        TrimeScores,
-        tune_trime_memories,
-    )
+    from memlm.trime.inference import TrimeScores, tune_trime_memories
 
     valid = TrimeScores.load(args.valid)
     test = TrimeScores.load(args.test) if args.test else None
-    res = tune_trime_memories(
-        valid,
-        test,
-        segments=tuple(int(x) for x in floats(args.segments)) if args.segments else DEFAULT_SEGMENTS,
-        temperatures=floats(args.ext_temperatures) if args.ext_temperatures else DEFAULT_TRIME_TEMPERATURES,
-        lambdas=floats(args.ext_lambdas) if args.ext_lambdas else DEFAULT_TRIME_LAMBDAS,
-        knn_temperatures=floats(args.knn_temperatures) if args.knn_temperatures else (None,),
-        local_temperatures=floats(args.local_temperatures) if args.local_temperatures else None,
-    )
+    res = tune_trime_memories(valid, test, segments=args.segments, temperatures=args.ext_temperatures,
+                              lambdas=args.ext_lambdas, knn_temperatures=args.knn_temperatures,
+                              local_temperatures=args.local_temperatures)  # fmt: skip
     kinds = [k for k in ("local", "long", "external") if k in res]
     print("best on valid:")
     _print_trime_rows(
@@ -101,16 +75,7 @@ def cmd_trime_tune(args: argparse.Namespace) -> None:
 
 
 def check_trime_eval(args: argparse.Namespace) -> None:
-    V.float_list(args.local_temperatures, "--local-temperatures", lambda x: x > 0, "> 0")
     V.check_datastore_k(args.datastore, args.k)
-
-
-def check_trime_tune(args: argparse.Namespace) -> None:
-    V.float_list(args.segments, "--segments", lambda x: x >= 0 and V.is_int(x), "an integer >= 0")
-    V.float_list(args.ext_temperatures, "--temperatures", lambda x: x > 0, "> 0")
-    V.float_list(args.ext_lambdas, "--lambdas", lambda x: 0 <= x <= 1, "in [0, 1]")
-    V.float_list(args.knn_temperatures, "--knn-temperatures", lambda x: x > 0, "> 0")
-    V.float_list(args.local_temperatures, "--local-temperatures", lambda x: x > 0, "> 0")
 
 
 def add_parsers(sub) -> None:
@@ -134,7 +99,8 @@ def add_parsers(sub) -> None:
         help="read the documents as one token stream (EOS between them), as memlm eval does: with --context C the "
         "targets and contexts of memlm eval --window SEQ_LEN --min-context C+1, so TRIME and kNN-LM rows compare",
     )
-    te.add_argument("--local-temperatures", default="1", help="τ_local values kept in the dump, comma-separated")
+    te.add_argument("--local-temperatures", type=V.positive_floats, default="1",
+                    help="τ_local values kept in the dump, comma-separated")  # fmt: skip
     te.add_argument(
         "--datastore",
         type=V.existing_dir,
@@ -156,12 +122,14 @@ def add_parsers(sub) -> None:
         "--valid", type=V.existing_file, required=True, help="dump from memlm trime-eval --split valid --dump"
     )
     tt.add_argument("--test", type=V.existing_file, default=None, help="dump from memlm trime-eval --split test --dump")
-    tt.add_argument("--segments", default=None, help="M values, comma-separated (default 0,1,2,4,8)")
-    tt.add_argument(
-        "--temperatures", dest="ext_temperatures", default=None, help="τ of the external memory (default 0.25..32)"
-    )
-    tt.add_argument("--lambdas", dest="ext_lambdas", default=None, help="λ values (default 0,0.05,...,0.6)")
-    tt.add_argument("--knn-temperatures", default=None, help="τ_kNN values (default: τ)")
-    tt.add_argument("--local-temperatures", default=None, help="τ_local values (default: all in the dump)")
+    tt.add_argument("--segments", type=V.nonneg_ints, default=None,
+                    help="M values, comma-separated (default 0,1,2,4,8)")  # fmt: skip
+    tt.add_argument("--temperatures", dest="ext_temperatures", type=V.positive_floats, default=None,
+                    help="τ of the external memory (default 0.25..32)")  # fmt: skip
+    tt.add_argument("--lambdas", dest="ext_lambdas", type=V.probabilities, default=None,
+                    help="λ values (default 0,0.05,...,0.6)")  # fmt: skip
+    tt.add_argument("--knn-temperatures", type=V.positive_floats, default=None, help="τ_kNN values (default: τ)")
+    tt.add_argument("--local-temperatures", type=V.positive_floats, default=None,
+                    help="τ_local values (default: all in the dump)")  # fmt: skip
     tt.add_argument("--json", type=V.output_file, default=None)
-    tt.set_defaults(func=cmd_trime_tune, check=check_trime_tune)
+    tt.set_defaults(func=cmd_trime_tune)

@@ -37,11 +37,9 @@ __all__ = [
     "existing_dir",
     "output_file",
     "output_dir",
-    "check_output_file",
-    "check_output_dir",
     "check_factory",
     "check_against_model",
-    "float_list",
+    "number_list",
     "MAX_K",
 ]
 
@@ -243,66 +241,46 @@ def output_dir(text: str) -> str:
     return text
 
 
-def check_output_file(path: str | Path, flag: str) -> None:
-    """:func:`output_file` as a :class:`MemlmError` naming ``flag``."""
-    problem = _problem_output_file(Path(path))
-    if problem:
-        raise MemlmError(f"{flag}: {problem}")
+def number_list(
+    what: str = "a finite number", check: Callable[[float], bool] | None = None, integer: bool = False
+) -> Callable[[str], tuple[float, ...]]:
+    """A converter of comma-separated finite numbers, each passing ``check`` (``integer``: whole numbers, as ints)."""
+
+    def convert(text: str) -> tuple[float, ...]:
+        values = []
+        for part in (p.strip() for p in text.split(",")):
+            value = _float(part) if part else None
+            if value is not None and ((check is not None and not check(value)) or (integer and not value.is_integer())):
+                raise argparse.ArgumentTypeError(f"{part!r} is not {what}")
+            values += [] if value is None else [int(value) if integer else value]
+        if not values:
+            raise argparse.ArgumentTypeError(f"no number in {text!r}")
+        return tuple(values)
+
+    return convert
 
 
-def check_output_dir(path: str | Path, flag: str) -> None:
-    """:func:`output_dir` as a :class:`MemlmError` naming ``flag``."""
-    problem = _problem_output_dir(Path(path))
-    if problem:
-        raise MemlmError(f"{flag}: {problem}")
+def name_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names, spaces stripped (an empty string: none)."""
+    return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
-def float_list(
-    text: str | None, flag: str, check: Callable[[float], bool] | None = None, what: str = ""
-) -> tuple[float, ...] | None:
-    """A comma-separated list of finite numbers (``None`` stays ``None``); each must pass ``check``."""
-    if text is None:
-        return None
-    values = []
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        try:
-            value = float(part)
-        except ValueError:
-            raise MemlmError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
-        if not math.isfinite(value) or (check is not None and not check(value)):
-            raise MemlmError(f"{flag}: {part.strip()!r} is not {what or 'a finite number'}")
-        values.append(value)
-    if not values:
-        raise MemlmError(f"{flag}: no number in {text!r}")
-    return tuple(values)
-
-
-def is_int(x: float) -> bool:
-    return float(x).is_integer()
+positive_floats = number_list("> 0", lambda x: x > 0)
+probabilities = number_list("in [0, 1]", lambda x: 0 <= x <= 1)
+fractions = number_list("in (0, 1]", lambda x: 0 < x <= 1)
+nonneg_ints = number_list("an integer >= 0", lambda x: x >= 0, integer=True)
+positive_ints = number_list("a positive integer", lambda x: x >= 1, integer=True)
 
 
 # ------------------------------------------------------------------------------------------------ pre-flight
 
-_FACTORY_PROBE_DIM = 20160  # 2^6 3^2 5 7: divisible by every usual PQ/OPQ/PCA size, so only real syntax errors fail
-
 
 def check_factory(factory: str | None, metric: str = "l2", dim: int | None = None) -> None:
     """A FAISS factory string usable on ``dim``-dim keys (syntax only when the dimension is not known yet)."""
-    if factory is None:
-        return
-    if not factory.strip():
-        raise MemlmError("--factory is empty: give a FAISS factory string such as Flat, IVF1024,PQ32 or HNSW32")
-    from memlm.storage.index import validate_factory
+    if factory is not None:
+        from memlm.storage.index import validate_factory
 
-    if dim is not None:
         validate_factory(factory, dim, metric)
-        return
-    try:
-        validate_factory(factory, _FACTORY_PROBE_DIM, metric)
-    except MemlmError as e:  # the probe dimension is not the user's: leave it out of the message
-        raise MemlmError(str(e).replace(f" for {_FACTORY_PROBE_DIM}-dim keys", "")) from None
 
 
 def check_against_model(args: argparse.Namespace, model: Any) -> None:
@@ -345,20 +323,12 @@ def check_datastore_k(path: str | None, k: int, flag: str = "--datastore") -> No
         raise MemlmError(f"--k {k} exceeds the {n} entries of the datastore {path}: give --k <= {n}")
 
 
-def existing_dir_error(path: str, flag: str) -> None:
-    """:func:`existing_dir` as a :class:`MemlmError` naming ``flag``."""
-    try:
-        existing_dir(path)
-    except argparse.ArgumentTypeError as e:
-        raise MemlmError(f"{flag}: {e}") from None
-
-
 # ------------------------------------------------------------------------------------------------ score dumps
 
 
-def parse_labels(text: str) -> dict[str, list[str]]:
-    """``'business=business,finance;sport=sports,football'`` -> label -> verbalizers."""
-    labels: dict[str, list[str]] = {}
+def labels(text: str) -> dict[str, list[str]]:
+    """``'business=business,finance;sport=sports,football'`` -> label -> verbalizers (at least two labels)."""
+    out: dict[str, list[str]] = {}
     for part in text.split(";"):
         if not part.strip():
             continue
@@ -366,10 +336,10 @@ def parse_labels(text: str) -> dict[str, list[str]]:
         name = name.strip()
         verbal = [w.strip() for w in words.split(",") if w.strip()] if sep else [name]
         if not name or not verbal:
-            raise MemlmError(f"bad --labels entry {part!r}: write label=word,word;label=word")
-        if name in labels:
-            raise MemlmError(f"label {name!r} is given twice in --labels")
-        labels[name] = verbal
-    if len(labels) < 2:
-        raise MemlmError(f"--labels needs at least two labels (label=word,word;label=word), got {text!r}")
-    return labels
+            raise argparse.ArgumentTypeError(f"bad entry {part!r}: write label=word,word;label=word")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"label {name!r} is given twice")
+        out[name] = verbal
+    if len(out) < 2:
+        raise argparse.ArgumentTypeError(f"needs at least two labels (label=word,word;label=word), got {text!r}")
+    return out

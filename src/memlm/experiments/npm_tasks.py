@@ -44,7 +44,7 @@ from memlm.npm.inference import (
     predict_tokens,
     restrict_rows,
 )
-from memlm.npm.phrase_index import PhraseIndex, build_phrase_index, corpus_fingerprint
+from memlm.npm.phrase_index import PhraseIndex, build_phrase_index, corpus_fingerprint, open_with_encoder
 
 __all__ = [
     "BBC_TEMPLATE",
@@ -65,11 +65,14 @@ __all__ = [
     "encoder_limit",
     "evaluate_cloze",
     "exact_match",
+    "index_corpus",
     "index_documents",
     "length_bucket",
     "mlm_classifier",
     "mlm_predictor",
     "npm_classifier",
+    "npm_eval",
+    "npm_eval_model",
     "npm_predictor",
     "peak_rss_mb",
     "reference_subset",
@@ -231,6 +234,23 @@ def index_documents(pi: PhraseIndex, tokenizer) -> list:
         raise MemlmError(f"the documents of {corpus['corpus']} (split {corpus.get('split')}) are not those phrase "
                          f"index {pi.path} was built from (corpus fingerprint differs): rebuild the index")  # fmt: skip
     return docs
+
+
+def index_corpus(
+    encoder: str, corpus: str, split: str | None, out: str | Path, max_tokens: int | None = None,
+    dtype: str = "float32", **options: Any,
+) -> PhraseIndex:  # fmt: skip
+    """The phrase index ``out`` of ``corpus`` at ``split`` (its leading documents up to ``max_tokens`` encoder tokens)
+    encoded by ``encoder``: :func:`~memlm.npm.phrase_index.build_phrase_index` (``options``: its settings) recording
+    the source that :func:`index_documents` reads back."""
+    from memlm.data.corpora import load_corpora
+    from memlm.models.resources import load_encoder
+    from memlm.npm.train_npm import limit_encoder_documents
+
+    model, tok = load_encoder(encoder, dtype=dtype)
+    docs = limit_encoder_documents(load_corpora(corpus, split), tok, max_tokens)
+    source = {"corpus": corpus, "split": split, "documents": len(docs), "max_tokens": max_tokens}
+    return build_phrase_index(model, tok, docs, out, source=source, **options)
 
 
 def reference_subset(documents: Sequence, fraction: float, seed: int = 0) -> list:
@@ -711,3 +731,75 @@ def corpus_update_probe(
 def encoder_limit(model, tokenizer) -> int:
     """Tokens one encoder input holds (``[CLS]`` and ``[SEP]`` included)."""
     return max_block_tokens(model, tokenizer) + 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One evaluation run (``memlm npm eval``)
+
+
+def npm_eval_model(
+    index: str | Path, encoder: str | None = None, mlm: str | None = None, dtype: str = "float32",
+    single: bool = False, bm25_passages: int | None = None,
+) -> tuple[PhraseIndex, Any, Any, str]:  # fmt: skip
+    """``(phrase index, model, tokenizer, label)``: NPM / NPM SINGLE with the index's encoder (or ``encoder``,
+    checked against the index), or the MLM baseline ``mlm`` (the index then only names the reference corpus)."""
+    if mlm:
+        from memlm.npm.mlm import load_mlm
+
+        if single or bm25_passages is not None or encoder:
+            raise MemlmError("--mlm predicts one token without retrieval: --single, --bm25 and --encoder do not apply")
+        model, tok = load_mlm(mlm, dtype=dtype)
+        return PhraseIndex.open(index), model, tok, f"mlm {mlm}"
+    pi, model, tok = open_with_encoder(index, encoder, dtype)
+    bm25 = f" +bm25 top-{bm25_passages}" if bm25_passages is not None else ""
+    return pi, model, tok, f"{'npm-single' if single else 'npm'}{bm25} {model.config.memlm_name}"
+
+
+def npm_eval(
+    task: str, index: str | Path, *, encoder: str | None = None, mlm: str | None = None, dtype: str = "float32",
+    single: bool = False, k: int = 4096, l_max: int = 10, bm25_passages: int | None = None, tau: float = 5.0,
+    max_queries: int | None = None, article_tokens: int = 256, corpus: str | None = None, split: str = "test",
+    reference_index: str | Path | None = None, per_length: int | None = None, distractors: int = 200,
+    work: str | Path | None = None, seed: int = 0, keep_predictions: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """One evaluation of NPM, NPM SINGLE or the MLM baseline (:func:`npm_eval_model`) on the phrase index ``index``:
+    ``task`` ``bbc`` (:func:`bbc_classification` on ``corpus`` or bbc; ``max_queries`` articles of at most
+    ``article_tokens`` tokens), ``cloze`` (:func:`cloze_probes` of ``corpus`` (default: the index's) whose answer
+    occurs in the corpus of ``reference_index`` (default ``index``), ``max_queries`` of them or 500;
+    :func:`evaluate_cloze`) or ``update`` (:func:`corpus_update_probe` with indexes under ``work``, default
+    ``INDEX.update``; ``max_queries`` probes or 50). Returns the task's results under a header of task, model label,
+    index, its size and the options."""
+    from memlm.data.corpora import load_corpora
+
+    if task not in ("bbc", "cloze", "update"):
+        raise MemlmError(f"unknown NPM evaluation task {task!r}: bbc, cloze or update")
+    pi, model, tok, label = npm_eval_model(index, encoder, mlm, dtype, single, bm25_passages)
+    opts = {"single": single, "k": k, "l_max": l_max, "bm25_passages": bm25_passages}
+    predictor = mlm_predictor(model, tok) if mlm else None
+    if task == "bbc":
+        classify = mlm_classifier(model, tok) if mlm else npm_classifier(model, tok, pi, tau=tau, **opts)
+        res = bbc_classification(classify, tok, load_corpora(corpus or "bbc", split), max_queries=max_queries,
+                                 limit_tokens=encoder_limit(model, tok), max_tokens=article_tokens,
+                                 keep_predictions=keep_predictions, seed=seed)  # fmt: skip
+        res["article_tokens"] = article_tokens
+    elif task == "cloze":
+        ref = PhraseIndex.open(reference_index) if reference_index else pi
+        docs = load_corpora(corpus or ref.manifest["corpus"]["corpus"], split)
+        probes = cloze_probes(docs, index_documents(ref, tok), tok, n=max_queries or 500, seed=seed,
+                              per_length=per_length)  # fmt: skip
+        if not probes:
+            raise MemlmError("no cloze probe found: no held-out entity occurs in the reference corpus")
+        res = evaluate_cloze(probes, predictor or npm_predictor(model, tok, pi, **opts), tok,
+                             keep_predictions=keep_predictions)  # fmt: skip
+    else:
+        ref_docs = index_documents(pi, tok)
+        probes = update_probes(ref_docs, tok, n=max_queries or 50, seed=seed)
+        res = corpus_update_probe(None if mlm else model, tok, probes, ref_docs, Path(work or f"{index}.update"),
+                                  distractors=distractors, seed=seed,
+                                  predict=lambda p: predictor or npm_predictor(model, tok, p, **opts),
+                                  max_length=pi.manifest.get("block_tokens", 510) + 2)  # fmt: skip
+        for part in () if keep_predictions else ("original", "edited"):
+            res[part].pop("predictions", None)
+    options = {"k": k, "l_max": l_max, "single": single, "bm25": bm25_passages, "tau": tau, "seed": seed,
+               "max_queries": max_queries}  # fmt: skip
+    return {"task": task, "model": label, "index": str(index), "index_tokens": len(pi), "options": options, **res}

@@ -45,7 +45,7 @@ import torch
 
 from memlm.core.distribution import mix, perplexity
 from memlm.core.tuning import DEFAULT_LAMBDAS, DEFAULT_TEMPERATURES, grid_search
-from memlm.errors import MemlmError
+from memlm.errors import MemlmError, option
 from memlm.io.fileio import atomic_write_json, dumps_json, unique_tmp
 from memlm.knnlm.evaluate import add_neighbours, perplexities
 from memlm.knnlm.table import TokenTable
@@ -454,12 +454,13 @@ class _Run:
 ANALYSIS_PARTS = ("table1", "approx", "temperature", "learned")
 
 
-def check_skip(skip: Sequence[str], name: str = "skip") -> None:
+def check_skip(skip: Sequence[str]) -> None:
     """Refuse a part name that is not in :data:`ANALYSIS_PARTS` (a typo would silently run the part)."""
     unknown = [s for s in skip if s not in ANALYSIS_PARTS]
     if unknown:
         raise MemlmError(
-            f"{name}: unknown part {', '.join(map(repr, unknown))}; the parts are {', '.join(ANALYSIS_PARTS)}"
+            f"{option('--skip')}: unknown part {', '.join(map(repr, unknown))}; the parts are "
+            f"{', '.join(ANALYSIS_PARTS)}"
         )
 
 

@@ -46,7 +46,7 @@ from torch import nn
 from memlm.errors import MemlmError
 from memlm.models.compiling import compile_dynamic
 from memlm.models.cpu import cpu_flags
-from memlm.models.keys import _analyze_layer, _hidden_size, find_decoder_layers
+from memlm.models.keys import decoder_layer_parts, find_decoder_layers
 
 __all__ = [
     "ATTENTIONS",
@@ -174,10 +174,7 @@ def _compile_blocks(model: nn.Module) -> None:
     compiled code, so each role's key is captured exactly where it is without compiling (:func:`compile_dynamic`: one
     graph for every window length).
     """
-    layers = find_decoder_layers(model)
-    hidden = _hidden_size(model, layers[0])
-    for layer in layers:
-        parts = _analyze_layer(layer, hidden)
+    for parts in decoder_layer_parts(model):
         for block in (parts.attn, parts.ffn):
             if block is not None:
                 block.forward = compile_dynamic(block.forward)

@@ -61,7 +61,7 @@ from torch import nn
 
 from memlm.errors import MemlmError
 from memlm.models.compiling import compile_dynamic
-from memlm.models.keys import _analyze_layer, _hidden_size, _outer_linears, _up_down_pairs, find_decoder_layers
+from memlm.models.keys import _up_down_pairs, decoder_layer_parts, outer_linears
 
 __all__ = [
     "ALPHA",
@@ -78,6 +78,7 @@ __all__ = [
     "fbgemm_available",
     "input_absmax",
     "int8_linear_class",
+    "linears_to_quantize",
     "quantize_int8",
     "reduced_range_adopted",
     "smooth_factor",
@@ -368,17 +369,16 @@ class ReducedRangeInt8Linear(Int8Linear):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def _linears_to_quantize(model: nn.Module) -> tuple[list[tuple[nn.Module, str, nn.Linear]], set[int]]:
-    """(parent, attribute, linear) of each ``nn.Linear`` of the decoder layers to quantize: all but the feed-forward
-    down projections and the last layer's; and the ids of those that are feed-forward up projections."""
-    layers = find_decoder_layers(model)
-    hidden = _hidden_size(model, layers[0])
+def linears_to_quantize(model: nn.Module) -> tuple[list[tuple[nn.Module, str, nn.Linear]], set[int]]:
+    """(parent, attribute, linear) of each ``nn.Linear`` of the decoder layers that :func:`quantize_int8` replaces:
+    all but the feed-forward down projections and the last layer's; and the ids of those that are feed-forward up
+    projections."""
     out = []
     ups: set[int] = set()
-    for layer in list(layers)[:-1]:
-        parts = _analyze_layer(layer, hidden)
+    for parts in decoder_layer_parts(model)[:-1]:
+        layer = parts.layer
         ffn_root = parts.ffn if parts.ffn is not None else layer
-        ups_found, downs_found = _up_down_pairs(_outer_linears(ffn_root), hidden)
+        ups_found, downs_found = _up_down_pairs(outer_linears(ffn_root), parts.hidden)
         downs = {id(d.module) for d in downs_found}
         ups.update(id(u.module) for u in ups_found)
         for parent in layer.modules():
@@ -539,7 +539,7 @@ def quantize_int8(model: nn.Module, tokenizer, texts: Sequence[str] | None = Non
     if next(iter(model.parameters())).dtype != torch.float32:
         raise MemlmError("--quantize int8 quantizes a float32 model: pass --dtype float32")
     linear_cls = int8_linear_class() if layer is None else layer
-    targets, ups = _linears_to_quantize(model)
+    targets, ups = linears_to_quantize(model)
     if not targets:
         raise MemlmError(f"{type(model).__name__} has no nn.Linear layers to quantize in its decoder layers "
                          "(all but the last): use --quantize none")  # fmt: skip

@@ -84,10 +84,15 @@ __all__ = [
     "KEY_ROLES",
     "KeySpec",
     "KeyCapture",
+    "LayerParts",
+    "LinearLike",
+    "decoder_layer_parts",
     "find_decoder_layers",
     "key_dim",
     "key_module_name",
+    "linear_dims",
     "num_layers",
+    "outer_linears",
     "resolve_key_module",
 ]
 
@@ -201,8 +206,9 @@ def num_layers(model: nn.Module) -> int:
     return len(find_decoder_layers(model))
 
 
-def _linear_dims(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) widths of a linear-like module, else None."""
+def linear_dims(module: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` widths of a linear-like module (``nn.Linear``, transformers' ``Conv1D``, anything with integer
+    ``in_features`` / ``out_features`` but an embedding), else None."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
@@ -216,23 +222,25 @@ def _linear_dims(module: nn.Module) -> tuple[int, int] | None:
 
 
 @dataclass
-class _Linear:
+class LinearLike:
+    """A linear-like module found under a layer (:func:`outer_linears`) and its widths."""
+
     name: str  # qualified name inside the layer
     module: nn.Module
     fan_in: int
     fan_out: int
 
 
-def _outer_linears(root: nn.Module) -> list[_Linear]:
-    """Outermost linear-like modules under ``root`` (excluding root), in registration order."""
-    found: list[_Linear] = []
+def outer_linears(root: nn.Module) -> list[LinearLike]:
+    """Outermost linear-like modules under ``root`` (excluding root; :func:`linear_dims`), in registration order."""
+    found: list[LinearLike] = []
 
     def walk(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
             qual = f"{prefix}.{name}" if prefix else name
-            dims = _linear_dims(child)
+            dims = linear_dims(child)
             if dims is not None:
-                found.append(_Linear(qual, child, dims[0], dims[1]))
+                found.append(LinearLike(qual, child, dims[0], dims[1]))
             else:
                 walk(child, qual)
 
@@ -240,14 +248,14 @@ def _outer_linears(root: nn.Module) -> list[_Linear]:
     return found
 
 
-def _up_down_pairs(linears: Sequence[_Linear], hidden: int) -> tuple[list[_Linear], list[_Linear]]:
+def _up_down_pairs(linears: Sequence[LinearLike], hidden: int) -> tuple[list[LinearLike], list[LinearLike]]:
     """Up projections (hidden -> N > hidden) with a matching down projection (N or N/2 -> hidden)."""
-    downs_by_in: dict[int, list[_Linear]] = {}
+    downs_by_in: dict[int, list[LinearLike]] = {}
     for lin in linears:
         if lin.fan_out == hidden:
             downs_by_in.setdefault(lin.fan_in, []).append(lin)
-    ups: list[_Linear] = []
-    downs: list[_Linear] = []
+    ups: list[LinearLike] = []
+    downs: list[LinearLike] = []
     for lin in linears:
         if lin.fan_in != hidden or lin.fan_out <= hidden:
             continue
@@ -259,17 +267,28 @@ def _up_down_pairs(linears: Sequence[_Linear], hidden: int) -> tuple[list[_Linea
 
 
 @dataclass
-class _LayerParts:
+class LayerParts:
+    """A decoder layer's attention block and feed-forward block (FFN), found by structure (module docstring), or why
+    one was not found (``attn_problem``, ``ffn_problem``); ``hidden`` is the model's hidden size."""
+
     layer: nn.Module
     hidden: int
     ffn: nn.Module | None = None  # a direct child of the layer holding the whole FFN
     ffn_name: str | None = None
-    ffn_up: _Linear | None = None  # set when the FFN hangs directly off the layer (OPT)
-    ffn_down: _Linear | None = None
+    ffn_up: LinearLike | None = None  # set when the FFN hangs directly off the layer (OPT)
+    ffn_down: LinearLike | None = None
     ffn_problem: str | None = None
     attn: nn.Module | None = None
     attn_name: str | None = None
     attn_problem: str | None = None
+
+    @property
+    def norms(self) -> list[nn.Module]:
+        """The layer's children other than the attention and feed-forward blocks that hold no linear-like module
+        (its norms)."""
+        skip = {id(m) for m in (self.attn, self.ffn) if m is not None}
+        children = (c for _, c in self.layer.named_children() if id(c) not in skip)
+        return [c for c in children if linear_dims(c) is None and not outer_linears(c)]
 
 
 def _hidden_size(model: nn.Module, layer: nn.Module) -> int:
@@ -277,7 +296,7 @@ def _hidden_size(model: nn.Module, layer: nn.Module) -> int:
     if hidden is not None:
         return hidden
     # structural fallback: the most common input width of the layer's linear-likes
-    widths = [lin.fan_in for lin in _outer_linears(layer)]
+    widths = [lin.fan_in for lin in outer_linears(layer)]
     if not widths:
         raise MemlmError(
             f"cannot tell the hidden size of {type(model).__name__}: no hidden_size in its config and no "
@@ -286,18 +305,18 @@ def _hidden_size(model: nn.Module, layer: nn.Module) -> int:
     return max(set(widths), key=widths.count)
 
 
-def _analyze_layer(layer: nn.Module, hidden: int) -> _LayerParts:
-    parts = _LayerParts(layer=layer, hidden=hidden)
+def _analyze_layer(layer: nn.Module, hidden: int) -> LayerParts:
+    parts = LayerParts(layer=layer, hidden=hidden)
     children = list(layer.named_children())
-    direct = [lin for lin in _outer_linears(layer) if "." not in lin.name]
+    direct = [lin for lin in outer_linears(layer) if "." not in lin.name]
 
     # group: (name or None for "hangs directly off the layer", module or None, linears, n_params)
-    groups: list[tuple[str | None, nn.Module | None, list[_Linear], int]] = []
+    groups: list[tuple[str | None, nn.Module | None, list[LinearLike], int]] = []
     if direct:
         groups.append((None, None, direct, sum(_n_params(d.module) for d in direct)))
     for name, child in children:
-        if _linear_dims(child) is None:
-            groups.append((name, child, _outer_linears(child), _n_params(child)))
+        if linear_dims(child) is None:
+            groups.append((name, child, outer_linears(child), _n_params(child)))
 
     ffn_groups = [g for g in groups if _up_down_pairs(g[2], hidden)[0]]
     ffn_child_name: str | None = None
@@ -332,7 +351,14 @@ def _analyze_layer(layer: nn.Module, hidden: int) -> _LayerParts:
     return parts
 
 
-def _layer_parts(model: nn.Module, layer_index: int) -> tuple[_LayerParts, str]:
+def decoder_layer_parts(model: nn.Module) -> list[LayerParts]:
+    """:class:`LayerParts` of every decoder layer of ``model``, in order."""
+    layers = find_decoder_layers(model)
+    hidden = _hidden_size(model, layers[0])
+    return [_analyze_layer(layer, hidden) for layer in layers]
+
+
+def _layer_parts(model: nn.Module, layer_index: int) -> tuple[LayerParts, str]:
     layers = find_decoder_layers(model)
     layer = layers[layer_index]
     parts = _analyze_layer(layer, _hidden_size(model, layer))
@@ -409,13 +435,13 @@ def key_dim(model: nn.Module, spec: KeySpec) -> int:
     """Width of the key vectors ``spec`` captures."""
     module, kind, _ = _resolve(model, spec)
     if spec.role == "final":
-        dims = _linear_dims(module)
+        dims = linear_dims(module)
         if dims is not None:
             return dims[0]
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 2:
             return int(weight.shape[1])
-    dims = _linear_dims(module)
+    dims = linear_dims(module)
     if dims is not None and kind != "raw":  # OPT-style FFN: up input / down output
         return dims[0] if kind == "pre" else dims[1]
     return _hidden_size(model, find_decoder_layers(model)[0])
@@ -508,7 +534,9 @@ class KeyCapture:
         self.keys_by_spec = dict.fromkeys(self.specs)
 
     # -- hooks ---------------------------------------------------------------------------------------------
-    def _store(self, spec: KeySpec, tensor: torch.Tensor | None) -> None:
+    def store(self, spec: KeySpec, tensor: torch.Tensor | None) -> None:
+        """Record ``tensor`` (None: nothing) as the key of ``spec``, what every hook calls: a ``[batch * seq, dim]``
+        tensor is viewed back to ``[batch, seq, dim]``; with ``stop_after`` the pass stops once every key is in."""
         if tensor is None:
             return
         if tensor.ndim == 2 and self._lead_shape is not None:
@@ -523,12 +551,12 @@ class KeyCapture:
         if kind == "pre":
 
             def pre_hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                self._store(spec, _input_tensor(args, kwargs))
+                self.store(spec, _input_tensor(args, kwargs))
 
             return pre_hook
 
         def post_hook(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-            self._store(spec, _first_tensor(output))
+            self.store(spec, _first_tensor(output))
 
         return post_hook
 
@@ -536,13 +564,7 @@ class KeyCapture:
         """Hooks for ``ffn_in_raw``: remember each norm-like child's (output -> input), then, when the FFN runs,
         store the input of the child whose output is the FFN's input tensor."""
         norm = spec.normalized(num_layers(self.model))
-        parts, _ = _layer_parts(self.model, norm.layer)
-        skip = {id(m) for m in (parts.attn, parts.ffn) if m is not None}
-        candidates = [
-            c
-            for _, c in parts.layer.named_children()
-            if id(c) not in skip and _linear_dims(c) is None and not _outer_linears(c)
-        ]
+        candidates = _layer_parts(self.model, norm.layer)[0].norms
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def remember(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -560,7 +582,7 @@ class KeyCapture:
                     f"{type(self.model).__name__} (its input is not the output of a norm of the layer); "
                     "use key role 'ffn_in' (after the norm) or 'block_out'"
                 )
-            self._store(spec, match)
+            self.store(spec, match)
 
         handles = [c.register_forward_hook(remember, with_kwargs=True) for c in candidates]
         handles.append(ffn.register_forward_pre_hook(at_ffn, with_kwargs=True))

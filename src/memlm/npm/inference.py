@@ -44,6 +44,7 @@ import re
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +68,8 @@ __all__ = [
     "PhraseMemory",
     "candidate_spans",
     "span_log_scores",
+    "cached_decoder",
+    "group_phrases",
     "predict_phrases",
     "predict_tokens",
     "closed_set",
@@ -101,6 +104,13 @@ class PhrasePrediction:
     log_score: float
     spans: tuple[SpanHit, ...]
 
+    def summary(self) -> dict[str, Any]:
+        """JSON record: phrase, scores, number of occurrences and the best-scoring span."""
+        h = self.spans[0]
+        top = {"doc_id": h.doc_id, "position": h.position, "score": h.score, "context": h.context}
+        return {"phrase": self.phrase, "score": self.score, "prob": self.prob, "log_score": self.log_score,
+                "occurrences": len(self.spans), "top_span": top}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class LabelScores:
@@ -113,6 +123,11 @@ class LabelScores:
     @property
     def label(self) -> str:
         return max(self.probs, key=lambda y: (self.probs[y], self.log_scores[y]))
+
+    def summary(self) -> dict[str, Any]:
+        """JSON record: the label, probabilities, whether any candidate matched, log scores (``None`` for ``-inf``)."""
+        logs = {y: v if math.isfinite(v) else None for y, v in self.log_scores.items()}
+        return {"label": self.label, "probs": self.probs, "matched": self.matched, "log_scores": logs}
 
 
 def normalize_text(text: str) -> str:
@@ -260,7 +275,7 @@ def span_log_scores(
 
 
 class _CachedDecode:
-    """A tokenizer stand-in for :func:`_group` and :meth:`PhraseIndex.context`: ``decode(ids)`` is memoised by
+    """A tokenizer stand-in for :func:`group_phrases` and :meth:`PhraseIndex.context`: ``decode(ids)`` is memoised by
     token-id tuple (decoding is a pure function of the ids), everything else is the tokenizer's own. Grouping decodes
     every distinct candidate span (about 15k per NPM query at ``k = 1024``); on the 300k-token wiki index about half
     of a query's spans were decoded for an earlier query. Two generations of at most ``max_entries`` strings each (a
@@ -276,7 +291,7 @@ class _CachedDecode:
     def decode(self, ids, *args, **kwargs) -> str:
         if args or kwargs:
             return self._tokenizer.decode(ids, *args, **kwargs)
-        key = tuple(ids) if type(ids) is list else tuple(int(t) for t in ids)  # _group passes lists of ints
+        key = tuple(ids) if type(ids) is list else tuple(int(t) for t in ids)  # group_phrases passes lists of ints
         text = self._texts.get(key)
         if text is None:
             text = self._old.get(key)
@@ -294,8 +309,9 @@ class _CachedDecode:
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _cached_decode(tokenizer):
-    """The per-tokenizer :class:`_CachedDecode` (one cache per tokenizer object, shared by all queries)."""
+def cached_decoder(tokenizer):
+    """A stand-in for ``tokenizer`` whose ``decode`` is memoised (:class:`_CachedDecode`; the same one for every call
+    with this tokenizer object, so all queries share its cache), for :func:`group_phrases`."""
     if isinstance(tokenizer, _CachedDecode):
         return tokenizer
     try:
@@ -307,7 +323,7 @@ def _cached_decode(tokenizer):
         return _CachedDecode(tokenizer)
 
 
-def _group(
+def group_phrases(
     pi: PhraseIndex,
     tokenizer,
     spans: np.ndarray,
@@ -371,8 +387,8 @@ def predict_phrases(
     distinct phrase string. ``rows`` restricts the search (BM25); ``top=None`` returns every phrase."""
     _check_k_lmax(k, l_max)
     spans = _npm_spans(pi, q_start, q_end, k, l_max, rows)
-    return _group(pi, _cached_decode(tokenizer), spans, span_log_scores(pi, spans, q_start, q_end, combine), top,
-                  contexts, context_window)  # fmt: skip
+    logs = span_log_scores(pi, spans, q_start, q_end, combine)
+    return group_phrases(pi, cached_decoder(tokenizer), spans, logs, top, contexts, context_window)
 
 
 def _npm_spans(
@@ -402,7 +418,7 @@ def predict_tokens(
     """NPM SINGLE (App. A.3): ``sum_{i <= k} I[c^i = v] exp(sim(q, E(c^i)))`` per token string ``v``, ranked."""
     sims, ids = retrieve(pi, q, k, rows)
     spans = np.stack([ids, ids], axis=1) if len(ids) else np.zeros((0, 2), dtype=np.int64)
-    return _group(pi, _cached_decode(tokenizer), spans, sims.astype(np.float64), top, contexts, context_window)
+    return group_phrases(pi, cached_decoder(tokenizer), spans, sims.astype(np.float64), top, contexts, context_window)
 
 
 def closed_set(

@@ -60,6 +60,7 @@ __all__ = [
     "PhraseIndex",
     "build_phrase_index",
     "corpus_blocks",
+    "open_with_encoder",
     "corpus_fingerprint",
 ]
 
@@ -453,3 +454,20 @@ def _build_phrase_index(
     }
     FOLDER.publish(out, manifest)
     return PhraseIndex.open(out)
+
+
+def open_with_encoder(
+    path: str | Path, encoder: str | None = None, dtype: str = "float32"
+) -> tuple[PhraseIndex, Any, Any]:
+    """``(phrase index, encoder, tokenizer)``: the index at ``path`` and ``encoder`` (default: the encoder name its
+    manifest records), loaded with :func:`memlm.models.resources.load_encoder` and checked with
+    :meth:`PhraseIndex.check_encoder`."""
+    from memlm.models.resources import load_encoder
+
+    pi = PhraseIndex.open(path)
+    encoder = encoder or (pi.manifest.get("encoder") or {}).get("model", {}).get("name")
+    if not encoder:
+        raise MemlmError(f"phrase index {path} records no encoder name: pass --encoder")
+    model, tok = load_encoder(encoder, dtype=dtype)
+    pi.check_encoder(model, tok)
+    return pi, model, tok

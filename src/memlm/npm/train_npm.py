@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from memlm.data.corpora import Document, load_corpora
-from memlm.errors import MemlmError
+from memlm.errors import MemlmError, option
 from memlm.npm.loss import npm_single_loss, npm_span_loss
 from memlm.npm.objective import NpmBatches, NpmObjective, npm_batches, npm_objective
 from memlm.training.driver import Objective, TrainSetup
@@ -148,13 +148,18 @@ class EncoderObjective(Objective):
     def prepare(self, setup: TrainSetup) -> None:
         if setup.config.resolved_warmup_loss():
             raise MemlmError(f"{self.title} training has no warm-up loss: use warmup_loss_steps=0")
+        if (setup.tokenizer or "").startswith("bpe:"):
+            flag = option("--tokenizer")
+            raise MemlmError(f"{self.title} uses an encoder's WordPiece tokenizer: give {flag} ENCODER (folder/name)")
 
     def identity(self, setup: TrainSetup) -> dict[str, Any]:
         return {"init": f"scratch {setup.scratch}" if setup.scratch is not None else f"encoder {self.encoder(setup)}"}
 
     @staticmethod
     def encoder(setup: TrainSetup) -> str:
-        return setup.model or DEFAULT_ENCODER
+        """The encoder continued (``setup.model``), or whose tokenizer a model from scratch takes (``setup.model``, else
+        ``setup.tokenizer``); default ``minilm-l6``."""
+        return setup.model or (setup.tokenizer if setup.scratch is not None else None) or DEFAULT_ENCODER
 
     def build(self, setup: TrainSetup, docs: list[Document]):
         from memlm.models.resources import load_encoder

@@ -169,12 +169,22 @@ def _transforms(index: faiss.Index) -> list[Any]:
     return [faiss.downcast_VectorTransform(root.chain.at(i)) for i in range(root.chain.size())]
 
 
-def validate_factory(factory: str, d: int, metric: str = "l2") -> None:
-    """Raise :class:`MemlmError` if ``factory`` is not a FAISS factory string usable on ``d``-dim keys.
+_FACTORY_PROBE_DIM = 20160  # 2^6 3^2 5 7: divisible by every usual PQ/OPQ/PCA size, so only real syntax errors fail
+
+
+def validate_factory(factory: str, d: int | None, metric: str = "l2") -> None:
+    """Raise :class:`MemlmError` if ``factory`` is not a FAISS factory string usable on ``d``-dim keys (``None``: the
+    dimension is not known yet, check the syntax only).
 
     Validation builds the (empty, untrained) index with ``faiss.index_factory``, which is cheap.
     """
-    _make_index(factory, d, metric)
+    if d is not None:
+        _make_index(factory, d, metric)
+        return
+    try:
+        _make_index(factory, _FACTORY_PROBE_DIM, metric)
+    except MemlmError as e:  # the probe dimension is not the caller's: leave it out of the message
+        raise MemlmError(str(e).replace(f" for {_FACTORY_PROBE_DIM}-dim keys", "")) from None
 
 
 def _sub_indexes(index: faiss.Index) -> list[Any]:

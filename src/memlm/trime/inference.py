@@ -849,13 +849,15 @@ def trime_memory_results(
 def tune_trime_memories(
     valid: TrimeScores,
     test: TrimeScores | None = None,
-    segments: Sequence[int] = DEFAULT_SEGMENTS,
-    temperatures: Sequence[float] = DEFAULT_TRIME_TEMPERATURES,
-    lambdas: Sequence[float] = DEFAULT_TRIME_LAMBDAS,
-    knn_temperatures: Sequence[float | None] = (None,),
+    segments: Sequence[int] | None = None,
+    temperatures: Sequence[float] | None = None,
+    lambdas: Sequence[float] | None = None,
+    knn_temperatures: Sequence[float | None] | None = None,
     local_temperatures: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """:func:`tune_trime_inference` once per memory kind, each chosen on ``valid`` and applied to ``test``:
+    """:func:`tune_trime_inference` once per memory kind, each chosen on ``valid`` and applied to ``test`` (None
+    grids: ``DEFAULT_SEGMENTS``, ``DEFAULT_TRIME_TEMPERATURES``, ``DEFAULT_TRIME_LAMBDAS``, ``τ_kNN = τ``, every
+    ``τ_local`` of the dump):
 
     * ``local`` (TrimeLM): ``M = 0``, only ``τ_local`` tuned, retrieved entries ignored;
     * ``long`` (TrimeLM_long): ``M`` and ``τ_local`` tuned over ``segments``, retrieved entries ignored (absent when
@@ -868,6 +870,10 @@ def tune_trime_memories(
     """
     if test is not None and (valid.ext_scores is None) != (test.ext_scores is None):
         raise MemlmError("the valid and test dumps must both have external memory or both not: score them alike")
+    segments = DEFAULT_SEGMENTS if segments is None else segments
+    temperatures = DEFAULT_TRIME_TEMPERATURES if temperatures is None else temperatures
+    lambdas = DEFAULT_TRIME_LAMBDAS if lambdas is None else lambdas
+    knn_temperatures = (None,) if knn_temperatures is None else knn_temperatures
     out: dict[str, Any] = {"valid": {"tokens": len(valid), "base_ppl": _base_ppl(valid)}}
     if test is not None:
         out["test"] = {"tokens": len(test), "base_ppl": _base_ppl(test)}
@@ -888,7 +894,7 @@ def tune_trime_memories(
 
 
 def run_trime_eval(
-    model: str,
+    model: str | None,
     corpus: str,
     split: str | None,
     seq_len: int | None = None,
@@ -901,14 +907,19 @@ def run_trime_eval(
     dump: str | Path | None = None,
     **options: Any,
 ) -> tuple[TrimeScores, dict[str, Any]]:
-    """Load ``model`` (:func:`memlm.models.resources.load_causal_lm`), score ``corpus`` at ``split`` with
-    :func:`score_trime` (external memory from the ``datastore`` folder, whose keys must be ``ffn_in`` of the last
-    layer), write the dump to ``dump`` and return it with :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``,
-    ``λ = 0``). ``config`` / ``seq_len`` / ``options``: :func:`score_trime`'s (:class:`TrimeEvalConfig`)."""
+    """Load ``model`` (:func:`memlm.models.resources.load_causal_lm`; None: the model the ``datastore`` was built
+    with), score ``corpus`` at ``split`` with :func:`score_trime` (external memory from the ``datastore`` folder, whose
+    keys must be ``ffn_in`` of the last layer) and write the dump to ``dump``. Returns the dump and its record: model,
+    corpus, split, seq_len, context, stream, :func:`trime_memory_results` (``M = max_segments``, ``τ = 1``,
+    ``λ = 0``), the dump's meta and its source. ``config`` / ``seq_len`` / ``options``: :func:`score_trime`'s
+    (:class:`TrimeEvalConfig`)."""
     from memlm.data.corpora import load_corpus_source
     from memlm.models.resources import load_causal_lm
 
     ds = open_datastore(datastore) if datastore else None
+    model = model or (ds.model_name if ds is not None else None)
+    if not model:
+        raise MemlmError("name the model to evaluate (or give a datastore, whose model is then used)")
     lm, tok = load_causal_lm(model, dtype=dtype)
     if ds is not None:
         want = G_SPEC.normalized(num_layers(lm))
@@ -924,4 +935,7 @@ def run_trime_eval(
     )  # fmt: skip
     if dump:
         ts.save(dump)
-    return ts, trime_memory_results(ts)
+    m = ts.meta
+    meta = {k: v for k, v in m.items() if k != "source"}
+    return ts, {"model": model, "corpus": corpus, "split": split, "seq_len": m["seq_len"], "context": m["context"],
+                "stream": m["stream"], **trime_memory_results(ts), "meta": meta, "source": m.get("source")}  # fmt: skip

@@ -67,7 +67,7 @@ class FakeQuant(nn.Module):
 
 def groups_of(model, tok):
     """The library's targets, calibration batches, input maxima and σ groups (as ``quantize_int8`` forms them)."""
-    targets, ups = I._linears_to_quantize(model)
+    targets, ups = I.linears_to_quantize(model)
     linears = [t[2] for t in targets]
     batches = I.calibration_batches(tok, None, I.CALIBRATION_TOKENS)
     absmax, groups = I.input_absmax(model, linears, batches)

@@ -36,11 +36,11 @@ from memlm.models.resources import load_causal_lm
 TOKENS = {"alpha": 20_000, "layers": 36_000, "outliers": 36_000}
 OUT = Path(__file__).with_name("scan.jsonl")
 torch.set_num_threads(2)
-original = I._linears_to_quantize
+original = I.linears_to_quantize
 
 
 def keep_float32(model, layers: list[int] | None, roles: tuple[str, ...]):
-    """``_linears_to_quantize`` without the ``roles`` linears (``attn``: all but the gate/up ones; ``ffn``: gate/up)
+    """``linears_to_quantize`` without the ``roles`` linears (``attn``: all but the gate/up ones; ``ffn``: gate/up)
     of decoder layers ``layers`` (None: all)."""
     decoder = list(find_decoder_layers(model))
     inside = {id(m) for i in (range(len(decoder)) if layers is None else layers) for m in decoder[i].modules()}
@@ -81,7 +81,7 @@ def main() -> None:
             continue
         t = time.perf_counter()
         model = copy.deepcopy(base)
-        I._linears_to_quantize = original if keep is None else keep_float32(model, *keep)
+        I.linears_to_quantize = original if keep is None else keep_float32(model, *keep)
         outliers = int(name.split("=")[1]) if what == "outliers" else 0  # 0: the session-41 rule
         record = I.quantize_int8(model, tok, alpha=alpha, outliers=outliers)
         lp = logprobs(model)
