@@ -159,6 +159,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def add_idle_args(parser: Any) -> None:
+    """``--force`` and ``--wait``, the options :func:`idle_check` reads, on a benchmark's argument parser."""
+    parser.add_argument("--force", action="store_true", help="time a busy machine (recorded as idle: false)")
+    parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for an idle machine")
+
+
 def idle_check(
     force: bool, wait: float = 0.0, max_load: float = IDLE_LOAD, busy_limit: float = IDLE_BUSY, sample: float = 5.0
 ) -> dict:

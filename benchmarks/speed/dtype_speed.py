@@ -30,8 +30,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=6000)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--force", action="store_true", help="time a busy machine (recorded as idle: false)")
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for an idle machine")
+    protocol.add_idle_args(ap)
     args = ap.parse_args()
     idle = protocol.idle_check(args.force, args.wait)
     runs = {}

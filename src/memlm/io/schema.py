@@ -242,8 +242,11 @@ CALIBRATION = Obj(
         "search": Str(choices=("index", "exact")),
         "scores": Str(choices=("index", "exact")),
         "mixture": Obj(  # each field checked where present; a fit missing one is refused when read (recalibrate)
-            optional={"temperature": Num(above=0), "k": Int(min=1),
-                      "rule_weights": Obj(optional={"knn": Num(min=0, max=1)})},  # fmt: skip
+            optional={
+                "temperature": Num(above=0),
+                "k": Int(min=1),
+                "rule_weights": Obj(optional={"knn": Num(min=0, max=1)}),
+            },
         ),
     },
 )

@@ -518,7 +518,7 @@ def knn_parameters(
         fit = _read_fit(datastore, "knn", cal["mixture"])
         lam = float(fit.rule_weights["knn"]) if lam is None else lam
         temperature = float(fit.temperature) if temperature is None else temperature  # type: ignore[arg-type]
-        origin = f"{calibrated_on(datastore, cal, fit)}, recorded in {datastore.path}/manifest.json"
+        origin = f"{calibrated_on(cal, fit)}, recorded in {datastore.path}/manifest.json"
         differs = calibration_mismatch(datastore, cal, setting or {})
         if differs:
             notice = (
@@ -542,7 +542,7 @@ def knn_parameters(
     return float(lam), float(temperature), origin
 
 
-def calibrated_on(owner, cal: dict[str, Any], fit: DumpMixture) -> str:
+def calibrated_on(cal: dict[str, Any], fit: DumpMixture) -> str:
     """Where a calibration's rule weights come from, for the line that announces them: the fit, its form, its
     slice and the held-out perplexities of the LM and of the fit."""
     text = cal.get("text") or {}
@@ -573,7 +573,7 @@ def ngram_parameters(
         lambda_sparse = float(ws) if lambda_sparse is None else lambda_sparse
         lambda_dense = float(wd) if lambda_dense is None else lambda_dense
         cal = index.manifest["calibration"]
-        origin = f"{calibrated_on(index, cal, fit)}, recorded in {index.path}/manifest.json"
+        origin = f"{calibrated_on(cal, fit)}, recorded in {index.path}/manifest.json"
     else:
         lambda_sparse = DEFAULT_LAMBDA_SPARSE if lambda_sparse is None else lambda_sparse
         lambda_dense = DEFAULT_LAMBDA_DENSE if lambda_dense is None else lambda_dense
